@@ -1,0 +1,21 @@
+# The two commands of the README. Both set everything up from nothing (scripts/bootstrap.sh).
+VENV ?= .venv
+OUT ?= depthscope-report
+PYTEST_ARGS ?=
+
+.PHONY: setup report test bench clean
+
+setup:
+	bash scripts/bootstrap.sh
+
+report: setup
+	$(VENV)/bin/depthscope run --out $(OUT)
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	for f in benchmarks/bench_*.py; do $(VENV)/bin/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache

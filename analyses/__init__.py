@@ -1,0 +1,1 @@
+"""depthscope.analyses: lens, norms, sweeps, plots, reports and the command line."""

@@ -1,0 +1,43 @@
+"""depthscope.hooks: models in, residual-stream sites out.
+
+The first stage of depthscope's one-way flow (model -> residual sites -> analyses -> tidy
+tables -> plots/report). Everything here knows models; nothing here knows data or plots.
+"""
+
+from .errors import (
+    CheckpointError,
+    ContextLengthError,
+    DefaultModelMissing,
+    DepthscopeError,
+    InputError,
+    ModelSpecError,
+    NonFiniteActivationError,
+    UnsupportedArchitecture,
+)
+from .loading import cache_dir, default_gguf_path, load_model
+from .model import HookedModel, ResidualStream
+from .sites import SITE_COLUMNS, Site, all_sites, parse_site, parse_sites, site_frame, site_from_index, site_labels
+
+__all__ = [
+    "load_model",
+    "HookedModel",
+    "ResidualStream",
+    "Site",
+    "SITE_COLUMNS",
+    "all_sites",
+    "parse_site",
+    "parse_sites",
+    "site_frame",
+    "site_from_index",
+    "site_labels",
+    "cache_dir",
+    "default_gguf_path",
+    "DepthscopeError",
+    "ModelSpecError",
+    "CheckpointError",
+    "DefaultModelMissing",
+    "UnsupportedArchitecture",
+    "InputError",
+    "ContextLengthError",
+    "NonFiniteActivationError",
+]

