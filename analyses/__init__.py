@@ -1,1 +1,38 @@
-"""depthscope.analyses: lens, norms, sweeps, plots, reports and the command line."""
+"""depthscope.analyses: lens, norms, sweeps, plots, reports and the command line.
+
+Every analysis takes a :class:`depthscope.hooks.HookedModel` and inputs (token ids or texts),
+streams them through the residual sites, and returns tidy pandas DataFrames with the shared
+columns ``site, label, layer, sublayer, depth`` (plus ``checkpoint``/``step`` in sweeps).
+Names are imported lazily so ``import depthscope.analyses`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    # logit lens (analyses/lens.py, analyses/tuned_lens.py)
+    "logit_lens": "lens",
+    "logit_lens_tokens": "lens",
+    "TunedLens": "tuned_lens",
+    "train_tuned_lens": "tuned_lens",
+    # contribution norms (analyses/norms.py)
+    "contribution_norms": "norms",
+    "direct_logit_attribution": "norms",
+    # main job and sweeps (analyses/report.py, analyses/sweep.py)
+    "run_report": "report",
+    "sweep": "sweep",
+    # shared plumbing
+    "write_table": "tables",
+    "read_documents": "text",
+    "token_batches": "text",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'depthscope.analyses' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
