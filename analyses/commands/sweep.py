@@ -1,0 +1,98 @@
+"""``depthscope sweep``: one analysis over a series of checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("sweep")
+    def sweep_cmd(
+        checkpoints_pos: Optional[List[str]] = typer.Argument(None, metavar="[CHECKPOINT]...", help="Checkpoint folders, .gguf files or specs."),
+        checkpoints: Optional[List[str]] = typer.Option(None, "--checkpoints", "-c", help="A checkpoint (repeatable; further paths may follow as arguments)."),
+        checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="A folder of step100/, checkpoint-200/ ... sub-folders, ordered by step."),
+        analysis: str = typer.Option(..., "--analysis", "-a", help="lens | norms | probe"),
+        out: Path = typer.Option(..., "--out", "-o", help="Output folder (re-run the same command to resume)."),
+        text: Optional[Path] = typer.Option(None, "--text", help="Plain text for lens/norms (one document per line); default: the bundled EWT sample."),
+        max_docs: int = typer.Option(200, "--max-docs", help="Use at most this many documents of --text."),
+        task: str = typer.Option("upos", "--task", help="Probe tasks, comma-separated (probe)."),
+        train: Optional[Path] = typer.Option(None, "--train", help="CoNLL-U/JSONL train file (probe); default: bundled EWT sample."),
+        test: Optional[Path] = typer.Option(None, "--test", help="CoNLL-U/JSONL test file (probe); default: bundled EWT sample."),
+        max_train_sentences: Optional[int] = typer.Option(None, "--max-train-sentences"),
+        max_test_sentences: Optional[int] = typer.Option(None, "--max-test-sentences"),
+        metric: Optional[str] = typer.Option(None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."),
+        allow_mixed: bool = typer.Option(False, "--allow-mixed", help="Allow checkpoints of different architectures or tokenizers."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace another sweep's results in --out."),
+    ):
+        """Run one analysis on each checkpoint; write one combined table (checkpoint, step columns) and plots.
+
+        Each checkpoint's result is written atomically as it finishes; re-running the same command skips
+        finished checkpoints. A checkpoint that fails to load is recorded (checkpoints/NAME.failed.json)
+        and the sweep goes on; the exit status is 1 if any failed.
+        """
+        from depthscope.analyses.plots import sweep as sweep_plots
+        from depthscope.analyses.sweep import discover_checkpoints, sweep
+
+        cks = discover_checkpoints([*(checkpoints or []), *(checkpoints_pos or [])], checkpoint_dir)
+        kwargs: dict = {}
+        if analysis in ("lens", "norms"):
+            from depthscope.analyses.text import read_documents
+
+            if text is None:
+                from depthscope.analyses.report import sample_texts
+
+                docs = sample_texts()
+            else:
+                docs = read_documents(text)
+            kwargs["texts"] = docs[:max_docs]
+        elif analysis == "probe":
+            from depthscope.probes import sample_data
+
+            sample = sample_data()
+            kwargs.update(tasks=[t.strip() for t in task.split(",") if t.strip()],
+                          train=str(train or sample["ewt_train"]), test=str(test or sample["ewt_test"]),
+                          max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences)
+        else:
+            raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
+        result = sweep(cks, analysis, out, allow_mixed=allow_mixed, overwrite=overwrite, **kwargs)
+        by_site = result.tables.get("by_site")
+        written = []
+        if by_site is not None and len(by_site):
+            m = metric or {"lens": "kl_to_final", "norms": "stream_norm", "probe": "accuracy"}[analysis]
+            if analysis == "probe":
+                for t in by_site["task"].unique():
+                    written.append(sweep_plots.plot_checkpoint_heatmap(by_site[by_site["task"] == t], m, out / f"sweep_{m}_{t}.png",
+                                                                      title=f"{t}: {m} across checkpoints"))
+                summ = result.tables.get("summary")
+                if summ is not None and len(summ):
+                    written.append(sweep_plots.plot_metric_over_training(summ, "expected_layer_delta", out / "sweep_expected_layer.png"))
+            else:
+                written.append(sweep_plots.plot_checkpoint_heatmap(by_site, m, out / f"sweep_{m}.png"))
+                written.append(sweep_plots.plot_final_site_over_training(by_site, m, out / f"sweep_{m}_lines.png"))
+        typer.echo(f"{len(result.done)} checkpoints done, {len(result.skipped)} already finished, {len(result.failed)} failed")
+        for name, err in result.failed.items():
+            typer.secho(f"  failed: {name}: {err}", fg=typer.colors.RED, err=True)
+        typer.echo(f"tables: {out}/sweep_*.parquet|csv; plots: {', '.join(str(p) for p in written) or 'none'}")
+        if result.failed:
+            raise typer.Exit(1)
+
+    @app.command("toy-series")
+    def toy_series(
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for step0/, step50/, ... checkpoints."),
+        steps: int = typer.Option(200, "--steps"),
+        save_every: int = typer.Option(50, "--save-every"),
+        text: Optional[Path] = typer.Option(None, "--text", help="Training text (default: the bundled EWT sample)."),
+    ):
+        """Train a tiny Llama on text with the default tokenizer, saving a checkpoint series to sweep over."""
+        from depthscope.analyses.report import sample_texts
+        from depthscope.analyses.text import read_documents
+        from depthscope.hooks import load_model
+        from depthscope.hooks.toy import train_tiny_series
+
+        tok = load_model().tokenizer
+        docs = read_documents(text) if text else sample_texts()
+        paths = train_tiny_series(out, docs, tok, steps=steps, save_every=save_every)
+        typer.echo("\n".join(str(p) for p in paths))

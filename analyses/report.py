@@ -1,0 +1,423 @@
+"""The main job: one model, one data set, every analysis, one report.
+
+``run_report(out_dir)`` (``depthscope run``) takes the embedded default model and the bundled
+UD English EWT sample unless told otherwise, and runs, in order:
+
+1. the logit lens at every site over the sample's text (plus the token view of one prompt),
+2. contribution norms over the same text (plus the per-position view and direct logit
+   attribution of one prompt),
+3. probes (upos, deprel, a morphological feature; entity and coref when GUM-style data with
+   ``Entity=`` annotations is given),
+
+writes every table (Parquet + CSV, the shared tidy schema) and plot into ``out_dir``, and then
+``report.md`` and ``report.html`` (plots embedded) that answer "which depth encodes which
+property" with sentences computed from the tables. The report is drawn from the tables on disk
+only (``render_report(out_dir)`` redraws it without a model).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import pandas as pd
+
+from .tables import read_table, write_table
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_TARGET = " Paris"
+PIPELINE_ORDER = ["upos", "xpos", "feats:Number", "feats:Tense", "feats:Person", "deprel", "entity", "coref"]
+
+
+# ---------------------------------------------------------------------------- data
+def _conllu_texts(path: Union[str, Path], sentences_per_doc: int = 6) -> list[str]:
+    """Documents of running text from a CoNLL-U file: ``# text`` lines grouped by ``# newdoc``
+    (or every ``sentences_per_doc`` sentences when the file marks no documents)."""
+    docs: list[list[str]] = [[]]
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith("# newdoc") and docs[-1]:
+            docs.append([])
+        elif line.startswith("# text = "):
+            if len(docs[-1]) >= sentences_per_doc:
+                docs.append([])
+            docs[-1].append(line[len("# text = "):].strip())
+    return [" ".join(d) for d in docs if d]
+
+
+def sample_texts() -> list[str]:
+    """Running text of the bundled EWT sample (train and test parts)."""
+    from depthscope.probes import sample_data
+
+    s = sample_data()
+    return _conllu_texts(s["ewt_train"]) + _conllu_texts(s["ewt_test"])
+
+
+def has_entities(path: Union[str, Path]) -> bool:
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if "Entity=" in line:
+                return True
+            if i > 5000:
+                return False
+    return False
+
+
+@dataclass
+class ReportConfig:
+    model: Optional[str] = None
+    train: Optional[str] = None
+    test: Optional[str] = None
+    dev: Optional[str] = None
+    texts: Optional[Sequence[str]] = None
+    tasks: Optional[Sequence[str]] = None
+    prompt: str = DEFAULT_PROMPT
+    target: str = DEFAULT_TARGET
+    lens_tokens: int = 1500
+    norms_tokens: int = 4000
+    max_train_sentences: Optional[int] = None
+    max_test_sentences: Optional[int] = None
+    probe: str = "linear"
+    extra: dict = field(default_factory=dict)
+
+
+def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
+    out, n = [], 0
+    for t in texts:
+        k = len(tokenizer(t, add_special_tokens=False)["input_ids"])
+        if n and n + k > max_tokens:
+            break
+        out.append(t)
+        n += k
+    return out
+
+
+# ---------------------------------------------------------------------------- the job
+def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None, *, progress: bool = True, model=None) -> Path:
+    """Run every analysis and write tables, plots, ``report.md`` and ``report.html``; returns the
+    path of ``report.html``."""
+    from depthscope.hooks import load_model
+
+    from .lens import logit_lens, logit_lens_tokens
+    from .norms import contribution_norms, direct_logit_attribution, position_norms
+    from .plots import lens as lens_plots
+    from .plots import norms as norm_plots
+    from .plots import probes as probe_plots
+
+    cfg = config or ReportConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    say = _Say(progress)
+
+    t0 = time.time()
+    say(f"loading model {cfg.model or 'default (SmolLM2-135M-Instruct)'}")
+    model = model or load_model(cfg.model)
+    timings["load"] = time.time() - t0
+
+    from depthscope.probes import sample_data
+
+    sample = sample_data()
+    train = cfg.train or str(sample["ewt_train"])
+    test = cfg.test or str(sample["ewt_test"])
+    texts = list(cfg.texts) if cfg.texts else _conllu_texts(train) + _conllu_texts(test)
+    tasks = list(cfg.tasks) if cfg.tasks else ["upos", "deprel", "feats:Number"]
+    if not cfg.tasks and has_entities(train) and has_entities(test):
+        tasks += ["entity", "coref"]
+
+    meta = {
+        "model": model.name,
+        "model_source": model.source,
+        "family": model.arch.family,
+        "n_layers": model.n_layers,
+        "d_model": model.d_model,
+        "n_sites": model.n_sites,
+        "train": train,
+        "test": test,
+        "tasks": tasks,
+        "prompt": cfg.prompt,
+        "target": cfg.target,
+    }
+
+    # 1. logit lens
+    if model.can_decode:
+        t = time.time()
+        say(f"logit lens over ~{cfg.lens_tokens} tokens at {model.n_sites} sites")
+        lens_df = logit_lens(model, _cap_texts(texts, model.tokenizer, cfg.lens_tokens))
+        write_table(lens_df, out, "lens_by_site")
+        tok_df = logit_lens_tokens(model, cfg.prompt)
+        write_table(tok_df, out, "lens_tokens")
+        lens_plots.plot_lens_metrics(lens_df, out / "lens_metrics.png")
+        lens_plots.plot_top1_heatmap(tok_df, out / "lens_top1_heatmap.png")
+        lens_plots.plot_rank_trajectory(tok_df, out / "lens_rank_trajectory.png")
+        timings["lens"] = time.time() - t
+
+    # 2. contribution norms
+    t = time.time()
+    say(f"contribution norms over ~{cfg.norms_tokens} tokens")
+    norms_df = contribution_norms(model, _cap_texts(texts, model.tokenizer, cfg.norms_tokens))
+    write_table(norms_df, out, "norms_by_site")
+    pos_df = position_norms(model, cfg.prompt)
+    write_table(pos_df, out, "norms_by_position")
+    norm_plots.plot_stream_growth(norms_df, out / "norms_stream_growth.png")
+    norm_plots.plot_update_norms(norms_df, out / "norms_update_norms.png")
+    norm_plots.plot_relative_update(norms_df, out / "norms_relative_update.png")
+    norm_plots.plot_position_heatmap(pos_df, out / "norms_position_heatmap.png")
+    if model.can_decode:
+        dla = direct_logit_attribution(model, cfg.prompt, cfg.target)
+        write_table(dla, out, "dla")
+        norm_plots.plot_dla(dla, out / "norms_dla.png")
+    timings["norms"] = time.time() - t
+
+    # 3. probes
+    from depthscope.probes import run_probes
+
+    t = time.time()
+    say(f"probes: {', '.join(tasks)}")
+    res = run_probes(
+        model, tasks, train, test, cfg.dev,
+        probe=cfg.probe, max_train_sentences=cfg.max_train_sentences,
+        max_test_sentences=cfg.max_test_sentences, progress=progress,
+    )
+    write_table(res.by_site, out, "probes_by_site")
+    write_table(res.summary, out, "probes_summary")
+    if getattr(res, "mixing", None) is not None:
+        write_table(res.mixing, out, "probes_mixing")
+    probe_plots.plot_probe_curves(res.by_site, out / "probes_accuracy.png")
+    probe_plots.plot_tenney(res.summary, getattr(res, "mixing", None), out / "probes_tenney.png")
+    timings["probes"] = time.time() - t
+
+    meta["seconds"] = {k: round(v, 1) for k, v in timings.items()}
+    meta["seconds"]["total"] = round(time.time() - t0, 1)
+    (out / "run.json").write_text(json.dumps(meta, indent=1))
+    say("writing report")
+    path = render_report(out)
+    say(f"done in {meta['seconds']['total']:.0f} s: {path}")
+    return path
+
+
+class _Say:
+    def __init__(self, on: bool):
+        self.on = on
+        if on:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+
+    def __call__(self, msg: str):
+        if self.on:
+            self.console.print(f"[bold cyan]depthscope[/] {msg}")
+
+
+# ---------------------------------------------------------------------------- findings
+def _fmt(x, nd=2):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{nd}f}"
+
+
+def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) -> list[str]:
+    out = []
+    if summary is None or not len(summary):
+        return out
+    s = summary.copy()
+    s = s.sort_values("expected_layer_delta")
+    parts = [f"{r.task} (E_Δ = {_fmt(r.expected_layer_delta)})" for r in s.itertuples()]
+    out.append("Ordered by the expected layer of their cumulative gains, the properties emerge as: " + ", ".join(parts) + ".")
+    first, last = s.iloc[0], s.iloc[-1]
+    if len(s) > 1:
+        gap = last.expected_layer_delta - first.expected_layer_delta
+        out.append(
+            f"{first.task} is resolved earliest, at {_fmt(first.expected_layer_delta / n_layers * 100, 0)}% of the depth; "
+            f"{last.task} latest, at {_fmt(last.expected_layer_delta / n_layers * 100, 0)}% "
+            f"({_fmt(gap)} blocks later)."
+        )
+    for r in s.itertuples():
+        t = by_site[by_site["task"] == r.task]
+        if not len(t):
+            continue
+        best = t.loc[t["accuracy"].idxmax()]
+        emb = t[t["site"] == 0]["accuracy"]
+        sel = best.get("selectivity", float("nan"))
+        line = (f"{r.task}: best accuracy {_fmt(best['accuracy'] * 100, 1)}% at {best['label']} (depth {best['depth']:g}), "
+                f"selectivity there {_fmt(sel * 100, 1)} points")
+        if len(emb):
+            line += f"; the embedding alone gives {_fmt(float(emb.iloc[0]) * 100, 1)}%"
+        out.append(line + ".")
+    return out
+
+
+def lens_findings(lens: pd.DataFrame, n_layers: int) -> list[str]:
+    out = []
+    if lens is None or not len(lens):
+        return out
+    d = lens.sort_values("site")
+    emb = d.iloc[0]
+    out.append(f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
+               f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%.")
+    half = d[d["top1_agreement"] >= 0.5]
+    if len(half):
+        h = half.iloc[0]
+        out.append(f"The lens first agrees with the model's own top-1 on half the tokens at {h['label']} "
+                   f"(depth {h['depth']:g} of {n_layers}).")
+    mid = d.iloc[len(d) // 2]
+    out.append(f"Half-way ({mid['label']}), KL to the final distribution is {_fmt(mid['kl_to_final'])} nats and the "
+               f"next-token cross-entropy {_fmt(mid['cross_entropy'])} nats, against {_fmt(d.iloc[-1]['cross_entropy'])} at the output.")
+    drops = d["kl_to_final"].diff(-1)  # how much KL falls from each site to the next
+    if drops.notna().any():
+        i = drops.idxmax()
+        nxt = d.loc[d.index[d.index.get_loc(i) + 1]] if d.index.get_loc(i) + 1 < len(d) else None
+        if nxt is not None:
+            out.append(f"The largest single drop in KL ({_fmt(drops[i])} nats) comes from {nxt['label']} ({nxt['sublayer']} write).")
+    return out
+
+
+def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
+    out = []
+    if norms is None or not len(norms):
+        return out
+    d = norms
+    if "positions" in d.columns:
+        d = d[d["positions"] == "rest"]
+    d = d.sort_values("site")
+    e, f = d.iloc[0]["stream_norm"], d.iloc[-1]["stream_norm"]
+    if e > 0 and f > 0:
+        rate = (f / e) ** (1 / n_layers)
+        out.append(f"The stream's norm grows from {_fmt(e)} at the embedding to {_fmt(f)} after the last block: "
+                   f"×{_fmt(rate, 3)} per block on average.")
+    if "attn_share" in d.columns:
+        share = d[d["sublayer"] == "attn"]["attn_share"].mean()
+        out.append(f"Attention writes {_fmt(share * 100, 0)}% of the per-layer update norm on average, MLPs {_fmt((1 - share) * 100, 0)}%.")
+    upd = d.dropna(subset=["relative_update"])
+    if len(upd):
+        big = upd.loc[upd["relative_update"].idxmax()]
+        out.append(f"The largest write relative to the stream is {big['label']} (‖u‖/‖h‖ = {_fmt(big['relative_update'])}).")
+    if "cos_update_stream" in d.columns:
+        erase = upd[upd["cos_update_stream"] < -0.2]
+        if len(erase):
+            out.append(f"{len(erase)} sublayers write against the stream (cosine < -0.2), most strongly "
+                       f"{erase.loc[erase['cos_update_stream'].idxmin(), 'label']}.")
+    if "positions" in norms.columns and (norms["positions"] == "first").any():
+        first = norms[norms["positions"] == "first"].sort_values("site")
+        ratio = first["stream_norm"].to_numpy()[-1] / max(d["stream_norm"].to_numpy()[-1], 1e-9)
+        mx = first["stream_norm"].max() / max(d["stream_norm"].max(), 1e-9)
+        out.append(f"The first position (attention sink) reaches up to {_fmt(mx, 1)}× the norm of other tokens "
+                   f"(×{_fmt(ratio, 1)} after the last block).")
+    return out
+
+
+# ---------------------------------------------------------------------------- rendering
+FIGURES = [
+    ("Which depth encodes which property", [("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, "
+                                             "E_Δ and E_s marked"), ("probes_accuracy.png", "Probe accuracy and selectivity per site")]),
+    ("How the prediction forms: logit lens", [("lens_metrics.png", "Lens metrics against depth"),
+                                              ("lens_top1_heatmap.png", "Top-1 token per position and site for the prompt"),
+                                              ("lens_rank_trajectory.png", "Rank of each next token through depth")]),
+    ("How the stream gets there: contribution norms", [("norms_stream_growth.png", "Stream norm against depth"),
+                                                        ("norms_update_norms.png", "Attention and MLP write norms per layer"),
+                                                        ("norms_relative_update.png", "Relative update and cosine to the stream"),
+                                                        ("norms_position_heatmap.png", "Stream norm per position and site"),
+                                                        ("norms_dla.png", "Direct logit attribution for the prompt")]),
+]
+
+
+def _load(out: Path, name: str) -> Optional[pd.DataFrame]:
+    for ext in (".parquet", ".csv"):
+        p = out / f"{name}{ext}"
+        if p.is_file():
+            return read_table(p)
+    return None
+
+
+def render_report(out_dir: Union[str, Path]) -> Path:
+    """Write ``report.md`` and ``report.html`` from the tables and plots in ``out_dir``."""
+    out = Path(out_dir)
+    meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    L = int(meta.get("n_layers", 0)) or None
+    lens = _load(out, "lens_by_site")
+    norms = _load(out, "norms_by_site")
+    by_site = _load(out, "probes_by_site")
+    summary = _load(out, "probes_summary")
+    if L is None:
+        for df in (lens, norms, by_site):
+            if df is not None:
+                L = int(df["layer"].max()) + 1
+                break
+    L = L or 1
+
+    sections: list[tuple[str, list[str], Optional[pd.DataFrame], list[tuple[str, str]]]] = []
+    table = None
+    if summary is not None and len(summary):
+        cols = [c for c in ["task", "expected_layer_delta", "expected_layer_mix", "best_label", "best_accuracy",
+                            "n_train", "n_test"] if c in summary.columns]
+        table = summary[cols].copy()
+        table["relative_depth_delta"] = table["expected_layer_delta"] / L
+        order = {t: i for i, t in enumerate(PIPELINE_ORDER)}
+        table = table.sort_values("task", key=lambda s: s.map(lambda t: order.get(t, 99)))
+    findings = {
+        FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
+        FIGURES[1][0]: lens_findings(lens, L),
+        FIGURES[2][0]: norm_findings(norms, L),
+    }
+    for title, figs in FIGURES:
+        present = [(f, cap) for f, cap in figs if (out / f).is_file()]
+        sections.append((title, findings[title], table if title == FIGURES[0][0] else None, present))
+
+    head = f"depthscope report: {meta.get('model', 'model')}"
+    intro = (f"Model `{meta.get('model', '?')}` ({meta.get('family', '?')}, {meta.get('n_layers', '?')} blocks, "
+             f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
+             f"Probe data: `{Path(str(meta.get('train', '?'))).name}` → `{Path(str(meta.get('test', '?'))).name}`. "
+             f"Depth is in blocks: embedding 0, after block l's attention l + 0.5, after its MLP l + 1.")
+    if meta.get("seconds"):
+        intro += f" Run time: {meta['seconds'].get('total', '?')} s."
+
+    md = [f"# {head}", "", intro, ""]
+    for title, lines, tab, figs in sections:
+        md += [f"## {title}", ""]
+        md += [f"- {ln}" for ln in lines] + ([""] if lines else [])
+        if tab is not None:
+            md += [_md_table(tab), ""]
+        md += [f"![{cap}]({f})" for f, cap in figs] + [""]
+    md += ["## Tables", "", "All numbers above come from the tidy tables in this folder (Parquet and CSV): "
+           + ", ".join(sorted(p.name for p in out.glob("*.csv"))) + "."]
+    (out / "report.md").write_text("\n".join(md), encoding="utf-8")
+
+    h = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(head)}</title>",
+         "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+         "img{max-width:100%;border:1px solid #ddd;margin:.5em 0}table{border-collapse:collapse}"
+         "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}"
+         "figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style></head><body>",
+         f"<h1>{html.escape(head)}</h1>", f"<p>{_md_inline(intro)}</p>"]
+    for title, lines, tab, figs in sections:
+        h.append(f"<h2>{html.escape(title)}</h2>")
+        if lines:
+            h.append("<ul>" + "".join(f"<li>{html.escape(ln)}</li>" for ln in lines) + "</ul>")
+        if tab is not None:
+            h.append(tab.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0))
+        for f, cap in figs:
+            data = base64.b64encode((out / f).read_bytes()).decode()
+            h.append(f"<figure><img alt='{html.escape(cap)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+    h.append("</body></html>")
+    path = out / "report.html"
+    path.write_text("\n".join(h), encoding="utf-8")
+    return path
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in df.itertuples(index=False):
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in r]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _md_inline(s: str) -> str:
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(s))

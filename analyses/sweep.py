@@ -1,0 +1,292 @@
+"""Checkpoint sweeps: one analysis over a series of checkpoints, one combined tidy table.
+
+>>> from depthscope.analyses.sweep import sweep, discover_checkpoints
+>>> cks = discover_checkpoints(checkpoint_dir="runs/tiny")      # step100/, checkpoint-200/, ...
+>>> result = sweep(cks, "lens", "out/sweep", texts=["Some text."])
+>>> result.tables["by_site"]      # checkpoint, step, site, label, layer, sublayer, depth, metrics...
+
+Layout of the output folder::
+
+    sweep.json                          what was asked (analysis, options, data digest)
+    checkpoints/<name>.<table>.parquet  each checkpoint's tables, written atomically when it finishes
+    checkpoints/<name>.failed.json      a checkpoint that failed, with its error (retried on re-run)
+    sweep_<table>.parquet / .csv        the combined tables (checkpoint and step columns first)
+
+A re-run with the same request skips checkpoints whose tables exist, so an interrupted sweep
+resumes without losing or duplicating rows; an output folder holding another request is refused.
+A checkpoint whose architecture or tokenizer differs from the first one is refused (recorded as
+failed) unless ``allow_mixed=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import pandas as pd
+
+from depthscope.hooks.errors import DepthscopeError
+
+from .tables import _atomic, site_first, write_table
+
+_STEP_PATTERNS = [
+    re.compile(r"(?:^|[-_/])(?:global[-_]?)?step[-_]?(\d+)", re.I),
+    re.compile(r"checkpoint[-_]?(\d+)", re.I),
+    re.compile(r"(?:^|[-_])(\d+)$"),
+    re.compile(r"(\d+)"),
+]
+
+
+class SweepError(DepthscopeError):
+    pass
+
+
+class OutputConflict(SweepError):
+    """The output folder holds the results of a different request."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    spec: str
+    step: Optional[int]
+
+
+def parse_step(name: str) -> Optional[int]:
+    """The training step in a checkpoint name (``step100``, ``checkpoint-200``, ``model_300``)."""
+    stem = Path(name).name
+    if stem.endswith(".gguf"):
+        stem = stem[: -len(".gguf")]
+    for pat in _STEP_PATTERNS:
+        m = pat.search(stem)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _is_checkpoint(p: Path) -> bool:
+    return (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".gguf")
+
+
+def discover_checkpoints(
+    paths: Sequence[Union[str, Path]] = (), checkpoint_dir: Union[str, Path, None] = None
+) -> list[Checkpoint]:
+    """Checkpoints from explicit specs/paths (kept in the given order) and/or a folder of
+    sub-folders (``step100``, ``checkpoint-200``, ...) or ``.gguf`` files, ordered by step."""
+    out: list[Checkpoint] = []
+    for p in paths:
+        s = str(p)
+        out.append(Checkpoint(name=_safe_name(Path(s).name or s), spec=s, step=parse_step(s)))
+    if checkpoint_dir is not None:
+        d = Path(checkpoint_dir)
+        if not d.is_dir():
+            raise SweepError(f"--checkpoint-dir {d} is not a folder")
+        found = [p for p in d.iterdir() if _is_checkpoint(p)]
+        if not found:
+            raise SweepError(f"{d} holds no checkpoints (sub-folders with config.json, or .gguf files)")
+        found.sort(key=lambda p: (parse_step(p.name) is None, parse_step(p.name) or 0, p.name))
+        out += [Checkpoint(name=_safe_name(p.name), spec=str(p), step=parse_step(p.name)) for p in found]
+    if not out:
+        raise SweepError("no checkpoints given: pass paths/specs or a checkpoint folder")
+    names = [c.name for c in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:  # same folder names under different parents: disambiguate with a digest of the spec
+        out = [
+            Checkpoint(f"{c.name}-{hashlib.sha1(c.spec.encode()).hexdigest()[:6]}", c.spec, c.step) if c.name in dup else c
+            for c in out
+        ]
+    return out
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "checkpoint"
+
+
+# ---------------------------------------------------------------------------- analyses
+AnalysisFn = Callable[..., dict[str, pd.DataFrame]]
+
+
+def _lens(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
+    from .lens import logit_lens
+
+    return {"by_site": logit_lens(model, texts, **kw)}
+
+
+def _norms(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
+    from .norms import contribution_norms
+
+    return {"by_site": contribution_norms(model, texts, **kw)}
+
+
+def _probe(model, *, tasks, train, test, dev=None, **kw) -> dict[str, pd.DataFrame]:
+    from depthscope.probes import run_probes
+
+    res = run_probes(model, tasks, train, test, dev, progress=False, **kw)
+    return {"by_site": res.by_site, "summary": res.summary}
+
+
+ANALYSES: dict[str, AnalysisFn] = {"lens": _lens, "norms": _norms, "probe": _probe}
+
+
+@dataclass
+class SweepResult:
+    tables: dict[str, pd.DataFrame]
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    out_dir: Optional[Path] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _describe_inputs(kwargs: dict) -> dict:
+    """A JSON-able description of the analysis options; file inputs are digested by content."""
+    desc = {}
+    for k, v in sorted(kwargs.items()):
+        if isinstance(v, (str, Path)) and Path(v).is_file():
+            desc[k] = {"file": str(v), "sha256": hashlib.sha256(Path(v).read_bytes()).hexdigest()[:16]}
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(t, str) for t in v) and k == "texts":
+            desc[k] = {"n_texts": len(v), "sha256": _digest(list(v))}
+        else:
+            desc[k] = v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
+    return desc
+
+
+def sweep(
+    checkpoints: Sequence[Union[Checkpoint, str, Path]],
+    analysis: Union[str, AnalysisFn],
+    out_dir: Union[str, Path],
+    *,
+    allow_mixed: bool = False,
+    overwrite: bool = False,
+    load: Optional[Callable] = None,
+    progress: bool = True,
+    **analysis_kwargs,
+) -> SweepResult:
+    """Run ``analysis`` ("lens", "norms", "probe", or a function ``f(model, **kw) -> {name: df}``)
+    on each checkpoint, writing each checkpoint's tables atomically as it finishes, and return
+    the combined tables with ``checkpoint`` and ``step`` columns. Failures are recorded and the
+    sweep goes on (``result.failed``)."""
+    from depthscope.hooks import load_model
+
+    load = load or load_model
+    cks = [c if isinstance(c, Checkpoint) else Checkpoint(_safe_name(Path(str(c)).name), str(c), parse_step(str(c)))
+           for c in checkpoints]
+    if not cks:
+        raise SweepError("no checkpoints to sweep")
+    fn = ANALYSES.get(analysis) if isinstance(analysis, str) else analysis
+    if fn is None:
+        raise SweepError(f"unknown analysis {analysis!r}; choose one of {sorted(ANALYSES)}")
+    out = Path(out_dir)
+    ck_dir = out / "checkpoints"
+    request = {
+        "analysis": analysis if isinstance(analysis, str) else getattr(analysis, "__name__", "custom"),
+        "options": _describe_inputs(analysis_kwargs),
+    }
+    manifest = out / "sweep.json"
+    if manifest.is_file():
+        old = json.loads(manifest.read_text())
+        if old.get("request") != request:
+            if not overwrite:
+                raise OutputConflict(
+                    f"{out} holds the results of another sweep ({old.get('request', {}).get('analysis')} with other "
+                    f"options); choose another --out or pass --overwrite"
+                )
+            for p in ck_dir.glob("*"):
+                p.unlink()
+            old = {}
+        reference = old.get("reference")
+    else:
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise OutputConflict(f"{out} is not empty and holds no sweep.json; choose an empty or new --out")
+        reference = None
+    ck_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_manifest():
+        _atomic(manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1)))
+
+    write_manifest()
+    result = SweepResult(tables={}, out_dir=out)
+    iterator = cks
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(cks, desc="sweep", unit="ckpt")
+            iterator = bar
+        except ImportError:  # pragma: no cover
+            pass
+    for ck in iterator:
+        done_marker = ck_dir / f"{ck.name}.done.json"
+        failed_marker = ck_dir / f"{ck.name}.failed.json"
+        if done_marker.is_file():
+            result.skipped.append(ck.name)
+            continue
+        t0 = time.time()
+        try:
+            model = load(ck.spec)
+            fp = model.fingerprint()
+            if reference is None:
+                reference = {"checkpoint": ck.name, "fingerprint": fp}
+                write_manifest()
+            elif fp != reference["fingerprint"] and not allow_mixed:
+                diff = {k: (reference["fingerprint"].get(k), v) for k, v in fp.items() if reference["fingerprint"].get(k) != v}
+                raise SweepError(
+                    f"mixed series: {ck.name} differs from {reference['checkpoint']} in {diff}; pass allow_mixed=True "
+                    f"(--allow-mixed) to compare them anyway"
+                )
+            tables = fn(model, **analysis_kwargs)
+            del model
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # recorded, the sweep goes on
+            msg = f"{type(e).__name__}: {e}"
+            _atomic(failed_marker, lambda t: Path(t).write_text(json.dumps(
+                {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}, indent=1)))
+            result.failed[ck.name] = msg
+            continue
+        for tname, df in tables.items():
+            df = df.copy()
+            df.insert(0, "step", ck.step if ck.step is not None else pd.NA)
+            df.insert(0, "checkpoint", ck.name)
+            _atomic(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
+        # the marker is written last: a checkpoint counts as finished only once all its tables are
+        _atomic(done_marker, lambda t: Path(t).write_text(json.dumps(
+            {"checkpoint": ck.name, "spec": ck.spec, "step": ck.step, "tables": sorted(tables), "seconds": round(time.time() - t0, 2)})))
+        if failed_marker.exists():
+            failed_marker.unlink()
+        result.done.append(ck.name)
+    result.tables = combine(out, [c.name for c in cks])
+    for tname, df in result.tables.items():
+        write_table(df, out, f"sweep_{tname}")
+    return result
+
+
+def combine(out_dir: Union[str, Path], order: Optional[Sequence[str]] = None) -> dict[str, pd.DataFrame]:
+    """The combined tables of a sweep folder (finished checkpoints only), ordered by step."""
+    ck_dir = Path(out_dir) / "checkpoints"
+    finished = {json.loads(p.read_text())["checkpoint"]: json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")}
+    names = [n for n in (order or sorted(finished)) if n in finished]
+    tables: dict[str, list[pd.DataFrame]] = {}
+    for n in names:
+        for tname in finished[n]["tables"]:
+            tables.setdefault(tname, []).append(pd.read_parquet(ck_dir / f"{n}.{tname}.parquet"))
+    combined = {}
+    for tname, parts in tables.items():
+        df = pd.concat(parts, ignore_index=True)
+        df["step"] = pd.to_numeric(df["step"], errors="coerce")
+        combined[tname] = site_first(df, ("checkpoint", "step"))
+    return combined
