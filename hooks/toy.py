@@ -38,7 +38,11 @@ def train_tiny_series(
     if len(ids) < seq_len + 1:
         raise ValueError("not enough text to train on")
     data = torch.tensor(ids, dtype=torch.long)
-    # a vocabulary of only the ids seen keeps the model tiny; ids are remapped on the fly
+    # the softmax is taken over the token ids the text uses (a full-vocabulary softmax would
+    # dominate the cost of so small a model); the saved model keeps the tokenizer's vocabulary
+    used = torch.unique(data)
+    remap = torch.full((len(tokenizer),), -1, dtype=torch.long)
+    remap[used] = torch.arange(len(used))
     cfg = tf.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(128, seq_len),
@@ -61,7 +65,9 @@ def train_tiny_series(
     for step in range(1, steps + 1):
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
         x = torch.stack([data[s : s + seq_len] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
+        hidden = model.model(input_ids=x).last_hidden_state[:, :-1]
+        logits = hidden @ model.lm_head.weight[used].T
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(used)), remap[x[:, 1:]].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
