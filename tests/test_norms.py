@@ -1,0 +1,371 @@
+"""Contribution norms and direct logit attribution: every metric against an independent
+computation from transformers' own hidden states and sublayer outputs (plain forward hooks,
+numpy float64), exact identities, streaming invariance, layouts and bad input."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from depthscope.analyses import contribution_norms, direct_logit_attribution
+from depthscope.analyses.norms import NORM_METRICS, fit_growth_rate, norms_by_position, norms_summary
+from depthscope.analyses.text import read_documents
+from depthscope.hooks import InputError, NonFiniteActivationError, UnsupportedArchitecture
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "norms", "ewt_sample.txt")
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return read_documents(FIX)
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference_streams(hm, ids, mask):
+    """Every site's stream from transformers: hidden_states for block inputs, module outputs of
+    attention and MLP (plain forward hooks) for the sublayer writes. Returns float64 numpy
+    [S, B, P, D] and the model output."""
+    arch = hm.arch
+    attn_out, mlp_out = {}, {}
+    hs = []
+    for l, (a, m) in enumerate(zip(arch.attn, arch.mlp)):
+        hs.append(a.register_forward_hook(lambda mod, i, o, l=l: attn_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+        hs.append(m.register_forward_hook(lambda mod, i, o, l=l: mlp_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+    try:
+        with torch.no_grad():
+            out = hm.hf_model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
+    finally:
+        for h in hs:
+            h.remove()
+    hid = out.hidden_states
+    sites = [hid[0]]
+    for l in range(hm.n_layers):
+        pre = hid[l]
+        mid = attn_out[l] if arch.layout == "post_norm" else pre + attn_out[l]
+        if arch.layout == "post_norm":
+            post = hid[l + 1]
+        elif arch.layout == "parallel":
+            post = pre + attn_out[l] + mlp_out[l]
+        else:
+            post = mid + mlp_out[l]
+        sites += [mid, post]
+    return torch.stack(sites).double().numpy(), out
+
+
+def module_sigma(norm, h):
+    """The scale a norm module divides a stream by, read off the module's own output:
+    N(h) - bias = g * centre(h) / sigma  ->  sigma = ||g * centre(h)|| / ||N(h) - bias||."""
+    x = torch.tensor(h, dtype=torch.float32)
+    with torch.no_grad():
+        y = norm(x).double().numpy()
+    if getattr(norm, "bias", None) is not None:
+        y = y - norm.bias.detach().double().numpy()
+    g = norm.weight.detach().double().numpy()
+    hc = h - h.mean(-1, keepdims=True) if "rms" not in type(norm).__name__.lower() else h
+    return np.linalg.norm(g * hc, axis=-1) / np.linalg.norm(y, axis=-1), g
+
+
+def reference_metrics(hm, H, reader_of):
+    """Per-token metrics in plain numpy from streams H [S, B, P, D] (float64).
+
+    reader_of(s) -> (norm module, stream index it reads) or None."""
+    S = H.shape[0]
+    n = np.linalg.norm(H, axis=-1)
+    U = H[1:] - H[:-1]
+    un = np.linalg.norm(U, axis=-1)
+    nan = np.full_like(n[:1], np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = un / n[:-1]
+        cos = (U * H[:-1]).sum(-1) / (un * n[:-1])
+        growth = n[1:] / n[:-1]
+        bi = 1 - (H[:-1] * H[1:]).sum(-1) / (n[:-1] * n[1:])
+    ua, um = un[0::2], un[1::2]
+    share = np.repeat(ua / (ua + um), 2, axis=0)
+    eff = np.full_like(un, np.nan)
+    effrel = np.full_like(un, np.nan)
+    for s in range(1, S):
+        r = reader_of(s)
+        if r is None:
+            continue
+        norm, idx = r
+        sigma, g = module_sigma(norm, H[idx])
+        u = U[s - 1]
+        hr = H[idx]
+        if "rms" not in type(norm).__name__.lower():
+            u = u - u.mean(-1, keepdims=True)
+            hr = hr - hr.mean(-1, keepdims=True)
+        eff[s - 1] = np.linalg.norm(g * u, axis=-1) / sigma
+        effrel[s - 1] = np.linalg.norm(g * u, axis=-1) / np.linalg.norm(g * hr, axis=-1)
+    D = H.shape[-1]
+    a = np.abs(H)
+    return {
+        "stream_norm": n,
+        "update_norm": np.concatenate([nan, un]),
+        "relative_update": np.concatenate([nan, rel]),
+        "cos_update_stream": np.concatenate([nan, cos]),
+        "growth": np.concatenate([nan, growth]),
+        "block_influence": np.concatenate([nan, bi]),
+        "attn_share": np.concatenate([nan, share]),
+        "effective_write": np.concatenate([nan, eff]),
+        "effective_relative": np.concatenate([nan, effrel]),
+        # lower median (the (D-1)//2-th smallest |h|), the documented convention
+        "median_abs": np.sort(a, axis=-1)[..., (D - 1) // 2],
+        "max_abs": a.max(-1),
+    }
+
+
+def sequential_reader(hm):
+    L = hm.n_layers
+
+    def reader(s):
+        if s % 2 == 1:
+            return hm.arch.ln2[s // 2], s
+        layer = s // 2  # after block layer-1's MLP
+        return (hm.arch.ln1[layer] if layer < L else hm.arch.final_norm), s
+
+    return reader
+
+
+def compare_aggregates(df, ref, mask, metrics=NORM_METRICS, rtol=1e-4, atol=1e-7):
+    P = mask.shape[1]
+    pos = np.arange(P)[None, :]
+    groups = {"rest": mask & (pos >= 1), "first": mask & (pos == 0)}
+    for g, sel in groups.items():
+        part = df[df["positions"] == g].sort_values("site")
+        assert (part["n_tokens"] == sel.sum()).all()
+        for k in metrics:
+            want = np.array([np.nanmean(np.where(sel, v, np.nan)) if np.isfinite(v[sel]).any() else np.nan for v in ref[k]])
+            got = part[k].to_numpy(float)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"{k} ({g})")
+        mx = np.array([v[sel].max() for v in ref["max_abs"]])
+        np.testing.assert_allclose(part["max_abs"].to_numpy(float), mx, rtol=1e-6, err_msg=f"max_abs ({g})")
+
+
+# ----------------------------------------------------------------------------- real model
+def test_real_model_matches_independent_reference(default_model, docs):
+    hm = default_model
+    texts = docs[:6]
+    df = contribution_norms(hm, texts, batch_size=6)
+    ids, mask = hm.tokenize(texts)
+    H, _ = reference_streams(hm, ids, mask)
+    ref = reference_metrics(hm, H, sequential_reader(hm))
+    compare_aggregates(df, ref, mask.numpy())
+    # the massive activation's location: recomputed by brute force
+    rest = df[df["positions"] == "rest"].set_index("site")
+    a = np.abs(H) * (mask.numpy() & (np.arange(mask.shape[1]) >= 1))[None, :, :, None]
+    for s in (4, 30, 60):
+        b, p, d = np.unravel_index(a[s].argmax(), a[s].shape)
+        row = rest.loc[s]
+        assert (row["max_abs_doc"], row["max_abs_position"], row["max_abs_dim"]) == (b, p, d)
+        assert row["max_abs_token_id"] == int(ids[b, p])
+    # the shared columns and the documented layout of the table
+    assert list(df.columns[:7]) == ["site", "label", "layer", "sublayer", "depth", "positions", "n_tokens"]
+    assert len(df) == 2 * hm.n_sites
+    embed = df[df["label"] == "embed"]
+    assert embed[[c for c in NORM_METRICS if c not in ("stream_norm", "median_abs")]].isna().all().all()
+    # the sink position: its stream is far larger than the rest's after the first blocks
+    s = norms_summary(df)
+    assert s["sink_ratio"] > 10
+    assert 1.0 < s["growth_rate"] < 1.3
+    assert 0.0 < s["attn_share"] < 1.0
+
+
+def test_per_token_identity_and_consistency(default_model, docs):
+    hm = default_model
+    texts = docs[6:10]
+    pos = norms_by_position(hm, texts)
+    d = pos[pos["site"] > 0]
+    g2 = d["growth"] ** 2
+    rhs = 1 + d["relative_update"] ** 2 + 2 * d["relative_update"] * d["cos_update_stream"]
+    err = ((g2 - rhs).abs() / g2.clip(lower=1)).max()
+    assert err < 1e-5, err
+    # block influence agrees with the growth/relative-update/cosine triple too:
+    # cos(h_{s-1}, h_s) = (1 + rel cos_u) / growth
+    bi = 1 - (1 + d["relative_update"] * d["cos_update_stream"]) / d["growth"]
+    assert np.allclose(bi, d["block_influence"], atol=1e-5)
+    # the dataset table is the mean of the per-token one, position 0 apart
+    agg = contribution_norms(hm, texts)
+    first = pos["position"] == 0
+    for g, sel in (("rest", ~first), ("first", first)):
+        want = pos[sel].groupby("site")[NORM_METRICS].mean()
+        got = agg[agg["positions"] == g].set_index("site")[NORM_METRICS]
+        np.testing.assert_allclose(got.to_numpy(float), want.to_numpy(float), rtol=1e-9, equal_nan=True)
+    assert (pos.groupby("sequence")["token"].first().index == range(len(texts))).all()
+    assert set(pos.columns) >= {"sequence", "doc", "position", "token", "site", "label", "depth", "max_abs_dim"}
+
+
+def test_dla_sums_to_the_models_logit_real_model(default_model):
+    hm = default_model
+    prompt = "The capital of France is"
+    dla = direct_logit_attribution(hm, prompt, " Paris")
+    ids, mask = hm.tokenize([prompt])
+    H, out = reference_streams(hm, ids, mask)
+    paris = hm.tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    logit = float(out.logits[0, -1, paris])
+    assert dla["logit"].iloc[0] == pytest.approx(logit, rel=1e-6)
+    assert dla["contribution"].sum() == pytest.approx(logit, rel=1e-4)
+    assert len(dla) == hm.n_sites + 1 and dla["label"].iloc[-1] == "const"
+    # each part, independently: W_U[:, t] . N_frozen(component), N's scale read off the module
+    h = H[:, 0, -1]
+    comps = np.concatenate([h[:1], h[1:] - h[:-1]])
+    sigma, g = module_sigma(hm.arch.final_norm, h[-1:])
+    w = hm.W_U[:, paris].detach().double().numpy()
+    want = comps @ (g * w) / sigma[0]
+    np.testing.assert_allclose(dla["contribution"].to_numpy()[:-1], want, rtol=1e-4, atol=1e-4)
+    # a logit difference against a contrast token
+    diff = direct_logit_attribution(hm, [prompt, "The capital of Italy is"], " Paris", " Rome")
+    for ex, part in diff.groupby("example"):
+        assert part["contribution"].sum() == pytest.approx(part["logit"].iloc[0], rel=1e-4, abs=1e-4)
+    assert diff["contrast"].iloc[0] == " Rome"
+    assert diff.groupby("example")["logit"].first().iloc[0] > 0 > diff.groupby("example")["logit"].first().iloc[1]
+
+
+# ----------------------------------------------------------------------------- tiny models
+def test_streaming_is_batch_and_padding_invariant(tiny_llama, docs):
+    a = contribution_norms(tiny_llama, docs[:7], batch_size=1)
+    b = contribution_norms(tiny_llama, docs[:7], batch_size=3)
+    cols = NORM_METRICS + ["max_abs", "max_abs_doc", "max_abs_position", "max_abs_dim", "n_tokens"]
+    pd.testing.assert_frame_equal(a[cols], b[cols], rtol=1e-6)
+
+
+def test_windows_and_max_tokens(tiny_llama, docs):
+    text = " ".join(docs[:3])
+    n = len(tiny_llama.tokenizer(text)["input_ids"])
+    df = contribution_norms(tiny_llama, [text], window=16)
+    first = df[df["positions"] == "first"]["n_tokens"].iloc[0]
+    rest = df[df["positions"] == "rest"]["n_tokens"].iloc[0]
+    assert first == -(-n // 16) and first + rest == n  # every window starts a fresh context
+    cut = contribution_norms(tiny_llama, docs, max_tokens=50, batch_size=2)
+    assert cut.groupby("positions")["n_tokens"].first().sum() == 50
+
+
+def _randomise_norms(hm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in hm.hf_model.modules():
+            if "norm" in type(mod).__name__.lower():
+                mod.weight.copy_(0.5 + torch.rand(mod.weight.shape, generator=g))
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.copy_(0.1 * torch.randn(mod.bias.shape, generator=g))
+
+
+def test_layernorm_gpt2_matches_reference(tiny_factory, docs):
+    hm = tiny_factory("gpt2", seed=1)
+    _randomise_norms(hm)
+    texts = docs[:3]
+    df = contribution_norms(hm, texts)
+    ids, mask = hm.tokenize(texts)
+    H, _ = reference_streams(hm, ids, mask)
+    compare_aggregates(df, reference_metrics(hm, H, sequential_reader(hm)), mask.numpy())
+
+
+def test_parallel_neox_effective_write_reads_block_output(tiny_factory, docs):
+    hm = tiny_factory("gpt_neox", seed=2)
+    _randomise_norms(hm)
+    texts = docs[:3]
+    df = contribution_norms(hm, texts)
+    ids, mask = hm.tokenize(texts)
+    H, _ = reference_streams(hm, ids, mask)
+    L = hm.n_layers
+
+    def reader(s):  # attention writes are first read by the next block's ln1 on the block output
+        layer = (s + 1) // 2
+        return (hm.arch.ln1[layer] if layer < L else hm.arch.final_norm), 2 * layer
+
+    compare_aggregates(df, reference_metrics(hm, H, reader), mask.numpy())
+    assert "parallel" in df.attrs["notes"]
+
+
+def test_post_norm_bert_documented(tiny_factory, docs):
+    hm = tiny_factory("bert")
+    df = contribution_norms(hm, docs[:2])
+    assert df["effective_write"].isna().all()
+    assert df[df["site"] > 0]["relative_update"].notna().all()
+    assert "post-norm" in df.attrs["notes"]
+    with pytest.raises(UnsupportedArchitecture, match="decoder"):
+        direct_logit_attribution(hm, "The capital of France is", " Paris")
+
+
+def test_dla_layernorm_gpt2_sums_to_logit(tiny_factory):
+    hm = tiny_factory("gpt2", seed=3)
+    _randomise_norms(hm, seed=3)
+    prompts = ["The capital of France is", "Hello world, this is"]
+    dla = direct_logit_attribution(hm, prompts, [" Paris", 42], " the")
+    for ex, part in dla.groupby("example"):
+        ids, mask = hm.tokenize([prompts[ex]])
+        with torch.no_grad():
+            lg = hm.hf_model(input_ids=ids).logits[0, -1].double()
+        t = part["target_id"].iloc[0]
+        c = part["contrast_id"].iloc[0]
+        want = float(lg[t] - lg[c])
+        assert part["contribution"].sum() == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert part.loc[part["label"] == "const", "contribution"].iloc[0] != 0  # LayerNorm bias projected
+
+
+def test_zero_norm_stream_no_division(tiny_llama, docs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        df = contribution_norms(tiny_llama, docs[:3], hooks={"0.mlp": lambda h, lab: torch.zeros_like(h)})
+    rest = df[df["positions"] == "rest"].set_index("label")
+    n = rest.loc["0.mlp", "n_tokens"]
+    assert rest.loc["0.mlp", "stream_norm"] == 0
+    assert rest.loc["0.mlp", "growth"] == 0  # defined: previous stream is non-zero
+    assert np.isnan(rest.loc["0.mlp", "block_influence"])  # cos with a zero vector: undefined
+    later = rest.loc["1.attn":]
+    assert later[["relative_update", "growth", "cos_update_stream"]].isna().all().all()
+    assert (later["n_undefined"] == n).all() and rest.loc["0.attn", "n_undefined"] == 0
+    assert np.isfinite(df.loc[df["site"] > 0, "effective_write"]).all()  # eps keeps the norm's scale positive
+    assert np.isfinite(rest.loc["0.attn", NORM_METRICS].astype(float)).all()
+
+
+def test_nan_activations_are_refused(tiny_llama, docs):
+    def poison(h, lab):
+        h = h.clone()
+        h[0, 1, 3] = float("nan")
+        return h
+
+    with pytest.raises(NonFiniteActivationError, match="1.attn"):
+        contribution_norms(tiny_llama, docs[:2], hooks={"1.attn": poison})
+
+
+def test_bad_input(tiny_llama, tmp_path):
+    for bad in ([], [""], ""):
+        with pytest.raises(InputError, match="empty"):
+            contribution_norms(tiny_llama, bad)
+    with pytest.raises(InputError, match="empty"):
+        contribution_norms(tiny_llama, torch.zeros((1, 0), dtype=torch.long))
+    with pytest.raises(InputError):
+        contribution_norms(tiny_llama, ["fine"], max_tokens=0)
+    with pytest.raises(InputError):
+        contribution_norms(tiny_llama, ["fine"], batch_size=0)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(InputError, match="no text"):
+        read_documents(empty)
+    with pytest.raises(InputError, match="2 tokens|tokens"):
+        direct_logit_attribution(tiny_llama, "The capital of France is", " Parisianism")
+    with pytest.raises(InputError, match="out of range"):
+        direct_logit_attribution(tiny_llama, "The capital of France is", 10**7)
+    with pytest.raises(InputError, match="one per example"):
+        direct_logit_attribution(tiny_llama, ["a b", "c d"], [" Paris", " Rome", " x"])
+    with pytest.raises(InputError, match="empty"):
+        direct_logit_attribution(tiny_llama, [], " Paris")
+
+
+def test_softcap_refused(tiny_factory):
+    hm = tiny_factory("llama", seed=5)
+    hm.arch.softcap = 30.0
+    with pytest.raises(UnsupportedArchitecture, match="soft-caps"):
+        direct_logit_attribution(hm, "The capital of France is", " Paris")
+
+
+def test_growth_fit_recovers_a_known_rate():
+    depth = np.arange(1, 11, dtype=float)
+    df = pd.DataFrame({"sublayer": "mlp", "depth": depth, "stream_norm": 3.0 * 1.25**depth})
+    fit = fit_growth_rate(df)
+    assert fit["rate"] == pytest.approx(1.25) and fit["intercept"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
