@@ -105,7 +105,7 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     from depthscope.hooks import load_model
 
     from .lens import logit_lens, logit_lens_tokens
-    from .norms import contribution_norms, direct_logit_attribution, position_norms
+    from .norms import contribution_norms, direct_logit_attribution, norms_by_position
     from .plots import lens as lens_plots
     from .plots import norms as norm_plots
     from .plots import probes as probe_plots
@@ -163,7 +163,7 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     say(f"contribution norms over ~{cfg.norms_tokens} tokens")
     norms_df = contribution_norms(model, _cap_texts(texts, model.tokenizer, cfg.norms_tokens))
     write_table(norms_df, out, "norms_by_site")
-    pos_df = position_norms(model, cfg.prompt)
+    pos_df = norms_by_position(model, cfg.prompt)
     write_table(pos_df, out, "norms_by_position")
     norm_plots.plot_stream_growth(norms_df, out / "norms_stream_growth.png")
     norm_plots.plot_update_norms(norms_df, out / "norms_update_norms.png")
