@@ -70,7 +70,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
 
 from .text import TokenBatch, token_batches
@@ -229,8 +229,12 @@ def _token_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int) -> dict[
     neg = -vmin > vmax
     absmax = torch.where(neg, -vmin, vmax).to(f64)
     argdim = torch.where(neg, imin, imax)
-    median = h.abs().median(-1).values.to(f64)
-    u = h[1:] - h[:-1]
+    # one scratch buffer of the stream's size, reused: |h| (median), then u, then gain * u, ...
+    buf = torch.empty(h.shape, dtype=h.dtype, device=dev)
+    torch.abs(h, out=buf)
+    median = _lower_median(buf).to(f64)
+    u = buf[:-1]
+    torch.sub(h[1:], h[:-1], out=u)
     un = torch.linalg.vector_norm(u, dim=-1).to(f64)
     dot = torch.einsum("sbpd,sbpd->sbp", u, h[:-1]).to(f64)  # <u_s, h_{s-1}>
     prev, cur = hn[:-1], hn[1:]
@@ -263,25 +267,24 @@ def _token_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int) -> dict[
         centre = reader.centre.to(dev)
         r_idx = reader.stream_index.to(dev)
         shifted = bool((r_idx != torch.arange(1, S, device=dev)).any())
+        cmask = centre[:, None, None, None].to(u.dtype)
         if bool(centre.any()):
-            cu = u - u.mean(-1, keepdim=True) * centre[:, None, None, None].to(u.dtype)
-        else:
-            cu = u
-        gu = torch.linalg.vector_norm(cu * gain[:, None, None, :], dim=-1).to(f64)
-        del cu
+            u.sub_(u.mean(-1, keepdim=True) * cmask)
+        u.mul_(gain[:, None, None, :])
+        gu = torch.linalg.vector_norm(u, dim=-1).to(f64)
 
-        def gain_norms(x, g, c, xn):  # ||g * centre(x)|| and mean(centre(x)^2), per token
+        def gain_norms(x, g, c, xn, out):  # ||g * centre(x)|| and mean(centre(x)^2), per token
             if bool(c.any()):
-                xc = x - x.mean(-1, keepdim=True) * c[:, None, None, None].to(x.dtype)
-                xn = torch.linalg.vector_norm(xc, dim=-1).to(f64)
+                torch.sub(x, x.mean(-1, keepdim=True) * c[:, None, None, None].to(x.dtype), out=out)
+                xn = torch.linalg.vector_norm(out, dim=-1).to(f64)
+                out.mul_(g[:, None, None, :])
             else:
-                xc = x
-            gx = torch.linalg.vector_norm(xc * g[:, None, None, :], dim=-1).to(f64)
-            return gx, xn * xn / D
+                torch.mul(x, g[:, None, None, :], out=out)
+            return torch.linalg.vector_norm(out, dim=-1).to(f64), xn * xn / D
 
-        gh, ms = gain_norms(h[1:], gain, centre, hn[1:])  # reader reads h_s (sequential layouts)
+        gh, ms = gain_norms(h[1:], gain, centre, hn[1:], u)  # reader reads h_s (sequential layouts)
         if shifted:  # reader reads h_{s+1} (parallel attention): recompute those sites
-            gh2, ms2 = gain_norms(h[2:], gain[:-1], centre[:-1], hn[2:])
+            gh2, ms2 = gain_norms(h[2:], gain[:-1], centre[:-1], hn[2:], u[:-1])
             sh = (r_idx[:-1] == torch.arange(2, S, device=dev))[:, None, None]
             gh = torch.cat([torch.where(sh, gh2, gh[:-1]), gh[-1:]], 0)
             ms = torch.cat([torch.where(sh, ms2, ms[:-1]), ms[-1:]], 0)
@@ -314,7 +317,20 @@ def _token_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int) -> dict[
     }
 
 
-def _chunked_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int, max_elems: int = 24_000_000):
+def _lower_median(a: torch.Tensor) -> torch.Tensor:
+    """The lower median (the ``(D-1)//2``-th smallest) over the last axis; ``a`` is scratch.
+
+    On CPU an in-place ``numpy.partition`` (linear time) instead of torch's sort-based median;
+    the result equals ``torch.median`` (which also returns the lower median)."""
+    k = (a.shape[-1] - 1) // 2
+    if a.device.type == "cpu" and a.is_contiguous():
+        x = a.numpy()
+        x.partition(k, axis=-1)
+        return a[..., k].clone()
+    return a.median(-1).values
+
+
+def _chunked_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int, max_elems: int = 48_000_000):
     """:func:`_token_metrics` over chunks of batch rows, so float64 temporaries stay bounded."""
     S, B, P, D = resid.shape
     rows = max(1, max_elems // max(1, S * P * D))
@@ -322,6 +338,25 @@ def _chunked_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int, max_el
         return _token_metrics(resid, reader, n_layers)
     parts = [_token_metrics(resid[:, i : i + rows], reader, n_layers) for i in range(0, B, rows)]
     return {k: torch.cat([p[k] for p in parts], 1) for k in parts[0]}
+
+
+def _stream(model, batch: TokenBatch, hooks):
+    """All sites for one batch. The finiteness check is ours (on the per-token norms of real
+    tokens, see :func:`_check_finite`), which saves residual_stream a full pass."""
+    return model.residual_stream(batch.ids, mask=batch.mask, return_logits=False, hooks=hooks, check_finite=False)
+
+
+def _check_finite(model, stream_norm: torch.Tensor, mask: torch.Tensor) -> None:
+    """NaN/inf anywhere in a real token's stream makes its norm non-finite: refuse, naming the site."""
+    bad = ~torch.isfinite(stream_norm) & mask.to(stream_norm.device)[None]
+    if bool(bad.any()):
+        per_site = bad.flatten(1).any(1)
+        s = int(per_site.nonzero()[0, 0])
+        rows = bad[s].any(-1).nonzero().flatten().tolist()
+        raise NonFiniteActivationError(
+            f"NaN/inf in the residual stream first at site {model.labels[s]} (batch rows {rows}); "
+            f"contribution norms are undefined there"
+        )
 
 
 def _undefined(metrics: dict[str, torch.Tensor], reader: _Reader) -> torch.Tensor:
@@ -368,6 +403,12 @@ def _batches(model, inputs, batch_size, window, max_tokens):
     if batch_size <= 0:
         raise InputError(f"batch_size must be positive, got {batch_size}")
     return _limited(token_batches(model, inputs, batch_size=batch_size, window=window), max_tokens)
+
+
+def _sample(resid: torch.Tensor, mask: torch.Tensor, n: int = 64) -> torch.Tensor:
+    """Up to ``n`` real tokens' streams at every site, [S, n, D], to verify the norms against."""
+    b, p = mask.nonzero(as_tuple=True)
+    return resid[:, b[:n], p[:n]]
 
 
 def _check_model(model) -> None:
@@ -421,12 +462,14 @@ def contribution_norms(
 
         it = tqdm(it, desc="norms", unit="batch")
     for batch in it:
-        rs = model.residual_stream(batch.ids, mask=batch.mask, return_logits=False, hooks=hooks)
+        rs = _stream(model, batch, hooks)
         resid, mask = rs.resid, rs.mask.to(rs.resid.device)
         if reader is None:
-            first_real = resid[:, mask].reshape(S, -1, resid.shape[-1])[:, :64]
-            reader = _readers(model, first_real)
+            reader = _readers(model, _sample(resid, mask))
         m = _chunked_metrics(resid, reader, model.n_layers)
+        _check_finite(model, m["stream_norm"], mask)
+        rs.resid = None  # free the big tensor before the next forward
+        del resid
         B, P = mask.shape
         pos = torch.arange(P, device=mask.device)
         groups = torch.stack([mask & (pos >= 1), mask & (pos == 0)], 0)  # [G, B, P]
@@ -512,11 +555,12 @@ def norms_by_position(
     sf = site_frame(range(S), model.n_layers)
     tok = model.tokenizer
     for batch in _batches(model, inputs, batch_size, window, max_tokens):
-        rs = model.residual_stream(batch.ids, mask=batch.mask, return_logits=False, hooks=hooks)
+        rs = _stream(model, batch, hooks)
         resid, mask = rs.resid, rs.mask
         if reader is None:
-            reader = _readers(model, resid[:, mask.to(resid.device)].reshape(S, -1, resid.shape[-1])[:, :64])
+            reader = _readers(model, _sample(resid, mask.to(resid.device)))
         m = _chunked_metrics(resid, reader, model.n_layers)
+        _check_finite(model, m["stream_norm"], mask)
         mask = mask.cpu()
         for b in range(mask.shape[0]):
             n = int(mask[b].sum())
