@@ -369,3 +369,141 @@ def test_growth_fit_recovers_a_known_rate():
     df = pd.DataFrame({"sublayer": "mlp", "depth": depth, "stream_norm": 3.0 * 1.25**depth})
     fit = fit_growth_rate(df)
     assert fit["rate"] == pytest.approx(1.25) and fit["intercept"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- per-head writes
+def _explicit_head_writes(hm, texts):
+    """Per-head writes materialised the plain way: o_proj input split by head times W_O's columns."""
+    from depthscope.analyses.heads import _OUT_PROJ
+
+    ids, mask = hm.tokenize(texts)
+    z, out = {}, {}
+    hs = []
+    for l, attn in enumerate(hm.arch.attn):
+        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+        hs.append(proj.register_forward_pre_hook(lambda m, a, l=l: z.__setitem__(l, a[0].detach().double())))
+        hs.append(proj.register_forward_hook(lambda m, a, o, l=l: out.__setitem__(l, o.detach().double())))
+    try:
+        with torch.no_grad():
+            hm.hf_model(input_ids=ids, attention_mask=mask.long())
+    finally:
+        for h in hs:
+            h.remove()
+    H = hm.hf_model.config.num_attention_heads
+    writes = []
+    for l, attn in enumerate(hm.arch.attn):
+        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+        W = proj.weight.detach().double()
+        W = W.T if type(proj).__name__ == "Conv1D" else W  # [D, H*dh]
+        dh = W.shape[1] // H
+        per = torch.stack([z[l][..., h * dh:(h + 1) * dh] @ W[:, h * dh:(h + 1) * dh].T for h in range(H)], -2)
+        writes.append(per)  # [B, P, H, D]
+    return writes, out, mask.numpy()
+
+
+def _explicit_values(hm, texts):
+    """Value vectors per query head [B, P, H, dh], read off each family's value projection."""
+    ids, mask = hm.tokenize(texts)
+    cfg = hm.hf_model.config
+    H = cfg.num_attention_heads
+    vals, hs = {}, []
+
+    def keep(l, fn):
+        return lambda m, a, o: vals.__setitem__(l, fn(o.detach().double()))
+
+    for l, attn in enumerate(hm.arch.attn):
+        if hm.arch.family == "llama":
+            kv = cfg.num_key_value_heads
+            hs.append(attn.v_proj.register_forward_hook(keep(l, lambda o: o.reshape(*o.shape[:2], kv, -1).repeat_interleave(H // kv, 2))))
+        elif hm.arch.family == "gpt2":
+            hs.append(attn.c_attn.register_forward_hook(keep(l, lambda o: o[..., 2 * o.shape[-1] // 3:].reshape(*o.shape[:2], H, -1))))
+        else:
+            hs.append(attn.query_key_value.register_forward_hook(keep(l, lambda o: o.reshape(*o.shape[:2], H, -1)[..., 2 * o.shape[-1] // (3 * H):])))
+    try:
+        with torch.no_grad():
+            hm.hf_model(input_ids=ids, attention_mask=mask.long())
+    finally:
+        for h in hs:
+            h.remove()
+    return vals
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_head_write_norms_match_explicit_heads(tiny_factory, docs, family):
+    from depthscope.analyses.heads import head_write_norms
+
+    hm = tiny_factory(family, seed=7)
+    texts = docs[:3]
+    df = head_write_norms(hm, texts)
+    writes, out, mask = _explicit_head_writes(hm, texts)
+    rest = mask & (np.arange(mask.shape[1]) >= 1)
+    got = df[df["positions"] == "rest"].sort_values(["layer", "head"])
+    for l, w in enumerate(writes):
+        norms = w.norm(dim=-1).numpy()  # [B, P, H]
+        part = got[got["layer"] == l]
+        np.testing.assert_allclose(part["write_norm"], norms[rest].mean(0), rtol=1e-4)
+        share = norms / norms.sum(-1, keepdims=True)
+        np.testing.assert_allclose(part["write_share"], share[rest].mean(0), rtol=1e-4)
+        coh = w.sum(-2).norm(dim=-1).numpy() / norms.sum(-1)
+        np.testing.assert_allclose(part["heads_coherence"], coh[rest].mean(), rtol=1e-4)
+        np.testing.assert_allclose(part["attn_write_norm"], out[l].norm(dim=-1).numpy()[rest].mean(), rtol=1e-4)
+    assert (df["label"].str.endswith(".attn")).all() and set(df["positions"]) == {"rest", "first"}
+
+
+def test_head_writes_real_model(default_model, docs):
+    from depthscope.analyses.heads import head_write_norms
+
+    df = head_write_norms(default_model, docs[10:12])
+    assert len(df) == 2 * 30 * 9
+    rest = df[df["positions"] == "rest"]
+    # triangle inequality: the sublayer's write is at most the sum of its heads' writes
+    per_layer = rest.groupby("layer").agg(s=("write_norm", "sum"), a=("attn_write_norm", "first"), c=("heads_coherence", "first"))
+    assert (per_layer["a"] <= per_layer["s"] * (1 + 1e-6)).all()
+    assert ((per_layer["c"] > 0) & (per_layer["c"] <= 1 + 1e-6)).all()
+    shares = rest.groupby("layer")["write_share"].sum()
+    np.testing.assert_allclose(shares, 1.0, rtol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_norm_weighted_attention(tiny_factory, family):
+    from depthscope.analyses.heads import norm_weighted_attention
+
+    hm = tiny_factory(family, seed=8)
+    before = hm.hf_model.config._attn_implementation
+    text = "The capital of France is Paris."
+    df = norm_weighted_attention(hm, text)
+    assert hm.hf_model.config._attn_implementation == before  # restored
+    P = hm.tokenize([text])[0].shape[1]
+    H = hm.hf_model.config.num_attention_heads
+    assert len(df) == hm.n_layers * H * P * (P + 1) // 2
+    sums = df.groupby(["layer", "head", "query"])["weight"].sum()
+    np.testing.assert_allclose(sums, 1.0, rtol=1e-5)  # causal softmax over keys j <= i
+    np.testing.assert_allclose(df["norm_weighted"], df["weight"] * df["value_norm"], rtol=1e-12)
+    # sum_j a_ij f(x_j), rebuilt from the table's weights and values read off the value projection,
+    # equals each head's write computed from the output projection's input
+    writes, _, _ = _explicit_head_writes(hm, [text])
+    vals = _explicit_values(hm, [text])
+    from depthscope.analyses.heads import _OUT_PROJ
+
+    for l, attn in enumerate(hm.arch.attn):
+        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+        W = proj.weight.detach().double()
+        W = W.T if type(proj).__name__ == "Conv1D" else W
+        dh = W.shape[1] // H
+        f = torch.stack([vals[l][0, :, h] @ W[:, h * dh:(h + 1) * dh].T for h in range(H)], 1)  # [P, H, D]
+        part = df[df["layer"] == l]
+        np.testing.assert_allclose(part["value_norm"], f.norm(dim=-1).numpy()[part["key"], part["head"]], rtol=1e-4)
+        a = torch.zeros(H, P, P, dtype=torch.float64)
+        idx = [torch.from_numpy(part[c].to_numpy().copy()) for c in ("head", "query", "key")]
+        a[idx[0], idx[1], idx[2]] = torch.from_numpy(part["weight"].to_numpy(dtype=np.float64, copy=True))
+        rebuilt = torch.einsum("hij,jhd->ihd", a, f)
+        assert torch.allclose(rebuilt, writes[l][0], rtol=1e-4, atol=1e-5 * writes[l].abs().max())
+    with pytest.raises(InputError):
+        norm_weighted_attention(hm, "")
+
+
+def test_heads_refuse_post_norm(tiny_factory):
+    from depthscope.analyses.heads import head_write_norms
+
+    with pytest.raises(UnsupportedArchitecture, match="post-norm"):
+        head_write_norms(tiny_factory("bert"), ["some text"])

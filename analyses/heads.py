@@ -1,0 +1,332 @@
+"""Per-head attention writes and norm-weighted attention (Kobayashi et al. 2020).
+
+An attention sublayer's write is a sum over heads: ``u_attn = sum_h W_O^h z_h + b_O`` with
+``z_h(i) = sum_j a^h_ij v^h_j`` the head's output before the output projection. So
+
+* :func:`head_write_norms` measures ``||W_O^h z_h(i)|| = ||sum_j a^h_ij f_h(x_j)||`` per head over
+  a dataset (``f_h(x_j) = W_O^h v^h_j``), streamed like
+  :func:`~depthscope.analyses.norms.contribution_norms` (one row per ``(layer, head,
+  positions)``, the first position apart);
+* :func:`norm_weighted_attention` gives, for one text, every head's attention weight
+  ``a^h_ij`` next to the norm of what it moves, ``||f_h(x_j)||``, and their product
+  ``||a^h_ij f_h(x_j)||`` (Kobayashi, Kuribayashi, Yokoi and Inui 2020, "Attention is not only a
+  weight"), which discounts attention paid to tokens that carry little (e.g. a sink with a tiny
+  value vector).
+
+Both read the input of the attention's output projection (``o_proj`` / ``c_proj`` / ``dense``)
+with plain forward hooks, and use ``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram
+matrices, so the per-head writes never materialise ``[tokens, heads, d_model]``. Every call checks
+that the heads sum (with the output bias) to the attention module's own output. Value vectors
+(needed only by :func:`norm_weighted_attention`) are read for Llama-style (``v_proj``), GPT-2
+(``c_attn``) and GPT-NeoX (``query_key_value``) attention; other layouts are refused. Post-norm
+encoders (BERT) are refused: their heads' writes pass through a LayerNorm before the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from depthscope.hooks.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.sites import site_frame
+
+from .norms import POSITION_GROUPS, _batches
+
+__all__ = ["head_write_norms", "norm_weighted_attention"]
+
+_OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
+
+
+@dataclass
+class _HeadSpec:
+    out_proj: list  # per layer: the output projection module
+    W: list  # per layer: [D, H*dh] float32 (x -> x @ W.T is the projection without bias)
+    bias: list  # per layer: [D] or None
+    gram: list  # per layer: [H, dh, dh]
+    n_heads: int
+    head_dim: int
+
+
+def _n_heads(model) -> int:
+    cfg = model.hf_model.config
+    for key in ("num_attention_heads", "n_head", "num_heads"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise UnsupportedArchitecture(f"{model.name}: cannot find the number of attention heads in its config")
+
+
+def _weight(proj) -> torch.Tensor:
+    """[out, in] matrix of a Linear or a GPT-2 Conv1D (whose weight is [in, out])."""
+    w = proj.weight.detach()
+    if type(proj).__name__ == "Conv1D":
+        w = w.T
+    return w
+
+
+def _spec(model) -> _HeadSpec:
+    if model.arch.layout == "post_norm":
+        raise UnsupportedArchitecture(
+            f"{model.name} is a post-norm encoder: each attention output passes a LayerNorm before it "
+            f"joins the stream, so per-head writes into the stream are not defined"
+        )
+    H = _n_heads(model)
+    projs, Ws, biases, grams = [], [], [], []
+    for layer, attn in enumerate(model.arch.attn):
+        proj = None
+        for name in _OUT_PROJ:
+            m = getattr(attn, name, None)
+            if isinstance(m, nn.Module) and hasattr(m, "weight"):
+                proj = m
+                break
+        if proj is None:
+            raise UnsupportedArchitecture(
+                f"{model.name}: attention of layer {layer} ({type(attn).__name__}) has no output projection "
+                f"named {_OUT_PROJ}; per-head writes need it"
+            )
+        W = _weight(proj).float()
+        if W.shape[0] != model.d_model or W.shape[1] % H:
+            raise UnsupportedArchitecture(f"{model.name}: output projection of layer {layer} has shape {tuple(W.shape)}")
+        dh = W.shape[1] // H
+        Wh = W.reshape(model.d_model, H, dh)  # columns of head h: h*dh..(h+1)*dh
+        grams.append(torch.einsum("dhk,dhl->hkl", Wh, Wh))
+        projs.append(proj)
+        Ws.append(W)
+        b = getattr(proj, "bias", None)
+        biases.append(None if b is None else b.detach().float())
+    return _HeadSpec(projs, Ws, biases, grams, H, Ws[0].shape[1] // H)
+
+
+def _head_norms(z: torch.Tensor, gram: torch.Tensor, H: int) -> torch.Tensor:
+    """||W_O^h z_h|| per head: z [B, P, H*dh] -> [B, P, H] (via the Gram matrices)."""
+    zh = z.float().reshape(*z.shape[:-1], H, -1)
+    sq = torch.einsum("bphk,hkl,bphl->bph", zh, gram.to(zh.device), zh)
+    return sq.clamp_min(0).sqrt()
+
+
+@contextlib.contextmanager
+def _capture_out_proj_inputs(spec: _HeadSpec, store: dict):
+    handles = []
+    try:
+        for layer, proj in enumerate(spec.out_proj):
+            def pre(mod, args, layer=layer):
+                store.setdefault("z", {})[layer] = args[0]
+
+            def post(mod, args, out, layer=layer):
+                store.setdefault("out", {})[layer] = out[0] if isinstance(out, tuple) else out
+
+            handles.append(proj.register_forward_pre_hook(pre))
+            handles.append(proj.register_forward_hook(post))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _check_heads_sum(spec: _HeadSpec, layer: int, z: torch.Tensor, out: torch.Tensor) -> None:
+    recon = z.float() @ spec.W[layer].to(z.device).T
+    if spec.bias[layer] is not None:
+        recon = recon + spec.bias[layer].to(z.device)
+    err = float((recon - out.float()).abs().max() / out.float().abs().max().clamp_min(1e-12))
+    if not err <= 1e-4:
+        raise UnsupportedArchitecture(
+            f"the heads of layer {layer} do not sum to the attention output (relative error {err:.1e}): "
+            f"the output projection is not a plain linear map of the concatenated heads"
+        )
+
+
+def head_write_norms(
+    model,
+    inputs,
+    *,
+    batch_size: int = 4,
+    window: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+) -> pd.DataFrame:
+    """Per-head attention write norms over a dataset, streamed in bounded memory.
+
+    Returns one row per ``(layer, head, positions)`` (``positions`` in ``("rest", "first")`` as
+    in :func:`~depthscope.analyses.norms.contribution_norms`) with the shared site columns of the
+    layer's ``l.attn`` site, ``head``, ``n_tokens`` and the per-token means of
+
+    * ``write_norm``: ``||W_O^h z_h||``, the head's write (= ``||sum_j a_ij f_h(x_j)||``);
+    * ``write_share``: ``write_norm / sum_h' write_norm_h'`` (per token, then averaged);
+    * ``attn_write_norm``: ``||u_attn||`` of the whole sublayer (same on all heads of a layer);
+    * ``heads_coherence``: ``||sum_h W_O^h z_h|| / sum_h ||W_O^h z_h||`` (1: heads write in one
+      direction; small: they cancel), same on all heads of a layer.
+    """
+    spec = _spec(model)
+    L, H, S = model.n_layers, spec.n_heads, model.n_sites
+    G = len(POSITION_GROUPS)
+    sums = {k: torch.zeros(L, H, G, dtype=torch.float64) for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")}
+    n_tok = torch.zeros(G, dtype=torch.float64)
+    checked = False
+    for batch in _batches(model, inputs, batch_size, window, max_tokens):
+        store: dict = {}
+        with _capture_out_proj_inputs(spec, store):
+            model.residual_stream(batch.ids, mask=batch.mask, sites=[S - 1], return_logits=False)
+        mask = batch.mask.to(model.device)
+        P = mask.shape[1]
+        pos = torch.arange(P, device=mask.device)
+        groups = torch.stack([mask & (pos >= 1), mask & (pos == 0)], 0).double()  # [G, B, P]
+        n_tok += groups.sum((1, 2)).cpu()
+        for layer in range(L):
+            z, out = store["z"][layer], store["out"][layer]
+            if not checked:
+                _check_heads_sum(spec, layer, z[mask], out[mask])
+            hn = _head_norms(z, spec.gram[layer], H).double()  # [B, P, H]
+            tot = hn.sum(-1, keepdim=True)
+            share = torch.where(tot > 0, hn / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(hn))
+            heads_only = z.float() @ spec.W[layer].to(z.device).T  # the sum of the heads (no bias)
+            an = torch.linalg.vector_norm(out.float(), dim=-1).double()  # [B, P]
+            coh = torch.where(tot[..., 0] > 0, torch.linalg.vector_norm(heads_only, dim=-1).double() / torch.where(tot[..., 0] > 0, tot[..., 0], torch.ones_like(an)), torch.zeros_like(an))
+            sums["write_norm"][layer] += torch.einsum("gbp,bph->hg", groups, hn).cpu()
+            sums["write_share"][layer] += torch.einsum("gbp,bph->hg", groups, share).cpu()
+            sums["attn_write_norm"][layer] += torch.einsum("gbp,bp->g", groups, an).cpu()[None].expand(H, G)
+            sums["heads_coherence"][layer] += torch.einsum("gbp,bp->g", groups, coh).cpu()[None].expand(H, G)
+        checked = True
+    if float(n_tok.sum()) == 0:
+        raise InputError("empty input: no real tokens to measure")
+    frames = []
+    sf = site_frame([2 * l + 1 for l in range(L)], L)
+    for g, name in enumerate(POSITION_GROUPS):
+        f = sf.loc[sf.index.repeat(H)].reset_index(drop=True)
+        f["head"] = np.tile(np.arange(H), L)
+        f["positions"] = name
+        f["n_tokens"] = int(n_tok[g])
+        for k, v in sums.items():
+            f[k] = (v[:, :, g] / n_tok[g]).reshape(-1).numpy() if n_tok[g] > 0 else np.nan
+        frames.append(f)
+    df = pd.concat(frames, ignore_index=True)
+    df.attrs.update({"model": str(model.name), "n_heads": H, "head_dim": spec.head_dim})
+    return df
+
+
+# ----------------------------------------------------------------------------- Kobayashi
+def _value_hook(model, layer: int, attn: nn.Module, H: int, store: dict):
+    """Register a hook that stores the value vectors [B, P, H, dh] of ``layer`` (per query head)."""
+    fam = model.arch.family
+    if hasattr(attn, "v_proj"):
+        cfg = model.hf_model.config
+        n_kv = getattr(cfg, "num_key_value_heads", None) or H
+
+        def hook(mod, args, out):
+            v = out.reshape(*out.shape[:-1], n_kv, -1)
+            store[layer] = v.repeat_interleave(H // n_kv, dim=-2)
+
+        return attn.v_proj.register_forward_hook(hook)
+    if hasattr(attn, "c_attn") and fam == "gpt2":
+        def hook(mod, args, out):
+            d = out.shape[-1] // 3
+            store[layer] = out[..., 2 * d :].reshape(*out.shape[:-1], H, -1)
+
+        return attn.c_attn.register_forward_hook(hook)
+    if hasattr(attn, "query_key_value") and fam == "gpt_neox":
+        def hook(mod, args, out):
+            qkv = out.reshape(*out.shape[:-1], H, -1)
+            store[layer] = qkv[..., 2 * qkv.shape[-1] // 3 :]
+
+        return attn.query_key_value.register_forward_hook(hook)
+    raise UnsupportedArchitecture(
+        f"{model.name}: norm-weighted attention needs the value vectors; supported: Llama-style v_proj, "
+        f"GPT-2 c_attn, GPT-NeoX query_key_value (got {type(attn).__name__})"
+    )
+
+
+@contextlib.contextmanager
+def _eager_attention(hf_model):
+    """Temporarily compute attention explicitly so its weights are returned."""
+    cfg = hf_model.config
+    old = getattr(cfg, "_attn_implementation", None)
+    if old == "eager":
+        yield
+        return
+    if not hasattr(hf_model, "set_attn_implementation"):
+        raise UnsupportedArchitecture("this transformers model cannot switch to eager attention")
+    hf_model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(old)
+
+
+def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]] = None) -> pd.DataFrame:
+    """Attention weights and norm-weighted attention of every head for one text.
+
+    One row per ``(layer, head, query i, key j <= i)`` with ``query_token, key_token``,
+    ``weight`` (``a^h_ij``), ``value_norm`` (``||f_h(x_j)|| = ||W_O^h v^h_j||``) and
+    ``norm_weighted`` (``a^h_ij ||f_h(x_j)||``), plus the shared site columns of ``l.attn``.
+    The heads' outputs rebuilt from these weights and values are checked against the output
+    projection's input (and the heads' sum against the module's output) on every call.
+    """
+    if not isinstance(text, str) or not text:
+        raise InputError("norm_weighted_attention takes one non-empty text")
+    spec = _spec(model)
+    H, L = spec.n_heads, model.n_layers
+    layers = list(range(L)) if layers is None else [int(l) for l in layers]
+    if any(not 0 <= l < L for l in layers):
+        raise InputError(f"layers must be in 0..{L - 1}")
+    ids, mask = model.tokenize([text])
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    values: dict = {}
+    weights: dict = {}
+    store: dict = {}
+    handles = []
+    try:
+        for l in layers:
+            attn = model.arch.attn[l]
+            handles.append(_value_hook(model, l, attn, H, values))
+            handles.append(attn.register_forward_hook(
+                lambda mod, args, out, l=l: weights.__setitem__(l, out[1] if isinstance(out, tuple) and len(out) > 1 else None)))
+        with _eager_attention(model.hf_model), _capture_out_proj_inputs(spec, store), torch.no_grad():
+            model.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    P = ids.shape[1]
+    toks = [model.tokenizer.decode([int(t)]) for t in ids[0]] if model.tokenizer is not None else [str(int(t)) for t in ids[0]]
+    qi, kj = np.tril_indices(P)
+    frames = []
+    sf = site_frame([2 * l + 1 for l in layers], L).set_index("layer", drop=False)
+    for l in layers:
+        a = weights.get(l)
+        if a is None:
+            raise UnsupportedArchitecture(f"{model.name}: attention of layer {l} did not return its weights under eager attention")
+        a = a[0].float()  # [H, P, P]
+        v = values[l][0].float()  # [P, H, dh]
+        z = torch.einsum("hij,jhk->ihk", a, v).reshape(P, -1)  # rebuilt head outputs
+        zt = store["z"][l][0].float()
+        err = float((z - zt).abs().max() / zt.abs().max().clamp_min(1e-12))
+        if not err <= 1e-3:
+            raise UnsupportedArchitecture(
+                f"layer {l}: attention weights x values do not rebuild the heads' outputs (relative error {err:.1e})"
+            )
+        _check_heads_sum(spec, l, store["z"][l][0], store["out"][l][0])
+        vn = _head_norms(v.reshape(1, P, -1), spec.gram[l], H)[0]  # [P(j), H]
+        w = a[:, qi, kj].T.numpy()  # [pairs, H]
+        vnj = vn[kj].numpy()
+        f = pd.DataFrame(
+            {
+                "head": np.tile(np.arange(H), len(qi)),
+                "query": np.repeat(qi, H),
+                "key": np.repeat(kj, H),
+                "weight": w.reshape(-1),
+                "value_norm": vnj.reshape(-1),
+            }
+        )
+        f["norm_weighted"] = f["weight"] * f["value_norm"]
+        f["query_token"] = np.array(toks, dtype=object)[f["query"].to_numpy()]
+        f["key_token"] = np.array(toks, dtype=object)[f["key"].to_numpy()]
+        for c in ("site", "label", "layer", "sublayer", "depth"):
+            f.insert(0 if c == "site" else list(f.columns).index("head"), c, sf.loc[l, c])
+        frames.append(f)
+    df = pd.concat(frames, ignore_index=True)
+    df = df[["site", "label", "layer", "sublayer", "depth", "head", "query", "query_token", "key", "key_token", "weight", "value_norm", "norm_weighted"]]
+    df.attrs.update({"model": str(model.name), "text": text})
+    return df
