@@ -1,0 +1,500 @@
+"""The logit lens at every residual site, streamed over whole datasets.
+
+Each site's stream (embedding, after every attention sublayer, after every MLP sublayer) is
+decoded the way the model decodes its last stream: the model's own final norm, recomputed on
+that site's stream, then the unembedding (with any bias, logit scale or soft-capping the
+architecture has). The last site therefore reproduces the model's own logits, so its KL to the
+final distribution is 0 and its cross-entropy is the model's own.
+
+>>> from depthscope.analyses import logit_lens, logit_lens_tokens
+>>> df = logit_lens(model, ["The cat sat on the mat.", "Another document."])
+>>> df[["label", "depth", "kl_to_final", "cross_entropy", "top1_agreement"]]
+>>> tok = logit_lens_tokens(model, "The capital of France is")   # per position x site, top-k
+
+Metrics (natural-log units) for a site ``s`` at a position with final distribution ``p`` (the
+model's own next-token distribution) and lens distribution ``q_s``:
+
+* ``kl_to_final`` = KL(p || q_s) = sum_v p_v (log p_v - log q_s,v)
+* ``cross_entropy`` = -log q_s(next token), at positions that have a next token in their window
+* ``entropy`` = -sum_v q_s,v log q_s,v
+* ``top1_agreement`` = [argmax q_s == argmax p] (tie-aware: the final top-1 token holds the
+  lens's largest logit)
+* ``top1_accuracy`` = [no logit is strictly greater than the next token's] (``target_rank == 0``)
+* ``target_rank`` = number of vocabulary items whose lens logit is strictly greater than the
+  next token's (0 = the lens's top prediction); ``target_log_rank`` = mean log10(1 + rank), a
+  summary less dominated by a few very large ranks.
+
+Streaming: inputs go through :func:`depthscope.analyses.text.token_batches` (documents longer
+than the window are split into windows; each window starts a fresh context, and the last
+position of a window has no next-token target). Each forward captures all sites at once;
+positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
+``[chunk * sites, d] @ [d, vocab]`` matmul into reused buffers, and reduced at once to per-site
+sums (float64). Memory is bounded by ``max_batch_tokens`` (activations of one forward) and
+``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers), never by the corpus length.
+
+Position 0 of every window: included by default (``first_position=True``), because the issue's
+metrics are over all real positions. Without a BOS token (SmolLM2's tokenizer adds none) position
+0 is the first word and its prediction is nearly unconditional; its stream is also the
+attention sink with outsized norms. Pass ``first_position=False`` to exclude it everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from depthscope.hooks.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.sites import parse_sites, site_frame
+
+__all__ = ["logit_lens", "logit_lens_tokens", "check_decodable", "lens_batches", "DEFAULT_ROW_BUDGET"]
+
+#: decoded rows (token x site pairs) per chunk when ``token_chunk`` is not given; two float32
+#: buffers of ``rows x vocab`` are kept (2 x 512 x 49152 x 4 B = 200 MB for SmolLM2).
+DEFAULT_ROW_BUDGET = 512
+
+METRICS = ["kl_to_final", "cross_entropy", "entropy", "top1_agreement", "top1_accuracy", "target_rank", "target_log_rank"]
+_ALL_POSITIONS = {"kl_to_final", "entropy", "top1_agreement"}  # the others need a next token
+
+
+# ----------------------------------------------------------------------------- checks
+def check_decodable(model) -> None:
+    """Refuse a model whose output is not ``final norm -> unembedding`` (the logit lens needs it)."""
+    arch = model.arch
+    cls = type(model.hf_model).__name__
+    if not getattr(model, "is_decoder", True) or arch.head is not None:
+        raise UnsupportedArchitecture(
+            f"{model.name} ({cls}) is a {arch.layout} encoder: its output is not final norm -> "
+            f"unembedding (an MLM head, or no head at all), and it has no next-token distribution, "
+            f"so the logit lens does not apply. Use a decoder (Llama, GPT-2, GPT-NeoX, ...)."
+        )
+    if arch.unembed is None or arch.final_norm is None:
+        missing = "unembedding (LM head)" if arch.unembed is None else "final norm"
+        raise UnsupportedArchitecture(
+            f"{model.name} ({cls}) has no {missing}: its output is not final norm -> unembedding, so "
+            f"the logit lens does not apply. Load the model with its LM head (e.g. *ForCausalLM)."
+        )
+
+
+# ----------------------------------------------------------------------------- batching
+@dataclass
+class _Batch:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    doc_index: list
+    window_index: list
+
+
+def lens_batches(
+    model,
+    inputs,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    batch_size: int = 8,
+    window: Optional[int] = None,
+    max_batch_tokens: int = 2048,
+) -> Iterator[_Batch]:
+    """``token_batches`` further split so that no forward holds more than ``max_batch_tokens``
+    padded tokens (rows x width), whatever the document lengths. Padding is trimmed per split."""
+    from depthscope.analyses.text import token_batches
+
+    if batch_size < 1:
+        raise InputError("batch_size must be at least 1")
+    for tb in token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask):
+        n = tb.ids.shape[0]
+        lengths = tb.mask.sum(1)
+        start = 0
+        while start < n:
+            stop = start + 1
+            width = int(lengths[start])
+            while stop < n:
+                w2 = max(width, int(lengths[stop]))
+                if (stop - start + 1) * w2 > max_batch_tokens:
+                    break
+                width = w2
+                stop += 1
+            yield _Batch(
+                tb.ids[start:stop, :width],
+                tb.mask[start:stop, :width],
+                tb.doc_index[start:stop],
+                tb.window_index[start:stop],
+            )
+            start = stop
+
+
+# ----------------------------------------------------------------------------- decoding
+def _unembed_into(model, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``model.unembed(x)`` written into ``out`` (no fresh [rows, vocab] allocation).
+
+    Mirrors ``HookedModel.unembed``: linear map (+ bias), then logit scale, then soft-capping.
+    """
+    arch = model.arch
+    lin = arch.unembed
+    if isinstance(lin, nn.Linear):
+        if lin.bias is not None:
+            torch.addmm(lin.bias, x, lin.weight.t(), out=out)
+        else:
+            torch.mm(x, lin.weight.t(), out=out)
+        if arch.logit_scale is not None:
+            out.mul_(arch.logit_scale)
+        if arch.softcap:
+            c = float(arch.softcap)
+            out.div_(c).tanh_().mul_(c)
+    else:  # an unusual head module: let the model compute it, then copy
+        out.copy_(model.unembed(x))
+    return out
+
+
+class _Decoder:
+    """Decodes chunks of ``[tokens, sites, d]`` streams into per-row metrics, reusing two
+    ``[rows, vocab]`` buffers for every chunk."""
+
+    def __init__(self, model, max_rows: int):
+        self.model = model
+        self.V = model.vocab_size
+        dt = torch.float32
+        self.Z = torch.empty(max_rows, self.V, dtype=dt, device=model.device)
+        self.B = torch.empty(max_rows, self.V, dtype=dt, device=model.device)
+
+    def final(self, logits: torch.Tensor):
+        """Per-token reference: log-probs, probs, sum p log p, argmax of the model's own logits."""
+        logits = logits.float()
+        lp = torch.log_softmax(logits, -1)
+        p = lp.exp()
+        neg_h = (p * lp).sum(-1)  # sum_v p log p
+        return p, neg_h, logits.argmax(-1)
+
+    def run(self, xs: torch.Tensor, p: torch.Tensor, neg_hp: torch.Tensor, final_top: torch.Tensor,
+            targets: torch.Tensor, *, topk: int = 0) -> dict:
+        """``xs``: [C, S, d] streams (translated if a tuned lens is used); returns [C, S] tensors."""
+        model = self.model
+        C, S, d = xs.shape
+        R, V = C * S, self.V
+        Z, B = self.Z[:R], self.B[:R]
+        x = model.final_norm(xs.reshape(R, d))
+        _unembed_into(model, x, Z)
+        tgt = targets.repeat_interleave(S).unsqueeze(1)  # [R, 1]
+        out = {}
+        # agreement: the final top-1 token holds the lens's largest logit (amax is a cheap
+        # vectorised pass; argmax is not, and the aggregate needs no lens token id)
+        z_final_top = Z.gather(1, final_top.repeat_interleave(S).unsqueeze(1)).view(C, S)
+        out["top1_agreement"] = z_final_top >= Z.amax(-1).view(C, S)
+        zt = Z.gather(1, tgt)
+        torch.gt(Z, zt, out=B)
+        out["target_rank"] = B.sum(-1).view(C, S)  # exact in float32 (< 2^24)
+        torch.log_softmax(Z, -1, out=B)  # B = log q
+        out["target_logprob"] = B.gather(1, tgt).view(C, S)
+        if topk:
+            vals, ids = B.topk(topk, dim=-1)
+            out["topk_logprob"] = vals.view(C, S, topk)
+            out["topk_id"] = ids.view(C, S, topk)
+            out["top1_id"] = out["topk_id"][..., 0]
+        # q in place of the logits (softmax's vectorised exp is ~2x faster than torch.exp; the
+        # kernel is elementwise per row, and tests check q against an independent reference)
+        torch.softmax(Z, -1, out=Z)
+        # row-wise dot products as multiply + sum: torch's sum is a cascade (pairwise) reduction,
+        # accurate to ~1e-7 relative; bmm/mm dots over 49k terms err by up to 1e-4 relative.
+        torch.mul(Z, B, out=Z)
+        out["entropy"] = -Z.sum(-1).view(C, S)
+        torch.mul(B.view(C, S, V), p.unsqueeze(1), out=B.view(C, S, V))
+        p_logq = B.sum(-1).view(C, S)
+        out["kl_to_final"] = neg_hp.unsqueeze(1) - p_logq
+        return out
+
+
+def _token_chunk(token_chunk: Optional[int], n_sites: int) -> int:
+    if token_chunk is None:
+        return max(1, DEFAULT_ROW_BUDGET // n_sites)
+    if token_chunk < 1:
+        raise InputError("token_chunk must be at least 1")
+    return int(token_chunk)
+
+
+def _resolve_sites(model, sites, lens):
+    if lens is not None:
+        lens.check(model)
+        if sites is None:
+            return list(lens.sites)
+        wanted = parse_sites(sites, model.n_layers)
+        missing = [model.labels[s] for s in wanted if s not in lens.sites]
+        if missing:
+            raise InputError(f"the tuned lens has no translator for sites {missing}; it covers {lens.site_labels}")
+        return wanted
+    try:
+        return parse_sites(sites, model.n_layers)
+    except (KeyError, IndexError) as e:
+        raise InputError(str(e).strip("'\"")) from None
+
+
+def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
+    """Flat (row, pos) of the positions used, and their next-token targets (-1 if none)."""
+    sel = mask.clone()
+    if not first_position:
+        sel[:, 0] = False
+    b_idx, t_idx = sel.nonzero(as_tuple=True)
+    T = ids.shape[1]
+    nxt = (t_idx + 1).clamp(max=T - 1)
+    has_next = (t_idx + 1 < T) & mask[b_idx, nxt]
+    targets = torch.where(has_next, ids[b_idx, nxt], torch.full_like(t_idx, -1))
+    return b_idx, t_idx, targets
+
+
+def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_batch_tokens, token_chunk,
+                 first_position, topk=0, timings=None, target_fn=None, max_tokens=None):
+    """Yield (batch, rs, b_idx, t_idx, targets, chosen targets, metrics) per chunk of positions."""
+    S = len(sites)
+    C = _token_chunk(token_chunk, S)
+    if max_tokens is not None and max_tokens < 1:
+        raise InputError("max_tokens must be at least 1")
+    dec = _Decoder(model, C * S)
+    t_fwd = t_dec = 0.0
+    used = 0
+    with torch.inference_mode():
+        for batch in lens_batches(model, inputs, mask=mask, batch_size=batch_size, window=window,
+                                  max_batch_tokens=max_batch_tokens):
+            if max_tokens is not None:
+                if used >= max_tokens:
+                    break
+                # forward only the windows that can still contribute
+                per_row = batch.mask.sum(1) - (0 if first_position else 1)
+                keep = int((per_row.cumsum(0) < (max_tokens - used)).sum()) + 1
+                batch = _Batch(batch.ids[:keep], batch.mask[:keep], batch.doc_index[:keep], batch.window_index[:keep])
+            t0 = time.perf_counter()
+            rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites)
+            t1 = time.perf_counter()
+            ids, m = rs.input_ids, rs.mask
+            b_all, t_all, tg_all = _positions(ids, m, first_position)
+            if max_tokens is not None:
+                b_all, t_all, tg_all = (v[: max_tokens - used] for v in (b_all, t_all, tg_all))
+                used += len(b_all)
+            for start in range(0, len(b_all), C):
+                bi, ti = b_all[start:start + C], t_all[start:start + C]
+                targets = tg_all[start:start + C]
+                p, neg_hp, final_top = dec.final(rs.logits[bi, ti])
+                chosen = targets if target_fn is None else target_fn(targets, final_top)
+                xs = rs.resid[:, bi, ti]  # [S, c, d]
+                if lens is not None:
+                    xs = lens.translate(xs, sites)
+                xs = xs.transpose(0, 1).contiguous()  # [c, S, d]
+                met = dec.run(xs, p, neg_hp, final_top, chosen.clamp(min=0), topk=topk)
+                met["final_top1_id"] = final_top
+                yield batch, rs, bi, ti, targets, chosen, met
+            t_dec += time.perf_counter() - t1
+            t_fwd += t1 - t0
+    if timings is not None:
+        timings["forward_s"] = timings.get("forward_s", 0.0) + t_fwd
+        timings["decode_s"] = timings.get("decode_s", 0.0) + t_dec
+
+
+# ----------------------------------------------------------------------------- dataset level
+@dataclass
+class _Sums:
+    n_sites: int
+    s: dict = field(default_factory=dict)
+    ss: dict = field(default_factory=dict)
+    n_all: int = 0
+    n_next: int = 0
+
+    def add(self, name: str, v: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
+        v = v.double()
+        if valid is not None:
+            v = v[valid]
+        if name not in self.s:
+            self.s[name] = torch.zeros(self.n_sites, dtype=torch.float64)
+            self.ss[name] = torch.zeros(self.n_sites, dtype=torch.float64)
+        self.s[name] += v.sum(0).cpu()
+        self.ss[name] += (v * v).sum(0).cpu()
+
+    def mean_std(self, name: str, n: int):
+        if n == 0:
+            nan = np.full(self.n_sites, np.nan)
+            return nan, nan
+        mean = (self.s[name] / n).numpy()
+        var = (self.ss[name] / n).numpy() - mean**2
+        return mean, np.sqrt(np.clip(var, 0.0, None))
+
+
+def logit_lens(
+    model,
+    inputs: Union[torch.Tensor, Sequence[str], str],
+    *,
+    lens=None,
+    sites=None,
+    mask: Optional[torch.Tensor] = None,
+    batch_size: int = 8,
+    window: Optional[int] = None,
+    max_batch_tokens: int = 2048,
+    token_chunk: Optional[int] = None,
+    first_position: bool = True,
+    max_tokens: Optional[int] = None,
+    timings: Optional[dict] = None,
+) -> pd.DataFrame:
+    """Dataset-level logit lens: one row per site with the means of every metric.
+
+    ``inputs``: a LongTensor ``[batch, pos]`` (optional boolean ``mask``), a list of documents,
+    or one string. ``lens``: a :class:`~depthscope.analyses.tuned_lens.TunedLens` to translate
+    each site's stream before decoding (default: the plain logit lens). ``sites``: indices,
+    labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites).
+
+    Returns columns ``site, label, layer, sublayer, depth, lens``, then for each metric in
+    ``kl_to_final, cross_entropy, entropy, top1_agreement, top1_accuracy, target_rank,
+    target_log_rank`` its mean over positions and ``<metric>_std`` (population std), then
+    ``n_positions`` (positions used by kl/entropy/agreement) and ``n_next`` (positions with a
+    next token, used by cross_entropy/accuracy/rank). ``max_tokens`` stops after that many
+    positions (in input order). ``timings`` (a dict) receives the seconds
+    spent in forward passes (``forward_s``) and in decoding + metrics (``decode_s``).
+    """
+    check_decodable(model)
+    sites = _resolve_sites(model, sites, lens)
+    S = len(sites)
+    acc = _Sums(S)
+    for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
+        model, inputs, mask=mask, sites=sites, lens=lens, batch_size=batch_size, window=window,
+        max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
+        timings=timings, max_tokens=max_tokens,
+    ):
+        valid = targets >= 0
+        acc.n_all += len(targets)
+        acc.n_next += int(valid.sum())
+        acc.add("kl_to_final", met["kl_to_final"])
+        acc.add("entropy", met["entropy"])
+        acc.add("top1_agreement", met["top1_agreement"])
+        rank = met["target_rank"]
+        acc.add("cross_entropy", -met["target_logprob"], valid)
+        acc.add("target_rank", rank, valid)
+        acc.add("target_log_rank", torch.log10(1.0 + rank.double()), valid)
+        acc.add("top1_accuracy", rank == 0, valid)
+    if acc.n_all == 0:
+        raise InputError("no positions to decode (every window has a single token and first_position=False?)")
+    df = site_frame(sites, model.n_layers)
+    df["lens"] = "logit" if lens is None else "tuned"
+    for name in METRICS:
+        n = acc.n_all if name in _ALL_POSITIONS else acc.n_next
+        mean, std = acc.mean_std(name, n)
+        df[name] = mean
+        df[name + "_std"] = std
+    df["n_positions"] = acc.n_all
+    df["n_next"] = acc.n_next
+    return df
+
+
+# ----------------------------------------------------------------------------- per token
+def _single_token(model, target) -> int:
+    if isinstance(target, (int, np.integer)):
+        if not 0 <= int(target) < model.vocab_size:
+            raise InputError(f"target token id {target} out of range 0..{model.vocab_size - 1}")
+        return int(target)
+    if model.tokenizer is None:
+        raise InputError("a string target needs a tokenizer; pass a token id")
+    ids = model.tokenizer(str(target), add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = [model.tokenizer.decode([i]) for i in ids]
+        raise InputError(f"target {target!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
+                         f"(mind the leading space, e.g. ' Paris') or a token id")
+    return int(ids[0])
+
+
+def _decode_token(tok, i: int) -> str:
+    if tok is None:
+        return str(i)
+    return tok.decode([int(i)])
+
+
+def logit_lens_tokens(
+    model,
+    inputs: Union[torch.Tensor, Sequence[str], str],
+    *,
+    lens=None,
+    sites=None,
+    k: int = 5,
+    target=None,
+    mask: Optional[torch.Tensor] = None,
+    batch_size: int = 8,
+    window: Optional[int] = None,
+    max_batch_tokens: int = 2048,
+    token_chunk: Optional[int] = None,
+    first_position: bool = True,
+    max_tokens: Optional[int] = None,
+) -> pd.DataFrame:
+    """Per position and site: the lens's top-``k`` tokens and a target token's log-prob and rank.
+
+    ``target``: None (default) follows the actual next token, and at a window's last position
+    (no next token) the model's own top-1 prediction (``target_kind`` says which); a string (one
+    token, e.g. ``" Paris"``) or a token id fixes one target at every position.
+
+    One row per (document window, position, site); columns: the shared site columns, ``lens``,
+    ``doc``, ``window``, ``position``, ``token_id``, ``token``, ``next_id``/``next_token`` (-1 /
+    "" when none), ``final_top1_id``/``final_top1_token`` (the model's own prediction),
+    ``target_kind``, ``target_id``, ``target_token``, ``target_logprob``, ``target_prob``,
+    ``target_rank``, ``kl_to_final``, ``entropy``, ``top1_agreement``, and ``top{i}_id``,
+    ``top{i}_token``, ``top{i}_prob`` for i = 1..k. Rows grow with the input: meant for prompts
+    and short texts (use :func:`logit_lens` for corpora).
+    """
+    check_decodable(model)
+    if k < 1:
+        raise InputError("k must be at least 1")
+    k = min(int(k), model.vocab_size)
+    sites = _resolve_sites(model, sites, lens)
+    S = len(sites)
+    fixed = None if target is None else _single_token(model, target)
+
+    def target_fn(targets, final_top):
+        if fixed is not None:
+            return torch.full_like(targets, fixed)
+        return torch.where(targets >= 0, targets, final_top)
+
+    tok = model.tokenizer
+    frames = []
+    sf = site_frame(sites, model.n_layers)
+    for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
+        model, inputs, mask=mask, sites=sites, lens=lens, batch_size=batch_size, window=window,
+        max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
+        topk=k, target_fn=target_fn, max_tokens=max_tokens,
+    ):
+        c = len(bi)
+        rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
+        ids = rs.input_ids[bi, ti].cpu()
+        part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
+        part["lens"] = "logit" if lens is None else "tuned"
+        part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
+        part["window"] = rep([batch.window_index[int(b)] for b in bi])
+        part["position"] = rep(ti.cpu().numpy())
+        part["token_id"] = rep(ids.numpy())
+        part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
+        part["next_id"] = rep(targets.cpu().numpy())
+        part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
+        ft = met["final_top1_id"].cpu()
+        part["final_top1_id"] = rep(ft.numpy())
+        part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
+        if fixed is not None:
+            kinds = ["fixed"] * c
+        else:
+            kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
+        part["target_kind"] = rep(kinds)
+        part["target_id"] = rep(chosen.cpu().numpy())
+        part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
+        lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
+        part["target_logprob"] = lp
+        part["target_prob"] = np.exp(lp)
+        part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
+        part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
+        part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
+        part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
+        top_ids = met["topk_id"].reshape(-1, k).cpu()
+        top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
+        vocab_cache: dict[int, str] = {}
+        for i in range(k):
+            col = top_ids[:, i].tolist()
+            part[f"top{i + 1}_id"] = col
+            part[f"top{i + 1}_token"] = [vocab_cache.setdefault(t, _decode_token(tok, t)) for t in col]
+            part[f"top{i + 1}_prob"] = top_p[:, i]
+        frames.append(part)
+    if not frames:
+        raise InputError("no positions to decode")
+    return pd.concat(frames, ignore_index=True)

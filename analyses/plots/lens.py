@@ -1,0 +1,180 @@
+"""Logit-lens figures, drawn from the tables of :mod:`depthscope.analyses.lens` only.
+
+* :func:`plot_lens_metrics` -- every per-site metric against depth (attention and MLP sites
+  distinguished; logit and tuned lens distinguished when the table holds both).
+* :func:`plot_top1_heatmap` -- position x site grid of the lens's top-1 token, shaded by its
+  probability, for one prompt (a ``logit_lens_tokens`` table).
+* :func:`plot_rank_trajectory` -- the rank of each next token through depth, one line per
+  position of that prompt.
+"""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from . import style
+from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE
+
+__all__ = ["plot_lens_metrics", "plot_top1_heatmap", "plot_rank_trajectory", "show_token"]
+
+METRIC_PANELS = [
+    ("kl_to_final", "KL(final ‖ lens) [nats]", "symlog"),
+    ("cross_entropy", "next-token cross-entropy [nats]", "linear"),
+    ("entropy", "lens entropy [nats]", "linear"),
+    ("top1_agreement", "top-1 agreement with final", "linear"),
+    ("top1_accuracy", "top-1 accuracy (next token)", "linear"),
+    ("target_log_rank", "mean log$_{10}$(1 + rank of next token)", "linear"),
+]
+_LENS_STYLE = {"logit": ("-", "#8c8c8c", True), "tuned": ("--", "#222222", False)}
+
+
+def show_token(tok, width: int = 12) -> str:
+    """A token string made visible: escaped whitespace, '␣' for a leading space, clipped."""
+    if tok is None or (isinstance(tok, float) and math.isnan(tok)):
+        return ""
+    s = str(tok)
+    if s == "":
+        return "∅"
+    s = s.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    if s.startswith(" "):
+        s = "␣" + s[1:]
+    if len(s) > width:
+        s = s[: width - 1] + "…"
+    return s
+
+
+def _n_layers(df: pd.DataFrame) -> int:
+    return int(df["layer"].max()) + 1 if len(df) else 0
+
+
+def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> None:
+    """Six panels of per-site means against depth from a ``logit_lens`` table (or several
+    concatenated, told apart by their ``lens`` column: the plain and the tuned lens)."""
+    lenses = list(dict.fromkeys(df["lens"])) if "lens" in df.columns else ["logit"]
+    panels = [p for p in METRIC_PANELS if p[0] in df.columns]
+    ncols = 3
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
+    n_layers = _n_layers(df)
+    for ax, (col, ylabel, scale) in zip(axes.flat, panels):
+        for lens in lenses:
+            d = df[df["lens"] == lens] if "lens" in df.columns else df
+            d = d.sort_values("depth")
+            ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
+            ax.plot(d["depth"], d[col], ls=ls, color=color, lw=1.1, zorder=1)
+            for sub in SUBLAYER_ORDER:
+                part = d[d["sublayer"] == sub]
+                if len(part):
+                    c = SUBLAYER_PALETTE[sub]
+                    ax.scatter(part["depth"], part[col], s=20, marker=SUBLAYER_MARKERS[sub], zorder=2,
+                               color=c if filled else "white", edgecolors=c, linewidths=1.0)
+        ax.set_ylabel(ylabel)
+        style.depth_axis(ax, n_layers)
+        ax.set_xlabel("depth (blocks)")
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.set_ylim(bottom=0)
+        if col in ("top1_agreement", "top1_accuracy"):
+            ax.set_ylim(-0.03, 1.03)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    # one legend: sublayer markers, and lens line styles when there are several
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], ls="", marker=SUBLAYER_MARKERS[s], color=SUBLAYER_PALETTE[s], label=lab)
+               for s, lab in (("embed", "embedding"), ("attn", "after attention"), ("mlp", "after MLP"))]
+    if len(lenses) > 1:
+        for lens in lenses:
+            ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
+            handles.append(Line2D([], [], ls=ls, color=color, marker="o", markerfacecolor=color if filled else "white",
+                                  markeredgecolor=color, label=f"{lens} lens"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
+               bbox_to_anchor=(0.5, -0.02))
+    if title is None:
+        n = int(df["n_positions"].iloc[0]) if "n_positions" in df.columns else None
+        title = "Logit lens at every sublayer" + (f" (means over {n:,} positions)" if n else "")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    style.savefig(fig, path)
+
+
+def _one_window(tokens_df: pd.DataFrame, doc: int | None, window: int | None) -> pd.DataFrame:
+    d = tokens_df
+    if doc is None:
+        doc = int(d["doc"].iloc[0])
+    if window is None:
+        window = int(d[d["doc"] == doc]["window"].iloc[0])
+    d = d[(d["doc"] == doc) & (d["window"] == window)]
+    if d.empty:
+        raise ValueError(f"no rows for doc {doc}, window {window}")
+    return d
+
+
+def plot_top1_heatmap(tokens_df: pd.DataFrame, path, *, doc: int | None = None, window: int | None = None,
+                      max_positions: int = 24, title: str | None = None) -> None:
+    """Position x site grid of the lens's top-1 token, shaded by its probability, for one
+    window of a ``logit_lens_tokens`` table. Columns are input positions (the token read at
+    that position; the prediction is for the next one), rows are sites, deepest at the top."""
+    d = _one_window(tokens_df, doc, window)
+    positions = sorted(d["position"].unique())[:max_positions]
+    d = d[d["position"].isin(positions)]
+    sites = sorted(d["site"].unique(), reverse=True)  # deepest first = top row
+    labels = d.drop_duplicates("site").set_index("site")["label"]
+    prob = d.pivot(index="site", columns="position", values="top1_prob").loc[sites, positions]
+    text = d.pivot(index="site", columns="position", values="top1_token").loc[sites, positions]
+    inputs = d.drop_duplicates("position").set_index("position")
+    n_rows, n_cols = len(sites), len(positions)
+    cell_w, cell_h = 0.78, 0.2
+    fig, ax = plt.subplots(figsize=(1.6 + cell_w * n_cols + 1.0, 0.9 + cell_h * n_rows + 0.9))
+    im = ax.imshow(prob.to_numpy(dtype=float), aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    fs = 6.5 if n_rows > 30 else 8
+    vals = prob.to_numpy(dtype=float)
+    for i in range(n_rows):
+        for j in range(n_cols):
+            ax.text(j, i, show_token(text.iat[i, j], 9), ha="center", va="center", fontsize=fs,
+                    color="white" if vals[i, j] > 0.6 else "black")
+    ax.set_xticks(range(n_cols))
+    ax.set_xticklabels([show_token(inputs.loc[p, "token"], 12) for p in positions], rotation=45, ha="right")
+    ax.set_xlabel("input token (the lens predicts the token after it)")
+    step = 1 if n_rows <= 32 else 2
+    ax.set_yticks(range(0, n_rows, step))
+    ax.set_yticklabels([labels[s] for s in sites][::step], fontsize=7 if n_rows > 30 else 9)
+    ax.set_ylabel("site (deepest at top)")
+    ax.grid(False)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_label("top-1 probability")
+    lens = d["lens"].iloc[0] if "lens" in d.columns else "logit"
+    ax.set_title(title or f"{lens.capitalize()} lens: top-1 token at each site and position")
+    style.savefig(fig, path)
+
+
+def plot_rank_trajectory(tokens_df: pd.DataFrame, path, *, doc: int | None = None, window: int | None = None,
+                         max_positions: int = 16, title: str | None = None) -> None:
+    """Rank of each position's target (its next token; the model's own prediction at the last
+    position) through depth, one line per position; rank 0 = the lens's top-1."""
+    d = _one_window(tokens_df, doc, window)
+    positions = sorted(d["position"].unique())[:max_positions]
+    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    cmap = plt.get_cmap("viridis")
+    n_layers = _n_layers(d)
+    for k, pos in enumerate(positions):
+        part = d[d["position"] == pos].sort_values("depth")
+        row = part.iloc[0]
+        arrow = "⇒" if row.get("target_kind", "next") == "model_top1" else "→"
+        lab = f"{pos}: {show_token(row['token'])} {arrow} {show_token(row['target_token'])}"
+        color = cmap(k / max(1, len(positions) - 1))
+        ax.plot(part["depth"], part["target_rank"] + 1, color=color, lw=1.4, label=lab, marker="o", ms=2.5)
+    ax.set_yscale("log")
+    ax.invert_yaxis()
+    ax.set_ylabel("rank of target + 1 (log; 1 = top prediction)")
+    style.depth_axis(ax, n_layers)
+    ax.legend(title="position: input → next token", fontsize=7.5, title_fontsize=8, frameon=False,
+              loc="center left", bbox_to_anchor=(1.01, 0.5))
+    lens = d["lens"].iloc[0] if "lens" in d.columns else "logit"
+    ax.set_title(title or f"{lens.capitalize()} lens: rank of each next token through depth"
+                 + ("  (⇒ model's own prediction)" if (d.get("target_kind") == "model_top1").any() else ""))
+    style.savefig(fig, path)
