@@ -18,7 +18,8 @@ With ``h_s`` the stream after site ``s`` (see :mod:`depthscope.hooks.sites`), th
 ``effective_relative`` ``||g * c(u_s)|| / ||g * c(h_r)||``: the same write as a fraction of the
                     normed stream (the scale cancels).
 ``max_abs``         the largest ``|h_s[d]|`` over tokens and dimensions, with its location
-``median_abs``      the median over dimensions of ``|h_s[d]|``
+``median_abs``      the (lower) median over dimensions of ``|h_s[d]|``, i.e. the ``(D-1)//2``-th
+                    smallest, torch.median's convention
 ==================  ==========================================================================
 
 and per token ``growth^2 = 1 + relative_update^2 + 2 relative_update cos_update_stream`` holds
@@ -57,6 +58,15 @@ Direct logit attribution. :func:`direct_logit_attribution` splits a decoder's lo
 difference) into the embedding's and every sublayer's direct contribution through the final
 norm with its scale frozen at the final stream, plus a constant (norm bias and unembedding
 bias). The parts sum to the model's own logit; the sum is checked on every call.
+
+Per-head writes and norm-weighted attention (Kobayashi et al. 2020) live in
+:mod:`depthscope.analyses.heads`; figures in :mod:`depthscope.analyses.plots.norms`.
+
+Precision. Passes over the ``[sites, batch, pos, d_model]`` tensor run in float32 (the model's
+own precision); the update is materialised once per batch, and every ratio is formed in float64
+from the per-token reductions, so per-token metrics agree with a float64 recomputation from the
+same activations to ~1e-6 relative (``block_influence`` via a cancellation-free form, good to
+~1e-7 absolute even at the sink position, where it is ~1e-6).
 """
 
 from __future__ import annotations
@@ -210,7 +220,7 @@ def _readers(model, sample: Optional[torch.Tensor]) -> _Reader:
 
 
 # ----------------------------------------------------------------------------- per-token metrics
-def _token_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int) -> dict[str, torch.Tensor]:
+def _token_metrics(resid: torch.Tensor, reader: _Reader) -> dict[str, torch.Tensor]:
     """Every per-token metric for every site at once: resid [S, b, P, D] -> dict of [S, b, P].
 
     Passes over the big tensor run in its own dtype (float32): the update ``u`` is materialised
@@ -330,13 +340,13 @@ def _lower_median(a: torch.Tensor) -> torch.Tensor:
     return a.median(-1).values
 
 
-def _chunked_metrics(resid: torch.Tensor, reader: _Reader, n_layers: int, max_elems: int = 48_000_000):
-    """:func:`_token_metrics` over chunks of batch rows, so float64 temporaries stay bounded."""
+def _chunked_metrics(resid: torch.Tensor, reader: _Reader, max_elems: int = 48_000_000):
+    """:func:`_token_metrics` over chunks of batch rows, so the scratch buffer stays bounded."""
     S, B, P, D = resid.shape
     rows = max(1, max_elems // max(1, S * P * D))
     if rows >= B:
-        return _token_metrics(resid, reader, n_layers)
-    parts = [_token_metrics(resid[:, i : i + rows], reader, n_layers) for i in range(0, B, rows)]
+        return _token_metrics(resid, reader)
+    parts = [_token_metrics(resid[:, i : i + rows], reader) for i in range(0, B, rows)]
     return {k: torch.cat([p[k] for p in parts], 1) for k in parts[0]}
 
 
@@ -466,7 +476,7 @@ def contribution_norms(
         resid, mask = rs.resid, rs.mask.to(rs.resid.device)
         if reader is None:
             reader = _readers(model, _sample(resid, mask))
-        m = _chunked_metrics(resid, reader, model.n_layers)
+        m = _chunked_metrics(resid, reader)
         _check_finite(model, m["stream_norm"], mask)
         rs.resid = None  # free the big tensor before the next forward
         del resid
@@ -559,7 +569,7 @@ def norms_by_position(
         resid, mask = rs.resid, rs.mask
         if reader is None:
             reader = _readers(model, _sample(resid, mask.to(resid.device)))
-        m = _chunked_metrics(resid, reader, model.n_layers)
+        m = _chunked_metrics(resid, reader)
         _check_finite(model, m["stream_norm"], mask)
         mask = mask.cpu()
         for b in range(mask.shape[0]):

@@ -20,9 +20,25 @@ from depthscope.hooks import InputError, NonFiniteActivationError, UnsupportedAr
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "norms", "ewt_sample.txt")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Run this module's forwards on one torch thread, restored afterwards: on a shared 2-core
+    machine multi-threaded kernels spin-wait and made these tests ~5x slower (174 s vs 31 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def docs():
     return read_documents(FIX)
+
+
+@pytest.fixture(scope="module")
+def short_docs(docs):
+    """The shortest fixture sentences: real text at the lowest cost of the real model."""
+    return sorted(docs, key=len)[:8]
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -175,9 +191,9 @@ def test_real_model_matches_independent_reference(default_model, docs):
     assert 0.0 < s["attn_share"] < 1.0
 
 
-def test_per_token_identity_and_consistency(default_model, docs):
+def test_per_token_identity_and_consistency(default_model, short_docs):
     hm = default_model
-    texts = docs[6:10]
+    texts = short_docs[4:7]
     pos = norms_by_position(hm, texts)
     d = pos[pos["site"] > 0]
     g2 = d["growth"] ** 2
@@ -450,10 +466,10 @@ def test_head_write_norms_match_explicit_heads(tiny_factory, docs, family):
     assert (df["label"].str.endswith(".attn")).all() and set(df["positions"]) == {"rest", "first"}
 
 
-def test_head_writes_real_model(default_model, docs):
+def test_head_writes_real_model(default_model, short_docs):
     from depthscope.analyses.heads import head_write_norms
 
-    df = head_write_norms(default_model, docs[10:12])
+    df = head_write_norms(default_model, short_docs[:2])
     assert len(df) == 2 * 30 * 9
     rest = df[df["positions"] == "rest"]
     # triangle inequality: the sublayer's write is at most the sum of its heads' writes
@@ -507,3 +523,41 @@ def test_heads_refuse_post_norm(tiny_factory):
 
     with pytest.raises(UnsupportedArchitecture, match="post-norm"):
         head_write_norms(tiny_factory("bert"), ["some text"])
+
+
+# ----------------------------------------------------------------------------- CLI and plots
+def test_cli_writes_tables_and_plots(default_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from depthscope.analyses.cli import app
+    from depthscope.analyses.tables import read_table
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["norms", "--text", FIX, "--out", str(out), "--max-tokens", "40",
+                                   "--target", " Paris", "--heads"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    for name in ("norms_by_site", "norms_by_position", "dla", "head_writes"):
+        assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
+    for png in ("stream_growth", "update_norms", "relative_update", "position_heatmap", "dla", "head_writes"):
+        assert (out / f"{png}.png").stat().st_size > 10_000
+    df = read_table(out / "norms_by_site.parquet")
+    assert df.groupby("positions")["n_tokens"].first().sum() == 40
+    dla = read_table(out / "dla.csv")
+    assert dla["target"].iloc[0] == " Paris"
+    assert dla["contribution"].sum() == pytest.approx(dla["logit"].iloc[0], rel=1e-4)
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dla_top"][0][0] == "29.mlp" and summary["growth_rate"] > 1
+    help_text = CliRunner().invoke(app, ["norms", "--help"]).output
+    assert "--max-tokens" in help_text and "--target" in help_text
+
+
+def test_plots_refuse_empty_tables(tmp_path):
+    from depthscope.analyses.plots import norms as plots
+
+    for fn in (plots.plot_stream_growth, plots.plot_update_norms, plots.plot_relative_update,
+               plots.plot_position_heatmap, plots.plot_dla, plots.plot_head_writes):
+        with pytest.raises(InputError):
+            fn(pd.DataFrame(), tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()

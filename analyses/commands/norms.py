@@ -24,13 +24,15 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(4, "--batch-size", help="Sequences per forward pass."),
         window: Optional[int] = typer.Option(None, "--window", help="Split documents into windows of at most this many tokens (default min(context, 512))."),
         whole_file: bool = typer.Option(False, "--whole-file", help="Read the file as one document instead of one per line."),
+        heads: bool = typer.Option(False, "--heads", help="Also per-head attention write norms over the text (head_writes table and plot; one more pass)."),
     ):
         """How much each sublayer writes into the residual stream, relative to it.
 
         Streams TEXT through the model and writes to OUT: norms_by_site (one row per site and
         position group 'rest'/'first'), norms_by_position (the PROMPT, per token), dla (direct
         logit attribution of TARGET after PROMPT) as Parquet and CSV, summary.json, and the plots
-        stream_growth.png, update_norms.png, relative_update.png, position_heatmap.png, dla.png.
+        stream_growth.png, update_norms.png, relative_update.png, position_heatmap.png, dla.png
+        (with --heads also head_writes table and head_writes.png).
         """
         from rich.console import Console
         from rich.table import Table
@@ -74,6 +76,17 @@ def register(app: typer.Typer) -> None:
             summary["dla_target"] = str(dla["target"].iloc[0])
             summary["dla_logit"] = float(dla["logit"].iloc[0])
             summary["dla_top"] = [[r.label, float(r.contribution)] for r in parts.head(5).itertuples()]
+        heads_df = None
+        if heads:
+            from depthscope.analyses.heads import head_write_norms
+
+            heads_df = head_write_norms(m, docs, batch_size=batch_size, window=window, max_tokens=max_tokens)
+            written += write_table(heads_df, out, "head_writes")
+            r = heads_df[heads_df["positions"] == "rest"]
+            top = r.loc[r["write_norm"].idxmax()]
+            summary["top_head"] = f"L{int(top['layer'])}H{int(top['head'])}"
+            summary["top_head_write_norm"] = float(top["write_norm"])
+            summary["mean_heads_coherence"] = float(r.groupby("layer")["heads_coherence"].first().mean())
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         written.append(out / "summary.json")
         figs = [
@@ -84,6 +97,8 @@ def register(app: typer.Typer) -> None:
         ]
         if dla is not None:
             figs.append(plots.plot_dla(dla, out / "dla.png"))
+        if heads_df is not None:
+            figs.append(plots.plot_head_writes(heads_df, out / "head_writes.png"))
 
         t = Table("quantity", "value", title=f"contribution norms of {m.name} on {summary['n_tokens']} tokens")
         t.add_row("stream growth per block (fit)", f"x{summary['growth_rate']:.3f} (R² {summary['growth_r2']:.2f})")
@@ -95,5 +110,8 @@ def register(app: typer.Typer) -> None:
         if dla is not None:
             top = ", ".join(f"{lab} {v:+.2f}" for lab, v in summary["dla_top"][:3])
             t.add_row(f"DLA logit[{summary['dla_target']!r}]", f"{summary['dla_logit']:.2f}; top: {top}")
+        if heads_df is not None:
+            t.add_row("largest head write", f"{summary['top_head']} ({summary['top_head_write_norm']:.1f}); "
+                      f"mean heads coherence {summary['mean_heads_coherence']:.2f}")
         Console().print(t)
         console.print("wrote " + ", ".join(str(p.name) for p in written + figs) + f" to {out}")

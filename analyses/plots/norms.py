@@ -19,7 +19,7 @@ from depthscope.hooks.errors import InputError
 from . import style
 from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig, sns
 
-__all__ = ["plot_stream_growth", "plot_update_norms", "plot_relative_update", "plot_position_heatmap", "plot_dla"]
+__all__ = ["plot_stream_growth", "plot_update_norms", "plot_relative_update", "plot_position_heatmap", "plot_dla", "plot_head_writes"]
 
 FIRST_STYLE = dict(color="#333333", lw=1.2, ls="--", marker=".", ms=4)
 
@@ -221,5 +221,37 @@ def plot_dla(dla_df: pd.DataFrame, path, *, example: int | None = None, top: int
     text = row.get("text")
     prompt = f"{text!r} -> " if isinstance(text, str) else ""
     ax.set_title(f"Direct logit attribution: {prompt}{what} = {row['logit']:.2f} (sum of bars)", fontsize=10)
+    savefig(fig, path)
+    return Path(path)
+
+
+def plot_head_writes(heads_df: pd.DataFrame, path, *, value: str = "write_norm") -> Path:
+    """Layer x head heatmap of per-head write norms (positions >= 1), from
+    :func:`~depthscope.analyses.heads.head_write_norms`; the right strip shows each layer's
+    ``heads_coherence`` (||sum of heads|| / sum of head norms)."""
+    _need(heads_df, ["layer", "head", value], "plot_head_writes")
+    d = heads_df[heads_df["positions"] == "rest"] if "positions" in heads_df.columns else heads_df
+    grid = d.pivot(index="layer", columns="head", values=value).sort_index()
+    has_coh = "heads_coherence" in d.columns
+    fig, axes = plt.subplots(1, 2 if has_coh else 1, figsize=(2.5 + 0.45 * grid.shape[1] + (1.2 if has_coh else 0), 1.5 + 0.22 * grid.shape[0]),
+                             gridspec_kw={"width_ratios": [grid.shape[1], 1.2]} if has_coh else None, squeeze=False)
+    ax = axes[0, 0]
+    vals = grid.to_numpy(float)
+    ok = vals[np.isfinite(vals) & (vals > 0)]
+    norm = LogNorm(vmin=ok.min(), vmax=ok.max()) if len(ok) else None
+    sns.heatmap(np.where(vals > 0, vals, np.nan), ax=ax, cmap="viridis", norm=norm, cbar_kws={"label": f"mean {value} (log)"},
+                xticklabels=list(grid.columns), yticklabels=list(grid.index))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", labelsize=7, rotation=0)
+    if has_coh:
+        coh = d.groupby("layer")["heads_coherence"].first().reindex(grid.index)
+        ax2 = axes[0, 1]
+        ax2.barh(np.arange(len(coh)) + 0.5, coh.to_numpy(float), color=SUBLAYER_PALETTE["attn"])
+        ax2.set_ylim(len(coh), 0)
+        ax2.set_xlim(0, 1)
+        ax2.set_yticks([])
+        ax2.set_xlabel("coherence", fontsize=8)
+    _title(fig, heads_df, "Per-head attention writes ||W_O^h z_h||")
     savefig(fig, path)
     return Path(path)
