@@ -148,6 +148,7 @@ def head_write_norms(
     batch_size: int = 4,
     window: Optional[int] = None,
     max_tokens: Optional[int] = None,
+    mask: Optional[torch.Tensor] = None,
 ) -> pd.DataFrame:
     """Per-head attention write norms over a dataset, streamed in bounded memory.
 
@@ -167,19 +168,19 @@ def head_write_norms(
     sums = {k: torch.zeros(L, H, G, dtype=torch.float64) for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")}
     n_tok = torch.zeros(G, dtype=torch.float64)
     checked = False
-    for batch in _batches(model, inputs, batch_size, window, max_tokens):
+    for batch in _batches(model, inputs, batch_size, window, max_tokens, mask):
         store: dict = {}
         with _capture_out_proj_inputs(spec, store):
             model.residual_stream(batch.ids, mask=batch.mask, sites=[S - 1], return_logits=False)
-        mask = batch.mask.to(model.device)
-        P = mask.shape[1]
-        pos = torch.arange(P, device=mask.device)
-        groups = torch.stack([mask & (pos >= 1), mask & (pos == 0)], 0).double()  # [G, B, P]
+        real = batch.mask.to(model.device)
+        P = real.shape[1]
+        pos = torch.arange(P, device=real.device)
+        groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0).double()  # [G, B, P]
         n_tok += groups.sum((1, 2)).cpu()
         for layer in range(L):
             z, out = store["z"][layer], store["out"][layer]
             if not checked:
-                _check_heads_sum(spec, layer, z[mask], out[mask])
+                _check_heads_sum(spec, layer, z[real], out[real])
             hn = _head_norms(z, spec.gram[layer], H).double()  # [B, P, H]
             tot = hn.sum(-1, keepdim=True)
             share = torch.where(tot > 0, hn / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(hn))

@@ -64,9 +64,10 @@ Per-head writes and norm-weighted attention (Kobayashi et al. 2020) live in
 
 Precision. Passes over the ``[sites, batch, pos, d_model]`` tensor run in float32 (the model's
 own precision); the update is materialised once per batch, and every ratio is formed in float64
-from the per-token reductions, so per-token metrics agree with a float64 recomputation from the
-same activations to ~1e-6 relative (``block_influence`` via a cancellation-free form, good to
-~1e-7 absolute even at the sink position, where it is ~1e-6).
+from the per-token reductions. Against a float64 recomputation from the same activations
+(tests/test_norms.py) norms and ratios agree to ~5e-7 relative, cosines and ``block_influence``
+to ~3e-6 absolute; ``block_influence`` uses a cancellation-free form, so at the sink position
+(where it is 1e-8..1e-4 in late blocks) it stays within ~3e-5 relative.
 """
 
 from __future__ import annotations
@@ -409,10 +410,10 @@ def _limited(batches: Iterable[TokenBatch], max_tokens: Optional[int]) -> Iterab
         return
 
 
-def _batches(model, inputs, batch_size, window, max_tokens):
+def _batches(model, inputs, batch_size, window, max_tokens, mask=None):
     if batch_size <= 0:
         raise InputError(f"batch_size must be positive, got {batch_size}")
-    return _limited(token_batches(model, inputs, batch_size=batch_size, window=window), max_tokens)
+    return _limited(token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask), max_tokens)
 
 
 def _sample(resid: torch.Tensor, mask: torch.Tensor, n: int = 64) -> torch.Tensor:
@@ -436,13 +437,15 @@ def contribution_norms(
     max_tokens: Optional[int] = None,
     hooks=None,
     progress: bool = False,
+    mask: Optional[torch.Tensor] = None,
 ) -> pd.DataFrame:
     """Per-site contribution norms over a dataset, streamed in bounded memory.
 
     ``inputs``: texts (one document each), one text, or a LongTensor of token ids; documents
     longer than ``window`` (default min(context, 512)) are split into windows, each a fresh
     context. ``max_tokens`` stops after that many real tokens. ``hooks`` (site -> fn) are
-    passed to :meth:`HookedModel.residual_stream` (e.g. to ablate a site).
+    passed to :meth:`HookedModel.residual_stream` (e.g. to ablate a site). ``mask`` (with token
+    ids) marks the real tokens of padded rows.
 
     Returns a long DataFrame with one row per ``(site, positions)``, ``positions`` in
     ``("rest", "first")``, columns: ``site, label, layer, sublayer, depth, positions,
@@ -466,24 +469,24 @@ def contribution_norms(
     loc = torch.full((S, G, 5), -1, dtype=torch.long)  # doc, window, position, dim, token id
     reader = None
     seen = 0
-    it = _batches(model, inputs, batch_size, window, max_tokens)
+    it = _batches(model, inputs, batch_size, window, max_tokens, mask)
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc="norms", unit="batch")
     for batch in it:
         rs = _stream(model, batch, hooks)
-        resid, mask = rs.resid, rs.mask.to(rs.resid.device)
+        resid, real = rs.resid, rs.mask.to(rs.resid.device)
         if reader is None:
-            reader = _readers(model, _sample(resid, mask))
+            reader = _readers(model, _sample(resid, real))
         m = _chunked_metrics(resid, reader)
-        _check_finite(model, m["stream_norm"], mask)
+        _check_finite(model, m["stream_norm"], real)
         rs.resid = None  # free the big tensor before the next forward
         del resid
-        B, P = mask.shape
-        pos = torch.arange(P, device=mask.device)
-        groups = torch.stack([mask & (pos >= 1), mask & (pos == 0)], 0)  # [G, B, P]
-        seen += int(mask.sum())
+        B, P = real.shape
+        pos = torch.arange(P, device=real.device)
+        groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0)  # [G, B, P]
+        seen += int(real.sum())
         for k in NORM_METRICS:
             v = m[k]  # [S, B, P]
             ok = ~torch.isnan(v)
@@ -548,6 +551,7 @@ def norms_by_position(
     window: Optional[int] = None,
     max_tokens: Optional[int] = 4096,
     hooks=None,
+    mask: Optional[torch.Tensor] = None,
 ) -> pd.DataFrame:
     """Per-token contribution metrics: one row per ``(sequence, position, site)``.
 
@@ -564,16 +568,16 @@ def norms_by_position(
     reader = None
     sf = site_frame(range(S), model.n_layers)
     tok = model.tokenizer
-    for batch in _batches(model, inputs, batch_size, window, max_tokens):
+    for batch in _batches(model, inputs, batch_size, window, max_tokens, mask):
         rs = _stream(model, batch, hooks)
-        resid, mask = rs.resid, rs.mask
+        resid, real = rs.resid, rs.mask
         if reader is None:
-            reader = _readers(model, _sample(resid, mask.to(resid.device)))
+            reader = _readers(model, _sample(resid, real.to(resid.device)))
         m = _chunked_metrics(resid, reader)
-        _check_finite(model, m["stream_norm"], mask)
-        mask = mask.cpu()
-        for b in range(mask.shape[0]):
-            n = int(mask[b].sum())
+        _check_finite(model, m["stream_norm"], real)
+        real = real.cpu()
+        for b in range(real.shape[0]):
+            n = int(real[b].sum())
             ids = rs.input_ids[b, :n].cpu()
             f = pd.DataFrame(
                 {
@@ -717,6 +721,7 @@ def direct_logit_attribution(
     position: int = -1,
     batch_size: int = 8,
     check: bool = True,
+    mask: Optional[torch.Tensor] = None,
 ) -> pd.DataFrame:
     """Direct logit attribution of every sublayer (and the embedding) to a target logit.
 
@@ -725,7 +730,7 @@ def direct_logit_attribution(
     (single-token string such as ``" Paris"`` or an id) for all examples or one per example;
     with a contrast the attributed quantity is ``logit[target] - logit[contrast]``.
     ``position``: the token whose next-token logit is explained, counted among real tokens
-    (default -1, the last).
+    (default -1, the last); ``mask`` marks the real tokens of padded (right-padded) id rows.
 
     The final stream is ``h = embed + sum_s u_s``; the final norm with its scale frozen at
     ``h`` is linear, so ``logit = sum_c w . centre(c) / sigma(h) + const`` with
@@ -777,7 +782,8 @@ def direct_logit_attribution(
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
         if texts is None:
-            rs = model.residual_stream(ids_all[start:stop])
+            m = None if mask is None else mask.reshape(ids_all.shape)[start:stop]
+            rs = model.residual_stream(ids_all[start:stop], mask=m)
         else:
             rs = model.residual_stream(texts[start:stop])
         lengths = rs.mask.sum(1)

@@ -249,6 +249,17 @@ def test_streaming_is_batch_and_padding_invariant(tiny_llama, docs):
     pd.testing.assert_frame_equal(a[cols], b[cols], rtol=1e-6)
 
 
+def test_token_id_inputs_with_mask(tiny_llama, docs):
+    ids, mask = tiny_llama.tokenize(docs[:3])
+    a = contribution_norms(tiny_llama, docs[:3])
+    b = contribution_norms(tiny_llama, ids, mask=mask)
+    pd.testing.assert_frame_equal(a[NORM_METRICS + ["n_tokens"]], b[NORM_METRICS + ["n_tokens"]], rtol=1e-6)
+    d1 = direct_logit_attribution(tiny_llama, docs[:3], " the")
+    d2 = direct_logit_attribution(tiny_llama, ids, " the", mask=mask)
+    np.testing.assert_allclose(d1["contribution"], d2["contribution"], rtol=1e-5, atol=1e-6)
+    assert (d1["position"] == d2["position"]).all()
+
+
 def test_windows_and_max_tokens(tiny_llama, docs):
     text = " ".join(docs[:3])
     n = len(tiny_llama.tokenizer(text)["input_ids"])
