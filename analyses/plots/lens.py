@@ -32,19 +32,25 @@ METRIC_PANELS = [
 _LENS_STYLE = {"logit": ("-", "#8c8c8c", True), "tuned": ("--", "#222222", False)}
 
 
-def show_token(tok, width: int = 12) -> str:
-    """A token string made visible: escaped whitespace, '␣' for a leading space, clipped."""
+def show_token(tok, width: int = 12, *, space: str = "mark") -> str:
+    """A token string made visible: escaped newlines/tabs, '∅' for an empty string, '␣' for a
+    whitespace-only token, and a leading space shown as '␣' (``space="mark"``), dropped
+    (``"strip"``, for dense grids) or kept inside quotes (``"quote"``); clipped to ``width``."""
     if tok is None or (isinstance(tok, float) and math.isnan(tok)):
         return ""
     s = str(tok)
     if s == "":
         return "∅"
     s = s.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
-    if s.startswith(" "):
+    if s.strip(" ") == "":
+        s = "␣" * len(s)
+    elif space == "mark" and s.startswith(" "):
         s = "␣" + s[1:]
+    elif space == "strip":
+        s = s[1:] if s.startswith(" ") else s
     if len(s) > width:
         s = s[: width - 1] + "…"
-    return s
+    return f"'{s}'" if space == "quote" else s
 
 
 def _n_layers(df: pd.DataFrame) -> int:
@@ -135,14 +141,13 @@ def plot_top1_heatmap(tokens_df: pd.DataFrame, path, *, doc: int | None = None, 
     vals = prob.to_numpy(dtype=float)
     for i in range(n_rows):
         for j in range(n_cols):
-            ax.text(j, i, show_token(text.iat[i, j], 9), ha="center", va="center", fontsize=fs,
+            ax.text(j, i, show_token(text.iat[i, j], 9, space="strip"), ha="center", va="center", fontsize=fs,
                     color="white" if vals[i, j] > 0.6 else "black")
     ax.set_xticks(range(n_cols))
-    ax.set_xticklabels([show_token(inputs.loc[p, "token"], 12) for p in positions], rotation=45, ha="right")
+    ax.set_xticklabels([show_token(inputs.loc[p, "token"], 12, space="strip") for p in positions], rotation=45, ha="right")
     ax.set_xlabel("input token (the lens predicts the token after it)")
-    step = 1 if n_rows <= 32 else 2
-    ax.set_yticks(range(0, n_rows, step))
-    ax.set_yticklabels([labels[s] for s in sites][::step], fontsize=7 if n_rows > 30 else 9)
+    ax.set_yticks(range(n_rows))
+    ax.set_yticklabels([labels[s] for s in sites], fontsize=6.5 if n_rows > 30 else 9)
     ax.set_ylabel("site (deepest at top)")
     ax.grid(False)
     cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
@@ -161,20 +166,28 @@ def plot_rank_trajectory(tokens_df: pd.DataFrame, path, *, doc: int | None = Non
     fig, ax = plt.subplots(figsize=(8.5, 4.6))
     cmap = plt.get_cmap("viridis")
     n_layers = _n_layers(d)
+    own = False
     for k, pos in enumerate(positions):
         part = d[d["position"] == pos].sort_values("depth")
         row = part.iloc[0]
-        arrow = "⇒" if row.get("target_kind", "next") == "model_top1" else "→"
-        lab = f"{pos}: {show_token(row['token'])} {arrow} {show_token(row['target_token'])}"
+        is_own = row.get("target_kind", "next") == "model_top1"
+        own |= bool(is_own)
+        lab = f"{pos}: {show_token(row['token'], space='quote')} {'⇒' if is_own else '→'} " \
+              f"{show_token(row['target_token'], space='quote')}"
         color = cmap(k / max(1, len(positions) - 1))
         ax.plot(part["depth"], part["target_rank"] + 1, color=color, lw=1.4, label=lab, marker="o", ms=2.5)
     ax.set_yscale("log")
-    ax.invert_yaxis()
-    ax.set_ylabel("rank of target + 1 (log; 1 = top prediction)")
+    top = max(10.0, float(d["target_rank"].max()) + 1)
+    ticks = [10**i for i in range(0, int(math.ceil(math.log10(top))) + 1)]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([f"{t:,}" if t < 1000 else f"{t // 1000:,}k" for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylim(top * 1.5, 0.8)  # rank 1 (the lens's top-1) at the top
+    ax.set_ylabel("rank of the token (1 = the lens top-1)")
     style.depth_axis(ax, n_layers)
-    ax.legend(title="position: input → next token", fontsize=7.5, title_fontsize=8, frameon=False,
+    legend_title = "position: input → next token" + ("\n(⇒ the model's own prediction)" if own else "")
+    ax.legend(title=legend_title, fontsize=7.5, title_fontsize=8, frameon=False,
               loc="center left", bbox_to_anchor=(1.01, 0.5))
     lens = d["lens"].iloc[0] if "lens" in d.columns else "logit"
-    ax.set_title(title or f"{lens.capitalize()} lens: rank of each next token through depth"
-                 + ("  (⇒ model's own prediction)" if (d.get("target_kind") == "model_top1").any() else ""))
+    ax.set_title(title or f"{lens.capitalize()} lens: rank of each next token through depth")
     style.savefig(fig, path)

@@ -1,0 +1,497 @@
+"""Tuned lens (Belrose et al. 2023, "Eliciting Latent Predictions from Transformers with the
+Tuned Lens") at every residual site, sublayer sites included.
+
+Each site ``s`` gets an affine translator ``h -> h + h A_s + b_s`` (identity at initialisation:
+``A_s = 0``, ``b_s = 0``) applied to the stream before the model's own final norm and
+unembedding. The translators are trained to minimise KL(final || lens) -- the model's own
+next-token distribution against the translated lens -- on text. The last site (the model's
+final stream) keeps the identity translator: its lens already is the model.
+
+Training is sized for a CPU:
+
+* the streams of ``cache_tokens`` tokens are captured once (one forward per batch, all sites),
+* every step then trains all sites' translators together on ``tokens_per_step`` of those
+  tokens: one batched ``[sites, d, d]`` matmul for the translators and one
+  ``[tokens * sites, d] @ [d, vocab]`` unembedding (in bfloat16 where the CPU has native
+  bfloat16 matmuls, ~3x faster than float32; evaluation with :func:`logit_lens` stays float32),
+  with the softmax-KL gradient written out by hand so no ``[rows, vocab]`` autograd graph is kept,
+* Adam with linear warm-up and decay over a bounded number of steps, a progress bar, and a
+  checkpoint every ``checkpoint_every`` steps that ``resume=True`` continues from.
+
+Bias parametrisation: ``b_s = rms_s * c_s`` with ``rms_s`` the stream's RMS at site ``s`` in the
+training cache, so one learning rate suits every depth although stream norms grow ~10x from
+the embedding to the last block. The saved ``bias`` is ``b_s`` itself.
+
+Saved as a folder: ``tuned_lens.safetensors`` (``weight [sites, d, d]``, ``bias [sites, d]``)
+and ``tuned_lens.json`` (sites, model fingerprint and weight digest, training record). Loading
+it for a different model -- other architecture, tokenizer or weights -- is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from depthscope.hooks.errors import CheckpointError, InputError
+from depthscope.hooks.sites import parse_sites, site_labels
+
+from .lens import check_decodable, lens_batches
+
+__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError", "model_digest"]
+
+FORMAT = "depthscope-tuned-lens"
+VERSION = 1
+PARAMS_FILE = "tuned_lens.safetensors"
+META_FILE = "tuned_lens.json"
+CKPT_FILE = "checkpoint.safetensors"
+CKPT_META = "checkpoint.json"
+
+
+class LensMismatchError(InputError):
+    """A tuned lens used with a model it was not trained for."""
+
+
+def model_digest(model) -> str:
+    """A short hash of a model's weights (final norm, a sample of unembedding rows, the first and
+    last block's first parameter): tells two checkpoints of one architecture apart."""
+    h = hashlib.sha1()
+    arch = model.arch
+    parts = []
+    if arch.final_norm is not None and getattr(arch.final_norm, "weight", None) is not None:
+        parts.append(arch.final_norm.weight)
+    if arch.unembed is not None:
+        W = arch.unembed.weight
+        parts.append(W[:: max(1, W.shape[0] // 64)][:64])
+    for block in (arch.blocks[0], arch.blocks[-1]):
+        p = next(block.parameters(), None)
+        if p is not None:
+            parts.append(p.reshape(-1)[:4096])
+    with torch.no_grad():
+        for t in parts:
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic_write(path, lambda t: Path(t).write_text(json.dumps(obj, indent=1)))
+
+
+def _save_tensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    _atomic_write(path, lambda t: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(t)))
+
+
+def _load_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # corrupt or truncated file
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+class TunedLens:
+    """Affine translators ``h -> h + h @ weight[i] + bias[i]`` for the sites in ``sites``.
+
+    ``weight``: ``[n_sites, d, d]``, ``bias``: ``[n_sites, d]`` (zeros = the plain logit lens).
+    Use with ``logit_lens(model, inputs, lens=tuned)``; ``translate`` applies it to streams.
+    """
+
+    def __init__(self, sites: Sequence[int], n_layers: int, weight: torch.Tensor, bias: torch.Tensor,
+                 model_info: dict, training: Optional[dict] = None):
+        self.sites = [int(s) for s in sites]
+        self.n_layers = int(n_layers)
+        if weight.shape != (len(self.sites), weight.shape[-1], weight.shape[-1]) or bias.shape != weight.shape[:2]:
+            raise CheckpointError(f"tuned lens tensors have shapes {tuple(weight.shape)}, {tuple(bias.shape)} "
+                                  f"for {len(self.sites)} sites")
+        self.weight = weight.float()
+        self.bias = bias.float()
+        self.d_model = int(weight.shape[-1])
+        self.model_info = dict(model_info)
+        self.training = dict(training or {})
+        self._pos = {s: i for i, s in enumerate(self.sites)}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def identity(cls, model, sites=None) -> "TunedLens":
+        """Zero translators (the plain logit lens) for ``sites`` (default: all) of ``model``."""
+        sites = parse_sites(sites, model.n_layers)
+        d = model.d_model
+        return cls(sites, model.n_layers, torch.zeros(len(sites), d, d), torch.zeros(len(sites), d),
+                   _model_info(model))
+
+    @property
+    def site_labels(self) -> list[str]:
+        labels = site_labels(self.n_layers)
+        return [labels[s] for s in self.sites]
+
+    def __repr__(self) -> str:
+        steps = self.training.get("steps_done")
+        return (f"TunedLens({self.model_info.get('name')!r}, {len(self.sites)} sites, d_model={self.d_model}"
+                + (f", trained {steps} steps" if steps is not None else "") + ")")
+
+    # ------------------------------------------------------------------ use
+    def translate(self, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
+        """Apply the translators of ``sites`` to streams ``xs`` ``[len(sites), n, d]``."""
+        try:
+            idx = torch.tensor([self._pos[int(s)] for s in sites], dtype=torch.long)
+        except KeyError as e:
+            raise InputError(f"the tuned lens has no translator for site {e.args[0]}; it covers {self.site_labels}") from None
+        A = self.weight[idx].to(device=xs.device, dtype=xs.dtype)
+        b = self.bias[idx].to(device=xs.device, dtype=xs.dtype)
+        return torch.baddbmm(xs + b.unsqueeze(1), xs, A)
+
+    def check(self, model, *, strict: bool = True) -> None:
+        """Refuse ``model`` unless it is the model this lens was trained for (architecture,
+        tokenizer and -- with ``strict`` -- weights)."""
+        mine, theirs = self.model_info, _model_info(model)
+        keys = ["family", "model_type", "n_layers", "d_model", "vocab_size", "tokenizer", "tokenizer_vocab"]
+        diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
+        if strict and not diff and mine.get("digest") != theirs.get("digest"):
+            diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
+        if diff:
+            raise LensMismatchError(
+                f"this tuned lens was trained for {mine.get('name')!r}, not for {theirs.get('name')!r} "
+                f"({'; '.join(diff)}); train one for this model (depthscope lens-train)"
+            )
+
+    # ------------------------------------------------------------------ disk
+    def save(self, path) -> Path:
+        """Write ``path/tuned_lens.safetensors`` and ``path/tuned_lens.json``; returns the folder."""
+        path = Path(path)
+        if path.suffix in (".json", ".safetensors"):
+            path = path.parent
+        path.mkdir(parents=True, exist_ok=True)
+        _save_tensors(path / PARAMS_FILE, {"weight": self.weight, "bias": self.bias})
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "sites": self.sites,
+            "labels": self.site_labels,
+            "n_layers": self.n_layers,
+            "d_model": self.d_model,
+            "translator": "h -> h + h @ weight[i] + bias[i], then the model's final norm and unembedding",
+            "model": self.model_info,
+            "training": self.training,
+        }
+        _write_json(path / META_FILE, meta)
+        return path
+
+    @classmethod
+    def load(cls, path, model=None, *, strict: bool = True) -> "TunedLens":
+        """Read a saved lens (its folder, or either file in it); with ``model``, check it fits."""
+        path = Path(path)
+        if path.suffix in (".json", ".safetensors"):
+            path = path.parent
+        meta_p, params_p = path / META_FILE, path / PARAMS_FILE
+        if not meta_p.is_file() or not params_p.is_file():
+            raise CheckpointError(f"no tuned lens at {path} (expected {META_FILE} and {PARAMS_FILE})")
+        try:
+            meta = json.loads(meta_p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{meta_p} is not valid JSON: {e}") from None
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"{meta_p} is not a depthscope tuned lens (format {meta.get('format')!r})")
+        t = _load_tensors(params_p)
+        if "weight" not in t or "bias" not in t:
+            raise CheckpointError(f"{params_p} lacks 'weight'/'bias' tensors")
+        lens = cls(meta["sites"], meta["n_layers"], t["weight"], t["bias"], meta.get("model", {}), meta.get("training"))
+        if model is not None:
+            lens.check(model, strict=strict)
+        return lens
+
+
+def _model_info(model) -> dict:
+    info = dict(model.fingerprint())
+    info["name"] = model.name
+    info["digest"] = model_digest(model)
+    return info
+
+
+# ----------------------------------------------------------------------------- training
+class _KLUnembed(torch.autograd.Function):
+    """KL(p || softmax(x W^T)) per row, with the gradient (q - p) W written out by hand.
+
+    ``x``: [C*S, d] normed streams (token-major), ``W``: [V, d] (float32 or bfloat16), ``p``:
+    [C, V] final distributions, ``neg_hp``: [C] sum p log p. Returns KL [C, S] in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, p, neg_hp, S: int):
+        C, V = p.shape
+        z = torch.mm(x.to(W.dtype), W.t())
+        lq = torch.log_softmax(z.float(), -1)
+        del z
+        kl = neg_hp.unsqueeze(1) - (lq.view(C, S, V) * p.unsqueeze(1)).sum(-1)
+        q = lq.exp_()
+        ctx.save_for_backward(q, p, W)
+        ctx.S = S
+        ctx.x_dtype = x.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, g):
+        q, p, W = ctx.saved_tensors
+        C, V = p.shape
+        S = ctx.S
+        gz = q.view(C, S, V).sub_(p.unsqueeze(1)).mul_(g.unsqueeze(2)).view(C * S, V)
+        gx = torch.mm(gz.to(W.dtype), W).to(ctx.x_dtype)
+        return gx, None, None, None, None
+
+
+def _kl_generic(model, x, p, neg_hp, S):
+    """The same KL through ``model.unembed`` (biases, logit scales, soft-capping) with autograd."""
+    C, V = p.shape
+    lq = torch.log_softmax(model.unembed(x).float(), -1)
+    return neg_hp.unsqueeze(1) - (lq.view(C, S, V) * p.unsqueeze(1)).sum(-1)
+
+
+def _fast_unembed_ok(model) -> bool:
+    u = model.arch.unembed
+    return isinstance(u, nn.Linear) and u.bias is None and model.arch.logit_scale is None and not model.arch.softcap
+
+
+def _read_inputs(text, per_line: bool):
+    from depthscope.analyses.text import read_documents
+
+    if isinstance(text, (str, Path)):
+        return read_documents(text, per_line=per_line)
+    return text
+
+
+def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_size, max_batch_tokens, progress):
+    """Streams at ``train_sites`` and at the last site for the first ``cache_tokens`` real tokens."""
+    last = model.n_sites - 1
+    sites = sorted(set(train_sites) | {last})
+    pos = [sites.index(s) for s in train_sites]
+    xs, fs, ids_seen = [], [], []
+    n = 0
+    bar = _bar(progress, total=cache_tokens, desc="capturing streams", unit="tok")
+    with torch.inference_mode():
+        for batch in lens_batches(model, inputs, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens):
+            rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites, return_logits=False)
+            m = rs.mask
+            take = min(int(m.sum()), cache_tokens - n)
+            x = rs.resid[:, m][:, :take]  # [S_all, take, d]
+            xs.append(x[pos].clone())
+            fs.append(x[sites.index(last)].clone())
+            ids_seen.append(rs.input_ids[m][:take].cpu())
+            n += take
+            bar.update(take)
+            if n >= cache_tokens:
+                break
+    bar.close()
+    if n == 0:
+        raise InputError("no tokens to train the tuned lens on")
+    ids = torch.cat(ids_seen)
+    digest = hashlib.sha1(ids.numpy().astype("int64").tobytes()).hexdigest()[:16]
+    return torch.cat(xs, 1), torch.cat(fs, 0), digest
+
+
+def _bar(progress: bool, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(disable=not progress, leave=False, dynamic_ncols=True, **kw)
+
+
+def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    w = min(1.0, (step + 1) / max(1, warmup))
+    decay = 1.0 - step / max(1, steps)
+    return lr * w * max(decay, 0.0)
+
+
+def train_tuned_lens(
+    model,
+    text,
+    *,
+    out=None,
+    sites=None,
+    steps: int = 250,
+    tokens_per_step: int = 8,
+    cache_tokens: int = 2048,
+    lr: float = 3e-2,
+    weight_lr: float = 3e-3,
+    warmup: int = 10,
+    per_line: bool = True,
+    window: Optional[int] = 256,
+    batch_size: int = 8,
+    max_batch_tokens: int = 2048,
+    checkpoint_every: int = 25,
+    resume: bool = True,
+    seed: int = 0,
+    matmul_dtype: str = "auto",
+    progress: bool = True,
+) -> TunedLens:
+    """Train a tuned lens for ``model`` on ``text`` (a text file's path, a list of documents or
+    a LongTensor of token ids) and return it.
+
+    ``sites``: the sites to translate (default all 2L+1; the last keeps the identity).
+    ``steps`` Adam steps on ``tokens_per_step`` tokens each (x all sites), drawn without
+    replacement from a cache of the first ``cache_tokens`` tokens, epoch after epoch. Learning
+    rates: ``lr`` for the (RMS-scaled) biases, ``weight_lr`` for the d x d matrices, with
+    ``warmup`` steps of linear warm-up then linear decay to 0 at ``steps``. ``out``: a folder
+    where the lens and a training checkpoint (parameters, Adam state, step) are written every
+    ``checkpoint_every`` steps and at the end; with ``resume`` a run whose checkpoint is there
+    continues from it (the model, the cached tokens and the settings must match). ``matmul_dtype``:
+    "auto" (bfloat16 if the CPU has native bfloat16 matmuls, else float32), "bfloat16" or "float32".
+
+    The returned lens's ``training`` dict records the settings and, per step, the mean training
+    KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
+    """
+    check_decodable(model)
+    if steps < 0 or tokens_per_step < 1 or cache_tokens < 1 or checkpoint_every < 1:
+        raise InputError("steps must be >= 0, and tokens_per_step, cache_tokens, checkpoint_every >= 1")
+    all_sites = parse_sites(sites, model.n_layers)
+    last = model.n_sites - 1
+    train_sites = [s for s in all_sites if s != last]
+    d = model.d_model
+    inputs = _read_inputs(text, per_line)
+
+    if matmul_dtype == "auto":
+        bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        matmul_dtype = "bfloat16" if bf16_ok else "float32"
+    if matmul_dtype not in ("bfloat16", "float32"):
+        raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
+    fast = _fast_unembed_ok(model)
+
+    X, F, data_digest = _cache_streams(model, inputs, train_sites, cache_tokens=cache_tokens, window=window,
+                                       batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress)
+    N = F.shape[0]
+    S = len(train_sites)
+    scale = X.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6) if S else torch.zeros(0)  # [S] stream RMS
+
+    settings = {
+        "sites": all_sites, "trained_sites": train_sites, "steps": steps, "tokens_per_step": tokens_per_step,
+        "cache_tokens": N, "lr": lr, "weight_lr": weight_lr, "warmup": warmup, "seed": seed,
+        "matmul_dtype": matmul_dtype, "data_digest": data_digest, "window": window,
+    }
+    A = torch.zeros(S, d, d)
+    c = torch.zeros(S, d)
+    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
+    start, history = 0, []
+    out = Path(out) if out is not None else None
+    info = _model_info(model)
+    if out is not None and resume and (out / CKPT_META).is_file():
+        start, history = _resume(out, info, settings, A, c, state)
+
+    W = model.arch.unembed.weight.detach()
+    Wm = W.to(torch.bfloat16) if (fast and matmul_dtype == "bfloat16") else W
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def finish(step_done: int) -> TunedLens:
+        lens = _assemble(model, all_sites, train_sites, A, c, scale, info,
+                         {**settings, "steps_done": step_done, "loss": history})
+        if out is not None:
+            lens.save(out)
+            _save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
+            _write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
+        return lens
+
+    if S == 0 or start >= steps:
+        return finish(max(start, 0) if S else 0)
+
+    perms: dict[int, torch.Tensor] = {}
+
+    def token_idx(step: int) -> torch.Tensor:
+        g = torch.arange(step * tokens_per_step, (step + 1) * tokens_per_step)
+        epoch, off = g // N, g % N
+        out_idx = torch.empty_like(g)
+        for e in epoch.unique().tolist():
+            if e not in perms:
+                perms.clear()
+                perms[e] = torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100003 + e))
+            sel = epoch == e
+            out_idx[sel] = perms[e][off[sel]]
+        return out_idx
+
+    A.requires_grad_(True)
+    c.requires_grad_(True)
+    bar = _bar(progress, total=steps, initial=start, desc="training tuned lens", unit="step")
+    t0 = time.perf_counter()
+    for step in range(start, steps):
+        idx = token_idx(step)
+        C = len(idx)
+        with torch.no_grad():
+            lp = torch.log_softmax(model.decode(F[idx]).float(), -1)  # the model's own final distribution
+            p = lp.exp()
+            neg_hp = (p * lp).sum(-1)
+            xs = X[:, idx]  # [S, C, d]
+        with torch.enable_grad():
+            h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
+            x = model.final_norm(h.transpose(0, 1).reshape(C * S, d))
+            kl = _KLUnembed.apply(x, Wm, p, neg_hp, S) if fast else _kl_generic(model, x, p, neg_hp, S)
+            loss = kl.mean()
+            gA, gc = torch.autograd.grad(loss, [A, c])
+        with torch.no_grad():
+            t = step + 1
+            for P, G, m, v, base in ((A, gA, state["mA"], state["vA"], weight_lr), (c, gc, state["mc"], state["vc"], lr)):
+                m.mul_(b1).add_(G, alpha=1 - b1)
+                v.mul_(b2).addcmul_(G, G, value=1 - b2)
+                step_lr = _lr_at(step, steps, base, warmup) * math.sqrt(1 - b2**t) / (1 - b1**t)
+                P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
+        history.append(round(float(kl.detach().mean()), 5))
+        bar.update(1)
+        bar.set_postfix(kl=f"{history[-1]:.3f}")
+        if (t % checkpoint_every == 0 or t == steps) and out is not None:
+            finish(t)
+    bar.close()
+    settings["train_seconds"] = round(time.perf_counter() - t0, 1)
+    A.requires_grad_(False)
+    c.requires_grad_(False)
+    return finish(steps)
+
+
+def _assemble(model, all_sites, train_sites, A, c, scale, info, training) -> TunedLens:
+    d = model.d_model
+    weight = torch.zeros(len(all_sites), d, d)
+    bias = torch.zeros(len(all_sites), d)
+    with torch.no_grad():
+        for i, s in enumerate(train_sites):
+            j = all_sites.index(s)
+            weight[j] = A[i]
+            bias[j] = scale[i] * c[i]
+    return TunedLens(all_sites, model.n_layers, weight, bias, info, training)
+
+
+def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, list]:
+    try:
+        meta = json.loads((out / CKPT_META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{out / CKPT_META} is not valid JSON: {e}") from None
+    old_model = meta.get("model", {})
+    if {k: v for k, v in old_model.items() if k != "name"} != {k: v for k, v in info.items() if k != "name"}:
+        raise LensMismatchError(f"the checkpoint in {out} was trained for {old_model.get('name')!r} (another model or "
+                                f"weights); use another output folder or resume=False")
+    old = meta.get("settings", {})
+    keys = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
+    diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in keys if old.get(k) != settings.get(k)]
+    if diff:
+        raise InputError(f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
+                         f"use the same settings, another output folder, or resume=False")
+    t = _load_tensors(out / CKPT_FILE)
+    with torch.no_grad():
+        A.copy_(t["A"])
+        c.copy_(t["c"])
+        for k in state:
+            state[k].copy_(t[k])
+    return int(meta["step"]), list(meta.get("loss", []))
