@@ -715,7 +715,7 @@ def _per_example(model, tokens, n: int, what: str) -> Optional[list[int]]:
 def direct_logit_attribution(
     model,
     inputs: Inputs,
-    target_tokens,
+    target_tokens=None,
     contrast_tokens=None,
     *,
     position: int = -1,
@@ -796,7 +796,8 @@ def direct_logit_attribution(
             h = rs.resid[:, j, p].double()  # [S, D] the stream after every site at this token
             comps = torch.cat([h[:1], h[1:] - h[:-1]], 0)  # embed, then every write
             final = h[-1]
-            t, c = targets[ex], (contrasts[ex] if contrasts is not None else None)
+            t = targets[ex] if targets is not None else int(rs.logits[j, p].argmax())
+            c = contrasts[ex] if contrasts is not None else None
             wcol = W_U[:, t].double()
             if c is not None:
                 wcol = wcol - W_U[:, c].double()

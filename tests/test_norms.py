@@ -238,6 +238,8 @@ def test_dla_sums_to_the_models_logit_real_model(default_model):
     for ex, part in diff.groupby("example"):
         assert part["contribution"].sum() == pytest.approx(part["logit"].iloc[0], rel=1e-4, abs=1e-4)
     assert diff["contrast"].iloc[0] == " Rome"
+    top = direct_logit_attribution(hm, prompt, None)  # None: the model's own top-1 prediction
+    assert top["target"].iloc[0] == " Paris" and top["logit"].iloc[0] == pytest.approx(logit, rel=1e-6)
     assert diff.groupby("example")["logit"].first().iloc[0] > 0 > diff.groupby("example")["logit"].first().iloc[1]
 
 

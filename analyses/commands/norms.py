@@ -58,13 +58,7 @@ def register(app: typer.Typer) -> None:
         written += write_table(pos, out, "norms_by_position")
         dla = None
         if m.is_decoder and m.can_decode and m.arch.unembed is not None and m.arch.final_norm is not None:
-            if target is None:
-                rs = m.residual_stream([prompt])
-                tid = int(rs.logits[0, int(rs.mask[0].sum()) - 1].argmax())
-                target_tok = tid
-            else:
-                target_tok = target
-            dla = direct_logit_attribution(m, [prompt], target_tok, contrast)
+            dla = direct_logit_attribution(m, [prompt], target, contrast)  # None: the top-1 prediction
             written += write_table(dla, out, "dla")
         else:
             console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
