@@ -19,6 +19,10 @@ _EXPORTS = {
     # contribution norms (analyses/norms.py)
     "contribution_norms": "norms",
     "direct_logit_attribution": "norms",
+    "norms_by_position": "norms",
+    "fit_growth_rate": "norms",
+    "head_write_norms": "heads",
+    "norm_weighted_attention": "heads",
     # main job and sweeps (analyses/report.py, analyses/sweep.py)
     "run_report": "report",
     "sweep": "sweep",

@@ -146,7 +146,7 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     }
 
     # 1. logit lens
-    if model.can_decode:
+    if model.can_decode and model.is_decoder:
         t = time.time()
         say(f"logit lens over ~{cfg.lens_tokens} tokens at {model.n_sites} sites")
         lens_df = logit_lens(model, _cap_texts(texts, model.tokenizer, cfg.lens_tokens))
@@ -169,7 +169,7 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     norm_plots.plot_update_norms(norms_df, out / "norms_update_norms.png")
     norm_plots.plot_relative_update(norms_df, out / "norms_relative_update.png")
     norm_plots.plot_position_heatmap(pos_df, out / "norms_position_heatmap.png")
-    if model.can_decode:
+    if model.can_decode and model.is_decoder:
         dla = direct_logit_attribution(model, cfg.prompt, cfg.target)
         write_table(dla, out, "dla")
         norm_plots.plot_dla(dla, out / "norms_dla.png")
@@ -288,9 +288,16 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
     d = d.sort_values("site")
     e, f = d.iloc[0]["stream_norm"], d.iloc[-1]["stream_norm"]
     if e > 0 and f > 0:
-        rate = (f / e) ** (1 / n_layers)
-        out.append(f"The stream's norm grows from {_fmt(e)} at the embedding to {_fmt(f)} after the last block: "
-                   f"×{_fmt(rate, 3)} per block on average.")
+        from .norms import fit_growth_rate
+
+        fit = fit_growth_rate(norms)
+        b0 = d[d["label"] == "0.mlp"]["stream_norm"]
+        line = f"The stream's norm goes from {_fmt(e)} at the embedding"
+        if len(b0):
+            line += f" to {_fmt(float(b0.iloc[0]))} after block 0"
+        line += (f" and {_fmt(f)} after the last block; a log-linear fit over the block outputs gives "
+                 f"×{_fmt(fit['rate'], 3)} per block (R² {_fmt(fit['r2'])}).")
+        out.append(line)
     if "attn_share" in d.columns:
         share = d[d["sublayer"] == "attn"]["attn_share"].mean()
         out.append(f"Attention writes {_fmt(share * 100, 0)}% of the per-layer update norm on average, MLPs {_fmt((1 - share) * 100, 0)}%.")
