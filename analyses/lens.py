@@ -102,11 +102,9 @@ def lens_batches(
 ) -> Iterator[_Batch]:
     """``token_batches`` further split so that no forward holds more than ``max_batch_tokens``
     padded tokens (rows x width), whatever the document lengths. Padding is trimmed per split."""
-    from depthscope.analyses.text import token_batches
-
     if batch_size < 1:
         raise InputError("batch_size must be at least 1")
-    for tb in token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask):
+    for tb in _grouped_token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask):
         n = tb.ids.shape[0]
         lengths = tb.mask.sum(1)
         start = 0
@@ -128,6 +126,37 @@ def lens_batches(
             start = stop
 
 
+#: documents tokenized at a time: token_batches tokenizes everything it is given up front, so
+#: long document lists are fed to it in groups to keep token-id lists bounded too.
+DOC_GROUP = 1024
+
+
+def _grouped_token_batches(model, inputs, *, batch_size, window, mask):
+    from depthscope.analyses.text import TokenBatch, token_batches
+
+    if isinstance(inputs, (str, torch.Tensor)) or len(inputs) <= DOC_GROUP:
+        yield from token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask)
+        return
+    docs = list(inputs)
+    if not any(docs):
+        raise InputError("empty input: no texts given")
+    before, yielded = 0, False  # documents are numbered after dropping empty strings, as token_batches does
+    for start in range(0, len(docs), DOC_GROUP):
+        group = [d for d in docs[start:start + DOC_GROUP] if d]
+        if not group:
+            continue
+        try:
+            for tb in token_batches(model, group, batch_size=batch_size, window=window):
+                yielded = True
+                yield TokenBatch(tb.ids, tb.mask, [before + i for i in tb.doc_index], tb.window_index)
+        except InputError as e:
+            if "tokenize to no tokens" not in str(e):
+                raise
+        before += len(group)
+    if not yielded:
+        raise InputError("empty input: the texts tokenize to no tokens")
+
+
 # ----------------------------------------------------------------------------- decoding
 def _unembed_into(model, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``model.unembed(x)`` written into ``out`` (no fresh [rows, vocab] allocation).
@@ -136,7 +165,7 @@ def _unembed_into(model, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """
     arch = model.arch
     lin = arch.unembed
-    if isinstance(lin, nn.Linear):
+    if isinstance(lin, nn.Linear) and lin.weight.dtype == out.dtype and x.dtype == out.dtype:
         if lin.bias is not None:
             torch.addmm(lin.bias, x, lin.weight.t(), out=out)
         else:
@@ -146,7 +175,7 @@ def _unembed_into(model, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if arch.softcap:
             c = float(arch.softcap)
             out.div_(c).tanh_().mul_(c)
-    else:  # an unusual head module: let the model compute it, then copy
+    else:  # a half-precision model or an unusual head module: let the model compute it, then copy
         out.copy_(model.unembed(x))
     return out
 

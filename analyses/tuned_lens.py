@@ -284,7 +284,9 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
     last = model.n_sites - 1
     sites = sorted(set(train_sites) | {last})
     pos = [sites.index(s) for s in train_sites]
-    xs, fs, ids_seen = [], [], []
+    X = torch.empty(len(train_sites), cache_tokens, model.d_model)  # filled in place: no concatenation copy
+    Fin = torch.empty(cache_tokens, model.d_model)
+    ids_seen = []
     n = 0
     bar = _bar(progress, total=cache_tokens, desc="capturing streams", unit="tok")
     with torch.inference_mode():
@@ -293,8 +295,8 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
             m = rs.mask
             take = min(int(m.sum()), cache_tokens - n)
             x = rs.resid[:, m][:, :take]  # [S_all, take, d]
-            xs.append(x[pos].clone())
-            fs.append(x[sites.index(last)].clone())
+            X[:, n:n + take] = x[pos].cpu()
+            Fin[n:n + take] = x[sites.index(last)].cpu()
             ids_seen.append(rs.input_ids[m][:take].cpu())
             n += take
             bar.update(take)
@@ -305,7 +307,9 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
         raise InputError("no tokens to train the tuned lens on")
     ids = torch.cat(ids_seen)
     digest = hashlib.sha1(ids.numpy().astype("int64").tobytes()).hexdigest()[:16]
-    return torch.cat(xs, 1), torch.cat(fs, 0), digest
+    if n < cache_tokens:
+        X, Fin = X[:, :n].clone(), Fin[:n].clone()
+    return X, Fin, digest
 
 
 def _bar(progress: bool, **kw):
@@ -385,8 +389,10 @@ def train_tuned_lens(
         "cache_tokens": N, "lr": lr, "weight_lr": weight_lr, "warmup": warmup, "seed": seed,
         "matmul_dtype": matmul_dtype, "data_digest": data_digest, "window": window,
     }
-    A = torch.zeros(S, d, d)
-    c = torch.zeros(S, d)
+    dev = model.device
+    scale = scale.to(dev)
+    A = torch.zeros(S, d, d, device=dev)
+    c = torch.zeros(S, d, device=dev)
     state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
     start, history = 0, []
     out = Path(out) if out is not None else None
@@ -432,10 +438,10 @@ def train_tuned_lens(
         idx = token_idx(step)
         C = len(idx)
         with torch.no_grad():
-            lp = torch.log_softmax(model.decode(F[idx]).float(), -1)  # the model's own final distribution
+            lp = torch.log_softmax(model.decode(F[idx].to(dev)).float(), -1)  # the model's own final distribution
             p = lp.exp()
             neg_hp = (p * lp).sum(-1)
-            xs = X[:, idx]  # [S, C, d]
+            xs = X[:, idx].to(dev)  # [S, C, d]
         with torch.enable_grad():
             h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
             x = model.final_norm(h.transpose(0, 1).reshape(C * S, d))

@@ -172,12 +172,21 @@ def test_tokens_table_matches_reference(tiny_llama):
     np.testing.assert_allclose(agg["kl_to_final"].to_numpy(), df["kl_to_final"].to_numpy(), rtol=1e-6, atol=1e-9)
 
 
-def test_streaming_does_not_change_results(tiny_llama):
+def test_streaming_does_not_change_results(tiny_llama, monkeypatch):
     docs = read_documents(SAMPLE)[:3]
     small = logit_lens(tiny_llama, docs, batch_size=1, token_chunk=2, max_batch_tokens=16)
     big = logit_lens(tiny_llama, docs, batch_size=16, token_chunk=64)
     cols = [c for c in small.columns if c not in ("label", "sublayer", "lens")]
     np.testing.assert_allclose(small[cols].to_numpy(float), big[cols].to_numpy(float), rtol=1e-5, atol=1e-6)
+    # long document lists are tokenized in groups: same numbers, same document numbering
+    import depthscope.analyses.lens as L
+
+    monkeypatch.setattr(L, "DOC_GROUP", 2)
+    grouped = logit_lens(tiny_llama, ["", *docs], batch_size=16, token_chunk=64)
+    np.testing.assert_allclose(grouped[cols].to_numpy(float), big[cols].to_numpy(float), rtol=1e-5, atol=1e-6)
+    tk = logit_lens_tokens(tiny_llama, ["", *docs], sites=["embed"])
+    assert sorted(tk["doc"].unique()) == [0, 1, 2]
+    monkeypatch.undo()
     sub = logit_lens(tiny_llama, docs, sites=["embed", "1.attn", "blocks.2.hook_resid_post"])
     assert sub["label"].tolist() == ["embed", "1.attn", "2.mlp"]
     full = big.set_index("site").loc[sub["site"]]
