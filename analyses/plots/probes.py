@@ -1,0 +1,108 @@
+"""Figures of the probing suite, drawn from its tables only.
+
+``plot_probe_curves(by_site, path)``
+    one row per task: test accuracy (solid) and control-task accuracy (dashed) against depth,
+    and selectivity (accuracy - control accuracy) against depth; sites coloured by sublayer.
+    ``by_site`` is ``ProbeResults.by_site`` (columns task, site, label, layer, sublayer, depth,
+    accuracy, control_accuracy, selectivity).
+``plot_tenney(summary, mixing, path)``
+    Tenney et al. (2019)'s figure: per task (stacked in pipeline order) the cumulative-scoring
+    gains Delta per depth as bars (coloured by sublayer), the scalar-mix weights as a line, and
+    the expected layers E_Delta (solid) and E_s (dashed) marked. ``summary`` is
+    ``ProbeResults.summary`` (task, expected_layer_delta, expected_layer_mix), ``mixing`` is
+    ``ProbeResults.mixing`` (task, site, sublayer, depth, delta, mix_weight).
+
+Both return the path written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .style import SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig
+
+_PIPELINE = ["upos", "xpos", "feats", "deprel", "entity", "coref"]
+
+
+def _task_order(tasks) -> list:
+    def rank(t):
+        fam = str(t).split(":", 1)[0]
+        return (_PIPELINE.index(fam) if fam in _PIPELINE else len(_PIPELINE), str(t))
+
+    return sorted(pd.unique(pd.Series(list(tasks))), key=rank)
+
+
+def _n_layers(df: pd.DataFrame) -> int:
+    return int(np.ceil(df["depth"].max())) if len(df) else 0
+
+
+def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
+    """Accuracy / control accuracy and selectivity against depth, one row per task."""
+    tasks = _task_order(by_site["task"])
+    n = max(1, len(tasks))
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.1 * n), squeeze=False)
+    L = _n_layers(by_site)
+    for row, task in zip(axes, tasks):
+        d = by_site[by_site["task"] == task].sort_values("depth")
+        ax = row[0]
+        lineplot_by_sublayer(ax, d, "accuracy", ylabel="accuracy", n_layers=L)
+        if "control_accuracy" in d and d["control_accuracy"].notna().any():
+            ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2, label="control task")
+            ax.legend(title="site", frameon=False, fontsize=8)
+        ax.set_title(f"{task}: test accuracy (dashed: control task)")
+        ax = row[1]
+        if "selectivity" in d and d["selectivity"].notna().any():
+            lineplot_by_sublayer(ax, d, "selectivity", ylabel="selectivity", n_layers=L)
+            ax.axhline(0, color="black", lw=0.6)
+        ax.set_title(f"{task}: selectivity (accuracy - control)")
+    fig.tight_layout()
+    savefig(fig, path)
+    return Path(path)
+
+
+def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
+    """Tenney-style summary: Delta bars per depth, mixing weights, E_Delta and E_s."""
+    tasks = _task_order(mixing["task"])
+    n = max(1, len(tasks))
+    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), sharex=True, squeeze=False)
+    L = _n_layers(mixing)
+    summ = summary.set_index("task") if len(summary) else pd.DataFrame()
+    for ax, task in zip(axes[:, 0], tasks):
+        d = mixing[mixing["task"] == task].sort_values("depth")
+        d = d[d["site"] != d["site"].min()]  # Delta(0) is the embedding's own score, not a gain
+        colors = [SUBLAYER_PALETTE.get(s, "#555555") for s in d["sublayer"]]
+        ax.bar(d["depth"], d["delta"], width=0.42, color=colors, alpha=0.9, zorder=2)
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_ylabel(f"{task}\nDelta acc", fontsize=9)
+        ax2 = ax.twinx()
+        dm = mixing[mixing["task"] == task].sort_values("depth")
+        ax2.plot(dm["depth"], dm["mix_weight"], color="#2ca02c", lw=1.2, marker=".", ms=3, zorder=3)
+        ax2.set_ylim(0, max(0.05, float(dm["mix_weight"].max()) * 1.15))
+        ax2.set_ylabel("mix weight s", fontsize=8, color="#2ca02c")
+        ax2.tick_params(axis="y", labelsize=7, colors="#2ca02c")
+        ax2.grid(False)
+        if task in summ.index:
+            e_d = summ.loc[task, "expected_layer_delta"]
+            e_s = summ.loc[task, "expected_layer_mix"]
+            if np.isfinite(e_d):
+                ax.axvline(e_d, color="#9467bd", lw=2, zorder=4)
+                ax.text(e_d, 1.0, f" E_Delta={e_d:.2f}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
+                        color="#9467bd")
+            if np.isfinite(e_s):
+                ax.axvline(e_s, color="#2ca02c", lw=1.5, ls="--", zorder=4)
+                ax.text(e_s, 0.78, f" E_s={e_s:.2f}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
+                        color="#2ca02c")
+    depth_axis(axes[-1, 0], L)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
+    labels = [f"Delta at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
+    handles += [plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2), plt.Line2D([], [], color="#9467bd", lw=2),
+                plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--")]
+    labels += ["scalar mix weight s", "E_Delta (cumulative)", "E_s (scalar mix)"]
+    fig.legend(handles, labels, loc="upper center", ncol=5, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1.04, fontsize=11)
+    fig.tight_layout()
+    savefig(fig, path)
+    return Path(path)

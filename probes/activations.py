@@ -1,0 +1,308 @@
+"""Span activations at every site, extracted once and streamed to an on-disk store.
+
+:func:`extract_spans` runs passages through ``model.residual_stream(..., return_logits=False)``
+in length-sorted batches of at most ``batch_tokens`` (padded) tokens, keeps only the subword
+positions spans need, pools them, and writes the rows of each batch straight into a numpy
+memmap ``[n_rows, n_sites, d_model]`` (float16 by default, float32 on request), so a corpus
+larger than memory streams through in bounded memory.
+
+Pooling (``pooling=``): ``last`` (the span's last subword; the default for causal decoders,
+which has seen the whole span), ``first``, ``mean`` (over the span's subwords) -> one row per
+span; ``attn`` (trainable self-attentive pooling, done by the probe) -> the span's subword
+rows are stored (at most ``ATTN_MAX_TOKENS``, the last ones), one row each.
+
+The store lives in ``store_dir/<key>/`` where the key hashes the model (architecture,
+tokenizer and a digest of its weights), the token ids of every passage, every span's token
+range, the sites, the pooling and the dtype; a re-run with the same model, data and sites
+finds the complete store (``meta.json`` is written last) and reuses it without a forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from depthscope.hooks.errors import InputError, NonFiniteActivationError
+
+from .spans import SpanTable, Tokenized
+
+POOLINGS = ("last", "first", "mean", "attn")
+ATTN_MAX_TOKENS = 16
+STORE_VERSION = 1
+
+
+def model_digest(model) -> str:
+    """A cheap digest of a HookedModel: fingerprint plus a strided sample of every weight."""
+    h = hashlib.sha256()
+    h.update(json.dumps(model.fingerprint(), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.hf_model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 2048)
+            sample = flat[::step].float().cpu().numpy()
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(sample.tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class SpanStore:
+    """Pooled span rows ``feats[row_start[i] : row_start[i] + n_rows[i]]`` for span ``i``
+    (``n_rows == 0``: skipped span), at sites ``sites``."""
+
+    path: Path
+    feats: np.ndarray  # memmap [n_rows, n_sites, d]
+    row_start: np.ndarray
+    n_rows: np.ndarray
+    sites: list
+    pooling: str
+    meta: dict
+    reused: bool = False
+
+    @property
+    def n_sites(self) -> int:
+        return self.feats.shape[1]
+
+    @property
+    def d_model(self) -> int:
+        return self.feats.shape[2]
+
+    @property
+    def skipped(self) -> np.ndarray:
+        return self.n_rows == 0
+
+    def load(self, max_bytes: float = 6e9) -> None:
+        """Hold the rows in memory (as a torch tensor) when they fit in ``max_bytes``."""
+        if isinstance(self.feats, np.memmap) and self.feats.nbytes <= max_bytes:
+            self.feats = np.array(self.feats)
+
+    def gather(self, span_ids: np.ndarray, max_len: int = 1):
+        """Rows of spans: ``x [B, L, S, D]`` (float32 tensor) and ``mask [B, L]``.
+
+        With one row per span ``L = 1``; with token rows (attn pooling) ``L`` is the longest
+        span of the batch (rows left-aligned, padding masked).
+        """
+        span_ids = np.asarray(span_ids, dtype=np.int64)
+        starts, counts = self.row_start[span_ids], self.n_rows[span_ids]
+        L = max(1, int(min(counts.max(initial=1), max_len)))
+        if L == 1:
+            x = torch.from_numpy(np.asarray(self.feats[starts]))
+            return x.float()[:, None], torch.ones(len(starts), 1, dtype=torch.bool)
+        # last min(count, L) rows of each span
+        take = np.minimum(counts, L)
+        first = starts + counts - take
+        idx = first[:, None] + np.arange(L)[None, :]
+        mask = np.arange(L)[None, :] < take[:, None]
+        idx = np.where(mask, idx, first[:, None])
+        flat = np.asarray(self.feats[idx.reshape(-1)])
+        x = torch.from_numpy(flat).float().reshape(len(span_ids), L, self.n_sites, self.d_model)
+        return x, torch.from_numpy(mask)
+
+
+def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, dtype, max_tokens) -> str:
+    h = hashlib.sha256()
+    h.update(f"v{STORE_VERSION}|{model_id}|{list(sites)}|{pooling}|{np.dtype(dtype).name}|{max_tokens}|{ATTN_MAX_TOKENS}".encode())
+    for ids in tok.ids:
+        h.update(np.int64(len(ids)).tobytes())
+        h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+    for arr in (table.passage, table.first, table.last):
+        h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+    return h.hexdigest()[:24]
+
+
+def _open(path: Path) -> Optional[SpanStore]:
+    meta_p = path / "meta.json"
+    if not meta_p.is_file():
+        return None
+    try:
+        meta = json.loads(meta_p.read_text())
+        rows = np.load(path / "rows.npy")
+        feats = np.memmap(path / "feats.bin", dtype=meta["dtype"], mode="r", shape=tuple(meta["shape"]))
+    except (OSError, ValueError, KeyError):
+        return None
+    if not meta.get("complete"):
+        return None
+    return SpanStore(path, feats, rows[:, 0].copy(), rows[:, 1].copy(), meta["sites"], meta["pooling"], meta, reused=True)
+
+
+def _batches(lengths: np.ndarray, batch_tokens: int) -> list:
+    order = np.argsort(-lengths, kind="stable")
+    out, cur, width = [], [], 0
+    for p in order:
+        n = int(lengths[p])
+        w = max(width, n)
+        if cur and w * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, w = [], n
+        cur.append(int(p))
+        width = w
+    if cur:
+        out.append(cur)
+    return out
+
+
+def extract_spans(
+    model,
+    tok: Tokenized,
+    table: SpanTable,
+    *,
+    sites: Optional[Sequence[int]] = None,
+    pooling: str = "last",
+    store_dir=None,
+    dtype: str = "float16",
+    batch_tokens: int = 2048,
+    max_tokens: int = 512,
+    progress: bool = True,
+    desc: str = "activations",
+) -> SpanStore:
+    """Pooled span activations at ``sites`` (default all), from the store if already there."""
+    if pooling not in POOLINGS:
+        raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float16, np.float32):
+        raise InputError(f"store dtype must be float16 or float32, got {dtype}")
+    sites = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
+    if store_dir is None:
+        from depthscope.hooks.loading import cache_dir
+
+        store_dir = cache_dir() / "activations"
+    store_dir = Path(store_dir)
+    key = _store_key(model_digest(model), tok, table, sites, pooling, dtype, max_tokens)
+    path = store_dir / key
+    found = _open(path)
+    if found is not None:
+        return found
+
+    n = len(table)
+    ok = table.first >= 0
+    ntok = np.where(ok, table.last - table.first + 1, 0)
+    per_span = np.where(ok, np.minimum(ntok, ATTN_MAX_TOKENS) if pooling == "attn" else 1, 0)
+    lengths = np.array([len(x) for x in tok.ids], dtype=np.int64)
+    # spans of each passage, and row assignment in batch order
+    has_span = np.zeros(len(tok.ids), dtype=bool)
+    has_span[table.passage[ok]] = True
+    lengths_needed = np.where(has_span, lengths, 0)
+    # only run a passage up to its last needed token
+    last_needed = np.zeros(len(tok.ids), dtype=np.int64)
+    np.maximum.at(last_needed, table.passage[ok], table.last[ok] + 1)
+    run_len = np.where(has_span, last_needed, 0)
+    batches = [b for b in _batches(run_len, batch_tokens) if run_len[b[0]] > 0]
+    by_passage: dict = {}
+    for i in np.nonzero(ok)[0]:
+        by_passage.setdefault(int(table.passage[i]), []).append(int(i))
+    row_start = np.zeros(n, dtype=np.int64)
+    r = 0
+    for b in batches:
+        for p in b:
+            for i in by_passage.get(p, ()):
+                row_start[i] = r
+                r += int(per_span[i])
+    n_rows_total = r
+    D, S = model.d_model, len(sites)
+
+    tmp = store_dir / f".{key}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="w+", shape=(max(n_rows_total, 1), S, D))
+        pad = getattr(model.tokenizer, "pad_token_id", None)
+        pad = 0 if pad is None else int(pad)
+        t0, n_tokens = time.perf_counter(), 0
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=int(run_len.sum()), desc=desc, unit="tok", leave=False)
+        for b in batches:
+            width = int(run_len[b].max())
+            ids = torch.full((len(b), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(b), width), dtype=torch.bool)
+            for k, p in enumerate(b):
+                L = int(run_len[p])
+                ids[k, :L] = torch.from_numpy(tok.ids[p][:L])
+                mask[k, :L] = True
+            rs = model.residual_stream(ids, mask=mask, sites=sites, return_logits=False)
+            flat = rs.resid.reshape(S, len(b) * width, D)
+            tok_idx, seg, rows_here = [], [], []
+            for k, p in enumerate(b):
+                for i in by_passage.get(p, ()):
+                    f, l = int(table.first[i]), int(table.last[i])
+                    base = k * width
+                    if pooling == "last":
+                        tok_idx.append(base + l)
+                    elif pooling == "first":
+                        tok_idx.append(base + f)
+                    elif pooling == "attn":
+                        a = max(f, l - ATTN_MAX_TOKENS + 1)
+                        tok_idx.extend(range(base + a, base + l + 1))
+                    else:  # mean
+                        tok_idx.extend(range(base + f, base + l + 1))
+                        seg.extend([len(rows_here)] * (l - f + 1))
+                    rows_here.append(i)
+            if not rows_here:
+                continue
+            ti = torch.tensor(tok_idx, dtype=torch.long)
+            if pooling == "mean":
+                sg = torch.tensor(seg, dtype=torch.long)
+                out = torch.zeros(S, len(rows_here), D, dtype=flat.dtype)
+                out.index_add_(1, sg, flat[:, ti])
+                cnt = torch.bincount(sg, minlength=len(rows_here)).to(flat.dtype)
+                out = out / cnt[None, :, None]
+            else:
+                out = flat[:, ti]
+            arr = out.permute(1, 0, 2).float().cpu().numpy().astype(dtype, copy=False)
+            if dtype == np.float16 and not np.isfinite(arr).all():
+                raise NonFiniteActivationError(
+                    "activations overflow float16 (|x| > 65504) at some site: rerun with dtype='float32'"
+                )
+            r0 = int(row_start[rows_here[0]])
+            feats[r0 : r0 + len(arr)] = arr
+            n_tokens += int(mask.sum())
+            if bar is not None:
+                bar.update(int(mask.sum()))
+        if bar is not None:
+            bar.close()
+        feats.flush()
+        seconds = time.perf_counter() - t0
+        del feats
+        rows = np.stack([row_start, per_span], 1)
+        np.save(tmp / "rows.npy", rows)
+        meta = {
+            "complete": True,
+            "version": STORE_VERSION,
+            "key": key,
+            "model": getattr(model, "name", "?"),
+            "sites": sites,
+            "pooling": pooling,
+            "dtype": dtype.name,
+            "shape": [max(n_rows_total, 1), S, D],
+            "n_spans": int(n),
+            "n_skipped": int((~ok).sum()),
+            "n_passages": int(len(tok.ids)),
+            "n_tokens_run": int(n_tokens),
+            "n_truncated_passages": int(tok.n_truncated),
+            "seconds": seconds,
+            "tokens_per_second": n_tokens / seconds if seconds > 0 else None,
+            "max_tokens": int(max_tokens),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    store = _open(path)
+    store.reused = False
+    return store

@@ -1,0 +1,104 @@
+"""Minimum description length probing: online codelength (Voita & Titov, 2020).
+
+The train examples are put in a seeded random order and cut at the fractions
+``0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.25, 12.5, 25, 50, 100 %``. The first block is sent with the
+uniform code (``t_1 * log2 K`` bits for ``K`` classes); every later block is sent with a probe
+trained on all earlier examples: ``-log2 p(y | x)`` summed over the block. The online
+codelength is the total in bits; the uniform codelength is ``N * log2 K``; compression =
+uniform / online (higher = the property is easier to extract from that site).
+
+Every block's probe is trained for all sites at once (one batched fit per block, ten in
+all), from scratch, for a fixed number of epochs but at least ``min_steps`` optimiser steps
+(the first blocks hold a handful of examples); the L2 penalty keeps those small fits from
+overconfident codes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .classifiers import DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
+
+VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class MDLResult:
+    online_bits: np.ndarray  # [S]
+    uniform_bits: float
+    block_ends: list
+
+    @property
+    def compression(self) -> np.ndarray:
+        return self.uniform_bits / self.online_bits
+
+
+def block_ends(n: int, fractions=VOITA_FRACTIONS) -> list:
+    """Strictly increasing block boundaries ``t_1 < ... < t_k = n`` (at least 1 example each)."""
+    ends = []
+    for f in fractions:
+        t = min(n, max(1, int(round(f * n))))
+        if not ends or t > ends[-1]:
+            ends.append(t)
+    if ends[-1] != n:
+        ends.append(n)
+    return ends
+
+
+def _subset(feats: Features, idx: np.ndarray, seed: int, max_bytes: float) -> Features:
+    sub = Features(feats.store, feats.span_ids[idx], feats.mean, feats.std, feats.max_len)
+    sub.make_resident(max_bytes=max_bytes, seed=seed)
+    return sub
+
+
+def online_codelength(
+    feats: Features,
+    y,
+    *,
+    n_classes: int,
+    kind: str = "linear",
+    l2: float = DEFAULT_L2,
+    epochs: int = DEFAULT_EPOCHS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = 512,
+    hidden: int = 256,
+    min_steps: int = 300,
+    fractions=VOITA_FRACTIONS,
+    seed: int = 0,
+    max_bytes: float = 4e9,
+    progress: bool = False,
+) -> MDLResult:
+    """Online codelength per site of labels ``y`` (class indices < n_classes), in bits."""
+    y = np.asarray(y, dtype=np.int64)
+    n = len(y)
+    if n < 2:
+        raise ValueError("MDL needs at least two examples")
+    order = np.random.default_rng([seed, 31337]).permutation(n)
+    ends = block_ends(n, fractions)
+    S = feats.n_sites
+    bits = np.full(S, ends[0] * math.log2(n_classes), dtype=np.float64)
+    blocks = list(zip(ends[:-1], ends[1:]))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(blocks), desc="MDL blocks", leave=False)
+    for t0, t1 in blocks:
+        tr_idx, ev_idx = order[:t0], order[t0:t1]
+        ftr = _subset(feats, tr_idx, seed, max_bytes)
+        fev = _subset(feats, ev_idx, seed, max_bytes)
+        probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=kind,
+                             hidden=hidden, attn_pool=feats.tokens, l2=l2, seed=seed)
+        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=epochs, lr=lr,
+                    batch_size=min(batch_size, max(8, t0)), min_steps=min_steps, seed=seed)
+        _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
+        bits += b[:, :, 0].double().sum(1).numpy()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return MDLResult(bits, n * math.log2(n_classes), ends)

@@ -1,0 +1,103 @@
+"""Tenney et al. (2019)'s two summaries: scalar mixing weights and cumulative scoring.
+
+Scalar mix: a probe reads ``gamma * sum_s softmax(a)_s x_s`` over all sites and is trained
+jointly with the weights; the *expected layer* of the mix is ``E_s = sum_s depth(s) * s_s``.
+
+Cumulative scoring: probe ``P(s)`` reads a scalar mix of sites ``0..s``;
+``Delta(s) = score(P(s)) - score(P(s-1))`` is what site ``s`` adds, and the *expected layer*
+of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)``.
+
+Both are fitted in ONE batched training: the units of a :class:`BatchedProbe` are the
+``S`` prefix mixes (a lower-triangular ``[S, S]`` mask on the mixing logits); the last unit
+reads every site, so its weights are the scalar mix that gives ``E_s``. Depth is in block
+units (embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so the numbers compare with Tenney's
+layer numbers; relative depth = E / n_layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .classifiers import DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
+
+
+def deltas(scores: Sequence[float]) -> np.ndarray:
+    """``Delta(s) = score(s) - score(s-1)``, with ``Delta(0) = score(0)``."""
+    s = np.asarray(scores, dtype=np.float64)
+    return np.diff(s, prepend=0.0)
+
+
+def expected_layer_delta(depths: Sequence[float], scores: Sequence[float]) -> float:
+    """Tenney's ``E_Delta``: the Delta-weighted mean depth over sites ``s >= 1`` (NaN when
+    the gains sum to zero)."""
+    d = np.asarray(depths, dtype=np.float64)
+    g = deltas(scores)[1:]
+    tot = g.sum()
+    if len(g) == 0 or abs(tot) < 1e-12:
+        return float("nan")
+    return float((d[1:] * g).sum() / tot)
+
+
+def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> float:
+    """``E_s = sum depth * s`` for softmax mixing weights ``s`` (renormalised)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return float((np.asarray(depths, dtype=np.float64) * w).sum() / w.sum())
+
+
+@dataclass
+class CumulativeFit:
+    accuracy: np.ndarray  # [S] test accuracy of P(s)
+    macro_f1: np.ndarray  # [S]
+    weights: np.ndarray  # [S, S] mixing weights of P(s) (row s: sites 0..s)
+    gamma: np.ndarray  # [S]
+
+    @property
+    def delta(self) -> np.ndarray:
+        return deltas(self.accuracy)
+
+    @property
+    def mix_weights(self) -> np.ndarray:
+        """The all-sites scalar mix (the last prefix)."""
+        return self.weights[-1]
+
+
+def fit_cumulative(
+    train: Features,
+    y_train,
+    test: Features,
+    y_test,
+    *,
+    n_classes: int,
+    n_eval_classes: int,
+    kind: str = "linear",
+    l2: float = DEFAULT_L2,
+    epochs: int = DEFAULT_EPOCHS,
+    min_steps: int = DEFAULT_MIN_STEPS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = 512,
+    hidden: int = 256,
+    seed: int = 0,
+    progress: bool = False,
+    desc: str = "cumulative",
+) -> CumulativeFit:
+    """All prefix mixes ``P(0) .. P(S-1)`` trained together; scored on ``test``."""
+    S = train.n_sites
+    mask = torch.tril(torch.ones(S, S, dtype=torch.bool))
+    probe = BatchedProbe(
+        n_sites=S, d=train.d, n_spans=train.n_spans, n_classes=n_classes, n_heads=1, kind=kind,
+        hidden=hidden, mix_mask=mask, attn_pool=train.tokens, l2=l2, seed=seed,
+    )
+    train_probe(probe, train, torch.as_tensor(y_train)[:, None], epochs=epochs, min_steps=min_steps, lr=lr,
+                batch_size=batch_size, seed=seed, progress=progress, desc=desc)
+    preds, _ = predict(probe, test)
+    yt = torch.as_tensor(y_test)
+    acc = accuracy(preds[:, :, 0], yt).numpy()
+    f1 = macro_f1(preds[:, :, 0], yt, n_eval_classes).numpy()
+    with torch.no_grad():
+        w = probe.mix_weights().numpy()
+        gamma = probe.gamma.detach().numpy()
+    return CumulativeFit(acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64))

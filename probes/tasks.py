@@ -1,0 +1,326 @@
+"""Probing tasks: labelled word, span and edge examples from CoNLL-U or jiant JSONL.
+
+Task names
+----------
+``upos``, ``xpos``
+    one example per word (words labelled ``_`` are left out).
+``feats:<Feature>`` (``feats:Number``, ``feats:Tense``, ...)
+    one example per word that carries the feature; the label is its value.
+``deprel`` (``deprel:base`` keeps only the universal relation, ``nmod:poss`` -> ``nmod``)
+    edge task: span1 = the dependent word, span2 = its head word (the root: itself),
+    label = the relation.
+``entity``
+    GUM mention spans (MISC ``Entity=``), labelled with their entity type.
+``coref``
+    edge task over GUM mentions of one document: pairs (m1 before m2, not overlapping, m1 at
+    most ``coref_window`` sentences before m2), label ``1`` if both belong to the same
+    cluster else ``0``. Every positive pair is kept; negatives are sampled without
+    replacement with a seeded generator, ``coref_neg_ratio`` negatives per positive. Run
+    with document context (the passage holds the preceding sentences).
+any other name, with a jiant edge-probing JSONL file
+    one example per target: ``{"text": "...", "targets": [{"span1": [s, e], "span2": [s, e],
+    "label": "X"}]}`` with whitespace-token spans, end exclusive. A list label of one element
+    is that label; a longer list is joined with ``+`` (multi-label is treated as one class).
+
+Control tasks (Hewitt & Liang 2019): every example gets a *control key*, the lowercased word
+(for spans: the span's last word, the word last-subword pooling sees; for edges: the pair of
+keys), and :func:`control_labels` maps each key to a fixed label drawn from the train label
+distribution with a generator seeded by (seed, key), so the mapping is the same for train and
+test, independent of example order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from depthscope.hooks.errors import InputError
+
+from .conllu_io import Corpus, Sentence, Word, read_conllu
+
+WORD_TASKS = ("upos", "xpos")
+PIPELINE_ORDER = ["upos", "xpos", "feats", "deprel", "entity", "coref"]
+
+
+@dataclass
+class TaskExamples:
+    """Examples of one task on one corpus. ``sent1[i]``, ``span1[i] = (start, end)`` (word
+    indices, end exclusive); ``sent2``/``span2`` for edge tasks (None otherwise)."""
+
+    task: str
+    kind: str  # "word", "span" or "edge"
+    context: str  # "sentence" or "document"
+    sent1: np.ndarray
+    span1: np.ndarray
+    labels: np.ndarray  # object array of str
+    keys: list
+    sent2: Optional[np.ndarray] = None
+    span2: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def n_spans(self) -> int:
+        return 1 if self.span2 is None else 2
+
+    def subset(self, keep: np.ndarray) -> "TaskExamples":
+        keep = np.asarray(keep)
+        return TaskExamples(
+            self.task, self.kind, self.context, self.sent1[keep], self.span1[keep], self.labels[keep],
+            [self.keys[i] for i in np.nonzero(keep)[0]] if keep.dtype == bool else [self.keys[i] for i in keep],
+            None if self.sent2 is None else self.sent2[keep],
+            None if self.span2 is None else self.span2[keep],
+        )
+
+
+def task_family(task: str) -> str:
+    return task.split(":", 1)[0]
+
+
+def default_context(task: str) -> str:
+    return "document" if task_family(task) == "coref" else "sentence"
+
+
+def pipeline_rank(task: str) -> int:
+    fam = task_family(task)
+    return PIPELINE_ORDER.index(fam) if fam in PIPELINE_ORDER else len(PIPELINE_ORDER)
+
+
+def _key(word: Word) -> str:
+    return word.form.lower()
+
+
+def _examples(task, kind, context, rows, edge: bool) -> TaskExamples:
+    if edge:
+        s1, a1, b1, s2, a2, b2, lab, key = zip(*rows) if rows else ([],) * 8
+        return TaskExamples(task, kind, context, np.asarray(s1, dtype=np.int64),
+                            np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
+                            np.asarray(lab, dtype=object), list(key), np.asarray(s2, dtype=np.int64),
+                            np.stack([np.asarray(a2, dtype=np.int64), np.asarray(b2, dtype=np.int64)], 1).reshape(-1, 2))
+    s1, a1, b1, lab, key = zip(*rows) if rows else ([],) * 5
+    return TaskExamples(task, kind, context, np.asarray(s1, dtype=np.int64),
+                        np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
+                        np.asarray(lab, dtype=object), list(key))
+
+
+def word_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    fam, _, arg = task.partition(":")
+    rows = []
+    for si, s in enumerate(corpus.sentences):
+        for w in s.words:
+            if fam == "upos":
+                lab = w.upos
+            elif fam == "xpos":
+                lab = w.xpos
+            elif fam == "feats":
+                lab = w.feats.get(arg, "_")
+            else:
+                raise AssertionError(fam)
+            if lab in ("_", "", None):
+                continue
+            rows.append((si, w.index, w.index + 1, lab, _key(w)))
+    return _examples(task, "word", context, rows, edge=False)
+
+
+def deprel_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    base = task == "deprel:base"
+    rows = []
+    for si, s in enumerate(corpus.sentences):
+        by_id = {w.id: w for w in s.words}
+        for w in s.words:
+            if w.deprel in ("_", "") or w.head < 0:
+                continue
+            head = w if w.head == 0 else by_id.get(w.head)
+            if head is None:
+                continue
+            lab = w.deprel.split(":", 1)[0] if base else w.deprel
+            rows.append((si, w.index, w.index + 1, si, head.index, head.index + 1, lab, f"{_key(w)}|{_key(head)}"))
+    return _examples(task, "edge", context, rows, edge=True)
+
+
+def entity_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    if not corpus.has_entities:
+        raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
+    rows = []
+    for si, s in enumerate(corpus.sentences):
+        for m in s.mentions:
+            rows.append((si, m.start, m.end, m.etype, _key(s.words[m.end - 1])))
+    return _examples(task, "span", context, rows, edge=False)
+
+
+def coref_task(corpus: Corpus, task: str, context: str, *, window: int = 2, neg_ratio: float = 1.0, seed: int = 0) -> TaskExamples:
+    if not corpus.has_entities:
+        raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
+    sents = corpus.sentences
+    pos, neg = [], []
+    # mentions per document in order: (sentence, start, end, cluster)
+    doc_mentions: list = []
+    cur_doc, cur = object(), []
+    for si, s in enumerate(sents):
+        if s.doc_id != cur_doc:
+            if cur:
+                doc_mentions.append(cur)
+            cur_doc, cur = s.doc_id, []
+        for m in s.mentions:
+            cur.append((si, m.start, m.end, m.cluster))
+    if cur:
+        doc_mentions.append(cur)
+    for ms in doc_mentions:
+        for j, (s2, a2, b2, c2) in enumerate(ms):
+            for i in range(j - 1, -1, -1):
+                s1, a1, b1, c1 = ms[i]
+                if s2 - s1 > window:
+                    break
+                if s1 == s2 and not (b1 <= a2 or b2 <= a1):
+                    continue  # nested or overlapping mentions
+                if s1 == s2 and a1 > a2:
+                    continue
+                k1, k2 = _key(sents[s1].words[b1 - 1]), _key(sents[s2].words[b2 - 1])
+                row = (s1, a1, b1, s2, a2, b2, "1" if c1 == c2 else "0", f"{k1}|{k2}")
+                (pos if c1 == c2 else neg).append(row)
+    n_neg = min(len(neg), int(round(neg_ratio * len(pos))))
+    if n_neg < len(neg):
+        rng = np.random.default_rng([seed, 7919])
+        pick = np.sort(rng.choice(len(neg), size=n_neg, replace=False))
+        neg = [neg[i] for i in pick]
+    rows = sorted(pos + neg, key=lambda r: (r[3], r[4], r[0], r[1]))
+    return _examples(task, "edge", context, rows, edge=True)
+
+
+# ----------------------------------------------------------------------------- jiant JSONL
+def read_jiant(path: Union[str, Path], *, max_sentences: Optional[int] = None, seed: int = 0) -> Corpus:
+    """Read a jiant edge-probing JSONL file into a :class:`Corpus` (targets kept in metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no such JSONL file: {path}")
+    sents = []
+    with open(path, encoding="utf-8") as fh:
+        for no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or "text" not in rec or "targets" not in rec:
+                raise InputError(f"{path}:{no}: a jiant record needs 'text' and 'targets'")
+            toks = str(rec["text"]).split()
+            if not toks:
+                raise InputError(f"{path}:{no}: empty text")
+            words, pos = [], 0
+            for i, t in enumerate(toks):
+                words.append(Word(i, i + 1, t, t, "_", "_", {}, -1, "_", {}, pos, pos + len(t), no))
+                pos += len(t) + 1
+            targets = rec["targets"]
+            if not isinstance(targets, list):
+                raise InputError(f"{path}:{no}: 'targets' must be a list")
+            for t in targets:
+                for key in ("span1", "span2"):
+                    if key not in t:
+                        if key == "span1":
+                            raise InputError(f"{path}:{no}: a target has no span1")
+                        continue
+                    sp = t[key]
+                    if (not isinstance(sp, (list, tuple)) or len(sp) != 2 or not all(isinstance(v, int) for v in sp)
+                            or not 0 <= sp[0] < sp[1] <= len(toks)):
+                        raise InputError(f"{path}:{no}: {key} {sp!r} is not [start, end) within the {len(toks)} tokens")
+                if "label" not in t:
+                    raise InputError(f"{path}:{no}: a target has no label")
+            doc = rec.get("info", {}).get("document_id") if isinstance(rec.get("info"), dict) else None
+            sents.append(Sentence(" ".join(toks), words, doc_id=doc if doc is not None else f"{path}#{no}",
+                                  line=no, source=str(path), metadata={"targets": targets}))
+    if not sents:
+        raise InputError(f"{path} holds no records")
+    corpus = Corpus(sents, str(path), len(sents))
+    return read_conllu(corpus, max_sentences=max_sentences, seed=seed) if max_sentences else corpus
+
+
+def _label_str(lab) -> str:
+    if isinstance(lab, (list, tuple)):
+        return "+".join(sorted(str(x) for x in lab)) if lab else "_"
+    return str(lab)
+
+
+def jiant_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    rows, edge = [], None
+    for si, s in enumerate(corpus.sentences):
+        for t in s.metadata.get("targets", []):
+            has2 = "span2" in t
+            if edge is None:
+                edge = has2
+            elif edge != has2:
+                raise InputError(f"{s.source}:{s.line}: mixes targets with and without span2")
+            a1, b1 = t["span1"]
+            k1 = s.words[b1 - 1].form.lower()
+            if has2:
+                a2, b2 = t["span2"]
+                rows.append((si, a1, b1, si, a2, b2, _label_str(t["label"]), f"{k1}|{s.words[b2 - 1].form.lower()}"))
+            else:
+                rows.append((si, a1, b1, _label_str(t["label"]), k1))
+    edge = bool(edge)
+    return _examples(task, "edge" if edge else "span", context, rows, edge=edge)
+
+
+# ----------------------------------------------------------------------------- entry points
+def load_corpus(source, *, max_sentences: Optional[int] = None, seed: int = 0) -> Corpus:
+    """A CoNLL-U path, a jiant ``.jsonl``/``.json`` path, or a :class:`Corpus`."""
+    if isinstance(source, Corpus):
+        return read_conllu(source, max_sentences=max_sentences, seed=seed)
+    p = Path(source)
+    if p.suffix.lower() in (".jsonl", ".json"):
+        return read_jiant(p, max_sentences=max_sentences, seed=seed)
+    return read_conllu(p, max_sentences=max_sentences, seed=seed)
+
+
+def is_jiant(corpus: Corpus) -> bool:
+    return bool(corpus.sentences) and "targets" in corpus.sentences[0].metadata
+
+
+def build_task(corpus: Corpus, task: str, *, context: Optional[str] = None, seed: int = 0,
+               coref_window: int = 2, coref_neg_ratio: float = 1.0) -> TaskExamples:
+    """Examples of ``task`` on ``corpus`` (see the module docstring for task names)."""
+    context = context or default_context(task)
+    fam = task_family(task)
+    if is_jiant(corpus):
+        return jiant_task(corpus, task, context)
+    if fam in WORD_TASKS or fam == "feats":
+        if fam == "feats" and ":" not in task:
+            raise InputError("feats tasks name a feature: feats:Number, feats:Tense, ...")
+        return word_task(corpus, task, context)
+    if fam == "deprel":
+        return deprel_task(corpus, task, context)
+    if fam == "entity":
+        return entity_task(corpus, task, context)
+    if fam == "coref":
+        return coref_task(corpus, task, context, window=coref_window, neg_ratio=coref_neg_ratio, seed=seed)
+    raise InputError(
+        f"unknown task {task!r}: use upos, xpos, feats:<Feature>, deprel, deprel:base, entity, coref, "
+        f"or any name with a jiant edge-probing .jsonl file"
+    )
+
+
+def _stable_seed(seed: int, key: str) -> int:
+    h = hashlib.blake2b(f"{seed}\x1f{key}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def control_labels(keys: Sequence[str], classes: Sequence[str], probs: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Hewitt & Liang control labels: each key gets a fixed class index drawn from ``probs``
+    (the train label distribution) by a generator seeded with (seed, key)."""
+    probs = np.asarray(probs, dtype=np.float64)
+    cdf = np.cumsum(probs / probs.sum())
+    out = np.empty(len(keys), dtype=np.int64)
+    cache: dict = {}
+    for i, k in enumerate(keys):
+        v = cache.get(k)
+        if v is None:
+            u = (_stable_seed(seed, k) >> 11) / float(1 << 53)
+            v = cache[k] = int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
+        out[i] = v
+    return out

@@ -1,0 +1,157 @@
+"""Probe fitting without a model: the batched probe against scikit-learn, metrics, the
+Tenney summaries' arithmetic, and MDL on toys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from depthscope.probes import (
+    BatchedProbe,
+    Features,
+    accuracy,
+    deltas,
+    expected_layer_delta,
+    expected_layer_mix,
+    macro_f1,
+    online_codelength,
+    predict,
+    train_probe,
+)
+from depthscope.probes.activations import SpanStore
+from depthscope.probes.mdl import block_ends
+
+
+def synthetic(n, S=4, D=16, C=4, seed=0):
+    """Sites of decreasing signal: site s carries the class in (S - s) / S of its scale."""
+    centers = np.random.default_rng(123).normal(size=(C, D)) * 1.5
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, C, n)
+    x = np.empty((n, S, D), dtype=np.float32)
+    for s in range(S):
+        x[:, s] = rng.normal(size=(n, D)) + centers[y] * (S - s) / S + 5.0 * s  # also a scale/offset per site
+    return x, y
+
+
+def store_of(x):
+    n = len(x)
+    return SpanStore(None, x, np.arange(n), np.ones(n, dtype=np.int64), list(range(x.shape[1])), "last", {})
+
+
+def features(x, train=None, resident=True):
+    f = Features(store_of(x), np.arange(len(x))[:, None])
+    if train is None:
+        f.fit_standardiser()
+    else:
+        f.standardise_like(train)
+    if resident:
+        assert f.make_resident()
+    return f
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_batched_linear_probe_matches_sklearn_per_site(resident):
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = synthetic(3000)
+    xt, yt = synthetic(1000, seed=1)
+    ftr = features(x, resident=resident)
+    fte = features(xt, ftr, resident=resident)
+    l2 = 1e-3
+    p = BatchedProbe(n_sites=4, d=16, n_spans=1, n_classes=4, l2=l2)
+    train_probe(p, ftr, torch.from_numpy(y), epochs=30, lr=1e-2, batch_size=256)
+    preds, _ = predict(p, fte)
+    ours = accuracy(preds[:, :, 0], torch.from_numpy(yt)).numpy()
+    mu, sd = ftr.mean.numpy(), ftr.std.numpy()
+    for s in range(4):
+        clf = LogisticRegression(C=1 / (2 * l2 * len(y)), max_iter=2000).fit((x[:, s] - mu[s]) / sd[s], y)
+        ref = (clf.predict((xt[:, s] - mu[s]) / sd[s]) == yt).mean()
+        assert abs(ours[s] - ref) <= 0.01, (s, ours[s], ref)
+    assert ours[0] > ours[-1] + 0.1  # the sites really differ
+
+
+def test_heads_train_independently():
+    x, y = synthetic(800, S=2)
+    f = features(x)
+    y2 = np.random.default_rng(5).integers(0, 4, len(y))
+    both = BatchedProbe(n_sites=2, d=16, n_spans=1, n_classes=4, n_heads=2, l2=[1e-3, 1e-2])
+    train_probe(both, f, torch.from_numpy(np.stack([y, y2], 1)), epochs=5, batch_size=128)
+    one = BatchedProbe(n_sites=2, d=16, n_spans=1, n_classes=4, n_heads=1, l2=1e-3)
+    train_probe(one, f, torch.from_numpy(y), epochs=5, batch_size=128)
+    w_both = both.W.detach().reshape(2, 16, 2, 4)[:, :, 0]
+    assert torch.allclose(w_both, one.W.detach(), atol=1e-5)
+
+
+def test_mlp_probe_learns_xor():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(2000, 1, 2)).astype(np.float32)
+    y = ((a[:, 0, 0] > 0) ^ (a[:, 0, 1] > 0)).astype(np.int64)
+    f = features(a)
+    lin = BatchedProbe(n_sites=1, d=2, n_spans=1, n_classes=2, kind="linear")
+    mlp = BatchedProbe(n_sites=1, d=2, n_spans=1, n_classes=2, kind="mlp", hidden=32, l2=1e-5)
+    train_probe(lin, f, torch.from_numpy(y), epochs=20, batch_size=128)
+    train_probe(mlp, f, torch.from_numpy(y), epochs=40, lr=1e-2, batch_size=128)
+    acc_lin = accuracy(predict(lin, f)[0][:, :, 0], torch.from_numpy(y))[0]
+    acc_mlp = accuracy(predict(mlp, f)[0][:, :, 0], torch.from_numpy(y))[0]
+    assert acc_lin < 0.7 and acc_mlp > 0.9
+
+
+def test_macro_f1_matches_sklearn():
+    from sklearn.metrics import f1_score
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 6, 500)  # classes 5 = "unseen in train": never predicted
+    preds = rng.integers(0, 5, (3, 500))
+    preds[1] = np.where(rng.random(500) < 0.7, np.minimum(y, 4), preds[1])
+    ours = macro_f1(torch.from_numpy(preds), torch.from_numpy(y), 6).numpy()
+    for u in range(3):
+        assert ours[u] == pytest.approx(f1_score(y, preds[u], average="macro"), abs=1e-6)
+    assert accuracy(torch.from_numpy(preds), torch.from_numpy(y))[1] == pytest.approx((preds[1] == y).mean())
+
+
+def test_expected_layer_arithmetic():
+    depths = [0, 0.5, 1.0, 1.5, 2.0]
+    scores = [0.50, 0.70, 0.70, 0.90, 0.85]
+    assert np.allclose(deltas(scores), [0.5, 0.2, 0.0, 0.2, -0.05])
+    # sum d*Delta over s>=1 = 0.5*0.2 + 1.5*0.2 + 2*(-0.05) = 0.3; sum Delta = 0.35
+    assert expected_layer_delta(depths, scores) == pytest.approx(0.3 / 0.35)
+    assert expected_layer_mix(depths, [0, 0, 0.5, 0.5, 0]) == pytest.approx(1.25)
+    assert expected_layer_mix(depths, [0.2] * 5) == pytest.approx(1.0)
+    assert np.isnan(expected_layer_delta(depths, [0.5] * 5))
+
+
+def test_cumulative_mix_finds_the_informative_site():
+    """Only site 2 of 4 carries the label: the prefix scores jump at s = 2, E_Delta = depth(2),
+    and the all-sites mix puts most weight on site 2."""
+    from depthscope.probes import fit_cumulative
+
+    rng = np.random.default_rng(0)
+    n, S, D = 3000, 4, 8
+    y = rng.integers(0, 3, n)
+    x = rng.normal(size=(n, S, D)).astype(np.float32)
+    x[:, 2, :3] += 3 * np.eye(3, dtype=np.float32)[y]
+    ftr = features(x[:2000])
+    fte = features(x[2000:], ftr)
+    cum = fit_cumulative(ftr, y[:2000], fte, y[2000:], n_classes=3, n_eval_classes=3, epochs=15, lr=1e-2,
+                         batch_size=256)
+    assert cum.accuracy[0] < 0.45 and cum.accuracy[1] < 0.45
+    assert cum.accuracy[2] > 0.85 and cum.accuracy[3] > 0.85
+    depths = [0, 0.5, 1.0, 1.5]
+    assert expected_layer_delta(depths, cum.accuracy) == pytest.approx(1.0, abs=0.1)
+    assert cum.mix_weights.argmax() == 2 and cum.mix_weights[2] > 0.5
+    assert np.allclose(cum.weights.sum(1), 1) and np.allclose(np.triu(cum.weights, 1), 0)
+
+
+def test_mdl_online_codelength_on_toys():
+    assert block_ends(1000) == [1, 2, 4, 8, 16, 32, 62, 125, 250, 500, 1000]
+    rng = np.random.default_rng(0)
+    n = 2000
+    y = rng.integers(0, 4, n)
+    x = rng.normal(size=(n, 2, 8)).astype(np.float32)
+    x[:, 0, :4] += 4 * np.eye(4, dtype=np.float32)[y]  # site 0 separable, site 1 noise
+    f = features(x)
+    res = online_codelength(f, y, n_classes=4, epochs=5)
+    assert res.uniform_bits == pytest.approx(n * 2.0)
+    assert res.compression[0] > 3.0
+    assert 0.85 < res.compression[1] < 1.05  # noise cannot be compressed (small overhead allowed)
