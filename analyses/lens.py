@@ -29,8 +29,9 @@ than the window are split into windows; each window starts a fresh context, and 
 position of a window has no next-token target). Each forward captures all sites at once;
 positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
 ``[chunk * sites, d] @ [d, vocab]`` matmul into reused buffers, and reduced at once to per-site
-sums (float64). Memory is bounded by ``max_batch_tokens`` (activations of one forward) and
-``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers), never by the corpus length.
+sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logits of one forward)
+and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default), never by
+the corpus length.
 
 Position 0 of every window: included by default (``first_position=True``), because the issue's
 metrics are over all real positions. Without a BOS token (SmolLM2's tokenizer adds none) position
@@ -53,11 +54,13 @@ from torch import nn
 from depthscope.hooks.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import parse_sites, site_frame
 
-__all__ = ["logit_lens", "logit_lens_tokens", "check_decodable", "lens_batches", "DEFAULT_ROW_BUDGET"]
+__all__ = ["logit_lens", "logit_lens_tokens", "check_decodable", "lens_batches", "DEFAULT_BUFFER_MB"]
 
-#: decoded rows (token x site pairs) per chunk when ``token_chunk`` is not given; two float32
-#: buffers of ``rows x vocab`` are kept (2 x 512 x 49152 x 4 B = 200 MB for SmolLM2).
-DEFAULT_ROW_BUDGET = 512
+#: memory for the two reused float32 ``[rows, vocab]`` decode buffers when ``token_chunk`` is not
+#: given: rows = 400 MB / (2 x 4 B x vocab), i.e. ~1000 rows (16 tokens x 61 sites) for SmolLM2's
+#: 49k vocabulary. Larger chunks run the unembedding matmul closer to its peak (benchmark: ~1.45x
+#: the bare matmuls at 8 tokens per chunk, ~1.33x at 16).
+DEFAULT_BUFFER_MB = 400
 
 METRICS = ["kl_to_final", "cross_entropy", "entropy", "top1_agreement", "top1_accuracy", "target_rank", "target_log_rank"]
 _ALL_POSITIONS = {"kl_to_final", "entropy", "top1_agreement"}  # the others need a next token
@@ -187,9 +190,17 @@ class _Decoder:
     def __init__(self, model, max_rows: int):
         self.model = model
         self.V = model.vocab_size
-        dt = torch.float32
-        self.Z = torch.empty(max_rows, self.V, dtype=dt, device=model.device)
-        self.B = torch.empty(max_rows, self.V, dtype=dt, device=model.device)
+        self.max_rows = max_rows
+        self.Z = self.B = torch.empty(0, self.V)
+
+    def _ensure(self, rows: int) -> None:
+        """Grow the buffers to ``rows`` (at most ``max_rows``); small inputs keep small buffers."""
+        if rows > self.Z.shape[0]:
+            cap = min(self.max_rows, max(rows, 2 * self.Z.shape[0]))
+            dev = self.model.device
+            self.Z = self.B = None
+            self.Z = torch.empty(cap, self.V, dtype=torch.float32, device=dev)
+            self.B = torch.empty(cap, self.V, dtype=torch.float32, device=dev)
 
     def final(self, logits: torch.Tensor):
         """Per-token reference: log-probs, probs, sum p log p, argmax of the model's own logits."""
@@ -205,6 +216,7 @@ class _Decoder:
         model = self.model
         C, S, d = xs.shape
         R, V = C * S, self.V
+        self._ensure(R)
         Z, B = self.Z[:R], self.B[:R]
         x = model.final_norm(xs.reshape(R, d))
         _unembed_into(model, x, Z)
@@ -237,9 +249,10 @@ class _Decoder:
         return out
 
 
-def _token_chunk(token_chunk: Optional[int], n_sites: int) -> int:
+def _token_chunk(token_chunk: Optional[int], n_sites: int, vocab: int) -> int:
     if token_chunk is None:
-        return max(1, DEFAULT_ROW_BUDGET // n_sites)
+        rows = DEFAULT_BUFFER_MB * 2**20 // (2 * 4 * vocab)
+        return max(1, rows // n_sites)
     if token_chunk < 1:
         raise InputError("token_chunk must be at least 1")
     return int(token_chunk)
@@ -278,7 +291,7 @@ def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_ba
                  first_position, topk=0, timings=None, target_fn=None, max_tokens=None):
     """Yield (batch, rs, b_idx, t_idx, targets, chosen targets, metrics) per chunk of positions."""
     S = len(sites)
-    C = _token_chunk(token_chunk, S)
+    C = _token_chunk(token_chunk, S, model.vocab_size)
     if max_tokens is not None and max_tokens < 1:
         raise InputError("max_tokens must be at least 1")
     dec = _Decoder(model, C * S)

@@ -10,10 +10,12 @@ form). Each corpus length runs in a fresh subprocess. It prints
 * ``floor ratio`` = (decode + metrics time) / (bare matmul time)  -- goal <= 1.5
 * peak resident memory (ru_maxrss of a fresh subprocess) at two corpus lengths -- goal: flat.
 
-Forward passes are excluded from the ratio (they are the model, not the lens) but printed.
+Forward passes are excluded from the ratio (they are the model, not the lens) but printed. One
+torch thread by default (``--threads``): on a shared 2-core machine two threads spin-wait on each
+other and the timings become noise.
 
-    python benchmarks/bench_lens.py           # 384 and 1152 tokens, 64-token windows (~3 min on 2 quiet cores)
-    python benchmarks/bench_lens.py --quick   # 192 and 576 tokens, 32-token windows (~1.5 min)
+    python benchmarks/bench_lens.py           # 256 and 768 tokens, 64-token windows (~2-3 min on 2 cores)
+    python benchmarks/bench_lens.py --quick   # 128 and 384 tokens, 32-token windows (~1-2 min)
 
 Both lengths span several forward passes (2 windows each), so the comparison is between steady
 states: the first forward of a process also grows glibc's heap thresholds once.
@@ -45,9 +47,12 @@ def ud_sentences(path: Path = UD) -> list[str]:
     return out
 
 
-def child(n_tokens: int, token_chunk: int | None, window: int, batch_size: int) -> dict:
+def child(n_tokens: int, token_chunk: int | None, window: int, batch_size: int, threads: int | None) -> dict:
     """Run the lens on the first n_tokens tokens of the EWT dev text; report times and memory."""
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     from depthscope.analyses import lens as L
     from depthscope.hooks import load_model
@@ -89,6 +94,7 @@ def child(n_tokens: int, token_chunk: int | None, window: int, batch_size: int) 
         "decode_s": decode,
         "floor_s": floor["s"],
         "wall_s": wall,
+        "threads": torch.get_num_threads(),
         "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "maxrss_loaded_mb": rss_loaded / 1024,
         "kl_embed": float(df["kl_to_final"].iloc[0]),
@@ -99,17 +105,19 @@ def child(n_tokens: int, token_chunk: int | None, window: int, batch_size: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller corpora (192 and 576 tokens)")
+    ap.add_argument("--quick", action="store_true", help="smaller corpora (128 and 384 tokens)")
     ap.add_argument("--tokens", type=int, nargs=2, default=None, help="the two corpus lengths")
     ap.add_argument("--token-chunk", type=int, default=None, help="tokens per decoded chunk (default: lens default)")
     ap.add_argument("--window", type=int, default=None, help="tokens per window (default 64; 32 with --quick)")
     ap.add_argument("--batch-size", type=int, default=2, help="windows per forward (default 2)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine two "
+                    "threads spin-wait on each other; 0 = torch's default)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.token_chunk, args.window, args.batch_size)))
+        print(json.dumps(child(args.child, args.token_chunk, args.window, args.batch_size, args.threads)))
         return
-    lengths = args.tokens or ([192, 576] if args.quick else [384, 1152])
+    lengths = args.tokens or ([128, 384] if args.quick else [256, 768])
     args.window = args.window or (32 if args.quick else 64)
     results = []
     for n in lengths:
@@ -117,13 +125,15 @@ def main() -> None:
                "--batch-size", str(args.batch_size)]
         if args.token_chunk:
             cmd += ["--token-chunk", str(args.token_chunk)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.exit(proc.stderr[-3000:])
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(f"logit lens, SmolLM2-135M (61 sites, vocab 49152), UD English EWT dev text in windows of "
-          f"{args.window} tokens, {args.batch_size} windows per forward")
+          f"{args.window} tokens, {args.batch_size} windows per forward, {results[0]['threads']} torch thread(s)")
     print(f"{'tokens':>7} {'rows':>7} {'forward s':>10} {'decode s':>9} {'floor s':>8} {'ratio':>6} "
           f"{'peak RSS MB':>12} {'warm model RSS MB':>18}")
     for r in results:

@@ -25,6 +25,16 @@ SAMPLE = os.path.join(HERE, "fixtures", "lens", "ewt_sample.txt")  # UD English 
 TEXTS = ["The capital of France is Paris.", "Hello world, this is a longer second sentence with more words."]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a shared 2-core machine, two threads spin-wait for each other on the
+    many small ops of a forward pass (10x slower under load); results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------- reference
 def reference(model, texts, first_position=True):
     """Every metric per site from model.decode on each site's stream, in float64, one text at a

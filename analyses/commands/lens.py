@@ -10,6 +10,15 @@ import typer
 
 from .common import ModelOpt, OutOpt
 
+ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).")
+
+
+def _set_threads(threads: Optional[int]) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
 
 def _sites(spec: Optional[str]):
     if spec is None or not spec.strip():
@@ -51,6 +60,7 @@ def register(app: typer.Typer) -> None:
         sites: Optional[str] = typer.Option(None, "--sites", help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all."),
         first_position: bool = typer.Option(True, "--first-position/--skip-first-position", help="Include position 0 of every window (default) or skip it (attention sink)."),
         top_k: int = typer.Option(5, "--top-k", help="Top tokens per position and site in the token table."),
+        threads: Optional[int] = ThreadsOpt,
     ):
         """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
         cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
@@ -67,6 +77,7 @@ def register(app: typer.Typer) -> None:
 
         from .common import load
 
+        _set_threads(threads)
         console = Console(stderr=True)
         docs = read_documents(text, per_line=per_line)
         m = load(model)
@@ -87,7 +98,8 @@ def register(app: typer.Typer) -> None:
         by_site = site_first(pd.concat(frames, ignore_index=True))
         tokens = site_first(pd.concat(tok_frames, ignore_index=True))
         written = write_table(by_site, out, "lens_by_site") + write_table(tokens, out, "lens_tokens")
-        plot_lens_metrics(by_site, out / "lens_metrics.png", title=f"{m.name}: logit lens at every sublayer "
+        which = "logit and tuned lens" if tl is not None else "logit lens"
+        plot_lens_metrics(by_site, out / "lens_metrics.png", title=f"{m.name}: {which} at every sublayer "
                           f"({int(by_site['n_positions'].iloc[0]):,} positions of {text.name})")
         written.append(out / "lens_metrics.png")
         for name in tokens["lens"].unique():
@@ -123,6 +135,7 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from a checkpoint in OUT (default)."),
         checkpoint_every: int = typer.Option(25, "--checkpoint-every", help="Steps between checkpoints."),
         eval_tokens: int = typer.Option(128, "--eval-tokens", help="Held-out tokens (the last tenth of the documents) to compare with the logit lens; 0 to skip."),
+        threads: Optional[int] = ThreadsOpt,
     ):
         """Train a tuned lens (Belrose et al. 2023) at every sublayer site on TEXT, on the CPU:
         bounded steps, a progress bar, checkpoints every --checkpoint-every steps (rerun to resume).
@@ -136,6 +149,7 @@ def register(app: typer.Typer) -> None:
 
         from .common import load
 
+        _set_threads(threads)
         console = Console(stderr=True)
         docs = read_documents(text, per_line=per_line)
         m = load(model)
