@@ -58,8 +58,8 @@ __all__ = ["logit_lens", "logit_lens_tokens", "check_decodable", "lens_batches",
 
 #: memory for the two reused float32 ``[rows, vocab]`` decode buffers when ``token_chunk`` is not
 #: given: rows = 400 MB / (2 x 4 B x vocab), i.e. ~1000 rows (16 tokens x 61 sites) for SmolLM2's
-#: 49k vocabulary. Larger chunks run the unembedding matmul closer to its peak (benchmark: ~1.45x
-#: the bare matmuls at 8 tokens per chunk, ~1.33x at 16).
+#: 49k vocabulary. Larger chunks run the unembedding matmul closer to its peak (benchmark, decode
+#: + metrics vs the bare matmuls: ~1.45x at 8 tokens per chunk, ~1.2-1.3x at 16).
 DEFAULT_BUFFER_MB = 400
 
 METRICS = ["kl_to_final", "cross_entropy", "entropy", "top1_agreement", "top1_accuracy", "target_rank", "target_log_rank"]
@@ -101,7 +101,7 @@ def lens_batches(
     mask: Optional[torch.Tensor] = None,
     batch_size: int = 8,
     window: Optional[int] = None,
-    max_batch_tokens: int = 2048,
+    max_batch_tokens: int = 1024,
 ) -> Iterator[_Batch]:
     """``token_batches`` further split so that no forward holds more than ``max_batch_tokens``
     padded tokens (rows x width), whatever the document lengths. Padding is trimmed per split."""
@@ -371,7 +371,7 @@ def logit_lens(
     mask: Optional[torch.Tensor] = None,
     batch_size: int = 8,
     window: Optional[int] = None,
-    max_batch_tokens: int = 2048,
+    max_batch_tokens: int = 1024,
     token_chunk: Optional[int] = None,
     first_position: bool = True,
     max_tokens: Optional[int] = None,
@@ -382,7 +382,11 @@ def logit_lens(
     ``inputs``: a LongTensor ``[batch, pos]`` (optional boolean ``mask``), a list of documents,
     or one string. ``lens``: a :class:`~depthscope.analyses.tuned_lens.TunedLens` to translate
     each site's stream before decoding (default: the plain logit lens). ``sites``: indices,
-    labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites).
+    labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites). Streaming:
+    ``batch_size`` windows of at most ``window`` tokens per forward (documents longer than the
+    window are split), at most ``max_batch_tokens`` padded tokens per forward, and
+    ``token_chunk`` positions (x all sites) decoded at once (default: a 400 MB buffer budget).
+    ``first_position=False`` skips position 0 of every window (the attention sink).
 
     Returns columns ``site, label, layer, sublayer, depth, lens``, then for each metric in
     ``kl_to_final, cross_entropy, entropy, top1_agreement, top1_accuracy, target_rank,
@@ -459,7 +463,7 @@ def logit_lens_tokens(
     mask: Optional[torch.Tensor] = None,
     batch_size: int = 8,
     window: Optional[int] = None,
-    max_batch_tokens: int = 2048,
+    max_batch_tokens: int = 1024,
     token_chunk: Optional[int] = None,
     first_position: bool = True,
     max_tokens: Optional[int] = None,

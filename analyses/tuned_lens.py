@@ -339,7 +339,7 @@ def train_tuned_lens(
     per_line: bool = True,
     window: Optional[int] = 256,
     batch_size: int = 8,
-    max_batch_tokens: int = 2048,
+    max_batch_tokens: int = 1024,
     checkpoint_every: int = 25,
     resume: bool = True,
     seed: int = 0,
