@@ -40,7 +40,7 @@ from .classifiers import BatchedProbe, Features, accuracy, macro_f1, predict, tr
 from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
 from .mdl import VOITA_FRACTIONS, online_codelength
 from .mixing import deltas, expected_layer_delta, expected_layer_mix, fit_cumulative
-from .run import L2_GRID, ProbeResults, run_probes
+from .run import L2_GRID, ProbeResults, TaskData, prepare_task, run_probes
 from .tasks import TaskExamples, build_task, control_labels, load_corpus, read_jiant
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -65,6 +65,8 @@ def sample_data() -> dict:
 __all__ = [
     "run_probes",
     "ProbeResults",
+    "prepare_task",
+    "TaskData",
     "sample_data",
     "read_conllu",
     "parse_conllu_text",

@@ -35,11 +35,11 @@ from torch import nn
 from .activations import SpanStore
 
 PROBES = ("linear", "mlp")
-DEFAULT_L2 = 1e-4
+DEFAULT_L2 = 1e-3
 DEFAULT_EPOCHS = 12
-DEFAULT_LR = 3e-3
+DEFAULT_LR = 1e-2
 DEFAULT_HIDDEN = 256
-DEFAULT_MIN_STEPS = 300
+DEFAULT_MIN_STEPS = 100
 
 
 # ----------------------------------------------------------------------------- features
@@ -86,22 +86,27 @@ class Features:
         self.mean, self.std = other.mean, other.std
         return self
 
-    def fit_standardiser(self, chunk: int = 2048) -> "Features":
-        """Mean and std per site and dimension over the rows these examples use."""
+    def fit_standardiser(self, chunk: int = 256) -> "Features":
+        """Mean and std per site and dimension over the rows these examples use (two passes:
+        the mean, then the squared deviations, float64 totals of float32 chunk sums)."""
         spans = np.unique(self.span_ids.reshape(-1))
         S, D = self.n_sites, self.d
         s1 = torch.zeros(S, D, dtype=torch.float64)
-        s2 = torch.zeros(S, D, dtype=torch.float64)
         n = 0
         for a in range(0, len(spans), chunk):
             x, m = self.store.gather(spans[a : a + chunk], self.max_len)
-            x = x[m].double()  # [rows, S, D]
-            s1 += x.sum(0)
-            s2 += (x * x).sum(0)
+            x = x[m]  # [rows, S, D] float32
+            s1 += x.sum(0).double()
             n += x.shape[0]
         n = max(n, 1)
         mean = s1 / n
-        var = (s2 / n - mean * mean).clamp_min(0)
+        mean32 = mean.float()
+        s2 = torch.zeros(S, D, dtype=torch.float64)
+        for a in range(0, len(spans), chunk):
+            x, m = self.store.gather(spans[a : a + chunk], self.max_len)
+            dx = x[m] - mean32
+            s2 += (dx * dx).sum(0).double()
+        var = s2 / n
         std = var.sqrt()
         std = torch.where(std > 1e-6 * (mean.abs() + 1), std, torch.ones_like(std))
         self.mean, self.std = mean.float(), std.float()

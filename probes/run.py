@@ -61,7 +61,7 @@ from .classifiers import (
 )
 from .conllu_io import Corpus
 from .mixing import expected_layer_delta, expected_layer_mix, fit_cumulative
-from .spans import SpanTable, build_passages, map_spans, tokenize_passages
+from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
 from .tasks import TaskExamples, build_task, control_labels, default_context, load_corpus, pipeline_rank
 
 log = logging.getLogger("depthscope.probes")
@@ -146,7 +146,7 @@ class _Extraction:
 
 
 def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, *, sites, pooling, store_dir, dtype,
-                   batch_tokens, max_tokens, progress, desc) -> _Extraction:
+                   batch_tokens, max_tokens, progress, desc, prepend=None) -> _Extraction:
     keys = np.concatenate([k for ex in tasks_ex for k in _span_keys(ex)]) if tasks_ex else np.zeros((0, 3), np.int64)
     uniq = np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 3)
     passages, where = build_passages(corpus.sentences, context, tokenizer=model.tokenizer, max_tokens=max_tokens)
@@ -155,7 +155,7 @@ def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, *, sites
     sents = corpus.sentences
     cs = np.array([sents[s].words[a].start for s, a in zip(uniq[:, 0], uniq[:, 1])], dtype=np.int64) + off
     ce = np.array([sents[s].words[b - 1].end for s, b in zip(uniq[:, 0], uniq[:, 2])], dtype=np.int64) + off
-    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens)
+    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
     table = map_spans(tok, SpanTable(pidx, cs, ce))
     store = extract_spans(model, tok, table, sites=sites, pooling=pooling, store_dir=store_dir, dtype=dtype,
                           batch_tokens=batch_tokens, max_tokens=max_tokens, progress=progress, desc=desc)
@@ -174,6 +174,89 @@ def _resolve_model(model):
     from depthscope.hooks import HookedModel, load_model
 
     return model if isinstance(model, HookedModel) else load_model(model)
+
+
+def _load_and_extract(model, tasks, train, test, dev, *, pooling, sites, max_train_sentences, max_test_sentences,
+                      max_dev_sentences, context, overlap, coref_window, coref_neg_ratio, store_dir, dtype, batch_tokens,
+                      max_tokens, seed, progress, bos=True):
+    """Model, corpora, task examples and one extraction per split x context."""
+    m = _resolve_model(model)
+    if m.max_context:
+        max_tokens = min(int(max_tokens), int(m.max_context))
+    site_idx = parse_sites(sites, m.n_layers)
+    frame = site_frame(site_idx, m.n_layers)
+
+    prepend = bos_id(m.tokenizer) if (bos and m.tokenizer is not None) else None
+    corpora = {"train": _as_corpus(train, max_train_sentences, seed, "train")}
+    corpora["test"] = _as_corpus(test, max_test_sentences, seed, "test")
+    if dev is not None:
+        corpora["dev"] = _as_corpus(dev, max_dev_sentences, seed, "dev")
+    corpora["test"], n_overlap = _drop_overlap(corpora["train"], corpora["test"], overlap)
+
+    # ---------------------------------------------------------------- examples per task
+    examples: dict = {}
+    ctx_of: dict = {}
+    for task in tasks:
+        ctx_of[task] = context or default_context(task)
+        examples[task] = {}
+        for split, corpus in corpora.items():
+            ex = build_task(corpus, task, context=ctx_of[task], seed=seed, coref_window=coref_window,
+                            coref_neg_ratio=coref_neg_ratio)
+            if len(ex) == 0:
+                raise InputError(f"task {task!r} has no examples in {split} ({corpus.source}, {len(corpus)} sentences)")
+            examples[task][split] = ex
+
+    # ---------------------------------------------------------------- one extraction per split x context
+    extractions: dict = {}
+    t_ex = time.perf_counter()
+    for split, corpus in corpora.items():
+        for ctx in sorted(set(ctx_of.values())):
+            group = [examples[t][split] for t in tasks if ctx_of[t] == ctx]
+            extractions[(split, ctx)] = _extract_split(
+                m, corpus, group, ctx, sites=site_idx, pooling=pooling, store_dir=store_dir, dtype=dtype,
+                batch_tokens=batch_tokens, max_tokens=max_tokens, progress=progress,
+                desc=f"{split} activations ({ctx})", prepend=prepend,
+            )
+    t_extract = time.perf_counter() - t_ex
+
+    return m, site_idx, frame, corpora, n_overlap, examples, ctx_of, extractions, t_extract
+
+
+def prepare_task(
+    model,
+    task: str,
+    train,
+    test,
+    dev=None,
+    *,
+    pooling: str = "last",
+    sites=None,
+    max_train_sentences: Optional[int] = None,
+    max_test_sentences: Optional[int] = None,
+    max_dev_sentences: Optional[int] = None,
+    context: Optional[str] = None,
+    overlap: str = "drop",
+    coref_window: int = 2,
+    coref_neg_ratio: float = 1.0,
+    store_dir=None,
+    dtype: str = "float16",
+    batch_tokens: int = 2048,
+    max_tokens: int = 512,
+    bos: bool = True,
+    resident_bytes: float = 4e9,
+    seed: int = 0,
+    progress: bool = True,
+) -> TaskData:
+    """One task's standardised features and labels per split, for your own probes (the same
+    loading, extraction and store as :func:`run_probes`)."""
+    _, _, _, _, _, examples, ctx_of, extractions, _ = _load_and_extract(
+        model, [task], train, test, dev, pooling=pooling, sites=sites, max_train_sentences=max_train_sentences,
+        max_test_sentences=max_test_sentences, max_dev_sentences=max_dev_sentences, context=context, overlap=overlap,
+        coref_window=coref_window, coref_neg_ratio=coref_neg_ratio, store_dir=store_dir, dtype=dtype,
+        batch_tokens=batch_tokens, max_tokens=max_tokens, seed=seed, progress=progress, bos=bos)
+    exts = {s: extractions[(s, ctx_of[task])] for s in examples[task]}
+    return _prepare(task, examples[task], exts, seed=seed, resident_bytes=resident_bytes)
+
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -207,6 +290,7 @@ def run_probes(
     dtype: str = "float16",
     batch_tokens: int = 2048,
     max_tokens: int = 512,
+    bos: bool = True,
     resident_bytes: float = 4e9,
     seed: int = 0,
     progress: bool = True,
@@ -221,10 +305,17 @@ def run_probes(
     hidden ReLU layer of ``hidden`` units). ``pooling``: ``last`` | ``first`` | ``mean`` |
     ``attn``. ``sites``: indices/labels (default all 2L+1). ``context``: ``sentence`` or
     ``document`` for every task (default: document for coref, sentence otherwise).
-    ``l2``: the penalty (default 1e-4 on mean cross-entropy, i.e. scikit-learn
-    ``C = 1 / (2e-4 * n_train)``), or ``"dev"`` to pick it per site from ``L2_GRID`` by dev
-    accuracy (needs ``dev``). ``mdl``: add online codelengths (costly: ten more fits).
-    ``store_dir``: activation store (default ``<cache>/activations``).
+    ``l2``: the penalty on mean cross-entropy (default 1e-3, i.e. scikit-learn
+    ``C = 1 / (2e-3 * n_train)``: the value EWT dev picked at most sites for upos on the
+    default model, 2000 train sentences, grid ``L2_GRID``), or ``"dev"`` to pick it per
+    site from ``L2_GRID`` by dev accuracy (needs ``dev``). ``mdl``: add online codelengths (costly: ten more fits).
+    ``store_dir``: activation store (default ``<cache>/activations``). ``bos``: when the
+    tokenizer adds no special token at the start (SmolLM2, GPT-2), prepend its BOS (else EOS)
+    token, as TransformerLens does by default, so the first word of a sentence is not the
+    model's attention sink. Without it, from the sublayer where SmolLM2-135M's massive
+    activations appear (11.mlp) the first word's state is the sink: its upos accuracy falls
+    from ~0.80 to ~0.67 and overall accuracy dips by up to 5 points (EWT, 600 train
+    sentences); with it the curve stays flat there. ``bos=False`` runs the bare text.
     """
     t_start = time.perf_counter()
     if isinstance(tasks, str):
@@ -243,44 +334,12 @@ def run_probes(
     if not (l2 == "dev" or isinstance(l2, (int, float))):
         raise InputError(f"l2 must be a number or 'dev', got {l2!r}")
 
-    m = _resolve_model(model)
-    if m.max_context:
-        max_tokens = min(int(max_tokens), int(m.max_context))
-    site_idx = parse_sites(sites, m.n_layers)
-    frame = site_frame(site_idx, m.n_layers)
+    m, site_idx, frame, corpora, n_overlap, examples, ctx_of, extractions, t_extract = _load_and_extract(
+        model, tasks, train, test, dev, pooling=pooling, sites=sites, max_train_sentences=max_train_sentences,
+        max_test_sentences=max_test_sentences, max_dev_sentences=max_dev_sentences, context=context, overlap=overlap,
+        coref_window=coref_window, coref_neg_ratio=coref_neg_ratio, store_dir=store_dir, dtype=dtype,
+        batch_tokens=batch_tokens, max_tokens=max_tokens, seed=seed, progress=progress, bos=bos)
     depths = frame["depth"].to_numpy()
-
-    corpora = {"train": _as_corpus(train, max_train_sentences, seed, "train")}
-    corpora["test"] = _as_corpus(test, max_test_sentences, seed, "test")
-    if dev is not None:
-        corpora["dev"] = _as_corpus(dev, max_dev_sentences, seed, "dev")
-    corpora["test"], n_overlap = _drop_overlap(corpora["train"], corpora["test"], overlap)
-
-    # ---------------------------------------------------------------- examples per task
-    examples: dict = {}
-    ctx_of: dict = {}
-    for task in tasks:
-        ctx_of[task] = context or default_context(task)
-        examples[task] = {}
-        for split, corpus in corpora.items():
-            ex = build_task(corpus, task, context=ctx_of[task], seed=seed, coref_window=coref_window,
-                            coref_neg_ratio=coref_neg_ratio)
-            if len(ex) == 0:
-                raise InputError(f"task {task!r} has no examples in {split} ({corpus.source}, {len(corpus)} sentences)")
-            examples[task][split] = ex
-
-    # ---------------------------------------------------------------- one extraction per split x context
-    extractions: dict = {}
-    t_ex = time.perf_counter()
-    for split, corpus in corpora.items():
-        for ctx in sorted(set(ctx_of.values())):
-            group = [examples[t][split] for t in tasks if ctx_of[t] == ctx]
-            extractions[(split, ctx)] = _extract_split(
-                m, corpus, group, ctx, sites=site_idx, pooling=pooling, store_dir=store_dir, dtype=dtype,
-                batch_tokens=batch_tokens, max_tokens=max_tokens, progress=progress,
-                desc=f"{split} activations ({ctx})",
-            )
-    t_extract = time.perf_counter() - t_ex
 
     # ---------------------------------------------------------------- probes per task
     by_site, summary, mixing = [], [], []
@@ -321,8 +380,28 @@ def run_probes(
     return ProbeResults(by_site_df, summary_df, mixing_df, info)
 
 
-def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, probe, l2, epochs, min_steps, lr, batch_size, hidden,
-                control, cumulative, mdl, seed, progress, resident_bytes) -> dict:
+@dataclass
+class TaskData:
+    """A task ready for probes: labels as class indices (``y``; test labels unseen in train get
+    indices >= ``n_classes``), control labels (``ctrl``) and standardised :class:`Features` per
+    split, plus the examples and counts of skipped spans."""
+
+    task: str
+    classes: list
+    n_eval_classes: int
+    y: dict
+    ctrl: dict
+    feats: dict
+    examples: dict
+    skipped: dict
+    counts: np.ndarray
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.classes)
+
+
+def _prepare(task, ex_by_split, ext_by_split, *, seed, resident_bytes) -> TaskData:
     data = {}
     skipped = {}
     for split, ex in ex_by_split.items():
@@ -355,7 +434,6 @@ def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, pro
         return out
 
     y = {s: encode(d[0].labels, s != "train") for s, d in data.items()}
-    n_eval = C + len(unseen)
     counts = np.bincount(y["train"], minlength=C).astype(np.float64)
     probs = counts / counts.sum()
     ctrl = {s: control_labels(d[0].keys, classes, probs, seed=seed) for s, d in data.items()}
@@ -369,6 +447,16 @@ def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, pro
         if s != "train":
             feats[s].standardise_like(feats["train"])
         feats[s].make_resident(max_bytes=resident_bytes, seed=seed)
+    return TaskData(task, classes, C + len(unseen), y, ctrl, feats, {k: v[0] for k, v in data.items()}, skipped, counts)
+
+
+def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, probe, l2, epochs, min_steps, lr, batch_size, hidden,
+                control, cumulative, mdl, seed, progress, resident_bytes) -> dict:
+    td = _prepare(task, ex_by_split, ext_by_split, seed=seed, resident_bytes=resident_bytes)
+    classes, C, n_eval, y, ctrl, feats, skipped, counts = (
+        td.classes, td.n_classes, td.n_eval_classes, td.y, td.ctrl, td.feats, td.skipped, td.counts)
+    data = {k: (v, None) for k, v in td.examples.items()}
+    tr_ex = td.examples["train"]
 
     S = feats["train"].n_sites
     l2_values = list(L2_GRID) if l2 == "dev" else [float(l2)]
@@ -473,8 +561,7 @@ def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, pro
         from .mdl import online_codelength
 
         res = online_codelength(feats["train"], y["train"], n_classes=C, kind=probe,
-                                l2=float(np.median(df["l2"])), epochs=epochs, min_steps=min_steps, lr=lr,
-                                batch_size=batch_size,
+                                l2=float(np.median(df["l2"])), epochs=epochs, lr=lr, batch_size=batch_size,
                                 hidden=hidden, seed=seed, max_bytes=resident_bytes, progress=progress)
         df["mdl_online_bits"] = res.online_bits
         df["mdl_uniform_bits"] = res.uniform_bits

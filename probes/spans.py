@@ -71,10 +71,11 @@ def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=
             docs.append((s.doc_id, [i]))
     texts = [s.text for s in sentences]
     lens = [len(x) + 1 for x in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
-    half = max(1, max_tokens // 2)
+    budget = max(2, int(0.97 * max_tokens) - 2)  # joined text may tokenise slightly differently
+    half = max(1, budget // 2)
     for _, idx in docs:
         total = sum(lens[i] for i in idx)
-        if total <= max_tokens:
+        if total <= budget:
             chunks = [(0, len(idx))]
         else:
             chunks, a = [], 0
@@ -87,7 +88,7 @@ def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=
                 a = b
         for a, b in chunks:
             owned_tok = sum(lens[idx[k]] for k in range(a, b))
-            c, room = a, max_tokens - owned_tok
+            c, room = a, budget - owned_tok
             while c > 0 and lens[idx[c - 1]] <= room:
                 room -= lens[idx[c - 1]]
                 c -= 1
@@ -105,9 +106,24 @@ def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=
     return passages, where
 
 
-def tokenize_passages(tokenizer, texts: Sequence[str], *, max_tokens: int, batch: int = 256) -> Tokenized:
-    """Tokenize with offsets (the tokenizer's own special tokens included), truncating to
-    ``max_tokens``. Needs a fast tokenizer (offset mapping)."""
+def bos_id(tokenizer) -> Optional[int]:
+    """The token to prepend when the tokenizer adds no special token at the start of a text:
+    its BOS token, else its EOS token (None when it already adds one, or has neither)."""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    if ids and ids[0] in special:
+        return None
+    for name in ("bos_token_id", "eos_token_id"):
+        v = getattr(tokenizer, name, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def tokenize_passages(tokenizer, texts: Sequence[str], *, max_tokens: int, batch: int = 256,
+                      prepend: Optional[int] = None) -> Tokenized:
+    """Tokenize with offsets (the tokenizer's own special tokens included, plus ``prepend``
+    as a first token when given), truncating to ``max_tokens``. Needs a fast tokenizer."""
     if tokenizer is None:
         raise InputError("this model has no tokenizer: probing needs one to map words to subwords")
     if not getattr(tokenizer, "is_fast", True):
@@ -118,6 +134,9 @@ def tokenize_passages(tokenizer, texts: Sequence[str], *, max_tokens: int, batch
         for ids, offs in zip(enc["input_ids"], enc["offset_mapping"]):
             ids = np.asarray(ids, dtype=np.int64)
             offs = np.asarray(offs, dtype=np.int64).reshape(-1, 2)
+            if prepend is not None:
+                ids = np.concatenate([[prepend], ids])
+                offs = np.concatenate([[[0, 0]], offs])
             if len(ids) > max_tokens:
                 out.n_truncated += 1
                 ids, offs = ids[:max_tokens], offs[:max_tokens]

@@ -278,3 +278,19 @@ def test_document_passages_own_every_sentence_once(tokenizer):
     assert max(lens) <= 128 + 8
     # later passages carry preceding context
     assert any(not o for p in passages[1:] for o in p.owned)
+
+
+def test_bos_is_prepended_only_when_the_tokenizer_adds_none(tokenizer):
+    from depthscope.probes.spans import bos_id
+
+    b = bos_id(tokenizer)
+    assert b == tokenizer.bos_token_id  # SmolLM2 adds no special token itself
+    c = parse_conllu_text(HANDMADE)
+    plain = tokenize_passages(tokenizer, [c[0].text], max_tokens=64)
+    withb = tokenize_passages(tokenizer, [c[0].text], max_tokens=64, prepend=b)
+    assert withb.ids[0][0] == b and (withb.ids[0][1:] == plain.ids[0]).all()
+    cs = np.array([w.start for w in c[0].words])
+    ce = np.array([w.end for w in c[0].words])
+    t1 = map_spans(plain, SpanTable(np.zeros(len(cs), dtype=np.int64), cs, ce))
+    t2 = map_spans(withb, SpanTable(np.zeros(len(cs), dtype=np.int64), cs, ce))
+    assert (t2.first == t1.first + 1).all() and (t2.last == t1.last + 1).all()

@@ -153,5 +153,5 @@ def test_mdl_online_codelength_on_toys():
     f = features(x)
     res = online_codelength(f, y, n_classes=4, epochs=5)
     assert res.uniform_bits == pytest.approx(n * 2.0)
-    assert res.compression[0] > 3.0
+    assert res.compression[0] > 5.0
     assert 0.85 < res.compression[1] < 1.05  # noise cannot be compressed (small overhead allowed)

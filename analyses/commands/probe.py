@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         max_test_sentences: Optional[int] = typer.Option(None, "--max-test-sentences", help="Cap test at N sentences."),
         max_dev_sentences: Optional[int] = typer.Option(None, "--max-dev-sentences", help="Cap dev at N sentences."),
         context: Optional[str] = typer.Option(None, "--context", help="sentence or document for every task (default: document for coref only)."),
-        l2: str = typer.Option("1e-4", "--l2", help="L2 penalty on mean cross-entropy, or 'dev' to choose per site on --dev."),
+        l2: str = typer.Option("1e-3", "--l2", help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'dev' to choose per site on --dev."),
         epochs: int = typer.Option(12, "--epochs", help="Training epochs of every probe."),
         mdl: bool = typer.Option(False, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."),
         overlap: str = typer.Option("drop", "--overlap", help="Test sentences also in train: drop (default), keep, or error."),

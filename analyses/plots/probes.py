@@ -85,16 +85,18 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         ax2.tick_params(axis="y", labelsize=7, colors="#2ca02c")
         ax2.grid(False)
         if task in summ.index:
-            e_d = summ.loc[task, "expected_layer_delta"]
-            e_s = summ.loc[task, "expected_layer_mix"]
-            if np.isfinite(e_d):
-                ax.axvline(e_d, color="#9467bd", lw=2, zorder=4)
-                ax.text(e_d, 1.0, f" E_Delta={e_d:.2f}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
-                        color="#9467bd")
-            if np.isfinite(e_s):
-                ax.axvline(e_s, color="#2ca02c", lw=1.5, ls="--", zorder=4)
-                ax.text(e_s, 0.78, f" E_s={e_s:.2f}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
-                        color="#2ca02c")
+            marks = [("expected_layer_delta", "E_Delta", "#9467bd", "-", 2.0, 1.0),
+                     ("expected_layer_mix", "E_s", "#2ca02c", "--", 1.5, 0.78)]
+            for col, name, color, ls, lw, ypos in marks:
+                e = float(summ.loc[task, col]) if col in summ.columns else float("nan")
+                if not np.isfinite(e):
+                    continue
+                shown = min(max(e, -0.4), L + 0.4)
+                off = " (off scale)" if shown != e else ""
+                ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
+                ha = "right" if shown > 0.8 * L else "left"
+                ax.text(shown, ypos, f" {name}={e:.2f}{off} ", transform=ax.get_xaxis_transform(), va="top", ha=ha,
+                        fontsize=8, color=color)
     depth_axis(axes[-1, 0], L)
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
     labels = [f"Delta at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
