@@ -18,6 +18,10 @@ Training is sized for a CPU:
 * Adam with linear warm-up and decay over a bounded number of steps, a progress bar, and a
   checkpoint every ``checkpoint_every`` steps that ``resume=True`` continues from.
 
+On SmolLM2-135M (61 sites) a step takes ~0.5 s on one CPU thread: the default 250 steps x 8
+tokens train in ~3 minutes and cut the held-out KL(final || lens), averaged over sites, from
+12.5 to 3.3 nats on UD English EWT text (embedding site: 102 -> 7 nats).
+
 Bias parametrisation: ``b_s = rms_s * c_s`` with ``rms_s`` the stream's RMS at site ``s`` in the
 training cache, so one learning rate suits every depth although stream norms grow ~10x from
 the embedding to the last block. The saved ``bias`` is ``b_s`` itself.
