@@ -183,7 +183,7 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     res = run_probes(
         model, tasks, train, test, cfg.dev,
         probe=cfg.probe, max_train_sentences=cfg.max_train_sentences,
-        max_test_sentences=cfg.max_test_sentences, progress=progress,
+        max_test_sentences=cfg.max_test_sentences, progress=progress, **cfg.extra,
     )
     write_table(res.by_site, out, "probes_by_site")
     write_table(res.summary, out, "probes_summary")

@@ -19,6 +19,7 @@ def _atomic(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; tables are for sharing
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

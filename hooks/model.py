@@ -93,6 +93,9 @@ class HookedModel:
 
     def __init__(self, hf_model: nn.Module, tokenizer=None, name: str | None = None, source: str | None = None):
         self.hf_model = hf_model.eval()
+        # an analysis tool: the weights are read, never trained (decode() outside no_grad then
+        # builds no graph); call hf_model.requires_grad_(True) to train the model itself
+        self.hf_model.requires_grad_(False)
         self.tokenizer = tokenizer
         self.arch: ResolvedArch = resolve(hf_model)
         self.n_layers = len(self.arch.blocks)
