@@ -84,7 +84,9 @@ class ReportConfig:
     max_train_sentences: Optional[int] = None
     max_test_sentences: Optional[int] = None
     probe: str = "linear"
-    extra: dict = field(default_factory=dict)
+    # options passed on to run_probes; the report trains fewer epochs than `depthscope probe`
+    # (12) to stay within a few minutes on a 2-core CPU
+    extra: dict = field(default_factory=lambda: {"epochs": 6})
 
 
 def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
