@@ -310,7 +310,7 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
     if "cos_update_stream" in d.columns:
         erase = upd[upd["cos_update_stream"] < -0.2]
         if len(erase):
-            out.append(f"{len(erase)} sublayers write against the stream (cosine < -0.2), most strongly "
+            out.append(f"{len(erase)} sublayer{'s' if len(erase) != 1 else ''} write{'' if len(erase) != 1 else 's'} against the stream (cosine < -0.2), most strongly "
                        f"{erase.loc[erase['cos_update_stream'].idxmin(), 'label']}.")
     if "positions" in norms.columns and (norms["positions"] == "first").any():
         first = norms[norms["positions"] == "first"].sort_values("site")
