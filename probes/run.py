@@ -123,9 +123,9 @@ def _drop_overlap(train: Corpus, test: Corpus, mode: str) -> tuple:
     if mode == "error":
         raise InputError(msg + "; remove them or pass overlap='drop' / 'keep'")
     if mode == "keep":
-        warnings.warn(msg + "; kept (overlap='keep')", stacklevel=3)
+        warnings.warn(msg + "; kept (overlap='keep')", stacklevel=4)
         return test, n
-    warnings.warn(msg + "; dropped from test (overlap='drop')", stacklevel=3)
+    warnings.warn(msg + "; dropped from test (overlap='drop')", stacklevel=4)
     kept = [s for s, h in zip(test.sentences, hit) if not h]
     if not kept:
         raise InputError(msg + ": nothing is left to test on (are train and test the same file?)")

@@ -162,8 +162,12 @@ def test_unseen_labels_and_uncovered_spans_are_counted(tiny_factory, tmp_path):
 
 def test_sites_subset_and_l2_from_dev(tiny_llama, tmp_path):
     res = run_probes(tiny_llama, "upos", EWT_TRAIN, EWT_TEST, dev=EWT_TEST, sites=["embed", "1.attn", "2.mlp"],
-                     l2="dev", store_dir=tmp_path, overlap="keep", **FAST)
+                     l2="dev", store_dir=tmp_path, overlap="keep", mdl=True, **FAST)
     assert res.by_site["label"].tolist() == ["embed", "1.attn", "2.mlp"]
+    bs = res.by_site
+    assert (bs["mdl_uniform_bits"] == bs["n_train"] * np.log2(res.summary["n_classes"].iloc[0])).all()
+    assert np.allclose(bs["mdl_compression"], bs["mdl_uniform_bits"] / bs["mdl_online_bits"])
+    assert (bs["mdl_compression"] > 1).all()  # the embedding of a random model still names the word
     assert set(res.by_site["l2"]) <= {1e-5, 1e-4, 1e-3, 1e-2}
     assert res.by_site["depth"].tolist() == [0.0, 1.5, 3.0]
 

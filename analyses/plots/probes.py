@@ -65,11 +65,18 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
 
 def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     """Tenney-style summary: Delta bars per depth, mixing weights, E_Delta and E_s."""
+    if mixing is None or not len(mixing):
+        fig, ax = plt.subplots(figsize=(6, 1.5))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center",
+                va="center")
+        savefig(fig, path)
+        return Path(path)
     tasks = _task_order(mixing["task"])
     n = max(1, len(tasks))
     fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), sharex=True, squeeze=False)
     L = _n_layers(mixing)
-    summ = summary.set_index("task") if len(summary) else pd.DataFrame()
+    summ = summary.set_index("task") if summary is not None and len(summary) else pd.DataFrame()
     for ax, task in zip(axes[:, 0], tasks):
         d = mixing[mixing["task"] == task].sort_values("depth")
         d = d[d["site"] != d["site"].min()]  # Delta(0) is the embedding's own score, not a gain
