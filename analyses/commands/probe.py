@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         overlap: str = typer.Option("drop", "--overlap", help="Test sentences also in train: drop (default), keep, or error."),
         store: Optional[Path] = typer.Option(None, "--store", help="Activation store folder (default: <cache>/activations); reused on re-runs."),
         float32: bool = typer.Option(False, "--float32/--float16", help="Store activations as float32 (default float16)."),
+        bos: bool = typer.Option(True, "--bos/--no-bos", help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink."),
         seed: int = typer.Option(0, "--seed", help="Seed for sampling, control tasks and training."),
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Draw the figures."),
         out: Path = OutOpt,
@@ -65,7 +66,7 @@ def register(app: typer.Typer) -> None:
             m, tasks, train, test, dev, probe=probe_kind, pooling=pooling, sites=site_list,
             max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences,
             max_dev_sentences=max_dev_sentences, context=context, l2=l2v, epochs=epochs, mdl=mdl, overlap=overlap,
-            store_dir=store, dtype="float32" if float32 else "float16", seed=seed, progress=True,
+            store_dir=store, dtype="float32" if float32 else "float16", bos=bos, seed=seed, progress=True,
         )
         paths = res.write(out, plots=plots)
         console = Console()
