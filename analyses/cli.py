@@ -38,7 +38,9 @@ _load_commands()
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from depthscope.hooks.errors import DepthscopeError
+    from depthscope.hooks.runtime import tune_allocator
 
+    tune_allocator()  # this process is ours: keep large blocks in the heap (see hooks/runtime.py)
     try:
         app()
     except DepthscopeError as e:

@@ -38,11 +38,14 @@ from _common import UD, env_line  # noqa: E402
 
 
 def bare_forward(model, texts, batch_tokens=2048):
-    """The decoder body over ``texts``, batched like the extraction (length-sorted, right padding)."""
+    """The decoder body over ``texts``, batched like the extraction (length-sorted, right
+    padding, the BOS token run_probes prepends when the tokenizer adds none)."""
     from depthscope.probes.activations import _batches
+    from depthscope.probes.spans import bos_id
 
     tok = model.tokenizer
-    ids = [tok(t)["input_ids"] for t in texts]
+    first = bos_id(tok)
+    ids = [([first] if first is not None else []) + tok(t)["input_ids"] for t in texts]
     lengths = np.array([len(x) for x in ids])
     body = getattr(model.hf_model, "model", model.hf_model)
     pad = tok.pad_token_id or 0
@@ -109,11 +112,12 @@ def fit_speed(model, args, train, test):
         t_ours = time.perf_counter() - t
         ours = accuracy(preds[:, :, 0], torch.from_numpy(yte)).numpy()
         # the same standardised features, site by site, for sklearn
-        Xtr = ftr.resident[:, np.argsort(ftr.order)].numpy()
-        Xte = fte.resident[:, np.argsort(fte.order)].numpy()
+        Xtr = ftr.resident[:, np.argsort(ftr.order)].float().numpy()
+        Xte = fte.resident[:, np.argsort(fte.order)].float().numpy()
         sites = list(range(S)) if args.full_sklearn else np.linspace(0, S - 1, args.sklearn_sites).round().astype(int).tolist()
         times, gaps = [], []
-        print(f"\n2. linear probes, {S} sites, n_train {n}, n_test {len(yte)}, {C} classes, l2 {DEFAULT_L2:g}")
+        print(f"\n2. linear probes, {S} sites, n_train {n}, n_test {len(yte)}, {C} classes, l2 {DEFAULT_L2:g}, "
+              f"features {str(ftr.resident.dtype).replace('torch.', '')} (sklearn: the same values in float32)")
         print(f"   depthscope batched fit + predict, all sites  {t_ours:8.1f} s")
         for s in sites:
             t = time.perf_counter()
@@ -209,7 +213,13 @@ def main() -> None:
     ap.add_argument("--validate-iter", type=int, default=300)
     ap.add_argument("--store", default=None, help="activation store for --validate (reused on re-runs)")
     ap.add_argument("--no-bos", action="store_true", help="--validate without the prepended BOS token")
+    ap.add_argument("--no-tune", action="store_true", help="keep glibc's default allocator thresholds "
+                    "(the depthscope command raises them; see depthscope.hooks.tune_allocator)")
     args = ap.parse_args()
+    from depthscope.hooks import tune_allocator
+    from depthscope.probes.classifiers import compute_dtype
+
+    tuned = False if args.no_tune else tune_allocator()
     if args.quick:
         args.train_sentences, args.test_sentences, args.sklearn_sites = 100, 40, 3
     warnings.filterwarnings("ignore")
@@ -217,7 +227,7 @@ def main() -> None:
     from depthscope.probes import read_conllu
 
     model = load_model()
-    print(env_line(), "|", repr(model))
+    print(env_line(), "|", repr(model), f"| allocator tuned: {tuned}, probe dtype: {compute_dtype()}")
     if args.validate:
         validate(model, args)
         return

@@ -16,6 +16,7 @@ from .errors import (
 )
 from .loading import cache_dir, default_gguf_path, load_model
 from .model import HookedModel, ResidualStream
+from .runtime import tune_allocator
 from .sites import SITE_COLUMNS, Site, all_sites, parse_site, parse_sites, site_frame, site_from_index, site_labels
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "site_labels",
     "cache_dir",
     "default_gguf_path",
+    "tune_allocator",
     "DepthscopeError",
     "ModelSpecError",
     "CheckpointError",

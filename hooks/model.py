@@ -53,7 +53,8 @@ class ResidualStream:
     """The stream at a set of sites for one batch.
 
     ``resid[i]`` is the stream after site ``sites[i]`` (labels in ``labels``), shape
-    ``[n_sites, batch, pos, d_model]``. ``mask`` is True at real (non-padding) tokens.
+    ``[n_sites, batch, pos, d_model]`` (or ``[n_sites, n, d_model]`` at the flat ``positions``
+    asked for). ``mask`` is True at real (non-padding) tokens.
     ``logits`` are the model's own output logits (None when not requested); ``final``
     is the final normed stream (decoders; None otherwise or when not captured).
     """
@@ -66,6 +67,7 @@ class ResidualStream:
     logits: Optional[torch.Tensor]
     final: Optional[torch.Tensor]
     n_layers: int
+    positions: Optional[torch.Tensor] = None  # flat indices kept (resid is then [sites, n, d])
 
     def __getitem__(self, name) -> torch.Tensor:
         idx = parse_site(name, self.n_layers)
@@ -224,9 +226,13 @@ class HookedModel:
         wanted: set[int],
         user_hooks: Mapping[int, list[HookFn]],
         stop_after: Optional[int],
+        keep: Optional[Callable[[object, torch.Tensor], torch.Tensor]] = None,
     ) -> list:
-        """Register capture and user hooks; returns handles. ``capture`` maps site -> tensor."""
+        """Register capture and user hooks; returns handles. ``capture`` maps site -> tensor
+        (``keep(site, stream)`` when given, e.g. only some positions, so the full stream is
+        freed as the forward goes on)."""
         arch, handles = self.arch, []
+        keep = keep or (lambda site, t: t)
         resid_pre: dict[int, torch.Tensor] = {}
         labels = self.labels
 
@@ -264,7 +270,7 @@ class HookedModel:
                                 kwargs = {**kwargs, "hidden_states": new}
                     resid_pre[layer] = h
                     if layer == 0 and capture is not None and 0 in wanted:
-                        capture[0] = h
+                        capture[0] = keep(0, h)
                         maybe_stop(0)
                     return args, kwargs
 
@@ -283,8 +289,10 @@ class HookedModel:
                         stream = new
                         delta = new if arch.layout == "post_norm" else new - resid_pre[layer]
                         output = _replace_first(output, delta)
+                    if arch.layout != "post_norm":
+                        resid_pre.pop(layer, None)  # not needed again: free it during the forward
                     if capture is not None and s in wanted:
-                        capture[s] = stream
+                        capture[s] = keep(s, stream)
                         maybe_stop(s)
                     return output if new is not None else None
 
@@ -299,7 +307,7 @@ class HookedModel:
                         stream = new
                         output = _replace_first(output, new)
                     if capture is not None and s in wanted:
-                        capture[s] = stream
+                        capture[s] = keep(s, stream)
                         maybe_stop(s)
                     return output if new is not None else None
 
@@ -308,7 +316,7 @@ class HookedModel:
         if capture is not None and "final" in capture and arch.final_norm is not None:
 
             def final_hook(mod, args, output):
-                capture["final"] = _first_tensor(output)
+                capture["final"] = keep("final", _first_tensor(output))
 
             handles.append(arch.final_norm.register_forward_hook(final_hook))
         return handles
@@ -359,6 +367,7 @@ class HookedModel:
         return_logits: bool = True,
         hooks=None,
         check_finite: bool = True,
+        positions: Optional[torch.Tensor] = None,
     ) -> ResidualStream:
         """The stream at ``sites`` (default: all 2L+1) for a batch.
 
@@ -368,15 +377,43 @@ class HookedModel:
         requested site, so early sites cost only the blocks before them. ``hooks`` adds user
         hook functions (see :meth:`hooks`) for this call only. NaN or inf in a captured site
         raises :class:`NonFiniteActivationError` unless ``check_finite=False``.
+
+        ``positions`` keeps only some token positions: a boolean ``[batch, pos]`` mask or a
+        LongTensor of flat indices ``b * pos + p``. Each site's stream is then gathered inside
+        its hook (the full ``[batch, pos, d_model]`` tensor is freed as the forward goes on)
+        and ``resid`` is ``[n_sites, n_positions, d_model]``, rows in flat-index order.
         """
         ids, mask = self._prepare(inputs, mask)
         wanted = parse_sites(sites, self.n_layers)
         user = self._normalise_hooks(hooks)
+        keep, gathered = None, None
+        if positions is not None:
+            positions = torch.as_tensor(positions, device=ids.device)
+            if positions.dtype == torch.bool:
+                if positions.shape != ids.shape:
+                    raise InputError(f"positions mask shape {tuple(positions.shape)} != ids shape {tuple(ids.shape)}")
+                positions = positions.reshape(-1).nonzero().reshape(-1)
+            positions = positions.long().reshape(-1)
+            n_flat = ids.numel()
+            if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= n_flat):
+                raise InputError(f"positions must be flat indices in 0..{n_flat - 1}")
+            slot = {s: i for i, s in enumerate(wanted)}
+            gathered = []  # the [sites, n, d] output, allocated at the first capture (its dtype)
+
+            def keep(site, t, idx=positions):
+                flat = t.reshape(-1, t.shape[-1])
+                if site not in slot:
+                    return flat.index_select(0, idx)
+                if not gathered:
+                    gathered.append(torch.empty(len(wanted), len(idx), flat.shape[-1], dtype=flat.dtype, device=flat.device))
+                # straight into the output: no full-size copies and no stack afterwards
+                return torch.index_select(flat, 0, idx, out=gathered[0][slot[site]])
+
         capture: dict = {}
         if return_logits and self.is_decoder and wanted[-1] == self.n_sites - 1:
             capture["final"] = None
         stop_after = None if return_logits else wanted[-1]
-        handles = self._register(capture, set(wanted), user, stop_after)
+        handles = self._register(capture, set(wanted), user, stop_after, keep)
         out = None
         try:
             with torch.no_grad():
@@ -390,10 +427,10 @@ class HookedModel:
         missing = [self.labels[s] for s in wanted if s not in capture]
         if missing:
             raise RuntimeError(f"sites not reached by the forward pass: {missing}")
-        resid = torch.stack([capture[s] for s in wanted])
+        resid = gathered[0] if gathered else torch.stack([capture[s] for s in wanted])
         logits = _logits_of(out) if (out is not None and return_logits) else None
         if check_finite:
-            _check_finite(resid, [self.labels[s] for s in wanted], mask)
+            _check_finite(resid, [self.labels[s] for s in wanted])
         return ResidualStream(
             sites=list(wanted),
             labels=[self.labels[s] for s in wanted],
@@ -403,6 +440,7 @@ class HookedModel:
             logits=logits,
             final=capture.get("final"),
             n_layers=self.n_layers,
+            positions=positions,
         )
 
     # ------------------------------------------------------------------ decoding
@@ -483,14 +521,16 @@ def _logits_of(out) -> torch.Tensor:
     return _first_tensor(out)
 
 
-def _check_finite(resid: torch.Tensor, labels: list[str], mask: torch.Tensor) -> None:
-    if bool(torch.isfinite(resid).all()):
+def _check_finite(resid: torch.Tensor, labels: list[str]) -> None:
+    # one reduction, no full-size boolean tensor: NaN/inf propagate into the sum (a finite
+    # overflow only sends us to the exact check below, which then finds nothing)
+    if bool(torch.isfinite(resid.sum(dtype=torch.float32))):
         return
-    bad = (~torch.isfinite(resid)).flatten(2).any(-1)  # [site, batch]
+    bad = (~torch.isfinite(resid)).flatten(2).any(-1)  # [site, batch (or position)]
     for i, lab in enumerate(labels):
         if bool(bad[i].any()):
             n = int((~torch.isfinite(resid[i])).sum())
             raise NonFiniteActivationError(
-                f"NaN/inf in the residual stream first at site {lab} ({n} values; batch rows "
+                f"NaN/inf in the residual stream first at site {lab} ({n} values; rows "
                 f"{bad[i].nonzero().flatten().tolist()}); pass check_finite=False to keep them"
             )

@@ -197,16 +197,19 @@ def extract_spans(
     np.maximum.at(last_needed, table.passage[ok], table.last[ok] + 1)
     run_len = np.where(has_span, last_needed, 0)
     batches = [b for b in _batches(run_len, batch_tokens) if run_len[b[0]] > 0]
-    by_passage: dict = {}
-    for i in np.nonzero(ok)[0]:
-        by_passage.setdefault(int(table.passage[i]), []).append(int(i))
+    # spans in batch order (batch, row of the batch, then table order): their rows are
+    # contiguous per batch, so each batch writes one slice of the store
+    bat = np.full(len(tok.ids), -1, dtype=np.int64)
+    slot = np.zeros(len(tok.ids), dtype=np.int64)
+    for j, b in enumerate(batches):
+        bat[b] = j
+        slot[b] = np.arange(len(b))
+    sp = np.nonzero(ok & (bat[np.maximum(table.passage, 0)] >= 0))[0]
+    sp = sp[np.lexsort((sp, slot[table.passage[sp]], bat[table.passage[sp]]))]
     row_start = np.zeros(n, dtype=np.int64)
-    r = 0
-    for b in batches:
-        for p in b:
-            for i in by_passage.get(p, ()):
-                row_start[i] = r
-                r += int(per_span[i])
+    row_start[sp] = np.cumsum(per_span[sp]) - per_span[sp]
+    bounds = np.searchsorted(bat[table.passage[sp]], np.arange(len(batches) + 1))
+    r = int(per_span[sp].sum())
     n_rows_total = r
     D, S = model.d_model, len(sites)
 
@@ -224,7 +227,7 @@ def extract_spans(
             from tqdm.auto import tqdm
 
             bar = tqdm(total=int(run_len.sum()), desc=desc, unit="tok", leave=False)
-        for b in batches:
+        for j, b in enumerate(batches):
             width = int(run_len[b].max())
             ids = torch.full((len(b), width), pad, dtype=torch.long)
             mask = torch.zeros((len(b), width), dtype=torch.bool)
@@ -232,41 +235,35 @@ def extract_spans(
                 L = int(run_len[p])
                 ids[k, :L] = torch.from_numpy(tok.ids[p][:L])
                 mask[k, :L] = True
-            rs = model.residual_stream(ids, mask=mask, sites=sites, return_logits=False)
-            flat = rs.resid.reshape(S, len(b) * width, D)
-            tok_idx, seg, rows_here = [], [], []
-            for k, p in enumerate(b):
-                for i in by_passage.get(p, ()):
-                    f, l = int(table.first[i]), int(table.last[i])
-                    base = k * width
-                    if pooling == "last":
-                        tok_idx.append(base + l)
-                    elif pooling == "first":
-                        tok_idx.append(base + f)
-                    elif pooling == "attn":
-                        a = max(f, l - ATTN_MAX_TOKENS + 1)
-                        tok_idx.extend(range(base + a, base + l + 1))
-                    else:  # mean
-                        tok_idx.extend(range(base + f, base + l + 1))
-                        seg.extend([len(rows_here)] * (l - f + 1))
-                    rows_here.append(i)
-            if not rows_here:
+            here = sp[bounds[j] : bounds[j + 1]]
+            if not len(here):
                 continue
-            ti = torch.tensor(tok_idx, dtype=torch.long)
+            base = slot[table.passage[here]] * width
+            f, l = table.first[here], table.last[here]
+            if pooling == "last":
+                tok_idx = base + l
+            elif pooling == "first":
+                tok_idx = base + f
+            else:  # attn: the last ATTN_MAX_TOKENS subwords; mean: all of them
+                a = np.maximum(f, l - ATTN_MAX_TOKENS + 1) if pooling == "attn" else f
+                cnt = l - a + 1
+                seg = np.repeat(np.arange(len(here)), cnt)
+                tok_idx = base[seg] + a[seg] + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+            # only the positions spans need are kept, gathered inside each site's hook: [S, n, D]
+            ti = torch.from_numpy(np.ascontiguousarray(tok_idx, dtype=np.int64))
+            out = model.residual_stream(ids, mask=mask, sites=sites, return_logits=False, positions=ti).resid
             if pooling == "mean":
-                sg = torch.tensor(seg, dtype=torch.long)
-                out = torch.zeros(S, len(rows_here), D, dtype=flat.dtype)
-                out.index_add_(1, sg, flat[:, ti])
-                cnt = torch.bincount(sg, minlength=len(rows_here)).to(flat.dtype)
-                out = out / cnt[None, :, None]
-            else:
-                out = flat[:, ti]
-            arr = out.permute(1, 0, 2).float().cpu().numpy().astype(dtype, copy=False)
+                sg = torch.from_numpy(seg)
+                summed = torch.zeros(S, len(here), D, dtype=out.dtype)
+                summed.index_add_(1, sg, out)
+                cnt = torch.bincount(sg, minlength=len(here)).to(out.dtype)
+                out = summed / cnt[None, :, None]
+            arr = out.permute(1, 0, 2).to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
             if dtype == np.float16 and not np.isfinite(arr).all():
                 raise NonFiniteActivationError(
                     "activations overflow float16 (|x| > 65504) at some site: rerun with dtype='float32'"
                 )
-            r0 = int(row_start[rows_here[0]])
+            r0 = int(row_start[here[0]])
             feats[r0 : r0 + len(arr)] = arr
             n_tokens += int(mask.sum())
             if bar is not None:

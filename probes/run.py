@@ -308,7 +308,7 @@ def run_probes(
     ``l2``: the penalty on mean cross-entropy (default 1e-3, i.e. scikit-learn
     ``C = 1 / (2e-3 * n_train)``: the value EWT dev picked at most sites for upos on the
     default model, 2000 train sentences, grid ``L2_GRID``), or ``"dev"`` to pick it per
-    site from ``L2_GRID`` by dev accuracy (needs ``dev``). ``mdl``: add online codelengths (costly: ten more fits).
+    site from ``L2_GRID`` by dev accuracy (needs ``dev``; ties go to the strongest L2). ``mdl``: add online codelengths (costly: ten more fits).
     ``store_dir``: activation store (default ``<cache>/activations``). ``bos``: when the
     tokenizer adds no special token at the start (SmolLM2, GPT-2), prepend its BOS (else EOS)
     token, as TransformerLens does by default, so the first word of a sentence is not the
@@ -450,6 +450,13 @@ def _prepare(task, ex_by_split, ext_by_split, *, seed, resident_bytes) -> TaskDa
     return TaskData(task, classes, C + len(unseen), y, ctrl, feats, {k: v[0] for k, v in data.items()}, skipped, counts)
 
 
+def _pick_l2(acc_dev: torch.Tensor) -> torch.Tensor:
+    """Per site, the L2 strength (column of ``acc_dev [S, len(L2_GRID)]``, grid ascending)
+    with the best dev accuracy; ties go to the strongest L2, the simplest probe."""
+    n = acc_dev.shape[1]
+    return (n - 1) - acc_dev.flip(1).argmax(1)
+
+
 def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, probe, l2, epochs, min_steps, lr, batch_size, hidden,
                 control, cumulative, mdl, seed, progress, resident_bytes) -> dict:
     td = _prepare(task, ex_by_split, ext_by_split, seed=seed, resident_bytes=resident_bytes)
@@ -476,10 +483,10 @@ def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, pro
     if l2 == "dev":
         pred_dev, _ = predict(p, feats["dev"])
         acc_dev_real = torch.stack([accuracy(pred_dev[:, :, k], torch.from_numpy(y["dev"])) for k in range(nl)], 1)
-        pick_real = acc_dev_real.argmax(1)  # [S]
+        pick_real = _pick_l2(acc_dev_real)  # [S]
         if control:
             acc_dev_ctrl = torch.stack([accuracy(pred_dev[:, :, nl + k], torch.from_numpy(ctrl["dev"])) for k in range(nl)], 1)
-            pick_ctrl = acc_dev_ctrl.argmax(1) + nl
+            pick_ctrl = _pick_l2(acc_dev_ctrl) + nl
     else:
         pick_real = torch.zeros(S, dtype=torch.long)
         pick_ctrl = torch.full((S,), nl, dtype=torch.long) if control else None

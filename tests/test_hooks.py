@@ -123,6 +123,30 @@ def test_subset_and_aliases(tiny_llama):
         sub["0.mlp"]
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "bert"])
+def test_positions_gather_inside_hooks(tiny_factory, family):
+    """positions= keeps only some tokens (flat indices, repeats allowed, or a bool mask) and
+    gives exactly the rows of the full capture, final normed stream included."""
+    hm = tiny_factory(family)
+    full = hm.residual_stream(TEXTS)
+    B, P = full.mask.shape
+    flat = torch.tensor([P + 1, 0, P * B - 1, 2, 0])
+    got = hm.residual_stream(TEXTS, positions=flat)
+    assert got.resid.shape == (hm.n_sites, 5, hm.d_model)
+    want = full.resid.reshape(hm.n_sites, B * P, -1)[:, flat]
+    assert torch.equal(got.resid, want)
+    assert torch.equal(got.positions, flat)
+    if full.final is not None:
+        assert torch.equal(got.final, full.final.reshape(B * P, -1)[flat])
+    sub = hm.residual_stream(TEXTS, sites=["1.attn", "0.mlp"], positions=full.mask, return_logits=False)
+    assert torch.equal(sub["1.attn"], full["1.attn"][full.mask])
+    assert torch.equal(sub["0.mlp"], full["0.mlp"][full.mask])
+    with pytest.raises(InputError):
+        hm.residual_stream(TEXTS, positions=torch.tensor([B * P]))
+    with pytest.raises(InputError):
+        hm.residual_stream(TEXTS, positions=torch.ones(B, P + 1, dtype=torch.bool))
+
+
 def test_subset_stops_early(tiny_llama):
     """Capturing only early sites without logits does not run the later blocks."""
     calls = []
@@ -360,3 +384,14 @@ def test_info_cli(default_model):
     assert "29.mlp" in res.output and "' Paris'" in res.output
     res = CliRunner().invoke(app, ["--help"])
     assert res.exit_code == 0 and "run" in res.output and "sweep" in res.output
+
+
+def test_tune_allocator_is_idempotent_and_can_be_refused(monkeypatch):
+    import depthscope.hooks.runtime as rt
+
+    monkeypatch.setattr(rt, "_done", False)
+    monkeypatch.setenv("DEPTHSCOPE_NO_MALLOPT", "1")
+    assert rt.tune_allocator() is False
+    monkeypatch.delenv("DEPTHSCOPE_NO_MALLOPT")
+    first = rt.tune_allocator()
+    assert rt.tune_allocator() is first  # glibc: True twice; elsewhere False twice

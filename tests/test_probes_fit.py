@@ -71,6 +71,40 @@ def test_batched_linear_probe_matches_sklearn_per_site(resident):
     assert ours[0] > ours[-1] + 0.1  # the sites really differ
 
 
+def test_compute_dtype_choice_and_bf16_agrees(monkeypatch):
+    """bfloat16 features (chosen where the CPU multiplies them faster) give the float32 probe's
+    predictions; DEPTHSCOPE_PROBE_DTYPE forces a type and rejects others."""
+    from depthscope.probes.classifiers import compute_dtype
+
+    x, y = synthetic(2000, S=3)
+    xt, yt = synthetic(600, S=3, seed=1)
+    accs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        ftr = Features(store_of(x), np.arange(len(x))[:, None]).fit_standardiser()
+        fte = Features(store_of(xt), np.arange(len(xt))[:, None]).standardise_like(ftr)
+        assert ftr.make_resident(dtype=dt) and fte.make_resident(dtype=dt)
+        assert ftr.resident.dtype == dt
+        # standardised before rounding: means ~0, stds ~1 at every site
+        assert ftr.resident.float().mean((1, 2)).abs().max() < 0.02
+        p = BatchedProbe(n_sites=3, d=16, n_spans=1, n_classes=4, l2=1e-3)
+        train_probe(p, ftr, torch.from_numpy(y), epochs=10, batch_size=256)
+        preds, _ = predict(p, fte)
+        accs[dt] = accuracy(preds[:, :, 0], torch.from_numpy(yt)).numpy()
+    assert np.abs(accs[torch.float32] - accs[torch.bfloat16]).max() <= 0.01, accs
+    try:
+        for name, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", name)
+            compute_dtype.cache_clear()
+            assert compute_dtype() == want
+        monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", "float16")
+        compute_dtype.cache_clear()
+        with pytest.raises(ValueError):
+            compute_dtype()
+    finally:
+        monkeypatch.delenv("DEPTHSCOPE_PROBE_DTYPE")
+        compute_dtype.cache_clear()
+
+
 def test_heads_train_independently():
     x, y = synthetic(800, S=2)
     f = features(x)

@@ -1,0 +1,40 @@
+"""Process-level runtime settings for analysis jobs (the command line applies them; library
+users opt in).
+
+:func:`tune_allocator` keeps large freed blocks in glibc's heap instead of returning them to
+the OS. PyTorch on CPU allocates every intermediate with ``malloc``; blocks above glibc's
+mmap threshold (at most 32 MB by default) are mapped fresh and page-faulted on every use, so
+a probe training step over ``[sites x batch x d_model]`` features or a forward over a long
+batch pays for zeroing new pages each time. Measured on the default model (EWT, 300
+sentences, 61 sites): site probes 6.4 s -> 3.6 s, cumulative scoring 8.0 s -> 5.5 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+_done = False
+
+
+def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> bool:
+    """Raise glibc's mmap and trim thresholds (Linux/glibc only; a no-op elsewhere or when
+    ``DEPTHSCOPE_NO_MALLOPT`` is set). Returns True when applied. The cost: memory freed by
+    the process stays reserved for its later allocations (peak RSS is unchanged)."""
+    global _done
+    if _done:
+        return True
+    if os.environ.get("DEPTHSCOPE_NO_MALLOPT"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    _done = ok
+    return ok
