@@ -49,6 +49,22 @@ DEFAULT_EPOCHS = 12
 DEFAULT_LR = 1e-2
 DEFAULT_HIDDEN = 256
 DEFAULT_MIN_STEPS = 100
+#: minibatch size (None: :func:`auto_batch`)
+DEFAULT_BATCH = None
+#: auto_batch aims at this many optimiser steps: Adam needs steps, not epochs, to reach the
+#: L2-regularised optimum (EWT upos, 4640 words x 12 epochs: batch 512 = 120 steps ended 35%
+#: above scikit-learn's objective, batch 128 = 480 steps within 10%, for 1.4x the time)
+TARGET_STEPS = 500
+
+
+def auto_batch(n: int, epochs: int, batch_size: Optional[int] = None) -> int:
+    """``batch_size`` if given, else the batch (between 128 and 512, a multiple of 32) that
+    gives about ``TARGET_STEPS`` steps over ``epochs`` epochs of ``n`` examples: large
+    batches (cheap steps) for large data, small batches (more steps) for small data."""
+    if batch_size is not None:
+        return int(batch_size)
+    b = n * max(epochs, 1) / TARGET_STEPS
+    return int(min(512, max(128, round(b / 32) * 32)))
 
 
 # ----------------------------------------------------------------------------- features
@@ -353,7 +369,7 @@ def train_probe(
     y: torch.Tensor,
     *,
     epochs: int = DEFAULT_EPOCHS,
-    batch_size: int = 512,
+    batch_size: Optional[int] = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
     min_steps: int = DEFAULT_MIN_STEPS,
     seed: int = 0,
@@ -361,6 +377,7 @@ def train_probe(
     desc: str = "probe",
 ) -> list:
     """Fit ``probe`` on ``feats`` with labels ``y [N, G]`` (class indices); returns losses.
+    ``batch_size`` None picks :func:`auto_batch`.
 
     The number of epochs grows so that at least ``min_steps`` optimiser steps are taken
     (small training sets, e.g. the first MDL blocks).
@@ -371,6 +388,7 @@ def train_probe(
     y = torch.as_tensor(y, dtype=torch.long)
     if y.dim() == 1:
         y = y[:, None]
+    batch_size = auto_batch(n, epochs, batch_size)
     steps_per_epoch = math.ceil(n / batch_size)
     epochs = max(epochs, math.ceil(min_steps / steps_per_epoch))
     total = epochs * steps_per_epoch

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
+from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -64,7 +65,7 @@ def online_codelength(
     l2: float = DEFAULT_L2,
     epochs: int = DEFAULT_EPOCHS,
     lr: float = DEFAULT_LR,
-    batch_size: int = 512,
+    batch_size: Optional[int] = DEFAULT_BATCH,
     hidden: int = 256,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
@@ -94,7 +95,7 @@ def online_codelength(
         probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=kind,
                              hidden=hidden, attn_pool=feats.tokens, l2=l2, seed=seed)
         train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=epochs, lr=lr,
-                    batch_size=min(batch_size, max(8, t0)), min_steps=min_steps, seed=seed)
+                    batch_size=None if batch_size is None else min(batch_size, max(8, t0)), min_steps=min_steps, seed=seed)
         _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
         bits += b[:, :, 0].double().sum(1).numpy()
         if bar is not None:

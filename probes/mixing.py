@@ -17,12 +17,12 @@ layer numbers; relative depth = E / n_layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
+from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
 
 
 def deltas(scores: Sequence[float]) -> np.ndarray:
@@ -78,7 +78,7 @@ def fit_cumulative(
     epochs: int = DEFAULT_EPOCHS,
     min_steps: int = DEFAULT_MIN_STEPS,
     lr: float = DEFAULT_LR,
-    batch_size: int = 512,
+    batch_size: Optional[int] = DEFAULT_BATCH,
     hidden: int = 256,
     seed: int = 0,
     progress: bool = False,

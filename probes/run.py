@@ -46,6 +46,7 @@ from depthscope.hooks.sites import parse_sites, site_frame
 
 from .activations import ATTN_MAX_TOKENS, POOLINGS, SpanStore, extract_spans
 from .classifiers import (
+    DEFAULT_BATCH,
     DEFAULT_EPOCHS,
     DEFAULT_HIDDEN,
     DEFAULT_L2,
@@ -278,7 +279,7 @@ def run_probes(
     epochs: int = DEFAULT_EPOCHS,
     min_steps: int = DEFAULT_MIN_STEPS,
     lr: float = DEFAULT_LR,
-    batch_size: int = 512,
+    batch_size: Optional[int] = DEFAULT_BATCH,
     hidden: int = DEFAULT_HIDDEN,
     control: bool = True,
     cumulative: bool = True,
