@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
 
 from .tables import read_table, write_table
@@ -230,8 +231,18 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
         return out
     s = summary.copy()
     s = s.sort_values("expected_layer_delta")
-    parts = [f"{r.task} (E_Δ = {_fmt(r.expected_layer_delta)})" for r in s.itertuples()]
+    def interval(r):
+        lo, hi = getattr(r, "expected_layer_delta_lo", float("nan")), getattr(r, "expected_layer_delta_hi", float("nan"))
+        return f", 95% interval {_fmt(lo)}-{_fmt(hi)}" if np.isfinite(lo) and np.isfinite(hi) else ""
+
+    parts = [f"{r.task} (E_Δ = {_fmt(r.expected_layer_delta)}{interval(r)})" for r in s.itertuples()]
     out.append("Ordered by the expected layer of their cumulative gains, the properties emerge as: " + ", ".join(parts) + ".")
+    if "expected_layer_delta_lo" in s:
+        wide = s[(s["expected_layer_delta_hi"] - s["expected_layer_delta_lo"]) > 0.25 * n_layers]
+        if len(wide):
+            out.append("E_Δ is unstable for " + ", ".join(wide["task"]) + ": its bootstrap interval over the test "
+                       "examples spans more than a quarter of the depth (small total gain against noisy per-site gains); "
+                       "read the per-site accuracies instead.")
     first, last = s.iloc[0], s.iloc[-1]
     if len(s) > 1:
         gap = last.expected_layer_delta - first.expected_layer_delta

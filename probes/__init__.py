@@ -13,7 +13,8 @@ mdl=False, progress=True, ...) -> ProbeResults``
     ``.by_site`` columns: task, site, label, layer, sublayer, depth, accuracy, macro_f1,
     control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test
     (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
-    ``.summary`` columns: task, expected_layer_delta, expected_layer_mix, best_label,
+    ``.summary`` columns: task, expected_layer_delta (+ _lo/_hi: 95% bootstrap interval over test
+    examples), expected_layer_mix, best_label,
     best_accuracy, n_train, n_test, mix_accuracy, best_site, best_depth, best_macro_f1,
     best_selectivity, max_selectivity, n_layers, relative_depth_delta, relative_depth_mix,
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,
@@ -39,7 +40,7 @@ from .activations import POOLINGS, SpanStore, extract_spans
 from .classifiers import BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
 from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
 from .mdl import VOITA_FRACTIONS, online_codelength
-from .mixing import deltas, expected_layer_delta, expected_layer_mix, fit_cumulative
+from .mixing import deltas, expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
 from .run import L2_GRID, ProbeResults, TaskData, prepare_task, run_probes
 from .tasks import TaskExamples, build_task, control_labels, load_corpus, read_jiant
 
@@ -90,6 +91,7 @@ __all__ = [
     "accuracy",
     "macro_f1",
     "expected_layer_delta",
+    "expected_layer_delta_interval",
     "expected_layer_mix",
     "deltas",
     "fit_cumulative",

@@ -48,12 +48,47 @@ def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> flo
     return float((np.asarray(depths, dtype=np.float64) * w).sum() / w.sum())
 
 
+def expected_layer_delta_interval(depths: Sequence[float], correct, *, n_boot: int = 1000, level: float = 0.95,
+                                  seed: int = 0) -> tuple:
+    """A bootstrap interval for ``E_Delta`` over the test examples: ``correct [S, N]`` says
+    whether prefix probe ``P(s)`` got example ``n`` right; each resample reweights the
+    examples (Poisson(1) weights, all prefixes at once as one matrix product) and recomputes
+    the cumulative accuracies and ``E_Delta``. Returns ``(low, high)``; NaN when undefined.
+
+    It measures how much ``E_Delta`` depends on which test examples were drawn, not the
+    variation from retraining: when the total gain ``sum Delta`` is small against the noise
+    of the individual ``Delta(s)``, the interval is wide and ``E_Delta`` should not be read
+    as a depth."""
+    c = torch.as_tensor(np.asarray(correct), dtype=torch.float32)  # [S, N]
+    S, N = c.shape
+    if N == 0 or S < 2:
+        return float("nan"), float("nan")
+    g = torch.Generator().manual_seed(seed)
+    d = torch.as_tensor(np.asarray(depths, dtype=np.float64))[1:]
+    vals = []
+    for a in range(0, n_boot, 250):
+        k = min(250, n_boot - a)
+        w = torch.poisson(torch.ones(k, N), generator=g)  # [k, N]
+        acc = (c @ w.T) / w.sum(1).clamp_min(1)  # [S, k]
+        gains = (acc[1:] - acc[:-1]).double()  # Delta(s), s >= 1
+        tot = gains.sum(0)
+        e = (d[:, None] * gains).sum(0) / tot
+        vals.append(torch.where(tot.abs() > 1e-12, e, torch.full_like(e, float("nan"))))
+    v = torch.cat(vals).numpy()
+    v = v[np.isfinite(v)]
+    if len(v) < n_boot // 2:
+        return float("nan"), float("nan")
+    q = (1 - level) / 2
+    return float(np.quantile(v, q)), float(np.quantile(v, 1 - q))
+
+
 @dataclass
 class CumulativeFit:
     accuracy: np.ndarray  # [S] test accuracy of P(s)
     macro_f1: np.ndarray  # [S]
     weights: np.ndarray  # [S, S] mixing weights of P(s) (row s: sites 0..s)
     gamma: np.ndarray  # [S]
+    correct: np.ndarray = None  # [S, N] bool: P(s) right on test example n (for intervals)
 
     @property
     def delta(self) -> np.ndarray:
@@ -100,4 +135,6 @@ def fit_cumulative(
     with torch.no_grad():
         w = probe.mix_weights().numpy()
         gamma = probe.gamma.detach().numpy()
-    return CumulativeFit(acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64))
+    correct = (preds[:, :, 0] == yt[None]).numpy()
+    return CumulativeFit(acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64),
+                         correct)

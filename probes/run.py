@@ -61,7 +61,7 @@ from .classifiers import (
     train_probe,
 )
 from .conllu_io import Corpus
-from .mixing import expected_layer_delta, expected_layer_mix, fit_cumulative
+from .mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
 from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
 from .tasks import TaskExamples, build_task, control_labels, default_context, load_corpus, pipeline_rank
 
@@ -536,10 +536,14 @@ def _probe_task(task, ex_by_split, ext_by_split, frame, depths, n_layers, *, pro
         mix_df["delta"] = cum.delta
         mix_df["gamma"] = cum.gamma
         summ["expected_layer_delta"] = e_delta
+        lo, hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
+        summ["expected_layer_delta_lo"], summ["expected_layer_delta_hi"] = lo, hi
+        summ["total_delta"] = float(cum.accuracy[-1] - cum.accuracy[0])
         summ["expected_layer_mix"] = e_mix
         summ["mix_accuracy"] = float(cum.accuracy[-1])
     else:
         summ["expected_layer_delta"] = np.nan
+        summ["expected_layer_delta_lo"] = summ["expected_layer_delta_hi"] = summ["total_delta"] = np.nan
         summ["expected_layer_mix"] = np.nan
     best = int(np.argmax(acc))
     summ.update({

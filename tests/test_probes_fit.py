@@ -13,6 +13,7 @@ from depthscope.probes import (
     accuracy,
     deltas,
     expected_layer_delta,
+    expected_layer_delta_interval,
     expected_layer_mix,
     macro_f1,
     online_codelength,
@@ -175,6 +176,23 @@ def test_cumulative_mix_finds_the_informative_site():
     assert expected_layer_delta(depths, cum.accuracy) == pytest.approx(1.0, abs=0.1)
     assert cum.mix_weights.argmax() == 2 and cum.mix_weights[2] > 0.5
     assert np.allclose(cum.weights.sum(1), 1) and np.allclose(np.triu(cum.weights, 1), 0)
+    # the bootstrap interval: the jump at site 2 is clear, so it is tight around depth 1
+    assert np.allclose(cum.correct.mean(1), cum.accuracy)
+    lo, hi = expected_layer_delta_interval(depths, cum.correct)
+    assert lo <= expected_layer_delta(depths, cum.accuracy) <= hi and 0.8 < lo and hi < 1.2
+
+
+def test_expected_layer_delta_interval_widens_with_noise():
+    """Exact values on a hand-built case, and a wide interval when the gains are noise."""
+    depths = [0, 1, 2]
+    # every resample has acc(0) = 0, acc(1) = 0, acc(2) = 1: E_Delta = 2 exactly
+    correct = np.array([[0] * 50, [0] * 50, [1] * 50], dtype=bool)
+    assert expected_layer_delta_interval(depths, correct) == (2.0, 2.0)
+    rng = np.random.default_rng(0)
+    noisy = rng.random((3, 200)) < np.array([[0.5], [0.52], [0.53]])
+    lo, hi = expected_layer_delta_interval(depths, noisy, seed=1)
+    assert hi - lo > 1.0
+    assert np.isnan(expected_layer_delta_interval(depths, correct[:, :0])[0])
 
 
 def test_mdl_online_codelength_on_toys():

@@ -42,7 +42,7 @@ def test_report_text_is_computed_from_the_tables(report_dir):
     assert "## Which depth encodes which property" in md
     summ = pd.read_parquet(report_dir / "probes_summary.parquet")
     for t in summ.itertuples():
-        assert f"{t.task} (E_Δ = {t.expected_layer_delta:.2f})" in md
+        assert f"{t.task} (E_Δ = {t.expected_layer_delta:.2f}, 95% interval " in md
     html = (report_dir / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 5
     # change a table, redraw: the text follows the numbers

@@ -91,6 +91,10 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         ax2.set_ylabel("mix weight s", fontsize=8, color="#2ca02c")
         ax2.tick_params(axis="y", labelsize=7, colors="#2ca02c")
         ax2.grid(False)
+        if task in summ.index and {"expected_layer_delta_lo", "expected_layer_delta_hi"} <= set(summ.columns):
+            lo, hi = float(summ.loc[task, "expected_layer_delta_lo"]), float(summ.loc[task, "expected_layer_delta_hi"])
+            if np.isfinite(lo) and np.isfinite(hi):  # bootstrap interval of E_Delta over test examples
+                ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
         if task in summ.index:
             marks = [("expected_layer_delta", "E_Delta", "#9467bd", "-", 2.0, 1.0),
                      ("expected_layer_mix", "E_s", "#2ca02c", "--", 1.5, 0.78)]
@@ -109,8 +113,9 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     labels = [f"Delta at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
     handles += [plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2), plt.Line2D([], [], color="#9467bd", lw=2),
                 plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--")]
-    labels += ["scalar mix weight s", "E_Delta (cumulative)", "E_s (scalar mix)"]
-    fig.legend(handles, labels, loc="upper center", ncol=5, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
+    labels += ["scalar mix weight s", "E_Delta (cumulative)", "E_s (scalar mix)", "E_Delta 95% bootstrap interval"]
+    fig.legend(handles, labels, loc="upper center", ncol=6, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.0))
     fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1.04, fontsize=11)
     fig.tight_layout()
     savefig(fig, path)
