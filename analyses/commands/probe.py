@@ -71,10 +71,12 @@ def register(app: typer.Typer) -> None:
         paths = res.write(out, plots=plots)
         console = Console()
         table = Table("task", "n_train", "n_test", "best site", "best acc", "max selectivity", "E_Delta [95%]", "E_s")
+        for col in table.columns:
+            col.no_wrap = True
         for r in res.summary.itertuples():
             lo, hi = getattr(r, "expected_layer_delta_lo", float("nan")), getattr(r, "expected_layer_delta_hi", float("nan"))
             table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
-                          f"{r.max_selectivity:.3f}", f"{r.expected_layer_delta:.2f} [{lo:.1f}, {hi:.1f}]",
+                          f"{r.max_selectivity:.3f}", f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]",
                           f"{r.expected_layer_mix:.2f}")
         console.print(table)
         for p in paths:
