@@ -233,7 +233,7 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
     s = s.sort_values("expected_layer_delta")
     def interval(r):
         lo, hi = getattr(r, "expected_layer_delta_lo", float("nan")), getattr(r, "expected_layer_delta_hi", float("nan"))
-        return f", 95% interval {_fmt(lo)}-{_fmt(hi)}" if np.isfinite(lo) and np.isfinite(hi) else ""
+        return f", 95% interval [{_fmt(lo)}, {_fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else ""
 
     parts = [f"{r.task} (E_Δ = {_fmt(r.expected_layer_delta)}{interval(r)})" for r in s.itertuples()]
     out.append("Ordered by the expected layer of their cumulative gains, the properties emerge as: " + ", ".join(parts) + ".")
