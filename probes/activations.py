@@ -200,7 +200,6 @@ def extract_spans(
     # spans of each passage, and row assignment in batch order
     has_span = np.zeros(len(tok.ids), dtype=bool)
     has_span[table.passage[ok]] = True
-    lengths_needed = np.where(has_span, lengths, 0)
     # only run a passage up to its last needed token
     last_needed = np.zeros(len(tok.ids), dtype=np.int64)
     np.maximum.at(last_needed, table.passage[ok], table.last[ok] + 1)

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
+from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -66,7 +66,7 @@ def online_codelength(
     epochs: int = DEFAULT_EPOCHS,
     lr: float = DEFAULT_LR,
     batch_size: Optional[int] = DEFAULT_BATCH,
-    hidden: int = 256,
+    hidden: int = DEFAULT_HIDDEN,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
     seed: int = 0,

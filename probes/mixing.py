@@ -22,24 +22,27 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
+from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
 
 
-def deltas(scores: Sequence[float]) -> np.ndarray:
-    """``Delta(s) = score(s) - score(s-1)``, with ``Delta(0) = score(0)``."""
+def deltas(scores) -> np.ndarray:
+    """``Delta(s) = score(s) - score(s-1)``, with ``Delta(0) = score(0)`` (along the first axis:
+    ``scores`` is ``[S]`` or ``[S, k]``, k score profiles side by side)."""
     s = np.asarray(scores, dtype=np.float64)
-    return np.diff(s, prepend=0.0)
+    return np.diff(s, axis=0, prepend=np.zeros((1,) + s.shape[1:]))
 
 
-def expected_layer_delta(depths: Sequence[float], scores: Sequence[float]) -> float:
+def expected_layer_delta(depths: Sequence[float], scores):
     """Tenney's ``E_Delta``: the Delta-weighted mean depth over sites ``s >= 1`` (NaN when
-    the gains sum to zero)."""
-    d = np.asarray(depths, dtype=np.float64)
+    the gains sum to zero). ``scores [S]`` gives a float; ``scores [S, k]`` an array of k."""
+    d = np.asarray(depths, dtype=np.float64)[1:]
     g = deltas(scores)[1:]
-    tot = g.sum()
-    if len(g) == 0 or abs(tot) < 1e-12:
+    if len(g) == 0:
         return float("nan")
-    return float((d[1:] * g).sum() / tot)
+    tot = g.sum(0)
+    ok = np.abs(tot) >= 1e-12
+    e = np.where(ok, (d.reshape((-1,) + (1,) * (g.ndim - 1)) * g).sum(0) / np.where(ok, tot, 1.0), np.nan)
+    return float(e) if g.ndim == 1 else e
 
 
 def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> float:
@@ -64,17 +67,13 @@ def expected_layer_delta_interval(depths: Sequence[float], correct, *, n_boot: i
     if N == 0 or S < 2:
         return float("nan"), float("nan")
     g = torch.Generator().manual_seed(seed)
-    d = torch.as_tensor(np.asarray(depths, dtype=np.float64))[1:]
     vals = []
     for a in range(0, n_boot, 250):
         k = min(250, n_boot - a)
         w = torch.poisson(torch.ones(k, N), generator=g)  # [k, N]
-        acc = (c @ w.T) / w.sum(1).clamp_min(1)  # [S, k]
-        gains = (acc[1:] - acc[:-1]).double()  # Delta(s), s >= 1
-        tot = gains.sum(0)
-        e = (d[:, None] * gains).sum(0) / tot
-        vals.append(torch.where(tot.abs() > 1e-12, e, torch.full_like(e, float("nan"))))
-    v = torch.cat(vals).numpy()
+        acc = (c @ w.T) / w.sum(1).clamp_min(1)  # [S, k] cumulative accuracies per resample
+        vals.append(expected_layer_delta(depths, acc.double().numpy()))
+    v = np.concatenate(vals)
     v = v[np.isfinite(v)]
     if len(v) < n_boot // 2:
         return float("nan"), float("nan")
@@ -114,7 +113,7 @@ def fit_cumulative(
     min_steps: int = DEFAULT_MIN_STEPS,
     lr: float = DEFAULT_LR,
     batch_size: Optional[int] = DEFAULT_BATCH,
-    hidden: int = 256,
+    hidden: int = DEFAULT_HIDDEN,
     seed: int = 0,
     progress: bool = False,
     desc: str = "cumulative",

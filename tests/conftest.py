@@ -75,3 +75,15 @@ def tiny_factory(tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_factory):
     return tiny_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module, restored afterwards (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``): on a shared 2-core machine two
+    threads spin-wait for each other on the many small ops of a forward pass (5-10x slower under
+    load); results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

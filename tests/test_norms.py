@@ -20,14 +20,7 @@ from depthscope.hooks import InputError, NonFiniteActivationError, UnsupportedAr
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "norms", "ewt_sample.txt")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module's forwards on one torch thread, restored afterwards: on a shared 2-core
-    machine multi-threaded kernels spin-wait and made these tests ~5x slower (174 s vs 31 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
