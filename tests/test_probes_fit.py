@@ -106,6 +106,22 @@ def test_compute_dtype_choice_and_bf16_agrees(monkeypatch):
         compute_dtype.cache_clear()
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_penalty_gradient_added_in_place_equals_autograd(kind):
+    """The L2 gradient train_probe adds in place is the gradient of penalty()."""
+    p = BatchedProbe(n_sites=3, d=8, n_spans=2, n_classes=4, n_heads=2, kind=kind, hidden=5, l2=[1e-3, 3e-2])
+    with torch.no_grad():
+        for w in p.parameters():
+            w.normal_()
+    p.penalty().backward()
+    want = {n: w.grad.clone() for n, w in p.named_parameters() if w.grad is not None}
+    for w in p.parameters():
+        w.grad = torch.zeros_like(w)
+    p.add_penalty_grad_()
+    for n, g in want.items():
+        assert torch.allclose(dict(p.named_parameters())[n].grad, g, rtol=1e-5, atol=1e-7), n
+
+
 def test_heads_train_independently():
     x, y = synthetic(800, S=2)
     f = features(x)
