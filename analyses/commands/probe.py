@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         for col in table.columns:
             col.no_wrap = True
         for r in res.summary.itertuples():
-            lo, hi = getattr(r, "expected_layer_delta_lo", float("nan")), getattr(r, "expected_layer_delta_hi", float("nan"))
+            lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
             table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
                           f"{r.max_selectivity:.3f}", f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]",
                           f"{r.expected_layer_mix:.2f}")
