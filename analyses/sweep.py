@@ -32,8 +32,9 @@ from typing import Callable, Optional, Sequence, Union
 import pandas as pd
 
 from depthscope.hooks.errors import DepthscopeError
+from depthscope.hooks.files import atomic_write
 
-from .tables import _atomic, site_first, write_table
+from .tables import site_first, write_table
 
 _STEP_PATTERNS = [
     re.compile(r"(?:^|[-_/])(?:global[-_]?)?step[-_]?(\d+)", re.I),
@@ -215,7 +216,7 @@ def sweep(
     ck_dir.mkdir(parents=True, exist_ok=True)
 
     def write_manifest():
-        _atomic(manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1)))
+        atomic_write(manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1)))
 
     write_manifest()
     result = SweepResult(tables={}, out_dir=out)
@@ -254,7 +255,7 @@ def sweep(
             raise
         except Exception as e:  # recorded, the sweep goes on
             msg = f"{type(e).__name__}: {e}"
-            _atomic(failed_marker, lambda t: Path(t).write_text(json.dumps(
+            atomic_write(failed_marker, lambda t: Path(t).write_text(json.dumps(
                 {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}, indent=1)))
             result.failed[ck.name] = msg
             continue
@@ -262,9 +263,9 @@ def sweep(
             df = df.copy()
             df.insert(0, "step", ck.step if ck.step is not None else pd.NA)
             df.insert(0, "checkpoint", ck.name)
-            _atomic(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
+            atomic_write(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
         # the marker is written last: a checkpoint counts as finished only once all its tables are
-        _atomic(done_marker, lambda t: Path(t).write_text(json.dumps(
+        atomic_write(done_marker, lambda t: Path(t).write_text(json.dumps(
             {"checkpoint": ck.name, "spec": ck.spec, "step": ck.step, "tables": sorted(tables), "seconds": round(time.time() - t0, 2)})))
         if failed_marker.exists():
             failed_marker.unlink()

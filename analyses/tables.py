@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
+from depthscope.hooks.files import atomic_write
 from depthscope.hooks.sites import SITE_COLUMNS
 
 SHARED_COLUMNS = SITE_COLUMNS  # site, label, layer, sublayer, depth (+ checkpoint, step in sweeps)
-
-
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; tables are for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_table(df: pd.DataFrame, out_dir, name: str, *, csv: bool = True, parquet: bool = True) -> list[Path]:
@@ -33,11 +18,11 @@ def write_table(df: pd.DataFrame, out_dir, name: str, *, csv: bool = True, parqu
     paths = []
     if parquet:
         p = out_dir / f"{name}.parquet"
-        _atomic(p, lambda t: df.to_parquet(t, index=False))
+        atomic_write(p, lambda t: df.to_parquet(t, index=False))
         paths.append(p)
     if csv:
         p = out_dir / f"{name}.csv"
-        _atomic(p, lambda t: df.to_csv(t, index=False))
+        atomic_write(p, lambda t: df.to_csv(t, index=False))
         paths.append(p)
     return paths
 
