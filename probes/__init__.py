@@ -7,9 +7,10 @@ attention sublayer, after each MLP sublayer).
 
 Public API
 ----------
-``run_probes(model, tasks, train, test, dev=None, *, probe="linear", pooling="last",
-sites=None, max_train_sentences=None, max_test_sentences=None, store_dir=None, seed=0,
-mdl=False, progress=True, ...) -> ProbeResults``
+``run_probes(model, tasks, train, test, dev=None, *, config=ProbeConfig(), extraction=ExtractionConfig(),
+data=DataConfig(), progress=True, **overrides) -> ProbeResults``
+    ``overrides``: any field of the three configuration objects by name (``epochs=6``,
+    ``pooling="mean"``, ``max_train_sentences=200``); an unknown name is an ``InputError``.
     ``.by_site`` columns: task, site, label, layer, sublayer, depth, accuracy, macro_f1,
     control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test
     (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
@@ -18,18 +19,28 @@ mdl=False, progress=True, ...) -> ProbeResults``
     best_accuracy, n_train, n_test, mix_accuracy, best_site, best_depth, best_macro_f1,
     best_selectivity, max_selectivity, n_layers, relative_depth_delta, relative_depth_mix,
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,
-    n_skipped_train, n_skipped_test, kind, probe, pooling, n_overlap_dropped, context.
+    n_skipped_train, n_skipped_test, kind, probe, pooling, precision, n_overlap_dropped, context.
     ``.mixing`` columns: task, site, label, layer, sublayer, depth, mix_weight,
     cumulative_score, cumulative_macro_f1, delta, gamma.
-    ``.write(out_dir)`` writes probes_by_site / probes_summary / probes_mixing (.csv +
-    .parquet) and the figures.
+``ProbeConfig``, ``ExtractionConfig``, ``DataConfig``: the settings and their (only) defaults.
+``prepare_task(...) -> TaskData``: one task's labels and standardised features, no fitting.
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,
     ``gum_train``, ``gum_test``).
 ``read_conllu``, ``build_task``, ``control_labels``, ``expected_layer_delta``,
-``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``: the building blocks.
+``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``, ``Features``, ``train_probe``,
+``predict``, ``accuracy``, ``macro_f1``, ``resolve_precision``: the building blocks.
 
-Plots (``depthscope.analyses.plots.probes``): ``plot_probe_curves(by_site, path)`` and
-``plot_tenney(summary, mixing, path)``. Command line: ``depthscope probe --help``.
+Modules, one job each: ``config`` (settings), ``conllu_io`` / ``tasks`` / ``spans`` (data),
+``activations`` (the span store), ``extraction`` (corpora to stores), ``encoding`` (labels and
+features of a task), ``features`` (the feature container), ``classifiers`` (the probe model),
+``training`` (fit and predict), ``metrics``, ``cpu`` (precision rule, threads), ``mixing``
+(Tenney's summaries), ``mdl``, ``fitting`` (one task's probes), ``summaries`` (table rows),
+``run`` (``run_probes``).
+
+Tables and figures (``probes_by_site``, ``probes_summary``, ``probes_mixing``,
+``probes_accuracy.png``, ``probes_tenney.png``) are written by the probe job,
+``depthscope.analyses.jobs.probe.run_probe_job``; this package never imports ``analyses``.
+Command line: ``depthscope probe --help``.
 """
 
 from __future__ import annotations
@@ -37,12 +48,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from .activations import POOLINGS, SpanStore, extract_spans
-from .classifiers import BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
+from .classifiers import BatchedProbe
+from .config import L2_GRID, DataConfig, ExtractionConfig, ProbeConfig
 from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
+from .cpu import resolve_precision
+from .encoding import TaskData
+from .features import Features
 from .mdl import VOITA_FRACTIONS, online_codelength
+from .metrics import accuracy, macro_f1
 from .mixing import deltas, expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
-from .run import L2_GRID, ProbeResults, TaskData, prepare_task, run_probes
-from .tasks import TaskExamples, build_task, control_labels, load_corpus, read_jiant
+from .run import ProbeResults, prepare_task, run_probes
+from .tasks import PIPELINE_ORDER, TaskExamples, build_task, control_labels, load_corpus, read_jiant
+from .training import predict, train_probe
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -65,6 +82,11 @@ def sample_data() -> dict:
 
 __all__ = [
     "run_probes",
+    "ProbeConfig",
+    "ExtractionConfig",
+    "DataConfig",
+    "resolve_precision",
+    "PIPELINE_ORDER",
     "ProbeResults",
     "prepare_task",
     "TaskData",

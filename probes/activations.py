@@ -33,9 +33,9 @@ import torch
 
 from depthscope.hooks.errors import InputError, NonFiniteActivationError
 
+from .config import POOLINGS
 from .spans import SpanTable, Tokenized
 
-POOLINGS = ("last", "first", "mean", "attn")
 ATTN_MAX_TOKENS = 16
 STORE_VERSION = 1
 

@@ -22,7 +22,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_L2, DEFAULT_LR, BatchedProbe, Features, predict, train_probe
+from .classifiers import BatchedProbe
+from .config import ProbeConfig
+from .features import Features
+from .training import predict, train_probe
+
+_DEFAULTS = ProbeConfig()
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -50,9 +55,9 @@ def block_ends(n: int, fractions=VOITA_FRACTIONS) -> list:
     return ends
 
 
-def _subset(feats: Features, idx: np.ndarray, seed: int, max_bytes: float) -> Features:
+def _subset(feats: Features, idx: np.ndarray, seed: int, max_bytes: float, dtype=None) -> Features:
     sub = Features(feats.store, feats.span_ids[idx], feats.mean, feats.std, feats.max_len)
-    sub.make_resident(max_bytes=max_bytes, seed=seed)
+    sub.make_resident(max_bytes=max_bytes, seed=seed, dtype=dtype)
     return sub
 
 
@@ -62,18 +67,20 @@ def online_codelength(
     *,
     n_classes: int,
     kind: str = "linear",
-    l2: float = DEFAULT_L2,
-    epochs: int = DEFAULT_EPOCHS,
-    lr: float = DEFAULT_LR,
-    batch_size: Optional[int] = DEFAULT_BATCH,
-    hidden: int = DEFAULT_HIDDEN,
+    l2: float = _DEFAULTS.l2,
+    epochs: int = _DEFAULTS.epochs,
+    lr: float = _DEFAULTS.lr,
+    batch_size: Optional[int] = _DEFAULTS.batch_size,
+    hidden: int = _DEFAULTS.hidden,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
     seed: int = 0,
     max_bytes: float = 4e9,
+    dtype: Optional[torch.dtype] = None,
     progress: bool = False,
 ) -> MDLResult:
-    """Online codelength per site of labels ``y`` (class indices < n_classes), in bits."""
+    """Online codelength per site of labels ``y`` (class indices < n_classes), in bits;
+    ``dtype``: the precision of the resident blocks (None: the CPU rule)."""
     y = np.asarray(y, dtype=np.int64)
     n = len(y)
     if n < 2:
@@ -90,8 +97,8 @@ def online_codelength(
         bar = tqdm(total=len(blocks), desc="MDL blocks", leave=False)
     for t0, t1 in blocks:
         tr_idx, ev_idx = order[:t0], order[t0:t1]
-        ftr = _subset(feats, tr_idx, seed, max_bytes)
-        fev = _subset(feats, ev_idx, seed, max_bytes)
+        ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
+        fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
         probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=kind,
                              hidden=hidden, attn_pool=feats.tokens, l2=l2, seed=seed)
         train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=epochs, lr=lr,

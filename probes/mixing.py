@@ -22,7 +22,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .classifiers import DEFAULT_BATCH, DEFAULT_EPOCHS, DEFAULT_HIDDEN, DEFAULT_L2, DEFAULT_LR, DEFAULT_MIN_STEPS, BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
+from .classifiers import BatchedProbe
+from .config import ProbeConfig
+from .features import Features
+from .metrics import accuracy, macro_f1
+from .training import predict, train_probe
+
+_DEFAULTS = ProbeConfig()
 
 
 def deltas(scores) -> np.ndarray:
@@ -108,12 +114,12 @@ def fit_cumulative(
     n_classes: int,
     n_eval_classes: int,
     kind: str = "linear",
-    l2: float = DEFAULT_L2,
-    epochs: int = DEFAULT_EPOCHS,
-    min_steps: int = DEFAULT_MIN_STEPS,
-    lr: float = DEFAULT_LR,
-    batch_size: Optional[int] = DEFAULT_BATCH,
-    hidden: int = DEFAULT_HIDDEN,
+    l2: float = _DEFAULTS.l2,
+    epochs: int = _DEFAULTS.epochs,
+    min_steps: int = _DEFAULTS.min_steps,
+    lr: float = _DEFAULTS.lr,
+    batch_size: Optional[int] = _DEFAULTS.batch_size,
+    hidden: int = _DEFAULTS.hidden,
     seed: int = 0,
     progress: bool = False,
     desc: str = "cumulative",

@@ -1,0 +1,186 @@
+"""Probe settings as configuration objects: their defaults are depthscope's only defaults.
+
+=====================  ========================================================================
+object                 holds
+=====================  ========================================================================
+``ProbeConfig``        the classifier and its training: kind, L2 (or ``"dev"``), epochs, steps,
+                       step size, batch, hidden units, control task, cumulative scoring, MDL,
+                       seed, compute precision
+``ExtractionConfig``   how activations are taken: pooling, sites, context, store folder and
+                       dtype, batch and passage lengths, BOS, memory for resident features
+``DataConfig``         what data is used: sentence caps per split, train/test overlap, coref
+                       pair sampling
+``override(configs,
+kw)``                  new configs with loose keyword settings applied; an unknown name is an
+                       :class:`InputError` that lists the valid ones
+=====================  ========================================================================
+
+They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given, no
+work and no validation in ``__init__``; ``validate()`` checks them when a run starts.
+``run_probes``, ``depthscope probe``, ``depthscope run``, sweeps and the probe job read these
+defaults (the command-line options take theirs from here), so every entry point runs the
+same protocol. One default for training: 12 epochs (``depthscope run`` trained 6 before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence, Union
+
+from depthscope.hooks.errors import InputError
+
+from .spans import CONTEXTS
+
+PROBES = ("linear", "mlp")
+#: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
+POOLINGS = ("last", "first", "mean", "attn")
+OVERLAP = ("drop", "keep", "error")
+PRECISIONS = ("auto", "float32", "bfloat16")
+STORE_DTYPES = ("float16", "float32")
+#: the penalties ``l2="dev"`` chooses from (per site, by dev accuracy)
+L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2)
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise InputError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass
+class ProbeConfig:
+    """The probe and its training (one protocol for every entry point).
+
+    ``probe``: ``linear`` (softmax regression) or ``mlp`` (one hidden ReLU layer of ``hidden``
+    units). ``l2``: the penalty on mean cross-entropy (1e-3, i.e. scikit-learn
+    ``C = 1 / (2e-3 * n_train)``: the value EWT dev picked at most sites for upos on the default
+    model, 2000 train sentences, grid ``L2_GRID``), or ``"dev"`` to pick it per site from
+    ``L2_GRID`` by dev accuracy (needs a dev split; ties go to the strongest L2). ``epochs``:
+    passes over train, at least ``min_steps`` optimiser steps; ``lr``: Adam's step size
+    (cosine-decayed); ``batch_size`` None: :func:`~depthscope.probes.training.auto_batch`.
+    ``control``: train Hewitt & Liang's control task beside (selectivity); ``cumulative``:
+    Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``mdl``: online codelengths
+    (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
+    feature products compute in (``auto``: see :func:`~depthscope.probes.cpu.resolve_precision`).
+    """
+
+    probe: str = "linear"
+    l2: Union[float, str] = 1e-3
+    epochs: int = 12
+    min_steps: int = 100
+    lr: float = 1e-2
+    batch_size: Optional[int] = None
+    hidden: int = 256
+    control: bool = True
+    cumulative: bool = True
+    mdl: bool = False
+    seed: int = 0
+    precision: str = "auto"
+
+    def validate(self) -> "ProbeConfig":
+        _choice("probe", self.probe, PROBES)
+        _choice("precision", self.precision, PRECISIONS)
+        if not (self.l2 == "dev" or (isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
+                                     and self.l2 >= 0)):
+            raise InputError(f"l2 must be a non-negative number or 'dev', got {self.l2!r}")
+        for name in ("epochs", "lr", "hidden"):
+            _positive(name, getattr(self, name))
+        _positive("batch_size", self.batch_size, allow_none=True)
+        if not isinstance(self.min_steps, int) or self.min_steps < 0:
+            raise InputError(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
+        return self
+
+
+@dataclass
+class ExtractionConfig:
+    """How activations are extracted and held.
+
+    ``pooling``: ``last`` | ``first`` | ``mean`` | ``attn`` (span subwords). ``sites``:
+    indices or labels (None: all 2L+1). ``context``: ``sentence`` or ``document`` for every
+    task (None: document for coref, sentence otherwise). ``store_dir``: the activation store
+    (None: ``<cache>/activations``), reused on re-runs; ``store_dtype``: its values (float16 or
+    float32). ``batch_tokens``: padded tokens per forward batch; ``max_tokens``: passage cap
+    (and the model's context). ``bos``: when the tokenizer adds no special token at the start
+    (SmolLM2, GPT-2), prepend its BOS (else EOS) token, as TransformerLens does by default, so
+    the first word is not the model's attention sink (without it, from SmolLM2-135M's 11.mlp
+    the first word's upos accuracy falls from ~0.80 to ~0.67). ``resident_bytes``: memory for
+    the standardised features held in RAM during fitting (else streamed from the store).
+    """
+
+    pooling: str = "last"
+    sites: Optional[Sequence] = None
+    context: Optional[str] = None
+    store_dir: Optional[str] = None
+    store_dtype: str = "float16"
+    batch_tokens: int = 2048
+    max_tokens: int = 512
+    bos: bool = True
+    resident_bytes: float = 4e9
+
+    def validate(self) -> "ExtractionConfig":
+        _choice("pooling", self.pooling, POOLINGS)
+        _choice("store_dtype", self.store_dtype, STORE_DTYPES)
+        if self.context is not None:
+            _choice("context", self.context, CONTEXTS)
+        for name in ("batch_tokens", "max_tokens", "resident_bytes"):
+            _positive(name, getattr(self, name))
+        return self
+
+
+@dataclass
+class DataConfig:
+    """Which examples are used.
+
+    ``max_train_sentences`` / ``max_test_sentences`` / ``max_dev_sentences``: caps per split
+    (whole documents, seeded; None: all). ``overlap``: test sentences whose text also occurs in
+    train are ``drop``-ped (with a warning), ``keep``-t (warning) or an ``error``.
+    ``coref_window``: a coref pair's first mention at most this many sentences before the
+    second; ``coref_neg_ratio``: negatives sampled per positive pair.
+    """
+
+    max_train_sentences: Optional[int] = None
+    max_test_sentences: Optional[int] = None
+    max_dev_sentences: Optional[int] = None
+    overlap: str = "drop"
+    coref_window: int = 2
+    coref_neg_ratio: float = 1.0
+
+    def validate(self) -> "DataConfig":
+        _choice("overlap", self.overlap, OVERLAP)
+        for name in ("max_train_sentences", "max_test_sentences", "max_dev_sentences"):
+            _positive(name, getattr(self, name), allow_none=True)
+        _positive("coref_neg_ratio", self.coref_neg_ratio)
+        if not isinstance(self.coref_window, int) or self.coref_window < 0:
+            raise InputError(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
+        return self
+
+
+def field_names(cls) -> list:
+    return [f.name for f in fields(cls)]
+
+
+def override(configs: Sequence, overrides: dict) -> list:
+    """Copies of ``configs`` (dataclass instances) with each loose ``name=value`` of
+    ``overrides`` applied to the config that has that field; an unknown name raises
+    :class:`InputError` listing every valid one."""
+    owner = {}
+    for i, c in enumerate(configs):
+        for n in field_names(type(c)):
+            owner.setdefault(n, i)
+    unknown = sorted(set(overrides) - set(owner))
+    if unknown:
+        valid = ", ".join(n for c in configs for n in field_names(type(c)))
+        raise InputError(f"unknown probe setting(s) {', '.join(unknown)}; valid: {valid}")
+    out = list(configs)
+    for i, c in enumerate(configs):
+        mine = {k: v for k, v in overrides.items() if owner[k] == i}
+        if mine:
+            out[i] = dataclasses.replace(c, **mine)
+    return out

@@ -1,0 +1,108 @@
+"""How probes use this CPU: the precision rule (decided from CPU flags, never by timing) and threads.
+
+=========================  ====================================================================
+``resolve_precision(p)``   ``"float32"`` / ``"bfloat16"`` -> that dtype; ``"auto"`` -> the rule
+``compute_dtype()``        ``resolve_precision("auto")``
+``precision_rule()``       the dtype the rule gives for this CPU, and why (a sentence)
+``threads_for(work)``      context: one intra-op thread for small per-step work
+``step_work(probe, ...)``  the multiply-adds of one minibatch step (what ``threads_for`` reads)
+=========================  ====================================================================
+
+The rule for ``precision="auto"``:
+
+1. ``DEPTHSCOPE_PROBE_DTYPE`` (``float32`` or ``bfloat16``) when set;
+2. else ``bfloat16`` when the CPU multiplies bf16 natively: ``/proc/cpuinfo`` lists
+   ``amx_bf16`` or ``avx512_bf16`` AND torch's kernels use AVX512 or AMX
+   (``torch.backends.cpu.get_cpu_capability()``); there bf16 products run about twice as fast
+   at equal accuracy (benchmarks/bench_probes.py);
+3. else ``float32``: on anything uncertain (no ``/proc/cpuinfo``, other flags, AVX2 only).
+
+The same machine therefore always computes in the same precision (a timing race, used before,
+picked different ones minutes apart), and the summary records it (``precision``). Only the
+feature matrices and their products are bf16; standardisation happens in float32 first and
+parameters, optimiser state, logits and losses stay float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+ENV = "DEPTHSCOPE_PROBE_DTYPE"
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def torch_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old torch, or no CPU backend info: uncertain
+        return "unknown"
+
+
+def precision_rule(flags=None, capability=None) -> tuple:
+    """``(dtype, reason)`` of rules 2-3 for the given (default: this machine's) flags and
+    torch CPU capability."""
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    capability = torch_capability() if capability is None else capability
+    has = [f for f in BF16_FLAGS if f in flags]
+    wide = capability.upper().startswith(("AVX512", "AMX"))
+    if has and wide:
+        return torch.bfloat16, f"CPU flags {', '.join(has)} and torch capability {capability}"
+    return torch.float32, f"no native bf16 (flags: {', '.join(has) or 'none'}; torch capability {capability})"
+
+
+def resolve_precision(precision: str = "auto") -> torch.dtype:
+    """The dtype the feature products compute in, for ``ProbeConfig.precision`` (see the
+    module docstring for the ``auto`` rule)."""
+    if precision in ("float32", "bfloat16"):
+        return getattr(torch, precision)
+    if precision != "auto":
+        raise ValueError(f"precision must be auto, float32 or bfloat16, got {precision!r}")
+    env = os.environ.get(ENV, "").strip().lower()
+    if env:
+        if env not in ("float32", "bfloat16"):
+            raise ValueError(f"{ENV} must be float32 or bfloat16, got {env!r}")
+        return getattr(torch, env)
+    return precision_rule()[0]
+
+
+def compute_dtype() -> torch.dtype:
+    """``resolve_precision("auto")``: the environment variable, else the CPU-flag rule."""
+    return resolve_precision("auto")
+
+
+@contextlib.contextmanager
+def threads_for(work: float):
+    """One intra-op thread for small per-step work: thread synchronisation then costs more
+    than it saves (badly so on a busy machine); the default thread count otherwise."""
+    old = torch.get_num_threads()
+    small = work < 2e7
+    if small and old > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if small and old > 1:
+            torch.set_num_threads(old)
+
+
+def step_work(probe, feats, batch_size: int) -> float:
+    """Multiply-adds of one step of ``probe`` (a BatchedProbe) on a minibatch of ``feats``."""
+    width = probe.G * (probe.C if probe.kind == "linear" else probe.hidden)
+    return float(probe.U) * min(batch_size, len(feats)) * feats.n_spans * feats.d * max(width, 1)

@@ -1,0 +1,178 @@
+"""Corpora and task examples in, one activation extraction per split and context out.
+
+===================================  ============================================================
+``load_and_extract(model, tasks,     the model, corpora (capped, test/train overlap handled),
+train, test, dev, extraction, data,  each task's examples per split, and ONE extraction per
+seed=, progress=)``                  split x context for the union of the tasks' spans:
+                                     an :class:`Extracted`
+``span_ids(examples, extraction)``   each example's span rows in the store, and which are usable
+===================================  ============================================================
+
+Tasks that share a context share an extraction: the union of their spans is extracted once
+per split into the on-disk store (reused on re-runs).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from depthscope.hooks.errors import InputError
+from depthscope.hooks.sites import parse_sites, site_frame
+
+from .activations import SpanStore, extract_spans
+from .config import DataConfig, ExtractionConfig
+from .conllu_io import Corpus
+from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
+from .tasks import TaskExamples, build_task, default_context, load_corpus
+
+
+@dataclass
+class Extraction:
+    """One split x context: the span store and the map ``(sent, start, end) -> span id``."""
+
+    store: SpanStore
+    lookup: dict
+
+
+@dataclass
+class Extracted:
+    """What :func:`load_and_extract` hands to the fitting: the model and its sites
+    (``frame``: the tidy site columns), corpora by split, test sentences that overlapped train,
+    examples ``[task][split]``, each task's context, extractions ``[(split, context)]``."""
+
+    model: object
+    sites: list
+    frame: pd.DataFrame
+    corpora: dict
+    n_overlap: int
+    examples: dict
+    context_of: dict
+    extractions: dict
+    seconds: float
+
+    def for_task(self, task: str) -> dict:
+        """The extraction of each split in ``task``'s context."""
+        return {s: self.extractions[(s, self.context_of[task])] for s in self.corpora}
+
+
+def _as_corpus(source, max_sentences, seed, what) -> Corpus:
+    if source is None:
+        raise InputError(f"no {what} data given")
+    try:
+        return load_corpus(source, max_sentences=max_sentences, seed=seed)
+    except InputError:
+        raise
+    except FileNotFoundError as e:
+        raise InputError(f"{what}: {e}") from None
+
+
+def drop_overlap(train: Corpus, test: Corpus, mode: str) -> tuple:
+    """``(test, n)``: test without (``drop``) or with (``keep``) the ``n`` sentences whose text
+    also occurs in train, warning either way; ``error`` raises."""
+    seen = {s.text for s in train.sentences}
+    hit = [s.text in seen for s in test.sentences]
+    n = int(sum(hit))
+    if not n:
+        return test, 0
+    msg = f"{n} of {len(test)} test sentences also occur in train ({test.source} vs {train.source})"
+    if mode == "error":
+        raise InputError(msg + "; remove them or pass overlap='drop' / 'keep'")
+    if mode == "keep":
+        warnings.warn(msg + "; kept (overlap='keep')", stacklevel=4)
+        return test, n
+    warnings.warn(msg + "; dropped from test (overlap='drop')", stacklevel=4)
+    kept = [s for s, h in zip(test.sentences, hit) if not h]
+    if not kept:
+        raise InputError(msg + ": nothing is left to test on (are train and test the same file?)")
+    return Corpus(kept, test.source, test.n_sentences_in_file, test.n_unclosed_mentions, test.has_entities), n
+
+
+def _span_keys(ex: TaskExamples) -> list:
+    keys = [np.column_stack([ex.sent1, ex.span1])]
+    if ex.span2 is not None:
+        keys.append(np.column_stack([ex.sent2, ex.span2]))
+    return keys
+
+
+def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, ext: ExtractionConfig, *, sites, max_tokens,
+                   progress, desc, prepend=None) -> Extraction:
+    keys = np.concatenate([k for ex in tasks_ex for k in _span_keys(ex)]) if tasks_ex else np.zeros((0, 3), np.int64)
+    uniq = np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 3)
+    passages, where = build_passages(corpus.sentences, context, tokenizer=model.tokenizer, max_tokens=max_tokens)
+    pidx = np.array([where[s][0] for s in uniq[:, 0]], dtype=np.int64)
+    off = np.array([where[s][1] for s in uniq[:, 0]], dtype=np.int64)
+    sents = corpus.sentences
+    cs = np.array([sents[s].words[a].start for s, a in zip(uniq[:, 0], uniq[:, 1])], dtype=np.int64) + off
+    ce = np.array([sents[s].words[b - 1].end for s, b in zip(uniq[:, 0], uniq[:, 2])], dtype=np.int64) + off
+    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
+    table = map_spans(tok, SpanTable(pidx, cs, ce))
+    store = extract_spans(model, tok, table, sites=sites, pooling=ext.pooling, store_dir=ext.store_dir,
+                          dtype=ext.store_dtype, batch_tokens=ext.batch_tokens, max_tokens=max_tokens,
+                          progress=progress, desc=desc)
+    lookup = {tuple(int(v) for v in k): i for i, k in enumerate(uniq)}
+    return Extraction(store, lookup)
+
+
+def span_ids(ex: TaskExamples, ext: Extraction) -> tuple:
+    """``(ids [N, n_spans], ok [N])``: each example's span ids in ``ext``'s store, and whether
+    all its spans are covered by subwords."""
+    cols = [np.array([ext.lookup[tuple(int(v) for v in k)] for k in keys], dtype=np.int64) for keys in _span_keys(ex)]
+    ids = np.stack(cols, 1) if cols else np.zeros((0, 1), np.int64)
+    ok = ~ext.store.skipped[ids].any(1) if len(ids) else np.zeros(0, bool)
+    return ids, ok
+
+
+def resolve_model(model):
+    """A HookedModel as is, anything else through ``load_model`` (None: the default model)."""
+    from depthscope.hooks import HookedModel, load_model
+
+    return model if isinstance(model, HookedModel) else load_model(model)
+
+
+def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:
+    examples: dict = {}
+    for task in tasks:
+        examples[task] = {}
+        for split, corpus in corpora.items():
+            ex = build_task(corpus, task, context=context_of[task], seed=seed, coref_window=data.coref_window,
+                            coref_neg_ratio=data.coref_neg_ratio)
+            if len(ex) == 0:
+                raise InputError(f"task {task!r} has no examples in {split} ({corpus.source}, {len(corpus)} sentences)")
+            examples[task][split] = ex
+    return examples
+
+
+def load_and_extract(model, tasks, train, test, dev, extraction: ExtractionConfig, data: DataConfig, *, seed: int = 0,
+                     progress: bool = True) -> Extracted:
+    """Model, corpora, task examples and one extraction per split x context."""
+    m = resolve_model(model)
+    max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
+    site_idx = parse_sites(extraction.sites, m.n_layers)
+    frame = site_frame(site_idx, m.n_layers)
+
+    prepend = bos_id(m.tokenizer) if (extraction.bos and m.tokenizer is not None) else None
+    corpora = {"train": _as_corpus(train, data.max_train_sentences, seed, "train")}
+    corpora["test"] = _as_corpus(test, data.max_test_sentences, seed, "test")
+    if dev is not None:
+        corpora["dev"] = _as_corpus(dev, data.max_dev_sentences, seed, "dev")
+    corpora["test"], n_overlap = drop_overlap(corpora["train"], corpora["test"], data.overlap)
+
+    context_of = {task: extraction.context or default_context(task) for task in tasks}
+    examples = _examples(tasks, corpora, data, context_of, seed)
+
+    extractions: dict = {}
+    t_ex = time.perf_counter()
+    for split, corpus in corpora.items():
+        for ctx in sorted(set(context_of.values())):
+            group = [examples[t][split] for t in tasks if context_of[t] == ctx]
+            extractions[(split, ctx)] = _extract_split(
+                m, corpus, group, ctx, extraction, sites=site_idx, max_tokens=max_tokens, progress=progress,
+                desc=f"{split} activations ({ctx})", prepend=prepend,
+            )
+    return Extracted(m, site_idx, frame, corpora, n_overlap, examples, context_of, extractions,
+                     time.perf_counter() - t_ex)

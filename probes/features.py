@@ -1,0 +1,164 @@
+"""Features: the examples' span rows in a store, standardised, held in memory site-major.
+
+=================================  ==============================================================
+``Features(store, span_ids)``      examples' rows (``span_ids[i, k]``: span ``k`` of example ``i``)
+``.fit_standardiser()``            train mean and std per site and dimension (one pass, stable)
+``.standardise_like(train)``       other splits reuse train's statistics
+``.make_resident(dtype=...)``      standardised features in RAM ``[S, N, n_spans * D]``
+``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers)
+=================================  ==============================================================
+
+Features are standardised per site and dimension with the train split's mean and standard
+deviation (so the scale growth of a pre-norm residual stream does not decide which site a
+scalar mix prefers), and edge tasks concatenate the two spans' vectors (as jiant does):
+``[pool(span1); pool(span2)]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .activations import SpanStore
+from .cpu import compute_dtype, threads_for
+
+
+@dataclass
+class Features:
+    """Examples' span rows in a store: ``span_ids[i, k]`` is span ``k`` of example ``i``.
+
+    After :meth:`fit_standardiser` (train) or :meth:`standardise_like` (other splits),
+    :meth:`make_resident` copies the standardised, pooled features into memory in site-major
+    layout ``[S, N, n_spans * D]`` (``dtype``, or bfloat16 if only that fits), in
+    a seeded shuffled order, so a minibatch is a contiguous slice fed straight to ``bmm``.
+    Without it (attention pooling, or too large), minibatches are gathered from the store.
+    """
+
+    store: SpanStore
+    span_ids: np.ndarray  # [N, n_spans]
+    mean: Optional[torch.Tensor] = None  # [S, D]
+    std: Optional[torch.Tensor] = None
+    max_len: int = 1
+    resident: Optional[torch.Tensor] = None  # [S, N, n_spans * D], rows in ``order``
+    order: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.span_ids)
+
+    @property
+    def n_spans(self) -> int:
+        return self.span_ids.shape[1]
+
+    @property
+    def n_sites(self) -> int:
+        return self.store.n_sites
+
+    @property
+    def d(self) -> int:
+        return self.store.d_model
+
+    @property
+    def tokens(self) -> bool:
+        """True when examples carry several subword rows (attention pooling)."""
+        return self.store.pooling == "attn"
+
+    def standardise_like(self, other: "Features") -> "Features":
+        self.mean, self.std = other.mean, other.std
+        return self
+
+    def fit_standardiser(self, chunk: int = 1024) -> "Features":
+        """Mean and std per site and dimension over the rows these examples use, in one pass
+        over the store: per-chunk mean and squared deviations (float32, about the chunk's own
+        mean, so no cancellation) merged in float64 (Chan et al.'s pairwise update)."""
+        spans = np.unique(self.span_ids.reshape(-1))
+        S, D = self.n_sites, self.d
+        mean = torch.zeros(S, D, dtype=torch.float64)
+        m2 = torch.zeros(S, D, dtype=torch.float64)
+        n = 0
+        for a in range(0, len(spans), chunk):
+            x, m = self.store.gather(spans[a : a + chunk], self.max_len)
+            x = x[m]  # [rows, S, D] float32
+            k = x.shape[0]
+            if k == 0:
+                continue
+            cm = x.mean(0)
+            cm2 = ((x - cm) ** 2).sum(0).double()
+            cm = cm.double()
+            tot = n + k
+            d = cm - mean
+            mean += d * (k / tot)
+            m2 += cm2 + d * d * (n * k / tot)
+            n = tot
+        std = (m2 / max(n, 1)).sqrt()
+        std = torch.where(std > 1e-6 * (mean.abs() + 1), std, torch.ones_like(std))
+        self.mean, self.std = mean.float(), std.float()
+        return self
+
+    def make_resident(self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int = 1024, dtype=None) -> bool:
+        """Standardised features in memory, site-major; False if they do not fit (or attn).
+
+        ``dtype`` None picks :func:`~depthscope.probes.cpu.compute_dtype` (the CPU-flag rule),
+        then a 2-byte type if float32 does not fit in ``max_bytes``. Standardisation is done in float32 before any rounding."""
+        if self.tokens:
+            return False
+        N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
+        need = N * S * F_
+        dt = compute_dtype() if dtype is None else dtype
+        if need * dt.itemsize > max_bytes:
+            dt = torch.bfloat16 if dt == torch.float32 else dt
+        if need * dt.itemsize > max_bytes:
+            return False
+        self.order = np.random.default_rng(seed).permutation(N)
+        X = torch.empty(S, N, F_, dtype=dt)
+        st = self.store
+        D = self.d
+        with threads_for(0):
+            for a in range(0, N, chunk):
+                idx = self.order[a : a + chunk]
+                for k in range(self.n_spans):
+                    rows = st.row_start[self.span_ids[idx, k]]
+                    x = torch.from_numpy(np.asarray(st.feats[rows])).float().permute(1, 0, 2)  # [S, B, D]
+                    if self.mean is not None:
+                        x = (x - self.mean[:, None]) / self.std[:, None]
+                    X[:, a : a + len(idx), k * D : (k + 1) * D] = x
+        self.resident = X
+        return True
+
+    def _gather(self, idx: np.ndarray):
+        xs, ms = [], []
+        for k in range(self.n_spans):
+            x, m = self.store.gather(self.span_ids[idx, k], self.max_len)
+            xs.append(x)
+            ms.append(m)
+        L = max(x.shape[1] for x in xs)
+        for k in range(len(xs)):
+            pad = L - xs[k].shape[1]
+            if pad:
+                xs[k] = F.pad(xs[k], (0, 0, 0, 0, 0, pad))
+                ms[k] = F.pad(ms[k], (0, pad), value=False)
+        x = torch.stack(xs, 1)
+        if self.mean is not None:
+            x = (x - self.mean) / self.std
+        return x, torch.stack(ms, 1)
+
+    def batches(self, batch_size: int, rng: Optional[np.random.Generator] = None):
+        """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
+        resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
+        order (resident: fixed shuffled slices visited in random order)."""
+        n = len(self)
+        starts = np.arange(0, n, batch_size)
+        if self.resident is not None:
+            if rng is not None:
+                starts = rng.permutation(starts)
+            for a in starts:
+                X = self.resident[:, a : a + batch_size]
+                yield self.order[a : a + batch_size], (X if X.dtype != torch.float16 else X.float(), None)
+        else:
+            perm = rng.permutation(n) if rng is not None else np.arange(n)
+            for a in starts:
+                idx = np.sort(perm[a : a + batch_size])
+                yield idx, self._gather(idx)
