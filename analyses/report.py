@@ -30,11 +30,12 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+
 from .tables import read_table, write_table
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_TARGET = " Paris"
-PIPELINE_ORDER = ["upos", "xpos", "feats:Number", "feats:Tense", "feats:Person", "deprel", "entity", "coref"]
 
 
 # ---------------------------------------------------------------------------- data
@@ -60,16 +61,6 @@ def sample_texts() -> list[str]:
     return _conllu_texts(s["ewt_train"]) + _conllu_texts(s["ewt_test"])
 
 
-def has_entities(path: Union[str, Path]) -> bool:
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if "Entity=" in line:
-                return True
-            if i > 5000:
-                return False
-    return False
-
-
 @dataclass
 class ReportConfig:
     model: Optional[str] = None
@@ -82,12 +73,10 @@ class ReportConfig:
     target: str = DEFAULT_TARGET
     lens_tokens: int = 1500
     norms_tokens: int = 4000
-    max_train_sentences: Optional[int] = None
-    max_test_sentences: Optional[int] = None
-    probe: str = "linear"
-    # options passed on to run_probes; the report trains fewer epochs than `depthscope probe`
-    # (12) to stay within a few minutes on a 2-core CPU
-    extra: dict = field(default_factory=lambda: {"epochs": 6})
+    # the probe section's settings: the same objects, with the same defaults, as `depthscope probe`
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    extraction: ExtractionConfig = field(default_factory=ExtractionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
 
 def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
@@ -107,11 +96,12 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     path of ``report.html``."""
     from depthscope.hooks import load_model
 
+    from .jobs import Output
+    from .jobs.probe import ProbeJobConfig, resolve_inputs, run_probe_job
     from .lens import logit_lens, logit_lens_tokens
     from .norms import contribution_norms, direct_logit_attribution, norms_by_position
     from .plots import lens as lens_plots
     from .plots import norms as norm_plots
-    from .plots import probes as probe_plots
 
     cfg = config or ReportConfig()
     out = Path(out_dir)
@@ -130,9 +120,9 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     train = cfg.train or str(sample["ewt_train"])
     test = cfg.test or str(sample["ewt_test"])
     texts = list(cfg.texts) if cfg.texts else _conllu_texts(train) + _conllu_texts(test)
-    tasks = list(cfg.tasks) if cfg.tasks else ["upos", "deprel", "feats:Number"]
-    if not cfg.tasks and has_entities(train) and has_entities(test):
-        tasks += ["entity", "coref"]
+    probe_job = ProbeJobConfig(tasks=cfg.tasks, train=train, test=test, dev=cfg.dev, probe=cfg.probe,
+                               extraction=cfg.extraction, data=cfg.data)
+    tasks = resolve_inputs(probe_job)[0]
 
     meta = {
         "model": model.name,
@@ -179,21 +169,10 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     timings["norms"] = time.time() - t
 
     # 3. probes
-    from depthscope.probes import run_probes
-
     t = time.time()
     say(f"probes: {', '.join(tasks)}")
-    res = run_probes(
-        model, tasks, train, test, cfg.dev,
-        probe=cfg.probe, max_train_sentences=cfg.max_train_sentences,
-        max_test_sentences=cfg.max_test_sentences, progress=progress, **cfg.extra,
-    )
-    write_table(res.by_site, out, "probes_by_site")
-    write_table(res.summary, out, "probes_summary")
-    if getattr(res, "mixing", None) is not None:
-        write_table(res.mixing, out, "probes_mixing")
-    probe_plots.plot_probe_curves(res.by_site, out / "probes_accuracy.png")
-    probe_plots.plot_tenney(res.summary, getattr(res, "mixing", None), out / "probes_tenney.png")
+    probe_result = run_probe_job(model, probe_job, Output(out), progress=progress)
+    meta["probe_precision"] = probe_result.summary["precision"]
     timings["probes"] = time.time() - t
 
     meta["seconds"] = {k: round(v, 1) for k, v in timings.items()}
@@ -357,6 +336,8 @@ def _load(out: Path, name: str) -> Optional[pd.DataFrame]:
 
 def render_report(out_dir: Union[str, Path]) -> Path:
     """Write ``report.md`` and ``report.html`` from the tables and plots in ``out_dir``."""
+    from depthscope.probes.tasks import pipeline_rank
+
     out = Path(out_dir)
     meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     L = int(meta.get("n_layers", 0)) or None
@@ -378,8 +359,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
                             "n_train", "n_test"] if c in summary.columns]
         table = summary[cols].copy()
         table["relative_depth_delta"] = table["expected_layer_delta"] / L
-        order = {t: i for i, t in enumerate(PIPELINE_ORDER)}
-        table = table.sort_values("task", key=lambda s: s.map(lambda t: order.get(t, 99)))
+        table = table.sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
     findings = {
         FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
         FIGURES[1][0]: lens_findings(lens, L),

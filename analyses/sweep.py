@@ -20,6 +20,7 @@ failed) unless ``allow_mixed=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -126,6 +127,8 @@ def _norms(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
 
 
 def _probe(model, *, tasks, train, test, dev=None, **kw) -> dict[str, pd.DataFrame]:
+    """``kw``: ``config`` / ``extraction`` / ``data`` objects and loose settings, read by
+    ``run_probes`` (the configuration objects' defaults, as everywhere)."""
     from depthscope.probes import run_probes
 
     res = run_probes(model, tasks, train, test, dev, progress=False, **kw)
@@ -160,6 +163,8 @@ def _describe_inputs(kwargs: dict) -> dict:
             desc[k] = {"file": str(v), "sha256": hashlib.sha256(Path(v).read_bytes()).hexdigest()[:16]}
         elif isinstance(v, (list, tuple)) and v and all(isinstance(t, str) for t in v) and k == "texts":
             desc[k] = {"n_texts": len(v), "sha256": _digest(list(v))}
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):  # ProbeConfig and friends: their fields
+            desc[k] = json.loads(json.dumps(dataclasses.asdict(v), default=str))
         else:
             desc[k] = v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
     return desc

@@ -72,10 +72,10 @@ def test_batched_linear_probe_matches_sklearn_per_site(resident):
     assert ours[0] > ours[-1] + 0.1  # the sites really differ
 
 
-def test_compute_dtype_choice_and_bf16_agrees(monkeypatch):
-    """bfloat16 features (chosen where the CPU multiplies them faster) give the float32 probe's
-    predictions; DEPTHSCOPE_PROBE_DTYPE forces a type and rejects others."""
-    from depthscope.probes.classifiers import compute_dtype
+def test_bf16_features_agree_and_env_forces_a_type(monkeypatch):
+    """bfloat16 features (chosen by the CPU-flag rule where bf16 is native) give the float32
+    probe's predictions; DEPTHSCOPE_PROBE_DTYPE forces a type under "auto" and rejects others."""
+    from depthscope.probes.cpu import compute_dtype
 
     x, y = synthetic(2000, S=3)
     xt, yt = synthetic(600, S=3, seed=1)
@@ -92,18 +92,37 @@ def test_compute_dtype_choice_and_bf16_agrees(monkeypatch):
         preds, _ = predict(p, fte)
         accs[dt] = accuracy(preds[:, :, 0], torch.from_numpy(yt)).numpy()
     assert np.abs(accs[torch.float32] - accs[torch.bfloat16]).max() <= 0.01, accs
-    try:
-        for name, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", name)
-            compute_dtype.cache_clear()
-            assert compute_dtype() == want
-        monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", "float16")
-        compute_dtype.cache_clear()
-        with pytest.raises(ValueError):
-            compute_dtype()
-    finally:
-        monkeypatch.delenv("DEPTHSCOPE_PROBE_DTYPE")
-        compute_dtype.cache_clear()
+    for name, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", name)
+        assert compute_dtype() == want
+    monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", "float16")
+    with pytest.raises(ValueError):
+        compute_dtype()
+
+
+def test_precision_rule_is_deterministic(monkeypatch):
+    """"auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
+    kernels; float32 on anything uncertain; explicit precisions and the env variable win."""
+    from depthscope.probes import cpu
+    from depthscope.probes.cpu import precision_rule, resolve_precision
+
+    assert precision_rule({"avx2", "avx512_bf16"}, "AVX512")[0] == torch.bfloat16
+    assert precision_rule({"amx_bf16", "amx_tile"}, "AMX")[0] == torch.bfloat16
+    assert precision_rule({"avx2", "fma"}, "AVX2")[0] == torch.float32
+    assert precision_rule({"avx512_bf16"}, "AVX2")[0] == torch.float32  # torch's kernels do not use it
+    assert precision_rule(set(), "AVX512")[0] == torch.float32
+    assert precision_rule(set(), "unknown")[0] == torch.float32
+    monkeypatch.delenv("DEPTHSCOPE_PROBE_DTYPE", raising=False)
+    here = precision_rule()[0]
+    assert all(resolve_precision("auto") == here for _ in range(5))  # same answer every call
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(cpu, "torch_capability", lambda: "AVX512")
+    assert resolve_precision("auto") == torch.bfloat16
+    assert resolve_precision("float32") == torch.float32
+    monkeypatch.setenv("DEPTHSCOPE_PROBE_DTYPE", "float32")
+    assert resolve_precision("auto") == torch.float32 and resolve_precision("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError):
+        resolve_precision("half")
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])

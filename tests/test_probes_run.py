@@ -93,10 +93,14 @@ def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):
     assert np.allclose(mix.groupby("task")["mix_weight"].sum(), 1, atol=1e-5)
     # the embedding alone beats the majority class on upos (words carry their tag)
     assert bs[(bs.task == "upos") & (bs.site == 0)]["accuracy"].iloc[0] > s.loc["upos", "majority_accuracy"]
-    paths = res.write(tmp_path / "out")
-    names = {p.name for p in paths}
+    from depthscope.analyses.jobs import Output
+    from depthscope.analyses.jobs.probe import write_outputs
+
+    out = Output(tmp_path / "out")
+    write_outputs(res, out)  # the probe job's writer (probes/ never writes tables or figures)
+    names = {p.name for p in out.written}
     assert {"probes_by_site.csv", "probes_by_site.parquet", "probes_summary.csv", "probes_summary.parquet",
-            "probes_mixing.csv", "probes_by_site.png", "probes_tenney.png"} <= names
+            "probes_mixing.csv", "probes_accuracy.png", "probes_tenney.png"} <= names
     back = pd.read_csv(tmp_path / "out" / "probes_by_site.csv")
     assert list(back.columns[:10]) == ["task", "site", "label", "layer", "sublayer", "depth", "accuracy", "macro_f1",
                                        "control_accuracy", "selectivity"]

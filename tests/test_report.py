@@ -12,14 +12,15 @@ from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
 from depthscope.analyses.report import ReportConfig, lens_findings, render_report, run_report
+from depthscope.probes import DataConfig, ProbeConfig
 
 
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory, tiny_factory):
     out = tmp_path_factory.mktemp("report")
     model = tiny_factory("llama", n_layers=2)
-    cfg = ReportConfig(lens_tokens=200, norms_tokens=300, max_train_sentences=40, max_test_sentences=20,
-                       extra={"epochs": 2})
+    cfg = ReportConfig(lens_tokens=200, norms_tokens=300, data=DataConfig(max_train_sentences=40, max_test_sentences=20),
+                       probe=ProbeConfig(epochs=2))
     run_report(out, cfg, progress=False, model=model)
     return out
 

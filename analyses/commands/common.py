@@ -15,3 +15,13 @@ def load(model: Optional[str]):
     from depthscope.hooks import load_model
 
     return load_model(model)
+ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).")
+SeedOpt = typer.Option(0, "--seed", help="Seed for sampling, control tasks and training.")
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """``torch.set_num_threads(threads)`` when given."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

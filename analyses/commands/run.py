@@ -7,7 +7,11 @@ from typing import List, Optional
 
 import typer
 
-from .common import ModelOpt
+from depthscope.probes.config import DataConfig, ProbeConfig
+
+from .common import ModelOpt, SeedOpt, ThreadsOpt, set_threads
+
+_P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 
 
 def register(app: typer.Typer) -> None:
@@ -19,12 +23,15 @@ def register(app: typer.Typer) -> None:
             help="CoNLL-U files: TRAIN [TEST [DEV]] (repeat --data). Default: the bundled UD English EWT sample.",
         ),
         out: Path = typer.Option(Path("depthscope-report"), "--out", "-o", help="Output folder."),
-        tasks: Optional[str] = typer.Option(None, "--tasks", help="Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data)."),
+        task: Optional[str] = typer.Option(None, "--task", "-t", help="Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data)."),
         text: Optional[Path] = typer.Option(None, "--text", help="Plain text for the lens and norms (default: the probe data's sentences)."),
         prompt: str = typer.Option("The capital of France is", "--prompt", help="Prompt for the per-token views and DLA."),
         target: str = typer.Option(" Paris", "--target", help="Target token for DLA."),
-        max_train_sentences: Optional[int] = typer.Option(None, "--max-train-sentences"),
-        max_test_sentences: Optional[int] = typer.Option(None, "--max-test-sentences"),
+        max_train_sentences: Optional[int] = typer.Option(_D.max_train_sentences, "--max-train-sentences", help="Cap probe train data at N sentences (whole documents, seeded)."),
+        max_test_sentences: Optional[int] = typer.Option(_D.max_test_sentences, "--max-test-sentences", help="Cap probe test data at N sentences."),
+        epochs: int = typer.Option(_P.epochs, "--epochs", help="Training epochs of every probe (the same default as depthscope probe)."),
+        seed: int = SeedOpt,
+        threads: Optional[int] = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", help="Tokens of text for the logit lens."),
         norms_tokens: int = typer.Option(4000, "--norms-tokens", help="Tokens of text for contribution norms."),
         force: bool = typer.Option(False, "--force", help="Write into an output folder that holds another run."),
@@ -34,6 +41,7 @@ def register(app: typer.Typer) -> None:
         from depthscope.analyses.report import ReportConfig, run_report
         from depthscope.analyses.text import read_documents
 
+        set_threads(threads)
         files = [str(p) for p in (data or [])]
         if len(files) == 1:
             raise typer.BadParameter("give at least a train and a test file: --data TRAIN --data TEST")
@@ -49,13 +57,13 @@ def register(app: typer.Typer) -> None:
             test=files[1] if len(files) > 1 else None,
             dev=files[2] if len(files) > 2 else None,
             texts=read_documents(text) if text else None,
-            tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+            tasks=[t.strip() for t in task.split(",") if t.strip()] if task else None,
             prompt=prompt,
             target=target,
             lens_tokens=lens_tokens,
             norms_tokens=norms_tokens,
-            max_train_sentences=max_train_sentences,
-            max_test_sentences=max_test_sentences,
+            probe=ProbeConfig(epochs=epochs, seed=seed),
+            data=DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences),
         )
         path = run_report(out, cfg)
         typer.echo(f"report: {path}\nmarkdown: {out / 'report.md'}")

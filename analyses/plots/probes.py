@@ -22,17 +22,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .style import SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig
+from depthscope.probes.tasks import pipeline_rank
 
-_PIPELINE = ["upos", "xpos", "feats", "deprel", "entity", "coref"]
+from .style import SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig
 
 
 def _task_order(tasks) -> list:
-    def rank(t):
-        fam = str(t).split(":", 1)[0]
-        return (_PIPELINE.index(fam) if fam in _PIPELINE else len(_PIPELINE), str(t))
-
-    return sorted(pd.unique(pd.Series(list(tasks))), key=rank)
+    return sorted(pd.unique(pd.Series(list(tasks))), key=lambda t: (pipeline_rank(str(t)), str(t)))
 
 
 def _n_layers(df: pd.DataFrame) -> int:

@@ -1,0 +1,121 @@
+"""The probe job: run the probes from one configuration and write their tables and figures, once each.
+
+=================================  ===========================================================
+``ProbeJobConfig``                 tasks and data files (None: the defaults below) plus the
+                                   probe, extraction and data settings of
+                                   :mod:`depthscope.probes.config` (their defaults are the only
+                                   defaults) and whether to draw figures
+``run_probe_job(model, config,     runs :func:`depthscope.probes.run_probes` and writes
+out, progress=)``                  ``probes_by_site``, ``probes_summary``, ``probes_mixing``
+                                   (Parquet + CSV) and ``probes_accuracy.png``,
+                                   ``probes_tenney.png`` through ``out``; a :class:`JobResult`
+``write_outputs(results, out,      the writing half: the three tables and two figures of a
+plots=)``                          :class:`~depthscope.probes.ProbeResults` (the only writer)
+``resolve_inputs(config)``         the tasks and files a config means
+=================================  ===========================================================
+
+Defaults: tasks ``upos, deprel, feats:Number``, plus ``entity, coref`` when train and test carry
+GUM ``Entity=`` annotation; data: the bundled sample (GUM when entity or coref is asked for,
+else EWT). ``depthscope probe`` and ``depthscope run`` both call :func:`run_probe_job`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+
+from .base import JobResult, Output
+
+DEFAULT_TASKS = ("upos", "deprel", "feats:Number")
+ENTITY_TASKS = ("entity", "coref")
+TABLES = ("probes_by_site", "probes_summary", "probes_mixing")
+FIGURES = ("probes_accuracy", "probes_tenney")
+
+
+@dataclass
+class ProbeJobConfig:
+    """What the probe job runs: ``tasks`` (None: :data:`DEFAULT_TASKS`, + entity and coref
+    with GUM-style data), ``train`` / ``test`` / ``dev`` files (None: the bundled sample; no
+    dev), the settings objects, and ``plots``."""
+
+    tasks: Optional[Sequence[str]] = None
+    train: Optional[Union[str, Path]] = None
+    test: Optional[Union[str, Path]] = None
+    dev: Optional[Union[str, Path]] = None
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    extraction: ExtractionConfig = field(default_factory=ExtractionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    plots: bool = True
+
+
+def has_entities(path: Union[str, Path]) -> bool:
+    """True when a CoNLL-U file carries GUM ``Entity=`` annotation (in its first 5000 lines)."""
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if "Entity=" in line:
+                return True
+            if i > 5000:
+                return False
+    return False
+
+
+def resolve_inputs(config: ProbeJobConfig) -> tuple:
+    """``(tasks, train, test)`` with the defaults of the module docstring filled in."""
+    from depthscope.probes import sample_data
+    from depthscope.probes.run import task_list
+
+    tasks = task_list(config.tasks) if config.tasks else None
+    train, test = config.train, config.test
+    if train is None or test is None:
+        sample = sample_data()
+        gum = tasks is not None and any(t.split(":")[0] in ENTITY_TASKS for t in tasks)
+        train = train or sample["gum_train" if gum else "ewt_train"]
+        test = test or sample["gum_test" if gum else "ewt_test"]
+    if tasks is None:
+        tasks = list(DEFAULT_TASKS)
+        if all(isinstance(p, (str, Path)) and Path(p).is_file() and has_entities(p) for p in (train, test)):
+            tasks += list(ENTITY_TASKS)
+    return tasks, train, test
+
+
+def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
+    """Write ``results``' tables (:data:`TABLES`) and, with ``plots``, figures (:data:`FIGURES`)
+    through ``out``; returns the tables by name."""
+    from ..plots.probes import plot_probe_curves, plot_tenney
+
+    tables = dict(zip(TABLES, (results.by_site, results.summary, results.mixing)))
+    for name, df in tables.items():
+        out.table(df, name)
+    if plots:
+        out.figure(plot_probe_curves, results.by_site, name="probes_accuracy")
+        out.figure(plot_tenney, results.summary, results.mixing, name="probes_tenney")
+    return tables
+
+
+def run_probe_job(model, config: Optional[ProbeJobConfig] = None, out: Optional[Output] = None, *,
+                  progress: bool = True) -> JobResult:
+    """Probe every site of ``model`` (a HookedModel or a spec) and write the probe tables and
+    figures; ``out`` None (or ``Output(None)``) computes without writing."""
+    from depthscope.probes import run_probes
+
+    cfg = config or ProbeJobConfig()
+    out = out if out is not None else Output(None)
+    tasks, train, test = resolve_inputs(cfg)
+    n_before = len(out.written)
+    res = run_probes(model, tasks, train, test, cfg.dev, config=cfg.probe, extraction=cfg.extraction, data=cfg.data,
+                     progress=progress)
+    tables = write_outputs(res, out, plots=cfg.plots)
+    info = res.info
+    summary = {
+        "tasks": tasks,
+        "train": str(train) if isinstance(train, (str, Path)) else repr(train),
+        "test": str(test) if isinstance(test, (str, Path)) else repr(test),
+        "model": info.get("model"),
+        "precision": info.get("precision"),
+        "seconds_extract": info.get("seconds_extract"),
+        "seconds_total": info.get("seconds_total"),
+    }
+    return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
