@@ -1,0 +1,119 @@
+"""The probe settings: configuration objects whose defaults are the only defaults (the command
+line, the report, sweeps and the building blocks read them), loose overrides validated by name,
+and no work or validation in ``__init__`` (scikit-learn's estimator convention)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import typer
+
+from depthscope.hooks.errors import InputError
+from depthscope.probes import DataConfig, ExtractionConfig, ProbeConfig, run_probes
+from depthscope.probes.run import resolve_configs
+
+UD = os.path.join(os.path.dirname(__file__), "fixtures", "ud")
+EWT_TRAIN = os.path.join(UD, "ewt_tiny_train.conllu")
+EWT_TEST = os.path.join(UD, "ewt_tiny_test.conllu")
+
+
+def command_defaults(name: str) -> dict:
+    from depthscope.analyses.cli import app
+
+    cmd = typer.main.get_command(app).commands[name]
+    return {p.name: p.default for p in cmd.params}
+
+
+def test_probe_command_defaults_are_the_config_defaults():
+    from depthscope.analyses.commands.probe import job_config
+    from depthscope.analyses.jobs.probe import ProbeJobConfig
+
+    defaults = command_defaults("probe")
+    wanted = set(inspect.signature(job_config).parameters)
+    assert wanted <= set(defaults), wanted - set(defaults)  # every setting is an option
+    cfg = job_config(**{k: defaults[k] for k in wanted})
+    assert cfg.probe == ProbeConfig()
+    assert cfg.extraction == ExtractionConfig()
+    assert cfg.data == DataConfig()
+    assert cfg == ProbeJobConfig()  # tasks and data files: the job's defaults too
+
+
+def test_run_command_and_report_share_the_defaults():
+    from depthscope.analyses.report import ReportConfig
+
+    d = command_defaults("run")
+    assert d["epochs"] == ProbeConfig().epochs == 12  # one protocol: the report trains as long as `probe`
+    assert d["seed"] == ProbeConfig().seed == command_defaults("probe")["seed"]
+    assert d["max_train_sentences"] == DataConfig().max_train_sentences
+    assert d["max_test_sentences"] == DataConfig().max_test_sentences
+    assert "task" in d and "tasks" not in d  # --task everywhere
+    cfg = ReportConfig()
+    assert (cfg.probe, cfg.extraction, cfg.data) == (ProbeConfig(), ExtractionConfig(), DataConfig())
+
+
+def test_every_probe_and_run_option_has_help():
+    from depthscope.analyses.cli import app
+
+    group = typer.main.get_command(app)
+    for name in ("probe", "run", "sweep"):
+        for p in group.commands[name].params:
+            if getattr(p, "param_type_name", "") == "option":
+                assert p.help, (name, p.name)
+
+
+def test_building_blocks_default_to_the_config():
+    from depthscope.probes import BatchedProbe, fit_cumulative, train_probe
+
+    cfg = ProbeConfig()
+    tp = inspect.signature(train_probe).parameters
+    assert (tp["epochs"].default, tp["lr"].default, tp["min_steps"].default, tp["batch_size"].default) == (
+        cfg.epochs, cfg.lr, cfg.min_steps, cfg.batch_size)
+    fc = inspect.signature(fit_cumulative).parameters
+    assert (fc["l2"].default, fc["epochs"].default, fc["hidden"].default) == (cfg.l2, cfg.epochs, cfg.hidden)
+    bp = inspect.signature(BatchedProbe.__init__).parameters
+    assert (bp["l2"].default, bp["hidden"].default) == (cfg.l2, cfg.hidden)
+
+
+def test_init_does_no_work_and_validate_checks():
+    bad = ProbeConfig(probe="svm")  # stored as given, like a scikit-learn estimator
+    assert bad.probe == "svm"
+    for c, match in [(bad, "probe"), (ProbeConfig(precision="half"), "precision"), (ProbeConfig(l2="cv"), "l2"),
+                     (ProbeConfig(epochs=0), "epochs"), (ExtractionConfig(pooling="max"), "pooling"),
+                     (ExtractionConfig(store_dtype="int8"), "store_dtype"), (ExtractionConfig(context="page"), "context"),
+                     (DataConfig(overlap="merge"), "overlap"), (DataConfig(max_train_sentences=0), "max_train")]:
+        with pytest.raises(InputError, match=match):
+            c.validate()
+    assert ProbeConfig(l2="dev").validate().l2 == "dev"
+
+
+def test_overrides_apply_by_field_and_unknown_names_are_rejected():
+    cfg, ext, dat = resolve_configs(ProbeConfig(epochs=6, seed=3), None, None, pooling="mean", max_train_sentences=50)
+    assert (cfg.epochs, cfg.seed, ext.pooling, dat.max_train_sentences) == (6, 3, "mean", 50)
+    assert ext.store_dtype == ExtractionConfig().store_dtype and dat.overlap == DataConfig().overlap
+    cfg, _, _ = resolve_configs(ProbeConfig(epochs=6), epochs=3)  # a loose setting wins over the object
+    assert cfg.epochs == 3
+    # rejected before any model is loaded or file read (model None would load the default model)
+    with pytest.raises(InputError, match=r"unknown probe setting\(s\) epochz; valid: probe, l2, epochs"):
+        run_probes(None, "upos", EWT_TRAIN, EWT_TEST, epochz=3)
+    with pytest.raises(InputError, match="dtype"):
+        run_probes(None, "upos", EWT_TRAIN, EWT_TEST, dtype="float32")  # renamed: store_dtype
+    with pytest.raises(InputError, match="probe must be one of"):
+        run_probes(None, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(probe="svm"))
+    with pytest.raises(InputError, match="expected a ProbeConfig"):
+        run_probes(None, "upos", EWT_TRAIN, EWT_TEST, config=ExtractionConfig())
+
+
+def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_path):
+    from depthscope.probes import resolve_precision
+
+    m = tiny_factory("llama", n_layers=1, d_model=32)
+    res = run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(epochs=1, min_steps=5, cumulative=False),
+                     extraction=ExtractionConfig(store_dir=str(tmp_path)), progress=False)
+    want = str(resolve_precision("auto")).replace("torch.", "")
+    assert (res.summary["precision"] == want).all() and res.info["precision"] == want
+    assert res.summary["expected_layer_delta"].isna().all()  # cumulative=False was honoured
+    res_bf = run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(epochs=1, min_steps=5, precision="bfloat16"),
+                       store_dir=str(tmp_path), progress=False)
+    assert res_bf.summary["precision"].iloc[0] == "bfloat16"
