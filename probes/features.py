@@ -102,7 +102,8 @@ class Features:
         """Standardised features in memory, site-major; False if they do not fit (or attn).
 
         ``dtype`` None picks :func:`~depthscope.probes.cpu.compute_dtype` (the CPU-flag rule),
-        then a 2-byte type if float32 does not fit in ``max_bytes``. Standardisation is done in float32 before any rounding."""
+        then a 2-byte type if float32 does not fit in ``max_bytes``. Standardisation is done in
+        float32 before any rounding."""
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d

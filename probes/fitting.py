@@ -13,7 +13,7 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -101,23 +101,22 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
 
     cum_summ, mix_df = cumulative_summary(None, None, cfg.seed), None
     if cfg.cumulative and feats["train"].n_sites >= 2:
-        l2_mix = float(np.median(fit.l2))
+        # the mixes use the median of the sites' penalties (= l2 unless l2="dev")
         cum = fit_cumulative(feats["train"], y["train"], feats["test"], y["test"], n_classes=td.n_classes,
-                             n_eval_classes=td.n_eval_classes, kind=cfg.probe, l2=l2_mix, hidden=cfg.hidden,
-                             progress=progress, desc=f"{task} cumulative", **train_kwargs(cfg))
+                             n_eval_classes=td.n_eval_classes, config=replace(cfg, l2=float(np.median(fit.l2))),
+                             progress=progress, desc=f"{task} cumulative")
         depths = frame["depth"].to_numpy()
         cum_summ = cumulative_summary(depths, cum, cfg.seed)
         mix_df = mixing_rows(task, frame, cum)
     summ = summary_row(task, df, td, n_layers, cum_summ, probe=cfg.probe, pooling=pooling, control=cfg.control)
-    summ["precision"] = str(feats["train"].resident.dtype).replace("torch.", "") if feats["train"].resident is not None \
-        else "float32"
+    resident = feats["train"].resident  # what the products computed in (float32 when streamed)
+    summ["precision"] = str(resident.dtype).replace("torch.", "") if resident is not None else "float32"
     if cfg.mdl:
         from .mdl import online_codelength
 
-        kw = {k: v for k, v in train_kwargs(cfg).items() if k != "min_steps"}  # MDL keeps its own step floor
-        res = online_codelength(feats["train"], y["train"], n_classes=td.n_classes, kind=cfg.probe,
-                                l2=float(np.median(fit.l2)), hidden=cfg.hidden, max_bytes=resident_bytes,
-                                dtype=dtype, progress=progress, **kw)
+        res = online_codelength(feats["train"], y["train"], n_classes=td.n_classes,
+                                config=replace(cfg, l2=float(np.median(fit.l2))), max_bytes=resident_bytes,
+                                dtype=dtype, progress=progress)
         df["mdl_online_bits"] = res.online_bits
         df["mdl_uniform_bits"] = res.uniform_bits
         df["mdl_compression"] = res.compression

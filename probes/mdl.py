@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from .classifiers import BatchedProbe
-from .config import ProbeConfig
+from .config import ProbeConfig, override
 from .features import Features
 from .training import predict, train_probe
 
-_DEFAULTS = ProbeConfig()
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -66,21 +65,21 @@ def online_codelength(
     y,
     *,
     n_classes: int,
-    kind: str = "linear",
-    l2: float = _DEFAULTS.l2,
-    epochs: int = _DEFAULTS.epochs,
-    lr: float = _DEFAULTS.lr,
-    batch_size: Optional[int] = _DEFAULTS.batch_size,
-    hidden: int = _DEFAULTS.hidden,
+    config: Optional[ProbeConfig] = None,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
-    seed: int = 0,
     max_bytes: float = 4e9,
     dtype: Optional[torch.dtype] = None,
     progress: bool = False,
+    **overrides,
 ) -> MDLResult:
-    """Online codelength per site of labels ``y`` (class indices < n_classes), in bits;
-    ``dtype``: the precision of the resident blocks (None: the CPU rule)."""
+    """Online codelength per site of labels ``y`` (class indices < n_classes), in bits.
+    ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, epochs, lr,
+    batch, hidden units and seed; MDL keeps its own floor of ``min_steps`` steps per block
+    (the first blocks hold a handful of examples). ``dtype``: the precision of the resident
+    blocks (None: the CPU rule)."""
+    (cfg,) = override([config or ProbeConfig()], overrides)
+    seed, batch_size = cfg.seed, cfg.batch_size
     y = np.asarray(y, dtype=np.int64)
     n = len(y)
     if n < 2:
@@ -99,9 +98,9 @@ def online_codelength(
         tr_idx, ev_idx = order[:t0], order[t0:t1]
         ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
         fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
-        probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=kind,
-                             hidden=hidden, attn_pool=feats.tokens, l2=l2, seed=seed)
-        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=epochs, lr=lr,
+        probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=cfg.probe,
+                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=float(cfg.l2), seed=seed)
+        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=cfg.epochs, lr=cfg.lr,
                     batch_size=None if batch_size is None else min(batch_size, max(8, t0)), min_steps=min_steps, seed=seed)
         _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
         bits += b[:, :, 0].double().sum(1).numpy()

@@ -23,12 +23,11 @@ import numpy as np
 import torch
 
 from .classifiers import BatchedProbe
-from .config import ProbeConfig
+from .config import ProbeConfig, override
 from .features import Features
 from .metrics import accuracy, macro_f1
 from .training import predict, train_probe
 
-_DEFAULTS = ProbeConfig()
 
 
 def deltas(scores) -> np.ndarray:
@@ -113,26 +112,23 @@ def fit_cumulative(
     *,
     n_classes: int,
     n_eval_classes: int,
-    kind: str = "linear",
-    l2: float = _DEFAULTS.l2,
-    epochs: int = _DEFAULTS.epochs,
-    min_steps: int = _DEFAULTS.min_steps,
-    lr: float = _DEFAULTS.lr,
-    batch_size: Optional[int] = _DEFAULTS.batch_size,
-    hidden: int = _DEFAULTS.hidden,
-    seed: int = 0,
+    config: Optional[ProbeConfig] = None,
     progress: bool = False,
     desc: str = "cumulative",
+    **overrides,
 ) -> CumulativeFit:
-    """All prefix mixes ``P(0) .. P(S-1)`` trained together; scored on ``test``."""
+    """All prefix mixes ``P(0) .. P(S-1)`` trained together; scored on ``test``. ``config``
+    (None: the defaults) sets kind, l2, epochs, steps, lr, batch, hidden units and seed;
+    ``overrides`` any of its fields by name."""
+    (cfg,) = override([config or ProbeConfig()], overrides)
     S = train.n_sites
     mask = torch.tril(torch.ones(S, S, dtype=torch.bool))
     probe = BatchedProbe(
-        n_sites=S, d=train.d, n_spans=train.n_spans, n_classes=n_classes, n_heads=1, kind=kind,
-        hidden=hidden, mix_mask=mask, attn_pool=train.tokens, l2=l2, seed=seed,
+        n_sites=S, d=train.d, n_spans=train.n_spans, n_classes=n_classes, n_heads=1, kind=cfg.probe,
+        hidden=cfg.hidden, mix_mask=mask, attn_pool=train.tokens, l2=float(cfg.l2), seed=cfg.seed,
     )
-    train_probe(probe, train, torch.as_tensor(y_train)[:, None], epochs=epochs, min_steps=min_steps, lr=lr,
-                batch_size=batch_size, seed=seed, progress=progress, desc=desc)
+    train_probe(probe, train, torch.as_tensor(y_train)[:, None], epochs=cfg.epochs, min_steps=cfg.min_steps, lr=cfg.lr,
+                batch_size=cfg.batch_size, seed=cfg.seed, progress=progress, desc=desc)
     preds, _ = predict(probe, test)
     yt = torch.as_tensor(y_test)
     acc = accuracy(preds[:, :, 0], yt).numpy()

@@ -30,10 +30,7 @@ def test_probe_command_defaults_are_the_config_defaults():
     from depthscope.analyses.commands.probe import job_config
     from depthscope.analyses.jobs.probe import ProbeJobConfig
 
-    defaults = command_defaults("probe")
-    wanted = set(inspect.signature(job_config).parameters)
-    assert wanted <= set(defaults), wanted - set(defaults)  # every setting is an option
-    cfg = job_config(**{k: defaults[k] for k in wanted})
+    cfg = job_config(command_defaults("probe"))
     assert cfg.probe == ProbeConfig()
     assert cfg.extraction == ExtractionConfig()
     assert cfg.data == DataConfig()
@@ -64,14 +61,15 @@ def test_every_probe_and_run_option_has_help():
 
 
 def test_building_blocks_default_to_the_config():
-    from depthscope.probes import BatchedProbe, fit_cumulative, train_probe
+    from depthscope.probes import BatchedProbe, fit_cumulative, online_codelength, train_probe
 
     cfg = ProbeConfig()
     tp = inspect.signature(train_probe).parameters
     assert (tp["epochs"].default, tp["lr"].default, tp["min_steps"].default, tp["batch_size"].default) == (
         cfg.epochs, cfg.lr, cfg.min_steps, cfg.batch_size)
-    fc = inspect.signature(fit_cumulative).parameters
-    assert (fc["l2"].default, fc["epochs"].default, fc["hidden"].default) == (cfg.l2, cfg.epochs, cfg.hidden)
+    for fn in (fit_cumulative, online_codelength):  # settings come in a ProbeConfig, no defaults of their own
+        params = inspect.signature(fn).parameters
+        assert "config" in params and not {"epochs", "l2", "lr", "hidden", "kind"} & set(params)
     bp = inspect.signature(BatchedProbe.__init__).parameters
     assert (bp["l2"].default, bp["hidden"].default) == (cfg.l2, cfg.hidden)
 
@@ -81,7 +79,8 @@ def test_init_does_no_work_and_validate_checks():
     assert bad.probe == "svm"
     for c, match in [(bad, "probe"), (ProbeConfig(precision="half"), "precision"), (ProbeConfig(l2="cv"), "l2"),
                      (ProbeConfig(epochs=0), "epochs"), (ExtractionConfig(pooling="max"), "pooling"),
-                     (ExtractionConfig(store_dtype="int8"), "store_dtype"), (ExtractionConfig(context="page"), "context"),
+                     (ExtractionConfig(store_dtype="int8"), "store_dtype"),
+                     (ExtractionConfig(context="page"), "context"),
                      (DataConfig(overlap="merge"), "overlap"), (DataConfig(max_train_sentences=0), "max_train")]:
         with pytest.raises(InputError, match=match):
             c.validate()

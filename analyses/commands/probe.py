@@ -14,26 +14,25 @@ from .common import ModelOpt, OutOpt, SeedOpt, ThreadsOpt, set_threads
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
 
-def job_config(*, task, train, test, dev, probe_kind, pooling, sites, max_train_sentences, max_test_sentences,
-               max_dev_sentences, context, l2, epochs, precision, mdl, overlap, store, float32, bos, seed, plots):
-    """The :class:`ProbeJobConfig` the options describe (one argument per option; a mapping,
-    not logic, hence the length)."""
+def job_config(o: dict):
+    """The :class:`ProbeJobConfig` that the command's options ``o`` (by parameter name) describe."""
     from depthscope.analyses.jobs.probe import ProbeJobConfig
     from depthscope.hooks.errors import InputError
 
     try:
-        l2v = l2 if l2 == "dev" else float(l2)
+        l2 = o["l2"] if o["l2"] == "dev" else float(o["l2"])
     except ValueError:
-        raise InputError(f"--l2 must be a number or 'dev', got {l2!r}") from None
+        raise InputError(f"--l2 must be a number or 'dev', got {o['l2']!r}") from None
     return ProbeJobConfig(
-        tasks=[t.strip() for t in task.split(",") if t.strip()] if task else None,
-        train=train, test=test, dev=dev, plots=plots,
-        probe=ProbeConfig(probe=probe_kind, l2=l2v, epochs=epochs, mdl=mdl, seed=seed, precision=precision),
-        extraction=ExtractionConfig(pooling=pooling, sites=[s.strip() for s in sites.split(",")] if sites else None,
-                                    context=context, store_dir=store, store_dtype="float32" if float32 else "float16",
-                                    bos=bos),
-        data=DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences,
-                        max_dev_sentences=max_dev_sentences, overlap=overlap),
+        tasks=[t.strip() for t in o["task"].split(",") if t.strip()] if o["task"] else None,
+        train=o["train"], test=o["test"], dev=o["dev"], plots=o["plots"],
+        probe=ProbeConfig(probe=o["probe_kind"], l2=l2, epochs=o["epochs"], mdl=o["mdl"], seed=o["seed"],
+                          precision=o["precision"]),
+        extraction=ExtractionConfig(pooling=o["pooling"], context=o["context"], store_dir=o["store"], bos=o["bos"],
+                                    sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
+                                    store_dtype="float32" if o["float32"] else "float16"),
+        data=DataConfig(max_train_sentences=o["max_train_sentences"], max_test_sentences=o["max_test_sentences"],
+                        max_dev_sentences=o["max_dev_sentences"], overlap=o["overlap"]),
     )
 
 
@@ -93,11 +92,7 @@ def register(app: typer.Typer) -> None:
         from depthscope.analyses.jobs.probe import run_probe_job
 
         set_threads(threads)
-        cfg = job_config(task=task, train=train, test=test, dev=dev, probe_kind=probe_kind, pooling=pooling, sites=sites,
-                         max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences,
-                         max_dev_sentences=max_dev_sentences, context=context, l2=l2, epochs=epochs,
-                         precision=precision, mdl=mdl, overlap=overlap, store=store, float32=float32, bos=bos, seed=seed,
-                         plots=plots)
+        cfg = job_config(dict(locals()))  # every option by its parameter name
         result = run_probe_job(model, cfg, Output(out), progress=True)
         print_summary(result.tables["probes_summary"])
         typer.echo(f"precision: {result.summary['precision']}")
