@@ -45,21 +45,59 @@ Command line: ``depthscope probe --help``.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from .activations import POOLINGS, SpanStore, extract_spans
-from .classifiers import BatchedProbe
-from .config import L2_GRID, DataConfig, ExtractionConfig, ProbeConfig
-from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
-from .cpu import resolve_precision
-from .encoding import TaskData
-from .features import Features
-from .mdl import VOITA_FRACTIONS, online_codelength
-from .metrics import accuracy, macro_f1
-from .mixing import deltas, expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
-from .run import ProbeResults, prepare_task, run_probes
-from .tasks import PIPELINE_ORDER, TaskExamples, build_task, control_labels, load_corpus, read_jiant
-from .training import predict, train_probe
+_EXPORTS = {
+    "POOLINGS": "activations",
+    "SpanStore": "activations",
+    "extract_spans": "activations",
+    "BatchedProbe": "classifiers",
+    "L2_GRID": "config",
+    "DataConfig": "config",
+    "ExtractionConfig": "config",
+    "ProbeConfig": "config",
+    "ConlluError": "conllu_io",
+    "Corpus": "conllu_io",
+    "Mention": "conllu_io",
+    "Sentence": "conllu_io",
+    "Word": "conllu_io",
+    "parse_conllu_text": "conllu_io",
+    "read_conllu": "conllu_io",
+    "resolve_precision": "cpu",
+    "TaskData": "encoding",
+    "Features": "features",
+    "VOITA_FRACTIONS": "mdl",
+    "online_codelength": "mdl",
+    "accuracy": "metrics",
+    "macro_f1": "metrics",
+    "deltas": "mixing",
+    "expected_layer_delta": "mixing",
+    "expected_layer_delta_interval": "mixing",
+    "expected_layer_mix": "mixing",
+    "fit_cumulative": "mixing",
+    "ProbeResults": "run",
+    "prepare_task": "run",
+    "run_probes": "run",
+    "PIPELINE_ORDER": "tasks",
+    "TaskExamples": "tasks",
+    "build_task": "tasks",
+    "control_labels": "tasks",
+    "load_corpus": "tasks",
+    "read_jiant": "tasks",
+    "predict": "training",
+    "train_probe": "training",
+}
+
+
+def __getattr__(name: str):
+    """Names are imported on first use, so ``import depthscope.probes.config`` (the command
+    line's option defaults) stays cheap: no torch until a probe runs."""
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'depthscope.probes' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
 
 DATA_DIR = Path(__file__).parent / "data"
 

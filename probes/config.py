@@ -12,7 +12,7 @@ object                 holds
                        pair sampling
 ``override(configs,
 kw)``                  new configs with loose keyword settings applied; an unknown name is an
-                       :class:`InputError` that lists the valid ones
+                       :class:`~depthscope.hooks.errors.InputError` that lists the valid ones
 =====================  ========================================================================
 
 They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given, no
@@ -28,13 +28,11 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence, Union
 
-from depthscope.hooks.errors import InputError
-
-from .spans import CONTEXTS
-
 PROBES = ("linear", "mlp")
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
 POOLINGS = ("last", "first", "mean", "attn")
+#: passages a span is seen in: its sentence, or its document up to the sentence
+CONTEXTS = ("sentence", "document")
 OVERLAP = ("drop", "keep", "error")
 PRECISIONS = ("auto", "float32", "bfloat16")
 STORE_DTYPES = ("float16", "float32")
@@ -42,16 +40,22 @@ STORE_DTYPES = ("float16", "float32")
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2)
 
 
+def _error(msg: str) -> Exception:
+    from depthscope.hooks.errors import InputError  # here, not at import: this module stays import-cheap
+
+    return InputError(msg)
+
+
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise InputError(f"{name} must be one of {allowed}, got {value!r}")
+        raise _error(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise InputError(f"{name} must be a positive number, got {value!r}")
+        raise _error(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass
@@ -89,12 +93,12 @@ class ProbeConfig:
         _choice("precision", self.precision, PRECISIONS)
         if not (self.l2 == "dev" or (isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
                                      and self.l2 >= 0)):
-            raise InputError(f"l2 must be a non-negative number or 'dev', got {self.l2!r}")
+            raise _error(f"l2 must be a non-negative number or 'dev', got {self.l2!r}")
         for name in ("epochs", "lr", "hidden"):
             _positive(name, getattr(self, name))
         _positive("batch_size", self.batch_size, allow_none=True)
         if not isinstance(self.min_steps, int) or self.min_steps < 0:
-            raise InputError(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
+            raise _error(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
         return self
 
 
@@ -158,7 +162,7 @@ class DataConfig:
             _positive(name, getattr(self, name), allow_none=True)
         _positive("coref_neg_ratio", self.coref_neg_ratio)
         if not isinstance(self.coref_window, int) or self.coref_window < 0:
-            raise InputError(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
+            raise _error(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
         return self
 
 
@@ -169,7 +173,7 @@ def field_names(cls) -> list:
 def override(configs: Sequence, overrides: dict) -> list:
     """Copies of ``configs`` (dataclass instances) with each loose ``name=value`` of
     ``overrides`` applied to the config that has that field; an unknown name raises
-    :class:`InputError` listing every valid one."""
+    :class:`~depthscope.hooks.errors.InputError` listing every valid one."""
     owner = {}
     for i, c in enumerate(configs):
         for n in field_names(type(c)):
@@ -177,7 +181,7 @@ def override(configs: Sequence, overrides: dict) -> list:
     unknown = sorted(set(overrides) - set(owner))
     if unknown:
         valid = ", ".join(n for c in configs for n in field_names(type(c)))
-        raise InputError(f"unknown probe setting(s) {', '.join(unknown)}; valid: {valid}")
+        raise _error(f"unknown probe setting(s) {', '.join(unknown)}; valid: {valid}")
     out = list(configs)
     for i, c in enumerate(configs):
         mine = {k: v for k, v in overrides.items() if owner[k] == i}

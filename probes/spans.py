@@ -24,7 +24,7 @@ import numpy as np
 
 from depthscope.hooks.errors import InputError
 
-CONTEXTS = ("sentence", "document")
+from .config import CONTEXTS
 
 
 @dataclass
