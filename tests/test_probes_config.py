@@ -116,3 +116,21 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
     res_bf = run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(epochs=1, min_steps=5, precision="bfloat16"),
                        store_dir=str(tmp_path), progress=False)
     assert res_bf.summary["precision"].iloc[0] == "bfloat16"
+
+
+def test_probes_never_import_analyses():
+    """Data flows one way: probes/ computes, the probe job (analyses/jobs/probe.py) writes."""
+    import ast
+    from pathlib import Path
+
+    import depthscope.probes.config as config
+
+    for path in Path(config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                ["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                assert "analyses" not in m, (path.name, m)
+    from depthscope.probes import ProbeResults
+
+    assert not hasattr(ProbeResults, "write")  # writing tables and figures is the job's
