@@ -101,6 +101,8 @@ def _span_keys(ex: TaskExamples) -> list:
 
 def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, ext: ExtractionConfig, *, sites, max_tokens,
                    progress, desc, prepend=None) -> Extraction:
+    """The union of ``tasks_ex``' spans in ``corpus``, extracted into one store (ten arguments:
+    the split's data plus the run-wide values ``load_and_extract`` resolves once)."""
     keys = np.concatenate([k for ex in tasks_ex for k in _span_keys(ex)]) if tasks_ex else np.zeros((0, 3), np.int64)
     uniq = np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 3)
     passages, where = build_passages(corpus.sentences, context, tokenizer=model.tokenizer, max_tokens=max_tokens)
