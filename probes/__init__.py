@@ -30,19 +30,52 @@ mdl=False, progress=True, ...) -> ProbeResults``
 
 Plots (``depthscope.analyses.plots.probes``): ``plot_probe_curves(by_site, path)`` and
 ``plot_tenney(summary, mixing, path)``. Command line: ``depthscope probe --help``.
+
+Names are imported lazily (PEP 562), so ``import depthscope.probes`` stays cheap (no torch)
+until one is used.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from .activations import POOLINGS, SpanStore, extract_spans
-from .classifiers import BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
-from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
-from .mdl import VOITA_FRACTIONS, online_codelength
-from .mixing import deltas, expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
-from .run import L2_GRID, ProbeResults, TaskData, prepare_task, run_probes
-from .tasks import TaskExamples, build_task, control_labels, load_corpus, read_jiant
+_EXPORTS = {
+    "POOLINGS": "activations",
+    "SpanStore": "activations",
+    "extract_spans": "activations",
+    "BatchedProbe": "classifiers",
+    "Features": "classifiers",
+    "accuracy": "classifiers",
+    "macro_f1": "classifiers",
+    "predict": "classifiers",
+    "train_probe": "classifiers",
+    "ConlluError": "conllu_io",
+    "Corpus": "conllu_io",
+    "Mention": "conllu_io",
+    "Sentence": "conllu_io",
+    "Word": "conllu_io",
+    "parse_conllu_text": "conllu_io",
+    "read_conllu": "conllu_io",
+    "VOITA_FRACTIONS": "mdl",
+    "online_codelength": "mdl",
+    "deltas": "mixing",
+    "expected_layer_delta": "mixing",
+    "expected_layer_delta_interval": "mixing",
+    "expected_layer_mix": "mixing",
+    "fit_cumulative": "mixing",
+    "L2_GRID": "run",
+    "ProbeResults": "run",
+    "TaskData": "run",
+    "prepare_task": "run",
+    "run_probes": "run",
+    "TaskExamples": "tasks",
+    "build_task": "tasks",
+    "control_labels": "tasks",
+    "load_corpus": "tasks",
+    "read_jiant": "tasks",
+}
+_SUBMODULES = {"activations", "classifiers", "conllu_io", "data", "mdl", "mixing", "run", "spans", "tasks"}
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -99,3 +132,18 @@ __all__ = [
     "VOITA_FRACTIONS",
     "L2_GRID",
 ]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        if name in _SUBMODULES:  # ``depthscope.probes.run`` without importing it first, as before
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
