@@ -67,8 +67,12 @@ def make_tiny_tokenizer(vocab_size: int = 1024):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TINY_SPECIALS.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TINY_SPECIALS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(tiny_training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=TINY_SPECIALS["eos_token"], **TINY_SPECIALS)
     fast.padding_side = "right"
@@ -103,21 +107,40 @@ def make_tiny(family: str, vocab_size: int = 49152, n_layers: int = 3, d_model: 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size)
     if family == "llama":
-        cfg = tf.LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True, **common)
+        cfg = tf.LlamaConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            **common,
+        )
         model = tf.LlamaForCausalLM(cfg)
     elif family == "gpt2":
         cfg = tf.GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=4, n_positions=256, **common)
         model = tf.GPT2LMHeadModel(cfg)
     elif family == "gpt_neox":
-        cfg = tf.GPTNeoXConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                               num_attention_heads=4, max_position_embeddings=256, use_parallel_residual=True,
-                               **common)
+        cfg = tf.GPTNeoXConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            use_parallel_residual=True,
+            **common,
+        )
         model = tf.GPTNeoXForCausalLM(cfg)
     elif family == "bert":
-        cfg = tf.BertConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                            num_attention_heads=4, max_position_embeddings=256, **common)
+        cfg = tf.BertConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            **common,
+        )
         model = tf.BertForMaskedLM(cfg)
     else:
         raise ValueError(family)
