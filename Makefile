@@ -3,7 +3,7 @@ VENV ?= .venv
 OUT ?= depthscope-report
 PYTEST_ARGS ?=
 
-.PHONY: setup report test bench clean
+.PHONY: setup report test test-fast lint bench clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -11,11 +11,20 @@ setup:
 report: setup
 	$(VENV)/bin/depthscope run --out $(OUT)
 
-test: setup
+# the README's test command (and CI's, .ci/run): lint, then the whole suite
+test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# the fast tier: everything that does not load the real default model (under a minute)
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: setup
 	for f in benchmarks/bench_*.py; do $(VENV)/bin/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache
+	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache

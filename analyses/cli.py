@@ -45,7 +45,7 @@ def main() -> None:
         app()
     except DepthscopeError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

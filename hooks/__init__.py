@@ -2,7 +2,13 @@
 
 The first stage of depthscope's one-way flow (model -> residual sites -> analyses -> tidy
 tables -> plots/report). Everything here knows models; nothing here knows data or plots.
+Names are imported lazily (PEP 562), so ``import depthscope.hooks`` and its errors stay cheap
+(no torch) until a model name is used: the command line's ``--help`` depends on it.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from .errors import (
     CheckpointError,
@@ -14,10 +20,25 @@ from .errors import (
     NonFiniteActivationError,
     UnsupportedArchitecture,
 )
-from .loading import cache_dir, default_gguf_path, load_model
-from .model import HookedModel, ResidualStream
 from .runtime import tune_allocator
-from .sites import SITE_COLUMNS, Site, all_sites, parse_site, parse_sites, site_frame, site_from_index, site_labels
+
+_EXPORTS = {
+    "load_model": "loading",
+    "cache_dir": "loading",
+    "default_gguf_path": "loading",
+    "HookedModel": "model",
+    "ResidualStream": "model",
+    "SITE_COLUMNS": "sites",
+    "Site": "sites",
+    "all_sites": "sites",
+    "parse_site": "sites",
+    "parse_sites": "sites",
+    "site_frame": "sites",
+    "site_from_index": "sites",
+    "site_labels": "sites",
+}
+
+_SUBMODULES = {"arch", "files", "loading", "model", "sites", "toy"}
 
 __all__ = [
     "load_model",
@@ -43,3 +64,18 @@ __all__ = [
     "ContextLengthError",
     "NonFiniteActivationError",
 ]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        if name in _SUBMODULES:  # ``depthscope.hooks.arch`` without importing it first, as before
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

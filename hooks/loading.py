@@ -16,6 +16,8 @@ Remote code is never run unless ``trust_remote_code=True``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -113,6 +115,36 @@ def load_model(
     return _load_hub_cached(str(spec), dtype, device, trust_remote_code)
 
 
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """transformers' (and huggingface_hub's) progress bars off, e.g. "Loading weights" on every
+    load; the caller's settings are restored afterwards. Warnings and logs are left alone:
+    missing or unexpected weights are worth seeing."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as tf_logging
+
+    tf_on, hub_off = tf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if tf_on:
+            tf_logging.enable_progress_bar()
+        if hub_off != hub_utils.are_progress_bars_disabled():
+            (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
+
+
+def _quietly(load):
+    """Run one of depthscope's own loaders inside :func:`quiet_progress_bars`."""
+
+    @functools.wraps(load)
+    def wrapper(*args, **kwargs):
+        with quiet_progress_bars():
+            return load(*args, **kwargs)
+
+    return wrapper
+
+
 def _is_bridge(obj) -> bool:
     return any(c.__name__ == "TransformerBridge" for c in type(obj).__mro__)
 
@@ -153,6 +185,7 @@ def _load_tokenizer(path, **kw):
         return None
 
 
+@_quietly
 def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> HookedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -208,6 +241,7 @@ def _gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{h.hexdigest()[:16]}"
 
 
+@_quietly
 def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = None) -> HookedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,6 +300,7 @@ def _save_atomically(model, tok, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@_quietly
 def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel:
     from transformers import AutoConfig, AutoTokenizer
 

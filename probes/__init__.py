@@ -90,13 +90,27 @@ _EXPORTS = {
 }
 
 
+_SUBMODULES = {
+    "activations", "classifiers", "config", "conllu_io", "cpu", "data", "encoding", "extraction", "features",
+    "fitting", "mdl", "metrics", "mixing", "run", "spans", "summaries", "tasks", "training",
+}
+
+
 def __getattr__(name: str):
-    """Names are imported on first use, so ``import depthscope.probes.config`` (the command
-    line's option defaults) stays cheap: no torch until a probe runs."""
+    """Names are imported on first use (PEP 562), so ``import depthscope.probes.config`` (the
+    command line's option defaults) stays cheap: no torch until a probe runs."""
     mod = _EXPORTS.get(name)
     if mod is None:
-        raise AttributeError(f"module 'depthscope.probes' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+        if name in _SUBMODULES:  # ``depthscope.probes.run`` without importing it first
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 DATA_DIR = Path(__file__).parent / "data"

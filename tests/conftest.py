@@ -1,9 +1,15 @@
-"""Shared fixtures: the real default model (loaded once per session) and tiny random models
-of each supported family (Llama, GPT-2, GPT-NeoX, BERT) that take the default model's
-tokenizer, so string inputs work everywhere and tests stay fast."""
+"""Shared fixtures: the real default model (loaded once per session), a tiny byte-level BPE
+tokenizer trained here on the test fixtures' text, and tiny random models of each supported
+family (Llama, GPT-2, GPT-NeoX, BERT) that take the tiny tokenizer, so string inputs work
+everywhere without loading the 135M model.
+
+Tiers: every test that uses the real model (the ``default_model`` or ``tokenizer`` fixtures,
+directly or through another fixture) is marked ``slow`` at collection, so ``pytest -m "not slow"``
+(``make test-fast``) runs the rest; ``make test`` runs all."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -18,6 +24,66 @@ import matplotlib
 matplotlib.use("Agg")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+REAL_MODEL_FIXTURES = {"default_model", "tokenizer"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that loads the real default model through a fixture (the closure
+    of fixtures it requests, so a module fixture built on ``default_model`` counts too)."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+# What the tiny tokenizer is trained on: the fixtures' text, plus phrases the tests use as
+# prompts and single-token targets (" Paris", " Rome", " the").
+TINY_PHRASES = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello world, this is a longer second sentence with more words.",
+    "The cat sat on the mat. The dog sat on the log. A bird flew over the house and sang.",
+]
+TINY_SPECIALS = {"unk_token": "<|endoftext|>", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+
+
+def tiny_training_text() -> list[str]:
+    lines = TINY_PHRASES * 20
+    for path in sorted(glob.glob(os.path.join(FIXTURES, "*", "*.txt"))):
+        with open(path, encoding="utf-8") as f:
+            lines += [ln.strip() for ln in f if ln.strip()]
+    for path in sorted(glob.glob(os.path.join(FIXTURES, "ud", "*.conllu"))):
+        with open(path, encoding="utf-8") as f:
+            lines += [ln[len("# text = ") :].strip() for ln in f if ln.startswith("# text = ")]
+    return lines
+
+
+def make_tiny_tokenizer(vocab_size: int = 1024):
+    """A byte-level BPE (any text encodes, offsets map back to characters) trained in-process,
+    shaped like SmolLM2's: BOS ``<|im_start|>``, EOS = pad ``<|im_end|>``, no special token added
+    by the tokenizer itself, right padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TINY_SPECIALS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=TINY_SPECIALS["eos_token"], **TINY_SPECIALS)
+    fast.padding_side = "right"
+    fast.model_max_length = 256
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The tiny byte-level BPE of :func:`make_tiny_tokenizer` (about 1k tokens)."""
+    return make_tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +96,7 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model):
+    """The real default model's tokenizer (SmolLM2): tests that use it are ``slow``."""
     return default_model.tokenizer
 
 
@@ -40,21 +107,40 @@ def make_tiny(family: str, vocab_size: int = 49152, n_layers: int = 3, d_model: 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size)
     if family == "llama":
-        cfg = tf.LlamaConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True, **common)
+        cfg = tf.LlamaConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            **common,
+        )
         model = tf.LlamaForCausalLM(cfg)
     elif family == "gpt2":
         cfg = tf.GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=4, n_positions=256, **common)
         model = tf.GPT2LMHeadModel(cfg)
     elif family == "gpt_neox":
-        cfg = tf.GPTNeoXConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                               num_attention_heads=4, max_position_embeddings=256, use_parallel_residual=True,
-                               **common)
+        cfg = tf.GPTNeoXConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            use_parallel_residual=True,
+            **common,
+        )
         model = tf.GPTNeoXForCausalLM(cfg)
     elif family == "bert":
-        cfg = tf.BertConfig(hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                            num_attention_heads=4, max_position_embeddings=256, **common)
+        cfg = tf.BertConfig(
+            hidden_size=d_model,
+            intermediate_size=2 * d_model,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            **common,
+        )
         model = tf.BertForMaskedLM(cfg)
     else:
         raise ValueError(family)
@@ -62,12 +148,12 @@ def make_tiny(family: str, vocab_size: int = 49152, n_layers: int = 3, d_model: 
 
 
 @pytest.fixture(scope="session")
-def tiny_factory(tokenizer):
-    """tiny_factory(family, **kw) -> HookedModel with the default tokenizer."""
+def tiny_factory(tiny_tokenizer):
+    """tiny_factory(family, **kw) -> HookedModel with the tiny tokenizer."""
     from depthscope.hooks import load_model
 
     def make(family: str = "llama", **kw):
-        return load_model(make_tiny(family, vocab_size=len(tokenizer), **kw), tokenizer=tokenizer)
+        return load_model(make_tiny(family, vocab_size=len(tiny_tokenizer), **kw), tokenizer=tiny_tokenizer)
 
     return make
 

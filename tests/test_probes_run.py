@@ -176,7 +176,7 @@ def test_sites_subset_and_l2_from_dev(tiny_llama, tmp_path):
     assert res.by_site["depth"].tolist() == [0.0, 1.5, 3.0]
 
 
-def test_cli_probe(tiny_factory, tokenizer, tmp_path):
+def test_cli_probe(tiny_factory, tiny_tokenizer, tmp_path):
     from typer.testing import CliRunner
 
     from depthscope.analyses.cli import app
@@ -187,7 +187,7 @@ def test_cli_probe(tiny_factory, tokenizer, tmp_path):
     m = tiny_factory("llama", n_layers=1, d_model=32)
     folder = tmp_path / "tiny"
     m.hf_model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
     out = tmp_path / "out"
     r = runner.invoke(app, ["probe", "--task", "upos,deprel", "--train", EWT_TRAIN, "--test", EWT_TEST, "--model",
                             str(folder), "--max-train-sentences", "20", "--epochs", "1", "--store", str(tmp_path / "st"),
