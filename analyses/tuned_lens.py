@@ -1,5 +1,8 @@
-"""Tuned lens (Belrose et al. 2023, "Eliciting Latent Predictions from Transformers with the
-Tuned Lens") at every residual site, sublayer sites included.
+"""Training a tuned lens (Belrose et al. 2023, "Eliciting Latent Predictions from Transformers
+with the Tuned Lens") at every residual site, sublayer sites included.
+
+The lens object itself (:class:`~depthscope.analyses.lenses.TunedLens`: translate, save, load,
+check) lives in :mod:`depthscope.analyses.lenses` beside the plain logit lens.
 
 Each site ``s`` gets an affine translator ``h -> h + h A_s + b_s`` (identity at initialisation:
 ``A_s = 0``, ``b_s = 0``) applied to the stream before the model's own final norm and
@@ -36,200 +39,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
-from torch import nn
 
 from depthscope.hooks.errors import CheckpointError, InputError
-from depthscope.hooks.sites import parse_sites, site_labels
+from depthscope.hooks.sites import parse_sites
 
-from .lens import check_decodable, lens_batches
+from .lens import lens_batches
+from .lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
 
-__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError", "model_digest"]
+__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError"]
 
-FORMAT = "depthscope-tuned-lens"
-VERSION = 1
-PARAMS_FILE = "tuned_lens.safetensors"
-META_FILE = "tuned_lens.json"
 CKPT_FILE = "checkpoint.safetensors"
 CKPT_META = "checkpoint.json"
-
-
-class LensMismatchError(InputError):
-    """A tuned lens used with a model it was not trained for."""
-
-
-def model_digest(model) -> str:
-    """A short hash of a model's weights (final norm, a sample of unembedding rows, the first and
-    last block's first parameter): tells two checkpoints of one architecture apart."""
-    h = hashlib.sha1()
-    arch = model.arch
-    parts = []
-    if arch.final_norm is not None and getattr(arch.final_norm, "weight", None) is not None:
-        parts.append(arch.final_norm.weight)
-    if arch.unembed is not None:
-        W = arch.unembed.weight
-        parts.append(W[:: max(1, W.shape[0] // 64)][:64])
-    for block in (arch.blocks[0], arch.blocks[-1]):
-        p = next(block.parameters(), None)
-        if p is not None:
-            parts.append(p.reshape(-1)[:4096])
-    with torch.no_grad():
-        for t in parts:
-            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _write_json(path: Path, obj) -> None:
-    _atomic_write(path, lambda t: Path(t).write_text(json.dumps(obj, indent=1)))
-
-
-def _save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.torch import save_file
-
-    _atomic_write(path, lambda t: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(t)))
-
-
-def _load_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as e:  # corrupt or truncated file
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-
-
-class TunedLens:
-    """Affine translators ``h -> h + h @ weight[i] + bias[i]`` for the sites in ``sites``.
-
-    ``weight``: ``[n_sites, d, d]``, ``bias``: ``[n_sites, d]`` (zeros = the plain logit lens).
-    Use with ``logit_lens(model, inputs, lens=tuned)``; ``translate`` applies it to streams.
-    """
-
-    def __init__(self, sites: Sequence[int], n_layers: int, weight: torch.Tensor, bias: torch.Tensor,
-                 model_info: dict, training: Optional[dict] = None):
-        self.sites = [int(s) for s in sites]
-        self.n_layers = int(n_layers)
-        if weight.shape != (len(self.sites), weight.shape[-1], weight.shape[-1]) or bias.shape != weight.shape[:2]:
-            raise CheckpointError(f"tuned lens tensors have shapes {tuple(weight.shape)}, {tuple(bias.shape)} "
-                                  f"for {len(self.sites)} sites")
-        self.weight = weight.float()
-        self.bias = bias.float()
-        self.d_model = int(weight.shape[-1])
-        self.model_info = dict(model_info)
-        self.training = dict(training or {})
-        self._pos = {s: i for i, s in enumerate(self.sites)}
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def identity(cls, model, sites=None) -> "TunedLens":
-        """Zero translators (the plain logit lens) for ``sites`` (default: all) of ``model``."""
-        sites = parse_sites(sites, model.n_layers)
-        d = model.d_model
-        return cls(sites, model.n_layers, torch.zeros(len(sites), d, d), torch.zeros(len(sites), d),
-                   _model_info(model))
-
-    @property
-    def site_labels(self) -> list[str]:
-        labels = site_labels(self.n_layers)
-        return [labels[s] for s in self.sites]
-
-    def __repr__(self) -> str:
-        steps = self.training.get("steps_done")
-        return (f"TunedLens({self.model_info.get('name')!r}, {len(self.sites)} sites, d_model={self.d_model}"
-                + (f", trained {steps} steps" if steps is not None else "") + ")")
-
-    # ------------------------------------------------------------------ use
-    def translate(self, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
-        """Apply the translators of ``sites`` to streams ``xs`` ``[len(sites), n, d]``."""
-        try:
-            idx = torch.tensor([self._pos[int(s)] for s in sites], dtype=torch.long)
-        except KeyError as e:
-            raise InputError(f"the tuned lens has no translator for site {e.args[0]}; it covers {self.site_labels}") from None
-        A = self.weight[idx].to(device=xs.device, dtype=xs.dtype)
-        b = self.bias[idx].to(device=xs.device, dtype=xs.dtype)
-        return torch.baddbmm(xs + b.unsqueeze(1), xs, A)
-
-    def check(self, model, *, strict: bool = True) -> None:
-        """Refuse ``model`` unless it is the model this lens was trained for (architecture,
-        tokenizer and -- with ``strict`` -- weights)."""
-        mine, theirs = self.model_info, _model_info(model)
-        keys = ["family", "model_type", "n_layers", "d_model", "vocab_size", "tokenizer", "tokenizer_vocab"]
-        diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
-        if strict and not diff and mine.get("digest") != theirs.get("digest"):
-            diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
-        if diff:
-            raise LensMismatchError(
-                f"this tuned lens was trained for {mine.get('name')!r}, not for {theirs.get('name')!r} "
-                f"({'; '.join(diff)}); train one for this model (depthscope lens-train)"
-            )
-
-    # ------------------------------------------------------------------ disk
-    def save(self, path) -> Path:
-        """Write ``path/tuned_lens.safetensors`` and ``path/tuned_lens.json``; returns the folder."""
-        path = Path(path)
-        if path.suffix in (".json", ".safetensors"):
-            path = path.parent
-        path.mkdir(parents=True, exist_ok=True)
-        _save_tensors(path / PARAMS_FILE, {"weight": self.weight, "bias": self.bias})
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "sites": self.sites,
-            "labels": self.site_labels,
-            "n_layers": self.n_layers,
-            "d_model": self.d_model,
-            "translator": "h -> h + h @ weight[i] + bias[i], then the model's final norm and unembedding",
-            "model": self.model_info,
-            "training": self.training,
-        }
-        _write_json(path / META_FILE, meta)
-        return path
-
-    @classmethod
-    def load(cls, path, model=None, *, strict: bool = True) -> "TunedLens":
-        """Read a saved lens (its folder, or either file in it); with ``model``, check it fits."""
-        path = Path(path)
-        if path.suffix in (".json", ".safetensors"):
-            path = path.parent
-        meta_p, params_p = path / META_FILE, path / PARAMS_FILE
-        if not meta_p.is_file() or not params_p.is_file():
-            raise CheckpointError(f"no tuned lens at {path} (expected {META_FILE} and {PARAMS_FILE})")
-        try:
-            meta = json.loads(meta_p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{meta_p} is not valid JSON: {e}") from None
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_p} is not a depthscope tuned lens (format {meta.get('format')!r})")
-        t = _load_tensors(params_p)
-        if "weight" not in t or "bias" not in t:
-            raise CheckpointError(f"{params_p} lacks 'weight'/'bias' tensors")
-        lens = cls(meta["sites"], meta["n_layers"], t["weight"], t["bias"], meta.get("model", {}), meta.get("training"))
-        if model is not None:
-            lens.check(model, strict=strict)
-        return lens
-
-
-def _model_info(model) -> dict:
-    info = dict(model.fingerprint())
-    info["name"] = model.name
-    info["digest"] = model_digest(model)
-    return info
 
 
 # ----------------------------------------------------------------------------- training
@@ -296,15 +121,10 @@ class _KLUnembed(torch.autograd.Function):
 
 
 def _kl_generic(model, x, p, neg_hp, S):
-    """The same KL through ``model.unembed`` (biases, logit scales, soft-capping) with autograd."""
+    """The same KL through ``model.unembed.project`` (biases, logit scales, soft-capping) with autograd."""
     C, V = p.shape
-    lq = torch.log_softmax(model.unembed(x).float(), -1)
+    lq = torch.log_softmax(model.unembed.project(x).float(), -1)
     return neg_hp.unsqueeze(1) - (lq.view(C, S, V) * p.unsqueeze(1)).sum(-1)
-
-
-def _fast_unembed_ok(model) -> bool:
-    u = model.arch.unembed
-    return isinstance(u, nn.Linear) and u.bias is None and model.arch.logit_scale is None and not model.arch.softcap
 
 
 def _read_inputs(text, per_line: bool):
@@ -398,7 +218,7 @@ def train_tuned_lens(
     The returned lens's ``training`` dict records the settings and, per step, the mean training
     KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
     """
-    check_decodable(model)
+    model.unembed.check()
     if steps < 0 or tokens_per_step < 1 or cache_tokens < 1 or checkpoint_every < 1:
         raise InputError("steps must be >= 0, and tokens_per_step, cache_tokens, checkpoint_every >= 1")
     all_sites = parse_sites(sites, model.n_layers)
@@ -412,7 +232,7 @@ def train_tuned_lens(
         matmul_dtype = "bfloat16" if bf16_ok else "float32"
     if matmul_dtype not in ("bfloat16", "float32"):
         raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
-    fast = _fast_unembed_ok(model)
+    fast = model.unembed.is_plain_linear
 
     X, F, data_digest = _cache_streams(model, inputs, train_sites, cache_tokens=cache_tokens, window=window,
                                        batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress)
@@ -432,12 +252,11 @@ def train_tuned_lens(
     state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
     start, history = 0, []
     out = Path(out) if out is not None else None
-    info = _model_info(model)
+    info = model_info(model)
     if out is not None and resume and (out / CKPT_META).is_file():
         start, history = _resume(out, info, settings, A, c, state)
 
-    W = model.arch.unembed.weight.detach()
-    Wm = W.to(torch.bfloat16) if (fast and matmul_dtype == "bfloat16") else W
+    Wm = model.unembed.matmul_weight(getattr(torch, matmul_dtype)) if fast else None
     b1, b2, eps = 0.9, 0.999, 1e-8
 
     def finish(step_done: int) -> TunedLens:
@@ -445,8 +264,8 @@ def train_tuned_lens(
                          {**settings, "steps_done": step_done, "loss": history})
         if out is not None:
             lens.save(out)
-            _save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
-            _write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
+            save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
+            write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
         return lens
 
     if S == 0 or start >= steps:
@@ -481,7 +300,7 @@ def train_tuned_lens(
             xs = X[:, idx].to(dev)  # [S, C, d]
         with torch.enable_grad():
             h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
-            x = model.final_norm(h.transpose(0, 1).reshape(C * S, d))
+            x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
             kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if fast else _kl_generic(model, x, p, neg_hp, S)
             loss = kl.mean()
             gA, gc = torch.autograd.grad(loss, [A, c])
@@ -531,7 +350,7 @@ def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, li
     if diff:
         raise InputError(f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
                          f"use the same settings, another output folder, or resume=False")
-    t = _load_tensors(out / CKPT_FILE)
+    t = load_tensors(out / CKPT_FILE)
     with torch.no_grad():
         A.copy_(t["A"])
         c.copy_(t["c"])

@@ -223,7 +223,7 @@ def test_dla_sums_to_the_models_logit_real_model(default_model):
     h = H[:, 0, -1]
     comps = np.concatenate([h[:1], h[1:] - h[:-1]])
     sigma, g = module_sigma(hm.arch.final_norm, h[-1:])
-    w = hm.W_U[:, paris].detach().double().numpy()
+    w = hm.unembed.W_U[:, paris].detach().double().numpy()
     want = comps @ (g * w) / sigma[0]
     np.testing.assert_allclose(dla["contribution"].to_numpy()[:-1], want, rtol=1e-4, atol=1e-4)
     # a logit difference against a contrast token
