@@ -16,7 +16,7 @@ _EXPORTS = {
     "logit_lens_tokens": "lens",
     "TunedLens": "tuned_lens",
     "train_tuned_lens": "tuned_lens",
-    # contribution norms (analyses/norms.py)
+    # contribution norms (analyses/norms/)
     "contribution_norms": "norms",
     "direct_logit_attribution": "norms",
     "norms_by_position": "norms",

@@ -36,7 +36,8 @@ from torch import nn
 from depthscope.hooks.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
 
-from .norms import POSITION_GROUPS, _batches
+from .norms.metrics import POSITION_GROUPS
+from .norms.streaming import norm_batches
 
 __all__ = ["head_write_norms", "norm_weighted_attention"]
 
@@ -168,7 +169,7 @@ def head_write_norms(
     sums = {k: torch.zeros(L, H, G, dtype=torch.float64) for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")}
     n_tok = torch.zeros(G, dtype=torch.float64)
     checked = False
-    for batch in _batches(model, inputs, batch_size, window, max_tokens, mask):
+    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
         store: dict = {}
         with _capture_out_proj_inputs(spec, store):
             model.residual_stream(batch.ids, mask=batch.mask, sites=[S - 1], return_logits=False)

@@ -544,7 +544,8 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
     assert res.exit_code == 0, res.output + repr(res.exception)
     for name in ("norms_by_site", "norms_by_position", "dla", "head_writes"):
         assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
-    for png in ("stream_growth", "update_norms", "relative_update", "position_heatmap", "dla", "head_writes"):
+    for png in ("norms_stream_growth", "norms_update_norms", "norms_relative_update", "norms_position_heatmap",
+                "norms_dla", "norms_head_writes"):
         assert (out / f"{png}.png").stat().st_size > 10_000
     df = read_table(out / "norms_by_site.parquet")
     assert df.groupby("positions")["n_tokens"].first().sum() == 40
@@ -553,7 +554,7 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
     assert dla["contribution"].sum() == pytest.approx(dla["logit"].iloc[0], rel=1e-4)
     import json
 
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "norms_summary.json").read_text())
     assert summary["dla_top"][0][0] == "29.mlp" and summary["growth_rate"] > 1
     help_text = CliRunner().invoke(app, ["norms", "--help"]).output
     assert "--max-tokens" in help_text and "--target" in help_text
