@@ -107,10 +107,9 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     path of ``report.html``."""
     from depthscope.hooks import load_model
 
-    from .lens import logit_lens, logit_lens_tokens
-    from .norms import contribution_norms, direct_logit_attribution, norms_by_position
-    from .plots import lens as lens_plots
-    from .plots import norms as norm_plots
+    from .jobs import Output
+    from .jobs.lens import LensConfig, lens_job
+    from .jobs.norms import NormsConfig, norms_job
     from .plots import probes as probe_plots
 
     cfg = config or ReportConfig()
@@ -149,33 +148,18 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     }
 
     # 1. logit lens
-    if model.can_decode and model.is_decoder:
+    if model.unembed.decodes_stream:
         t = time.time()
         say(f"logit lens over ~{cfg.lens_tokens} tokens at {model.n_sites} sites")
-        lens_df = logit_lens(model, _cap_texts(texts, model.tokenizer, cfg.lens_tokens))
-        write_table(lens_df, out, "lens_by_site")
-        tok_df = logit_lens_tokens(model, cfg.prompt)
-        write_table(tok_df, out, "lens_tokens")
-        lens_plots.plot_lens_metrics(lens_df, out / "lens_metrics.png")
-        lens_plots.plot_top1_heatmap(tok_df, out / "lens_top1_heatmap.png")
-        lens_plots.plot_rank_trajectory(tok_df, out / "lens_rank_trajectory.png")
+        lens_docs = _cap_texts(texts, model.tokenizer, cfg.lens_tokens)
+        lens_job(model, lens_docs, LensConfig(prompt=cfg.prompt), Output(out))
         timings["lens"] = time.time() - t
 
     # 2. contribution norms
     t = time.time()
     say(f"contribution norms over ~{cfg.norms_tokens} tokens")
-    norms_df = contribution_norms(model, _cap_texts(texts, model.tokenizer, cfg.norms_tokens))
-    write_table(norms_df, out, "norms_by_site")
-    pos_df = norms_by_position(model, cfg.prompt)
-    write_table(pos_df, out, "norms_by_position")
-    norm_plots.plot_stream_growth(norms_df, out / "norms_stream_growth.png")
-    norm_plots.plot_update_norms(norms_df, out / "norms_update_norms.png")
-    norm_plots.plot_relative_update(norms_df, out / "norms_relative_update.png")
-    norm_plots.plot_position_heatmap(pos_df, out / "norms_position_heatmap.png")
-    if model.can_decode and model.is_decoder:
-        dla = direct_logit_attribution(model, cfg.prompt, cfg.target)
-        write_table(dla, out, "dla")
-        norm_plots.plot_dla(dla, out / "norms_dla.png")
+    norms_docs = _cap_texts(texts, model.tokenizer, cfg.norms_tokens)
+    norms_job(model, norms_docs, NormsConfig(prompt=cfg.prompt, target=cfg.target), Output(out))
     timings["norms"] = time.time() - t
 
     # 3. probes
@@ -266,11 +250,11 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
     return out
 
 
-def lens_findings(lens: pd.DataFrame, n_layers: int) -> list[str]:
+def lens_findings(lens_by_site: Optional[pd.DataFrame], n_layers: int) -> list[str]:
     out = []
-    if lens is None or not len(lens):
+    if lens_by_site is None or not len(lens_by_site):
         return out
-    d = lens.sort_values("site")
+    d = lens_by_site.sort_values("site")
     emb = d.iloc[0]
     out.append(f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
                f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%.")
@@ -360,12 +344,12 @@ def render_report(out_dir: Union[str, Path]) -> Path:
     out = Path(out_dir)
     meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     L = int(meta.get("n_layers", 0)) or None
-    lens = _load(out, "lens_by_site")
+    lens_by_site = _load(out, "lens_by_site")
     norms = _load(out, "norms_by_site")
     by_site = _load(out, "probes_by_site")
     summary = _load(out, "probes_summary")
     if L is None:
-        for df in (lens, norms, by_site):
+        for df in (lens_by_site, norms, by_site):
             if df is not None:
                 L = int(df["layer"].max()) + 1
                 break
@@ -382,7 +366,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
         table = table.sort_values("task", key=lambda s: s.map(lambda t: order.get(t, 99)))
     findings = {
         FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
-        FIGURES[1][0]: lens_findings(lens, L),
+        FIGURES[1][0]: lens_findings(lens_by_site, L),
         FIGURES[2][0]: norm_findings(norms, L),
     }
     for title, figs in FIGURES:

@@ -396,13 +396,10 @@ def test_growth_fit_recovers_a_known_rate():
 # ----------------------------------------------------------------------------- per-head writes
 def _explicit_head_writes(hm, texts):
     """Per-head writes materialised the plain way: o_proj input split by head times W_O's columns."""
-    from depthscope.analyses.heads import _OUT_PROJ
-
     ids, mask = hm.tokenize(texts)
     z, out = {}, {}
     hs = []
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         hs.append(proj.register_forward_pre_hook(lambda m, a, l=l: z.__setitem__(l, a[0].detach().double())))
         hs.append(proj.register_forward_hook(lambda m, a, o, l=l: out.__setitem__(l, o.detach().double())))
     try:
@@ -413,8 +410,7 @@ def _explicit_head_writes(hm, texts):
             h.remove()
     H = hm.hf_model.config.num_attention_heads
     writes = []
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W  # [D, H*dh]
         dh = W.shape[1] // H
@@ -505,10 +501,7 @@ def test_norm_weighted_attention(tiny_factory, family):
     # equals each head's write computed from the output projection's input
     writes, _, _ = _explicit_head_writes(hm, [text])
     vals = _explicit_values(hm, [text])
-    from depthscope.analyses.heads import _OUT_PROJ
-
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W
         dh = W.shape[1] // H

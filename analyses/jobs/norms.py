@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .base import JobResult, Output
-
-DEFAULT_PROMPT = "The capital of France is"
+from .lens import DEFAULT_PROMPT
 
 
 @dataclass
