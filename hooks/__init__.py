@@ -15,14 +15,19 @@ from .errors import (
     UnsupportedArchitecture,
 )
 from .loading import cache_dir, default_gguf_path, load_model
+from .digest import model_digest
 from .model import HookedModel, ResidualStream
 from .runtime import tune_allocator
 from .sites import SITE_COLUMNS, Site, all_sites, parse_site, parse_sites, site_frame, site_from_index, site_labels
+from .unembed import FrozenUnembed, Unembed
 
 __all__ = [
     "load_model",
     "HookedModel",
     "ResidualStream",
+    "Unembed",
+    "FrozenUnembed",
+    "model_digest",
     "Site",
     "SITE_COLUMNS",
     "all_sites",
