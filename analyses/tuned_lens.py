@@ -217,6 +217,8 @@ def train_tuned_lens(
 
     The returned lens's ``training`` dict records the settings and, per step, the mean training
     KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
+    (Many parameters: they are the trainer's settings, recorded and checked on resume; the
+    command line passes :class:`~depthscope.analyses.jobs.lens.LensTrainConfig`.)
     """
     model.unembed.check()
     if steps < 0 or tokens_per_step < 1 or cache_tokens < 1 or checkpoint_every < 1:
@@ -227,13 +229,8 @@ def train_tuned_lens(
     d = model.d_model
     inputs = _read_inputs(text, per_line)
 
-    if matmul_dtype == "auto":
-        bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        matmul_dtype = "bfloat16" if bf16_ok else "float32"
-    if matmul_dtype not in ("bfloat16", "float32"):
-        raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
+    matmul_dtype = _matmul_dtype(model, matmul_dtype)
     fast = model.unembed.is_plain_linear
-
     X, F, data_digest = _cache_streams(model, inputs, train_sites, cache_tokens=cache_tokens, window=window,
                                        batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress)
     N = F.shape[0]
@@ -247,9 +244,7 @@ def train_tuned_lens(
     }
     dev = model.device
     scale = scale.to(dev)
-    A = torch.zeros(S, d, d, device=dev)
-    c = torch.zeros(S, d, device=dev)
-    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
+    A, c, state = _zero_translators(S, d, dev)
     start, history = 0, []
     out = Path(out) if out is not None else None
     info = model_info(model)
@@ -257,60 +252,25 @@ def train_tuned_lens(
         start, history = _resume(out, info, settings, A, c, state)
 
     Wm = model.unembed.matmul_weight(getattr(torch, matmul_dtype)) if fast else None
-    b1, b2, eps = 0.9, 0.999, 1e-8
 
     def finish(step_done: int) -> TunedLens:
-        lens = _assemble(model, all_sites, train_sites, A, c, scale, info,
-                         {**settings, "steps_done": step_done, "loss": history})
-        if out is not None:
-            lens.save(out)
-            save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
-            write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
-        return lens
+        return _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done)
 
     if S == 0 or start >= steps:
         return finish(max(start, 0) if S else 0)
 
-    perms: dict[int, torch.Tensor] = {}
-
-    def token_idx(step: int) -> torch.Tensor:
-        g = torch.arange(step * tokens_per_step, (step + 1) * tokens_per_step)
-        epoch, off = g // N, g % N
-        out_idx = torch.empty_like(g)
-        for e in epoch.unique().tolist():
-            if e not in perms:
-                perms.clear()
-                perms[e] = torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100003 + e))
-            sel = epoch == e
-            out_idx[sel] = perms[e][off[sel]]
-        return out_idx
-
+    order = _TokenOrder(N, tokens_per_step, seed)
     bufs = _Buffers()
-    A.requires_grad_(True)
-    c.requires_grad_(True)
+    A.requires_grad_(True), c.requires_grad_(True)
     bar = _bar(progress, total=steps, initial=start, desc="training tuned lens", unit="step")
     t0 = time.perf_counter()
     for step in range(start, steps):
-        idx = token_idx(step)
-        C = len(idx)
+        idx = order(step)
+        kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), A, c, scale, Wm, bufs)
+        t = step + 1
         with torch.no_grad():
-            lp = torch.log_softmax(model.decode(F[idx].to(dev)).float(), -1)  # the model's own final distribution
-            p = lp.exp()
-            neg_hp = (p * lp).sum(-1)
-            xs = X[:, idx].to(dev)  # [S, C, d]
-        with torch.enable_grad():
-            h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
-            x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
-            kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if fast else _kl_generic(model, x, p, neg_hp, S)
-            loss = kl.mean()
-            gA, gc = torch.autograd.grad(loss, [A, c])
-        with torch.no_grad():
-            t = step + 1
             for P, G, m, v, base in ((A, gA, state["mA"], state["vA"], weight_lr), (c, gc, state["mc"], state["vc"], lr)):
-                m.mul_(b1).add_(G, alpha=1 - b1)
-                v.mul_(b2).addcmul_(G, G, value=1 - b2)
-                step_lr = _lr_at(step, steps, base, warmup) * math.sqrt(1 - b2**t) / (1 - b1**t)
-                P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
+                _adam(P, G, m, v, _lr_at(step, steps, base, warmup), t)
         history.append(round(float(kl.detach().mean()), 5))
         bar.update(1)
         bar.set_postfix(kl=f"{history[-1]:.3f}")
@@ -318,9 +278,82 @@ def train_tuned_lens(
             finish(t)
     bar.close()
     settings["train_seconds"] = round(time.perf_counter() - t0, 1)
-    A.requires_grad_(False)
-    c.requires_grad_(False)
+    A.requires_grad_(False), c.requires_grad_(False)
     return finish(steps)
+
+
+def _zero_translators(S: int, d: int, dev):
+    """Identity translators (``A = 0``, ``c = 0``) for ``S`` sites and zero Adam moments."""
+    A = torch.zeros(S, d, d, device=dev)
+    c = torch.zeros(S, d, device=dev)
+    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
+    return A, c, state
+
+
+def _matmul_dtype(model, matmul_dtype: str) -> str:
+    """"auto": bfloat16 where the CPU has native bfloat16 matmuls (a capability flag, not a
+    timing), else float32."""
+    if matmul_dtype == "auto":
+        bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        matmul_dtype = "bfloat16" if bf16_ok else "float32"
+    if matmul_dtype not in ("bfloat16", "float32"):
+        raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
+    return matmul_dtype
+
+
+class _TokenOrder:
+    """Token indices of each step: the cache drawn without replacement, one permutation per epoch."""
+
+    def __init__(self, n: int, per_step: int, seed: int):
+        self.n, self.per_step, self.seed = n, per_step, seed
+        self.perms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, step: int) -> torch.Tensor:
+        g = torch.arange(step * self.per_step, (step + 1) * self.per_step)
+        epoch, off = g // self.n, g % self.n
+        out_idx = torch.empty_like(g)
+        for e in epoch.unique().tolist():
+            if e not in self.perms:
+                self.perms.clear()
+                gen = torch.Generator().manual_seed(self.seed * 100003 + e)
+                self.perms[e] = torch.randperm(self.n, generator=gen)
+            sel = epoch == e
+            out_idx[sel] = self.perms[e][off[sel]]
+        return out_idx
+
+
+def _kl_and_grads(model, xs, final, A, c, scale, Wm, bufs):
+    """KL(final || lens) per (token, site) for streams ``xs`` [S, C, d] and final streams [C, d],
+    and its mean's gradients with respect to the translators ``A`` and ``c``."""
+    S, C, d = xs.shape
+    with torch.no_grad():
+        lp = torch.log_softmax(model.decode(final).float(), -1)  # the model's own final distribution
+        p = lp.exp()
+        neg_hp = (p * lp).sum(-1)
+    with torch.enable_grad():
+        h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
+        x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
+        kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if Wm is not None else _kl_generic(model, x, p, neg_hp, S)
+        gA, gc = torch.autograd.grad(kl.mean(), [A, c])
+    return kl.detach(), gA, gc
+
+
+def _adam(P, G, m, v, lr: float, t: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> None:
+    """One Adam update of ``P`` in place (moments ``m``, ``v``; ``t`` steps done, this one included)."""
+    m.mul_(b1).add_(G, alpha=1 - b1)
+    v.mul_(b2).addcmul_(G, G, value=1 - b2)
+    step_lr = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+    P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
+
+
+def _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done) -> TunedLens:
+    """The lens after ``step_done`` steps; with ``out``, written there with a resumable checkpoint."""
+    lens = _assemble(model, all_sites, train_sites, A, c, scale, info, {**settings, "steps_done": step_done, "loss": history})
+    if out is not None:
+        lens.save(out)
+        save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
+        write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
+    return lens
 
 
 def _assemble(model, all_sites, train_sites, A, c, scale, info, training) -> TunedLens:

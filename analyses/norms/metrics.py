@@ -153,38 +153,7 @@ def token_metrics(resid: torch.Tensor, reader: Reader) -> dict[str, torch.Tensor
     bi = torch.where(hh, torch.where(ab > 0, stable, direct), nan)
 
     # norm-aware effective write: ||g * c(u)|| / sigma(h_r) with h_r the stream the reader reads
-    valid = reader.valid.to(dev)
-    eff = eff_rel = torch.full_like(un, float("nan"))
-    if bool(valid.any()):
-        gain = reader.gain.to(dev, h.dtype)  # [S-1, D]
-        centre = reader.centre.to(dev)
-        r_idx = reader.stream_index.to(dev)
-        shifted = bool((r_idx != torch.arange(1, S, device=dev)).any())
-        cmask = centre[:, None, None, None].to(u.dtype)
-        if bool(centre.any()):
-            u.sub_(u.mean(-1, keepdim=True) * cmask)
-        u.mul_(gain[:, None, None, :])
-        gu = torch.linalg.vector_norm(u, dim=-1).to(f64)
-
-        def gain_norms(x, g, c, xn, out):  # ||g * centre(x)|| and mean(centre(x)^2), per token
-            if bool(c.any()):
-                torch.sub(x, x.mean(-1, keepdim=True) * c[:, None, None, None].to(x.dtype), out=out)
-                xn = torch.linalg.vector_norm(out, dim=-1).to(f64)
-                out.mul_(g[:, None, None, :])
-            else:
-                torch.mul(x, g[:, None, None, :], out=out)
-            return torch.linalg.vector_norm(out, dim=-1).to(f64), xn * xn / D
-
-        gh, ms = gain_norms(h[1:], gain, centre, hn[1:], u)  # reader reads h_s (sequential layouts)
-        if shifted:  # reader reads h_{s+1} (parallel attention): recompute those sites
-            gh2, ms2 = gain_norms(h[2:], gain[:-1], centre[:-1], hn[2:], u[:-1])
-            sh = (r_idx[:-1] == torch.arange(2, S, device=dev))[:, None, None]
-            gh = torch.cat([torch.where(sh, gh2, gh[:-1]), gh[-1:]], 0)
-            ms = torch.cat([torch.where(sh, ms2, ms[:-1]), ms[-1:]], 0)
-        sigma = torch.sqrt(ms + reader.eps.to(dev)[:, None, None])
-        v = valid[:, None, None]
-        eff = torch.where(v, gu / sigma, nan)
-        eff_rel = ratio(gu, gh, v & (gh > 0))
+    eff, eff_rel = _effective_write(h, u, hn, un, reader, ratio)
 
     # attention share per layer, on both sites of the layer
     ua, um = un[0::2], un[1::2]  # attn sites 1, 3, ..; mlp sites 2, 4, ..  -> [L, b, P]
@@ -241,3 +210,43 @@ def undefined_tokens(metrics: dict[str, torch.Tensor], reader: Reader) -> torch.
     if bool(reader.valid.any()):
         und[1:] |= torch.isnan(metrics["effective_relative"][1:]) & reader.valid.to(und.device)[:, None, None]
     return und
+
+
+def _effective_write(h: torch.Tensor, u: torch.Tensor, hn: torch.Tensor, un: torch.Tensor, reader: Reader, ratio):
+    """``effective_write`` and ``effective_relative`` [S-1, b, P]: the update ``u`` (overwritten:
+    scratch) as the norm that next reads it sees it, against the stream that norm reads."""
+    S, D, dev, f64 = h.shape[0], h.shape[-1], h.device, torch.float64
+    nan = torch.tensor(float("nan"), dtype=f64, device=dev)
+    valid = reader.valid.to(dev)
+    eff = eff_rel = torch.full_like(un, float("nan"))
+    if bool(valid.any()):
+        gain = reader.gain.to(dev, h.dtype)  # [S-1, D]
+        centre = reader.centre.to(dev)
+        r_idx = reader.stream_index.to(dev)
+        shifted = bool((r_idx != torch.arange(1, S, device=dev)).any())
+        cmask = centre[:, None, None, None].to(u.dtype)
+        if bool(centre.any()):
+            u.sub_(u.mean(-1, keepdim=True) * cmask)
+        u.mul_(gain[:, None, None, :])
+        gu = torch.linalg.vector_norm(u, dim=-1).to(f64)
+
+        def gain_norms(x, g, c, xn, out):  # ||g * centre(x)|| and mean(centre(x)^2), per token
+            if bool(c.any()):
+                torch.sub(x, x.mean(-1, keepdim=True) * c[:, None, None, None].to(x.dtype), out=out)
+                xn = torch.linalg.vector_norm(out, dim=-1).to(f64)
+                out.mul_(g[:, None, None, :])
+            else:
+                torch.mul(x, g[:, None, None, :], out=out)
+            return torch.linalg.vector_norm(out, dim=-1).to(f64), xn * xn / D
+
+        gh, ms = gain_norms(h[1:], gain, centre, hn[1:], u)  # reader reads h_s (sequential layouts)
+        if shifted:  # reader reads h_{s+1} (parallel attention): recompute those sites
+            gh2, ms2 = gain_norms(h[2:], gain[:-1], centre[:-1], hn[2:], u[:-1])
+            sh = (r_idx[:-1] == torch.arange(2, S, device=dev))[:, None, None]
+            gh = torch.cat([torch.where(sh, gh2, gh[:-1]), gh[-1:]], 0)
+            ms = torch.cat([torch.where(sh, ms2, ms[:-1]), ms[-1:]], 0)
+        sigma = torch.sqrt(ms + reader.eps.to(dev)[:, None, None])
+        v = valid[:, None, None]
+        eff = torch.where(v, gu / sigma, nan)
+        eff_rel = ratio(gu, gh, v & (gh > 0))
+    return eff, eff_rel
