@@ -113,7 +113,6 @@ def token_metrics(resid: torch.Tensor, reader: Reader) -> dict[str, torch.Tensor
     NaN and never divided.
     """
     h = resid if resid.dtype in (torch.float32, torch.float64) else resid.float()
-    S, D = h.shape[0], h.shape[-1]
     f64 = torch.float64
     dev = h.device
     hn = torch.linalg.vector_norm(h, dim=-1).to(f64)  # [S, b, P]
