@@ -6,14 +6,14 @@ A lens turns the stream at a site into next-token logits: it may first *translat
 (:func:`~depthscope.analyses.lens.logit_lens`, :func:`~depthscope.analyses.lens.logit_lens_tokens`)
 take any lens object; the default is the plain :class:`LogitLens`.
 
-=================  ==============================================================================
-:class:`Lens`      the interface: ``kind``, ``check(model)``, ``resolve_sites(model, sites)``,
-                   ``translate(xs, sites)``
-:class:`LogitLens`  no translation (nostalgebraist 2020)
-:class:`TunedLens`  an affine translator per site, saved as a folder (Belrose et al. 2023);
-                   trained by :func:`depthscope.analyses.tuned_lens.train_tuned_lens`
-``model_info``     what identifies the model a lens belongs to (fingerprint, name, weight digest)
-=================  ==============================================================================
+====================  ===========================================================================
+:class:`Lens`         the interface: ``kind``, ``check(model)``, ``resolve_sites(model, sites)``,
+                      ``translate(xs, sites)``, ``logits(model, xs, sites)``
+:class:`LogitLens`    no translation (nostalgebraist 2020)
+:class:`TunedLens`    an affine translator per site, saved as a folder (Belrose et al. 2023);
+                      trained by :func:`depthscope.analyses.tuned_lens.train_tuned_lens`
+:func:`model_info`    what identifies the model a lens belongs to (fingerprint, name, digest)
+====================  ===========================================================================
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ class Lens:
     def translate(self, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
         """Streams ``[len(sites), n, d]`` as this lens reads them before decoding."""
         raise NotImplementedError
+
+    def logits(self, model, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(sites), n, vocab]`` of streams ``xs`` ``[len(sites), n, d]``: translated,
+        then decoded by ``model.unembed`` (the same for every lens)."""
+        return model.unembed(self.translate(xs, sites))
 
 
 class LogitLens(Lens):

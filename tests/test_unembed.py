@@ -100,6 +100,11 @@ def test_logit_lens_and_identity_tuned_lens_give_the_same_table(tiny_llama):
     torch.testing.assert_close(torch.tensor(a[num].to_numpy(float)), torch.tensor(b[num].to_numpy(float)),
                                rtol=1e-6, atol=1e-6)
     assert logit_lens(tiny_llama, TEXTS).equals(a)  # the default lens is the logit lens
+    rs = tiny_llama.residual_stream(TEXTS[:1])
+    with torch.no_grad():
+        z = LogitLens().logits(tiny_llama, rs.resid, rs.sites)
+        assert torch.equal(z, tiny_llama.decode(rs.resid))
+        torch.testing.assert_close(TunedLens.identity(tiny_llama).logits(tiny_llama, rs.resid[:, 0], rs.sites), z[:, 0])
 
 
 def test_one_digest_function(tiny_factory):
