@@ -146,7 +146,9 @@ class TunedLens(Lens):
         try:
             idx = torch.tensor([self._pos[int(s)] for s in sites], dtype=torch.long)
         except KeyError as e:
-            raise InputError(f"the tuned lens has no translator for site {e.args[0]}; it covers {self.site_labels}") from None
+            raise InputError(
+                f"the tuned lens has no translator for site {e.args[0]}; it covers {self.site_labels}"
+            ) from None
         A = self.weight[idx].to(device=xs.device, dtype=xs.dtype)
         b = self.bias[idx].to(device=xs.device, dtype=xs.dtype)
         return torch.baddbmm(xs + b.unsqueeze(1), xs, A)

@@ -58,7 +58,8 @@ class NormParams:
         b = getattr(norm, "bias", None)
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-5
         kind = "rms" if "rms" in type(norm).__name__.lower() else "layer"
-        gain = torch.ones(d_model, dtype=torch.float64) if w is None else w.detach().to("cpu", torch.float64).reshape(-1)
+        f64 = torch.float64
+        gain = torch.ones(d_model, dtype=f64) if w is None else w.detach().to("cpu", f64).reshape(-1)
         bias = None if b is None else b.detach().to("cpu", torch.float64).reshape(-1)
         return cls(kind, gain, bias, float(eps))
 

@@ -24,8 +24,9 @@ def _print_summary(model, summary: dict) -> None:
     t.add_row("first-position / rest stream norm",
               f"{summary['sink_ratio']:.1f} (median over blocks; max {summary['sink_ratio_max']:.1f})")
     if "massive_site" in summary:
-        t.add_row("largest |h|", f"{summary['massive_value']:.0f} at {summary['massive_site']}, dim {summary['massive_dim']} "
-                  f"({summary['massive_positions']} position; {summary['massive_over_median']:.0f}x median)")
+        t.add_row("largest |h|", f"{summary['massive_value']:.0f} at {summary['massive_site']}, "
+                  f"dim {summary['massive_dim']} ({summary['massive_positions']} position; "
+                  f"{summary['massive_over_median']:.0f}x median)")
     if "dla_top" in summary:
         top = ", ".join(f"{lab} {v:+.2f}" for lab, v in summary["dla_top"][:3])
         t.add_row(f"DLA logit[{summary['dla_target']!r}]", f"{summary['dla_logit']:.2f}; top: {top}")
@@ -38,17 +39,37 @@ def _print_summary(model, summary: dict) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("norms")
     def norms(
-        text: Path = typer.Option(..., "--text", "-t", help="Plain-text file: one document per non-blank line (see --whole-file)."),
+        text: Path = typer.Option(
+            ..., "--text", "-t", help="Plain-text file: one document per non-blank line (see --whole-file).",
+        ),
         model: Optional[str] = ModelOpt,
         out: Path = OutOpt,
-        prompt: str = typer.Option(_N.prompt, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars."),
-        target: Optional[str] = typer.Option(_N.target, "--target", help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the model's top prediction."),
-        contrast: Optional[str] = typer.Option(_N.contrast, "--contrast", help="Optional contrast token: attribute logit[target] - logit[contrast]."),
-        max_tokens: Optional[int] = typer.Option(_N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text."),
+        prompt: str = typer.Option(
+            _N.prompt, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars.",
+        ),
+        target: Optional[str] = typer.Option(
+            _N.target, "--target",
+            help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
+            "model's top prediction.",
+        ),
+        contrast: Optional[str] = typer.Option(
+            _N.contrast, "--contrast", help="Optional contrast token: attribute logit[target] - logit[contrast].",
+        ),
+        max_tokens: Optional[int] = typer.Option(
+            _N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text.",
+        ),
         batch_size: int = typer.Option(_N.batch_size, "--batch-size", help="Sequences per forward pass."),
-        window: Optional[int] = typer.Option(_N.window, "--window", help="Split documents into windows of at most this many tokens (default min(context, 512))."),
-        whole_file: bool = typer.Option(False, "--whole-file", help="Read the file as one document instead of one per line."),
-        heads: bool = typer.Option(_N.heads, "--heads", help="Also per-head attention write norms over the text (head_writes table and plot; one more pass)."),
+        window: Optional[int] = typer.Option(
+            _N.window, "--window",
+            help="Split documents into windows of at most this many tokens (default min(context, 512)).",
+        ),
+        whole_file: bool = typer.Option(
+            False, "--whole-file", help="Read the file as one document instead of one per line.",
+        ),
+        heads: bool = typer.Option(
+            _N.heads, "--heads",
+            help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
+        ),
     ):
         """How much each sublayer writes into the residual stream, relative to it.
 

@@ -12,7 +12,15 @@ from depthscope.hooks.errors import InputError
 from depthscope.hooks.sites import site_frame
 
 from .metrics import NORM_METRICS, POSITION_GROUPS, chunked_metrics, readers, undefined_tokens
-from .streaming import Inputs, check_has_blocks, check_norms_finite, norm_batches, norm_sample, stream_batch, table_attrs
+from .streaming import (
+    Inputs,
+    check_has_blocks,
+    check_norms_finite,
+    norm_batches,
+    norm_sample,
+    stream_batch,
+    table_attrs,
+)
 
 
 def contribution_norms(

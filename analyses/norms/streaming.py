@@ -57,7 +57,9 @@ def _limited(batches: Iterable[TokenBatch], max_tokens: Optional[int]) -> Iterab
             if k > 0:
                 keep_rows = i + 1
         width = int(mask[:keep_rows].sum(1).max())
-        yield TokenBatch(b.ids[:keep_rows, :width], mask[:keep_rows, :width], b.doc_index[:keep_rows], b.window_index[:keep_rows])
+        yield TokenBatch(
+            b.ids[:keep_rows, :width], mask[:keep_rows, :width], b.doc_index[:keep_rows], b.window_index[:keep_rows]
+        )
         return
 
 
