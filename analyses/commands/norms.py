@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
             "model's top prediction.",
         ),
         contrast: Optional[str] = typer.Option(
-            _N.contrast, "--contrast", help="Optional contrast token: attribute logit[target] - logit[contrast].",
+            _N.contrast, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast].",
         ),
         max_tokens: Optional[int] = typer.Option(
             _N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text.",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
+    import pandas as pd
 
 
 class Output:
