@@ -454,7 +454,6 @@ def logit_lens_tokens(
             return torch.full_like(targets, fixed)
         return torch.where(targets >= 0, targets, final_top)
 
-    tok = model.tokenizer
     frames = []
     sf = site_frame(sites, model.n_layers)
     for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
@@ -462,44 +461,51 @@ def logit_lens_tokens(
         max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
         topk=k, target_fn=target_fn, max_tokens=max_tokens,
     ):
-        c = len(bi)
-        rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
-        ids = rs.input_ids[bi, ti].cpu()
-        part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
-        part["lens"] = lens.kind
-        part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
-        part["window"] = rep([batch.window_index[int(b)] for b in bi])
-        part["position"] = rep(ti.cpu().numpy())
-        part["token_id"] = rep(ids.numpy())
-        part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
-        part["next_id"] = rep(targets.cpu().numpy())
-        part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
-        ft = met["final_top1_id"].cpu()
-        part["final_top1_id"] = rep(ft.numpy())
-        part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
-        if fixed is not None:
-            kinds = ["fixed"] * c
-        else:
-            kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
-        part["target_kind"] = rep(kinds)
-        part["target_id"] = rep(chosen.cpu().numpy())
-        part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
-        lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
-        part["target_logprob"] = lp
-        part["target_prob"] = np.exp(lp)
-        part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
-        part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
-        part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
-        part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
-        top_ids = met["topk_id"].reshape(-1, k).cpu()
-        top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
-        vocab_cache: dict[int, str] = {}
-        for i in range(k):
-            col = top_ids[:, i].tolist()
-            part[f"top{i + 1}_id"] = col
-            part[f"top{i + 1}_token"] = [vocab_cache.setdefault(t, _decode_token(tok, t)) for t in col]
-            part[f"top{i + 1}_prob"] = top_p[:, i]
-        frames.append(part)
+        frames.append(_token_rows(model, lens, sf, k, fixed is not None, batch, rs, bi, ti, targets, chosen, met))
     if not frames:
         raise InputError("no positions to decode")
     return pd.concat(frames, ignore_index=True)
+
+
+def _token_rows(model, lens, sf, k: int, fixed: bool, batch, rs, bi, ti, targets, chosen, met) -> pd.DataFrame:
+    """One chunk's rows of :func:`logit_lens_tokens`: (position, site) pairs, position-major.
+    (Many parameters: the chunk as :func:`_iter_chunks` yields it.)"""
+    S, tok = len(sf), model.tokenizer
+    c = len(bi)
+    rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
+    ids = rs.input_ids[bi, ti].cpu()
+    part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
+    part["lens"] = lens.kind
+    part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
+    part["window"] = rep([batch.window_index[int(b)] for b in bi])
+    part["position"] = rep(ti.cpu().numpy())
+    part["token_id"] = rep(ids.numpy())
+    part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
+    part["next_id"] = rep(targets.cpu().numpy())
+    part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
+    ft = met["final_top1_id"].cpu()
+    part["final_top1_id"] = rep(ft.numpy())
+    part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
+    if fixed:
+        kinds = ["fixed"] * c
+    else:
+        kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
+    part["target_kind"] = rep(kinds)
+    part["target_id"] = rep(chosen.cpu().numpy())
+    part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
+    lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
+    part["target_logprob"] = lp
+    part["target_prob"] = np.exp(lp)
+    part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
+    part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
+    part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
+    part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
+    top_ids = met["topk_id"].reshape(-1, k).cpu()
+    top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
+    vocab_cache: dict[int, str] = {}
+    for i in range(k):
+        col = top_ids[:, i].tolist()
+        part[f"top{i + 1}_id"] = col
+        part[f"top{i + 1}_token"] = [vocab_cache.setdefault(t, _decode_token(tok, t)) for t in col]
+        part[f"top{i + 1}_prob"] = top_p[:, i]
+    return part

@@ -36,69 +36,71 @@ def _print_summary(model, summary: dict) -> None:
     Console().print(t)
 
 
+def norms(
+    text: Path = typer.Option(
+        ..., "--text", "-t", help="Plain-text file: one document per non-blank line (see --whole-file).",
+    ),
+    model: Optional[str] = ModelOpt,
+    out: Path = OutOpt,
+    prompt: str = typer.Option(
+        _N.prompt, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars.",
+    ),
+    target: Optional[str] = typer.Option(
+        _N.target, "--target",
+        help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
+        "model's top prediction.",
+    ),
+    contrast: Optional[str] = typer.Option(
+        _N.contrast, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast].",
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        _N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text.",
+    ),
+    batch_size: int = typer.Option(_N.batch_size, "--batch-size", help="Sequences per forward pass."),
+    window: Optional[int] = typer.Option(
+        _N.window, "--window",
+        help="Split documents into windows of at most this many tokens (default min(context, 512)).",
+    ),
+    whole_file: bool = typer.Option(
+        False, "--whole-file", help="Read the file as one document instead of one per line.",
+    ),
+    heads: bool = typer.Option(
+        _N.heads, "--heads",
+        help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
+    ),
+):
+    """How much each sublayer writes into the residual stream, relative to it.
+
+    Streams TEXT through the model and writes to OUT: norms_by_site (one row per site and
+    position group 'rest'/'first'), norms_by_position (the PROMPT, per token), dla (direct
+    logit attribution of TARGET after PROMPT) as Parquet and CSV, norms_summary.json, and the
+    plots norms_stream_growth, norms_update_norms, norms_relative_update,
+    norms_position_heatmap, norms_dla (with --heads also the head_writes table and
+    norms_head_writes).
+    """
+    from rich.console import Console
+
+    from depthscope.analyses.jobs import Output
+    from depthscope.analyses.jobs.norms import norms_job
+    from depthscope.analyses.text import read_documents
+    from depthscope.hooks.errors import InputError
+
+    from .common import load
+
+    console = Console(stderr=True)
+    docs = read_documents(text, per_line=not whole_file)
+    if not prompt:
+        raise InputError("--prompt is empty")
+    m = load(model)
+    console.print(repr(m))
+    if not m.unembed.decodes_stream:
+        console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
+    cfg = NormsConfig(prompt=prompt, target=target, contrast=contrast, max_tokens=max_tokens, batch_size=batch_size,
+                      window=window, heads=heads, progress=True, source=str(text))
+    res = norms_job(m, docs, cfg, Output(out))
+    _print_summary(m, res.summary)
+    console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {out}")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("norms")
-    def norms(
-        text: Path = typer.Option(
-            ..., "--text", "-t", help="Plain-text file: one document per non-blank line (see --whole-file).",
-        ),
-        model: Optional[str] = ModelOpt,
-        out: Path = OutOpt,
-        prompt: str = typer.Option(
-            _N.prompt, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars.",
-        ),
-        target: Optional[str] = typer.Option(
-            _N.target, "--target",
-            help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
-            "model's top prediction.",
-        ),
-        contrast: Optional[str] = typer.Option(
-            _N.contrast, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast].",
-        ),
-        max_tokens: Optional[int] = typer.Option(
-            _N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text.",
-        ),
-        batch_size: int = typer.Option(_N.batch_size, "--batch-size", help="Sequences per forward pass."),
-        window: Optional[int] = typer.Option(
-            _N.window, "--window",
-            help="Split documents into windows of at most this many tokens (default min(context, 512)).",
-        ),
-        whole_file: bool = typer.Option(
-            False, "--whole-file", help="Read the file as one document instead of one per line.",
-        ),
-        heads: bool = typer.Option(
-            _N.heads, "--heads",
-            help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
-        ),
-    ):
-        """How much each sublayer writes into the residual stream, relative to it.
-
-        Streams TEXT through the model and writes to OUT: norms_by_site (one row per site and
-        position group 'rest'/'first'), norms_by_position (the PROMPT, per token), dla (direct
-        logit attribution of TARGET after PROMPT) as Parquet and CSV, norms_summary.json, and the
-        plots norms_stream_growth, norms_update_norms, norms_relative_update,
-        norms_position_heatmap, norms_dla (with --heads also the head_writes table and
-        norms_head_writes).
-        """
-        from rich.console import Console
-
-        from depthscope.analyses.jobs import Output
-        from depthscope.analyses.jobs.norms import norms_job
-        from depthscope.analyses.text import read_documents
-        from depthscope.hooks.errors import InputError
-
-        from .common import load
-
-        console = Console(stderr=True)
-        docs = read_documents(text, per_line=not whole_file)
-        if not prompt:
-            raise InputError("--prompt is empty")
-        m = load(model)
-        console.print(repr(m))
-        if not m.unembed.decodes_stream:
-            console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
-        cfg = NormsConfig(prompt=prompt, target=target, contrast=contrast, max_tokens=max_tokens, batch_size=batch_size,
-                          window=window, heads=heads, progress=True, source=str(text))
-        res = norms_job(m, docs, cfg, Output(out))
-        _print_summary(m, res.summary)
-        console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {out}")
+    app.command("norms")(norms)
