@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from depthscope.hooks.digest import model_digest
+from depthscope.hooks.digest import ALGORITHM, model_digest
 from depthscope.hooks.errors import CheckpointError, InputError
 from depthscope.hooks.files import atomic_text, atomic_write
 from depthscope.hooks.sites import parse_sites, site_labels
@@ -46,6 +46,7 @@ def model_info(model) -> dict:
     info = dict(model.fingerprint())
     info["name"] = model.name
     info["digest"] = model_digest(model)
+    info["digest_algorithm"] = ALGORITHM
     return info
 
 
@@ -171,7 +172,11 @@ class TunedLens(Lens):
         keys = ["family", "model_type", "n_layers", "d_model", "vocab_size", "tokenizer", "tokenizer_vocab"]
         diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
         if strict and not diff and mine.get("digest") != theirs.get("digest"):
-            diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
+            if mine.get("digest_algorithm") != ALGORITHM:
+                diff.append("weights: the lens records a weight digest of an older depthscope, which cannot be "
+                            "compared; load it with strict=False if it is this model's")
+            else:
+                diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
         if diff:
             raise LensMismatchError(
                 f"this tuned lens was trained for {mine.get('name')!r}, not for {theirs.get('name')!r} "

@@ -23,6 +23,8 @@ import torch
 
 #: values sampled per tensor (a stride over its flattened values)
 SAMPLE = 2048
+#: names this algorithm in files that store a digest (another algorithm's digests never match)
+ALGORITHM = "sha256-strided-2048"
 
 
 def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], extra: Optional[dict] = None) -> str:

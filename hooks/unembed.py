@@ -4,18 +4,19 @@
 logit post-processing the architecture has (logit scale, soft-capping), or an encoder's MLM
 head. Every analysis that turns a stream into logits goes through it.
 
-==============================  ===============================================================
-``unembed(h)``                  logits of streams ``[..., d_model]`` (final norm, unembedding,
-                                post-processing); ``model.decode(h)`` is the same call
-``unembed.norm(h)``             the model's own final norm
-``unembed.project(x)``          unembedding + post-processing of an already normed stream
-``unembed.project_into(x, out)``  the same written into a reused ``[rows, vocab]`` buffer
-``unembed.check()``             refuse a model whose output is not final norm -> unembedding
-``unembed.frozen(h_ref)``       :class:`FrozenUnembed`: the final norm's scale frozen at a
-                                reference stream, so decoding is linear (attribution)
-``unembed.digest()``            weight digest of the final norm and unembedding
-:class:`NormParams`             a norm module read as gain, bias, eps and kind (RMS / Layer)
-==============================  ===============================================================
+==================================  =============================================================
+``unembed(h)``                      logits of streams ``[..., d_model]`` (final norm,
+                                    unembedding, post-processing); ``model.decode(h)`` is the
+                                    same call
+``unembed.norm(h)``                 the model's own final norm
+``unembed.project(x)``              unembedding + post-processing of an already normed stream
+``unembed.project_into(x, out)``    the same written into a reused ``[rows, vocab]`` buffer
+``unembed.check()``                 refuse a model whose output is not final norm -> unembedding
+``unembed.frozen(h_ref)``           :class:`FrozenUnembed`: the final norm's scale frozen at a
+                                    reference stream, so decoding is linear (attribution)
+``unembed.digest()``                weight digest of the final norm and unembedding
+:class:`NormParams`                 a norm module read as gain, bias, eps and kind (RMS / Layer)
+==================================  =============================================================
 
 Precision (a fixed rule, never a measurement): logits are computed in the weights' dtype and
 written into a float32 buffer by :meth:`Unembed.project_into`; nothing switches to a lower

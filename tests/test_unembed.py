@@ -121,3 +121,18 @@ def test_one_digest_function(tiny_factory):
     with torch.no_grad():
         a.arch.final_norm.weight[0] += 1.0  # the first value is always in the sample
     assert a.unembed.digest() != before
+
+
+def test_lens_with_an_older_digest_is_refused_clearly(tiny_llama, tmp_path):
+    import json
+
+    from depthscope.analyses.lenses import LensMismatchError
+
+    folder = TunedLens.identity(tiny_llama).save(tmp_path / "lens")
+    meta = json.loads((folder / "tuned_lens.json").read_text())
+    meta["model"]["digest"] = "0123456789abcdef"  # another algorithm's value
+    del meta["model"]["digest_algorithm"]
+    (folder / "tuned_lens.json").write_text(json.dumps(meta))
+    with pytest.raises(LensMismatchError, match="older depthscope"):
+        TunedLens.load(folder, tiny_llama)
+    TunedLens.load(folder, tiny_llama, strict=False)
