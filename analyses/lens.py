@@ -446,7 +446,6 @@ def logit_lens_tokens(
         raise InputError("k must be at least 1")
     k = min(int(k), model.vocab_size)
     sites = lens.resolve_sites(model, sites)
-    S = len(sites)
     fixed = None if target is None else _single_token(model, target)
 
     def target_fn(targets, final_top):

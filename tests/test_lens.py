@@ -5,7 +5,6 @@ input is refused clearly."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
