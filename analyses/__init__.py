@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    # logit lens (analyses/lens.py, analyses/tuned_lens.py)
+    # logit lens (analyses/lens.py, analyses/lenses.py, analyses/tuned_lens.py)
     "logit_lens": "lens",
     "logit_lens_tokens": "lens",
-    "TunedLens": "tuned_lens",
+    "LogitLens": "lenses",
+    "TunedLens": "lenses",
     "train_tuned_lens": "tuned_lens",
-    # contribution norms (analyses/norms.py)
+    # contribution norms (analyses/norms/)
     "contribution_norms": "norms",
     "direct_logit_attribution": "norms",
     "norms_by_position": "norms",

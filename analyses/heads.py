@@ -13,9 +13,9 @@ An attention sublayer's write is a sum over heads: ``u_attn = sum_h W_O^h z_h + 
   weight"), which discounts attention paid to tokens that carry little (e.g. a sink with a tiny
   value vector).
 
-Both read the input of the attention's output projection (``o_proj`` / ``c_proj`` / ``dense``)
-with plain forward hooks, and use ``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram
-matrices, so the per-head writes never materialise ``[tokens, heads, d_model]``. Every call checks
+Both read the input of the attention's output projection (located, with the head counts and
+value layouts, by :mod:`depthscope.hooks.arch`) with plain forward hooks, and use
+``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram matrices, so the per-head writes never materialise ``[tokens, heads, d_model]``. Every call checks
 that the heads sum (with the output bias) to the attention module's own output. Value vectors
 (needed only by :func:`norm_weighted_attention`) are read for Llama-style (``v_proj``), GPT-2
 (``c_attn``) and GPT-NeoX (``query_key_value``) attention; other layouts are refused. Post-norm
@@ -31,20 +31,20 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
+from depthscope.hooks.arch import eager_attention, linear_weight, value_hook
 from depthscope.hooks.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
 
-from .norms import POSITION_GROUPS, _batches
+from .norms.metrics import POSITION_GROUPS
+from .norms.streaming import norm_batches
 
 __all__ = ["head_write_norms", "norm_weighted_attention"]
 
-_OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
-
-
 @dataclass
-class _HeadSpec:
+class _HeadWeights:
+    """Per layer, the output projection's matrix split by head (what the per-head norms need)."""
+
     out_proj: list  # per layer: the output projection module
     W: list  # per layer: [D, H*dh] float32 (x -> x @ W.T is the projection without bias)
     bias: list  # per layer: [D] or None
@@ -53,44 +53,25 @@ class _HeadSpec:
     head_dim: int
 
 
-def _n_heads(model) -> int:
-    cfg = model.hf_model.config
-    for key in ("num_attention_heads", "n_head", "num_heads"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    raise UnsupportedArchitecture(f"{model.name}: cannot find the number of attention heads in its config")
-
-
-def _weight(proj) -> torch.Tensor:
-    """[out, in] matrix of a Linear or a GPT-2 Conv1D (whose weight is [in, out])."""
-    w = proj.weight.detach()
-    if type(proj).__name__ == "Conv1D":
-        w = w.T
-    return w
-
-
-def _spec(model) -> _HeadSpec:
-    if model.arch.layout == "post_norm":
+def _head_weights(model) -> _HeadWeights:
+    """Read every layer's output projection (located by :mod:`depthscope.hooks.arch`)."""
+    arch = model.arch
+    if arch.layout == "post_norm":
         raise UnsupportedArchitecture(
             f"{model.name} is a post-norm encoder: each attention output passes a LayerNorm before it "
             f"joins the stream, so per-head writes into the stream are not defined"
         )
-    H = _n_heads(model)
+    H = arch.n_heads
+    if not H:
+        raise UnsupportedArchitecture(f"{model.name}: cannot find the number of attention heads in its config")
     projs, Ws, biases, grams = [], [], [], []
-    for layer, attn in enumerate(model.arch.attn):
-        proj = None
-        for name in _OUT_PROJ:
-            m = getattr(attn, name, None)
-            if isinstance(m, nn.Module) and hasattr(m, "weight"):
-                proj = m
-                break
+    for layer, proj in enumerate(arch.attn_out):
         if proj is None:
             raise UnsupportedArchitecture(
-                f"{model.name}: attention of layer {layer} ({type(attn).__name__}) has no output projection "
-                f"named {_OUT_PROJ}; per-head writes need it"
+                f"{model.name}: attention of layer {layer} ({type(arch.attn[layer]).__name__}) has no output "
+                f"projection known to depthscope.hooks.arch; per-head writes need it"
             )
-        W = _weight(proj).float()
+        W = linear_weight(proj).float()
         if W.shape[0] != model.d_model or W.shape[1] % H:
             raise UnsupportedArchitecture(f"{model.name}: output projection of layer {layer} has shape {tuple(W.shape)}")
         dh = W.shape[1] // H
@@ -100,7 +81,7 @@ def _spec(model) -> _HeadSpec:
         Ws.append(W)
         b = getattr(proj, "bias", None)
         biases.append(None if b is None else b.detach().float())
-    return _HeadSpec(projs, Ws, biases, grams, H, Ws[0].shape[1] // H)
+    return _HeadWeights(projs, Ws, biases, grams, H, Ws[0].shape[1] // H)
 
 
 def _head_norms(z: torch.Tensor, gram: torch.Tensor, H: int) -> torch.Tensor:
@@ -111,7 +92,7 @@ def _head_norms(z: torch.Tensor, gram: torch.Tensor, H: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _capture_out_proj_inputs(spec: _HeadSpec, store: dict):
+def _capture_out_proj_inputs(spec: _HeadWeights, store: dict):
     handles = []
     try:
         for layer, proj in enumerate(spec.out_proj):
@@ -129,7 +110,7 @@ def _capture_out_proj_inputs(spec: _HeadSpec, store: dict):
             h.remove()
 
 
-def _check_heads_sum(spec: _HeadSpec, layer: int, z: torch.Tensor, out: torch.Tensor) -> None:
+def _check_heads_sum(spec: _HeadWeights, layer: int, z: torch.Tensor, out: torch.Tensor) -> None:
     recon = z.float() @ spec.W[layer].to(z.device).T
     if spec.bias[layer] is not None:
         recon = recon + spec.bias[layer].to(z.device)
@@ -162,13 +143,13 @@ def head_write_norms(
     * ``heads_coherence``: ``||sum_h W_O^h z_h|| / sum_h ||W_O^h z_h||`` (1: heads write in one
       direction; small: they cancel), same on all heads of a layer.
     """
-    spec = _spec(model)
+    spec = _head_weights(model)
     L, H, S = model.n_layers, spec.n_heads, model.n_sites
     G = len(POSITION_GROUPS)
     sums = {k: torch.zeros(L, H, G, dtype=torch.float64) for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")}
     n_tok = torch.zeros(G, dtype=torch.float64)
     checked = False
-    for batch in _batches(model, inputs, batch_size, window, max_tokens, mask):
+    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
         store: dict = {}
         with _capture_out_proj_inputs(spec, store):
             model.residual_stream(batch.ids, mask=batch.mask, sites=[S - 1], return_logits=False)
@@ -210,53 +191,6 @@ def head_write_norms(
 
 
 # ----------------------------------------------------------------------------- Kobayashi
-def _value_hook(model, layer: int, attn: nn.Module, H: int, store: dict):
-    """Register a hook that stores the value vectors [B, P, H, dh] of ``layer`` (per query head)."""
-    fam = model.arch.family
-    if hasattr(attn, "v_proj"):
-        cfg = model.hf_model.config
-        n_kv = getattr(cfg, "num_key_value_heads", None) or H
-
-        def hook(mod, args, out):
-            v = out.reshape(*out.shape[:-1], n_kv, -1)
-            store[layer] = v.repeat_interleave(H // n_kv, dim=-2)
-
-        return attn.v_proj.register_forward_hook(hook)
-    if hasattr(attn, "c_attn") and fam == "gpt2":
-        def hook(mod, args, out):
-            d = out.shape[-1] // 3
-            store[layer] = out[..., 2 * d :].reshape(*out.shape[:-1], H, -1)
-
-        return attn.c_attn.register_forward_hook(hook)
-    if hasattr(attn, "query_key_value") and fam == "gpt_neox":
-        def hook(mod, args, out):
-            qkv = out.reshape(*out.shape[:-1], H, -1)
-            store[layer] = qkv[..., 2 * qkv.shape[-1] // 3 :]
-
-        return attn.query_key_value.register_forward_hook(hook)
-    raise UnsupportedArchitecture(
-        f"{model.name}: norm-weighted attention needs the value vectors; supported: Llama-style v_proj, "
-        f"GPT-2 c_attn, GPT-NeoX query_key_value (got {type(attn).__name__})"
-    )
-
-
-@contextlib.contextmanager
-def _eager_attention(hf_model):
-    """Temporarily compute attention explicitly so its weights are returned."""
-    cfg = hf_model.config
-    old = getattr(cfg, "_attn_implementation", None)
-    if old == "eager":
-        yield
-        return
-    if not hasattr(hf_model, "set_attn_implementation"):
-        raise UnsupportedArchitecture("this transformers model cannot switch to eager attention")
-    hf_model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        hf_model.set_attn_implementation(old)
-
-
 def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]] = None) -> pd.DataFrame:
     """Attention weights and norm-weighted attention of every head for one text.
 
@@ -268,7 +202,7 @@ def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]]
     """
     if not isinstance(text, str) or not text:
         raise InputError("norm_weighted_attention takes one non-empty text")
-    spec = _spec(model)
+    spec = _head_weights(model)
     H, L = spec.n_heads, model.n_layers
     layers = list(range(L)) if layers is None else [int(l) for l in layers]
     if any(not 0 <= l < L for l in layers):
@@ -282,10 +216,10 @@ def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]]
     try:
         for l in layers:
             attn = model.arch.attn[l]
-            handles.append(_value_hook(model, l, attn, H, values))
+            handles.append(value_hook(model.arch, l, values, name=str(model.name)))
             handles.append(attn.register_forward_hook(
                 lambda mod, args, out, l=l: weights.__setitem__(l, out[1] if isinstance(out, tuple) and len(out) > 1 else None)))
-        with _eager_attention(model.hf_model), _capture_out_proj_inputs(spec, store), torch.no_grad():
+        with eager_attention(model.hf_model), _capture_out_proj_inputs(spec, store), torch.no_grad():
             model.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
     finally:
         for h in handles:

@@ -41,7 +41,6 @@ attention sink with outsized norms. Pass ``first_position=False`` to exclude it 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
@@ -49,12 +48,16 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
-from depthscope.hooks.errors import InputError, UnsupportedArchitecture
-from depthscope.hooks.sites import parse_sites, site_frame
+from depthscope.hooks.errors import InputError
+from depthscope.hooks.sites import site_frame
 
-__all__ = ["logit_lens", "logit_lens_tokens", "check_decodable", "lens_batches", "DEFAULT_BUFFER_MB"]
+from .lenses import Lens, LogitLens
+
+__all__ = ["logit_lens", "logit_lens_tokens", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
+
+#: the default lens of every analysis (stateless, shared)
+LOGIT_LENS = LogitLens()
 
 #: memory for the two reused float32 ``[rows, vocab]`` decode buffers when ``token_chunk`` is not
 #: given: rows = 400 MB / (2 x 4 B x vocab), i.e. ~1000 rows (16 tokens x 61 sites) for SmolLM2's
@@ -64,25 +67,6 @@ DEFAULT_BUFFER_MB = 400
 
 METRICS = ["kl_to_final", "cross_entropy", "entropy", "top1_agreement", "top1_accuracy", "target_rank", "target_log_rank"]
 _ALL_POSITIONS = {"kl_to_final", "entropy", "top1_agreement"}  # the others need a next token
-
-
-# ----------------------------------------------------------------------------- checks
-def check_decodable(model) -> None:
-    """Refuse a model whose output is not ``final norm -> unembedding`` (the logit lens needs it)."""
-    arch = model.arch
-    cls = type(model.hf_model).__name__
-    if not getattr(model, "is_decoder", True) or arch.head is not None:
-        raise UnsupportedArchitecture(
-            f"{model.name} ({cls}) is a {arch.layout} encoder: its output is not final norm -> "
-            f"unembedding (an MLM head, or no head at all), and it has no next-token distribution, "
-            f"so the logit lens does not apply. Use a decoder (Llama, GPT-2, GPT-NeoX, ...)."
-        )
-    if arch.unembed is None or arch.final_norm is None:
-        missing = "unembedding (LM head)" if arch.unembed is None else "final norm"
-        raise UnsupportedArchitecture(
-            f"{model.name} ({cls}) has no {missing}: its output is not final norm -> unembedding, so "
-            f"the logit lens does not apply. Load the model with its LM head (e.g. *ForCausalLM)."
-        )
 
 
 # ----------------------------------------------------------------------------- batching
@@ -161,31 +145,24 @@ def _grouped_token_batches(model, inputs, *, batch_size, window, mask):
 
 
 # ----------------------------------------------------------------------------- decoding
-def _unembed_into(model, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``model.unembed(x)`` written into ``out`` (no fresh [rows, vocab] allocation).
+def _normalise(Z: torch.Tensor, B: torch.Tensor, zmax: torch.Tensor) -> None:
+    """Logits ``Z`` -> probabilities in ``Z`` and log-probabilities in ``B`` (both in place).
 
-    Mirrors ``HookedModel.unembed``: linear map (+ bias), then logit scale, then soft-capping.
-    """
-    arch = model.arch
-    lin = arch.unembed
-    if isinstance(lin, nn.Linear) and lin.weight.dtype == out.dtype and x.dtype == out.dtype:
-        if lin.bias is not None:
-            torch.addmm(lin.bias, x, lin.weight.t(), out=out)
-        else:
-            torch.mm(x, lin.weight.t(), out=out)
-        if arch.logit_scale is not None:
-            out.mul_(arch.logit_scale)
-        if arch.softcap:
-            c = float(arch.softcap)
-            out.div_(c).tanh_().mul_(c)
-    else:  # a half-precision model or an unusual head module: let the model compute it, then copy
-        out.copy_(model.unembed(x))
-    return out
+    The normaliser is summed with torch's pairwise (cascade) sum, accurate to ~1e-7 relative
+    in float32; softmax / log_softmax kernels accumulate it sequentially on the CPU, which over a
+    49k vocabulary errs by ~3e-5 (probabilities summing to 1 +- 3e-5, entropies off by 1e-5
+    relative). One exp pass serves both outputs."""
+    torch.sub(Z, zmax, out=B)
+    torch.exp(B, out=Z)
+    s = Z.sum(-1, keepdim=True)
+    B.sub_(s.log())
+    Z.div_(s)
 
 
 class _Decoder:
-    """Decodes chunks of ``[tokens, sites, d]`` streams into per-row metrics, reusing two
-    ``[rows, vocab]`` buffers for every chunk."""
+    """Decodes chunks of ``[tokens, sites, d]`` streams into per-row metrics through the model's
+    :class:`~depthscope.hooks.unembed.Unembed`, reusing two float32 ``[rows, vocab]`` buffers for
+    every chunk (float32 always: the last site must reproduce the model's own numbers)."""
 
     def __init__(self, model, max_rows: int):
         self.model = model
@@ -205,10 +182,11 @@ class _Decoder:
     def final(self, logits: torch.Tensor):
         """Per-token reference: log-probs, probs, sum p log p, argmax of the model's own logits."""
         logits = logits.float()
-        lp = torch.log_softmax(logits, -1)
-        p = lp.exp()
+        top = logits.argmax(-1)
+        p, lp = logits.clone(), torch.empty_like(logits)
+        _normalise(p, lp, logits.amax(-1, keepdim=True))  # as the lens's own rows (errors cancel in KL)
         neg_h = (p * lp).sum(-1)  # sum_v p log p
-        return p, neg_h, logits.argmax(-1)
+        return p, neg_h, top
 
     def run(self, xs: torch.Tensor, p: torch.Tensor, neg_hp: torch.Tensor, final_top: torch.Tensor,
             targets: torch.Tensor, *, topk: int = 0) -> dict:
@@ -218,27 +196,25 @@ class _Decoder:
         R, V = C * S, self.V
         self._ensure(R)
         Z, B = self.Z[:R], self.B[:R]
-        x = model.final_norm(xs.reshape(R, d))
-        _unembed_into(model, x, Z)
+        unembed = model.unembed
+        unembed.project_into(unembed.norm(xs.reshape(R, d)), Z)
         tgt = targets.repeat_interleave(S).unsqueeze(1)  # [R, 1]
         out = {}
         # agreement: the final top-1 token holds the lens's largest logit (amax is a cheap
         # vectorised pass; argmax is not, and the aggregate needs no lens token id)
         z_final_top = Z.gather(1, final_top.repeat_interleave(S).unsqueeze(1)).view(C, S)
-        out["top1_agreement"] = z_final_top >= Z.amax(-1).view(C, S)
+        zmax = Z.amax(-1, keepdim=True)
+        out["top1_agreement"] = z_final_top >= zmax.view(C, S)
         zt = Z.gather(1, tgt)
         torch.gt(Z, zt, out=B)
         out["target_rank"] = B.sum(-1).view(C, S)  # exact in float32 (< 2^24)
-        torch.log_softmax(Z, -1, out=B)  # B = log q
+        _normalise(Z, B, zmax)  # Z = q, B = log q
         out["target_logprob"] = B.gather(1, tgt).view(C, S)
         if topk:
             vals, ids = B.topk(topk, dim=-1)
             out["topk_logprob"] = vals.view(C, S, topk)
             out["topk_id"] = ids.view(C, S, topk)
             out["top1_id"] = out["topk_id"][..., 0]
-        # q in place of the logits (softmax's vectorised exp is ~2x faster than torch.exp; the
-        # kernel is elementwise per row, and tests check q against an independent reference)
-        torch.softmax(Z, -1, out=Z)
         # row-wise dot products as multiply + sum: torch's sum is a cascade (pairwise) reduction,
         # accurate to ~1e-7 relative; bmm/mm dots over 49k terms err by up to 1e-4 relative.
         torch.mul(Z, B, out=Z)
@@ -256,22 +232,6 @@ def _token_chunk(token_chunk: Optional[int], n_sites: int, vocab: int) -> int:
     if token_chunk < 1:
         raise InputError("token_chunk must be at least 1")
     return int(token_chunk)
-
-
-def _resolve_sites(model, sites, lens):
-    if lens is not None:
-        lens.check(model)
-        if sites is None:
-            return list(lens.sites)
-        wanted = parse_sites(sites, model.n_layers)
-        missing = [model.labels[s] for s in wanted if s not in lens.sites]
-        if missing:
-            raise InputError(f"the tuned lens has no translator for sites {missing}; it covers {lens.site_labels}")
-        return wanted
-    try:
-        return parse_sites(sites, model.n_layers)
-    except (KeyError, IndexError) as e:
-        raise InputError(str(e).strip("'\"")) from None
 
 
 def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
@@ -321,9 +281,7 @@ def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_ba
                 p, neg_hp, final_top = dec.final(rs.logits[bi, ti])
                 chosen = targets if target_fn is None else target_fn(targets, final_top)
                 xs = rs.resid[:, bi, ti]  # [S, c, d]
-                if lens is not None:
-                    xs = lens.translate(xs, sites)
-                xs = xs.transpose(0, 1).contiguous()  # [c, S, d]
+                xs = lens.translate(xs, sites).transpose(0, 1).contiguous()  # [c, S, d]
                 met = dec.run(xs, p, neg_hp, final_top, chosen.clamp(min=0), topk=topk)
                 met["final_top1_id"] = final_top
                 yield batch, rs, bi, ti, targets, chosen, met
@@ -366,7 +324,7 @@ def logit_lens(
     model,
     inputs: Union[torch.Tensor, Sequence[str], str],
     *,
-    lens=None,
+    lens: Lens = LOGIT_LENS,
     sites=None,
     mask: Optional[torch.Tensor] = None,
     batch_size: int = 8,
@@ -380,8 +338,9 @@ def logit_lens(
     """Dataset-level logit lens: one row per site with the means of every metric.
 
     ``inputs``: a LongTensor ``[batch, pos]`` (optional boolean ``mask``), a list of documents,
-    or one string. ``lens``: a :class:`~depthscope.analyses.tuned_lens.TunedLens` to translate
-    each site's stream before decoding (default: the plain logit lens). ``sites``: indices,
+    or one string. ``lens``: a :class:`~depthscope.analyses.lenses.Lens` (default: the plain
+    :class:`~depthscope.analyses.lenses.LogitLens`; a ``TunedLens`` translates each site's
+    stream before decoding; its ``kind`` fills the ``lens`` column). ``sites``: indices,
     labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites). Streaming:
     ``batch_size`` windows of at most ``window`` tokens per forward (documents longer than the
     window are split), at most ``max_batch_tokens`` padded tokens per forward, and
@@ -396,8 +355,8 @@ def logit_lens(
     positions (in input order). ``timings`` (a dict) receives the seconds
     spent in forward passes (``forward_s``) and in decoding + metrics (``decode_s``).
     """
-    check_decodable(model)
-    sites = _resolve_sites(model, sites, lens)
+    lens.check(model)
+    sites = lens.resolve_sites(model, sites)
     S = len(sites)
     acc = _Sums(S)
     for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
@@ -419,7 +378,7 @@ def logit_lens(
     if acc.n_all == 0:
         raise InputError("no positions to decode (every window has a single token and first_position=False?)")
     df = site_frame(sites, model.n_layers)
-    df["lens"] = "logit" if lens is None else "tuned"
+    df["lens"] = lens.kind
     for name in METRICS:
         n = acc.n_all if name in _ALL_POSITIONS else acc.n_next
         mean, std = acc.mean_std(name, n)
@@ -456,7 +415,7 @@ def logit_lens_tokens(
     model,
     inputs: Union[torch.Tensor, Sequence[str], str],
     *,
-    lens=None,
+    lens: Lens = LOGIT_LENS,
     sites=None,
     k: int = 5,
     target=None,
@@ -482,12 +441,11 @@ def logit_lens_tokens(
     ``top{i}_token``, ``top{i}_prob`` for i = 1..k. Rows grow with the input: meant for prompts
     and short texts (use :func:`logit_lens` for corpora).
     """
-    check_decodable(model)
+    lens.check(model)
     if k < 1:
         raise InputError("k must be at least 1")
     k = min(int(k), model.vocab_size)
-    sites = _resolve_sites(model, sites, lens)
-    S = len(sites)
+    sites = lens.resolve_sites(model, sites)
     fixed = None if target is None else _single_token(model, target)
 
     def target_fn(targets, final_top):
@@ -495,7 +453,6 @@ def logit_lens_tokens(
             return torch.full_like(targets, fixed)
         return torch.where(targets >= 0, targets, final_top)
 
-    tok = model.tokenizer
     frames = []
     sf = site_frame(sites, model.n_layers)
     for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
@@ -503,44 +460,51 @@ def logit_lens_tokens(
         max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
         topk=k, target_fn=target_fn, max_tokens=max_tokens,
     ):
-        c = len(bi)
-        rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
-        ids = rs.input_ids[bi, ti].cpu()
-        part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
-        part["lens"] = "logit" if lens is None else "tuned"
-        part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
-        part["window"] = rep([batch.window_index[int(b)] for b in bi])
-        part["position"] = rep(ti.cpu().numpy())
-        part["token_id"] = rep(ids.numpy())
-        part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
-        part["next_id"] = rep(targets.cpu().numpy())
-        part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
-        ft = met["final_top1_id"].cpu()
-        part["final_top1_id"] = rep(ft.numpy())
-        part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
-        if fixed is not None:
-            kinds = ["fixed"] * c
-        else:
-            kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
-        part["target_kind"] = rep(kinds)
-        part["target_id"] = rep(chosen.cpu().numpy())
-        part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
-        lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
-        part["target_logprob"] = lp
-        part["target_prob"] = np.exp(lp)
-        part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
-        part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
-        part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
-        part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
-        top_ids = met["topk_id"].reshape(-1, k).cpu()
-        top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
-        vocab_cache: dict[int, str] = {}
-        for i in range(k):
-            col = top_ids[:, i].tolist()
-            part[f"top{i + 1}_id"] = col
-            part[f"top{i + 1}_token"] = [vocab_cache.setdefault(t, _decode_token(tok, t)) for t in col]
-            part[f"top{i + 1}_prob"] = top_p[:, i]
-        frames.append(part)
+        frames.append(_token_rows(model, lens, sf, k, fixed is not None, batch, rs, bi, ti, targets, chosen, met))
     if not frames:
         raise InputError("no positions to decode")
     return pd.concat(frames, ignore_index=True)
+
+
+def _token_rows(model, lens, sf, k: int, fixed: bool, batch, rs, bi, ti, targets, chosen, met) -> pd.DataFrame:
+    """One chunk's rows of :func:`logit_lens_tokens`: (position, site) pairs, position-major.
+    (Many parameters: the chunk as :func:`_iter_chunks` yields it.)"""
+    S, tok = len(sf), model.tokenizer
+    c = len(bi)
+    rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
+    ids = rs.input_ids[bi, ti].cpu()
+    part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
+    part["lens"] = lens.kind
+    part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
+    part["window"] = rep([batch.window_index[int(b)] for b in bi])
+    part["position"] = rep(ti.cpu().numpy())
+    part["token_id"] = rep(ids.numpy())
+    part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
+    part["next_id"] = rep(targets.cpu().numpy())
+    part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
+    ft = met["final_top1_id"].cpu()
+    part["final_top1_id"] = rep(ft.numpy())
+    part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
+    if fixed:
+        kinds = ["fixed"] * c
+    else:
+        kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
+    part["target_kind"] = rep(kinds)
+    part["target_id"] = rep(chosen.cpu().numpy())
+    part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
+    lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
+    part["target_logprob"] = lp
+    part["target_prob"] = np.exp(lp)
+    part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
+    part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
+    part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
+    part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
+    top_ids = met["topk_id"].reshape(-1, k).cpu()
+    top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
+    vocab_cache: dict[int, str] = {}
+    for i in range(k):
+        col = top_ids[:, i].tolist()
+        part[f"top{i + 1}_id"] = col
+        part[f"top{i + 1}_token"] = [vocab_cache.setdefault(t, _decode_token(tok, t)) for t in col]
+        part[f"top{i + 1}_prob"] = top_p[:, i]
+    return part

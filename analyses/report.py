@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from depthscope.hooks.files import atomic_text
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 from .tables import read_table, write_table
@@ -97,17 +98,16 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     from depthscope.hooks import load_model
 
     from .jobs import Output
+    from .jobs.lens import LensConfig, lens_job
+    from .jobs.norms import NormsConfig, norms_job
     from .jobs.probe import ProbeJobConfig, resolve_inputs, run_probe_job
-    from .lens import logit_lens, logit_lens_tokens
-    from .norms import contribution_norms, direct_logit_attribution, norms_by_position
-    from .plots import lens as lens_plots
-    from .plots import norms as norm_plots
 
     cfg = config or ReportConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     say = _Say(progress)
+    output = Output(out)  # one writer per table and figure across the three jobs
 
     t0 = time.time()
     say(f"loading model {cfg.model or 'default (SmolLM2-135M-Instruct)'}")
@@ -139,45 +139,30 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     }
 
     # 1. logit lens
-    if model.can_decode and model.is_decoder:
+    if model.unembed.decodes_stream:
         t = time.time()
         say(f"logit lens over ~{cfg.lens_tokens} tokens at {model.n_sites} sites")
-        lens_df = logit_lens(model, _cap_texts(texts, model.tokenizer, cfg.lens_tokens))
-        write_table(lens_df, out, "lens_by_site")
-        tok_df = logit_lens_tokens(model, cfg.prompt)
-        write_table(tok_df, out, "lens_tokens")
-        lens_plots.plot_lens_metrics(lens_df, out / "lens_metrics.png")
-        lens_plots.plot_top1_heatmap(tok_df, out / "lens_top1_heatmap.png")
-        lens_plots.plot_rank_trajectory(tok_df, out / "lens_rank_trajectory.png")
+        lens_docs = _cap_texts(texts, model.tokenizer, cfg.lens_tokens)
+        lens_job(model, lens_docs, LensConfig(prompt=cfg.prompt), output)
         timings["lens"] = time.time() - t
 
     # 2. contribution norms
     t = time.time()
     say(f"contribution norms over ~{cfg.norms_tokens} tokens")
-    norms_df = contribution_norms(model, _cap_texts(texts, model.tokenizer, cfg.norms_tokens))
-    write_table(norms_df, out, "norms_by_site")
-    pos_df = norms_by_position(model, cfg.prompt)
-    write_table(pos_df, out, "norms_by_position")
-    norm_plots.plot_stream_growth(norms_df, out / "norms_stream_growth.png")
-    norm_plots.plot_update_norms(norms_df, out / "norms_update_norms.png")
-    norm_plots.plot_relative_update(norms_df, out / "norms_relative_update.png")
-    norm_plots.plot_position_heatmap(pos_df, out / "norms_position_heatmap.png")
-    if model.can_decode and model.is_decoder:
-        dla = direct_logit_attribution(model, cfg.prompt, cfg.target)
-        write_table(dla, out, "dla")
-        norm_plots.plot_dla(dla, out / "norms_dla.png")
+    norms_docs = _cap_texts(texts, model.tokenizer, cfg.norms_tokens)
+    norms_job(model, norms_docs, NormsConfig(prompt=cfg.prompt, target=cfg.target), output)
     timings["norms"] = time.time() - t
 
     # 3. probes
     t = time.time()
     say(f"probes: {', '.join(tasks)}")
-    probe_result = run_probe_job(model, probe_job, Output(out), progress=progress)
+    probe_result = run_probe_job(model, probe_job, output, progress=progress)
     meta["probe_precision"] = probe_result.summary["precision"]
     timings["probes"] = time.time() - t
 
     meta["seconds"] = {k: round(v, 1) for k, v in timings.items()}
     meta["seconds"]["total"] = round(time.time() - t0, 1)
-    (out / "run.json").write_text(json.dumps(meta, indent=1))
+    atomic_text(out / "run.json", json.dumps(meta, indent=1))
     say("writing report")
     path = render_report(out)
     say(f"done in {meta['seconds']['total']:.0f} s: {path}")
@@ -245,11 +230,11 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
     return out
 
 
-def lens_findings(lens: pd.DataFrame, n_layers: int) -> list[str]:
+def lens_findings(lens_by_site: Optional[pd.DataFrame], n_layers: int) -> list[str]:
     out = []
-    if lens is None or not len(lens):
+    if lens_by_site is None or not len(lens_by_site):
         return out
-    d = lens.sort_values("site")
+    d = lens_by_site.sort_values("site")
     emb = d.iloc[0]
     out.append(f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
                f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%.")
@@ -341,12 +326,12 @@ def render_report(out_dir: Union[str, Path]) -> Path:
     out = Path(out_dir)
     meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     L = int(meta.get("n_layers", 0)) or None
-    lens = _load(out, "lens_by_site")
+    lens_by_site = _load(out, "lens_by_site")
     norms = _load(out, "norms_by_site")
     by_site = _load(out, "probes_by_site")
     summary = _load(out, "probes_summary")
     if L is None:
-        for df in (lens, norms, by_site):
+        for df in (lens_by_site, norms, by_site):
             if df is not None:
                 L = int(df["layer"].max()) + 1
                 break
@@ -362,7 +347,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
         table = table.sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
     findings = {
         FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
-        FIGURES[1][0]: lens_findings(lens, L),
+        FIGURES[1][0]: lens_findings(lens_by_site, L),
         FIGURES[2][0]: norm_findings(norms, L),
     }
     for title, figs in FIGURES:

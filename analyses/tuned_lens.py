@@ -1,5 +1,8 @@
-"""Tuned lens (Belrose et al. 2023, "Eliciting Latent Predictions from Transformers with the
-Tuned Lens") at every residual site, sublayer sites included.
+"""Training a tuned lens (Belrose et al. 2023, "Eliciting Latent Predictions from Transformers
+with the Tuned Lens") at every residual site, sublayer sites included.
+
+The lens object itself (:class:`~depthscope.analyses.lenses.TunedLens`: translate, save, load,
+check) lives in :mod:`depthscope.analyses.lenses` beside the plain logit lens.
 
 Each site ``s`` gets an affine translator ``h -> h + h A_s + b_s`` (identity at initialisation:
 ``A_s = 0``, ``b_s = 0``) applied to the stream before the model's own final norm and
@@ -36,200 +39,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
-from torch import nn
 
 from depthscope.hooks.errors import CheckpointError, InputError
-from depthscope.hooks.sites import parse_sites, site_labels
+from depthscope.hooks.sites import parse_sites
 
-from .lens import check_decodable, lens_batches
+from .lens import lens_batches
+from .lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
 
-__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError", "model_digest"]
+__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError"]
 
-FORMAT = "depthscope-tuned-lens"
-VERSION = 1
-PARAMS_FILE = "tuned_lens.safetensors"
-META_FILE = "tuned_lens.json"
 CKPT_FILE = "checkpoint.safetensors"
 CKPT_META = "checkpoint.json"
-
-
-class LensMismatchError(InputError):
-    """A tuned lens used with a model it was not trained for."""
-
-
-def model_digest(model) -> str:
-    """A short hash of a model's weights (final norm, a sample of unembedding rows, the first and
-    last block's first parameter): tells two checkpoints of one architecture apart."""
-    h = hashlib.sha1()
-    arch = model.arch
-    parts = []
-    if arch.final_norm is not None and getattr(arch.final_norm, "weight", None) is not None:
-        parts.append(arch.final_norm.weight)
-    if arch.unembed is not None:
-        W = arch.unembed.weight
-        parts.append(W[:: max(1, W.shape[0] // 64)][:64])
-    for block in (arch.blocks[0], arch.blocks[-1]):
-        p = next(block.parameters(), None)
-        if p is not None:
-            parts.append(p.reshape(-1)[:4096])
-    with torch.no_grad():
-        for t in parts:
-            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _write_json(path: Path, obj) -> None:
-    _atomic_write(path, lambda t: Path(t).write_text(json.dumps(obj, indent=1)))
-
-
-def _save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.torch import save_file
-
-    _atomic_write(path, lambda t: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(t)))
-
-
-def _load_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as e:  # corrupt or truncated file
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-
-
-class TunedLens:
-    """Affine translators ``h -> h + h @ weight[i] + bias[i]`` for the sites in ``sites``.
-
-    ``weight``: ``[n_sites, d, d]``, ``bias``: ``[n_sites, d]`` (zeros = the plain logit lens).
-    Use with ``logit_lens(model, inputs, lens=tuned)``; ``translate`` applies it to streams.
-    """
-
-    def __init__(self, sites: Sequence[int], n_layers: int, weight: torch.Tensor, bias: torch.Tensor,
-                 model_info: dict, training: Optional[dict] = None):
-        self.sites = [int(s) for s in sites]
-        self.n_layers = int(n_layers)
-        if weight.shape != (len(self.sites), weight.shape[-1], weight.shape[-1]) or bias.shape != weight.shape[:2]:
-            raise CheckpointError(f"tuned lens tensors have shapes {tuple(weight.shape)}, {tuple(bias.shape)} "
-                                  f"for {len(self.sites)} sites")
-        self.weight = weight.float()
-        self.bias = bias.float()
-        self.d_model = int(weight.shape[-1])
-        self.model_info = dict(model_info)
-        self.training = dict(training or {})
-        self._pos = {s: i for i, s in enumerate(self.sites)}
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def identity(cls, model, sites=None) -> "TunedLens":
-        """Zero translators (the plain logit lens) for ``sites`` (default: all) of ``model``."""
-        sites = parse_sites(sites, model.n_layers)
-        d = model.d_model
-        return cls(sites, model.n_layers, torch.zeros(len(sites), d, d), torch.zeros(len(sites), d),
-                   _model_info(model))
-
-    @property
-    def site_labels(self) -> list[str]:
-        labels = site_labels(self.n_layers)
-        return [labels[s] for s in self.sites]
-
-    def __repr__(self) -> str:
-        steps = self.training.get("steps_done")
-        return (f"TunedLens({self.model_info.get('name')!r}, {len(self.sites)} sites, d_model={self.d_model}"
-                + (f", trained {steps} steps" if steps is not None else "") + ")")
-
-    # ------------------------------------------------------------------ use
-    def translate(self, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
-        """Apply the translators of ``sites`` to streams ``xs`` ``[len(sites), n, d]``."""
-        try:
-            idx = torch.tensor([self._pos[int(s)] for s in sites], dtype=torch.long)
-        except KeyError as e:
-            raise InputError(f"the tuned lens has no translator for site {e.args[0]}; it covers {self.site_labels}") from None
-        A = self.weight[idx].to(device=xs.device, dtype=xs.dtype)
-        b = self.bias[idx].to(device=xs.device, dtype=xs.dtype)
-        return torch.baddbmm(xs + b.unsqueeze(1), xs, A)
-
-    def check(self, model, *, strict: bool = True) -> None:
-        """Refuse ``model`` unless it is the model this lens was trained for (architecture,
-        tokenizer and -- with ``strict`` -- weights)."""
-        mine, theirs = self.model_info, _model_info(model)
-        keys = ["family", "model_type", "n_layers", "d_model", "vocab_size", "tokenizer", "tokenizer_vocab"]
-        diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
-        if strict and not diff and mine.get("digest") != theirs.get("digest"):
-            diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
-        if diff:
-            raise LensMismatchError(
-                f"this tuned lens was trained for {mine.get('name')!r}, not for {theirs.get('name')!r} "
-                f"({'; '.join(diff)}); train one for this model (depthscope lens-train)"
-            )
-
-    # ------------------------------------------------------------------ disk
-    def save(self, path) -> Path:
-        """Write ``path/tuned_lens.safetensors`` and ``path/tuned_lens.json``; returns the folder."""
-        path = Path(path)
-        if path.suffix in (".json", ".safetensors"):
-            path = path.parent
-        path.mkdir(parents=True, exist_ok=True)
-        _save_tensors(path / PARAMS_FILE, {"weight": self.weight, "bias": self.bias})
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "sites": self.sites,
-            "labels": self.site_labels,
-            "n_layers": self.n_layers,
-            "d_model": self.d_model,
-            "translator": "h -> h + h @ weight[i] + bias[i], then the model's final norm and unembedding",
-            "model": self.model_info,
-            "training": self.training,
-        }
-        _write_json(path / META_FILE, meta)
-        return path
-
-    @classmethod
-    def load(cls, path, model=None, *, strict: bool = True) -> "TunedLens":
-        """Read a saved lens (its folder, or either file in it); with ``model``, check it fits."""
-        path = Path(path)
-        if path.suffix in (".json", ".safetensors"):
-            path = path.parent
-        meta_p, params_p = path / META_FILE, path / PARAMS_FILE
-        if not meta_p.is_file() or not params_p.is_file():
-            raise CheckpointError(f"no tuned lens at {path} (expected {META_FILE} and {PARAMS_FILE})")
-        try:
-            meta = json.loads(meta_p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{meta_p} is not valid JSON: {e}") from None
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_p} is not a depthscope tuned lens (format {meta.get('format')!r})")
-        t = _load_tensors(params_p)
-        if "weight" not in t or "bias" not in t:
-            raise CheckpointError(f"{params_p} lacks 'weight'/'bias' tensors")
-        lens = cls(meta["sites"], meta["n_layers"], t["weight"], t["bias"], meta.get("model", {}), meta.get("training"))
-        if model is not None:
-            lens.check(model, strict=strict)
-        return lens
-
-
-def _model_info(model) -> dict:
-    info = dict(model.fingerprint())
-    info["name"] = model.name
-    info["digest"] = model_digest(model)
-    return info
 
 
 # ----------------------------------------------------------------------------- training
@@ -296,15 +121,10 @@ class _KLUnembed(torch.autograd.Function):
 
 
 def _kl_generic(model, x, p, neg_hp, S):
-    """The same KL through ``model.unembed`` (biases, logit scales, soft-capping) with autograd."""
+    """The same KL through ``model.unembed.project`` (biases, logit scales, soft-capping) with autograd."""
     C, V = p.shape
-    lq = torch.log_softmax(model.unembed(x).float(), -1)
+    lq = torch.log_softmax(model.unembed.project(x).float(), -1)
     return neg_hp.unsqueeze(1) - (lq.view(C, S, V) * p.unsqueeze(1)).sum(-1)
-
-
-def _fast_unembed_ok(model) -> bool:
-    u = model.arch.unembed
-    return isinstance(u, nn.Linear) and u.bias is None and model.arch.logit_scale is None and not model.arch.softcap
 
 
 def _read_inputs(text, per_line: bool):
@@ -397,8 +217,10 @@ def train_tuned_lens(
 
     The returned lens's ``training`` dict records the settings and, per step, the mean training
     KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
+    (Many parameters: they are the trainer's settings, recorded and checked on resume; the
+    command line passes :class:`~depthscope.analyses.jobs.lens.LensTrainConfig`.)
     """
-    check_decodable(model)
+    model.unembed.check()
     if steps < 0 or tokens_per_step < 1 or cache_tokens < 1 or checkpoint_every < 1:
         raise InputError("steps must be >= 0, and tokens_per_step, cache_tokens, checkpoint_every >= 1")
     all_sites = parse_sites(sites, model.n_layers)
@@ -407,13 +229,8 @@ def train_tuned_lens(
     d = model.d_model
     inputs = _read_inputs(text, per_line)
 
-    if matmul_dtype == "auto":
-        bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        matmul_dtype = "bfloat16" if bf16_ok else "float32"
-    if matmul_dtype not in ("bfloat16", "float32"):
-        raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
-    fast = _fast_unembed_ok(model)
-
+    matmul_dtype = _matmul_dtype(model, matmul_dtype)
+    fast = model.unembed.is_plain_linear
     X, F, data_digest = _cache_streams(model, inputs, train_sites, cache_tokens=cache_tokens, window=window,
                                        batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress)
     N = F.shape[0]
@@ -427,71 +244,33 @@ def train_tuned_lens(
     }
     dev = model.device
     scale = scale.to(dev)
-    A = torch.zeros(S, d, d, device=dev)
-    c = torch.zeros(S, d, device=dev)
-    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
+    A, c, state = _zero_translators(S, d, dev)
     start, history = 0, []
     out = Path(out) if out is not None else None
-    info = _model_info(model)
+    info = model_info(model)
     if out is not None and resume and (out / CKPT_META).is_file():
         start, history = _resume(out, info, settings, A, c, state)
 
-    W = model.arch.unembed.weight.detach()
-    Wm = W.to(torch.bfloat16) if (fast and matmul_dtype == "bfloat16") else W
-    b1, b2, eps = 0.9, 0.999, 1e-8
+    Wm = model.unembed.matmul_weight(getattr(torch, matmul_dtype)) if fast else None
 
     def finish(step_done: int) -> TunedLens:
-        lens = _assemble(model, all_sites, train_sites, A, c, scale, info,
-                         {**settings, "steps_done": step_done, "loss": history})
-        if out is not None:
-            lens.save(out)
-            _save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
-            _write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
-        return lens
+        return _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done)
 
     if S == 0 or start >= steps:
         return finish(max(start, 0) if S else 0)
 
-    perms: dict[int, torch.Tensor] = {}
-
-    def token_idx(step: int) -> torch.Tensor:
-        g = torch.arange(step * tokens_per_step, (step + 1) * tokens_per_step)
-        epoch, off = g // N, g % N
-        out_idx = torch.empty_like(g)
-        for e in epoch.unique().tolist():
-            if e not in perms:
-                perms.clear()
-                perms[e] = torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100003 + e))
-            sel = epoch == e
-            out_idx[sel] = perms[e][off[sel]]
-        return out_idx
-
+    order = _TokenOrder(N, tokens_per_step, seed)
     bufs = _Buffers()
-    A.requires_grad_(True)
-    c.requires_grad_(True)
+    A.requires_grad_(True), c.requires_grad_(True)
     bar = _bar(progress, total=steps, initial=start, desc="training tuned lens", unit="step")
     t0 = time.perf_counter()
     for step in range(start, steps):
-        idx = token_idx(step)
-        C = len(idx)
+        idx = order(step)
+        kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), A, c, scale, Wm, bufs)
+        t = step + 1
         with torch.no_grad():
-            lp = torch.log_softmax(model.decode(F[idx].to(dev)).float(), -1)  # the model's own final distribution
-            p = lp.exp()
-            neg_hp = (p * lp).sum(-1)
-            xs = X[:, idx].to(dev)  # [S, C, d]
-        with torch.enable_grad():
-            h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
-            x = model.final_norm(h.transpose(0, 1).reshape(C * S, d))
-            kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if fast else _kl_generic(model, x, p, neg_hp, S)
-            loss = kl.mean()
-            gA, gc = torch.autograd.grad(loss, [A, c])
-        with torch.no_grad():
-            t = step + 1
             for P, G, m, v, base in ((A, gA, state["mA"], state["vA"], weight_lr), (c, gc, state["mc"], state["vc"], lr)):
-                m.mul_(b1).add_(G, alpha=1 - b1)
-                v.mul_(b2).addcmul_(G, G, value=1 - b2)
-                step_lr = _lr_at(step, steps, base, warmup) * math.sqrt(1 - b2**t) / (1 - b1**t)
-                P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
+                _adam(P, G, m, v, _lr_at(step, steps, base, warmup), t)
         history.append(round(float(kl.detach().mean()), 5))
         bar.update(1)
         bar.set_postfix(kl=f"{history[-1]:.3f}")
@@ -499,9 +278,82 @@ def train_tuned_lens(
             finish(t)
     bar.close()
     settings["train_seconds"] = round(time.perf_counter() - t0, 1)
-    A.requires_grad_(False)
-    c.requires_grad_(False)
+    A.requires_grad_(False), c.requires_grad_(False)
     return finish(steps)
+
+
+def _zero_translators(S: int, d: int, dev):
+    """Identity translators (``A = 0``, ``c = 0``) for ``S`` sites and zero Adam moments."""
+    A = torch.zeros(S, d, d, device=dev)
+    c = torch.zeros(S, d, device=dev)
+    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
+    return A, c, state
+
+
+def _matmul_dtype(model, matmul_dtype: str) -> str:
+    """"auto": bfloat16 where the CPU has native bfloat16 matmuls (a capability flag, not a
+    timing), else float32."""
+    if matmul_dtype == "auto":
+        bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        matmul_dtype = "bfloat16" if bf16_ok else "float32"
+    if matmul_dtype not in ("bfloat16", "float32"):
+        raise InputError(f"matmul_dtype must be 'auto', 'bfloat16' or 'float32', not {matmul_dtype!r}")
+    return matmul_dtype
+
+
+class _TokenOrder:
+    """Token indices of each step: the cache drawn without replacement, one permutation per epoch."""
+
+    def __init__(self, n: int, per_step: int, seed: int):
+        self.n, self.per_step, self.seed = n, per_step, seed
+        self.perms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, step: int) -> torch.Tensor:
+        g = torch.arange(step * self.per_step, (step + 1) * self.per_step)
+        epoch, off = g // self.n, g % self.n
+        out_idx = torch.empty_like(g)
+        for e in epoch.unique().tolist():
+            if e not in self.perms:
+                self.perms.clear()
+                gen = torch.Generator().manual_seed(self.seed * 100003 + e)
+                self.perms[e] = torch.randperm(self.n, generator=gen)
+            sel = epoch == e
+            out_idx[sel] = self.perms[e][off[sel]]
+        return out_idx
+
+
+def _kl_and_grads(model, xs, final, A, c, scale, Wm, bufs):
+    """KL(final || lens) per (token, site) for streams ``xs`` [S, C, d] and final streams [C, d],
+    and its mean's gradients with respect to the translators ``A`` and ``c``."""
+    S, C, d = xs.shape
+    with torch.no_grad():
+        lp = torch.log_softmax(model.decode(final).float(), -1)  # the model's own final distribution
+        p = lp.exp()
+        neg_hp = (p * lp).sum(-1)
+    with torch.enable_grad():
+        h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
+        x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
+        kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if Wm is not None else _kl_generic(model, x, p, neg_hp, S)
+        gA, gc = torch.autograd.grad(kl.mean(), [A, c])
+    return kl.detach(), gA, gc
+
+
+def _adam(P, G, m, v, lr: float, t: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> None:
+    """One Adam update of ``P`` in place (moments ``m``, ``v``; ``t`` steps done, this one included)."""
+    m.mul_(b1).add_(G, alpha=1 - b1)
+    v.mul_(b2).addcmul_(G, G, value=1 - b2)
+    step_lr = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+    P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
+
+
+def _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done) -> TunedLens:
+    """The lens after ``step_done`` steps; with ``out``, written there with a resumable checkpoint."""
+    lens = _assemble(model, all_sites, train_sites, A, c, scale, info, {**settings, "steps_done": step_done, "loss": history})
+    if out is not None:
+        lens.save(out)
+        save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
+        write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
+    return lens
 
 
 def _assemble(model, all_sites, train_sites, A, c, scale, info, training) -> TunedLens:
@@ -531,7 +383,7 @@ def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, li
     if diff:
         raise InputError(f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
                          f"use the same settings, another output folder, or resume=False")
-    t = _load_tensors(out / CKPT_FILE)
+    t = load_tensors(out / CKPT_FILE)
     with torch.no_grad():
         A.copy_(t["A"])
         c.copy_(t["c"])

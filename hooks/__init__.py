@@ -36,14 +36,20 @@ _EXPORTS = {
     "site_frame": "sites",
     "site_from_index": "sites",
     "site_labels": "sites",
+    "model_digest": "digest",
+    "Unembed": "unembed",
+    "FrozenUnembed": "unembed",
 }
 
-_SUBMODULES = {"arch", "files", "loading", "model", "sites", "toy"}
+_SUBMODULES = {"arch", "digest", "files", "loading", "model", "sites", "toy", "unembed"}
 
 __all__ = [
     "load_model",
     "HookedModel",
     "ResidualStream",
+    "Unembed",
+    "FrozenUnembed",
+    "model_digest",
     "Site",
     "SITE_COLUMNS",
     "all_sites",

@@ -16,12 +16,21 @@ Three layouts exist:
 * ``post_norm`` encoders (BERT): each sublayer ends in its own LayerNorm; ``l.attn`` is the
   attention sublayer's normed output and ``l.mlp`` the block output. ``h_s - h_{s-1}`` is then
   not a pure sublayer write (the norm rescales the stream), which analyses say in their docs.
+
+Attention heads (for per-head analyses): the number of heads and key/value heads comes from
+the config (``HEAD_KEYS``, ``KV_HEAD_KEYS``), the output projection of each attention module
+from ``ArchSpec.attn_out``, and the value vectors from one of the ``VALUE_LAYOUTS``
+(``ArchSpec.values``): a separate ``v_proj`` (grouped key/value heads), GPT-2's fused
+``c_attn`` ([q | k | v]) or GPT-NeoX's fused ``query_key_value`` (per head [q, k, v]).
+:func:`value_hook` reads them, :func:`linear_weight` reads a projection's matrix (GPT-2's
+``Conv1D`` stores it transposed), :func:`eager_attention` makes attention return its weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -49,7 +58,13 @@ class ArchSpec:
     ln2: tuple[str, ...] = ()
     final_norm: tuple[str, ...] = ()
     norm_kind: str = "rms"  # "rms" | "layer"
+    attn_out: tuple[str, ...] = ()  # the attention's output projection (per-head writes)
+    values: Optional[str] = None  # a key of VALUE_LAYOUTS: how value vectors are read
     extra: dict = field(default_factory=dict)
+
+
+HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
+KV_HEAD_KEYS = ("num_key_value_heads",)
 
 
 FAMILIES: dict[str, ArchSpec] = {}
@@ -70,6 +85,8 @@ _LLAMA = ArchSpec(
     ln2=("post_attention_layernorm",),
     final_norm=("norm",),
     norm_kind="rms",
+    attn_out=("o_proj",),
+    values="v_proj",
 )
 _register(["llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"], _LLAMA)
 _register(
@@ -84,6 +101,8 @@ _register(
         ln2=("ln_2",),
         final_norm=("ln_f",),
         norm_kind="layer",
+        attn_out=("c_proj",),
+        values="c_attn",
     ),
 )
 _register(
@@ -98,6 +117,8 @@ _register(
         ln2=("post_attention_layernorm",),
         final_norm=("final_layer_norm",),
         norm_kind="layer",
+        attn_out=("dense",),
+        values="query_key_value",
     ),
 )
 _register(
@@ -116,6 +137,7 @@ _GENERIC_BLOCKS = ("layers", "h", "decoder.layers", "encoder.layer", "blocks")
 _GENERIC_ATTN = ("self_attn", "attn", "attention", "self_attention")
 _GENERIC_MLP = ("mlp", "feed_forward", "ffn")
 _GENERIC_FINAL = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "decoder.final_layer_norm")
+_GENERIC_OUT = ("o_proj", "c_proj", "dense", "out_proj")
 
 
 @dataclass
@@ -135,6 +157,10 @@ class ResolvedArch:
     head: Optional[Callable[[torch.Tensor], torch.Tensor]]  # encoder MLM heads
     softcap: Optional[float]
     logit_scale: Optional[float]
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    attn_out: list = field(default_factory=list)  # per layer: the output projection (or None)
+    values: Optional[str] = None  # a key of VALUE_LAYOUTS (or None: value vectors not readable)
 
 
 def _first(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
@@ -190,6 +216,9 @@ def resolve(model: nn.Module) -> ResolvedArch:
             unembed = None
     softcap = getattr(config, "final_logit_softcapping", None)
     logit_scale = getattr(config, "logit_scale", None)
+    n_heads = _config_int(config, HEAD_KEYS)
+    attn_out = [_first(a, spec.attn_out) if spec.attn_out else None for a in attn]
+    attn_out = [m if m is not None and hasattr(m, "weight") else None for m in attn_out]
     return ResolvedArch(
         family=spec.family,
         layout=spec.layout,
@@ -204,7 +233,19 @@ def resolve(model: nn.Module) -> ResolvedArch:
         head=head,
         softcap=softcap,
         logit_scale=logit_scale,
+        n_heads=n_heads,
+        n_kv_heads=_config_int(config, KV_HEAD_KEYS) or n_heads,
+        attn_out=attn_out,
+        values=spec.values,
     )
+
+
+def _config_int(config, keys) -> Optional[int]:
+    for key in keys:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
@@ -225,8 +266,77 @@ def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
                     ln2=("post_attention_layernorm", "ln_2", "ln2"),
                     final_norm=_GENERIC_FINAL,
                     norm_kind=kind,
+                    attn_out=_GENERIC_OUT,
+                    values="v_proj" if hasattr(_first(b0, _GENERIC_ATTN), "v_proj") else None,
                 )
     raise UnsupportedArchitecture(
         f"depthscope cannot map architecture {cls} (model_type={model_type!r}): no block list "
         f"with attention and MLP submodules found. Supported families: {sorted(FAMILIES)}"
     )
+
+
+# ----------------------------------------------------------------------------- attention heads
+def linear_weight(proj: nn.Module) -> torch.Tensor:
+    """``[out, in]`` matrix (detached) of a Linear or a GPT-2 ``Conv1D`` (which stores ``[in, out]``)."""
+    w = proj.weight.detach()
+    return w.T if type(proj).__name__ == "Conv1D" else w
+
+
+def _values_v_proj(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    v = out.reshape(*out.shape[:-1], n_kv, -1)
+    return v.repeat_interleave(n_heads // n_kv, dim=-2)
+
+
+def _values_c_attn(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    d = out.shape[-1] // 3
+    return out[..., 2 * d:].reshape(*out.shape[:-1], n_heads, -1)
+
+
+def _values_qkv(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    qkv = out.reshape(*out.shape[:-1], n_heads, -1)
+    return qkv[..., 2 * qkv.shape[-1] // 3:]
+
+
+#: value layout -> (submodule of the attention whose output holds the values, reader of that
+#: output ``[B, P, *] -> [B, P, n_heads, head_dim]`` per query head)
+VALUE_LAYOUTS: dict[str, tuple[str, Callable]] = {
+    "v_proj": ("v_proj", _values_v_proj),
+    "c_attn": ("c_attn", _values_c_attn),
+    "query_key_value": ("query_key_value", _values_qkv),
+}
+
+
+def value_hook(arch: ResolvedArch, layer: int, store: dict, name: str = "model"):
+    """Register a forward hook that stores layer ``layer``'s value vectors ``[B, P, H, dh]`` (one
+    per query head) in ``store[layer]``; returns its handle."""
+    attn = arch.attn[layer]
+    layout = VALUE_LAYOUTS.get(arch.values or "")
+    module = getattr(attn, layout[0], None) if layout else None
+    if module is None or not arch.n_heads:
+        raise UnsupportedArchitecture(
+            f"{name}: reading value vectors needs one of {sorted(VALUE_LAYOUTS)} "
+            f"(got {type(attn).__name__}, layout {arch.values!r})"
+        )
+    read, H, n_kv = layout[1], arch.n_heads, arch.n_kv_heads or arch.n_heads
+
+    def hook(mod, args, out):
+        store[layer] = read(out, H, n_kv)
+
+    return module.register_forward_hook(hook)
+
+
+@contextlib.contextmanager
+def eager_attention(hf_model: nn.Module) -> Iterator[None]:
+    """Temporarily compute attention explicitly, so attention modules return their weights."""
+    cfg = hf_model.config
+    old = getattr(cfg, "_attn_implementation", None)
+    if old == "eager":
+        yield
+        return
+    if not hasattr(hf_model, "set_attn_implementation"):
+        raise UnsupportedArchitecture("this transformers model cannot switch to eager attention")
+    hf_model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(old)

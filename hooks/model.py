@@ -20,6 +20,7 @@ from torch import nn
 
 from .arch import ResolvedArch, resolve
 from .errors import ContextLengthError, InputError, NonFiniteActivationError
+from .unembed import Unembed
 from .sites import all_sites, parse_site, parse_sites, site_frame, site_labels
 
 Inputs = Union[torch.Tensor, Sequence[str], str]
@@ -90,7 +91,8 @@ class HookedModel:
 
     Attributes: ``hf_model`` (the unmodified transformers model), ``tokenizer``,
     ``n_layers``, ``d_model``, ``n_sites`` (2L+1), ``labels``, ``arch`` (where blocks,
-    sublayers, norms and the unembedding live), ``name`` (a readable spec).
+    sublayers, norms and the unembedding live), ``unembed`` (the decoding object,
+    :class:`~depthscope.hooks.unembed.Unembed`), ``name`` (a readable spec).
     """
 
     def __init__(self, hf_model: nn.Module, tokenizer=None, name: str | None = None, source: str | None = None):
@@ -108,6 +110,9 @@ class HookedModel:
         self.name = name or getattr(cfg, "_name_or_path", None) or type(hf_model).__name__
         self.source = source or self.name
         self.is_decoder = self.arch.layout != "post_norm"
+        #: final norm + unembedding (+ logit post-processing): see depthscope.hooks.unembed
+        self.unembed = Unembed(self.arch, name=self.name, d_model=self.d_model, is_decoder=self.is_decoder,
+                               cls_name=type(hf_model).__name__)
         if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is None:
             # decoders often ship without a pad token; right padding with EOS is harmless
             # because padded positions are masked and come after every real token.
@@ -446,48 +451,11 @@ class HookedModel:
     # ------------------------------------------------------------------ decoding
     @property
     def can_decode(self) -> bool:
-        return self.arch.head is not None or (self.arch.unembed is not None and self.arch.final_norm is not None)
-
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The model's own final norm applied to a stream ``[..., d_model]``."""
-        if self.arch.final_norm is None:
-            raise NotImplementedError(f"{self.name} has no final norm before an unembedding")
-        return self.arch.final_norm(h)
-
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """The unembedding (plus output scaling / soft-capping) applied to a normed stream."""
-        if self.arch.unembed is None:
-            raise NotImplementedError(
-                f"{self.name} ({type(self.hf_model).__name__}) has no unembedding: its output is not "
-                f"norm -> unembed, so the logit lens does not apply"
-            )
-        logits = self.arch.unembed(h)
-        return self._post_logits(logits)
-
-    def _post_logits(self, logits):
-        if self.arch.logit_scale is not None:
-            logits = logits * self.arch.logit_scale
-        if self.arch.softcap:
-            c = self.arch.softcap
-            logits = torch.tanh(logits / c) * c
-        return logits
+        return self.unembed.available
 
     def decode(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits from any site's stream: final norm, then unembedding (the logit lens)."""
-        if self.arch.head is not None:
-            return self.arch.head(h)
-        return self.unembed(self.final_norm(h))
-
-    @property
-    def W_U(self) -> torch.Tensor:
-        """Unembedding matrix ``[d_model, vocab]`` (a view, no copy)."""
-        if self.arch.unembed is None:
-            raise NotImplementedError(f"{self.name} has no unembedding")
-        return self.arch.unembed.weight.T
-
-    @property
-    def b_U(self) -> Optional[torch.Tensor]:
-        return getattr(self.arch.unembed, "bias", None) if self.arch.unembed is not None else None
+        """Logits from any site's stream (the logit lens): ``self.unembed(h)``."""
+        return self.unembed(h)
 
     def norm_reading(self, site: int) -> Optional[nn.Module]:
         """The norm that next reads the stream after ``site`` (ln1/ln2 of a block or the final norm)."""
@@ -501,14 +469,6 @@ class HookedModel:
             return arch.ln1[s // 2]
         layer = s // 2
         return arch.ln2[layer] if arch.layout == "sequential" else None
-
-    def norm_params(self, norm: nn.Module) -> dict:
-        """Weight, bias, eps and kind of a norm module, for analyses that freeze its scale."""
-        weight = getattr(norm, "weight", None)
-        bias = getattr(norm, "bias", None)
-        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-5
-        kind = "rms" if "rms" in type(norm).__name__.lower() else "layer"
-        return {"kind": kind, "weight": weight, "bias": bias, "eps": float(eps)}
 
 
 def _logits_of(out) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from depthscope.hooks.digest import model_digest
 from depthscope.hooks.errors import InputError, NonFiniteActivationError
 
 from .config import POOLINGS
@@ -38,21 +39,6 @@ from .spans import SpanTable, Tokenized
 
 ATTN_MAX_TOKENS = 16
 STORE_VERSION = 1
-
-
-def model_digest(model) -> str:
-    """A cheap digest of a HookedModel: fingerprint plus a strided sample of every weight."""
-    h = hashlib.sha256()
-    h.update(json.dumps(model.fingerprint(), sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, p in model.hf_model.named_parameters():
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 2048)
-            sample = flat[::step].float().cpu().numpy()
-            h.update(name.encode())
-            h.update(str(tuple(p.shape)).encode())
-            h.update(sample.tobytes())
-    return h.hexdigest()
 
 
 @dataclass

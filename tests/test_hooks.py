@@ -70,7 +70,7 @@ def test_sites_match_transformers_each_family(tiny_factory, family):
         assert_close(rs.resid[i], r)
     if hm.is_decoder:
         # hidden_states[L] is final_norm(last site); our last site is the raw block output
-        assert_close(hm.final_norm(rs.resid[-1]), out.hidden_states[L])
+        assert_close(hm.unembed.norm(rs.resid[-1]), out.hidden_states[L])
         assert_close(rs.final, out.hidden_states[L])
         assert torch.equal(rs.logits, out.logits)
         assert_close(hm.decode(rs.resid[-1]), out.logits)

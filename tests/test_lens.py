@@ -5,7 +5,6 @@ input is refused clearly."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from depthscope.analyses import logit_lens, logit_lens_tokens
-from depthscope.analyses.lens import METRICS, _unembed_into
+from depthscope.analyses.lens import METRICS
 from depthscope.analyses.text import read_documents
 from depthscope.hooks import InputError, UnsupportedArchitecture, load_model
 
@@ -223,8 +222,8 @@ def test_last_site_identity_other_families(tiny_factory, family):
     assert df["cross_entropy"].iloc[-1] == pytest.approx(ref[m.n_sites - 1]["cross_entropy"].mean().item(), rel=1e-5)
 
 
-def test_unembed_into_matches_model_unembed(tiny_factory):
-    """Bias, logit scale and soft-capping are applied as HookedModel.unembed applies them."""
+def test_project_into_matches_project(tiny_factory):
+    """Bias, logit scale and soft-capping are applied into the reused buffer as Unembed.project applies them."""
     m = tiny_factory("llama")
     lin = m.arch.unembed
     biased = torch.nn.Linear(lin.in_features, lin.out_features, bias=True)
@@ -237,8 +236,8 @@ def test_unembed_into_matches_model_unembed(tiny_factory):
     x = torch.randn(5, m.d_model)
     out = torch.empty(5, m.vocab_size)
     with torch.no_grad():
-        want = m.unembed(x)
-        _unembed_into(m, x, out)
+        want = m.unembed.project(x)
+        m.unembed.project_into(x, out)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     assert want.abs().max() <= 3.0
 

@@ -223,7 +223,7 @@ def test_dla_sums_to_the_models_logit_real_model(default_model):
     h = H[:, 0, -1]
     comps = np.concatenate([h[:1], h[1:] - h[:-1]])
     sigma, g = module_sigma(hm.arch.final_norm, h[-1:])
-    w = hm.W_U[:, paris].detach().double().numpy()
+    w = hm.unembed.W_U[:, paris].detach().double().numpy()
     want = comps @ (g * w) / sigma[0]
     np.testing.assert_allclose(dla["contribution"].to_numpy()[:-1], want, rtol=1e-4, atol=1e-4)
     # a logit difference against a contrast token
@@ -396,13 +396,10 @@ def test_growth_fit_recovers_a_known_rate():
 # ----------------------------------------------------------------------------- per-head writes
 def _explicit_head_writes(hm, texts):
     """Per-head writes materialised the plain way: o_proj input split by head times W_O's columns."""
-    from depthscope.analyses.heads import _OUT_PROJ
-
     ids, mask = hm.tokenize(texts)
     z, out = {}, {}
     hs = []
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         hs.append(proj.register_forward_pre_hook(lambda m, a, l=l: z.__setitem__(l, a[0].detach().double())))
         hs.append(proj.register_forward_hook(lambda m, a, o, l=l: out.__setitem__(l, o.detach().double())))
     try:
@@ -413,8 +410,7 @@ def _explicit_head_writes(hm, texts):
             h.remove()
     H = hm.hf_model.config.num_attention_heads
     writes = []
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W  # [D, H*dh]
         dh = W.shape[1] // H
@@ -505,10 +501,7 @@ def test_norm_weighted_attention(tiny_factory, family):
     # equals each head's write computed from the output projection's input
     writes, _, _ = _explicit_head_writes(hm, [text])
     vals = _explicit_values(hm, [text])
-    from depthscope.analyses.heads import _OUT_PROJ
-
-    for l, attn in enumerate(hm.arch.attn):
-        proj = next(getattr(attn, n) for n in _OUT_PROJ if hasattr(attn, n))
+    for l, proj in enumerate(hm.arch.attn_out):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W
         dh = W.shape[1] // H
@@ -544,7 +537,8 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
     assert res.exit_code == 0, res.output + repr(res.exception)
     for name in ("norms_by_site", "norms_by_position", "dla", "head_writes"):
         assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
-    for png in ("stream_growth", "update_norms", "relative_update", "position_heatmap", "dla", "head_writes"):
+    for png in ("norms_stream_growth", "norms_update_norms", "norms_relative_update", "norms_position_heatmap",
+                "norms_dla", "norms_head_writes"):
         assert (out / f"{png}.png").stat().st_size > 10_000
     df = read_table(out / "norms_by_site.parquet")
     assert df.groupby("positions")["n_tokens"].first().sum() == 40
@@ -553,7 +547,7 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
     assert dla["contribution"].sum() == pytest.approx(dla["logit"].iloc[0], rel=1e-4)
     import json
 
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "norms_summary.json").read_text())
     assert summary["dla_top"][0][0] == "29.mlp" and summary["growth_rate"] > 1
     help_text = CliRunner().invoke(app, ["norms", "--help"]).output
     assert "--max-tokens" in help_text and "--target" in help_text

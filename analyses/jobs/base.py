@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
+    import pandas as pd
 
 
 class Output:
     """An output folder: writes tables (Parquet + CSV) and figures atomically, once each.
 
-    ``out.table(df, "lens_by_site")`` and ``out.figure(plot_fn, df, name="lens_metrics")``;
+    ``out.table(df, "lens_by_site")``, ``out.figure(plot_fn, df, name="lens_metrics")`` and
+    ``out.json(summary, "norms_summary")``;
     ``out.written`` lists every file in the order written. Writing one name twice in one run is
     a bug (two writers) and raises. ``Output(None)`` computes without writing (Python users who
     only want the tables).
@@ -37,6 +39,19 @@ class Output:
         paths = write_table(df, self.folder, name)
         self.written += paths
         return paths
+
+    def json(self, obj, name: str) -> Optional[Path]:
+        """Write ``obj`` as ``<folder>/<name>.json`` (indented, atomically)."""
+        import json
+
+        from depthscope.hooks.files import atomic_text
+
+        self._claim(name)
+        if self.folder is None:
+            return None
+        path = atomic_text(self.folder / f"{name}.json", json.dumps(obj, indent=2, default=str))
+        self.written.append(path)
+        return path
 
     def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Optional[Path]:
         """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png``."""

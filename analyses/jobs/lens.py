@@ -1,0 +1,148 @@
+"""The lens jobs: logit / tuned lens tables and figures over a text, and tuned-lens training.
+
+==========================  =====================================================================
+:class:`LensConfig`         settings of :func:`lens_job` (its defaults are the only defaults)
+:func:`lens_job`            tables ``lens_by_site``, ``lens_tokens``; figures ``lens_metrics``,
+                            ``lens_top1_heatmap``, ``lens_rank_trajectory`` (``_tuned`` suffix
+                            for a tuned lens's token figures)
+:class:`LensTrainConfig`    settings of :func:`lens_train_job`
+:func:`lens_train_job`      trains a tuned lens into a folder; table ``tuned_lens_eval`` (held-out
+                            comparison with the logit lens)
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .base import JobResult, Output
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+@dataclass
+class LensConfig:
+    """What :func:`lens_job` computes. ``sites``: labels/indices (None: all); ``tuned``: a tuned
+    lens folder to compare with the plain logit lens; ``source``: the text's name (figure title)."""
+
+    prompt: str = DEFAULT_PROMPT
+    sites: Optional[Sequence] = None
+    batch_size: int = 8
+    window: Optional[int] = None
+    max_tokens: Optional[int] = None
+    first_position: bool = True
+    top_k: int = 5
+    tuned: Optional[Path] = None
+    source: Optional[str] = None
+
+
+def split_note(model, docs: Sequence[str], window: Optional[int]) -> Optional[str]:
+    """Say how many documents are longer than the window (they are split, not truncated)."""
+    from depthscope.analyses.text import windows as split
+
+    ctx = model.max_context or 2048
+    w = min(window or 512, ctx)
+    long_docs, pieces = 0, 0
+    for d in docs:
+        n = len(model.tokenizer(d)["input_ids"])
+        if n > w:
+            long_docs += 1
+            pieces += len(split(list(range(n)), w))
+    if long_docs:
+        return (f"{long_docs} document(s) longer than the {w}-token window were split into {pieces} windows "
+                f"(each window starts a fresh context)")
+    return None
+
+
+def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> JobResult:
+    """The logit lens (and a tuned lens when ``config.tuned`` is set) over ``docs`` and on the
+    prompt; writes the tables and figures named in the module doc. Summary: per lens the mean
+    KL to the final distribution over sites, plus ``n_positions`` and ``split_note``."""
+    import pandas as pd
+
+    from depthscope.analyses.lens import LOGIT_LENS, logit_lens, logit_lens_tokens
+    from depthscope.analyses.lenses import TunedLens
+    from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
+    from depthscope.analyses.tables import site_first
+
+    model.unembed.check()
+    lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
+    kw = dict(sites=config.sites, batch_size=config.batch_size, window=config.window,
+              first_position=config.first_position)
+    by_site = site_first(pd.concat([logit_lens(model, docs, lens=lens, max_tokens=config.max_tokens, **kw)
+                                    for lens in lenses], ignore_index=True))
+    tokens = site_first(pd.concat([logit_lens_tokens(model, config.prompt, lens=lens, k=config.top_k, **kw)
+                                   for lens in lenses], ignore_index=True))
+    out.table(by_site, "lens_by_site")
+    out.table(tokens, "lens_tokens")
+    n_positions = int(by_site["n_positions"].iloc[0])
+    title = None
+    if config.source is not None:
+        which = "logit and tuned lens" if len(lenses) > 1 else "logit lens"
+        title = f"{model.name}: {which} at every sublayer ({n_positions:,} positions of {config.source})"
+    out.figure(plot_lens_metrics, by_site, name="lens_metrics", title=title)
+    for lens in lenses:
+        part = tokens[tokens["lens"] == lens.kind]
+        suffix = "" if lens.kind == "logit" else f"_{lens.kind}"
+        out.figure(plot_top1_heatmap, part, name=f"lens_top1_heatmap{suffix}")
+        out.figure(plot_rank_trajectory, part, name=f"lens_rank_trajectory{suffix}")
+    summary = {
+        "model": str(model.name),
+        "n_positions": n_positions,
+        "mean_kl_to_final": {k: float(g["kl_to_final"].mean()) for k, g in by_site.groupby("lens")},
+        "split_note": split_note(model, docs, config.window),
+    }
+    return JobResult(tables={"lens_by_site": by_site, "lens_tokens": tokens}, summary=summary, files=list(out.written))
+
+
+@dataclass
+class LensTrainConfig:
+    """What :func:`lens_train_job` trains (see :func:`~depthscope.analyses.tuned_lens.train_tuned_lens`);
+    ``eval_tokens`` held-out tokens (from the last tenth of the documents) compare it with the
+    logit lens (0: no comparison)."""
+
+    steps: int = 250
+    tokens_per_step: int = 8
+    cache_tokens: int = 2048
+    lr: float = 3e-2
+    weight_lr: float = 3e-3
+    sites: Optional[Sequence] = None
+    resume: bool = True
+    checkpoint_every: int = 25
+    eval_tokens: int = 128
+    progress: bool = True
+
+
+def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: Path) -> JobResult:
+    """Train a tuned lens on ``docs`` (all but the held-out tenth) into ``folder`` (lens files and
+    a checkpoint), then write ``tuned_lens_eval`` there. Summary: the lens, the numbers of
+    training and held-out documents, and the held-out mean KL of both lenses."""
+    import pandas as pd
+
+    from depthscope.analyses.lens import LOGIT_LENS, logit_lens
+    from depthscope.analyses.tables import site_first
+    from depthscope.analyses.tuned_lens import train_tuned_lens
+
+    model.unembed.check()
+    folder = Path(folder)
+    n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0
+    train_docs, eval_docs = (docs[:-n_eval], docs[-n_eval:]) if n_eval else (list(docs), [])
+    tl = train_tuned_lens(model, train_docs, out=folder, sites=config.sites, steps=config.steps,
+                          tokens_per_step=config.tokens_per_step, cache_tokens=config.cache_tokens, lr=config.lr,
+                          weight_lr=config.weight_lr, resume=config.resume,
+                          checkpoint_every=config.checkpoint_every, progress=config.progress)
+    summary = {"lens": repr(tl), "n_train_docs": len(train_docs), "n_eval_docs": len(eval_docs)}
+    result = JobResult(summary=summary)
+    if eval_docs:
+        out = Output(folder)
+        a = logit_lens(model, eval_docs, lens=LOGIT_LENS, sites=tl.sites, max_tokens=config.eval_tokens)
+        b = logit_lens(model, eval_docs, lens=tl, max_tokens=config.eval_tokens)
+        both = site_first(pd.concat([a, b], ignore_index=True))
+        out.table(both, "tuned_lens_eval")
+        result.tables["tuned_lens_eval"] = both
+        result.files = list(out.written)
+        summary.update(eval_tokens=int(a["n_positions"].iloc[0]), kl_logit=float(a["kl_to_final"].mean()),
+                       kl_tuned=float(b["kl_to_final"].mean()))
+    return result

@@ -1,0 +1,143 @@
+"""Contribution norms over a dataset: per site, the mean per-token metrics in bounded memory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+from depthscope.hooks.errors import InputError
+from depthscope.hooks.sites import site_frame
+
+from .metrics import NORM_METRICS, POSITION_GROUPS, chunked_metrics, readers, undefined_tokens
+from .streaming import (
+    Inputs,
+    check_has_blocks,
+    check_norms_finite,
+    norm_batches,
+    norm_sample,
+    stream_batch,
+    table_attrs,
+)
+
+
+def contribution_norms(
+    model,
+    inputs: Inputs,
+    *,
+    batch_size: int = 4,
+    window: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    hooks=None,
+    progress: bool = False,
+    mask: Optional[torch.Tensor] = None,
+) -> pd.DataFrame:
+    """Per-site contribution norms over a dataset, streamed in bounded memory.
+
+    ``inputs``: texts (one document each), one text, or a LongTensor of token ids; documents
+    longer than ``window`` (default min(context, 512)) are split into windows, each a fresh
+    context. ``max_tokens`` stops after that many real tokens. ``hooks`` (site -> fn) are
+    passed to :meth:`HookedModel.residual_stream` (e.g. to ablate a site). ``mask`` (with token
+    ids) marks the real tokens of padded rows.
+
+    Returns a long DataFrame with one row per ``(site, positions)``, ``positions`` in
+    ``("rest", "first")``, columns: ``site, label, layer, sublayer, depth, positions,
+    n_tokens`` (real tokens averaged), the mean per-token metrics :data:`NORM_METRICS`
+    (``stream_norm, update_norm, relative_update, cos_update_stream, growth, block_influence,
+    attn_share, effective_write, effective_relative, median_abs``), the massive-activation
+    columns ``max_abs, max_abs_doc, max_abs_window, max_abs_position, max_abs_dim,
+    max_abs_token_id, max_over_median`` (the location of the largest ``|h|``: document, window,
+    position in the window, dimension and token there) and ``n_undefined`` (tokens with a zero
+    denominator, see the module doc). ``attn_share`` of layer ``l`` is on both its rows.
+    ``df.attrs`` holds ``model``, ``layout`` and ``notes``.
+    """
+    check_has_blocks(model)
+    totals = _Totals(model.n_sites)
+    reader = None
+    it = norm_batches(model, inputs, batch_size, window, max_tokens, mask)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="norms", unit="batch")
+    for batch in it:
+        rs = stream_batch(model, batch, hooks)
+        resid, real = rs.resid, rs.mask.to(rs.resid.device)
+        if reader is None:
+            reader = readers(model, norm_sample(resid, real))
+        m = chunked_metrics(resid, reader)
+        check_norms_finite(model, m["stream_norm"], real)
+        rs.resid = None  # free the big tensor before the next forward
+        del resid
+        totals.add(m, undefined_tokens(m, reader), real, batch, rs.input_ids)
+    if totals.seen == 0:
+        raise InputError("empty input: no real tokens to measure")
+    df = totals.frame(model)
+    df.attrs.update(table_attrs(model, reader))
+    return df
+
+
+class _Totals:
+    """Running sums per (site, position group) over batches, and the table they make."""
+
+    def __init__(self, S: int):
+        G = len(POSITION_GROUPS)
+        self.sums = {k: torch.zeros(S, G, dtype=torch.float64) for k in NORM_METRICS}
+        self.counts = {k: torch.zeros(S, G, dtype=torch.float64) for k in NORM_METRICS}
+        self.n_tok = torch.zeros(S, G, dtype=torch.float64)
+        self.n_und = torch.zeros(S, G, dtype=torch.float64)
+        self.best = torch.full((S, G), -1.0, dtype=torch.float64)
+        self.loc = torch.full((S, G, 5), -1, dtype=torch.long)  # doc, window, position, dim, token id
+        self.seen = 0
+
+    def add(self, m: dict, und: torch.Tensor, real: torch.Tensor, batch, input_ids: torch.Tensor) -> None:
+        """One batch's per-token metrics ``m`` ([S, B, P] each), undefined-token flags and real-token mask."""
+        B, P = real.shape
+        pos = torch.arange(P, device=real.device)
+        groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0)  # [G, B, P]
+        self.seen += int(real.sum())
+        for k in NORM_METRICS:
+            v = m[k]  # [S, B, P]
+            ok = ~torch.isnan(v)
+            for g in range(len(POSITION_GROUPS)):
+                sel = ok & groups[g]
+                self.sums[k][:, g] += torch.where(sel, v, torch.zeros_like(v)).sum((1, 2)).cpu()
+                self.counts[k][:, g] += sel.sum((1, 2)).double().cpu()
+        for g in range(len(POSITION_GROUPS)):
+            self.n_tok[:, g] += float(groups[g].sum())
+            self.n_und[:, g] += (und & groups[g]).sum((1, 2)).double().cpu()
+            vals = torch.where(groups[g], m["max_abs"], torch.full_like(m["max_abs"], -1.0)).flatten(1)
+            v, flat = vals.max(1)  # [S]
+            better = v.cpu() > self.best[:, g]
+            if bool(better.any()):
+                b_i, p_i = flat // P, flat % P
+                dims = m["max_abs_dim"].flatten(1).gather(1, flat[:, None])[:, 0]
+                doc = torch.tensor(batch.doc_index, device=b_i.device)[b_i]
+                win = torch.tensor(batch.window_index, device=b_i.device)[b_i]
+                tok = input_ids[b_i, p_i]
+                new = torch.stack([doc, win, p_i, dims, tok.to(b_i.device)], 1).cpu()
+                self.best[:, g] = torch.where(better, v.cpu(), self.best[:, g])
+                self.loc[:, g] = torch.where(better[:, None], new, self.loc[:, g])
+
+    def frame(self, model) -> pd.DataFrame:
+        frames = []
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        sf = site_frame(range(model.n_sites), model.n_layers)
+        for g, name in enumerate(POSITION_GROUPS):
+            f = sf.copy()
+            f["positions"] = name
+            f["n_tokens"] = self.n_tok[:, g].numpy().astype(np.int64)
+            for k in NORM_METRICS:
+                c = self.counts[k][:, g]
+                f[k] = torch.where(c > 0, self.sums[k][:, g] / c.clamp_min(1), nan).numpy()
+            has = self.best[:, g] >= 0
+            f["max_abs"] = torch.where(has, self.best[:, g], nan).numpy()
+            for j, col in enumerate(["max_abs_doc", "max_abs_window", "max_abs_position", "max_abs_dim",
+                                     "max_abs_token_id"]):
+                f[col] = self.loc[:, g, j].numpy()
+            med, mx = f["median_abs"].to_numpy(float), f["max_abs"].to_numpy(float)
+            f["max_over_median"] = np.where(med > 0, mx / np.where(med > 0, med, 1.0), np.nan)
+            f["n_undefined"] = self.n_und[:, g].numpy().astype(np.int64)
+            frames.append(f)
+        return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,175 @@
+"""Direct logit attribution: a decoder's logit split into the embedding's and every sublayer's direct part."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+from depthscope.hooks.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.sites import site_frame
+
+from .streaming import Inputs, check_has_blocks
+
+
+def _token_id(model, t, what: str) -> int:
+    if isinstance(t, (int, np.integer)) or (isinstance(t, torch.Tensor) and t.numel() == 1):
+        i = int(t)
+        if not 0 <= i < model.vocab_size:
+            raise InputError(f"{what} token id {i} out of range 0..{model.vocab_size - 1}")
+        return i
+    if not isinstance(t, str) or t == "":
+        raise InputError(f"{what} must be a token id or a non-empty string, got {t!r}")
+    if model.tokenizer is None:
+        raise InputError(f"this model has no tokenizer: pass the {what} as a token id")
+    ids = model.tokenizer(t, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = [model.tokenizer.decode([i]) for i in ids]
+        raise InputError(
+            f"{what} {t!r} is {len(ids)} tokens {pieces}, not one; pass a single-token string "
+            f"(mind the leading space, e.g. ' Paris') or a token id"
+        )
+    return int(ids[0])
+
+
+def _per_example(model, tokens, n: int, what: str) -> Optional[list[int]]:
+    if tokens is None:
+        return None
+    if isinstance(tokens, (str, int, np.integer)) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1):
+        return [_token_id(model, tokens, what)] * n
+    tokens = list(tokens)
+    if len(tokens) != n:
+        raise InputError(f"{len(tokens)} {what} tokens for {n} examples; give one, or one per example")
+    return [_token_id(model, t, what) for t in tokens]
+
+
+def direct_logit_attribution(
+    model,
+    inputs: Inputs,
+    target_tokens=None,
+    contrast_tokens=None,
+    *,
+    position: int = -1,
+    batch_size: int = 8,
+    check: bool = True,
+    mask: Optional[torch.Tensor] = None,
+) -> pd.DataFrame:
+    """Direct logit attribution of every sublayer (and the embedding) to a target logit.
+
+    ``inputs``: prompts (strings; each one example, not split into windows) or a LongTensor
+    ``[n, pos]`` of token ids. ``target_tokens`` (and optional ``contrast_tokens``): one token
+    (single-token string such as ``" Paris"`` or an id) for all examples or one per example;
+    with a contrast the attributed quantity is ``logit[target] - logit[contrast]``.
+    ``position``: the token whose next-token logit is explained, counted among real tokens
+    (default -1, the last); ``mask`` marks the real tokens of padded (right-padded) id rows.
+
+    The final stream is ``h = embed + sum_s u_s``; the final norm with its scale frozen at
+    ``h`` is linear, so ``logit = sum_c w . centre(c) / sigma(h) + const`` with
+    ``w = gain * W_U[:, target]`` (minus the contrast column), ``centre`` the identity for
+    RMSNorm and mean-centring for LayerNorm, and ``const = W_U[:, t] . bias_norm + b_U[t]``.
+    A ``logit_scale`` multiplies everything; soft-capped logits are refused (not linear). The
+    frozen norm is :meth:`depthscope.hooks.unembed.Unembed.frozen`.
+
+    Returns one row per ``(example, site)`` plus one ``const`` row per example (``site=-1``,
+    ``label="const"``, ``layer=-1``, ``sublayer="const"``, ``depth`` NaN), columns ``example,
+    text, position, token, target, target_id, contrast, contrast_id`` + site columns +
+    ``contribution`` (this part), ``logit`` (the model's own logit or logit difference). With
+    ``check`` the sum of the parts must equal ``logit`` (relative 1e-4 of the scale of the
+    parts), else a RuntimeError names the example.
+    """
+    check_has_blocks(model)
+    if not model.unembed.decodes_stream:
+        raise UnsupportedArchitecture(
+            f"{model.name}: direct logit attribution needs a decoder whose logits are "
+            f"unembed(final_norm(stream)); {model.arch.family} ({model.arch.layout}) is not"
+        )
+    model.unembed.frozen(torch.zeros(model.d_model))  # refuses soft-capped logits before any forward
+    ids_all, texts, n = _examples(inputs)
+    targets = _per_example(model, target_tokens, n, "target")
+    contrasts = _per_example(model, contrast_tokens, n, "contrast")
+    sf = site_frame(range(model.n_sites), model.n_layers)
+    rows = []
+    for start in range(0, n, batch_size):
+        stop = min(n, start + batch_size)
+        if texts is None:
+            m = None if mask is None else mask.reshape(ids_all.shape)[start:stop]
+            rs = model.residual_stream(ids_all[start:stop], mask=m)
+        else:
+            rs = model.residual_stream(texts[start:stop])
+        lengths = rs.mask.sum(1)
+        for j in range(stop - start):
+            ex = start + j
+            L = int(lengths[j])
+            p = position if position >= 0 else L + position
+            if not 0 <= p < L:
+                raise InputError(f"position {position} outside example {ex}'s {L} tokens")
+            t = targets[ex] if targets is not None else int(rs.logits[j, p].argmax())
+            c = contrasts[ex] if contrasts is not None else None
+            lg = rs.logits[j, p].double()
+            logit = float(lg[t] - (lg[c] if c is not None else 0.0))
+            contrib, const = _attribute(model, rs.resid[:, j, p], t, c, logit if check else None, ex)
+            tok = model.tokenizer
+            info = {
+                "example": ex,
+                "text": texts[ex] if texts is not None else None,
+                "position": p,
+                "token": tok.decode([int(rs.input_ids[j, p])]) if tok is not None else None,
+                "target": tok.decode([t]) if tok is not None else str(t),
+                "target_id": t,
+                "contrast": (tok.decode([c]) if tok is not None else str(c)) if c is not None else None,
+                "contrast_id": c if c is not None else -1,
+                "logit": logit,
+            }
+            f = sf.copy()
+            f["contribution"] = contrib.cpu().numpy()
+            const_row = pd.DataFrame(
+                {"site": [-1], "label": ["const"], "layer": [-1], "sublayer": ["const"], "depth": [float("nan")],
+                 "contribution": [const]}
+            )
+            f = pd.concat([f, const_row], ignore_index=True)
+            for k, v in info.items():
+                f[k] = v
+            rows.append(f)
+    df = pd.concat(rows, ignore_index=True)
+    first = ["example", "text", "position", "token", "target", "target_id", "contrast", "contrast_id"]
+    df = df[first + list(sf.columns) + ["contribution", "logit"]]
+    df.attrs.update({"model": str(model.name), "what": "logit difference" if contrasts else "logit"})
+    return df
+
+
+def _examples(inputs):
+    """(token ids or None, texts or None, number of examples) of DLA inputs."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if isinstance(inputs, torch.Tensor):
+        ids_all = inputs if inputs.dim() == 2 else inputs[None]
+        if ids_all.numel() == 0:
+            raise InputError("empty input: no tokens")
+        return ids_all, None, ids_all.shape[0]
+    texts = list(inputs)
+    if not texts or any((not isinstance(t, str)) or t == "" for t in texts):
+        raise InputError("empty input: give non-empty prompts")
+    return None, texts, len(texts)
+
+
+def _attribute(model, h: torch.Tensor, t: int, c: Optional[int], logit: Optional[float], ex: int):
+    """Parts of ``logit[t] (- logit[c])`` for one token's streams ``h`` [S, D] (after every site):
+    the embedding and every write through the final norm frozen at ``h[-1]``, and the constant.
+    With ``logit`` (the model's own), the parts must sum to it."""
+    h = h.double()
+    comps = torch.cat([h[:1], h[1:] - h[:-1]], 0)  # embed, then every write
+    frozen = model.unembed.frozen(h[-1])
+    contrib = frozen.contributions(comps, t, c)
+    const = frozen.constant(t, c)
+    if logit is not None:
+        total = float(contrib.sum()) + const
+        size = max(float(contrib.abs().sum()) + abs(const), abs(logit), 1e-6)
+        if abs(total - logit) > 1e-4 * size:
+            raise RuntimeError(
+                f"direct logit attribution does not reproduce the model's logit for example {ex} "
+                f"(parts sum to {total:.6g}, model says {logit:.6g}): the final norm or the "
+                f"unembedding of {model.name} is not the plain RMSNorm/LayerNorm -> linear form"
+            )
+    return contrib, const

@@ -1,0 +1,88 @@
+"""Streaming texts through the model for the norms analyses: bounded batches, every site, one finiteness check."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from depthscope.hooks.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
+
+from ..text import TokenBatch, token_batches
+
+Inputs = Union[torch.Tensor, Sequence[str], str]
+
+
+def stream_batch(model, batch: TokenBatch, hooks):
+    """All sites for one batch. The finiteness check is ours (on the per-token norms of real
+    tokens, see :func:`check_norms_finite`), which saves residual_stream a full pass."""
+    return model.residual_stream(batch.ids, mask=batch.mask, return_logits=False, hooks=hooks, check_finite=False)
+
+
+def check_norms_finite(model, stream_norm: torch.Tensor, mask: torch.Tensor) -> None:
+    """NaN/inf anywhere in a real token's stream makes its norm non-finite: refuse, naming the site."""
+    bad = ~torch.isfinite(stream_norm) & mask.to(stream_norm.device)[None]
+    if bool(bad.any()):
+        per_site = bad.flatten(1).any(1)
+        s = int(per_site.nonzero()[0, 0])
+        rows = bad[s].any(-1).nonzero().flatten().tolist()
+        raise NonFiniteActivationError(
+            f"NaN/inf in the residual stream first at site {model.labels[s]} (batch rows {rows}); "
+            f"contribution norms are undefined there"
+        )
+
+
+def _limited(batches: Iterable[TokenBatch], max_tokens: Optional[int]) -> Iterable[TokenBatch]:
+    """Stop after ``max_tokens`` real tokens (the last sequence is cut to a prefix)."""
+    if max_tokens is None:
+        yield from batches
+        return
+    if max_tokens <= 0:
+        raise InputError(f"max_tokens must be positive, got {max_tokens}")
+    left = max_tokens
+    for b in batches:
+        if left <= 0:
+            return
+        n = b.mask.sum(1)
+        if int(n.sum()) <= left:
+            left -= int(n.sum())
+            yield b
+            continue
+        mask = b.mask.clone()
+        keep_rows = 0
+        for i in range(mask.shape[0]):
+            k = min(int(n[i]), left)
+            mask[i, k:] = False
+            left -= k
+            if k > 0:
+                keep_rows = i + 1
+        width = int(mask[:keep_rows].sum(1).max())
+        yield TokenBatch(
+            b.ids[:keep_rows, :width], mask[:keep_rows, :width], b.doc_index[:keep_rows], b.window_index[:keep_rows]
+        )
+        return
+
+
+def norm_batches(model, inputs, batch_size, window, max_tokens, mask=None):
+    if batch_size <= 0:
+        raise InputError(f"batch_size must be positive, got {batch_size}")
+    return _limited(token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask), max_tokens)
+
+
+def norm_sample(resid: torch.Tensor, mask: torch.Tensor, n: int = 64) -> torch.Tensor:
+    """Up to ``n`` real tokens' streams at every site, [S, n, D], to verify the norms against."""
+    b, p = mask.nonzero(as_tuple=True)
+    return resid[:, b[:n], p[:n]]
+
+
+def check_has_blocks(model) -> None:
+    if model.n_layers < 1:
+        raise UnsupportedArchitecture("a model without blocks has no sublayer writes")
+
+
+def table_attrs(model, reader) -> dict:
+    return {
+        "model": str(model.name),
+        "layout": model.arch.layout,
+        "notes": "; ".join(reader.notes) if reader is not None else "",
+    }
