@@ -371,7 +371,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
         md += [f"![{cap}]({f})" for f, cap in figs] + [""]
     md += ["## Tables", "", "All numbers above come from the tidy tables in this folder (Parquet and CSV): "
            + ", ".join(sorted(p.name for p in out.glob("*.csv"))) + "."]
-    (out / "report.md").write_text("\n".join(md), encoding="utf-8")
+    atomic_text(out / "report.md", "\n".join(md))
 
     h = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(head)}</title>",
          "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
@@ -391,7 +391,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
                      f"<figcaption>{html.escape(cap)}</figcaption></figure>")
     h.append("</body></html>")
     path = out / "report.html"
-    path.write_text("\n".join(h), encoding="utf-8")
+    atomic_text(path, "\n".join(h))
     return path
 
 
