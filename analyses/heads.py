@@ -15,7 +15,8 @@ An attention sublayer's write is a sum over heads: ``u_attn = sum_h W_O^h z_h + 
 
 Both read the input of the attention's output projection (located, with the head counts and
 value layouts, by :mod:`depthscope.hooks.arch`) with plain forward hooks, and use
-``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram matrices, so the per-head writes never materialise ``[tokens, heads, d_model]``. Every call checks
+``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram matrices, so the per-head writes never
+materialise ``[tokens, heads, d_model]``. Every call checks
 that the heads sum (with the output bias) to the attention module's own output. Value vectors
 (needed only by :func:`norm_weighted_attention`) are read for Llama-style (``v_proj``), GPT-2
 (``c_attn``) and GPT-NeoX (``query_key_value``) attention; other layouts are refused. Post-norm
@@ -25,8 +26,8 @@ encoders (BERT) are refused: their heads' writes pass through a LayerNorm before
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -40,6 +41,7 @@ from .norms.metrics import POSITION_GROUPS
 from .norms.streaming import norm_batches
 
 __all__ = ["head_write_norms", "norm_weighted_attention"]
+
 
 @dataclass
 class _HeadWeights:
@@ -73,7 +75,9 @@ def _head_weights(model) -> _HeadWeights:
             )
         W = linear_weight(proj).float()
         if W.shape[0] != model.d_model or W.shape[1] % H:
-            raise UnsupportedArchitecture(f"{model.name}: output projection of layer {layer} has shape {tuple(W.shape)}")
+            raise UnsupportedArchitecture(
+                f"{model.name}: output projection of layer {layer} has shape {tuple(W.shape)}"
+            )
         dh = W.shape[1] // H
         Wh = W.reshape(model.d_model, H, dh)  # columns of head h: h*dh..(h+1)*dh
         grams.append(torch.einsum("dhk,dhl->hkl", Wh, Wh))
@@ -96,6 +100,7 @@ def _capture_out_proj_inputs(spec: _HeadWeights, store: dict):
     handles = []
     try:
         for layer, proj in enumerate(spec.out_proj):
+
             def pre(mod, args, layer=layer):
                 store.setdefault("z", {})[layer] = args[0]
 
@@ -127,9 +132,9 @@ def head_write_norms(
     inputs,
     *,
     batch_size: int = 4,
-    window: Optional[int] = None,
-    max_tokens: Optional[int] = None,
-    mask: Optional[torch.Tensor] = None,
+    window: int | None = None,
+    max_tokens: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Per-head attention write norms over a dataset, streamed in bounded memory.
 
@@ -146,7 +151,10 @@ def head_write_norms(
     spec = _head_weights(model)
     L, H, S = model.n_layers, spec.n_heads, model.n_sites
     G = len(POSITION_GROUPS)
-    sums = {k: torch.zeros(L, H, G, dtype=torch.float64) for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")}
+    sums = {
+        k: torch.zeros(L, H, G, dtype=torch.float64)
+        for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")
+    }
     n_tok = torch.zeros(G, dtype=torch.float64)
     checked = False
     for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
@@ -167,7 +175,12 @@ def head_write_norms(
             share = torch.where(tot > 0, hn / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(hn))
             heads_only = z.float() @ spec.W[layer].to(z.device).T  # the sum of the heads (no bias)
             an = torch.linalg.vector_norm(out.float(), dim=-1).double()  # [B, P]
-            coh = torch.where(tot[..., 0] > 0, torch.linalg.vector_norm(heads_only, dim=-1).double() / torch.where(tot[..., 0] > 0, tot[..., 0], torch.ones_like(an)), torch.zeros_like(an))
+            coh = torch.where(
+                tot[..., 0] > 0,
+                torch.linalg.vector_norm(heads_only, dim=-1).double()
+                / torch.where(tot[..., 0] > 0, tot[..., 0], torch.ones_like(an)),
+                torch.zeros_like(an),
+            )
             sums["write_norm"][layer] += torch.einsum("gbp,bph->hg", groups, hn).cpu()
             sums["write_share"][layer] += torch.einsum("gbp,bph->hg", groups, share).cpu()
             sums["attn_write_norm"][layer] += torch.einsum("gbp,bp->g", groups, an).cpu()[None].expand(H, G)
@@ -191,7 +204,7 @@ def head_write_norms(
 
 
 # ----------------------------------------------------------------------------- Kobayashi
-def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]] = None) -> pd.DataFrame:
+def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = None) -> pd.DataFrame:
     """Attention weights and norm-weighted attention of every head for one text.
 
     One row per ``(layer, head, query i, key j <= i)`` with ``query_token, key_token``,
@@ -217,22 +230,33 @@ def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]]
         for l in layers:
             attn = model.arch.attn[l]
             handles.append(value_hook(model.arch, l, values, name=str(model.name)))
-            handles.append(attn.register_forward_hook(
-                lambda mod, args, out, l=l: weights.__setitem__(l, out[1] if isinstance(out, tuple) and len(out) > 1 else None)))
+            handles.append(
+                attn.register_forward_hook(
+                    lambda mod, args, out, l=l: weights.__setitem__(
+                        l, out[1] if isinstance(out, tuple) and len(out) > 1 else None
+                    )
+                )
+            )
         with eager_attention(model.hf_model), _capture_out_proj_inputs(spec, store), torch.no_grad():
             model.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
     finally:
         for h in handles:
             h.remove()
     P = ids.shape[1]
-    toks = [model.tokenizer.decode([int(t)]) for t in ids[0]] if model.tokenizer is not None else [str(int(t)) for t in ids[0]]
+    toks = (
+        [model.tokenizer.decode([int(t)]) for t in ids[0]]
+        if model.tokenizer is not None
+        else [str(int(t)) for t in ids[0]]
+    )
     qi, kj = np.tril_indices(P)
     frames = []
     sf = site_frame([2 * l + 1 for l in layers], L).set_index("layer", drop=False)
     for l in layers:
         a = weights.get(l)
         if a is None:
-            raise UnsupportedArchitecture(f"{model.name}: attention of layer {l} did not return its weights under eager attention")
+            raise UnsupportedArchitecture(
+                f"{model.name}: attention of layer {l} did not return its weights under eager attention"
+            )
         a = a[0].float()  # [H, P, P]
         v = values[l][0].float()  # [P, H, dh]
         z = torch.einsum("hij,jhk->ihk", a, v).reshape(P, -1)  # rebuilt head outputs
@@ -262,6 +286,22 @@ def norm_weighted_attention(model, text: str, *, layers: Optional[Sequence[int]]
             f.insert(0 if c == "site" else list(f.columns).index("head"), c, sf.loc[l, c])
         frames.append(f)
     df = pd.concat(frames, ignore_index=True)
-    df = df[["site", "label", "layer", "sublayer", "depth", "head", "query", "query_token", "key", "key_token", "weight", "value_norm", "norm_weighted"]]
+    df = df[
+        [
+            "site",
+            "label",
+            "layer",
+            "sublayer",
+            "depth",
+            "head",
+            "query",
+            "query_token",
+            "key",
+            "key_token",
+            "weight",
+            "value_norm",
+            "norm_weighted",
+        ]
+    ]
     df.attrs.update({"model": str(model.name), "text": text})
     return df

@@ -42,8 +42,8 @@ attention sink with outsized norms. Pass ``first_position=False`` to exclude it 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -65,7 +65,15 @@ LOGIT_LENS = LogitLens()
 #: + metrics vs the bare matmuls: ~1.45x at 8 tokens per chunk, ~1.2-1.3x at 16).
 DEFAULT_BUFFER_MB = 400
 
-METRICS = ["kl_to_final", "cross_entropy", "entropy", "top1_agreement", "top1_accuracy", "target_rank", "target_log_rank"]
+METRICS = [
+    "kl_to_final",
+    "cross_entropy",
+    "entropy",
+    "top1_agreement",
+    "top1_accuracy",
+    "target_rank",
+    "target_log_rank",
+]
 _ALL_POSITIONS = {"kl_to_final", "entropy", "top1_agreement"}  # the others need a next token
 
 
@@ -82,9 +90,9 @@ def lens_batches(
     model,
     inputs,
     *,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
     batch_size: int = 8,
-    window: Optional[int] = None,
+    window: int | None = None,
     max_batch_tokens: int = 1024,
 ) -> Iterator[_Batch]:
     """``token_batches`` further split so that no forward holds more than ``max_batch_tokens``
@@ -129,7 +137,7 @@ def _grouped_token_batches(model, inputs, *, batch_size, window, mask):
         raise InputError("empty input: no texts given")
     before, yielded = 0, False  # documents are numbered after dropping empty strings, as token_batches does
     for start in range(0, len(docs), DOC_GROUP):
-        group = [d for d in docs[start:start + DOC_GROUP] if d]
+        group = [d for d in docs[start : start + DOC_GROUP] if d]
         if not group:
             continue
         try:
@@ -188,8 +196,16 @@ class _Decoder:
         neg_h = (p * lp).sum(-1)  # sum_v p log p
         return p, neg_h, top
 
-    def run(self, xs: torch.Tensor, p: torch.Tensor, neg_hp: torch.Tensor, final_top: torch.Tensor,
-            targets: torch.Tensor, *, topk: int = 0) -> dict:
+    def run(
+        self,
+        xs: torch.Tensor,
+        p: torch.Tensor,
+        neg_hp: torch.Tensor,
+        final_top: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        topk: int = 0,
+    ) -> dict:
         """``xs``: [C, S, d] streams (translated if a tuned lens is used); returns [C, S] tensors."""
         model = self.model
         C, S, d = xs.shape
@@ -225,7 +241,7 @@ class _Decoder:
         return out
 
 
-def _token_chunk(token_chunk: Optional[int], n_sites: int, vocab: int) -> int:
+def _token_chunk(token_chunk: int | None, n_sites: int, vocab: int) -> int:
     if token_chunk is None:
         rows = DEFAULT_BUFFER_MB * 2**20 // (2 * 4 * vocab)
         return max(1, rows // n_sites)
@@ -247,8 +263,23 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
     return b_idx, t_idx, targets
 
 
-def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_batch_tokens, token_chunk,
-                 first_position, topk=0, timings=None, target_fn=None, max_tokens=None):
+def _iter_chunks(
+    model,
+    inputs,
+    *,
+    mask,
+    sites,
+    lens,
+    batch_size,
+    window,
+    max_batch_tokens,
+    token_chunk,
+    first_position,
+    topk=0,
+    timings=None,
+    target_fn=None,
+    max_tokens=None,
+):
     """Yield (batch, rs, b_idx, t_idx, targets, chosen targets, metrics) per chunk of positions."""
     S = len(sites)
     C = _token_chunk(token_chunk, S, model.vocab_size)
@@ -258,8 +289,9 @@ def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_ba
     t_fwd = t_dec = 0.0
     used = 0
     with torch.inference_mode():
-        for batch in lens_batches(model, inputs, mask=mask, batch_size=batch_size, window=window,
-                                  max_batch_tokens=max_batch_tokens):
+        for batch in lens_batches(
+            model, inputs, mask=mask, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens
+        ):
             if max_tokens is not None:
                 if used >= max_tokens:
                     break
@@ -276,8 +308,8 @@ def _iter_chunks(model, inputs, *, mask, sites, lens, batch_size, window, max_ba
                 b_all, t_all, tg_all = (v[: max_tokens - used] for v in (b_all, t_all, tg_all))
                 used += len(b_all)
             for start in range(0, len(b_all), C):
-                bi, ti = b_all[start:start + C], t_all[start:start + C]
-                targets = tg_all[start:start + C]
+                bi, ti = b_all[start : start + C], t_all[start : start + C]
+                targets = tg_all[start : start + C]
                 p, neg_hp, final_top = dec.final(rs.logits[bi, ti])
                 chosen = targets if target_fn is None else target_fn(targets, final_top)
                 xs = rs.resid[:, bi, ti]  # [S, c, d]
@@ -301,7 +333,7 @@ class _Sums:
     n_all: int = 0
     n_next: int = 0
 
-    def add(self, name: str, v: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
+    def add(self, name: str, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         v = v.double()
         if valid is not None:
             v = v[valid]
@@ -322,18 +354,18 @@ class _Sums:
 
 def logit_lens(
     model,
-    inputs: Union[torch.Tensor, Sequence[str], str],
+    inputs: torch.Tensor | Sequence[str] | str,
     *,
     lens: Lens = LOGIT_LENS,
     sites=None,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
     batch_size: int = 8,
-    window: Optional[int] = None,
+    window: int | None = None,
     max_batch_tokens: int = 1024,
-    token_chunk: Optional[int] = None,
+    token_chunk: int | None = None,
     first_position: bool = True,
-    max_tokens: Optional[int] = None,
-    timings: Optional[dict] = None,
+    max_tokens: int | None = None,
+    timings: dict | None = None,
 ) -> pd.DataFrame:
     """Dataset-level logit lens: one row per site with the means of every metric.
 
@@ -359,10 +391,19 @@ def logit_lens(
     sites = lens.resolve_sites(model, sites)
     S = len(sites)
     acc = _Sums(S)
-    for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
-        model, inputs, mask=mask, sites=sites, lens=lens, batch_size=batch_size, window=window,
-        max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
-        timings=timings, max_tokens=max_tokens,
+    for _batch, _rs, _bi, _ti, targets, _chosen, met in _iter_chunks(
+        model,
+        inputs,
+        mask=mask,
+        sites=sites,
+        lens=lens,
+        batch_size=batch_size,
+        window=window,
+        max_batch_tokens=max_batch_tokens,
+        token_chunk=token_chunk,
+        first_position=first_position,
+        timings=timings,
+        max_tokens=max_tokens,
     ):
         valid = targets >= 0
         acc.n_all += len(targets)
@@ -400,8 +441,10 @@ def _single_token(model, target) -> int:
     ids = model.tokenizer(str(target), add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise InputError(f"target {target!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
-                         f"(mind the leading space, e.g. ' Paris') or a token id")
+        raise InputError(
+            f"target {target!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
+            f"(mind the leading space, e.g. ' Paris') or a token id"
+        )
     return int(ids[0])
 
 
@@ -413,19 +456,19 @@ def _decode_token(tok, i: int) -> str:
 
 def logit_lens_tokens(
     model,
-    inputs: Union[torch.Tensor, Sequence[str], str],
+    inputs: torch.Tensor | Sequence[str] | str,
     *,
     lens: Lens = LOGIT_LENS,
     sites=None,
     k: int = 5,
     target=None,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
     batch_size: int = 8,
-    window: Optional[int] = None,
+    window: int | None = None,
     max_batch_tokens: int = 1024,
-    token_chunk: Optional[int] = None,
+    token_chunk: int | None = None,
     first_position: bool = True,
-    max_tokens: Optional[int] = None,
+    max_tokens: int | None = None,
 ) -> pd.DataFrame:
     """Per position and site: the lens's top-``k`` tokens and a target token's log-prob and rank.
 
@@ -456,9 +499,19 @@ def logit_lens_tokens(
     frames = []
     sf = site_frame(sites, model.n_layers)
     for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
-        model, inputs, mask=mask, sites=sites, lens=lens, batch_size=batch_size, window=window,
-        max_batch_tokens=max_batch_tokens, token_chunk=token_chunk, first_position=first_position,
-        topk=k, target_fn=target_fn, max_tokens=max_tokens,
+        model,
+        inputs,
+        mask=mask,
+        sites=sites,
+        lens=lens,
+        batch_size=batch_size,
+        window=window,
+        max_batch_tokens=max_batch_tokens,
+        token_chunk=token_chunk,
+        first_position=first_position,
+        topk=k,
+        target_fn=target_fn,
+        max_tokens=max_tokens,
     ):
         frames.append(_token_rows(model, lens, sf, k, fixed is not None, batch, rs, bi, ti, targets, chosen, met))
     if not frames:

@@ -19,8 +19,8 @@ take any lens object; the default is the plain :class:`LogitLens`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ def _parse(sites, model) -> list[int]:
     try:
         return parse_sites(sites, model.n_layers)
     except (KeyError, IndexError) as e:
-        raise InputError(str(e).strip("\'\"")) from None
+        raise InputError(str(e).strip("'\"")) from None
 
 
 class Lens:
@@ -108,13 +108,21 @@ class TunedLens(Lens):
 
     kind = "tuned"
 
-    def __init__(self, sites: Sequence[int], n_layers: int, weight: torch.Tensor, bias: torch.Tensor,
-                 model_info: dict, training: Optional[dict] = None):
+    def __init__(
+        self,
+        sites: Sequence[int],
+        n_layers: int,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        model_info: dict,
+        training: dict | None = None,
+    ):
         self.sites = [int(s) for s in sites]
         self.n_layers = int(n_layers)
         if weight.shape != (len(self.sites), weight.shape[-1], weight.shape[-1]) or bias.shape != weight.shape[:2]:
-            raise CheckpointError(f"tuned lens tensors have shapes {tuple(weight.shape)}, {tuple(bias.shape)} "
-                                  f"for {len(self.sites)} sites")
+            raise CheckpointError(
+                f"tuned lens tensors have shapes {tuple(weight.shape)}, {tuple(bias.shape)} for {len(self.sites)} sites"
+            )
         self.weight = weight.float()
         self.bias = bias.float()
         self.d_model = int(weight.shape[-1])
@@ -124,12 +132,11 @@ class TunedLens(Lens):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def identity(cls, model, sites=None) -> "TunedLens":
+    def identity(cls, model, sites=None) -> TunedLens:
         """Zero translators (the plain logit lens) for ``sites`` (default: all) of ``model``."""
         sites = parse_sites(sites, model.n_layers)
         d = model.d_model
-        return cls(sites, model.n_layers, torch.zeros(len(sites), d, d), torch.zeros(len(sites), d),
-                   model_info(model))
+        return cls(sites, model.n_layers, torch.zeros(len(sites), d, d), torch.zeros(len(sites), d), model_info(model))
 
     @property
     def site_labels(self) -> list[str]:
@@ -138,8 +145,11 @@ class TunedLens(Lens):
 
     def __repr__(self) -> str:
         steps = self.training.get("steps_done")
-        return (f"TunedLens({self.model_info.get('name')!r}, {len(self.sites)} sites, d_model={self.d_model}"
-                + (f", trained {steps} steps" if steps is not None else "") + ")")
+        return (
+            f"TunedLens({self.model_info.get('name')!r}, {len(self.sites)} sites, d_model={self.d_model}"
+            + (f", trained {steps} steps" if steps is not None else "")
+            + ")"
+        )
 
     # ------------------------------------------------------------------ use
     def translate(self, xs: torch.Tensor, sites: Sequence[int]) -> torch.Tensor:
@@ -173,8 +183,10 @@ class TunedLens(Lens):
         diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
         if strict and not diff and mine.get("digest") != theirs.get("digest"):
             if mine.get("digest_algorithm") != ALGORITHM:
-                diff.append("weights: the lens records a weight digest of an older depthscope, which cannot be "
-                            "compared; load it with strict=False if it is this model's")
+                diff.append(
+                    "weights: the lens records a weight digest of an older depthscope, which cannot be "
+                    "compared; load it with strict=False if it is this model's"
+                )
             else:
                 diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
         if diff:
@@ -206,7 +218,7 @@ class TunedLens(Lens):
         return path
 
     @classmethod
-    def load(cls, path, model=None, *, strict: bool = True) -> "TunedLens":
+    def load(cls, path, model=None, *, strict: bool = True) -> TunedLens:
         """Read a saved lens (its folder, or either file in it); with ``model``, check it fits."""
         path = Path(path)
         if path.suffix in (".json", ".safetensors"):

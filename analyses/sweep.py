@@ -26,14 +26,14 @@ import json
 import re
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
 
 import pandas as pd
 
 from depthscope.hooks.errors import DepthscopeError
-from depthscope.hooks.files import atomic_write
+from depthscope.hooks.files import atomic_text, atomic_write
 
 from .tables import site_first, write_table
 
@@ -57,10 +57,10 @@ class OutputConflict(SweepError):
 class Checkpoint:
     name: str
     spec: str
-    step: Optional[int]
+    step: int | None
 
 
-def parse_step(name: str) -> Optional[int]:
+def parse_step(name: str) -> int | None:
     """The training step in a checkpoint name (``step100``, ``checkpoint-200``, ``model_300``)."""
     stem = Path(name).name
     if stem.endswith(".gguf"):
@@ -77,7 +77,7 @@ def _is_checkpoint(p: Path) -> bool:
 
 
 def discover_checkpoints(
-    paths: Sequence[Union[str, Path]] = (), checkpoint_dir: Union[str, Path, None] = None
+    paths: Sequence[str | Path] = (), checkpoint_dir: str | Path | None = None
 ) -> list[Checkpoint]:
     """Checkpoints from explicit specs/paths (kept in the given order) and/or a folder of
     sub-folders (``step100``, ``checkpoint-200``, ...) or ``.gguf`` files, ordered by step."""
@@ -100,7 +100,9 @@ def discover_checkpoints(
     dup = {n for n in names if names.count(n) > 1}
     if dup:  # same folder names under different parents: disambiguate with a digest of the spec
         out = [
-            Checkpoint(f"{c.name}-{hashlib.sha1(c.spec.encode()).hexdigest()[:6]}", c.spec, c.step) if c.name in dup else c
+            Checkpoint(f"{c.name}-{hashlib.sha1(c.spec.encode()).hexdigest()[:6]}", c.spec, c.step)
+            if c.name in dup
+            else c
             for c in out
         ]
     return out
@@ -144,7 +146,7 @@ class SweepResult:
     done: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
-    out_dir: Optional[Path] = None
+    out_dir: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -171,13 +173,13 @@ def _describe_inputs(kwargs: dict) -> dict:
 
 
 def sweep(
-    checkpoints: Sequence[Union[Checkpoint, str, Path]],
-    analysis: Union[str, AnalysisFn],
-    out_dir: Union[str, Path],
+    checkpoints: Sequence[Checkpoint | str | Path],
+    analysis: str | AnalysisFn,
+    out_dir: str | Path,
     *,
     allow_mixed: bool = False,
     overwrite: bool = False,
-    load: Optional[Callable] = None,
+    load: Callable | None = None,
     progress: bool = True,
     **analysis_kwargs,
 ) -> SweepResult:
@@ -188,8 +190,10 @@ def sweep(
     from depthscope.hooks import load_model
 
     load = load or load_model
-    cks = [c if isinstance(c, Checkpoint) else Checkpoint(_safe_name(Path(str(c)).name), str(c), parse_step(str(c)))
-           for c in checkpoints]
+    cks = [
+        c if isinstance(c, Checkpoint) else Checkpoint(_safe_name(Path(str(c)).name), str(c), parse_step(str(c)))
+        for c in checkpoints
+    ]
     if not cks:
         raise SweepError("no checkpoints to sweep")
     fn = ANALYSES.get(analysis) if isinstance(analysis, str) else analysis
@@ -221,7 +225,9 @@ def sweep(
     ck_dir.mkdir(parents=True, exist_ok=True)
 
     def write_manifest():
-        atomic_write(manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1)))
+        atomic_write(
+            manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1))
+        )
 
     write_manifest()
     result = SweepResult(tables={}, out_dir=out)
@@ -249,7 +255,11 @@ def sweep(
                 reference = {"checkpoint": ck.name, "fingerprint": fp}
                 write_manifest()
             elif fp != reference["fingerprint"] and not allow_mixed:
-                diff = {k: (reference["fingerprint"].get(k), v) for k, v in fp.items() if reference["fingerprint"].get(k) != v}
+                diff = {
+                    k: (reference["fingerprint"].get(k), v)
+                    for k, v in fp.items()
+                    if reference["fingerprint"].get(k) != v
+                }
                 raise SweepError(
                     f"mixed series: {ck.name} differs from {reference['checkpoint']} in {diff}; pass allow_mixed=True "
                     f"(--allow-mixed) to compare them anyway"
@@ -260,8 +270,8 @@ def sweep(
             raise
         except Exception as e:  # recorded, the sweep goes on
             msg = f"{type(e).__name__}: {e}"
-            atomic_write(failed_marker, lambda t: Path(t).write_text(json.dumps(
-                {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}, indent=1)))
+            record = {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}
+            atomic_text(failed_marker, json.dumps(record, indent=1))
             result.failed[ck.name] = msg
             continue
         for tname, df in tables.items():
@@ -270,8 +280,14 @@ def sweep(
             df.insert(0, "checkpoint", ck.name)
             atomic_write(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
         # the marker is written last: a checkpoint counts as finished only once all its tables are
-        atomic_write(done_marker, lambda t: Path(t).write_text(json.dumps(
-            {"checkpoint": ck.name, "spec": ck.spec, "step": ck.step, "tables": sorted(tables), "seconds": round(time.time() - t0, 2)})))
+        done = {
+            "checkpoint": ck.name,
+            "spec": ck.spec,
+            "step": ck.step,
+            "tables": sorted(tables),
+            "seconds": round(time.time() - t0, 2),
+        }
+        atomic_text(done_marker, json.dumps(done, indent=1))
         if failed_marker.exists():
             failed_marker.unlink()
         result.done.append(ck.name)
@@ -281,7 +297,7 @@ def sweep(
     return result
 
 
-def combine(out_dir: Union[str, Path], order: Optional[Sequence[str]] = None) -> dict[str, pd.DataFrame]:
+def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The combined tables of a sweep folder (finished checkpoints only), ordered by step."""
     ck_dir = Path(out_dir) / "checkpoints"
     finished = {json.loads(p.read_text())["checkpoint"]: json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")}

@@ -9,16 +9,16 @@ bounded memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from depthscope.hooks.errors import InputError
 
 
-def read_documents(path: Union[str, Path], *, per_line: bool = True, encoding: str = "utf-8") -> list[str]:
+def read_documents(path: str | Path, *, per_line: bool = True, encoding: str = "utf-8") -> list[str]:
     """Documents of a plain-text file: one per non-blank line, or the whole file as one."""
     path = Path(path)
     if not path.is_file():
@@ -29,8 +29,7 @@ def read_documents(path: Union[str, Path], *, per_line: bool = True, encoding: s
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise InputError(
-            f"{path}: bytes that are not valid {encoding} at line {line} (byte {e.start}); "
-            f"re-encode the file as UTF-8"
+            f"{path}: bytes that are not valid {encoding} at line {line} (byte {e.start}); re-encode the file as UTF-8"
         ) from None
     docs = [ln.strip() for ln in text.splitlines()] if per_line else [text.strip()]
     docs = [d for d in docs if d]
@@ -58,7 +57,7 @@ def _tokenize_docs(model, docs: Sequence[str]) -> list[list[int]]:
     return out
 
 
-def windows(ids: list[int], window: int, stride: Optional[int] = None) -> list[list[int]]:
+def windows(ids: list[int], window: int, stride: int | None = None) -> list[list[int]]:
     """Split a token list into consecutive windows of at most ``window`` tokens."""
     if window <= 0:
         raise ValueError("window must be positive")
@@ -70,11 +69,11 @@ def windows(ids: list[int], window: int, stride: Optional[int] = None) -> list[l
 
 def token_batches(
     model,
-    inputs: Union[torch.Tensor, Sequence[str], str],
+    inputs: torch.Tensor | Sequence[str] | str,
     *,
     batch_size: int = 8,
-    window: Optional[int] = None,
-    mask: Optional[torch.Tensor] = None,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> Iterator[TokenBatch]:
     """Yield padded batches (right padding) of windows of at most ``window`` tokens.
 

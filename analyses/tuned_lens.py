@@ -41,7 +41,6 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -146,13 +145,15 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
     n = 0
     bar = _bar(progress, total=cache_tokens, desc="capturing streams", unit="tok")
     with torch.inference_mode():
-        for batch in lens_batches(model, inputs, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens):
+        for batch in lens_batches(
+            model, inputs, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens
+        ):
             rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites, return_logits=False)
             m = rs.mask
             take = min(int(m.sum()), cache_tokens - n)
             x = rs.resid[:, m][:, :take]  # [S_all, take, d]
-            X[:, n:n + take] = x[pos].cpu()
-            Fin[n:n + take] = x[sites.index(last)].cpu()
+            X[:, n : n + take] = x[pos].cpu()
+            Fin[n : n + take] = x[sites.index(last)].cpu()
             ids_seen.append(rs.input_ids[m][:take].cpu())
             n += take
             bar.update(take)
@@ -193,7 +194,7 @@ def train_tuned_lens(
     weight_lr: float = 3e-3,
     warmup: int = 10,
     per_line: bool = True,
-    window: Optional[int] = 256,
+    window: int | None = 256,
     batch_size: int = 8,
     max_batch_tokens: int = 1024,
     checkpoint_every: int = 25,
@@ -231,16 +232,33 @@ def train_tuned_lens(
 
     matmul_dtype = _matmul_dtype(model, matmul_dtype)
     fast = model.unembed.is_plain_linear
-    X, F, data_digest = _cache_streams(model, inputs, train_sites, cache_tokens=cache_tokens, window=window,
-                                       batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress)
+    X, F, data_digest = _cache_streams(
+        model,
+        inputs,
+        train_sites,
+        cache_tokens=cache_tokens,
+        window=window,
+        batch_size=batch_size,
+        max_batch_tokens=max_batch_tokens,
+        progress=progress,
+    )
     N = F.shape[0]
     S = len(train_sites)
     scale = X.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6) if S else torch.zeros(0)  # [S] stream RMS
 
     settings = {
-        "sites": all_sites, "trained_sites": train_sites, "steps": steps, "tokens_per_step": tokens_per_step,
-        "cache_tokens": N, "lr": lr, "weight_lr": weight_lr, "warmup": warmup, "seed": seed,
-        "matmul_dtype": matmul_dtype, "data_digest": data_digest, "window": window,
+        "sites": all_sites,
+        "trained_sites": train_sites,
+        "steps": steps,
+        "tokens_per_step": tokens_per_step,
+        "cache_tokens": N,
+        "lr": lr,
+        "weight_lr": weight_lr,
+        "warmup": warmup,
+        "seed": seed,
+        "matmul_dtype": matmul_dtype,
+        "data_digest": data_digest,
+        "window": window,
     }
     dev = model.device
     scale = scale.to(dev)
@@ -269,7 +287,10 @@ def train_tuned_lens(
         kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), A, c, scale, Wm, bufs)
         t = step + 1
         with torch.no_grad():
-            for P, G, m, v, base in ((A, gA, state["mA"], state["vA"], weight_lr), (c, gc, state["mc"], state["vc"], lr)):
+            for P, G, m, v, base in (
+                (A, gA, state["mA"], state["vA"], weight_lr),
+                (c, gc, state["mc"], state["vc"], lr),
+            ):
                 _adam(P, G, m, v, _lr_at(step, steps, base, warmup), t)
         history.append(round(float(kl.detach().mean()), 5))
         bar.update(1)
@@ -291,7 +312,7 @@ def _zero_translators(S: int, d: int, dev):
 
 
 def _matmul_dtype(model, matmul_dtype: str) -> str:
-    """"auto": bfloat16 where the CPU has native bfloat16 matmuls (a capability flag, not a
+    """ "auto": bfloat16 where the CPU has native bfloat16 matmuls (a capability flag, not a
     timing), else float32."""
     if matmul_dtype == "auto":
         bf16_ok = model.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -348,7 +369,9 @@ def _adam(P, G, m, v, lr: float, t: int, b1: float = 0.9, b2: float = 0.999, eps
 
 def _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done) -> TunedLens:
     """The lens after ``step_done`` steps; with ``out``, written there with a resumable checkpoint."""
-    lens = _assemble(model, all_sites, train_sites, A, c, scale, info, {**settings, "steps_done": step_done, "loss": history})
+    lens = _assemble(
+        model, all_sites, train_sites, A, c, scale, info, {**settings, "steps_done": step_done, "loss": history}
+    )
     if out is not None:
         lens.save(out)
         save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
@@ -375,14 +398,18 @@ def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, li
         raise CheckpointError(f"{out / CKPT_META} is not valid JSON: {e}") from None
     old_model = meta.get("model", {})
     if {k: v for k, v in old_model.items() if k != "name"} != {k: v for k, v in info.items() if k != "name"}:
-        raise LensMismatchError(f"the checkpoint in {out} was trained for {old_model.get('name')!r} (another model or "
-                                f"weights); use another output folder or resume=False")
+        raise LensMismatchError(
+            f"the checkpoint in {out} was trained for {old_model.get('name')!r} (another model or "
+            f"weights); use another output folder or resume=False"
+        )
     old = meta.get("settings", {})
     keys = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
     diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in keys if old.get(k) != settings.get(k)]
     if diff:
-        raise InputError(f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
-                         f"use the same settings, another output folder, or resume=False")
+        raise InputError(
+            f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
+            f"use the same settings, another output folder, or resume=False"
+        )
     t = load_tensors(out / CKPT_FILE)
     with torch.no_grad():
         A.copy_(t["A"])

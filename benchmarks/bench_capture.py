@@ -67,8 +67,10 @@ def main() -> None:
         fns["TransformerLens run_with_cache(resid)"] = tl_cache
     t = interleaved(fns, repeats=args.repeats)
     base = t["bare transformers forward"]
-    print(f"# capture benchmark: SmolLM2-135M, batch {args.batch} x {args.tokens} tokens, "
-          f"{model.n_sites} sites, median of {args.repeats} interleaved runs; {env_line()}")
+    print(
+        f"# capture benchmark: SmolLM2-135M, batch {args.batch} x {args.tokens} tokens, "
+        f"{model.n_sites} sites, median of {args.repeats} interleaved runs; {env_line()}"
+    )
     for k, v in t.items():
         print(f"{k:40s} {v * 1000:9.1f} ms   ratio to bare forward {v / base:6.3f}x")
     print(f"capture_ratio={t['depthscope all sites'] / base:.3f}")

@@ -43,7 +43,7 @@ def ud_sentences(path: Path = UD) -> list[str]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.startswith("# text = "):
-                out.append(line[len("# text = "):].strip())
+                out.append(line[len("# text = ") :].strip())
     return out
 
 
@@ -110,8 +110,12 @@ def main() -> None:
     ap.add_argument("--token-chunk", type=int, default=None, help="tokens per decoded chunk (default: lens default)")
     ap.add_argument("--window", type=int, default=None, help="tokens per window (default 64; 32 with --quick)")
     ap.add_argument("--batch-size", type=int, default=2, help="windows per forward (default 2)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine two "
-                    "threads spin-wait on each other; 0 = torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine two threads spin-wait on each other; 0 = torch's default)",
+    )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -121,8 +125,16 @@ def main() -> None:
     args.window = args.window or (32 if args.quick else 64)
     results = []
     for n in lengths:
-        cmd = [sys.executable, __file__, "--child", str(n), "--window", str(args.window),
-               "--batch-size", str(args.batch_size)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(n),
+            "--window",
+            str(args.window),
+            "--batch-size",
+            str(args.batch_size),
+        ]
         if args.token_chunk:
             cmd += ["--token-chunk", str(args.token_chunk)]
         if args.threads:
@@ -132,23 +144,35 @@ def main() -> None:
         if proc.returncode != 0:
             sys.exit(proc.stderr[-3000:])
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"logit lens, SmolLM2-135M (61 sites, vocab 49152), UD English EWT dev text in windows of "
-          f"{args.window} tokens, {args.batch_size} windows per forward, {results[0]['threads']} torch thread(s)")
-    print(f"{'tokens':>7} {'rows':>7} {'forward s':>10} {'decode s':>9} {'floor s':>8} {'ratio':>6} "
-          f"{'peak RSS MB':>12} {'warm model RSS MB':>18}")
+    print(
+        f"logit lens, SmolLM2-135M (61 sites, vocab 49152), UD English EWT dev text in windows of "
+        f"{args.window} tokens, {args.batch_size} windows per forward, {results[0]['threads']} torch thread(s)"
+    )
+    print(
+        f"{'tokens':>7} {'rows':>7} {'forward s':>10} {'decode s':>9} {'floor s':>8} {'ratio':>6} "
+        f"{'peak RSS MB':>12} {'warm model RSS MB':>18}"
+    )
     for r in results:
-        print(f"{r['tokens']:>7} {r['rows']:>7} {r['forward_s']:>10.1f} {r['decode_s']:>9.1f} {r['floor_s']:>8.1f} "
-              f"{r['decode_s'] / r['floor_s']:>6.2f} {r['maxrss_mb']:>12.0f} {r['maxrss_loaded_mb']:>18.0f}")
+        print(
+            f"{r['tokens']:>7} {r['rows']:>7} {r['forward_s']:>10.1f} {r['decode_s']:>9.1f} {r['floor_s']:>8.1f} "
+            f"{r['decode_s'] / r['floor_s']:>6.2f} {r['maxrss_mb']:>12.0f} {r['maxrss_loaded_mb']:>18.0f}"
+        )
     dec = sum(r["decode_s"] for r in results)
     flo = sum(r["floor_s"] for r in results)
     a, b = results
-    print(f"floor ratio (decode + all metrics) / (bare unembedding matmuls, same shapes): {dec / flo:.2f}x  (goal <= 1.5)")
-    print(f"peak memory: {a['maxrss_mb']:.0f} MB at {a['tokens']} tokens, {b['maxrss_mb']:.0f} MB at {b['tokens']} "
-          f"tokens ({b['tokens'] / a['tokens']:.1f}x longer; {b['maxrss_mb'] - a['maxrss_mb']:+.0f} MB)  (goal: flat); "
-          f"above the warm model: {a['maxrss_mb'] - a['maxrss_loaded_mb']:.0f} and "
-          f"{b['maxrss_mb'] - b['maxrss_loaded_mb']:.0f} MB")
-    print(f"KL(final || lens) at {b['tokens']} tokens: embed {b['kl_embed']:.2f}, middle site {b['kl_mid']:.2f}, "
-          f"last {b['kl_last']:.2e} nats")
+    print(
+        f"floor ratio (decode + all metrics) / (bare unembedding matmuls, same shapes): {dec / flo:.2f}x  (goal <= 1.5)"
+    )
+    print(
+        f"peak memory: {a['maxrss_mb']:.0f} MB at {a['tokens']} tokens, {b['maxrss_mb']:.0f} MB at {b['tokens']} "
+        f"tokens ({b['tokens'] / a['tokens']:.1f}x longer; {b['maxrss_mb'] - a['maxrss_mb']:+.0f} MB)  (goal: flat); "
+        f"above the warm model: {a['maxrss_mb'] - a['maxrss_loaded_mb']:.0f} and "
+        f"{b['maxrss_mb'] - b['maxrss_loaded_mb']:.0f} MB"
+    )
+    print(
+        f"KL(final || lens) at {b['tokens']} tokens: embed {b['kl_embed']:.2f}, middle site {b['kl_mid']:.2f}, "
+        f"last {b['kl_last']:.2e} nats"
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,11 @@ FIXTURE = HERE.parent / "tests" / "fixtures" / "norms" / "ewt_sample.txt"
 def load_sentences() -> list[str]:
     path = Path(os.environ.get("DEPTHSCOPE_UD", DEFAULT_UD))
     if path.is_file():
-        return [ln[len("# text = "):].strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.startswith("# text = ")]
+        return [
+            ln[len("# text = ") :].strip()
+            for ln in path.read_text(encoding="utf-8").splitlines()
+            if ln.startswith("# text = ")
+        ]
     print(f"note: {path} not found; using the 24-sentence test fixture (repeated)", file=sys.stderr)
     return FIXTURE.read_text(encoding="utf-8").splitlines() * 50
 
@@ -118,9 +122,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller corpora (500 and 1000 tokens)")
     ap.add_argument("--tokens", type=int, nargs=2, default=None, help="the two corpus lengths")
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: on a shared machine multi-threaded kernels spin-wait and "
-                         "make both wall and CPU times swing by 2x; the ratio is what matters)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine multi-threaded kernels spin-wait and "
+        "make both wall and CPU times swing by 2x; the ratio is what matters)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes = args.tokens or ([500, 1000] if args.quick else [700, 2100])
@@ -131,15 +139,19 @@ def main() -> None:
 
     model = load_model()
     sentences = load_sentences()
-    print(f"model {model.name}: {model.n_layers} layers, d {model.d_model}; torch threads {torch.get_num_threads()}; "
-          f"batch size {args.batch_size}")
+    print(
+        f"model {model.name}: {model.n_layers} layers, d {model.d_model}; torch threads {torch.get_num_threads()}; "
+        f"batch size {args.batch_size}"
+    )
     # warm-up (first calls allocate and tune kernels)
     warm = documents(model, sentences, 200)
     run_bare(model, list(token_batches(model, warm, batch_size=args.batch_size)), base=False)
     contribution_norms(model, warm, batch_size=args.batch_size)
 
-    header = (f"{'tokens':>7} {'batches':>7} {'widest':>6} | {'CPU s: bare':>11} {'base':>7} {'norms':>7} "
-              f"{'norms/base':>10} | {'wall s: base':>12} {'norms':>7} {'norms/base':>10} | {'peak MB: base':>13} {'norms':>6}")
+    header = (
+        f"{'tokens':>7} {'batches':>7} {'widest':>6} | {'CPU s: bare':>11} {'base':>7} {'norms':>7} "
+        f"{'norms/base':>10} | {'wall s: base':>12} {'norms':>7} {'norms/base':>10} | {'peak MB: base':>13} {'norms':>6}"
+    )
     print(header)
     results = []
     for n in sizes:
@@ -163,13 +175,18 @@ def main() -> None:
         c = {k: min(v) for k, v in cpu.items()}
         p = {k: max(v) for k, v in peaks.items()}
         results.append((n_tok, c, w, p))
-        print(f"{n_tok:7d} {len(batches):7d} {widest:6d} | {c['bare']:11.2f} {c['base']:7.2f} {c['norms']:7.2f} "
-              f"{c['norms'] / c['base']:10.2f} | {w['base']:12.2f} {w['norms']:7.2f} {w['norms'] / w['base']:10.2f} | "
-              f"{p['base']:13.0f} {p['norms']:6.0f}", flush=True)
+        print(
+            f"{n_tok:7d} {len(batches):7d} {widest:6d} | {c['bare']:11.2f} {c['base']:7.2f} {c['norms']:7.2f} "
+            f"{c['norms'] / c['base']:10.2f} | {w['base']:12.2f} {w['norms']:7.2f} {w['norms'] / w['base']:10.2f} | "
+            f"{p['base']:13.0f} {p['norms']:6.0f}",
+            flush=True,
+        )
     (n1, c1, w1, p1), (n2, c2, w2, p2) = results
-    print(f"CPU-time ratio norms/base: {c1['norms'] / c1['base']:.2f} at {n1} tokens, {c2['norms'] / c2['base']:.2f} at {n2} "
-          f"(goal <= 1.3; wall-clock {w1['norms'] / w1['base']:.2f}, {w2['norms'] / w2['base']:.2f}); peak memory of norms "
-          f"{p1['norms']:.0f} MB -> {p2['norms']:.0f} MB for {n2 / n1:.1f}x the tokens (goal: flat)")
+    print(
+        f"CPU-time ratio norms/base: {c1['norms'] / c1['base']:.2f} at {n1} tokens, {c2['norms'] / c2['base']:.2f} at {n2} "
+        f"(goal <= 1.3; wall-clock {w1['norms'] / w1['base']:.2f}, {w2['norms'] / w2['base']:.2f}); peak memory of norms "
+        f"{p1['norms']:.0f} MB -> {p2['norms']:.0f} MB for {n2 / n1:.1f}x the tokens (goal: flat)"
+    )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def bare_forward(model, texts, batch_tokens=2048):
 
 
 def end_to_end(model, args, train, test):
-    from depthscope.probes import read_conllu, run_probes
+    from depthscope.probes import run_probes
 
     texts = [s.text for c in (train, test) for s in c]
     bare_forward(model, texts[:8])  # warm-up
@@ -73,24 +73,32 @@ def end_to_end(model, args, train, test):
         res = run_probes(model, "upos", train, test, store_dir=store, progress=False)
         t_e2e = time.perf_counter() - t
         t = time.perf_counter()
-        again = run_probes(model, "upos", train, test, store_dir=store, progress=False)
+        run_probes(model, "upos", train, test, store_dir=store, progress=False)
         t_reuse = time.perf_counter() - t
     t_bare2, _ = bare_forward(model, texts)
     with tempfile.TemporaryDirectory() as store:
         t = time.perf_counter()
-        two = run_probes(model, "upos,deprel", train, test, store_dir=store, progress=False)
+        run_probes(model, "upos,deprel", train, test, store_dir=store, progress=False)
         t_two = time.perf_counter() - t
     t_bare = min(t_bare1, t_bare2)
     ext_tok = sum(res.info["extraction_tokens"].values())
-    print(f"\n1. end to end ({len(train)} train + {len(test)} test sentences, {n_tok} tokens, "
-          f"{res.summary['n_train'].iloc[0]} + {res.summary['n_test'].iloc[0]} words, {model.n_sites} sites)")
-    print(f"   bare batched forward (decoder body)      {t_bare:8.1f} s   ({n_tok / t_bare:.0f} tok/s; runs {t_bare1:.1f}, {t_bare2:.1f})")
+    print(
+        f"\n1. end to end ({len(train)} train + {len(test)} test sentences, {n_tok} tokens, "
+        f"{res.summary['n_train'].iloc[0]} + {res.summary['n_test'].iloc[0]} words, {model.n_sites} sites)"
+    )
+    print(
+        f"   bare batched forward (decoder body)      {t_bare:8.1f} s   ({n_tok / t_bare:.0f} tok/s; runs {t_bare1:.1f}, {t_bare2:.1f})"
+    )
     print(f"   run_probes upos, fresh store             {t_e2e:8.1f} s   ratio {t_e2e / t_bare:.2f}  (goal <= 2)")
-    print(f"     of which extraction {res.info['seconds_extract']:.1f} s, probes {sum(res.info['seconds_fit'].values()):.1f} s")
+    print(
+        f"     of which extraction {res.info['seconds_extract']:.1f} s, probes {sum(res.info['seconds_fit'].values()):.1f} s"
+    )
     print(f"   run_probes upos, store reused            {t_reuse:8.1f} s   ratio {t_reuse / t_bare:.2f}")
     print(f"   run_probes upos,deprel (one extraction)  {t_two:8.1f} s   ratio {t_two / t_bare:.2f}")
-    print(f"\n3. extraction: {ext_tok / res.info['seconds_extract']:.0f} tok/s (incl. tokenising, gathering, "
-          f"float16 store writes) vs bare forward {n_tok / t_bare:.0f} tok/s")
+    print(
+        f"\n3. extraction: {ext_tok / res.info['seconds_extract']:.0f} tok/s (incl. tokenising, gathering, "
+        f"float16 store writes) vs bare forward {n_tok / t_bare:.0f} tok/s"
+    )
     return res
 
 
@@ -114,10 +122,16 @@ def fit_speed(model, args, train, test):
         # the same standardised features, site by site, for sklearn
         Xtr = ftr.resident[:, np.argsort(ftr.order)].float().numpy()
         Xte = fte.resident[:, np.argsort(fte.order)].float().numpy()
-        sites = list(range(S)) if args.full_sklearn else np.linspace(0, S - 1, args.sklearn_sites).round().astype(int).tolist()
+        sites = (
+            list(range(S))
+            if args.full_sklearn
+            else np.linspace(0, S - 1, args.sklearn_sites).round().astype(int).tolist()
+        )
         times, gaps = [], []
-        print(f"\n2. linear probes, {S} sites, n_train {n}, n_test {len(yte)}, {C} classes, l2 {DEFAULT_L2:g}, "
-              f"features {str(ftr.resident.dtype).replace('torch.', '')} (sklearn: the same values in float32)")
+        print(
+            f"\n2. linear probes, {S} sites, n_train {n}, n_test {len(yte)}, {C} classes, l2 {DEFAULT_L2:g}, "
+            f"features {str(ftr.resident.dtype).replace('torch.', '')} (sklearn: the same values in float32)"
+        )
         print(f"   depthscope batched fit + predict, all sites  {t_ours:8.1f} s")
         for s in sites:
             t = time.perf_counter()
@@ -127,10 +141,14 @@ def fit_speed(model, args, train, test):
             ref = float((clf.predict(Xte[s]) == yte).mean())
             times.append(time.perf_counter() - t)
             gaps.append(abs(float(ours[s]) - ref))
-            print(f"   site {s:2d}: sklearn {times[-1]:6.1f} s  acc {ref:.4f}   depthscope acc {ours[s]:.4f}   "
-                  f"gap {100 * gaps[-1]:.2f} pt")
+            print(
+                f"   site {s:2d}: sklearn {times[-1]:6.1f} s  acc {ref:.4f}   depthscope acc {ours[s]:.4f}   "
+                f"gap {100 * gaps[-1]:.2f} pt"
+            )
         t_sk = float(np.mean(times)) * S
-        print(f"   sklearn looped over {S} sites: {t_sk:.1f} s ({'measured' if args.full_sklearn else f'mean of {len(sites)} sites x {S}'})")
+        print(
+            f"   sklearn looped over {S} sites: {t_sk:.1f} s ({'measured' if args.full_sklearn else f'mean of {len(sites)} sites x {S}'})"
+        )
         print(f"   speedup {t_sk / t_ours:.1f}x (goal >= 10), max accuracy gap {100 * max(gaps):.2f} pt (goal <= 1)")
 
 
@@ -165,12 +183,15 @@ def validate(model, args):
             enc = tok([s.text for s in part], return_offsets_mapping=True, return_tensors="pt", padding=True)
             if prepend is not None:  # the BOS run_probes prepends, as a first column
                 B = len(part)
-                enc = {"input_ids": torch.cat([torch.full((B, 1), prepend), enc["input_ids"]], 1),
-                       "attention_mask": torch.cat([torch.ones(B, 1, dtype=torch.long), enc["attention_mask"]], 1),
-                       "offset_mapping": torch.cat([torch.zeros(B, 1, 2, dtype=torch.long), enc["offset_mapping"]], 1)}
+                enc = {
+                    "input_ids": torch.cat([torch.full((B, 1), prepend), enc["input_ids"]], 1),
+                    "attention_mask": torch.cat([torch.ones(B, 1, dtype=torch.long), enc["attention_mask"]], 1),
+                    "offset_mapping": torch.cat([torch.zeros(B, 1, 2, dtype=torch.long), enc["offset_mapping"]], 1),
+                }
             with torch.no_grad():
-                hs = body(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                          output_hidden_states=True).hidden_states
+                hs = body(
+                    input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True
+                ).hidden_states
             for b, s in enumerate(part):
                 real = enc["attention_mask"][b].bool().numpy()
                 st, en = enc["offset_mapping"][b, :, 0].numpy(), enc["offset_mapping"][b, :, 1].numpy()
@@ -191,12 +212,17 @@ def validate(model, args):
         t = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * len(ytr)), max_iter=args.validate_iter).fit((xtr[l] - mu) / sd, ytr)
+            clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * len(ytr)), max_iter=args.validate_iter).fit(
+                (xtr[l] - mu) / sd, ytr
+            )
         ref = float((clf.predict((xte[l] - mu) / sd) == yte).mean())
         ours = float(bs.loc[label, "accuracy"])
-        print(f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  gap {100 * (ours - ref):+.2f} pt"
-              f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
-              f"sklearn {time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  gap {100 * (ours - ref):+.2f} pt"
+            f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
+            f"sklearn {time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -209,12 +235,18 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true", help="long validation against sklearn on HF hidden states")
     ap.add_argument("--validate-train", type=int, default=2000)
     ap.add_argument("--validate-test", type=int, default=500)
-    ap.add_argument("--validate-layers", default="0,3,9,15,21,27", help="hidden_states indices (0 = embed, l = (l-1).mlp)")
+    ap.add_argument(
+        "--validate-layers", default="0,3,9,15,21,27", help="hidden_states indices (0 = embed, l = (l-1).mlp)"
+    )
     ap.add_argument("--validate-iter", type=int, default=300)
     ap.add_argument("--store", default=None, help="activation store for --validate (reused on re-runs)")
     ap.add_argument("--no-bos", action="store_true", help="--validate without the prepended BOS token")
-    ap.add_argument("--no-tune", action="store_true", help="keep glibc's default allocator thresholds "
-                    "(the depthscope command raises them; see depthscope.hooks.tune_allocator)")
+    ap.add_argument(
+        "--no-tune",
+        action="store_true",
+        help="keep glibc's default allocator thresholds "
+        "(the depthscope command raises them; see depthscope.hooks.tune_allocator)",
+    )
     args = ap.parse_args()
     from depthscope.hooks import tune_allocator
     from depthscope.probes.classifiers import compute_dtype

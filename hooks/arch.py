@@ -29,8 +29,8 @@ from ``ArchSpec.attn_out``, and the value vectors from one of the ``VALUE_LAYOUT
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from torch import nn
 from .errors import UnsupportedArchitecture
 
 
-def _get(root: nn.Module, path: str) -> Optional[nn.Module]:
+def _get(root: nn.Module, path: str) -> nn.Module | None:
     obj = root
     for part in path.split("."):
         if not hasattr(obj, part):
@@ -59,7 +59,7 @@ class ArchSpec:
     final_norm: tuple[str, ...] = ()
     norm_kind: str = "rms"  # "rms" | "layer"
     attn_out: tuple[str, ...] = ()  # the attention's output projection (per-head writes)
-    values: Optional[str] = None  # a key of VALUE_LAYOUTS: how value vectors are read
+    values: str | None = None  # a key of VALUE_LAYOUTS: how value vectors are read
     extra: dict = field(default_factory=dict)
 
 
@@ -149,21 +149,21 @@ class ResolvedArch:
     blocks: nn.ModuleList
     attn: list[nn.Module]
     mlp: list[nn.Module]
-    ln1: list[Optional[nn.Module]]
-    ln2: list[Optional[nn.Module]]
-    final_norm: Optional[nn.Module]
+    ln1: list[nn.Module | None]
+    ln2: list[nn.Module | None]
+    final_norm: nn.Module | None
     norm_kind: str
-    unembed: Optional[nn.Module]
-    head: Optional[Callable[[torch.Tensor], torch.Tensor]]  # encoder MLM heads
-    softcap: Optional[float]
-    logit_scale: Optional[float]
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
+    unembed: nn.Module | None
+    head: Callable[[torch.Tensor], torch.Tensor] | None  # encoder MLM heads
+    softcap: float | None
+    logit_scale: float | None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
     attn_out: list = field(default_factory=list)  # per layer: the output projection (or None)
-    values: Optional[str] = None  # a key of VALUE_LAYOUTS (or None: value vectors not readable)
+    values: str | None = None  # a key of VALUE_LAYOUTS (or None: value vectors not readable)
 
 
-def _first(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
+def _first(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
     for n in names:
         m = _get(module, n)
         if isinstance(m, nn.Module):
@@ -240,7 +240,7 @@ def resolve(model: nn.Module) -> ResolvedArch:
     )
 
 
-def _config_int(config, keys) -> Optional[int]:
+def _config_int(config, keys) -> int | None:
     for key in keys:
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
@@ -289,12 +289,12 @@ def _values_v_proj(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
 
 def _values_c_attn(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
     d = out.shape[-1] // 3
-    return out[..., 2 * d:].reshape(*out.shape[:-1], n_heads, -1)
+    return out[..., 2 * d :].reshape(*out.shape[:-1], n_heads, -1)
 
 
 def _values_qkv(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
     qkv = out.reshape(*out.shape[:-1], n_heads, -1)
-    return qkv[..., 2 * qkv.shape[-1] // 3:]
+    return qkv[..., 2 * qkv.shape[-1] // 3 :]
 
 
 #: value layout -> (submodule of the attention whose output holds the values, reader of that

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -27,7 +27,7 @@ SAMPLE = 2048
 ALGORITHM = "sha256-strided-2048"
 
 
-def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], extra: Optional[dict] = None) -> str:
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> str:
     """sha256 (first 16 hex digits) of ``extra`` (JSON) and, per tensor, its name, shape and
     a strided float32 sample of its values."""
     h = hashlib.sha256()

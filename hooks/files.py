@@ -2,7 +2,7 @@
 
 | function | writes |
 |---|---|
-| ``atomic_write(path, write)`` | calls ``write(tmp)`` on a temporary file beside ``path``, then renames it over ``path`` |
+| ``atomic_write(path, write)`` | ``write(tmp)`` on a temporary file beside ``path``, then a rename over ``path`` |
 | ``atomic_text(path, text)`` | a text file (JSON, Markdown, HTML) |
 
 A reader sees the old file or the new one, never a part; a failed or interrupted write leaves
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Union
+from typing import Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 

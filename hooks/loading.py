@@ -28,7 +28,6 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -158,7 +157,12 @@ def _is_hf_model(obj) -> bool:
 
 
 def _looks_like_path(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or os.sep in s and s.count("/") != 1 or s.endswith((".safetensors", ".bin", ".pt"))
+    return (
+        s.startswith((".", "/", "~"))
+        or os.sep in s
+        and s.count("/") != 1
+        or s.endswith((".safetensors", ".bin", ".pt"))
+    )
 
 
 def _auto_class(config):
@@ -250,7 +254,9 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
     target = cache_dir() / "models" / _gguf_cache_key(path)
     if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         try:
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                target, dtype=dtype, local_files_only=True, use_safetensors=True
+            )
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
             return HookedModel(model.to(device), tok, name=name or path.stem, source=str(path))
         except Exception as e:  # a broken cache entry is rebuilt, not fatal

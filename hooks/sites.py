@@ -21,8 +21,8 @@ papers such as Tenney et al. (2019). TransformerLens names are accepted as alias
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import pandas as pd
 

@@ -7,8 +7,8 @@ every ``save_every`` steps: a genuine training trajectory in a minute on a CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -34,7 +34,9 @@ def train_tiny_series(
     torch.manual_seed(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = [i for t in texts for i in tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id or 0]]
+    ids = [
+        i for t in texts for i in tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id or 0]
+    ]
     if len(ids) < seq_len + 1:
         raise ValueError("not enough text to train on")
     data = torch.tensor(ids, dtype=torch.long)
@@ -44,9 +46,16 @@ def train_tiny_series(
     remap = torch.full((len(tokenizer),), -1, dtype=torch.long)
     remap[used] = torch.arange(len(used))
     cfg = tf.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(128, seq_len),
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=d_model,
+        intermediate_size=2 * d_model,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(128, seq_len),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     model = tf.LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

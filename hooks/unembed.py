@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -50,11 +49,11 @@ class NormParams:
 
     kind: str
     gain: torch.Tensor
-    bias: Optional[torch.Tensor]
+    bias: torch.Tensor | None
     eps: float
 
     @classmethod
-    def of(cls, norm: nn.Module, d_model: int) -> "NormParams":
+    def of(cls, norm: nn.Module, d_model: int) -> NormParams:
         w = getattr(norm, "weight", None)
         b = getattr(norm, "bias", None)
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-5
@@ -78,7 +77,7 @@ class NormParams:
         out = self.gain.to(h.device) * self.centre(h) / self.sigma(h)
         return out if self.bias is None else out + self.bias.to(h.device)
 
-    def mismatch(self, norm: nn.Module, h: torch.Tensor, what: str) -> Optional[str]:
+    def mismatch(self, norm: nn.Module, h: torch.Tensor, what: str) -> str | None:
         """None when these parameters reproduce ``norm(h)``, else a sentence saying why not."""
         with torch.no_grad():
             ref = norm(h).double()
@@ -109,8 +108,10 @@ class Unembed:
     softcap = property(lambda self: self.arch.softcap, doc="c of tanh(z / c) * c soft-capping (or None)")
 
     def __repr__(self) -> str:
-        return (f"Unembed({self.name!r}, norm={type(self.final_norm).__name__}, "
-                f"unembedding={type(self.linear).__name__}, logit_scale={self.logit_scale}, softcap={self.softcap})")
+        return (
+            f"Unembed({self.name!r}, norm={type(self.final_norm).__name__}, "
+            f"unembedding={type(self.linear).__name__}, logit_scale={self.logit_scale}, softcap={self.softcap})"
+        )
 
     # ------------------------------------------------------------------ what it can do
     @property
@@ -121,8 +122,12 @@ class Unembed:
     @property
     def is_plain_linear(self) -> bool:
         """An ``nn.Linear`` without bias, logit scale or soft-capping (a bare ``x @ W^T``)."""
-        return (isinstance(self.linear, nn.Linear) and self.linear.bias is None
-                and self.logit_scale is None and not self.softcap)
+        return (
+            isinstance(self.linear, nn.Linear)
+            and self.linear.bias is None
+            and self.logit_scale is None
+            and not self.softcap
+        )
 
     @property
     def decodes_stream(self) -> bool:
@@ -210,7 +215,7 @@ class Unembed:
         return self.linear.weight.T
 
     @property
-    def b_U(self) -> Optional[torch.Tensor]:
+    def b_U(self) -> torch.Tensor | None:
         return getattr(self.linear, "bias", None) if self.linear is not None else None
 
     def norm_params(self) -> NormParams:
@@ -228,7 +233,7 @@ class Unembed:
         return digest_tensors(named, extra={"logit_scale": self.logit_scale, "softcap": self.softcap})
 
     # ------------------------------------------------------------------ attribution
-    def frozen(self, reference: torch.Tensor) -> "FrozenUnembed":
+    def frozen(self, reference: torch.Tensor) -> FrozenUnembed:
         """The final norm's scale frozen at ``reference`` streams ``[..., d_model]`` (one scale
         per stream): decoding becomes linear. Refuses soft-capped logits (not linear)."""
         self.check()
@@ -255,7 +260,7 @@ class FrozenUnembed:
     unembed: Unembed
     scale: float
 
-    def direction(self, target: int, contrast: Optional[int] = None) -> torch.Tensor:
+    def direction(self, target: int, contrast: int | None = None) -> torch.Tensor:
         """``gain * (W_U[:, target] - W_U[:, contrast]) * scale``, float64 ``[d_model]``."""
         W = self.unembed.W_U.detach()
         w = W[:, target].double()
@@ -263,13 +268,13 @@ class FrozenUnembed:
             w = w - W[:, contrast].double()
         return self.params.gain.to(w.device) * w * self.scale
 
-    def contributions(self, parts: torch.Tensor, target: int, contrast: Optional[int] = None) -> torch.Tensor:
+    def contributions(self, parts: torch.Tensor, target: int, contrast: int | None = None) -> torch.Tensor:
         """Per part ``[..., n, d]`` -> ``[..., n]``: ``centre(part) . direction / sigma``."""
         w = self.direction(target, contrast)
         parts = self.params.centre(parts.double().to(w.device))
         return (parts @ w) / self.sigma.to(w.device)
 
-    def constant(self, target: int, contrast: Optional[int] = None) -> float:
+    def constant(self, target: int, contrast: int | None = None) -> float:
         """The parts of the logit no stream component writes: norm bias and unembedding bias."""
         W = self.unembed.W_U.detach()
         w = W[:, target].double() - (W[:, contrast].double() if contrast is not None else 0.0)

@@ -91,8 +91,24 @@ _EXPORTS = {
 
 
 _SUBMODULES = {
-    "activations", "classifiers", "config", "conllu_io", "cpu", "data", "encoding", "extraction", "features",
-    "fitting", "mdl", "metrics", "mixing", "run", "spans", "summaries", "tasks", "training",
+    "activations",
+    "classifiers",
+    "config",
+    "conllu_io",
+    "cpu",
+    "data",
+    "encoding",
+    "extraction",
+    "features",
+    "fitting",
+    "mdl",
+    "metrics",
+    "mixing",
+    "run",
+    "spans",
+    "summaries",
+    "tasks",
+    "training",
 }
 
 

@@ -24,9 +24,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -97,7 +97,9 @@ class SpanStore:
 
 def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, dtype, max_tokens) -> str:
     h = hashlib.sha256()
-    h.update(f"v{STORE_VERSION}|{model_id}|{list(sites)}|{pooling}|{np.dtype(dtype).name}|{max_tokens}|{ATTN_MAX_TOKENS}".encode())
+    h.update(
+        f"v{STORE_VERSION}|{model_id}|{list(sites)}|{pooling}|{np.dtype(dtype).name}|{max_tokens}|{ATTN_MAX_TOKENS}".encode()
+    )
     for ids in tok.ids:
         h.update(np.int64(len(ids)).tobytes())
         h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
@@ -106,7 +108,7 @@ def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, 
     return h.hexdigest()[:24]
 
 
-def _open(path: Path) -> Optional[SpanStore]:
+def _open(path: Path) -> SpanStore | None:
     meta_p = path / "meta.json"
     if not meta_p.is_file():
         return None
@@ -118,7 +120,9 @@ def _open(path: Path) -> Optional[SpanStore]:
         return None
     if not meta.get("complete"):
         return None
-    return SpanStore(path, feats, rows[:, 0].copy(), rows[:, 1].copy(), meta["sites"], meta["pooling"], meta, reused=True)
+    return SpanStore(
+        path, feats, rows[:, 0].copy(), rows[:, 1].copy(), meta["sites"], meta["pooling"], meta, reused=True
+    )
 
 
 def _batches(lengths: np.ndarray, batch_tokens: int, overhead: int = 64) -> list:
@@ -151,7 +155,7 @@ def extract_spans(
     tok: Tokenized,
     table: SpanTable,
     *,
-    sites: Optional[Sequence[int]] = None,
+    sites: Sequence[int] | None = None,
     pooling: str = "last",
     store_dir=None,
     dtype: str = "float16",
@@ -182,7 +186,7 @@ def extract_spans(
     ok = table.first >= 0
     ntok = np.where(ok, table.last - table.first + 1, 0)
     per_span = np.where(ok, np.minimum(ntok, ATTN_MAX_TOKENS) if pooling == "attn" else 1, 0)
-    lengths = np.array([len(x) for x in tok.ids], dtype=np.int64)
+    np.array([len(x) for x in tok.ids], dtype=np.int64)
     # spans of each passage, and row assignment in batch order
     has_span = np.zeros(len(tok.ids), dtype=bool)
     has_span[table.passage[ok]] = True

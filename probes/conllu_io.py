@@ -26,7 +26,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 
@@ -76,8 +75,8 @@ class Mention:
 class Sentence:
     text: str
     words: list
-    sent_id: Optional[str] = None
-    doc_id: Optional[str] = None
+    sent_id: str | None = None
+    doc_id: str | None = None
     line: int = 0
     source: str = "<string>"
     metadata: dict = field(default_factory=dict)
@@ -119,7 +118,6 @@ def _blocks(lines: list, source: str):
     block, start = [], 0
     word_ids: list = []
     heads: list = []
-    range_end = 0
 
     def finish():
         if not word_ids:
@@ -138,7 +136,7 @@ def _blocks(lines: list, source: str):
             if block:
                 finish()
                 yield start, block
-            block, word_ids, heads, range_end = [], [], [], 0
+            block, word_ids, heads, _range_end = [], [], [], 0
             continue
         if not block:
             start = no
@@ -173,7 +171,6 @@ def _blocks(lines: list, source: str):
                 raise ConlluError(f"{source}:{no}: multiword range {wid} ends before it starts")
             if a != len(word_ids) + 1:
                 raise ConlluError(f"{source}:{no}: multiword range {wid} does not start at the next word")
-            range_end = b
         elif _ID_EMPTY.match(wid):
             pass
         else:
@@ -184,7 +181,7 @@ def _blocks(lines: list, source: str):
 
 
 # ----------------------------------------------------------------------------- entities
-def _entity_fields(header: Optional[str]) -> tuple[int, int]:
+def _entity_fields(header: str | None) -> tuple[int, int]:
     """Positions of the cluster id and entity type in GUM's Entity fields."""
     if not header:
         return 0, 1
@@ -341,7 +338,7 @@ def _build_sentence(tl, line0: int, block: list, source: str, doc_id, ent_fields
     return sent, unclosed
 
 
-def _select_blocks(blocks: list, doc_of: list, max_sentences: Optional[int], seed: int) -> list:
+def _select_blocks(blocks: list, doc_of: list, max_sentences: int | None, seed: int) -> list:
     if max_sentences is None or max_sentences >= len(blocks):
         return list(range(len(blocks)))
     if max_sentences <= 0:
@@ -362,9 +359,9 @@ def _select_blocks(blocks: list, doc_of: list, max_sentences: Optional[int], see
 
 
 def read_conllu(
-    source: Union[str, Path, "Corpus"],
+    source: str | Path | Corpus,
     *,
-    max_sentences: Optional[int] = None,
+    max_sentences: int | None = None,
     seed: int = 0,
 ) -> Corpus:
     """Parse a CoNLL-U file (or pass a :class:`Corpus` through).
@@ -376,8 +373,13 @@ def read_conllu(
         if max_sentences is None or max_sentences >= len(source):
             return source
         keep = _select_blocks(source.sentences, [s.doc_id for s in source.sentences], max_sentences, seed)
-        return Corpus([source.sentences[i] for i in keep], source.source, source.n_sentences_in_file,
-                      source.n_unclosed_mentions, source.has_entities)
+        return Corpus(
+            [source.sentences[i] for i in keep],
+            source.source,
+            source.n_sentences_in_file,
+            source.n_unclosed_mentions,
+            source.has_entities,
+        )
     path = Path(source)
     if not path.is_file():
         raise InputError(f"no such CoNLL-U file: {path}")
@@ -390,7 +392,9 @@ def read_conllu(
     return parse_conllu_text(text, source=str(path), max_sentences=max_sentences, seed=seed)
 
 
-def parse_conllu_text(text: str, *, source: str = "<string>", max_sentences: Optional[int] = None, seed: int = 0) -> Corpus:
+def parse_conllu_text(
+    text: str, *, source: str = "<string>", max_sentences: int | None = None, seed: int = 0
+) -> Corpus:
     """Parse CoNLL-U from a string (see :func:`read_conllu`)."""
     import conllu
     from conllu.exceptions import ParseException

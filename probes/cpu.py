@@ -35,7 +35,7 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 ENV = "DEPTHSCOPE_PROBE_DTYPE"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_flags() -> frozenset:
     """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none)."""
     try:

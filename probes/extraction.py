@@ -99,8 +99,19 @@ def _span_keys(ex: TaskExamples) -> list:
     return keys
 
 
-def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, ext: ExtractionConfig, *, sites, max_tokens,
-                   progress, desc, prepend=None) -> Extraction:
+def _extract_split(
+    model,
+    corpus: Corpus,
+    tasks_ex: list,
+    context: str,
+    ext: ExtractionConfig,
+    *,
+    sites,
+    max_tokens,
+    progress,
+    desc,
+    prepend=None,
+) -> Extraction:
     """The union of ``tasks_ex``' spans in ``corpus``, extracted into one store (ten arguments:
     the split's data plus the run-wide values ``load_and_extract`` resolves once)."""
     keys = np.concatenate([k for ex in tasks_ex for k in _span_keys(ex)]) if tasks_ex else np.zeros((0, 3), np.int64)
@@ -113,9 +124,19 @@ def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, ext: Ext
     ce = np.array([sents[s].words[b - 1].end for s, b in zip(uniq[:, 0], uniq[:, 2])], dtype=np.int64) + off
     tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
     table = map_spans(tok, SpanTable(pidx, cs, ce))
-    store = extract_spans(model, tok, table, sites=sites, pooling=ext.pooling, store_dir=ext.store_dir,
-                          dtype=ext.store_dtype, batch_tokens=ext.batch_tokens, max_tokens=max_tokens,
-                          progress=progress, desc=desc)
+    store = extract_spans(
+        model,
+        tok,
+        table,
+        sites=sites,
+        pooling=ext.pooling,
+        store_dir=ext.store_dir,
+        dtype=ext.store_dtype,
+        batch_tokens=ext.batch_tokens,
+        max_tokens=max_tokens,
+        progress=progress,
+        desc=desc,
+    )
     lookup = {tuple(int(v) for v in k): i for i, k in enumerate(uniq)}
     return Extraction(store, lookup)
 
@@ -141,16 +162,32 @@ def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:
     for task in tasks:
         examples[task] = {}
         for split, corpus in corpora.items():
-            ex = build_task(corpus, task, context=context_of[task], seed=seed, coref_window=data.coref_window,
-                            coref_neg_ratio=data.coref_neg_ratio)
+            ex = build_task(
+                corpus,
+                task,
+                context=context_of[task],
+                seed=seed,
+                coref_window=data.coref_window,
+                coref_neg_ratio=data.coref_neg_ratio,
+            )
             if len(ex) == 0:
                 raise InputError(f"task {task!r} has no examples in {split} ({corpus.source}, {len(corpus)} sentences)")
             examples[task][split] = ex
     return examples
 
 
-def load_and_extract(model, tasks, train, test, dev, extraction: ExtractionConfig, data: DataConfig, *, seed: int = 0,
-                     progress: bool = True) -> Extracted:
+def load_and_extract(
+    model,
+    tasks,
+    train,
+    test,
+    dev,
+    extraction: ExtractionConfig,
+    data: DataConfig,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+) -> Extracted:
     """Model, corpora, task examples and one extraction per split x context."""
     m = resolve_model(model)
     max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
@@ -173,8 +210,17 @@ def load_and_extract(model, tasks, train, test, dev, extraction: ExtractionConfi
         for ctx in sorted(set(context_of.values())):
             group = [examples[t][split] for t in tasks if context_of[t] == ctx]
             extractions[(split, ctx)] = _extract_split(
-                m, corpus, group, ctx, extraction, sites=site_idx, max_tokens=max_tokens, progress=progress,
-                desc=f"{split} activations ({ctx})", prepend=prepend,
+                m,
+                corpus,
+                group,
+                ctx,
+                extraction,
+                sites=site_idx,
+                max_tokens=max_tokens,
+                progress=progress,
+                desc=f"{split} activations ({ctx})",
+                prepend=prepend,
             )
-    return Extracted(m, site_idx, frame, corpora, n_overlap, examples, context_of, extractions,
-                     time.perf_counter() - t_ex)
+    return Extracted(
+        m, site_idx, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
+    )

@@ -14,7 +14,6 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import numpy as np
 import torch
@@ -47,7 +46,7 @@ class SiteFit:
 
     test: torch.Tensor
     train: torch.Tensor
-    control_test: Optional[torch.Tensor]
+    control_test: torch.Tensor | None
     l2: np.ndarray
 
 
@@ -63,11 +62,21 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, *, progress: bool = False) -> Site
     nl = len(l2_values)
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
     y_heads = np.stack([ys for ys in label_sets for _ in l2_values], 1)  # heads: label set x L2
-    p = BatchedProbe(n_sites=S, d=feats["train"].d, n_spans=feats["train"].n_spans, n_classes=td.n_classes,
-                     n_heads=y_heads.shape[1], kind=cfg.probe, hidden=cfg.hidden, attn_pool=feats["train"].tokens,
-                     l2=l2_values * len(label_sets), seed=cfg.seed)
-    train_probe(p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes",
-                **train_kwargs(cfg))
+    p = BatchedProbe(
+        n_sites=S,
+        d=feats["train"].d,
+        n_spans=feats["train"].n_spans,
+        n_classes=td.n_classes,
+        n_heads=y_heads.shape[1],
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        attn_pool=feats["train"].tokens,
+        l2=l2_values * len(label_sets),
+        seed=cfg.seed,
+    )
+    train_probe(
+        p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
+    )
     pred_te, _ = predict(p, feats["test"])
     pred_tr, _ = predict(p, feats["train"])
     if cfg.l2 == "dev":
@@ -79,12 +88,22 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, *, progress: bool = False) -> Site
         pick_ctrl = torch.full((S,), nl, dtype=torch.long) if cfg.control else None
     ar = torch.arange(S)
     ctrl_te = pred_te[ar, :, pick_ctrl] if cfg.control else None
-    return SiteFit(pred_te[ar, :, pick_real], pred_tr[ar, :, pick_real], ctrl_te,
-                   np.asarray(l2_values)[pick_real.numpy()])
+    return SiteFit(
+        pred_te[ar, :, pick_real], pred_tr[ar, :, pick_real], ctrl_te, np.asarray(l2_values)[pick_real.numpy()]
+    )
 
 
-def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: str, resident_bytes: float = 4e9,
-             dtype=None, progress: bool = False) -> dict:
+def fit_task(
+    td: TaskData,
+    frame,
+    n_layers: int,
+    cfg: ProbeConfig,
+    *,
+    pooling: str,
+    resident_bytes: float = 4e9,
+    dtype=None,
+    progress: bool = False,
+) -> dict:
     """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`)."""
     task, feats, y = td.task, td.feats, td.y
     fit = fit_sites(td, cfg, progress=progress)
@@ -93,8 +112,11 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     scores = {
         "accuracy": acc,
         "macro_f1": macro_f1(fit.test, yte, td.n_eval_classes).numpy(),
-        "control_accuracy": (accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
-                             if fit.control_test is not None else np.full(len(acc), np.nan)),
+        "control_accuracy": (
+            accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
+            if fit.control_test is not None
+            else np.full(len(acc), np.nan)
+        ),
         "train_accuracy": accuracy(fit.train, torch.from_numpy(y["train"])).numpy(),
     }
     df = site_rows(task, frame, td, scores, fit.l2, probe=cfg.probe, pooling=pooling)
@@ -102,9 +124,17 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     cum_summ, mix_df = cumulative_summary(None, None, cfg.seed), None
     if cfg.cumulative and feats["train"].n_sites >= 2:
         # the mixes use the median of the sites' penalties (= l2 unless l2="dev")
-        cum = fit_cumulative(feats["train"], y["train"], feats["test"], y["test"], n_classes=td.n_classes,
-                             n_eval_classes=td.n_eval_classes, config=replace(cfg, l2=float(np.median(fit.l2))),
-                             progress=progress, desc=f"{task} cumulative")
+        cum = fit_cumulative(
+            feats["train"],
+            y["train"],
+            feats["test"],
+            y["test"],
+            n_classes=td.n_classes,
+            n_eval_classes=td.n_eval_classes,
+            config=replace(cfg, l2=float(np.median(fit.l2))),
+            progress=progress,
+            desc=f"{task} cumulative",
+        )
         depths = frame["depth"].to_numpy()
         cum_summ = cumulative_summary(depths, cum, cfg.seed)
         mix_df = mixing_rows(task, frame, cum)
@@ -114,9 +144,15 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     if cfg.mdl:
         from .mdl import online_codelength
 
-        res = online_codelength(feats["train"], y["train"], n_classes=td.n_classes,
-                                config=replace(cfg, l2=float(np.median(fit.l2))), max_bytes=resident_bytes,
-                                dtype=dtype, progress=progress)
+        res = online_codelength(
+            feats["train"],
+            y["train"],
+            n_classes=td.n_classes,
+            config=replace(cfg, l2=float(np.median(fit.l2))),
+            max_bytes=resident_bytes,
+            dtype=dtype,
+            progress=progress,
+        )
         df["mdl_online_bits"] = res.online_bits
         df["mdl_uniform_bits"] = res.uniform_bits
         df["mdl_compression"] = res.compression

@@ -17,8 +17,8 @@ counted, never silently mapped elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -99,14 +99,14 @@ def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=
                 pos += len(texts[idx[k]]) + 1
                 own.append(k >= a)
             p = Passage(" ".join(parts), [idx[k] for k in range(c, b)], offs, own)
-            for k, sent, off, o in zip(range(c, b), p.sents, p.offsets, p.owned):
+            for sent, off, o in zip(p.sents, p.offsets, p.owned):
                 if o:
                     where[sent] = (len(passages), off)
             passages.append(p)
     return passages, where
 
 
-def bos_id(tokenizer) -> Optional[int]:
+def bos_id(tokenizer) -> int | None:
     """The token to prepend when the tokenizer adds no special token at the start of a text:
     its BOS token, else its EOS token (None when it already adds one, or has neither)."""
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -120,8 +120,9 @@ def bos_id(tokenizer) -> Optional[int]:
     return None
 
 
-def tokenize_passages(tokenizer, texts: Sequence[str], *, max_tokens: int, batch: int = 256,
-                      prepend: Optional[int] = None) -> Tokenized:
+def tokenize_passages(
+    tokenizer, texts: Sequence[str], *, max_tokens: int, batch: int = 256, prepend: int | None = None
+) -> Tokenized:
     """Tokenize with offsets (the tokenizer's own special tokens included, plus ``prepend``
     as a first token when given), truncating to ``max_tokens``. Needs a fast tokenizer."""
     if tokenizer is None:
@@ -155,7 +156,7 @@ def tokenize_passages(tokenizer, texts: Sequence[str], *, max_tokens: int, batch
     return out
 
 
-def span_tokens(starts: np.ndarray, ends: np.ndarray, cs: np.ndarray, ce: np.ndarray, text_len: Optional[int] = None):
+def span_tokens(starts: np.ndarray, ends: np.ndarray, cs: np.ndarray, ce: np.ndarray, text_len: int | None = None):
     """First and last subword (inclusive) overlapping each char span ``[cs, ce)``; -1 if none.
 
     ``starts``/``ends`` are one passage's token offsets (sorted). A span whose end lies past

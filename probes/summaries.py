@@ -16,10 +16,27 @@ import pandas as pd
 
 from .mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
 
-BY_SITE_FIRST = ["task", "site", "label", "layer", "sublayer", "depth", "accuracy", "macro_f1", "control_accuracy",
-                 "selectivity"]
-SUMMARY_FIRST = ["task", "expected_layer_delta", "expected_layer_mix", "best_label", "best_accuracy", "n_train",
-                 "n_test"]
+BY_SITE_FIRST = [
+    "task",
+    "site",
+    "label",
+    "layer",
+    "sublayer",
+    "depth",
+    "accuracy",
+    "macro_f1",
+    "control_accuracy",
+    "selectivity",
+]
+SUMMARY_FIRST = [
+    "task",
+    "expected_layer_delta",
+    "expected_layer_mix",
+    "best_label",
+    "best_accuracy",
+    "n_train",
+    "n_test",
+]
 MIXING_COLUMNS = ["task", "site", "label", "layer", "sublayer", "depth", "mix_weight", "cumulative_score", "delta"]
 
 
@@ -44,8 +61,13 @@ def site_rows(task: str, frame: pd.DataFrame, td, scores: dict, l2, *, probe: st
 def cumulative_summary(depths, cum, seed: int) -> dict:
     """Summary values of a cumulative fit (all NaN when ``cum`` is None)."""
     if cum is None:
-        keys = ["expected_layer_delta", "expected_layer_delta_lo", "expected_layer_delta_hi", "total_delta",
-                "expected_layer_mix"]
+        keys = [
+            "expected_layer_delta",
+            "expected_layer_delta_lo",
+            "expected_layer_delta_hi",
+            "total_delta",
+            "expected_layer_mix",
+        ]
         return {k: np.nan for k in keys}
     lo, hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
     return {
@@ -69,34 +91,37 @@ def mixing_rows(task: str, frame: pd.DataFrame, cum) -> pd.DataFrame:
     return df
 
 
-def summary_row(task: str, by_site: pd.DataFrame, td, n_layers: int, cum_summary: dict, *, probe: str, pooling: str,
-                control: bool) -> dict:
+def summary_row(
+    task: str, by_site: pd.DataFrame, td, n_layers: int, cum_summary: dict, *, probe: str, pooling: str, control: bool
+) -> dict:
     acc = by_site["accuracy"].to_numpy()
     best = int(np.argmax(acc))
     summ = {"task": task, **cum_summary}
-    summ.update({
-        "best_label": by_site["label"].iloc[best],
-        "best_site": int(by_site["site"].iloc[best]),
-        "best_depth": float(by_site["depth"].iloc[best]),
-        "best_accuracy": float(acc[best]),
-        "best_macro_f1": float(by_site["macro_f1"].iloc[best]),
-        "best_selectivity": float(by_site["selectivity"].iloc[best]) if control else np.nan,
-        "max_selectivity": float(np.nanmax(by_site["selectivity"])) if control else np.nan,
-        "n_layers": n_layers,
-        "relative_depth_delta": summ["expected_layer_delta"] / n_layers,
-        "relative_depth_mix": summ["expected_layer_mix"] / n_layers,
-        "relative_depth_best": float(by_site["depth"].iloc[best]) / n_layers,
-        "majority_accuracy": td.majority_accuracy,
-        "n_train": len(td.examples["train"]),
-        "n_test": len(td.examples["test"]),
-        "n_classes": td.n_classes,
-        "n_test_unseen_labels": int((td.y["test"] >= td.n_classes).sum()),
-        "n_skipped_train": td.skipped["train"],
-        "n_skipped_test": td.skipped["test"],
-        "kind": td.examples["train"].kind,
-        "probe": probe,
-        "pooling": pooling,
-    })
+    summ.update(
+        {
+            "best_label": by_site["label"].iloc[best],
+            "best_site": int(by_site["site"].iloc[best]),
+            "best_depth": float(by_site["depth"].iloc[best]),
+            "best_accuracy": float(acc[best]),
+            "best_macro_f1": float(by_site["macro_f1"].iloc[best]),
+            "best_selectivity": float(by_site["selectivity"].iloc[best]) if control else np.nan,
+            "max_selectivity": float(np.nanmax(by_site["selectivity"])) if control else np.nan,
+            "n_layers": n_layers,
+            "relative_depth_delta": summ["expected_layer_delta"] / n_layers,
+            "relative_depth_mix": summ["expected_layer_mix"] / n_layers,
+            "relative_depth_best": float(by_site["depth"].iloc[best]) / n_layers,
+            "majority_accuracy": td.majority_accuracy,
+            "n_train": len(td.examples["train"]),
+            "n_test": len(td.examples["test"]),
+            "n_classes": td.n_classes,
+            "n_test_unseen_labels": int((td.y["test"] >= td.n_classes).sum()),
+            "n_skipped_train": td.skipped["train"],
+            "n_skipped_test": td.skipped["test"],
+            "kind": td.examples["train"].kind,
+            "probe": probe,
+            "pooling": pooling,
+        }
+    )
     return summ
 
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -59,8 +59,8 @@ class TaskExamples:
     span1: np.ndarray
     labels: np.ndarray  # object array of str
     keys: list
-    sent2: Optional[np.ndarray] = None
-    span2: Optional[np.ndarray] = None
+    sent2: np.ndarray | None = None
+    span2: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -69,10 +69,15 @@ class TaskExamples:
     def n_spans(self) -> int:
         return 1 if self.span2 is None else 2
 
-    def subset(self, keep: np.ndarray) -> "TaskExamples":
+    def subset(self, keep: np.ndarray) -> TaskExamples:
         keep = np.asarray(keep)
         return TaskExamples(
-            self.task, self.kind, self.context, self.sent1[keep], self.span1[keep], self.labels[keep],
+            self.task,
+            self.kind,
+            self.context,
+            self.sent1[keep],
+            self.span1[keep],
+            self.labels[keep],
             [self.keys[i] for i in np.nonzero(keep)[0]] if keep.dtype == bool else [self.keys[i] for i in keep],
             None if self.sent2 is None else self.sent2[keep],
             None if self.span2 is None else self.span2[keep],
@@ -99,14 +104,27 @@ def _key(word: Word) -> str:
 def _examples(task, kind, context, rows, edge: bool) -> TaskExamples:
     if edge:
         s1, a1, b1, s2, a2, b2, lab, key = zip(*rows) if rows else ([],) * 8
-        return TaskExamples(task, kind, context, np.asarray(s1, dtype=np.int64),
-                            np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
-                            np.asarray(lab, dtype=object), list(key), np.asarray(s2, dtype=np.int64),
-                            np.stack([np.asarray(a2, dtype=np.int64), np.asarray(b2, dtype=np.int64)], 1).reshape(-1, 2))
+        return TaskExamples(
+            task,
+            kind,
+            context,
+            np.asarray(s1, dtype=np.int64),
+            np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
+            np.asarray(lab, dtype=object),
+            list(key),
+            np.asarray(s2, dtype=np.int64),
+            np.stack([np.asarray(a2, dtype=np.int64), np.asarray(b2, dtype=np.int64)], 1).reshape(-1, 2),
+        )
     s1, a1, b1, lab, key = zip(*rows) if rows else ([],) * 5
-    return TaskExamples(task, kind, context, np.asarray(s1, dtype=np.int64),
-                        np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
-                        np.asarray(lab, dtype=object), list(key))
+    return TaskExamples(
+        task,
+        kind,
+        context,
+        np.asarray(s1, dtype=np.int64),
+        np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
+        np.asarray(lab, dtype=object),
+        list(key),
+    )
 
 
 def word_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
@@ -154,7 +172,9 @@ def entity_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
     return _examples(task, "span", context, rows, edge=False)
 
 
-def coref_task(corpus: Corpus, task: str, context: str, *, window: int = 2, neg_ratio: float = 1.0, seed: int = 0) -> TaskExamples:
+def coref_task(
+    corpus: Corpus, task: str, context: str, *, window: int = 2, neg_ratio: float = 1.0, seed: int = 0
+) -> TaskExamples:
     if not corpus.has_entities:
         raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
     sents = corpus.sentences
@@ -194,7 +214,7 @@ def coref_task(corpus: Corpus, task: str, context: str, *, window: int = 2, neg_
 
 
 # ----------------------------------------------------------------------------- jiant JSONL
-def read_jiant(path: Union[str, Path], *, max_sentences: Optional[int] = None, seed: int = 0) -> Corpus:
+def read_jiant(path: str | Path, *, max_sentences: int | None = None, seed: int = 0) -> Corpus:
     """Read a jiant edge-probing JSONL file into a :class:`Corpus` (targets kept in metadata)."""
     path = Path(path)
     if not path.is_file():
@@ -227,14 +247,26 @@ def read_jiant(path: Union[str, Path], *, max_sentences: Optional[int] = None, s
                             raise InputError(f"{path}:{no}: a target has no span1")
                         continue
                     sp = t[key]
-                    if (not isinstance(sp, (list, tuple)) or len(sp) != 2 or not all(isinstance(v, int) for v in sp)
-                            or not 0 <= sp[0] < sp[1] <= len(toks)):
+                    if (
+                        not isinstance(sp, (list, tuple))
+                        or len(sp) != 2
+                        or not all(isinstance(v, int) for v in sp)
+                        or not 0 <= sp[0] < sp[1] <= len(toks)
+                    ):
                         raise InputError(f"{path}:{no}: {key} {sp!r} is not [start, end) within the {len(toks)} tokens")
                 if "label" not in t:
                     raise InputError(f"{path}:{no}: a target has no label")
             doc = rec.get("info", {}).get("document_id") if isinstance(rec.get("info"), dict) else None
-            sents.append(Sentence(" ".join(toks), words, doc_id=doc if doc is not None else f"{path}#{no}",
-                                  line=no, source=str(path), metadata={"targets": targets}))
+            sents.append(
+                Sentence(
+                    " ".join(toks),
+                    words,
+                    doc_id=doc if doc is not None else f"{path}#{no}",
+                    line=no,
+                    source=str(path),
+                    metadata={"targets": targets},
+                )
+            )
     if not sents:
         raise InputError(f"{path} holds no records")
     corpus = Corpus(sents, str(path), len(sents))
@@ -268,7 +300,7 @@ def jiant_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
 
 
 # ----------------------------------------------------------------------------- entry points
-def load_corpus(source, *, max_sentences: Optional[int] = None, seed: int = 0) -> Corpus:
+def load_corpus(source, *, max_sentences: int | None = None, seed: int = 0) -> Corpus:
     """A CoNLL-U path, a jiant ``.jsonl``/``.json`` path, or a :class:`Corpus`."""
     if isinstance(source, Corpus):
         return read_conllu(source, max_sentences=max_sentences, seed=seed)
@@ -282,8 +314,15 @@ def is_jiant(corpus: Corpus) -> bool:
     return bool(corpus.sentences) and "targets" in corpus.sentences[0].metadata
 
 
-def build_task(corpus: Corpus, task: str, *, context: Optional[str] = None, seed: int = 0,
-               coref_window: int = 2, coref_neg_ratio: float = 1.0) -> TaskExamples:
+def build_task(
+    corpus: Corpus,
+    task: str,
+    *,
+    context: str | None = None,
+    seed: int = 0,
+    coref_window: int = 2,
+    coref_neg_ratio: float = 1.0,
+) -> TaskExamples:
     """Examples of ``task`` on ``corpus`` (see the module docstring for task names)."""
     context = context or default_context(task)
     fam = task_family(task)
@@ -306,7 +345,7 @@ def build_task(corpus: Corpus, task: str, *, context: Optional[str] = None, seed
 
 
 def _stable_seed(seed: int, key: str) -> int:
-    h = hashlib.blake2b(f"{seed}\x1f{key}".encode("utf-8"), digest_size=8).digest()
+    h = hashlib.blake2b(f"{seed}\x1f{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little")
 
 

@@ -16,7 +16,6 @@ those of :class:`~depthscope.probes.config.ProbeConfig`.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -34,7 +33,7 @@ _DEFAULTS = ProbeConfig()
 TARGET_STEPS = 500
 
 
-def auto_batch(n: int, epochs: int, batch_size: Optional[int] = None) -> int:
+def auto_batch(n: int, epochs: int, batch_size: int | None = None) -> int:
     """``batch_size`` if given, else the batch (between 128 and 512, a multiple of 32) that
     gives about ``TARGET_STEPS`` steps over ``epochs`` epochs of ``n`` examples: large
     batches (cheap steps) for large data, small batches (more steps) for small data."""
@@ -50,7 +49,7 @@ def train_probe(
     y: torch.Tensor,
     *,
     epochs: int = _DEFAULTS.epochs,
-    batch_size: Optional[int] = _DEFAULTS.batch_size,
+    batch_size: int | None = _DEFAULTS.batch_size,
     lr: float = _DEFAULTS.lr,
     min_steps: int = _DEFAULTS.min_steps,
     seed: int = 0,
@@ -87,7 +86,6 @@ def train_probe(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=desc, unit="step", leave=False)
-    step = 0
     probe.train()
     with threads_for(step_work(probe, feats, batch_size)):
         losses = _train_loop(probe, feats, y, opt, base, rng, epochs, total, batch_size, bar)
@@ -132,7 +130,7 @@ def _adam(groups) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def predict(probe: BatchedProbe, feats: Features, y: Optional[torch.Tensor] = None, *, batch_size: int = 1024):
+def predict(probe: BatchedProbe, feats: Features, y: torch.Tensor | None = None, *, batch_size: int = 1024):
     """Predicted classes ``[U, N, G]`` and, with labels ``y [N, G]`` (indices < C), the
     code length ``-log2 p(y)`` of each example ``[U, N, G]`` (else None)."""
     probe.eval()

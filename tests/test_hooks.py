@@ -29,8 +29,12 @@ def reference_sites(hm, ids, mask):
     attn_out, mlp_out = {}, {}
     handles = []
     for l, (a, m) in enumerate(zip(arch.attn, arch.mlp)):
-        handles.append(a.register_forward_hook(lambda mod, i, o, l=l: attn_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
-        handles.append(m.register_forward_hook(lambda mod, i, o, l=l: mlp_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+        handles.append(
+            a.register_forward_hook(lambda mod, i, o, l=l: attn_out.__setitem__(l, o[0] if isinstance(o, tuple) else o))
+        )
+        handles.append(
+            m.register_forward_hook(lambda mod, i, o, l=l: mlp_out.__setitem__(l, o[0] if isinstance(o, tuple) else o))
+        )
     with torch.no_grad():
         out = hm.hf_model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
     for h in handles:
@@ -233,8 +237,10 @@ def test_bad_specs(tmp_path):
     # a folder with a config but corrupt weights
     d = tmp_path / "corrupt"
     d.mkdir()
-    (d / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, '
-                                   '"num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 8, "vocab_size": 10}')
+    (d / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, '
+        '"num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 8, "vocab_size": 10}'
+    )
     (d / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="cannot load"):
         load_model(d)
@@ -304,9 +310,8 @@ def test_unmappable_architecture():
 
 def test_transformer_bridge(tiny_factory, tokenizer):
     """A TransformerLens TransformerBridge is accepted and its resid hooks agree with our sites."""
-    from transformer_lens.model_bridge import TransformerBridge
-
     from conftest import make_tiny
+    from transformer_lens.model_bridge import TransformerBridge
 
     hf = make_tiny("llama", vocab_size=len(tokenizer))
     bridge = TransformerBridge.boot_transformers("llama-tiny", hf_model=hf, tokenizer=tokenizer)
@@ -368,7 +373,9 @@ def test_hub_id_from_local_cache_only(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(hub))
     hm = load_model("someorg/tiny-llama")
     rs = hm.residual_stream(["hello there"])
-    ref = m(**{k: v for k, v in tokenizer(["hello there"], return_tensors="pt").items() if k != "token_type_ids"}).logits
+    ref = m(
+        **{k: v for k, v in tokenizer(["hello there"], return_tensors="pt").items() if k != "token_type_ids"}
+    ).logits
     assert torch.allclose(rs.logits, ref, atol=1e-5)
     with pytest.raises(ModelSpecError, match="never downloads"):
         load_model("someorg/absent-model")

@@ -166,7 +166,9 @@ def test_tokens_table_matches_reference(tiny_llama):
         np.testing.assert_array_equal(part["top1_id"].to_numpy(), top.indices[:, 0].numpy())
         np.testing.assert_allclose(part["top2_prob"].to_numpy(), top.values[:, 1].exp().numpy(), rtol=1e-4)
         tgt = torch.tensor(part["target_id"].to_numpy())
-        np.testing.assert_allclose(part["target_logprob"].to_numpy(), lq.gather(1, tgt[:, None])[:, 0].numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            part["target_logprob"].to_numpy(), lq.gather(1, tgt[:, None])[:, 0].numpy(), rtol=1e-5, atol=1e-6
+        )
     assert tk["token"].iloc[0] == tiny_llama.tokenizer.decode(rs.input_ids[0, :1])
     # the per-token rows aggregate to the dataset-level table
     df = logit_lens(tiny_llama, TEXTS[:1])
@@ -248,8 +250,15 @@ def test_encoder_and_headless_models_refused(tiny_factory, tokenizer):
 
     with pytest.raises(UnsupportedArchitecture, match="not final norm -> unembedding"):
         logit_lens(tiny_factory("bert"), TEXTS)
-    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=64)
+    cfg = tf.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+    )
     base = load_model(tf.LlamaModel(cfg).eval(), tokenizer=tokenizer)  # no LM head
     with pytest.raises(UnsupportedArchitecture, match="not final norm -> unembedding"):
         logit_lens_tokens(base, "Hello")
@@ -305,12 +314,22 @@ def test_cli_writes_tables_and_plots(tiny_dir, tmp_path, monkeypatch, capsys, to
     lines = read_documents(SAMPLE)[:3] + [" ".join(["word"] * 700)]  # the last line exceeds the context
     text.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    code, so, se = run_cli(["lens", "--text", text, "--model", tiny_dir, "--out", out,
-                            "--prompt", "The capital of France is"], monkeypatch, capsys)
+    code, so, se = run_cli(
+        ["lens", "--text", text, "--model", tiny_dir, "--out", out, "--prompt", "The capital of France is"],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, se
     assert "1 document(s) longer than the 256-token window were split into 3 windows" in se
-    for name in ("lens_by_site.parquet", "lens_by_site.csv", "lens_tokens.parquet", "lens_tokens.csv",
-                 "lens_metrics.png", "lens_top1_heatmap.png", "lens_rank_trajectory.png"):
+    for name in (
+        "lens_by_site.parquet",
+        "lens_by_site.csv",
+        "lens_tokens.parquet",
+        "lens_tokens.csv",
+        "lens_metrics.png",
+        "lens_top1_heatmap.png",
+        "lens_rank_trajectory.png",
+    ):
         assert (out / name).is_file(), name
         assert f"wrote {out / name}" in so
     df = pd.read_parquet(out / "lens_by_site.parquet")
@@ -318,7 +337,9 @@ def test_cli_writes_tables_and_plots(tiny_dir, tmp_path, monkeypatch, capsys, to
     assert len(df) == 7 and abs(df["kl_to_final"].iloc[-1]) < 1e-6
     n = sum(len(tokenizer(t)["input_ids"]) for t in lines)
     assert (df["n_positions"] == n).all() and (df["n_next"] == n - 3 - 3).all()
-    assert pd.read_csv(out / "lens_by_site.csv")["kl_to_final"].to_numpy() == pytest.approx(df["kl_to_final"].to_numpy())
+    assert pd.read_csv(out / "lens_by_site.csv")["kl_to_final"].to_numpy() == pytest.approx(
+        df["kl_to_final"].to_numpy()
+    )
     tk = pd.read_parquet(out / "lens_tokens.parquet")
     assert tk["doc"].nunique() == 1 and len(tk) == 7 * tk["position"].nunique()
     for name in ("lens_metrics.png", "lens_top1_heatmap.png", "lens_rank_trajectory.png"):

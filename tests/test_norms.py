@@ -43,8 +43,12 @@ def reference_streams(hm, ids, mask):
     attn_out, mlp_out = {}, {}
     hs = []
     for l, (a, m) in enumerate(zip(arch.attn, arch.mlp)):
-        hs.append(a.register_forward_hook(lambda mod, i, o, l=l: attn_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
-        hs.append(m.register_forward_hook(lambda mod, i, o, l=l: mlp_out.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+        hs.append(
+            a.register_forward_hook(lambda mod, i, o, l=l: attn_out.__setitem__(l, o[0] if isinstance(o, tuple) else o))
+        )
+        hs.append(
+            m.register_forward_hook(lambda mod, i, o, l=l: mlp_out.__setitem__(l, o[0] if isinstance(o, tuple) else o))
+        )
     try:
         with torch.no_grad():
             out = hm.hf_model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
@@ -148,7 +152,9 @@ def compare_aggregates(df, ref, mask, metrics=NORM_METRICS, rtol=1e-4, atol=1e-7
         part = df[df["positions"] == g].sort_values("site")
         assert (part["n_tokens"] == sel.sum()).all()
         for k in metrics:
-            want = np.array([np.nanmean(np.where(sel, v, np.nan)) if np.isfinite(v[sel]).any() else np.nan for v in ref[k]])
+            want = np.array(
+                [np.nanmean(np.where(sel, v, np.nan)) if np.isfinite(v[sel]).any() else np.nan for v in ref[k]]
+            )
             got = part[k].to_numpy(float)
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"{k} ({g})")
         mx = np.array([v[sel].max() for v in ref["max_abs"]])
@@ -228,7 +234,7 @@ def test_dla_sums_to_the_models_logit_real_model(default_model):
     np.testing.assert_allclose(dla["contribution"].to_numpy()[:-1], want, rtol=1e-4, atol=1e-4)
     # a logit difference against a contrast token
     diff = direct_logit_attribution(hm, [prompt, "The capital of Italy is"], " Paris", " Rome")
-    for ex, part in diff.groupby("example"):
+    for _ex, part in diff.groupby("example"):
         assert part["contribution"].sum() == pytest.approx(part["logit"].iloc[0], rel=1e-4, abs=1e-4)
     assert diff["contrast"].iloc[0] == " Rome"
     top = direct_logit_attribution(hm, prompt, None)  # None: the model's own top-1 prediction
@@ -390,7 +396,11 @@ def test_growth_fit_recovers_a_known_rate():
     depth = np.arange(1, 11, dtype=float)
     df = pd.DataFrame({"sublayer": "mlp", "depth": depth, "stream_norm": 3.0 * 1.25**depth})
     fit = fit_growth_rate(df)
-    assert fit["rate"] == pytest.approx(1.25) and fit["intercept"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
+    assert (
+        fit["rate"] == pytest.approx(1.25)
+        and fit["intercept"] == pytest.approx(3.0)
+        and fit["r2"] == pytest.approx(1.0)
+    )
 
 
 # ----------------------------------------------------------------------------- per-head writes
@@ -414,7 +424,7 @@ def _explicit_head_writes(hm, texts):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W  # [D, H*dh]
         dh = W.shape[1] // H
-        per = torch.stack([z[l][..., h * dh:(h + 1) * dh] @ W[:, h * dh:(h + 1) * dh].T for h in range(H)], -2)
+        per = torch.stack([z[l][..., h * dh : (h + 1) * dh] @ W[:, h * dh : (h + 1) * dh].T for h in range(H)], -2)
         writes.append(per)  # [B, P, H, D]
     return writes, out, mask.numpy()
 
@@ -432,11 +442,23 @@ def _explicit_values(hm, texts):
     for l, attn in enumerate(hm.arch.attn):
         if hm.arch.family == "llama":
             kv = cfg.num_key_value_heads
-            hs.append(attn.v_proj.register_forward_hook(keep(l, lambda o: o.reshape(*o.shape[:2], kv, -1).repeat_interleave(H // kv, 2))))
+            hs.append(
+                attn.v_proj.register_forward_hook(
+                    keep(l, lambda o, kv=kv: o.reshape(*o.shape[:2], kv, -1).repeat_interleave(H // kv, 2))
+                )
+            )
         elif hm.arch.family == "gpt2":
-            hs.append(attn.c_attn.register_forward_hook(keep(l, lambda o: o[..., 2 * o.shape[-1] // 3:].reshape(*o.shape[:2], H, -1))))
+            hs.append(
+                attn.c_attn.register_forward_hook(
+                    keep(l, lambda o: o[..., 2 * o.shape[-1] // 3 :].reshape(*o.shape[:2], H, -1))
+                )
+            )
         else:
-            hs.append(attn.query_key_value.register_forward_hook(keep(l, lambda o: o.reshape(*o.shape[:2], H, -1)[..., 2 * o.shape[-1] // (3 * H):])))
+            hs.append(
+                attn.query_key_value.register_forward_hook(
+                    keep(l, lambda o: o.reshape(*o.shape[:2], H, -1)[..., 2 * o.shape[-1] // (3 * H) :])
+                )
+            )
     try:
         with torch.no_grad():
             hm.hf_model(input_ids=ids, attention_mask=mask.long())
@@ -475,7 +497,9 @@ def test_head_writes_real_model(default_model, short_docs):
     assert len(df) == 2 * 30 * 9
     rest = df[df["positions"] == "rest"]
     # triangle inequality: the sublayer's write is at most the sum of its heads' writes
-    per_layer = rest.groupby("layer").agg(s=("write_norm", "sum"), a=("attn_write_norm", "first"), c=("heads_coherence", "first"))
+    per_layer = rest.groupby("layer").agg(
+        s=("write_norm", "sum"), a=("attn_write_norm", "first"), c=("heads_coherence", "first")
+    )
     assert (per_layer["a"] <= per_layer["s"] * (1 + 1e-6)).all()
     assert ((per_layer["c"] > 0) & (per_layer["c"] <= 1 + 1e-6)).all()
     shares = rest.groupby("layer")["write_share"].sum()
@@ -505,7 +529,7 @@ def test_norm_weighted_attention(tiny_factory, family):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W
         dh = W.shape[1] // H
-        f = torch.stack([vals[l][0, :, h] @ W[:, h * dh:(h + 1) * dh].T for h in range(H)], 1)  # [P, H, D]
+        f = torch.stack([vals[l][0, :, h] @ W[:, h * dh : (h + 1) * dh].T for h in range(H)], 1)  # [P, H, D]
         part = df[df["layer"] == l]
         np.testing.assert_allclose(part["value_norm"], f.norm(dim=-1).numpy()[part["key"], part["head"]], rtol=1e-4)
         a = torch.zeros(H, P, P, dtype=torch.float64)
@@ -532,13 +556,20 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
     from depthscope.analyses.tables import read_table
 
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["norms", "--text", FIX, "--out", str(out), "--max-tokens", "40",
-                                   "--target", " Paris", "--heads"])
+    res = CliRunner().invoke(
+        app, ["norms", "--text", FIX, "--out", str(out), "--max-tokens", "40", "--target", " Paris", "--heads"]
+    )
     assert res.exit_code == 0, res.output + repr(res.exception)
     for name in ("norms_by_site", "norms_by_position", "dla", "head_writes"):
         assert (out / f"{name}.parquet").is_file() and (out / f"{name}.csv").is_file()
-    for png in ("norms_stream_growth", "norms_update_norms", "norms_relative_update", "norms_position_heatmap",
-                "norms_dla", "norms_head_writes"):
+    for png in (
+        "norms_stream_growth",
+        "norms_update_norms",
+        "norms_relative_update",
+        "norms_position_heatmap",
+        "norms_dla",
+        "norms_head_writes",
+    ):
         assert (out / f"{png}.png").stat().st_size > 10_000
     df = read_table(out / "norms_by_site.parquet")
     assert df.groupby("positions")["n_tokens"].first().sum() == 40
@@ -556,8 +587,14 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
 def test_plots_refuse_empty_tables(tmp_path):
     from depthscope.analyses.plots import norms as plots
 
-    for fn in (plots.plot_stream_growth, plots.plot_update_norms, plots.plot_relative_update,
-               plots.plot_position_heatmap, plots.plot_dla, plots.plot_head_writes):
+    for fn in (
+        plots.plot_stream_growth,
+        plots.plot_update_norms,
+        plots.plot_relative_update,
+        plots.plot_position_heatmap,
+        plots.plot_dla,
+        plots.plot_head_writes,
+    ):
         with pytest.raises(InputError):
             fn(pd.DataFrame(), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()

@@ -147,8 +147,25 @@ def test_word_and_edge_tasks():
     c = read_conllu(os.path.join(UD, "ewt_tiny_train.conllu"))
     up = build_task(c, "upos")
     assert len(up) == c.n_words and up.kind == "word"
-    assert set(up.labels) <= {"NOUN", "VERB", "ADJ", "ADV", "PRON", "DET", "ADP", "AUX", "CCONJ", "SCONJ", "PART",
-                              "NUM", "PUNCT", "PROPN", "INTJ", "SYM", "X"}
+    assert set(up.labels) <= {
+        "NOUN",
+        "VERB",
+        "ADJ",
+        "ADV",
+        "PRON",
+        "DET",
+        "ADP",
+        "AUX",
+        "CCONJ",
+        "SCONJ",
+        "PART",
+        "NUM",
+        "PUNCT",
+        "PROPN",
+        "INTJ",
+        "SYM",
+        "X",
+    }
     num = build_task(c, "feats:Number")
     assert 0 < len(num) < len(up) and set(num.labels) <= {"Sing", "Plur", "Ptan"}
     dep = build_task(c, "deprel")
@@ -197,14 +214,21 @@ def test_control_labels_deterministic_and_distributed():
     assert np.abs(freq - probs).max() < 0.03
     c = control_labels(keys, ["A", "B", "C"], probs, seed=4)
     assert (a != c).mean() > 0.3
-    assert (control_labels(["the", "the"], ["A", "B"], [0.5, 0.5]) == control_labels(["the"], ["A", "B"], [0.5, 0.5])[0]).all()
+    assert (
+        control_labels(["the", "the"], ["A", "B"], [0.5, 0.5]) == control_labels(["the"], ["A", "B"], [0.5, 0.5])[0]
+    ).all()
 
 
 def test_jiant_jsonl(tmp_path):
     p = tmp_path / "srl.jsonl"
     recs = [
-        {"text": "The cat sat on the mat .", "targets": [{"span1": [1, 2], "span2": [2, 3], "label": "ARG0"},
-                                                     {"span1": [3, 6], "span2": [2, 3], "label": ["ARGM-LOC"]}]},
+        {
+            "text": "The cat sat on the mat .",
+            "targets": [
+                {"span1": [1, 2], "span2": [2, 3], "label": "ARG0"},
+                {"span1": [3, 6], "span2": [2, 3], "label": ["ARGM-LOC"]},
+            ],
+        },
         {"text": "Dogs bark", "targets": [{"span1": [0, 1], "span2": [1, 2], "label": "ARG0"}]},
     ]
     p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")

@@ -101,7 +101,7 @@ def test_bf16_features_agree_and_env_forces_a_type(monkeypatch):
 
 
 def test_precision_rule_is_deterministic(monkeypatch):
-    """"auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
+    """ "auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
     kernels; float32 on anything uncertain; explicit precisions and the env variable win."""
     from depthscope.probes import cpu
     from depthscope.probes.cpu import precision_rule, resolve_precision
@@ -203,8 +203,9 @@ def test_cumulative_mix_finds_the_informative_site():
     x[:, 2, :3] += 3 * np.eye(3, dtype=np.float32)[y]
     ftr = features(x[:2000])
     fte = features(x[2000:], ftr)
-    cum = fit_cumulative(ftr, y[:2000], fte, y[2000:], n_classes=3, n_eval_classes=3, epochs=15, lr=1e-2,
-                         batch_size=256)
+    cum = fit_cumulative(
+        ftr, y[:2000], fte, y[2000:], n_classes=3, n_eval_classes=3, epochs=15, lr=1e-2, batch_size=256
+    )
     assert cum.accuracy[0] < 0.45 and cum.accuracy[1] < 0.45
     assert cum.accuracy[2] > 0.85 and cum.accuracy[3] > 0.85
     depths = [0, 0.5, 1.0, 1.5]

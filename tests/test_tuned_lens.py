@@ -207,21 +207,46 @@ def tiny_dirs(tmp_path_factory, tokenizer):
 
 def test_cli_train_then_lens_with_tuned(tiny_dirs, tmp_path, monkeypatch, capsys):
     lens_dir = tmp_path / "tl"
-    code, so, se = run_cli(["lens-train", "--text", SAMPLE, "--model", tiny_dirs[0], "--out", lens_dir, "--steps", "4",
-                            "--tokens-per-step", "4", "--cache-tokens", "64", "--eval-tokens", "16"], monkeypatch, capsys)
+    code, so, se = run_cli(
+        [
+            "lens-train",
+            "--text",
+            SAMPLE,
+            "--model",
+            tiny_dirs[0],
+            "--out",
+            lens_dir,
+            "--steps",
+            "4",
+            "--tokens-per-step",
+            "4",
+            "--cache-tokens",
+            "64",
+            "--eval-tokens",
+            "16",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, se
     assert "held-out mean KL" in so and (lens_dir / "tuned_lens.json").is_file()
     ev = pd.read_csv(lens_dir / "tuned_lens_eval.csv")
     assert set(ev["lens"]) == {"logit", "tuned"}
     out = tmp_path / "out"
-    code, so, se = run_cli(["lens", "--text", SAMPLE, "--model", tiny_dirs[0], "--out", out, "--tuned", lens_dir,
-                            "--max-tokens", "30"], monkeypatch, capsys)
+    code, so, se = run_cli(
+        ["lens", "--text", SAMPLE, "--model", tiny_dirs[0], "--out", out, "--tuned", lens_dir, "--max-tokens", "30"],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, se
     df = pd.read_csv(out / "lens_by_site.csv")
     assert df.groupby("lens").size().to_dict() == {"logit": 7, "tuned": 7}
     assert (df["n_positions"] == 30).all()
     assert (out / "lens_top1_heatmap_tuned.png").is_file() and (out / "lens_rank_trajectory_tuned.png").is_file()
     # a lens trained for another model is refused with a clear message
-    code, so, se = run_cli(["lens", "--text", SAMPLE, "--model", tiny_dirs[1], "--out", tmp_path / "o2", "--tuned", lens_dir],
-                           monkeypatch, capsys)
+    code, so, se = run_cli(
+        ["lens", "--text", SAMPLE, "--model", tiny_dirs[1], "--out", tmp_path / "o2", "--tuned", lens_dir],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and "trained for" in se

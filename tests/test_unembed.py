@@ -80,8 +80,9 @@ def test_frozen_parts_sum_to_the_dla_logit(tiny_factory, family):
     # and direct_logit_attribution reports exactly these parts
     dla = direct_logit_attribution(m, TEXTS[:1], t, c)
     assert dla["contribution"].sum() == pytest.approx(total, rel=1e-9, abs=1e-9)
-    torch.testing.assert_close(torch.tensor(dla["contribution"].to_numpy()[:-1]),
-                               frozen.contributions(parts, t, c), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.tensor(dla["contribution"].to_numpy()[:-1]), frozen.contributions(parts, t, c), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_frozen_refuses_softcap(tiny_factory):
@@ -97,8 +98,9 @@ def test_logit_lens_and_identity_tuned_lens_give_the_same_table(tiny_llama):
     assert set(a["lens"]) == {"logit"} and set(b["lens"]) == {"tuned"}
     assert list(a.columns) == list(b.columns) and a["label"].equals(b["label"])
     num = [c for c in a.columns if c not in ("lens", "label", "sublayer")]
-    torch.testing.assert_close(torch.tensor(a[num].to_numpy(float)), torch.tensor(b[num].to_numpy(float)),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(a[num].to_numpy(float)), torch.tensor(b[num].to_numpy(float)), rtol=1e-6, atol=1e-6
+    )
     assert logit_lens(tiny_llama, TEXTS).equals(a)  # the default lens is the logit lens
     rs = tiny_llama.residual_stream(TEXTS[:1])
     with torch.no_grad():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from .common import ModelOpt
@@ -12,7 +10,7 @@ from .common import ModelOpt
 def register(app: typer.Typer) -> None:
     @app.command("info")
     def info(
-        model: Optional[str] = ModelOpt,
+        model: str | None = ModelOpt,
         prompt: str = typer.Option("The capital of France is", "--prompt", "-p", help="Text to run."),
     ):
         """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""

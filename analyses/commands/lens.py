@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,14 +17,14 @@ ThreadsOpt = typer.Option(
 _L, _T = LensConfig(), LensTrainConfig()
 
 
-def _set_threads(threads: Optional[int]) -> None:
+def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
 
         torch.set_num_threads(threads)
 
 
-def _sites(spec: Optional[str]):
+def _sites(spec: str | None):
     if spec is None or not spec.strip():
         return None
     return [s.strip() for s in spec.split(",") if s.strip()]
@@ -40,44 +39,66 @@ def _print_sites(by_site) -> None:
         n = len(by_site[by_site["lens"] == row.lens])
         step = max(1, n // 8)
         if row.site % step == 0 or row.site == by_site["site"].max():
-            table.add_row(row.lens, row.label, f"{row.depth:g}", f"{row.kl_to_final:.3f}", f"{row.cross_entropy:.3f}",
-                          f"{row.entropy:.3f}", f"{row.top1_agreement:.3f}")
+            table.add_row(
+                row.lens,
+                row.label,
+                f"{row.depth:g}",
+                f"{row.kl_to_final:.3f}",
+                f"{row.cross_entropy:.3f}",
+                f"{row.entropy:.3f}",
+                f"{row.top1_agreement:.3f}",
+            )
     Console().print(table)
 
 
 def lens(
     text: Path = typer.Option(
-        ..., "--text", "-t",
+        ...,
+        "--text",
+        "-t",
         help="Plain-text file (UTF-8): one document per line, or the whole file (--whole-file).",
     ),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     prompt: str = typer.Option(
-        _L.prompt, "--prompt", "-p", help="Prompt for the per-token heatmap and rank trajectories.",
+        _L.prompt,
+        "--prompt",
+        "-p",
+        help="Prompt for the per-token heatmap and rank trajectories.",
     ),
     out: Path = OutOpt,
     per_line: bool = typer.Option(
-        True, "--per-line/--whole-file",
+        True,
+        "--per-line/--whole-file",
         help="One document per non-blank line (default), or the whole file as one document.",
     ),
-    max_tokens: Optional[int] = typer.Option(
-        _L.max_tokens, "--max-tokens", help="Stop after this many token positions of the text.",
+    max_tokens: int | None = typer.Option(
+        _L.max_tokens,
+        "--max-tokens",
+        help="Stop after this many token positions of the text.",
     ),
     batch_size: int = typer.Option(_L.batch_size, "--batch-size", help="Windows per forward pass."),
-    window: Optional[int] = typer.Option(
-        _L.window, "--window", help="Tokens per window (default min(context, 512)); longer documents are split.",
+    window: int | None = typer.Option(
+        _L.window,
+        "--window",
+        help="Tokens per window (default min(context, 512)); longer documents are split.",
     ),
-    tuned: Optional[Path] = typer.Option(
-        _L.tuned, "--tuned", help="A tuned lens folder (from lens-train) to compare with the plain logit lens.",
+    tuned: Path | None = typer.Option(
+        _L.tuned,
+        "--tuned",
+        help="A tuned lens folder (from lens-train) to compare with the plain logit lens.",
     ),
-    sites: Optional[str] = typer.Option(
-        None, "--sites", help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all.",
+    sites: str | None = typer.Option(
+        None,
+        "--sites",
+        help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all.",
     ),
     first_position: bool = typer.Option(
-        _L.first_position, "--first-position/--skip-first-position",
+        _L.first_position,
+        "--first-position/--skip-first-position",
         help="Include position 0 of every window (default) or skip it (attention sink).",
     ),
     top_k: int = typer.Option(_L.top_k, "--top-k", help="Top tokens per position and site in the token table."),
-    threads: Optional[int] = ThreadsOpt,
+    threads: int | None = ThreadsOpt,
 ):
     """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
     cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
@@ -95,11 +116,20 @@ def lens(
     docs = read_documents(text, per_line=per_line)
     m = load(model)
     m.unembed.check()
-    console.print(f"logit lens: {m.name}, {len(docs)} document(s) from {text}"
-                  + (f"; tuned lens: {tuned}" if tuned else ""))
-    cfg = LensConfig(prompt=prompt, sites=_sites(sites), batch_size=batch_size, window=window,
-                     max_tokens=max_tokens, first_position=first_position, top_k=top_k, tuned=tuned,
-                     source=text.name)
+    console.print(
+        f"logit lens: {m.name}, {len(docs)} document(s) from {text}" + (f"; tuned lens: {tuned}" if tuned else "")
+    )
+    cfg = LensConfig(
+        prompt=prompt,
+        sites=_sites(sites),
+        batch_size=batch_size,
+        window=window,
+        max_tokens=max_tokens,
+        first_position=first_position,
+        top_k=top_k,
+        tuned=tuned,
+        source=text.name,
+    )
     res = lens_job(m, docs, cfg, Output(out))
     if res.summary.get("split_note"):
         console.print(res.summary["split_note"])
@@ -111,35 +141,51 @@ def lens(
 def lens_train(
     text: Path = typer.Option(..., "--text", "-t", help="Plain-text training file (UTF-8)."),
     out: Path = typer.Option(
-        Path("tuned-lens"), "--out", "-o", help="Folder for the tuned lens and its training checkpoint.",
+        Path("tuned-lens"),
+        "--out",
+        "-o",
+        help="Folder for the tuned lens and its training checkpoint.",
     ),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     steps: int = typer.Option(
-        _T.steps, "--steps", help="Adam steps (bounded; each trains every site on --tokens-per-step tokens).",
+        _T.steps,
+        "--steps",
+        help="Adam steps (bounded; each trains every site on --tokens-per-step tokens).",
     ),
     tokens_per_step: int = typer.Option(
-        _T.tokens_per_step, "--tokens-per-step", help="Tokens per step (x all sites).",
+        _T.tokens_per_step,
+        "--tokens-per-step",
+        help="Tokens per step (x all sites).",
     ),
     cache_tokens: int = typer.Option(
-        _T.cache_tokens, "--cache-tokens", help="Tokens whose streams are captured once and trained on.",
+        _T.cache_tokens,
+        "--cache-tokens",
+        help="Tokens whose streams are captured once and trained on.",
     ),
     lr: float = typer.Option(_T.lr, "--lr", help="Learning rate of the (RMS-scaled) biases."),
     weight_lr: float = typer.Option(_T.weight_lr, "--weight-lr", help="Learning rate of the d x d matrices."),
     per_line: bool = typer.Option(
-        True, "--per-line/--whole-file", help="One document per line (default) or the whole file.",
+        True,
+        "--per-line/--whole-file",
+        help="One document per line (default) or the whole file.",
     ),
-    sites: Optional[str] = typer.Option(None, "--sites", help="Comma-separated sites to translate; default all."),
+    sites: str | None = typer.Option(None, "--sites", help="Comma-separated sites to translate; default all."),
     resume: bool = typer.Option(
-        _T.resume, "--resume/--no-resume", help="Continue from a checkpoint in OUT (default).",
+        _T.resume,
+        "--resume/--no-resume",
+        help="Continue from a checkpoint in OUT (default).",
     ),
     checkpoint_every: int = typer.Option(
-        _T.checkpoint_every, "--checkpoint-every", help="Steps between checkpoints.",
+        _T.checkpoint_every,
+        "--checkpoint-every",
+        help="Steps between checkpoints.",
     ),
     eval_tokens: int = typer.Option(
-        _T.eval_tokens, "--eval-tokens",
+        _T.eval_tokens,
+        "--eval-tokens",
         help="Held-out tokens (the last tenth of the documents) to compare with the logit lens; 0 to skip.",
     ),
-    threads: Optional[int] = ThreadsOpt,
+    threads: int | None = ThreadsOpt,
 ):
     """Train a tuned lens (Belrose et al. 2023) at every sublayer site on TEXT, on the CPU:
     bounded steps, a progress bar, checkpoints every --checkpoint-every steps (rerun to resume).
@@ -156,18 +202,31 @@ def lens_train(
     docs = read_documents(text, per_line=per_line)
     m = load(model)
     m.unembed.check()
-    cfg = LensTrainConfig(steps=steps, tokens_per_step=tokens_per_step, cache_tokens=cache_tokens, lr=lr,
-                          weight_lr=weight_lr, sites=_sites(sites), resume=resume,
-                          checkpoint_every=checkpoint_every, eval_tokens=eval_tokens)
-    console.print(f"training a tuned lens for {m.name} on {text}; {steps} steps x {tokens_per_step} tokens; "
-                  f"checkpoints in {out}")
+    cfg = LensTrainConfig(
+        steps=steps,
+        tokens_per_step=tokens_per_step,
+        cache_tokens=cache_tokens,
+        lr=lr,
+        weight_lr=weight_lr,
+        sites=_sites(sites),
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        eval_tokens=eval_tokens,
+    )
+    console.print(
+        f"training a tuned lens for {m.name} on {text}; {steps} steps x {tokens_per_step} tokens; checkpoints in {out}"
+    )
     res = lens_train_job(m, docs, cfg, out)
     s = res.summary
-    typer.echo(f"wrote {out}/tuned_lens.safetensors and tuned_lens.json ({s['lens']}; "
-               f"{s['n_train_docs']} training document(s))")
+    typer.echo(
+        f"wrote {out}/tuned_lens.safetensors and tuned_lens.json ({s['lens']}; "
+        f"{s['n_train_docs']} training document(s))"
+    )
     if "kl_tuned" in s:
-        typer.echo(f"held-out mean KL(final‖lens) over sites, {s['eval_tokens']} tokens of {s['n_eval_docs']} "
-                   f"held-out document(s): logit lens {s['kl_logit']:.3f}, tuned lens {s['kl_tuned']:.3f} nats")
+        typer.echo(
+            f"held-out mean KL(final‖lens) over sites, {s['eval_tokens']} tokens of {s['n_eval_docs']} "
+            f"held-out document(s): logit lens {s['kl_logit']:.3f}, tuned lens {s['kl_tuned']:.3f} nats"
+        )
     for p in res.files:
         typer.echo(f"wrote {p}")
 

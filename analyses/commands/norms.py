@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,51 +20,74 @@ def _print_summary(model, summary: dict) -> None:
     t = Table("quantity", "value", title=f"contribution norms of {model.name} on {summary['n_tokens']} tokens")
     t.add_row("stream growth per block (fit)", f"x{summary['growth_rate']:.3f} (R² {summary['growth_r2']:.2f})")
     t.add_row("mean attention share", f"{summary['attn_share']:.3f}")
-    t.add_row("first-position / rest stream norm",
-              f"{summary['sink_ratio']:.1f} (median over blocks; max {summary['sink_ratio_max']:.1f})")
+    t.add_row(
+        "first-position / rest stream norm",
+        f"{summary['sink_ratio']:.1f} (median over blocks; max {summary['sink_ratio_max']:.1f})",
+    )
     if "massive_site" in summary:
-        t.add_row("largest |h|", f"{summary['massive_value']:.0f} at {summary['massive_site']}, "
-                  f"dim {summary['massive_dim']} ({summary['massive_positions']} position; "
-                  f"{summary['massive_over_median']:.0f}x median)")
+        t.add_row(
+            "largest |h|",
+            f"{summary['massive_value']:.0f} at {summary['massive_site']}, "
+            f"dim {summary['massive_dim']} ({summary['massive_positions']} position; "
+            f"{summary['massive_over_median']:.0f}x median)",
+        )
     if "dla_top" in summary:
         top = ", ".join(f"{lab} {v:+.2f}" for lab, v in summary["dla_top"][:3])
         t.add_row(f"DLA logit[{summary['dla_target']!r}]", f"{summary['dla_logit']:.2f}; top: {top}")
     if "top_head" in summary:
-        t.add_row("largest head write", f"{summary['top_head']} ({summary['top_head_write_norm']:.1f}); "
-                  f"mean heads coherence {summary['mean_heads_coherence']:.2f}")
+        t.add_row(
+            "largest head write",
+            f"{summary['top_head']} ({summary['top_head_write_norm']:.1f}); "
+            f"mean heads coherence {summary['mean_heads_coherence']:.2f}",
+        )
     Console().print(t)
 
 
 def norms(
     text: Path = typer.Option(
-        ..., "--text", "-t", help="Plain-text file: one document per non-blank line (see --whole-file).",
+        ...,
+        "--text",
+        "-t",
+        help="Plain-text file: one document per non-blank line (see --whole-file).",
     ),
-    model: Optional[str] = ModelOpt,
+    model: str | None = ModelOpt,
     out: Path = OutOpt,
     prompt: str = typer.Option(
-        _N.prompt, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars.",
+        _N.prompt,
+        "--prompt",
+        "-p",
+        help="Prompt for the per-position heatmap and the DLA bars.",
     ),
-    target: Optional[str] = typer.Option(
-        _N.target, "--target",
+    target: str | None = typer.Option(
+        _N.target,
+        "--target",
         help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
         "model's top prediction.",
     ),
-    contrast: Optional[str] = typer.Option(
-        _N.contrast, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast].",
+    contrast: str | None = typer.Option(
+        _N.contrast,
+        "--contrast",
+        help="Optional contrast token: attribute logit\\[target] - logit\\[contrast].",
     ),
-    max_tokens: Optional[int] = typer.Option(
-        _N.max_tokens, "--max-tokens", help="Stop after this many real tokens of the text.",
+    max_tokens: int | None = typer.Option(
+        _N.max_tokens,
+        "--max-tokens",
+        help="Stop after this many real tokens of the text.",
     ),
     batch_size: int = typer.Option(_N.batch_size, "--batch-size", help="Sequences per forward pass."),
-    window: Optional[int] = typer.Option(
-        _N.window, "--window",
+    window: int | None = typer.Option(
+        _N.window,
+        "--window",
         help="Split documents into windows of at most this many tokens (default min(context, 512)).",
     ),
     whole_file: bool = typer.Option(
-        False, "--whole-file", help="Read the file as one document instead of one per line.",
+        False,
+        "--whole-file",
+        help="Read the file as one document instead of one per line.",
     ),
     heads: bool = typer.Option(
-        _N.heads, "--heads",
+        _N.heads,
+        "--heads",
         help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
     ),
 ):
@@ -95,8 +117,17 @@ def norms(
     console.print(repr(m))
     if not m.unembed.decodes_stream:
         console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
-    cfg = NormsConfig(prompt=prompt, target=target, contrast=contrast, max_tokens=max_tokens, batch_size=batch_size,
-                      window=window, heads=heads, progress=True, source=str(text))
+    cfg = NormsConfig(
+        prompt=prompt,
+        target=target,
+        contrast=contrast,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        window=window,
+        heads=heads,
+        progress=True,
+        source=str(text),
+    )
     res = norms_job(m, docs, cfg, Output(out))
     _print_summary(m, res.summary)
     console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {out}")

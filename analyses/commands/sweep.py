@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -11,20 +10,40 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("sweep")
     def sweep_cmd(
-        checkpoints_pos: Optional[List[str]] = typer.Argument(None, metavar="[CHECKPOINT]...", help="Checkpoint folders, .gguf files or specs."),
-        checkpoints: Optional[List[str]] = typer.Option(None, "--checkpoints", "-c", help="A checkpoint (repeatable; further paths may follow as arguments)."),
-        checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="A folder of step100/, checkpoint-200/ ... sub-folders, ordered by step."),
+        checkpoints_pos: list[str] | None = typer.Argument(
+            None, metavar="[CHECKPOINT]...", help="Checkpoint folders, .gguf files or specs."
+        ),
+        checkpoints: list[str] | None = typer.Option(
+            None, "--checkpoints", "-c", help="A checkpoint (repeatable; further paths may follow as arguments)."
+        ),
+        checkpoint_dir: Path | None = typer.Option(
+            None, "--checkpoint-dir", help="A folder of step100/, checkpoint-200/ ... sub-folders, ordered by step."
+        ),
         analysis: str = typer.Option(..., "--analysis", "-a", help="lens | norms | probe"),
         out: Path = typer.Option(..., "--out", "-o", help="Output folder (re-run the same command to resume)."),
-        text: Optional[Path] = typer.Option(None, "--text", help="Plain text for lens/norms (one document per line); default: the bundled EWT sample."),
+        text: Path | None = typer.Option(
+            None, "--text", help="Plain text for lens/norms (one document per line); default: the bundled EWT sample."
+        ),
         max_docs: int = typer.Option(200, "--max-docs", help="Use at most this many documents of --text."),
         task: str = typer.Option("upos", "--task", help="Probe tasks, comma-separated (probe)."),
-        train: Optional[Path] = typer.Option(None, "--train", help="CoNLL-U/JSONL train file (probe); default: bundled EWT sample."),
-        test: Optional[Path] = typer.Option(None, "--test", help="CoNLL-U/JSONL test file (probe); default: bundled EWT sample."),
-        max_train_sentences: Optional[int] = typer.Option(None, "--max-train-sentences", help="Cap probe train data at N sentences (probe)."),
-        max_test_sentences: Optional[int] = typer.Option(None, "--max-test-sentences", help="Cap probe test data at N sentences (probe)."),
-        metric: Optional[str] = typer.Option(None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."),
-        allow_mixed: bool = typer.Option(False, "--allow-mixed", help="Allow checkpoints of different architectures or tokenizers."),
+        train: Path | None = typer.Option(
+            None, "--train", help="CoNLL-U/JSONL train file (probe); default: bundled EWT sample."
+        ),
+        test: Path | None = typer.Option(
+            None, "--test", help="CoNLL-U/JSONL test file (probe); default: bundled EWT sample."
+        ),
+        max_train_sentences: int | None = typer.Option(
+            None, "--max-train-sentences", help="Cap probe train data at N sentences (probe)."
+        ),
+        max_test_sentences: int | None = typer.Option(
+            None, "--max-test-sentences", help="Cap probe test data at N sentences (probe)."
+        ),
+        metric: str | None = typer.Option(
+            None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
+        ),
+        allow_mixed: bool = typer.Option(
+            False, "--allow-mixed", help="Allow checkpoints of different architectures or tokenizers."
+        ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace another sweep's results in --out."),
     ):
         """Run one analysis on each checkpoint; write one combined table (checkpoint, step columns) and plots.
@@ -52,9 +71,13 @@ def register(app: typer.Typer) -> None:
             from depthscope.probes import sample_data
 
             sample = sample_data()
-            kwargs.update(tasks=[t.strip() for t in task.split(",") if t.strip()],
-                          train=str(train or sample["ewt_train"]), test=str(test or sample["ewt_test"]),
-                          max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences)
+            kwargs.update(
+                tasks=[t.strip() for t in task.split(",") if t.strip()],
+                train=str(train or sample["ewt_train"]),
+                test=str(test or sample["ewt_test"]),
+                max_train_sentences=max_train_sentences,
+                max_test_sentences=max_test_sentences,
+            )
         else:
             raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
         result = sweep(cks, analysis, out, allow_mixed=allow_mixed, overwrite=overwrite, **kwargs)
@@ -64,15 +87,27 @@ def register(app: typer.Typer) -> None:
             m = metric or {"lens": "kl_to_final", "norms": "stream_norm", "probe": "accuracy"}[analysis]
             if analysis == "probe":
                 for t in by_site["task"].unique():
-                    written.append(sweep_plots.plot_checkpoint_heatmap(by_site[by_site["task"] == t], m, out / f"sweep_{m}_{t}.png",
-                                                                      title=f"{t}: {m} across checkpoints"))
+                    written.append(
+                        sweep_plots.plot_checkpoint_heatmap(
+                            by_site[by_site["task"] == t],
+                            m,
+                            out / f"sweep_{m}_{t}.png",
+                            title=f"{t}: {m} across checkpoints",
+                        )
+                    )
                 summ = result.tables.get("summary")
                 if summ is not None and len(summ):
-                    written.append(sweep_plots.plot_metric_over_training(summ, "expected_layer_delta", out / "sweep_expected_layer.png"))
+                    written.append(
+                        sweep_plots.plot_metric_over_training(
+                            summ, "expected_layer_delta", out / "sweep_expected_layer.png"
+                        )
+                    )
             else:
                 written.append(sweep_plots.plot_checkpoint_heatmap(by_site, m, out / f"sweep_{m}.png"))
                 written.append(sweep_plots.plot_final_site_over_training(by_site, m, out / f"sweep_{m}_lines.png"))
-        typer.echo(f"{len(result.done)} checkpoints done, {len(result.skipped)} already finished, {len(result.failed)} failed")
+        typer.echo(
+            f"{len(result.done)} checkpoints done, {len(result.skipped)} already finished, {len(result.failed)} failed"
+        )
         for name, err in result.failed.items():
             typer.secho(f"  failed: {name}: {err}", fg=typer.colors.RED, err=True)
         typer.echo(f"tables: {out}/sweep_*.parquet|csv; plots: {', '.join(str(p) for p in written) or 'none'}")
@@ -84,7 +119,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="Folder for step0/, step50/, ... checkpoints."),
         steps: int = typer.Option(200, "--steps"),
         save_every: int = typer.Option(50, "--save-every"),
-        text: Optional[Path] = typer.Option(None, "--text", help="Training text (default: the bundled EWT sample)."),
+        text: Path | None = typer.Option(None, "--text", help="Training text (default: the bundled EWT sample)."),
     ):
         """Train a tiny Llama on text with the default tokenizer, saving a checkpoint series to sweep over."""
         from depthscope.analyses.report import sample_texts

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
@@ -20,7 +21,7 @@ class Output:
     only want the tables).
     """
 
-    def __init__(self, folder: Optional[Path]):
+    def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
         self.written: list[Path] = []
         self._names: set[str] = set()
@@ -40,7 +41,7 @@ class Output:
         self.written += paths
         return paths
 
-    def json(self, obj, name: str) -> Optional[Path]:
+    def json(self, obj, name: str) -> Path | None:
         """Write ``obj`` as ``<folder>/<name>.json`` (indented, atomically)."""
         import json
 
@@ -53,7 +54,7 @@ class Output:
         self.written.append(path)
         return path
 
-    def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Optional[Path]:
+    def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Path | None:
         """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png``."""
         self._claim(name)
         if self.folder is None:

@@ -13,9 +13,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from .base import JobResult, Output
 
@@ -28,17 +28,17 @@ class LensConfig:
     lens folder to compare with the plain logit lens; ``source``: the text's name (figure title)."""
 
     prompt: str = DEFAULT_PROMPT
-    sites: Optional[Sequence] = None
+    sites: Sequence | None = None
     batch_size: int = 8
-    window: Optional[int] = None
-    max_tokens: Optional[int] = None
+    window: int | None = None
+    max_tokens: int | None = None
     first_position: bool = True
     top_k: int = 5
-    tuned: Optional[Path] = None
-    source: Optional[str] = None
+    tuned: Path | None = None
+    source: str | None = None
 
 
-def split_note(model, docs: Sequence[str], window: Optional[int]) -> Optional[str]:
+def split_note(model, docs: Sequence[str], window: int | None) -> str | None:
     """Say how many documents are longer than the window (they are split, not truncated)."""
     from depthscope.analyses.text import windows as split
 
@@ -51,8 +51,10 @@ def split_note(model, docs: Sequence[str], window: Optional[int]) -> Optional[st
             long_docs += 1
             pieces += len(split(list(range(n)), w))
     if long_docs:
-        return (f"{long_docs} document(s) longer than the {w}-token window were split into {pieces} windows "
-                f"(each window starts a fresh context)")
+        return (
+            f"{long_docs} document(s) longer than the {w}-token window were split into {pieces} windows "
+            f"(each window starts a fresh context)"
+        )
     return None
 
 
@@ -69,12 +71,21 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
 
     model.unembed.check()
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
-    kw = dict(sites=config.sites, batch_size=config.batch_size, window=config.window,
-              first_position=config.first_position)
-    by_site = site_first(pd.concat([logit_lens(model, docs, lens=lens, max_tokens=config.max_tokens, **kw)
-                                    for lens in lenses], ignore_index=True))
-    tokens = site_first(pd.concat([logit_lens_tokens(model, config.prompt, lens=lens, k=config.top_k, **kw)
-                                   for lens in lenses], ignore_index=True))
+    kw = dict(
+        sites=config.sites, batch_size=config.batch_size, window=config.window, first_position=config.first_position
+    )
+    by_site = site_first(
+        pd.concat(
+            [logit_lens(model, docs, lens=lens, max_tokens=config.max_tokens, **kw) for lens in lenses],
+            ignore_index=True,
+        )
+    )
+    tokens = site_first(
+        pd.concat(
+            [logit_lens_tokens(model, config.prompt, lens=lens, k=config.top_k, **kw) for lens in lenses],
+            ignore_index=True,
+        )
+    )
     out.table(by_site, "lens_by_site")
     out.table(tokens, "lens_tokens")
     n_positions = int(by_site["n_positions"].iloc[0])
@@ -108,7 +119,7 @@ class LensTrainConfig:
     cache_tokens: int = 2048
     lr: float = 3e-2
     weight_lr: float = 3e-3
-    sites: Optional[Sequence] = None
+    sites: Sequence | None = None
     resume: bool = True
     checkpoint_every: int = 25
     eval_tokens: int = 128
@@ -129,10 +140,20 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
     folder = Path(folder)
     n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0
     train_docs, eval_docs = (docs[:-n_eval], docs[-n_eval:]) if n_eval else (list(docs), [])
-    tl = train_tuned_lens(model, train_docs, out=folder, sites=config.sites, steps=config.steps,
-                          tokens_per_step=config.tokens_per_step, cache_tokens=config.cache_tokens, lr=config.lr,
-                          weight_lr=config.weight_lr, resume=config.resume,
-                          checkpoint_every=config.checkpoint_every, progress=config.progress)
+    tl = train_tuned_lens(
+        model,
+        train_docs,
+        out=folder,
+        sites=config.sites,
+        steps=config.steps,
+        tokens_per_step=config.tokens_per_step,
+        cache_tokens=config.cache_tokens,
+        lr=config.lr,
+        weight_lr=config.weight_lr,
+        resume=config.resume,
+        checkpoint_every=config.checkpoint_every,
+        progress=config.progress,
+    )
     summary = {"lens": repr(tl), "n_train_docs": len(train_docs), "n_eval_docs": len(eval_docs)}
     result = JobResult(summary=summary)
     if eval_docs:
@@ -143,6 +164,9 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
         out.table(both, "tuned_lens_eval")
         result.tables["tuned_lens_eval"] = both
         result.files = list(out.written)
-        summary.update(eval_tokens=int(a["n_positions"].iloc[0]), kl_logit=float(a["kl_to_final"].mean()),
-                       kl_tuned=float(b["kl_to_final"].mean()))
+        summary.update(
+            eval_tokens=int(a["n_positions"].iloc[0]),
+            kl_logit=float(a["kl_to_final"].mean()),
+            kl_tuned=float(b["kl_to_final"].mean()),
+        )
     return result

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from .base import JobResult, Output
 from .lens import DEFAULT_PROMPT
@@ -26,22 +26,26 @@ class NormsConfig:
     ``source``: the text's name (recorded in the summary)."""
 
     prompt: str = DEFAULT_PROMPT
-    target: Optional[str] = None
-    contrast: Optional[str] = None
-    max_tokens: Optional[int] = None
+    target: str | None = None
+    contrast: str | None = None
+    max_tokens: int | None = None
     batch_size: int = 4
-    window: Optional[int] = None
+    window: int | None = None
     heads: bool = False
     progress: bool = False
-    source: Optional[str] = None
+    source: str | None = None
 
 
 def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:
     from depthscope.analyses.norms import norms_summary
 
     summary = norms_summary(df)
-    summary.update(model=str(model.name), text=config.source,
-                   n_tokens=int(df.groupby("positions")["n_tokens"].first().sum()), notes=df.attrs.get("notes", ""))
+    summary.update(
+        model=str(model.name),
+        text=config.source,
+        n_tokens=int(df.groupby("positions")["n_tokens"].first().sum()),
+        notes=df.attrs.get("notes", ""),
+    )
     if dla is not None:
         parts = dla[dla["site"] >= 0].sort_values("contribution", ascending=False)
         summary["dla_target"] = str(dla["target"].iloc[0])
@@ -67,8 +71,14 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
 
     if not config.prompt:
         raise InputError("the prompt is empty")
-    df = contribution_norms(model, docs, batch_size=config.batch_size, window=config.window,
-                            max_tokens=config.max_tokens, progress=config.progress)
+    df = contribution_norms(
+        model,
+        docs,
+        batch_size=config.batch_size,
+        window=config.window,
+        max_tokens=config.max_tokens,
+        progress=config.progress,
+    )
     pos = norms_by_position(model, [config.prompt])
     dla = heads_df = None
     if model.unembed.decodes_stream:
@@ -76,8 +86,9 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     if config.heads:
         from depthscope.analyses.heads import head_write_norms
 
-        heads_df = head_write_norms(model, docs, batch_size=config.batch_size, window=config.window,
-                                    max_tokens=config.max_tokens)
+        heads_df = head_write_norms(
+            model, docs, batch_size=config.batch_size, window=config.window, max_tokens=config.max_tokens
+        )
     tables = {"norms_by_site": df, "norms_by_position": pos, "dla": dla, "head_writes": heads_df}
     tables = {k: v for k, v in tables.items() if v is not None}
     for name, t in tables.items():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import pandas as pd
 import torch
@@ -28,10 +26,10 @@ def norms_by_position(
     inputs: Inputs,
     *,
     batch_size: int = 4,
-    window: Optional[int] = None,
-    max_tokens: Optional[int] = 4096,
+    window: int | None = None,
+    max_tokens: int | None = 4096,
     hooks=None,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Per-token contribution metrics: one row per ``(sequence, position, site)``.
 

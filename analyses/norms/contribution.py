@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import pandas as pd
 import torch
@@ -28,11 +26,11 @@ def contribution_norms(
     inputs: Inputs,
     *,
     batch_size: int = 4,
-    window: Optional[int] = None,
-    max_tokens: Optional[int] = None,
+    window: int | None = None,
+    max_tokens: int | None = None,
     hooks=None,
     progress: bool = False,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Per-site contribution norms over a dataset, streamed in bounded memory.
 
@@ -133,8 +131,9 @@ class _Totals:
                 f[k] = torch.where(c > 0, self.sums[k][:, g] / c.clamp_min(1), nan).numpy()
             has = self.best[:, g] >= 0
             f["max_abs"] = torch.where(has, self.best[:, g], nan).numpy()
-            for j, col in enumerate(["max_abs_doc", "max_abs_window", "max_abs_position", "max_abs_dim",
-                                     "max_abs_token_id"]):
+            for j, col in enumerate(
+                ["max_abs_doc", "max_abs_window", "max_abs_position", "max_abs_dim", "max_abs_token_id"]
+            ):
                 f[col] = self.loc[:, g, j].numpy()
             med, mx = f["median_abs"].to_numpy(float), f["max_abs"].to_numpy(float)
             f["max_over_median"] = np.where(med > 0, mx / np.where(med > 0, med, 1.0), np.nan)

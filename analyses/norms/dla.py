@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import pandas as pd
 import torch
@@ -34,7 +32,7 @@ def _token_id(model, t, what: str) -> int:
     return int(ids[0])
 
 
-def _per_example(model, tokens, n: int, what: str) -> Optional[list[int]]:
+def _per_example(model, tokens, n: int, what: str) -> list[int] | None:
     if tokens is None:
         return None
     if isinstance(tokens, (str, int, np.integer)) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1):
@@ -54,7 +52,7 @@ def direct_logit_attribution(
     position: int = -1,
     batch_size: int = 8,
     check: bool = True,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Direct logit attribution of every sublayer (and the embedding) to a target logit.
 
@@ -125,8 +123,14 @@ def direct_logit_attribution(
             f = sf.copy()
             f["contribution"] = contrib.cpu().numpy()
             const_row = pd.DataFrame(
-                {"site": [-1], "label": ["const"], "layer": [-1], "sublayer": ["const"], "depth": [float("nan")],
-                 "contribution": [const]}
+                {
+                    "site": [-1],
+                    "label": ["const"],
+                    "layer": [-1],
+                    "sublayer": ["const"],
+                    "depth": [float("nan")],
+                    "contribution": [const],
+                }
             )
             f = pd.concat([f, const_row], ignore_index=True)
             for k, v in info.items():
@@ -154,7 +158,7 @@ def _examples(inputs):
     return None, texts, len(texts)
 
 
-def _attribute(model, h: torch.Tensor, t: int, c: Optional[int], logit: Optional[float], ex: int):
+def _attribute(model, h: torch.Tensor, t: int, c: int | None, logit: float | None, ex: int):
     """Parts of ``logit[t] (- logit[c])`` for one token's streams ``h`` [S, D] (after every site):
     the embedding and every write through the final norm frozen at ``h[-1]``, and the constant.
     With ``logit`` (the model's own), the parts must sum to it."""

@@ -9,7 +9,6 @@ layouts and precision: :mod:`depthscope.analyses.norms`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -41,7 +40,6 @@ _UPDATE_METRICS = [
 POSITION_GROUPS = ("rest", "first")
 
 
-
 @dataclass
 class Reader:
     """For every site s >= 1: which stream index the norm reading u_s sees, and that norm's params."""
@@ -54,7 +52,7 @@ class Reader:
     notes: list
 
 
-def readers(model, sample: Optional[torch.Tensor]) -> Reader:
+def readers(model, sample: torch.Tensor | None) -> Reader:
     """The norm that next reads each site's write; verified on ``sample`` ([S, n, D]) when given."""
     S, D = model.n_sites, model.d_model
     idx = torch.arange(1, S)
@@ -69,7 +67,7 @@ def readers(model, sample: Optional[torch.Tensor]) -> Reader:
             "(not a pure write); effective_write is undefined (NaN)"
         )
         return Reader(idx, gain, centre, eps, valid, notes)
-    cache: dict[int, tuple[dict, Optional[str]]] = {}
+    cache: dict[int, tuple[dict, str | None]] = {}
     for s in range(1, S):
         r = s
         norm = model.norm_reading(s)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -10,7 +10,7 @@ from depthscope.hooks.errors import InputError, NonFiniteActivationError, Unsupp
 
 from ..text import TokenBatch, token_batches
 
-Inputs = Union[torch.Tensor, Sequence[str], str]
+Inputs = torch.Tensor | Sequence[str] | str
 
 
 def stream_batch(model, batch: TokenBatch, hooks):
@@ -32,7 +32,7 @@ def check_norms_finite(model, stream_norm: torch.Tensor, mask: torch.Tensor) -> 
         )
 
 
-def _limited(batches: Iterable[TokenBatch], max_tokens: Optional[int]) -> Iterable[TokenBatch]:
+def _limited(batches: Iterable[TokenBatch], max_tokens: int | None) -> Iterable[TokenBatch]:
     """Stop after ``max_tokens`` real tokens (the last sequence is cut to a prefix)."""
     if max_tokens is None:
         yield from batches

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 
 from . import style
@@ -76,8 +75,16 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
                 part = d[d["sublayer"] == sub]
                 if len(part):
                     c = SUBLAYER_PALETTE[sub]
-                    ax.scatter(part["depth"], part[col], s=20, marker=SUBLAYER_MARKERS[sub], zorder=2,
-                               color=c if filled else "white", edgecolors=c, linewidths=1.0)
+                    ax.scatter(
+                        part["depth"],
+                        part[col],
+                        s=20,
+                        marker=SUBLAYER_MARKERS[sub],
+                        zorder=2,
+                        color=c if filled else "white",
+                        edgecolors=c,
+                        linewidths=1.0,
+                    )
         ax.set_ylabel(ylabel)
         style.depth_axis(ax, n_layers)
         ax.set_xlabel("depth (blocks)")
@@ -86,20 +93,31 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
             ax.set_ylim(bottom=0)
         if col in ("top1_agreement", "top1_accuracy"):
             ax.set_ylim(-0.03, 1.03)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     # one legend: sublayer markers, and lens line styles when there are several
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], ls="", marker=SUBLAYER_MARKERS[s], color=SUBLAYER_PALETTE[s], label=lab)
-               for s, lab in (("embed", "embedding"), ("attn", "after attention"), ("mlp", "after MLP"))]
+    handles = [
+        Line2D([], [], ls="", marker=SUBLAYER_MARKERS[s], color=SUBLAYER_PALETTE[s], label=lab)
+        for s, lab in (("embed", "embedding"), ("attn", "after attention"), ("mlp", "after MLP"))
+    ]
     if len(lenses) > 1:
         for lens in lenses:
             ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
-            handles.append(Line2D([], [], ls=ls, color=color, marker="o", markerfacecolor=color if filled else "white",
-                                  markeredgecolor=color, label=f"{lens} lens"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
-               bbox_to_anchor=(0.5, -0.02))
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    ls=ls,
+                    color=color,
+                    marker="o",
+                    markerfacecolor=color if filled else "white",
+                    markeredgecolor=color,
+                    label=f"{lens} lens",
+                )
+            )
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.02))
     if title is None:
         n = int(df["n_positions"].iloc[0]) if "n_positions" in df.columns else None
         title = "Logit lens at every sublayer" + (f" (means over {n:,} positions)" if n else "")
@@ -120,8 +138,15 @@ def _one_window(tokens_df: pd.DataFrame, doc: int | None, window: int | None) ->
     return d
 
 
-def plot_top1_heatmap(tokens_df: pd.DataFrame, path, *, doc: int | None = None, window: int | None = None,
-                      max_positions: int = 24, title: str | None = None) -> None:
+def plot_top1_heatmap(
+    tokens_df: pd.DataFrame,
+    path,
+    *,
+    doc: int | None = None,
+    window: int | None = None,
+    max_positions: int = 24,
+    title: str | None = None,
+) -> None:
     """Position x site grid of the lens's top-1 token, shaded by its probability, for one
     window of a ``logit_lens_tokens`` table. Columns are input positions (the token read at
     that position; the prediction is for the next one), rows are sites, deepest at the top."""
@@ -141,10 +166,19 @@ def plot_top1_heatmap(tokens_df: pd.DataFrame, path, *, doc: int | None = None, 
     vals = prob.to_numpy(dtype=float)
     for i in range(n_rows):
         for j in range(n_cols):
-            ax.text(j, i, show_token(text.iat[i, j], 9, space="strip"), ha="center", va="center", fontsize=fs,
-                    color="white" if vals[i, j] > 0.6 else "black")
+            ax.text(
+                j,
+                i,
+                show_token(text.iat[i, j], 9, space="strip"),
+                ha="center",
+                va="center",
+                fontsize=fs,
+                color="white" if vals[i, j] > 0.6 else "black",
+            )
     ax.set_xticks(range(n_cols))
-    ax.set_xticklabels([show_token(inputs.loc[p, "token"], 12, space="strip") for p in positions], rotation=45, ha="right")
+    ax.set_xticklabels(
+        [show_token(inputs.loc[p, "token"], 12, space="strip") for p in positions], rotation=45, ha="right"
+    )
     ax.set_xlabel("input token (the lens predicts the token after it)")
     ax.set_yticks(range(n_rows))
     ax.set_yticklabels([labels[s] for s in sites], fontsize=6.5 if n_rows > 30 else 9)
@@ -157,8 +191,15 @@ def plot_top1_heatmap(tokens_df: pd.DataFrame, path, *, doc: int | None = None, 
     style.savefig(fig, path)
 
 
-def plot_rank_trajectory(tokens_df: pd.DataFrame, path, *, doc: int | None = None, window: int | None = None,
-                         max_positions: int = 16, title: str | None = None) -> None:
+def plot_rank_trajectory(
+    tokens_df: pd.DataFrame,
+    path,
+    *,
+    doc: int | None = None,
+    window: int | None = None,
+    max_positions: int = 16,
+    title: str | None = None,
+) -> None:
     """Rank of each position's target (its next token; the model's own prediction at the last
     position) through depth, one line per position; rank 0 = the lens's top-1."""
     d = _one_window(tokens_df, doc, window)
@@ -172,8 +213,10 @@ def plot_rank_trajectory(tokens_df: pd.DataFrame, path, *, doc: int | None = Non
         row = part.iloc[0]
         is_own = row.get("target_kind", "next") == "model_top1"
         own |= bool(is_own)
-        lab = f"{pos}: {show_token(row['token'], space='quote')} {'⇒' if is_own else '→'} " \
-              f"{show_token(row['target_token'], space='quote')}"
+        lab = (
+            f"{pos}: {show_token(row['token'], space='quote')} {'⇒' if is_own else '→'} "
+            f"{show_token(row['target_token'], space='quote')}"
+        )
         color = cmap(k / max(1, len(positions) - 1))
         ax.plot(part["depth"], part["target_rank"] + 1, color=color, lw=1.4, label=lab, marker="o", ms=2.5)
     ax.set_yscale("log")
@@ -186,8 +229,9 @@ def plot_rank_trajectory(tokens_df: pd.DataFrame, path, *, doc: int | None = Non
     ax.set_ylabel("rank of the token (1 = the lens top-1)")
     style.depth_axis(ax, n_layers)
     legend_title = "position: input → next token" + ("\n(⇒ the model's own prediction)" if own else "")
-    ax.legend(title=legend_title, fontsize=7.5, title_fontsize=8, frameon=False,
-              loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(
+        title=legend_title, fontsize=7.5, title_fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5)
+    )
     lens = d["lens"].iloc[0] if "lens" in d.columns else "logit"
     ax.set_title(title or f"{lens.capitalize()} lens: rank of each next token through depth")
     style.savefig(fig, path)

@@ -16,10 +16,24 @@ from matplotlib.colors import LogNorm
 
 from depthscope.hooks.errors import InputError
 
-from . import style
-from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig, sns
+from .style import (
+    SUBLAYER_ORDER,
+    SUBLAYER_PALETTE,
+    depth_axis,
+    lineplot_by_sublayer,
+    plt,
+    savefig,
+    sns,
+)
 
-__all__ = ["plot_stream_growth", "plot_update_norms", "plot_relative_update", "plot_position_heatmap", "plot_dla", "plot_head_writes"]
+__all__ = [
+    "plot_stream_growth",
+    "plot_update_norms",
+    "plot_relative_update",
+    "plot_position_heatmap",
+    "plot_dla",
+    "plot_head_writes",
+]
 
 FIRST_STYLE = dict(color="#333333", lw=1.2, ls="--", marker=".", ms=4)
 
@@ -72,8 +86,14 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
         g = fit_growth_rate(df)
         if np.isfinite(g["rate"]):
             x = np.linspace(1, L, 50)
-            ax.plot(x, g["intercept"] * g["rate"] ** x, color="#2ca02c", ls=":", lw=2,
-                    label=f"fit: x{g['rate']:.3f} per block (R² {g['r2']:.2f})")
+            ax.plot(
+                x,
+                g["intercept"] * g["rate"] ** x,
+                color="#2ca02c",
+                ls=":",
+                lw=2,
+                label=f"fit: x{g['rate']:.3f} per block (R² {g['r2']:.2f})",
+            )
     ax.set_yscale("log")
     ax.legend(frameon=False, fontsize=8)
     _title(ax, df, "Residual stream norm by depth")
@@ -89,8 +109,9 @@ def plot_update_norms(df: pd.DataFrame, path) -> Path:
     if not len(d):
         raise InputError("plot_update_norms: no attention/MLP rows")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    sns.barplot(data=d, x="layer", y="update_norm", hue="sublayer", hue_order=["attn", "mlp"],
-                palette=SUBLAYER_PALETTE, ax=ax1)
+    sns.barplot(
+        data=d, x="layer", y="update_norm", hue="sublayer", hue_order=["attn", "mlp"], palette=SUBLAYER_PALETTE, ax=ax1
+    )
     ax1.set_yscale("log")
     ax1.set_ylabel("mean ||u|| (log scale)")
     ax1.set_xlabel("")
@@ -138,7 +159,9 @@ def plot_relative_update(df: pd.DataFrame, path) -> Path:
     return Path(path)
 
 
-def plot_position_heatmap(pos_df: pd.DataFrame, path, *, sequence: int | None = None, value: str = "stream_norm") -> Path:
+def plot_position_heatmap(
+    pos_df: pd.DataFrame, path, *, sequence: int | None = None, value: str = "stream_norm"
+) -> Path:
     """Position x site heatmap of stream norms (log colour) for one sequence of a per-position table.
 
     Rows are token positions (labelled with the tokens), columns are sites in forward order;
@@ -162,8 +185,15 @@ def plot_position_heatmap(pos_df: pd.DataFrame, path, *, sequence: int | None = 
     vals = grid.to_numpy(float)
     pos_vals = vals[np.isfinite(vals) & (vals > 0)]
     norm = LogNorm(vmin=pos_vals.min(), vmax=pos_vals.max()) if len(pos_vals) else None
-    sns.heatmap(np.where(vals > 0, vals, np.nan), ax=ax, cmap="magma", norm=norm, cbar_kws={"label": f"{value} (log)"},
-                xticklabels=[labels[s] for s in grid.columns], yticklabels=ylabels)
+    sns.heatmap(
+        np.where(vals > 0, vals, np.nan),
+        ax=ax,
+        cmap="magma",
+        norm=norm,
+        cbar_kws={"label": f"{value} (log)"},
+        xticklabels=[labels[s] for s in grid.columns],
+        yticklabels=ylabels,
+    )
     ax.set_xlabel("site")
     ax.set_ylabel("position / token")
     ax.tick_params(axis="x", labelsize=6, rotation=90)
@@ -204,8 +234,14 @@ def plot_dla(dla_df: pd.DataFrame, path, *, example: int | None = None, top: int
     ax.axhline(0, color="#666666", lw=0.8)
     big = parts.reindex(parts["contribution"].abs().sort_values(ascending=False).index)[:top]
     for _, r in big.iterrows():
-        ax.annotate(r["label"], (r["depth"], r["contribution"]), textcoords="offset points",
-                    xytext=(0, 4 if r["contribution"] >= 0 else -10), ha="center", fontsize=7)
+        ax.annotate(
+            r["label"],
+            (r["depth"], r["contribution"]),
+            textcoords="offset points",
+            xytext=(0, 4 if r["contribution"] >= 0 else -10),
+            ha="center",
+            fontsize=7,
+        )
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER]
     ax.legend(handles, SUBLAYER_ORDER, frameon=False, fontsize=8)
     depth_axis(ax, L)
@@ -233,14 +269,26 @@ def plot_head_writes(heads_df: pd.DataFrame, path, *, value: str = "write_norm")
     d = heads_df[heads_df["positions"] == "rest"] if "positions" in heads_df.columns else heads_df
     grid = d.pivot(index="layer", columns="head", values=value).sort_index()
     has_coh = "heads_coherence" in d.columns
-    fig, axes = plt.subplots(1, 2 if has_coh else 1, figsize=(2.5 + 0.45 * grid.shape[1] + (1.2 if has_coh else 0), 1.5 + 0.22 * grid.shape[0]),
-                             gridspec_kw={"width_ratios": [grid.shape[1], 1.2]} if has_coh else None, squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        2 if has_coh else 1,
+        figsize=(2.5 + 0.45 * grid.shape[1] + (1.2 if has_coh else 0), 1.5 + 0.22 * grid.shape[0]),
+        gridspec_kw={"width_ratios": [grid.shape[1], 1.2]} if has_coh else None,
+        squeeze=False,
+    )
     ax = axes[0, 0]
     vals = grid.to_numpy(float)
     ok = vals[np.isfinite(vals) & (vals > 0)]
     norm = LogNorm(vmin=ok.min(), vmax=ok.max()) if len(ok) else None
-    sns.heatmap(np.where(vals > 0, vals, np.nan), ax=ax, cmap="viridis", norm=norm, cbar_kws={"label": f"mean {value} (log)"},
-                xticklabels=list(grid.columns), yticklabels=list(grid.index))
+    sns.heatmap(
+        np.where(vals > 0, vals, np.nan),
+        ax=ax,
+        cmap="viridis",
+        norm=norm,
+        cbar_kws={"label": f"mean {value} (log)"},
+        xticklabels=list(grid.columns),
+        yticklabels=list(grid.index),
+    )
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.tick_params(axis="y", labelsize=7, rotation=0)

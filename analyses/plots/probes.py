@@ -64,8 +64,9 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     if mixing is None or not len(mixing):
         fig, ax = plt.subplots(figsize=(6, 1.5))
         ax.axis("off")
-        ax.text(0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center",
-                va="center")
+        ax.text(
+            0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center", va="center"
+        )
         savefig(fig, path)
         return Path(path)
     tasks = _task_order(mixing["task"])
@@ -92,8 +93,10 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
             if np.isfinite(lo) and np.isfinite(hi):  # bootstrap interval of E_Delta over test examples
                 ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
         if task in summ.index:
-            marks = [("expected_layer_delta", "E_Delta", "#9467bd", "-", 2.0, 1.0),
-                     ("expected_layer_mix", "E_s", "#2ca02c", "--", 1.5, 0.78)]
+            marks = [
+                ("expected_layer_delta", "E_Delta", "#9467bd", "-", 2.0, 1.0),
+                ("expected_layer_mix", "E_s", "#2ca02c", "--", 1.5, 0.78),
+            ]
             for col, name, color, ls, lw, ypos in marks:
                 e = float(summ.loc[task, col]) if col in summ.columns else float("nan")
                 if not np.isfinite(e):
@@ -102,13 +105,24 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
                 off = " (off scale)" if shown != e else ""
                 ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
                 ha = "right" if shown > 0.8 * L else "left"
-                ax.text(shown, ypos, f" {name}={e:.2f}{off} ", transform=ax.get_xaxis_transform(), va="top", ha=ha,
-                        fontsize=8, color=color)
+                ax.text(
+                    shown,
+                    ypos,
+                    f" {name}={e:.2f}{off} ",
+                    transform=ax.get_xaxis_transform(),
+                    va="top",
+                    ha=ha,
+                    fontsize=8,
+                    color=color,
+                )
     depth_axis(axes[-1, 0], L)
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
     labels = [f"Delta at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
-    handles += [plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2), plt.Line2D([], [], color="#9467bd", lw=2),
-                plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--")]
+    handles += [
+        plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2),
+        plt.Line2D([], [], color="#9467bd", lw=2),
+        plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--"),
+    ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
     labels += ["scalar mix weight s", "E_Delta (cumulative)", "E_s (scalar mix)", "E_Delta 95% bootstrap interval"]
     fig.legend(handles, labels, loc="upper center", ncol=6, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.0))

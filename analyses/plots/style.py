@@ -44,8 +44,15 @@ def lineplot_by_sublayer(ax, df, y: str, *, ylabel: str | None = None, n_layers:
     for sub in SUBLAYER_ORDER:
         part = d[d["sublayer"] == sub]
         if len(part):
-            ax.scatter(part["depth"], part[y], s=22, marker=SUBLAYER_MARKERS[sub], color=SUBLAYER_PALETTE[sub],
-                       label=sub, zorder=2)
+            ax.scatter(
+                part["depth"],
+                part[y],
+                s=22,
+                marker=SUBLAYER_MARKERS[sub],
+                color=SUBLAYER_PALETTE[sub],
+                label=sub,
+                zorder=2,
+            )
     ax.set_ylabel(ylabel or y)
     depth_axis(ax, n_layers)
     ax.legend(title="site", frameon=False)
