@@ -99,11 +99,12 @@ _register(
                 "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
 )
 # Gemma-2/3: a norm before and after each sublayer (h' = h + PostNorm(Attn(PreNorm(h))), ...)
-_register(
-    ["gemma2", "gemma3_text"],
-    ArchSpec(**{**_LLAMA.__dict__, "family": "gemma2", "ln2": ("pre_feedforward_layernorm",),
-                "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
-)
+for _t in ("gemma2", "gemma3_text"):
+    _register(
+        [_t],
+        ArchSpec(**{**_LLAMA.__dict__, "family": _t.removesuffix("_text"), "ln2": ("pre_feedforward_layernorm",),
+                    "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
+    )
 _register(
     ["gpt2"],
     ArchSpec(
