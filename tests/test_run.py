@@ -1,0 +1,244 @@
+"""model.run / model.generate: replacing a point equals the same edit made with plain PyTorch hooks
+on the transformers model; gradients equal autograd through transformers; generation with hooks;
+left padding; hooks removed after errors; bad input refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthscope.hooks import HookContext, InputError, UnsupportedArchitecture
+from depthscope.hooks.attention import _HANDLERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["The capital of France is", "Hello world, this is a longer second sentence."]
+BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+O_PROJ = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense"}
+DOWN = {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "gpt_neox": "mlp.dense_4h_to_h"}
+ATTN = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention"}
+
+
+def _get(root, path):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def plain_logits(hm, ids, mask, module_path, layer, hook, pre=False):
+    """Logits of the transformers model with one plain PyTorch hook at a module of block ``layer``."""
+    mod = _get(_get(hm.hf_model, BLOCKS[hm.arch.family])[layer], module_path)
+    h = mod.register_forward_pre_hook(hook) if pre else mod.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return hm.hf_model(input_ids=ids, attention_mask=mask.long()).logits
+    finally:
+        h.remove()
+
+
+def assert_no_hooks_left(hm, impl):
+    for m in hm.hf_model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+    assert not _HANDLERS
+    assert hm.hf_model.config._attn_implementation == impl
+
+
+# ---------------------------------------------------------------------------- replacing
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_replacing_points_equals_plain_hooks(tiny_factory, family):
+    hm = tiny_factory(family)
+    ids, mask = hm.tokenize(TEXTS)
+    H, dh = hm.arch.n_heads, hm.arch.d_head
+
+    def zero_head_z(t, ctx):
+        t = t.clone()
+        t[..., 1, :] = 0
+        return t
+
+    def plain_zero_head(mod, args):
+        x = args[0].clone()
+        x[..., dh:2 * dh] = 0
+        return (x,)
+
+    got = hm.run(ids, mask=mask, hooks={"1.z": zero_head_z}).logits
+    want = plain_logits(hm, ids, mask, O_PROJ[family], 1, plain_zero_head, pre=True)
+    assert rel_err(got, want) < 1e-6
+    base = hm.run(ids, mask=mask).logits
+    assert rel_err(got, base) > 1e-3  # the edit did something
+
+    # scaling head 2's write == scaling its z (the projection is linear)
+    def scale_head(t, ctx):
+        t = t.clone()
+        t[..., 2, :] *= 3.0
+        return t
+
+    def plain_scale_z(mod, args):
+        x = args[0].clone()
+        x[..., 2 * dh:3 * dh] *= 3.0
+        return (x,)
+
+    got = hm.run(ids, mask=mask, hooks={"blocks.0.attn.hook_result": scale_head}).logits
+    assert rel_err(got, plain_logits(hm, ids, mask, O_PROJ[family], 0, plain_scale_z, pre=True)) < 1e-5
+
+    def zero_some(t, ctx):
+        t = t.clone()
+        t[..., :10] = 0
+        return t
+
+    got = hm.run(ids, mask=mask, hooks={"2.neurons": zero_some}).logits
+    assert rel_err(got, plain_logits(hm, ids, mask, DOWN[family], 2, lambda m, a: (zero_some(a[0], None),), pre=True)) < 1e-6
+
+    def plain_zero_attn(mod, args, out):
+        return (torch.zeros_like(out[0]),) + tuple(out[1:])
+
+    got = hm.run(ids, mask=mask, hooks={"blocks.1.hook_attn_out": lambda t, ctx: torch.zeros_like(t)}).logits
+    assert rel_err(got, plain_logits(hm, ids, mask, ATTN[family], 1, plain_zero_attn)) < 1e-6
+    got = hm.run(ids, mask=mask, hooks={"0.mlp_out": lambda t, ctx: 2 * t}).logits
+    assert rel_err(got, plain_logits(hm, ids, mask, "mlp", 0, lambda m, a, o: 2 * o)) < 1e-6
+    assert_no_hooks_left(hm, hm.hf_model.config._attn_implementation)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_replacing_the_pattern_feeds_z(tiny_factory, family):
+    """z is exactly the replaced pattern times the (expanded) values; the identity edit changes nothing."""
+    hm = tiny_factory(family)
+    impl = hm.hf_model.config._attn_implementation
+    ids, mask = hm.tokenize(TEXTS)
+    base = hm.run(ids, mask=mask, cache=["0.pattern"])
+    same = hm.run(ids, mask=mask, hooks={"0.pattern": lambda t, ctx: t.clone()}, cache=["1.mlp"])
+    assert rel_err(same.logits, base.logits) < 1e-6
+
+    def uniform(t, ctx):  # attend uniformly to every real earlier token
+        causal = torch.ones(t.shape[-2:], dtype=torch.bool).tril()
+        allowed = causal & ctx.mask[:, None, None, :]
+        return (allowed.to(t.dtype) / allowed.sum(-1, keepdim=True)).expand(t.shape).contiguous()
+
+    values = {}
+    attn = _get(hm.hf_model, BLOCKS[family])[0]
+    if family == "llama":
+        h = attn.self_attn.v_proj.register_forward_hook(lambda m, a, o: values.__setitem__("v", o))
+    else:
+        h = attn.attn.c_attn.register_forward_hook(lambda m, a, o: values.__setitem__("v", o.split(hm.d_model, 2)[2]))
+    try:
+        run = hm.run(ids, mask=mask, hooks={"0.pattern": uniform}, cache=["0.pattern", "0.z"])
+    finally:
+        h.remove()
+    v = values["v"].view(*ids.shape, -1, hm.arch.d_head).transpose(1, 2)  # [b, kv heads, pos, dh]
+    v = v.repeat_interleave(hm.arch.n_heads // v.shape[1], dim=1)
+    z = torch.matmul(run["0.pattern"], v).transpose(1, 2)
+    assert torch.allclose(run["0.pattern"].sum(-1), torch.ones(1))
+    assert rel_err(run["0.z"], z) < 1e-6
+    assert rel_err(run.logits, base.logits) > 1e-3
+    assert_no_hooks_left(hm, impl)
+
+
+def test_old_style_hooks_and_context(tiny_llama):
+    """fn(stream, label) hooks written for model.hooks work in run: the context is the label."""
+    seen = []
+
+    def old(stream, label):
+        seen.append(label)
+        assert label == "1.attn" and isinstance(label, str)
+        return None
+
+    def new(t, ctx):
+        assert isinstance(ctx, HookContext) and ctx.kind == "neurons" and ctx.layer == 0 and ctx.step is None
+        assert ctx.mask.shape == t.shape[:2] and torch.equal(ctx.positions[0], torch.arange(t.shape[1]))
+        seen.append(ctx.name)
+
+    hm = tiny_llama
+    run = hm.run(TEXTS, hooks={"1.attn": old, "0.neurons": [new, new]}, cache="resid")
+    assert seen == ["0.neurons", "0.neurons", "1.attn"]
+    rs = hm.residual_stream(TEXTS)
+    assert torch.equal(run["1.attn"], rs["1.attn"]) and torch.equal(run.logits, rs.logits)
+    # the same edit through the old API and the new one
+    edit = lambda t, lab: t * 0.5  # noqa: E731
+    with hm.hooks({"1.attn": edit}):
+        with torch.no_grad():
+            want = hm.hf_model(input_ids=run.input_ids, attention_mask=run.mask.long()).logits
+    assert torch.equal(hm.run(TEXTS, hooks={"1.attn": edit}).logits, want)
+
+
+# ---------------------------------------------------------------------------- gradients
+
+
+def leaf_grad(hm, ids, mask, module, target, pre: bool):
+    """Autograd through transformers: a plain hook swaps the tensor at ``module`` for a leaf."""
+    leaf = {}
+
+    def swap(x):
+        leaf["t"] = x.detach().requires_grad_(True)
+        return leaf["t"]
+
+    if pre:
+        h = module.register_forward_pre_hook(lambda m, a, k: ((swap(a[0]),) + a[1:], k) if a else
+                                              (a, {**k, "hidden_states": swap(k["hidden_states"])}), with_kwargs=True)
+    else:
+        h = module.register_forward_hook(lambda m, a, o: (swap(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else swap(o))
+    try:
+        logits = hm.hf_model(input_ids=ids, attention_mask=mask.long()).logits
+        logits[0, -1, target].backward()
+    finally:
+        h.remove()
+    return leaf["t"].grad
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_gradients_equal_autograd(tiny_factory, family):
+    hm = tiny_factory(family)
+    ids, mask = hm.tokenize(TEXTS[:1])
+    names = ["embed", "0.attn", "0.mlp", "1.attn_out", "1.neurons", "1.z", "1.heads", "1.mlp_out", "2.pattern"]
+    run = hm.run(ids, mask=mask, cache=names, grad=True)
+    run.logits[0, -1, 7].backward()
+    blocks = _get(hm.hf_model, BLOCKS[family])
+    attn, mlp = ATTN[family], "mlp"
+    want = {
+        "embed": leaf_grad(hm, ids, mask, blocks[0], 7, pre=True),
+        "0.attn": leaf_grad(hm, ids, mask, _get(blocks[0], attn), 7, pre=False),
+        "0.mlp": leaf_grad(hm, ids, mask, blocks[1], 7, pre=True),
+        "1.attn_out": leaf_grad(hm, ids, mask, _get(blocks[1], attn), 7, pre=False),
+        "1.neurons": leaf_grad(hm, ids, mask, _get(blocks[1], DOWN[family]), 7, pre=True),
+        "1.mlp_out": leaf_grad(hm, ids, mask, _get(blocks[1], mlp), 7, pre=False),
+    }
+    zg = leaf_grad(hm, ids, mask, _get(blocks[1], O_PROJ[family]), 7, pre=True)
+    want["1.z"] = zg.view(*zg.shape[:-1], hm.arch.n_heads, -1)
+    og = leaf_grad(hm, ids, mask, _get(blocks[1], O_PROJ[family]), 7, pre=False)
+    want["1.heads"] = og.unsqueeze(-2).expand(*og.shape[:-1], hm.arch.n_heads, og.shape[-1])
+    for name, g in want.items():
+        assert run.grad(name).shape == run[name].shape
+        assert rel_err(run.grad(name), g) < 1e-5, name
+    # the pattern: autograd through transformers' own eager attention weights (the tensor its
+    # eager function multiplies with the values), the input of block 0 a leaf
+    old = hm.hf_model.config._attn_implementation
+    hm.hf_model.set_attn_implementation("eager")
+    h = blocks[0].register_forward_pre_hook(
+        lambda m, a, k: ((a[0].detach().requires_grad_(True),) + a[1:], k) if a else
+        (a, {**k, "hidden_states": k["hidden_states"].detach().requires_grad_(True)}), with_kwargs=True)
+    try:
+        out = hm.hf_model(input_ids=ids, attention_mask=mask.long(), output_attentions=True)
+        out.attentions[2].retain_grad()
+        out.logits[0, -1, 7].backward()
+    finally:
+        h.remove()
+        hm.hf_model.set_attn_implementation(old)
+    assert rel_err(run.grad("2.pattern"), out.attentions[2].grad) < 1e-5
+    assert float(run.grad("2.pattern").abs().max()) > 0
+
+
+def test_grad_errors(tiny_llama):
+    run = tiny_llama.run(TEXTS, cache=["1.z"])
+    with pytest.raises(InputError, match="grad=True"):
+        run.grad("1.z")
+    run = tiny_llama.run(TEXTS, cache=["1.z"], grad=True)
+    with pytest.raises(InputError, match="backward"):
+        run.grad("1.z")
+    with pytest.raises(KeyError, match="not cached"):
+        run.grad("1.neurons")
+    with torch.inference_mode(), pytest.raises(InputError, match="inference_mode"):
+        tiny_llama.run(TEXTS, grad=True)
