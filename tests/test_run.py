@@ -242,3 +242,130 @@ def test_grad_errors(tiny_llama):
         run.grad("1.neurons")
     with torch.inference_mode(), pytest.raises(InputError, match="inference_mode"):
         tiny_llama.run(TEXTS, grad=True)
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_zero_edit_equals_plain_generate(tiny_factory, family):
+    hm = tiny_factory(family)
+    impl = hm.hf_model.config._attn_implementation
+    prompts = ["The capital of France is", "Hi"]
+    ids, mask = hm.tokenize(prompts, padding_side="left")
+    with torch.no_grad():
+        plain = hm.hf_model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=6, do_sample=False,
+                                     pad_token_id=hm.tokenizer.pad_token_id)
+    seen = []
+
+    def zero_edit(t, ctx):
+        seen.append((ctx.name, ctx.step, ctx.positions.clone(), ctx.mask.shape[1]))
+        return t + 0
+
+    hooks = {name: zero_edit for name in ["embed", "0.pattern", "0.z", "1.heads", "1.neurons", "2.mlp", "1.attn"]}
+    out = hm.generate(prompts, max_new_tokens=6, hooks=hooks)
+    assert torch.equal(out.sequences, plain)
+    assert out.steps == 6 and len(out.tokens) == 2 and len(out.text) == 2
+    assert torch.equal(out.tokens[0], plain[0, ids.shape[1]:][: len(out.tokens[0])])
+    assert out.text[0] == hm.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+    steps = sorted({s for _, s, _, _ in seen})
+    assert steps == list(range(6))
+    n_real = mask.sum(1)
+    for name, step, pos, n_keys in seen:
+        if step == 0:
+            assert torch.equal(pos[0, -int(n_real[0]):], torch.arange(int(n_real[0])))
+            assert torch.equal(pos[1, -int(n_real[1]):], torch.arange(int(n_real[1])))
+        else:  # one new row per prompt, at its absolute position
+            assert pos.shape == (2, 1) and torch.equal(pos[:, 0], n_real + step - 1), name
+            assert n_keys == ids.shape[1] + step
+    assert_no_hooks_left(hm, impl)
+
+
+def test_steering_changes_the_greedy_continuation(tiny_llama):
+    hm = tiny_llama
+    base = hm.generate("The capital of France is", max_new_tokens=5)
+    direction = hm.hf_model.get_input_embeddings().weight[1234]
+
+    def steer(t, ctx):
+        return t + 50 * direction / direction.norm()
+
+    steered = hm.generate("The capital of France is", max_new_tokens=5, hooks={"1.mlp": steer})
+    assert not torch.equal(base.tokens[0], steered.tokens[0])
+    # steering toward a token's embedding on a tied model makes that token the continuation
+    assert (steered.tokens[0] == 1234).float().mean() > 0.5
+
+
+def test_hooks_removed_after_errors(tiny_llama):
+    hm = tiny_llama
+    impl = hm.hf_model.config._attn_implementation
+
+    def fail_late(t, ctx):
+        if ctx.step == 2:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        hm.generate("Hello there", max_new_tokens=5, hooks={"0.pattern": fail_late, "1.z": fail_late})
+    assert_no_hooks_left(hm, impl)
+    with pytest.raises(RuntimeError, match="boom"):
+        hm.run(TEXTS, hooks={"1.pattern": lambda t, c: (_ for _ in ()).throw(RuntimeError("boom"))}, cache="all")
+    assert_no_hooks_left(hm, impl)
+    with pytest.raises(InputError):
+        hm.run(TEXTS, hooks={"2.neurons": lambda t, c: t[..., :3]}, cache=["0.pattern"])
+    assert_no_hooks_left(hm, impl)
+
+
+def test_generate_refuses_encoders_and_bad_input(tiny_factory, tiny_llama):
+    with pytest.raises(UnsupportedArchitecture, match="encoder"):
+        tiny_factory("bert").generate("Hello", max_new_tokens=3)
+    with pytest.raises(InputError, match="left"):
+        tiny_llama.generate(TEXTS, max_new_tokens=3, padding_side="right")
+    with pytest.raises(InputError, match="max_new_tokens"):
+        tiny_llama.generate("Hello", max_new_tokens=0)
+
+
+# ---------------------------------------------------------------------------- padding
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padding_equals_single_prompts(tiny_factory, family):
+    """A left-padded batch equals each prompt run alone at its real tokens (absolute positions
+    for GPT-2's learned position embeddings)."""
+    hm = tiny_factory(family)
+    run = hm.run(TEXTS, padding_side="left", cache=["1.mlp", "2.pattern", "0.attn"])
+    rs = hm.residual_stream(TEXTS, padding_side="left")
+    assert not run.mask[0, 0] and run.mask[:, -1].all()
+    for b, text in enumerate(TEXTS):
+        alone = hm.run(text, cache=["1.mlp", "2.pattern", "0.attn"])
+        m = run.mask[b]
+        n = int(m.sum())
+        assert torch.equal(run.positions[b, m], torch.arange(n))
+        assert rel_err(run.logits[b, m], alone.logits[0]) < 1e-5
+        assert rel_err(run["1.mlp"][b, m], alone["1.mlp"][0]) < 1e-5
+        assert rel_err(rs["0.attn"][b, m], alone["0.attn"][0]) < 1e-5
+        assert rel_err(run["2.pattern"][b][:, m][:, :, m], alone["2.pattern"][0]) < 1e-5
+    ids, mask = hm.tokenize(TEXTS, padding_side="left")
+    assert torch.equal(ids, run.input_ids)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_input(tiny_llama):
+    hm = tiny_llama
+    with pytest.raises(InputError, match=r"Valid names.*blocks\.<l>\.attn\.hook_pattern"):
+        hm.run(TEXTS, cache=["blocks.1.hook_pattern"])
+    with pytest.raises(InputError, match="unknown hook point '7.z'"):
+        hm.run(TEXTS, hooks={"7.z": lambda t, c: None})
+    with pytest.raises(InputError, match=r"hook at 1\.z returned \(2, 10, 4\) torch.float32, expected shape \(2, 10, 4, 16\)"):
+        hm.run(TEXTS, hooks={"1.z": lambda t, c: t[..., 0]})
+    with pytest.raises(InputError, match=r"hook at 0\.mlp_out returned .*float16.*expected .*float32"):
+        hm.run(TEXTS, hooks={"0.mlp_out": lambda t, c: t.half()})
+    with pytest.raises(InputError, match="not callable"):
+        hm.run(TEXTS, hooks={"0.z": 3})
+    with pytest.raises(InputError, match="padding_side"):
+        hm.run(TEXTS, padding_side="middle")
+    run = hm.run(TEXTS, cache=["0.z"])
+    with pytest.raises(KeyError, match="not cached"):
+        run["1.z"]
+    assert "blocks.0.attn.hook_z" in run and "1.z" not in run and "nonsense" not in run
+    assert torch.equal(run["blocks.0.attn.hook_z"], run["0.z"])
