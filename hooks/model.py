@@ -380,12 +380,13 @@ class HookedModel:
         :mod:`depthscope.hooks.run`."""
         return _run(self, inputs, cache=cache, hooks=hooks, grad=grad, padding_side=padding_side, mask=mask)
 
-    def generate(self, prompts, *, max_new_tokens: int = 20, hooks=None, padding_side: str = "left",
+    def generate(self, prompts, *, max_new_tokens: int = 20, hooks=None, cache=None, padding_side: str = "left",
                  mask: Optional[torch.Tensor] = None, **generation_kwargs) -> "Generation":
         """Greedy (or any transformers ``generate`` setting) continuation of ``prompts`` with
-        ``hooks`` at every step; returns the new tokens and text. See :mod:`depthscope.hooks.generate`."""
-        return _generate(self, prompts, max_new_tokens=max_new_tokens, hooks=hooks, padding_side=padding_side,
-                         mask=mask, **generation_kwargs)
+        ``hooks`` at every step (``cache`` keeps points per step); returns the new tokens and text.
+        See :mod:`depthscope.hooks.generate`."""
+        return _generate(self, prompts, max_new_tokens=max_new_tokens, hooks=hooks, cache=cache,
+                         padding_side=padding_side, mask=mask, **generation_kwargs)
 
     # ------------------------------------------------------------------ capture
     def residual_stream(

@@ -22,7 +22,7 @@ on-disk store (``store_dir``, default the depthscope cache), so a second call is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd

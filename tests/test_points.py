@@ -148,7 +148,10 @@ def test_names_aliases_and_order():
     assert parse_points(None, 2) == []
 
 
-@pytest.mark.parametrize("bad", ["3.pattern", "blocks.0.hook_pattern", "0.attention", "blocks.9.hook_attn_out", 99, "x"])
+BAD_NAMES = ["3.pattern", "blocks.0.hook_pattern", "0.attention", "blocks.9.hook_attn_out", 99, "x"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES)
 def test_unknown_names_list_valid_names(bad):
     with pytest.raises(InputError) as e:
         parse_point(bad, 3)

@@ -92,7 +92,8 @@ def test_replacing_points_equals_plain_hooks(tiny_factory, family):
         return t
 
     got = hm.run(ids, mask=mask, hooks={"2.neurons": zero_some}).logits
-    assert rel_err(got, plain_logits(hm, ids, mask, DOWN[family], 2, lambda m, a: (zero_some(a[0], None),), pre=True)) < 1e-6
+    want = plain_logits(hm, ids, mask, DOWN[family], 2, lambda m, a: (zero_some(a[0], None),), pre=True)
+    assert rel_err(got, want) < 1e-6
 
     def plain_zero_attn(mod, args, out):
         return (torch.zeros_like(out[0]),) + tuple(out[1:])
@@ -180,7 +181,8 @@ def leaf_grad(hm, ids, mask, module, target, pre: bool):
         h = module.register_forward_pre_hook(lambda m, a, k: ((swap(a[0]),) + a[1:], k) if a else
                                               (a, {**k, "hidden_states": swap(k["hidden_states"])}), with_kwargs=True)
     else:
-        h = module.register_forward_hook(lambda m, a, o: (swap(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else swap(o))
+        h = module.register_forward_hook(
+            lambda m, a, o: (swap(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else swap(o))
     try:
         logits = hm.hf_model(input_ids=ids, attention_mask=mask.long()).logits
         logits[0, -1, target].backward()
@@ -356,7 +358,8 @@ def test_bad_input(tiny_llama):
         hm.run(TEXTS, cache=["blocks.1.hook_pattern"])
     with pytest.raises(InputError, match="unknown hook point '7.z'"):
         hm.run(TEXTS, hooks={"7.z": lambda t, c: None})
-    with pytest.raises(InputError, match=r"hook at 1\.z returned \(2, 10, 4\) torch.float32, expected shape \(2, 10, 4, 16\)"):
+    wrong = r"hook at 1\.z returned \(2, 10, 4\) torch.float32, expected shape \(2, 10, 4, 16\)"
+    with pytest.raises(InputError, match=wrong):
         hm.run(TEXTS, hooks={"1.z": lambda t, c: t[..., 0]})
     with pytest.raises(InputError, match=r"hook at 0\.mlp_out returned .*float16.*expected .*float32"):
         hm.run(TEXTS, hooks={"0.mlp_out": lambda t, c: t.half()})
@@ -369,3 +372,19 @@ def test_bad_input(tiny_llama):
         run["1.z"]
     assert "blocks.0.attn.hook_z" in run and "1.z" not in run and "nonsense" not in run
     assert torch.equal(run["blocks.0.attn.hook_z"], run["0.z"])
+
+
+def test_generate_cache_per_step_equals_run_on_the_sequence(tiny_llama):
+    """With the key/value cache, step k's pattern row and stream equal a plain run over the
+    sequence generated so far, at its last position."""
+    hm = tiny_llama
+    out = hm.generate("The capital of France is", max_new_tokens=4, cache=["1.pattern", "2.mlp"])
+    assert len(out.cache["1.pattern"]) == out.steps == 4
+    seq = out.sequences
+    P = seq.shape[1] - 4
+    assert out.cache["1.pattern"][0].shape[-2:] == (P, P)
+    for k in range(1, 4):
+        full = hm.run(seq[:, : P + k], cache=["1.pattern", "2.mlp"])
+        assert out.cache["1.pattern"][k].shape == (1, hm.arch.n_heads, 1, P + k)
+        assert rel_err(out.cache["1.pattern"][k][0, :, 0], full["1.pattern"][0, :, -1]) < 1e-5
+        assert rel_err(out.cache["2.mlp"][k][0, 0], full["2.mlp"][0, -1]) < 1e-5
