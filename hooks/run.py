@@ -404,6 +404,12 @@ class Run:
         """Names of the cached points, in forward order."""
         return list(self.cache)
 
+    def stack(self, names="resid") -> torch.Tensor:
+        """Cached points of one shape stacked in forward order: ``run.stack("resid")`` is
+        ``[2L+1, batch, pos, d_model]`` (like ``ResidualStream.resid``), ``run.stack(["1.z", "2.z"])``..."""
+        points = parse_points(names, self.n_layers)
+        return torch.stack([self[p.name] for p in points])
+
     def grad(self, name) -> torch.Tensor:
         """The gradient at a cached point after ``backward()`` (needs ``run(..., grad=True)``)."""
         key = self._key(name)
@@ -434,7 +440,13 @@ def run(model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, p
         kwargs["position_ids"] = pos
     with Attached(model, points, user, grad=grad, state=state) as att:
         with torch.enable_grad() if grad else torch.no_grad():
-            out = model.hf_model(**kwargs)
+            try:
+                out = model.hf_model(**kwargs)
+            except RuntimeError as e:
+                if grad and "nference tensor" in str(e):
+                    raise InputError(f"grad=True: {model.name}'s weights are inference tensors (created under "
+                                     f"torch.inference_mode), which autograd cannot use: {e}") from e
+                raise
     logits = getattr(out, "logits", None)
     order = [p.name for p in points]
     return Run(

@@ -388,3 +388,40 @@ def test_generate_cache_per_step_equals_run_on_the_sequence(tiny_llama):
         assert out.cache["1.pattern"][k].shape == (1, hm.arch.n_heads, 1, P + k)
         assert rel_err(out.cache["1.pattern"][k][0, :, 0], full["1.pattern"][0, :, -1]) < 1e-5
         assert rel_err(out.cache["2.mlp"][k][0, 0], full["2.mlp"][0, -1]) < 1e-5
+
+
+def test_stack_and_grad_on_inference_weights(tiny_factory, tokenizer):
+    hm = tiny_factory("gpt2")
+    run = hm.run(TEXTS, cache="resid")
+    rs = hm.residual_stream(TEXTS)
+    assert torch.equal(run.stack("resid"), rs.resid)
+    assert run.stack(["1.mlp", "0.attn"]).shape == (2, *rs.resid.shape[1:])
+    from conftest import make_tiny
+
+    from depthscope.hooks import load_model
+
+    with torch.inference_mode():
+        frozen = load_model(make_tiny("llama", vocab_size=len(tokenizer)), tokenizer=tokenizer)
+    assert frozen.run(TEXTS).logits is not None  # reading works
+    with pytest.raises(InputError, match="inference tensors"):
+        frozen.run(TEXTS, grad=True, cache=["1.z"])
+    assert_no_hooks_left(frozen, frozen.hf_model.config._attn_implementation)
+
+
+@pytest.mark.parametrize("name", ["embed", "1.attn", "1.mlp", "1.attn_out", "1.z", "1.heads", "1.neurons", "1.pattern"])
+def test_patching_clean_values_into_a_corrupted_run(tiny_factory, name):
+    """Activation patching's anchor: a residual site patched with its clean value everywhere turns
+    the corrupted run into the clean one downstream, exactly; any point patched is what the model
+    then uses (its cache equals the clean value) and moves the output away from the corrupted run."""
+    hm = tiny_factory("llama")
+    ids_c, _ = hm.tokenize("When Mary and John went to the store, John gave")
+    ids_x, _ = hm.tokenize("When Mary and John went to the store, Mary gave")
+    assert ids_c.shape == ids_x.shape
+    c = hm.run(ids_c, cache=[name])
+    x = hm.run(ids_x)
+    p = hm.run(ids_x, hooks={name: lambda t, ctx: c[ctx.name]}, cache=[name])
+    assert rel_err(x.logits, c.logits) > 1e-3
+    assert torch.equal(p[name], c[name])
+    assert rel_err(p.logits, x.logits) > 1e-4
+    if name in ("embed", "1.attn", "1.mlp"):
+        assert rel_err(p.logits, c.logits) < 1e-6, name
