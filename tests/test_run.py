@@ -13,10 +13,29 @@ from depthscope.hooks.attention import _HANDLERS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXTS = ["The capital of France is", "Hello world, this is a longer second sentence."]
-BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
-O_PROJ = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense"}
-DOWN = {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "gpt_neox": "mlp.dense_4h_to_h"}
-ATTN = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention"}
+# module paths written out independently of depthscope's architecture map
+BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers", "bert": "bert.encoder.layer",
+          "olmo2": "model.layers"}
+O_PROJ = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
+          "bert": "attention.output.dense", "olmo2": "self_attn.o_proj"}
+DOWN = {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "gpt_neox": "mlp.dense_4h_to_h", "bert": "output.dense",
+        "olmo2": "mlp.down_proj"}
+ATTN = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.output.dense",
+        "olmo2": "post_attention_layernorm"}  # the attention write (l.attn_out)
+MLP = {"llama": "mlp", "gpt2": "mlp", "gpt_neox": "mlp", "bert": "output.dense", "olmo2": "post_feedforward_layernorm"}
+SITE_ATTN = {**ATTN, "bert": "attention"}  # the module whose output makes the l.attn site
+ALL = ["llama", "gpt2", "gpt_neox", "bert", "olmo2"]
+
+
+@pytest.fixture(scope="module")
+def model_of(tiny_factory, tokenizer):
+    """tiny_factory plus OLMo-2 (sandwich norms), from test_points' helper."""
+    from test_points import make_family
+
+    from depthscope.hooks import load_model
+
+    olmo = load_model(make_family("olmo2", len(tokenizer)), tokenizer=tokenizer)
+    return lambda family: olmo if family == "olmo2" else tiny_factory(family)
 
 
 def _get(root, path):
@@ -50,9 +69,9 @@ def assert_no_hooks_left(hm, impl):
 # ---------------------------------------------------------------------------- replacing
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_replacing_points_equals_plain_hooks(tiny_factory, family):
-    hm = tiny_factory(family)
+@pytest.mark.parametrize("family", ALL)
+def test_replacing_points_equals_plain_hooks(model_of, family):
+    hm = model_of(family)
     ids, mask = hm.tokenize(TEXTS)
     H, dh = hm.arch.n_heads, hm.arch.d_head
 
@@ -96,12 +115,12 @@ def test_replacing_points_equals_plain_hooks(tiny_factory, family):
     assert rel_err(got, want) < 1e-6
 
     def plain_zero_attn(mod, args, out):
-        return (torch.zeros_like(out[0]),) + tuple(out[1:])
+        return (torch.zeros_like(out[0]),) + tuple(out[1:]) if isinstance(out, tuple) else torch.zeros_like(out)
 
     got = hm.run(ids, mask=mask, hooks={"blocks.1.hook_attn_out": lambda t, ctx: torch.zeros_like(t)}).logits
     assert rel_err(got, plain_logits(hm, ids, mask, ATTN[family], 1, plain_zero_attn)) < 1e-6
     got = hm.run(ids, mask=mask, hooks={"0.mlp_out": lambda t, ctx: 2 * t}).logits
-    assert rel_err(got, plain_logits(hm, ids, mask, "mlp", 0, lambda m, a, o: 2 * o)) < 1e-6
+    assert rel_err(got, plain_logits(hm, ids, mask, MLP[family], 0, lambda m, a, o: 2 * o)) < 1e-6
     assert_no_hooks_left(hm, hm.hf_model.config._attn_implementation)
 
 
@@ -191,22 +210,21 @@ def leaf_grad(hm, ids, mask, module, target, pre: bool):
     return leaf["t"].grad
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_gradients_equal_autograd(tiny_factory, family):
-    hm = tiny_factory(family)
+@pytest.mark.parametrize("family", ALL)
+def test_gradients_equal_autograd(model_of, family):
+    hm = model_of(family)
     ids, mask = hm.tokenize(TEXTS[:1])
     names = ["embed", "0.attn", "0.mlp", "1.attn_out", "1.neurons", "1.z", "1.heads", "1.mlp_out", "2.pattern"]
     run = hm.run(ids, mask=mask, cache=names, grad=True)
     run.logits[0, -1, 7].backward()
     blocks = _get(hm.hf_model, BLOCKS[family])
-    attn, mlp = ATTN[family], "mlp"
     want = {
         "embed": leaf_grad(hm, ids, mask, blocks[0], 7, pre=True),
-        "0.attn": leaf_grad(hm, ids, mask, _get(blocks[0], attn), 7, pre=False),
+        "0.attn": leaf_grad(hm, ids, mask, _get(blocks[0], SITE_ATTN[family]), 7, pre=False),
         "0.mlp": leaf_grad(hm, ids, mask, blocks[1], 7, pre=True),
-        "1.attn_out": leaf_grad(hm, ids, mask, _get(blocks[1], attn), 7, pre=False),
+        "1.attn_out": leaf_grad(hm, ids, mask, _get(blocks[1], ATTN[family]), 7, pre=False),
         "1.neurons": leaf_grad(hm, ids, mask, _get(blocks[1], DOWN[family]), 7, pre=True),
-        "1.mlp_out": leaf_grad(hm, ids, mask, _get(blocks[1], mlp), 7, pre=False),
+        "1.mlp_out": leaf_grad(hm, ids, mask, _get(blocks[1], MLP[family]), 7, pre=False),
     }
     zg = leaf_grad(hm, ids, mask, _get(blocks[1], O_PROJ[family]), 7, pre=True)
     want["1.z"] = zg.view(*zg.shape[:-1], hm.arch.n_heads, -1)
