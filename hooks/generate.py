@@ -100,13 +100,18 @@ def generate(model, prompts, *, max_new_tokens: int = 20, hooks: Hooks = None, c
     finally:
         handle.remove()
     flush()
-    new = seq[:, ids.shape[1]:]
+    tokens = _new_tokens(model, seq[:, ids.shape[1]:])
+    text = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else []
+    return Generation(sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=state.step + 1,
+                      cache=per_step)
+
+
+def _new_tokens(model, new: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's new tokens up to and including its first end-of-sequence token."""
     eos = getattr(model.hf_model.generation_config, "eos_token_id", None)
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     tokens = []
     for row in new:
         stop = next((i + 1 for i, t in enumerate(row.tolist()) if t in eos), len(row))
         tokens.append(row[:stop].cpu())
-    text = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else []
-    return Generation(sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=state.step + 1,
-                      cache=per_step)
+    return tokens
