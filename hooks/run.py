@@ -5,16 +5,17 @@
 ...                 hooks={"3.neurons": lambda t, ctx: t * 0})       # ablate layer 3's MLP
 >>> run.logits.shape, run["5.pattern"].shape                        # [1, pos, vocab], [1, 9, pos, pos]
 
-=================  ============================================================================
-offers             what
-=================  ============================================================================
-:func:`run`        one forward with ``cache`` (names, ``"all"``, ``"resid"``) and ``hooks``
-:class:`Run`       ``.logits``, ``.mask``, ``.positions``, ``run[name]`` (aliases too), ``.grad(name)``
-:class:`HookContext`  what a hook receives beside the tensor (also the point's name as a ``str``)
-:class:`Attached`  the machinery: hooks for a set of points on a model for a ``with`` block
-                   (:mod:`depthscope.hooks.generate` reuses it for every generation step)
-:func:`position_ids`  absolute positions of a (left- or right-) padded batch
-=================  ============================================================================
+=====================  =====================================================================
+offers                 what
+=====================  =====================================================================
+:func:`run`            one forward with ``cache`` (names, ``"all"``, ``"resid"``) and ``hooks``
+:class:`Run`           ``.logits``, ``.mask``, ``.positions``, ``run[name]`` (aliases too),
+                       ``.grad(name)``, ``.stack(names)``
+:class:`HookContext`   what a hook receives beside the tensor (also the point's name, a ``str``)
+:class:`Attached`      the machinery: hooks for a set of points on a model for a ``with`` block
+                       (:mod:`depthscope.hooks.generate` reuses it for every generation step)
+:func:`position_ids`   absolute positions of a (left- or right-) padded batch
+=====================  =====================================================================
 
 Hook functions are called as ``fn(tensor, ctx)`` and return a replacement (same shape and dtype;
 anything else raises :class:`~depthscope.hooks.errors.InputError` naming the point and both
