@@ -27,6 +27,10 @@ Heads are the query heads (grouped-query models: K/V shared by a group are expan
 ``resid_post = resid_pre + attn_out + mlp_out`` holds; in post-norm encoders (BERT) the writes are
 what enters the sublayer's LayerNorm together with the stream.
 
+``l.pattern`` is exact for every attention kernel: a call that reads or replaces a pattern runs
+every attention layer through the family's own eager attention function (switched on for that
+call only, see :mod:`depthscope.hooks.attention`), like ``output_attentions=True`` under eager.
+
 A point is a :class:`Point` ``(kind, layer)``: residual sites have kind ``embed`` / ``attn`` /
 ``mlp`` (their sublayer, as in :class:`~depthscope.hooks.sites.Site`), the others the kinds above.
 Pure functions: :func:`parse_point`, :func:`parse_points`, :func:`point_names`, :func:`tl_name`.
