@@ -47,16 +47,21 @@ def main() -> None:
     for k, c in caches.items():
         fns[f"cache={k}"] = lambda c=c: model.run(ids, cache=c)
     t = interleaved(fns, repeats=args.repeats)
-    mem = {k: sum(v.numel() * v.element_size() for v in model.run(ids, cache=c).cache.values())
-           for k, c in caches.items()}
-    print(f"# hook-point cache benchmark: SmolLM2-135M, batch {args.batch} x {args.tokens} tokens, "
-          f"median of {args.repeats} interleaved runs; {env_line()}")
+    mem = {
+        k: sum(v.numel() * v.element_size() for v in model.run(ids, cache=c).cache.values()) for k, c in caches.items()
+    }
+    print(
+        f"# hook-point cache benchmark: SmolLM2-135M, batch {args.batch} x {args.tokens} tokens, "
+        f"median of {args.repeats} interleaved runs; {env_line()}"
+    )
     for k, v in t.items():
         print(f"{k:24s} {v * 1000:9.1f} ms   ratio to bare {v / t['bare forward']:6.2f}x")
     for k, b in mem.items():
         print(f"cache={k:18s} {b / 2**20:9.1f} MiB  ratio to resid {b / mem['resid']:6.2f}x")
-    print(f"time_ratio_all_vs_resid={t['cache=all'] / t['cache=resid']:.2f} "
-          f"memory_ratio_all_vs_resid={mem['all'] / mem['resid']:.2f}")
+    print(
+        f"time_ratio_all_vs_resid={t['cache=all'] / t['cache=resid']:.2f} "
+        f"memory_ratio_all_vs_resid={mem['all'] / mem['resid']:.2f}"
+    )
 
 
 if __name__ == "__main__":

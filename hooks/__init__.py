@@ -20,8 +20,8 @@ from .errors import (
     NonFiniteActivationError,
     UnsupportedArchitecture,
 )
-from .loading import cache_dir, default_gguf_path, load_model
 from .generate import Generation
+from .loading import cache_dir, default_gguf_path, load_model
 from .model import HookedModel, ResidualStream
 from .points import POINT_KINDS, Point, parse_point, parse_points, point_names, tl_name
 from .run import HookContext, Run

@@ -19,7 +19,6 @@ afterwards, also on error. Encoders (BERT-style) do not generate and are refused
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -42,8 +41,17 @@ class Generation:
     cache: dict  # name -> list over steps of the cached tensor (step 0: the prompt; then one row per prompt)
 
 
-def generate(model, prompts, *, max_new_tokens: int = 20, hooks: Hooks = None, cache=None, padding_side: str = "left",
-             mask: Optional[torch.Tensor] = None, **generation_kwargs) -> Generation:
+def generate(
+    model,
+    prompts,
+    *,
+    max_new_tokens: int = 20,
+    hooks: Hooks = None,
+    cache=None,
+    padding_side: str = "left",
+    mask: torch.Tensor | None = None,
+    **generation_kwargs,
+) -> Generation:
     """Continue ``prompts`` (strings or token ids) for ``max_new_tokens`` with ``hooks`` at every
     step; ``cache`` (names, as in ``run``) keeps those points at every step."""
     if not model.is_decoder:
@@ -81,8 +89,11 @@ def generate(model, prompts, *, max_new_tokens: int = 20, hooks: Hooks = None, c
         state.mask = m.bool() if m is not None else None
         pos = kwargs.get("position_ids")
         if pos is None:
-            full = state.mask if state.mask is not None else torch.ones(ids.shape[0], n_new, dtype=torch.bool,
-                                                                         device=ids.device)
+            full = (
+                state.mask
+                if state.mask is not None
+                else torch.ones(ids.shape[0], n_new, dtype=torch.bool, device=ids.device)
+            )
             pos = position_ids(full)[:, -n_new:]
         state.positions = pos.expand(ids.shape[0], -1)
         return None
@@ -100,10 +111,9 @@ def generate(model, prompts, *, max_new_tokens: int = 20, hooks: Hooks = None, c
     finally:
         handle.remove()
     flush()
-    tokens = _new_tokens(model, seq[:, ids.shape[1]:])
+    tokens = _new_tokens(model, seq[:, ids.shape[1] :])
     text = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else []
-    return Generation(sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=state.step + 1,
-                      cache=per_step)
+    return Generation(sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=state.step + 1, cache=per_step)
 
 
 def _new_tokens(model, new: torch.Tensor) -> list[torch.Tensor]:

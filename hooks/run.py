@@ -46,8 +46,9 @@ output projection's output, identical for every head (its output is their sum).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Union
 
 import torch
 
@@ -55,8 +56,8 @@ from .attention import eager_patterns
 from .errors import InputError, UnsupportedArchitecture
 from .points import Point, parse_point, parse_points
 
-HookFn = Callable[[torch.Tensor, "HookContext"], Optional[torch.Tensor]]
-Hooks = Union[Mapping[str, Union[HookFn, Sequence[HookFn]]], Iterable[tuple[str, HookFn]], None]
+HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
+Hooks = Union[Mapping[str, HookFn | Sequence[HookFn]], Iterable[tuple[str, HookFn]], None]
 
 PADDING_SIDES = ("right", "left")
 
@@ -65,7 +66,7 @@ class HookContext(str):
     """The canonical point name (a ``str``) with the call's state: ``point``, ``kind``,
     ``layer``, ``mask``, ``positions``, ``step``."""
 
-    def __new__(cls, point: Point, state: "_State"):
+    def __new__(cls, point: Point, state: _State):
         self = str.__new__(cls, point.name)
         self.point = point
         self._state = state
@@ -84,23 +85,23 @@ class HookContext(str):
         return self.point.layer
 
     @property
-    def mask(self) -> Optional[torch.Tensor]:
+    def mask(self) -> torch.Tensor | None:
         return self._state.mask
 
     @property
-    def positions(self) -> Optional[torch.Tensor]:
+    def positions(self) -> torch.Tensor | None:
         return self._state.positions
 
     @property
-    def step(self) -> Optional[int]:
+    def step(self) -> int | None:
         return self._state.step
 
 
 @dataclass
 class _State:
-    mask: Optional[torch.Tensor] = None
-    positions: Optional[torch.Tensor] = None
-    step: Optional[int] = None
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    step: int | None = None
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -153,8 +154,14 @@ class Attached:
     are stored in ``self.store`` (name -> tensor) and, with ``grad``, keep their gradients.
     Everything is removed on exit, also on error."""
 
-    def __init__(self, model, cache: Sequence[Point], hooks: Mapping[Point, list[HookFn]], grad: bool = False,
-                 state: Optional[_State] = None):
+    def __init__(
+        self,
+        model,
+        cache: Sequence[Point],
+        hooks: Mapping[Point, list[HookFn]],
+        grad: bool = False,
+        state: _State | None = None,
+    ):
         self.model, self.arch = model, model.arch
         self.cache, self.hooks, self.grad = set(cache), dict(hooks), grad
         self.state = state or _State()
@@ -166,7 +173,7 @@ class Attached:
         self._check_supported()
 
     # ------------------------------------------------------------------ core
-    def _apply(self, point: Point, t: torch.Tensor) -> Optional[torch.Tensor]:
+    def _apply(self, point: Point, t: torch.Tensor) -> torch.Tensor | None:
         """Run the user hooks at ``point`` on ``t``; store it if cached; the replacement or None."""
         new = None
         for fn in self.hooks.get(point, ()):
@@ -194,7 +201,7 @@ class Attached:
         return point in self.cache or point in self.hooks
 
     # ------------------------------------------------------------------ registration
-    def __enter__(self) -> "Attached":
+    def __enter__(self) -> Attached:
         try:
             self._register_all()
         except BaseException:
@@ -378,7 +385,7 @@ class Run:
     cached points by canonical name or alias (``run["5.pattern"]``,
     ``run["blocks.5.attn.hook_pattern"]``)."""
 
-    logits: Optional[torch.Tensor]
+    logits: torch.Tensor | None
     mask: torch.Tensor
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -422,8 +429,16 @@ class Run:
         return transform(t.grad)
 
 
-def run(model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, padding_side: str = "right",
-        mask: Optional[torch.Tensor] = None) -> Run:
+def run(
+    model,
+    inputs,
+    *,
+    cache=None,
+    hooks: Hooks = None,
+    grad: bool = False,
+    padding_side: str = "right",
+    mask: torch.Tensor | None = None,
+) -> Run:
     """One forward of ``model`` (a HookedModel) caching ``cache`` (names, ``"all"``, ``"resid"``
     or None) with ``hooks`` ({name: fn}); see the module docstring."""
     if padding_side not in PADDING_SIDES:
@@ -445,8 +460,10 @@ def run(model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, p
                 out = model.hf_model(**kwargs)
             except RuntimeError as e:
                 if grad and "nference tensor" in str(e):
-                    raise InputError(f"grad=True: {model.name}'s weights are inference tensors (created under "
-                                     f"torch.inference_mode), which autograd cannot use: {e}") from e
+                    raise InputError(
+                        f"grad=True: {model.name}'s weights are inference tensors (created under "
+                        f"torch.inference_mode), which autograd cannot use: {e}"
+                    ) from e
                 raise
     logits = getattr(out, "logits", None)
     order = [p.name for p in points]

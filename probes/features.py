@@ -21,8 +21,9 @@ on-disk store (``store_dir``, default the depthscope cache), so a second call is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -86,9 +87,19 @@ def _index(sents: list, gold: bool) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def word_features(model, sentences, *, sites=None, pooling: str = "last", bos: bool = True, max_tokens: int = 512,
-                  standardize: bool = False, store_dir=None, batch_tokens: int = 2048,
-                  progress: bool = False) -> WordFeatures:
+def word_features(
+    model,
+    sentences,
+    *,
+    sites=None,
+    pooling: str = "last",
+    bos: bool = True,
+    max_tokens: int = 512,
+    standardize: bool = False,
+    store_dir=None,
+    batch_tokens: int = 2048,
+    progress: bool = False,
+) -> WordFeatures:
     """Residual-stream features of every word of ``sentences`` at ``sites`` (default all);
     see the module docstring."""
     if pooling not in ("last", "first", "mean"):
@@ -106,12 +117,22 @@ def word_features(model, sentences, *, sites=None, pooling: str = "last", bos: b
     prepend = bos_id(model.tokenizer) if (bos and model.tokenizer is not None) else None
     tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
     table = map_spans(tok, SpanTable(pidx, cs, ce))
-    store = extract_spans(model, tok, table, sites=site_idx, pooling=pooling, store_dir=store_dir, dtype="float32",
-                          batch_tokens=batch_tokens, max_tokens=max_tokens, progress=progress, desc="word features")
+    store = extract_spans(
+        model,
+        tok,
+        table,
+        sites=site_idx,
+        pooling=pooling,
+        store_dir=store_dir,
+        dtype="float32",
+        batch_tokens=batch_tokens,
+        max_tokens=max_tokens,
+        progress=progress,
+        desc="word features",
+    )
     ok = ~store.skipped
     feats = np.asarray(store.feats[store.row_start[ok]], dtype=np.float32).transpose(1, 0, 2)
     feats = np.ascontiguousarray(feats)
     if standardize:
         feats = (feats - feats.mean(1, keepdims=True)) / np.maximum(feats.std(1, keepdims=True), 1e-8)
-    return WordFeatures(feats, index[ok].reset_index(drop=True), site_frame(site_idx, model.n_layers),
-                        int((~ok).sum()))
+    return WordFeatures(feats, index[ok].reset_index(drop=True), site_frame(site_idx, model.n_layers), int((~ok).sum()))

@@ -14,14 +14,34 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXTS = ["The capital of France is", "Hello world, this is a longer second sentence."]
 # module paths written out independently of depthscope's architecture map
-BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers", "bert": "bert.encoder.layer",
-          "olmo2": "model.layers"}
-O_PROJ = {"llama": "self_attn.o_proj", "gpt2": "attn.c_proj", "gpt_neox": "attention.dense",
-          "bert": "attention.output.dense", "olmo2": "self_attn.o_proj"}
-DOWN = {"llama": "mlp.down_proj", "gpt2": "mlp.c_proj", "gpt_neox": "mlp.dense_4h_to_h", "bert": "output.dense",
-        "olmo2": "mlp.down_proj"}
-ATTN = {"llama": "self_attn", "gpt2": "attn", "gpt_neox": "attention", "bert": "attention.output.dense",
-        "olmo2": "post_attention_layernorm"}  # the attention write (l.attn_out)
+BLOCKS = {
+    "llama": "model.layers",
+    "gpt2": "transformer.h",
+    "gpt_neox": "gpt_neox.layers",
+    "bert": "bert.encoder.layer",
+    "olmo2": "model.layers",
+}
+O_PROJ = {
+    "llama": "self_attn.o_proj",
+    "gpt2": "attn.c_proj",
+    "gpt_neox": "attention.dense",
+    "bert": "attention.output.dense",
+    "olmo2": "self_attn.o_proj",
+}
+DOWN = {
+    "llama": "mlp.down_proj",
+    "gpt2": "mlp.c_proj",
+    "gpt_neox": "mlp.dense_4h_to_h",
+    "bert": "output.dense",
+    "olmo2": "mlp.down_proj",
+}
+ATTN = {
+    "llama": "self_attn",
+    "gpt2": "attn",
+    "gpt_neox": "attention",
+    "bert": "attention.output.dense",
+    "olmo2": "post_attention_layernorm",
+}  # the attention write (l.attn_out)
 MLP = {"llama": "mlp", "gpt2": "mlp", "gpt_neox": "mlp", "bert": "output.dense", "olmo2": "post_feedforward_layernorm"}
 SITE_ATTN = {**ATTN, "bert": "attention"}  # the module whose output makes the l.attn site
 ALL = ["llama", "gpt2", "gpt_neox", "bert", "olmo2"]
@@ -73,7 +93,7 @@ def assert_no_hooks_left(hm, impl):
 def test_replacing_points_equals_plain_hooks(model_of, family):
     hm = model_of(family)
     ids, mask = hm.tokenize(TEXTS)
-    H, dh = hm.arch.n_heads, hm.arch.d_head
+    _H, dh = hm.arch.n_heads, hm.arch.d_head
 
     def zero_head_z(t, ctx):
         t = t.clone()
@@ -82,7 +102,7 @@ def test_replacing_points_equals_plain_hooks(model_of, family):
 
     def plain_zero_head(mod, args):
         x = args[0].clone()
-        x[..., dh:2 * dh] = 0
+        x[..., dh : 2 * dh] = 0
         return (x,)
 
     got = hm.run(ids, mask=mask, hooks={"1.z": zero_head_z}).logits
@@ -99,7 +119,7 @@ def test_replacing_points_equals_plain_hooks(model_of, family):
 
     def plain_scale_z(mod, args):
         x = args[0].clone()
-        x[..., 2 * dh:3 * dh] *= 3.0
+        x[..., 2 * dh : 3 * dh] *= 3.0
         return (x,)
 
     got = hm.run(ids, mask=mask, hooks={"blocks.0.attn.hook_result": scale_head}).logits
@@ -197,11 +217,14 @@ def leaf_grad(hm, ids, mask, module, target, pre: bool):
         return leaf["t"]
 
     if pre:
-        h = module.register_forward_pre_hook(lambda m, a, k: ((swap(a[0]),) + a[1:], k) if a else
-                                              (a, {**k, "hidden_states": swap(k["hidden_states"])}), with_kwargs=True)
+        h = module.register_forward_pre_hook(
+            lambda m, a, k: ((swap(a[0]),) + a[1:], k) if a else (a, {**k, "hidden_states": swap(k["hidden_states"])}),
+            with_kwargs=True,
+        )
     else:
         h = module.register_forward_hook(
-            lambda m, a, o: (swap(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else swap(o))
+            lambda m, a, o: (swap(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else swap(o)
+        )
     try:
         logits = hm.hf_model(input_ids=ids, attention_mask=mask.long()).logits
         logits[0, -1, target].backward()
@@ -238,8 +261,13 @@ def test_gradients_equal_autograd(model_of, family):
     old = hm.hf_model.config._attn_implementation
     hm.hf_model.set_attn_implementation("eager")
     h = blocks[0].register_forward_pre_hook(
-        lambda m, a, k: ((a[0].detach().requires_grad_(True),) + a[1:], k) if a else
-        (a, {**k, "hidden_states": k["hidden_states"].detach().requires_grad_(True)}), with_kwargs=True)
+        lambda m, a, k: (
+            ((a[0].detach().requires_grad_(True),) + a[1:], k)
+            if a
+            else (a, {**k, "hidden_states": k["hidden_states"].detach().requires_grad_(True)})
+        ),
+        with_kwargs=True,
+    )
     try:
         out = hm.hf_model(input_ids=ids, attention_mask=mask.long(), output_attentions=True)
         out.attentions[2].retain_grad()
@@ -274,8 +302,13 @@ def test_generate_zero_edit_equals_plain_generate(tiny_factory, family):
     prompts = ["The capital of France is", "Hi"]
     ids, mask = hm.tokenize(prompts, padding_side="left")
     with torch.no_grad():
-        plain = hm.hf_model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=6, do_sample=False,
-                                     pad_token_id=hm.tokenizer.pad_token_id)
+        plain = hm.hf_model.generate(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=hm.tokenizer.pad_token_id,
+        )
     seen = []
 
     def zero_edit(t, ctx):
@@ -286,15 +319,15 @@ def test_generate_zero_edit_equals_plain_generate(tiny_factory, family):
     out = hm.generate(prompts, max_new_tokens=6, hooks=hooks)
     assert torch.equal(out.sequences, plain)
     assert out.steps == 6 and len(out.tokens) == 2 and len(out.text) == 2
-    assert torch.equal(out.tokens[0], plain[0, ids.shape[1]:][: len(out.tokens[0])])
+    assert torch.equal(out.tokens[0], plain[0, ids.shape[1] :][: len(out.tokens[0])])
     assert out.text[0] == hm.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
     steps = sorted({s for _, s, _, _ in seen})
     assert steps == list(range(6))
     n_real = mask.sum(1)
     for name, step, pos, n_keys in seen:
         if step == 0:
-            assert torch.equal(pos[0, -int(n_real[0]):], torch.arange(int(n_real[0])))
-            assert torch.equal(pos[1, -int(n_real[1]):], torch.arange(int(n_real[1])))
+            assert torch.equal(pos[0, -int(n_real[0]) :], torch.arange(int(n_real[0])))
+            assert torch.equal(pos[1, -int(n_real[1]) :], torch.arange(int(n_real[1])))
         else:  # one new row per prompt, at its absolute position
             assert pos.shape == (2, 1) and torch.equal(pos[:, 0], n_real + step - 1), name
             assert n_keys == ids.shape[1] + step
