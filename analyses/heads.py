@@ -67,7 +67,7 @@ def _head_weights(model) -> _HeadWeights:
     if not H:
         raise UnsupportedArchitecture(f"{model.name}: cannot find the number of attention heads in its config")
     projs, Ws, biases, grams = [], [], [], []
-    for layer, proj in enumerate(arch.attn_out):
+    for layer, proj in enumerate(arch.o_proj):
         if proj is None:
             raise UnsupportedArchitecture(
                 f"{model.name}: attention of layer {layer} ({type(arch.attn[layer]).__name__}) has no output "

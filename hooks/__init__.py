@@ -4,6 +4,12 @@ The first stage of depthscope's one-way flow (model -> residual sites -> analyse
 tables -> plots/report). Everything here knows models; nothing here knows data or plots.
 Names are imported lazily (PEP 562), so ``import depthscope.hooks`` and its errors stay cheap
 (no torch) until a model name is used: the command line's ``--help`` depends on it.
+
+Research calls on a :class:`HookedModel` (see :mod:`.points`, :mod:`.run`, :mod:`.generate`):
+``model.run(inputs, cache=..., hooks=..., grad=False, padding_side="right") -> Run`` reads and
+replaces any hook point (residual sites, ``l.pattern``, ``l.z``, ``l.heads``, ``l.attn_out``,
+``l.neurons``, ``l.mlp_out``; TransformerLens aliases too); ``model.generate(prompts,
+max_new_tokens=..., hooks=...) -> Generation`` runs hooks at every generation step.
 """
 
 from __future__ import annotations
@@ -39,9 +45,31 @@ _EXPORTS = {
     "model_digest": "digest",
     "Unembed": "unembed",
     "FrozenUnembed": "unembed",
+    "Generation": "generate",
+    "POINT_KINDS": "points",
+    "Point": "points",
+    "parse_point": "points",
+    "parse_points": "points",
+    "point_names": "points",
+    "tl_name": "points",
+    "HookContext": "run",
+    "Run": "run",
 }
 
-_SUBMODULES = {"arch", "digest", "files", "loading", "model", "sites", "toy", "unembed"}
+_SUBMODULES = {
+    "arch",
+    "attention",
+    "digest",
+    "files",
+    "generate",
+    "loading",
+    "model",
+    "points",
+    "run",
+    "sites",
+    "toy",
+    "unembed",
+}
 
 __all__ = [
     "load_model",
@@ -50,6 +78,15 @@ __all__ = [
     "Unembed",
     "FrozenUnembed",
     "model_digest",
+    "Run",
+    "HookContext",
+    "Generation",
+    "Point",
+    "POINT_KINDS",
+    "parse_point",
+    "parse_points",
+    "point_names",
+    "tl_name",
     "Site",
     "SITE_COLUMNS",
     "all_sites",

@@ -26,6 +26,9 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
 ``prepare_task(...) -> TaskData``: one task's labels and standardised features, no fitting.
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,
     ``gum_train``, ``gum_test``).
+``word_features(model, sentences, *, sites=None, pooling="last", standardize=False) -> WordFeatures``:
+    raw float32 features ``[sites, n_words, d_model]`` and an index table (sentence, word, form,
+    gold columns) from a CoNLL-U path, parsed sentences or lists of words, for your own probes.
 ``read_conllu``, ``build_task``, ``control_labels``, ``expected_layer_delta``,
 ``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``, ``Features``, ``train_probe``,
 ``predict``, ``accuracy``, ``macro_f1``, ``resolve_precision``: the building blocks.
@@ -35,7 +38,7 @@ Modules, one job each: ``config`` (settings), ``conllu_io`` / ``tasks`` / ``span
 features of a task), ``features`` (the feature container), ``classifiers`` (the probe model),
 ``training`` (fit and predict), ``metrics``, ``cpu`` (precision rule, threads), ``mixing``
 (Tenney's summaries), ``mdl``, ``fitting`` (one task's probes), ``summaries`` (table rows),
-``run`` (``run_probes``).
+``run`` (``run_probes``), ``words`` (``word_features`` for your own probes).
 
 Tables and figures (``probes_by_site``, ``probes_summary``, ``probes_mixing``,
 ``probes_accuracy.png``, ``probes_tenney.png``) are written by the probe job,
@@ -87,6 +90,8 @@ _EXPORTS = {
     "read_jiant": "tasks",
     "predict": "training",
     "train_probe": "training",
+    "WordFeatures": "words",
+    "word_features": "words",
 }
 
 
@@ -188,4 +193,6 @@ __all__ = [
     "online_codelength",
     "VOITA_FRACTIONS",
     "L2_GRID",
+    "word_features",
+    "WordFeatures",
 ]

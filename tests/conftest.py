@@ -36,11 +36,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 # What the tiny tokenizer is trained on: the fixtures' text, plus phrases the tests use as
-# prompts and single-token targets (" Paris", " Rome", " the").
+# prompts and single-token targets (" Paris", " Rome", " the", " Mary", " John").
 TINY_PHRASES = [
     "The capital of France is Paris. The capital of Italy is Rome.",
     "Hello world, this is a longer second sentence with more words.",
     "The cat sat on the mat. The dog sat on the log. A bird flew over the house and sang.",
+    "When Mary and John went to the store, John gave a drink to Mary. Then Mary gave a book to John.",
 ]
 TINY_SPECIALS = {"unk_token": "<|endoftext|>", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 

@@ -409,7 +409,7 @@ def _explicit_head_writes(hm, texts):
     ids, mask = hm.tokenize(texts)
     z, out = {}, {}
     hs = []
-    for l, proj in enumerate(hm.arch.attn_out):
+    for l, proj in enumerate(hm.arch.o_proj):
         hs.append(proj.register_forward_pre_hook(lambda m, a, l=l: z.__setitem__(l, a[0].detach().double())))
         hs.append(proj.register_forward_hook(lambda m, a, o, l=l: out.__setitem__(l, o.detach().double())))
     try:
@@ -420,7 +420,7 @@ def _explicit_head_writes(hm, texts):
             h.remove()
     H = hm.hf_model.config.num_attention_heads
     writes = []
-    for l, proj in enumerate(hm.arch.attn_out):
+    for l, proj in enumerate(hm.arch.o_proj):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W  # [D, H*dh]
         dh = W.shape[1] // H
@@ -525,7 +525,7 @@ def test_norm_weighted_attention(tiny_factory, family):
     # equals each head's write computed from the output projection's input
     writes, _, _ = _explicit_head_writes(hm, [text])
     vals = _explicit_values(hm, [text])
-    for l, proj in enumerate(hm.arch.attn_out):
+    for l, proj in enumerate(hm.arch.o_proj):
         W = proj.weight.detach().double()
         W = W.T if type(proj).__name__ == "Conv1D" else W
         dh = W.shape[1] // H
