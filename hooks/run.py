@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
@@ -57,7 +56,7 @@ from .errors import InputError, UnsupportedArchitecture
 from .points import Point, parse_point, parse_points
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
-Hooks = Union[Mapping[str, HookFn | Sequence[HookFn]], Iterable[tuple[str, HookFn]], None]
+Hooks = Mapping[str, HookFn | Sequence[HookFn]] | Iterable[tuple[str, HookFn]] | None
 
 PADDING_SIDES = ("right", "left")
 
