@@ -15,7 +15,10 @@ from .errors import (
     UnsupportedArchitecture,
 )
 from .loading import cache_dir, default_gguf_path, load_model
+from .generate import Generation
 from .model import HookedModel, ResidualStream
+from .points import POINT_KINDS, Point, parse_point, parse_points, point_names, tl_name
+from .run import HookContext, Run
 from .runtime import tune_allocator
 from .sites import SITE_COLUMNS, Site, all_sites, parse_site, parse_sites, site_frame, site_from_index, site_labels
 
@@ -23,6 +26,15 @@ __all__ = [
     "load_model",
     "HookedModel",
     "ResidualStream",
+    "Run",
+    "HookContext",
+    "Generation",
+    "Point",
+    "POINT_KINDS",
+    "parse_point",
+    "parse_points",
+    "point_names",
+    "tl_name",
     "Site",
     "SITE_COLUMNS",
     "all_sites",

@@ -13,6 +13,9 @@ Three layouts exist:
   MLP both read ``resid_pre``; depthscope defines ``l.attn`` as ``resid_pre + attn_out`` (the
   stream as if the MLP had not yet written) and ``l.mlp`` as the block output
   ``resid_pre + attn_out + mlp_out``.
+* sandwich norms (OLMo-2/3: a norm only after each sublayer; Gemma-2/3: before and after) are
+  ``sequential``: the write into the stream is the post-sublayer norm's output, so ``l.attn`` is
+  ``resid_pre + PostNorm(Attn(...))`` and ``resid_post = resid_pre + attn_out + mlp_out`` exactly.
 * ``post_norm`` encoders (BERT): each sublayer ends in its own LayerNorm; ``l.attn`` is the
   attention sublayer's normed output and ``l.mlp`` the block output. ``h_s - h_{s-1}`` is then
   not a pure sublayer write (the norm rescales the stream), which analyses say in their docs.
@@ -50,6 +53,19 @@ class ArchSpec:
     final_norm: tuple[str, ...] = ()
     norm_kind: str = "rms"  # "rms" | "layer"
     extra: dict = field(default_factory=dict)
+    # --- hook points below the stream (hooks/points.py) -------------------------------------
+    # Module paths relative to a block, the first that exists wins. ``attn_fn``: the module that
+    # calls transformers' attention function (reads/replaces l.pattern); ``o_proj``: the attention
+    # output projection (its input is l.z, its per-head terms l.heads); ``down_proj``: the MLP output
+    # projection (its input is l.neurons); ``attn_write`` / ``mlp_write``: the module whose output
+    # is the sublayer's write into the stream (l.attn_out / l.mlp_out; empty = the sublayer itself;
+    # the post-sublayer norm in sandwich families, whose l.attn site is then resid_pre + its output).
+    attn_fn: tuple[str, ...] = ()
+    o_proj: tuple[str, ...] = ()
+    down_proj: tuple[str, ...] = ()
+    attn_write: tuple[str, ...] = ()
+    mlp_write: tuple[str, ...] = ()
+    # --- end of hook-point fields --------------------------------------------------------------
 
 
 FAMILIES: dict[str, ArchSpec] = {}
@@ -70,8 +86,25 @@ _LLAMA = ArchSpec(
     ln2=("post_attention_layernorm",),
     final_norm=("norm",),
     norm_kind="rms",
+    attn_fn=("self_attn",),
+    o_proj=("self_attn.o_proj",),
+    down_proj=("mlp.down_proj",),
 )
-_register(["llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"], _LLAMA)
+_register(["llama", "mistral", "qwen2", "qwen3", "smollm3"], _LLAMA)
+# sandwich norms. OLMo-2/3: no norm before a sublayer, an RMSNorm after each
+# (h' = h + Norm(Attn(h)), h'' = h' + Norm(MLP(h'))): the writes are the norms' outputs.
+_register(
+    ["olmo2", "olmo3"],
+    ArchSpec(**{**_LLAMA.__dict__, "family": "olmo2", "ln1": (), "ln2": (),
+                "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
+)
+# Gemma-2/3: a norm before and after each sublayer (h' = h + PostNorm(Attn(PreNorm(h))), ...)
+for _t in ("gemma2", "gemma3_text"):
+    _register(
+        [_t],
+        ArchSpec(**{**_LLAMA.__dict__, "family": _t.removesuffix("_text"), "ln2": ("pre_feedforward_layernorm",),
+                    "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
+    )
 _register(
     ["gpt2"],
     ArchSpec(
@@ -84,6 +117,9 @@ _register(
         ln2=("ln_2",),
         final_norm=("ln_f",),
         norm_kind="layer",
+        attn_fn=("attn",),
+        o_proj=("attn.c_proj",),
+        down_proj=("mlp.c_proj",),
     ),
 )
 _register(
@@ -98,6 +134,9 @@ _register(
         ln2=("post_attention_layernorm",),
         final_norm=("final_layer_norm",),
         norm_kind="layer",
+        attn_fn=("attention",),
+        o_proj=("attention.dense",),
+        down_proj=("mlp.dense_4h_to_h",),
     ),
 )
 _register(
@@ -109,6 +148,11 @@ _register(
         attn=("attention",),
         mlp=("output",),
         norm_kind="layer",
+        attn_fn=("attention.self",),
+        o_proj=("attention.output.dense",),
+        down_proj=("output.dense",),
+        attn_write=("attention.output.dense",),  # what enters the LayerNorm with the stream
+        mlp_write=("output.dense",),
     ),
 )
 
@@ -135,6 +179,17 @@ class ResolvedArch:
     head: Optional[Callable[[torch.Tensor], torch.Tensor]]  # encoder MLM heads
     softcap: Optional[float]
     logit_scale: Optional[float]
+    # --- hook points below the stream (hooks/points.py); see ArchSpec ---------------------------
+    attn_site: list = field(default_factory=list)  # output makes the l.attn site (with resid_pre unless post-norm)
+    attn_write: list = field(default_factory=list)  # output is l.attn_out
+    mlp_write: list = field(default_factory=list)  # output is l.mlp_out
+    attn_fn: list = field(default_factory=list)  # calls the attention function (None: l.pattern unsupported)
+    o_proj: list = field(default_factory=list)  # input is l.z (None: z/heads unsupported)
+    down_proj: list = field(default_factory=list)  # input is l.neurons (None: unsupported)
+    n_heads: Optional[int] = None  # query heads
+    d_head: Optional[int] = None
+    sandwich: bool = False  # a norm after each sublayer (OLMo-2, Gemma-2/3)
+    # --- end of hook-point fields --------------------------------------------------------------
 
 
 def _first(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
@@ -190,6 +245,7 @@ def resolve(model: nn.Module) -> ResolvedArch:
             unembed = None
     softcap = getattr(config, "final_logit_softcapping", None)
     logit_scale = getattr(config, "logit_scale", None)
+    points = _resolve_points(spec, blocks, attn, mlp, config)
     return ResolvedArch(
         family=spec.family,
         layout=spec.layout,
@@ -204,6 +260,40 @@ def resolve(model: nn.Module) -> ResolvedArch:
         head=head,
         softcap=softcap,
         logit_scale=logit_scale,
+        **points,
+    )
+
+
+def _resolve_points(spec: ArchSpec, blocks, attn: list, mlp: list, config) -> dict:
+    """The hook-point fields of :class:`ResolvedArch` (modules found by the spec's paths)."""
+
+    def each(paths, default=None):
+        found = [_first(b, paths) if paths else None for b in blocks]
+        return [default[i] if m is None and default else m for i, m in enumerate(found)]
+
+    attn_write, mlp_write = each(spec.attn_write, attn), each(spec.mlp_write, mlp)
+    o_proj = each(spec.o_proj)
+    n_heads = None
+    for key in ("num_attention_heads", "n_head", "num_heads"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            n_heads = v
+            break
+    d_head = None
+    if n_heads and o_proj and o_proj[0] is not None and hasattr(o_proj[0], "weight"):
+        w = o_proj[0].weight  # Linear [out, in]; GPT-2 Conv1D [in, out]
+        d_in = w.shape[0] if type(o_proj[0]).__name__ == "Conv1D" else w.shape[1]
+        d_head = d_in // n_heads if d_in % n_heads == 0 else None
+    return dict(
+        attn_site=attn if spec.layout == "post_norm" else attn_write,
+        attn_write=attn_write,
+        mlp_write=mlp_write,
+        attn_fn=each(spec.attn_fn),
+        o_proj=o_proj,
+        down_proj=each(spec.down_proj),
+        n_heads=n_heads,
+        d_head=d_head,
+        sandwich=bool(spec.attn_write) and spec.layout != "post_norm",
     )
 
 
@@ -225,6 +315,10 @@ def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
                     ln2=("post_attention_layernorm", "ln_2", "ln2"),
                     final_norm=_GENERIC_FINAL,
                     norm_kind=kind,
+                    attn_fn=_GENERIC_ATTN,
+                    o_proj=tuple(f"{a}.{o}" for a in _GENERIC_ATTN for o in ("o_proj", "c_proj", "dense", "out_proj")),
+                    down_proj=tuple(f"{m}.{d}" for m in _GENERIC_MLP for d in ("down_proj", "c_proj", "dense_4h_to_h",
+                                                                               "fc2", "fc_out")),
                 )
     raise UnsupportedArchitecture(
         f"depthscope cannot map architecture {cls} (model_type={model_type!r}): no block list "

@@ -20,6 +20,10 @@ from torch import nn
 
 from .arch import ResolvedArch, resolve
 from .errors import ContextLengthError, InputError, NonFiniteActivationError
+from .generate import Generation
+from .generate import generate as _generate
+from .run import Run, is_left_padded, position_ids
+from .run import run as _run
 from .sites import all_sites, parse_site, parse_sites, site_frame, site_labels
 
 Inputs = Union[torch.Tensor, Sequence[str], str]
@@ -164,8 +168,14 @@ class HookedModel:
         }
 
     # ------------------------------------------------------------------ inputs
-    def tokenize(self, texts: Union[str, Sequence[str]], *, add_special_tokens: bool = True):
-        """Batch ``texts`` with right padding; returns (input_ids, mask) with mask True at real tokens."""
+    def tokenize(
+        self, texts: Union[str, Sequence[str]], *, add_special_tokens: bool = True, padding_side: str = "right"
+    ):
+        """Batch ``texts`` padded on ``padding_side`` ("right" or "left"); returns (input_ids, mask)
+        with mask True at real tokens. Left-padded batches get correct absolute positions in
+        ``run``/``residual_stream``/``generate`` (position ids ``cumsum(mask) - 1``)."""
+        if padding_side not in ("right", "left"):
+            raise InputError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer: pass token ids, or load_model(..., tokenizer=...)")
         if isinstance(texts, str):
@@ -179,7 +189,7 @@ class HookedModel:
             raise InputError("empty input: a text is the empty string")
         old_side = getattr(self.tokenizer, "padding_side", "right")
         try:
-            self.tokenizer.padding_side = "right"
+            self.tokenizer.padding_side = padding_side
             enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
         finally:
             self.tokenizer.padding_side = old_side
@@ -188,7 +198,7 @@ class HookedModel:
             raise InputError("empty input: a text tokenizes to no tokens")
         return ids, mask
 
-    def _prepare(self, inputs: Inputs, mask: Optional[torch.Tensor]):
+    def _prepare(self, inputs: Inputs, mask: Optional[torch.Tensor], padding_side: str = "right"):
         if isinstance(inputs, torch.Tensor):
             ids = inputs
             if ids.dim() == 1:
@@ -210,7 +220,7 @@ class HookedModel:
             if int(ids.max()) >= vs or int(ids.min()) < 0:
                 raise InputError(f"token id out of range 0..{vs - 1}")
         else:
-            ids, mask = self.tokenize(inputs)
+            ids, mask = self.tokenize(inputs, padding_side=padding_side)
         ctx = self.max_context
         if ctx is not None and ids.shape[1] > ctx:
             raise ContextLengthError(
@@ -296,7 +306,7 @@ class HookedModel:
                         maybe_stop(s)
                     return output if new is not None else None
 
-                handles.append(arch.attn[layer].register_forward_hook(attn_hook))
+                handles.append(arch.attn_site[layer].register_forward_hook(attn_hook))  # sandwich: post-norm
 
             if need_mlp:
 
@@ -331,7 +341,10 @@ class HookedModel:
         return out
 
     def _forward(self, ids, mask):
-        return self.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+        kwargs = {}
+        if is_left_padded(mask):  # absolute-position models need the real positions
+            kwargs["position_ids"] = position_ids(mask)
+        return self.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False, **kwargs)
 
     @contextlib.contextmanager
     def hooks(self, hooks: Mapping[str, HookFn] | Iterable[tuple[str, HookFn]]) -> Iterator["HookedModel"]:
@@ -357,6 +370,23 @@ class HookedModel:
             out = self._forward(ids, mask)
         return _logits_of(out)
 
+    # ------------------------------------------------------------------ research calls
+    def run(self, inputs: Inputs, *, cache=None, hooks=None, grad: bool = False, padding_side: str = "right",
+            mask: Optional[torch.Tensor] = None) -> "Run":
+        """One forward that caches and intervenes at any hook point (residual sites, ``l.pattern``,
+        ``l.z``, ``l.heads``, ``l.attn_out``, ``l.neurons``, ``l.mlp_out``; TransformerLens
+        aliases too). ``cache``: names, ``"all"``, ``"resid"`` or None; ``hooks``: {name: fn(tensor,
+        ctx) -> replacement or None}; ``grad=True`` keeps the graph (``run.grad(name)``). See
+        :mod:`depthscope.hooks.run`."""
+        return _run(self, inputs, cache=cache, hooks=hooks, grad=grad, padding_side=padding_side, mask=mask)
+
+    def generate(self, prompts, *, max_new_tokens: int = 20, hooks=None, padding_side: str = "left",
+                 mask: Optional[torch.Tensor] = None, **generation_kwargs) -> "Generation":
+        """Greedy (or any transformers ``generate`` setting) continuation of ``prompts`` with
+        ``hooks`` at every step; returns the new tokens and text. See :mod:`depthscope.hooks.generate`."""
+        return _generate(self, prompts, max_new_tokens=max_new_tokens, hooks=hooks, padding_side=padding_side,
+                         mask=mask, **generation_kwargs)
+
     # ------------------------------------------------------------------ capture
     def residual_stream(
         self,
@@ -368,6 +398,7 @@ class HookedModel:
         hooks=None,
         check_finite: bool = True,
         positions: Optional[torch.Tensor] = None,
+        padding_side: str = "right",
     ) -> ResidualStream:
         """The stream at ``sites`` (default: all 2L+1) for a batch.
 
@@ -382,8 +413,9 @@ class HookedModel:
         LongTensor of flat indices ``b * pos + p``. Each site's stream is then gathered inside
         its hook (the full ``[batch, pos, d_model]`` tensor is freed as the forward goes on)
         and ``resid`` is ``[n_sites, n_positions, d_model]``, rows in flat-index order.
+        ``padding_side`` pads lists of strings on the right (default) or left.
         """
-        ids, mask = self._prepare(inputs, mask)
+        ids, mask = self._prepare(inputs, mask, padding_side=padding_side)
         wanted = parse_sites(sites, self.n_layers)
         user = self._normalise_hooks(hooks)
         keep, gathered = None, None
