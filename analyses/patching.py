@@ -20,9 +20,10 @@ prob, logprob              ``logit_diff(target, foil)``; any ``fn(logits) -> [ba
 PATCH_COLUMNS              the column order of both tables
 =========================  =====================================================================
 
-Hook points: the 2L+1 residual sites (``embed``, ``l.attn``, ``l.mlp`` and their TransformerLens
-aliases; the default is all of them); with a model that offers ``model.run`` also ``l.attn_out``,
-``l.mlp_out``, ``l.heads`` and ``l.z`` (patched per head), or the group words ``resid``,
+Hook points (:mod:`depthscope.hooks.points`, read and replaced through ``model.run``): the 2L+1
+residual sites (``embed``, ``l.attn``, ``l.mlp``; the default is all of them), ``l.attn_out``,
+``l.mlp_out``, and ``l.heads`` and ``l.z`` patched one head at a time; TransformerLens aliases
+(``blocks.l.hook_attn_out``, ``blocks.l.attn.hook_z``...), or the group words ``resid``,
 ``attn_out``, ``mlp_out``, ``heads``, ``z`` for every layer.
 
 Positions: ``"last"`` patches the last token only (clean and corrupted may differ in length: their
@@ -235,10 +236,7 @@ def _parse_points(model, sites) -> list[_Point]:
             points[p.name] = p
     if not points:
         raise InputError("no hook points given")
-    if any(p.kind != "resid" for p in points.values()) and not hasattr(model, "run"):
-        raise InputError("hook points below the residual stream (attn_out, mlp_out, heads, z) need a depthscope "
-                         "version whose models offer model.run(...); patch residual sites instead")
-    order = {k: i for i, k in enumerate(("attn_out", "heads", "z", "mlp_out", "resid"))}
+    order = {k: i for i, k in enumerate(("z", "heads", "attn_out", "mlp_out", "resid"))}  # forward order
     return sorted(points.values(), key=lambda p: (p.site, order[p.kind]))
 
 
@@ -290,51 +288,14 @@ def _decode(model, ids: torch.Tensor, p: Optional[int]) -> str:
 
 # ----------------------------------------------------------------------------- running the model
 def _capture(model, ids: torch.Tensor, points: list[_Point], *, grad: bool = False):
-    """(activations by point name, each [pos, ...] of batch row 0; logits [1, pos, vocab]).
-
+    """(activations by point name, each ``[pos, ...]``; logits ``[1, pos, vocab]``; the Run).
     With ``grad=True`` the activations are in the graph of the logits (for a backward)."""
-    if hasattr(model, "run"):
-        run = model.run(ids, cache=[p.name for p in points], grad=grad)
-        return {p.name: run[p.name][0] for p in points}, run.logits, run
-    if grad:
-        return _capture_grad_resid(model, ids, points)
-    rs = model.residual_stream(ids, sites=[p.site for p in points])
-    return {p.name: rs[p.site][0] for p in points}, rs.logits, None
-
-
-def _capture_grad_resid(model, ids: torch.Tensor, points: list[_Point]):
-    """Residual sites in the graph, through ``model.hooks``: the embedding becomes a leaf that
-    requires grad and every other site's stream is passed through (``retain_grad``)."""
-    kept: dict[str, torch.Tensor] = {}
-    wanted = {p.name for p in points}
-
-    def keep(stream, label):
-        if label == "embed":
-            stream = stream.detach().requires_grad_(True)
-        else:
-            stream.retain_grad()
-        if label in wanted:
-            kept[label] = stream
-        return stream
-
-    hooks = {lab: keep for lab in {"embed"} | wanted}
-    mask = torch.ones_like(ids, dtype=torch.long)
-    with torch.enable_grad(), model.hooks(hooks):
-        out = model.hf_model(input_ids=ids, attention_mask=mask, use_cache=False)
-    return {k: v[0] for k, v in kept.items()}, out.logits, kept
-
-
-def _grads(model, run, acts: dict, points: list[_Point]) -> dict:
-    if hasattr(model, "run"):
-        return {p.name: run.grad(p.name)[0] for p in points}
-    return {p.name: run[p.name].grad[0] for p in points}
+    run = model.run(ids, cache=[p.name for p in points], grad=grad)
+    return {p.name: run[p.name][0] for p in points}, run.logits, run
 
 
 def _hooked_logits(model, ids: torch.Tensor, hooks: dict) -> torch.Tensor:
-    if hasattr(model, "run"):
-        with torch.no_grad():
-            return model.run(ids, hooks=hooks).logits
-    return model.run_with_hooks(ids, hooks)
+    return model.run(ids, hooks=hooks).logits
 
 
 def _editor(clean: torch.Tensor, rows, pos, cpos, heads) -> Callable:
@@ -462,7 +423,7 @@ def attribution_patching(model, clean: Prompt, corrupted: Prompt, metric, sites=
     acts, logits, run = _capture(model, k_ids, points, grad=True)
     value = fn(logits)[0]
     value.backward()
-    grads = _grads(model, run, acts, points)
+    grads = {p.name: run.grad(p.name)[0] for p in points}
     n_heads = {p.name: int(clean_acts[p.name].shape[1]) for p in points if p.per_head}
     patches = _patches(points, pairs, n_heads)
     est = np.empty(len(patches))
