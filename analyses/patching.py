@@ -41,6 +41,7 @@ of unpadded runs of one prompt, so position -1 is the last real token.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -294,10 +295,6 @@ def _capture(model, ids: torch.Tensor, points: list[_Point], *, grad: bool = Fal
     return {p.name: run[p.name][0] for p in points}, run.logits, run
 
 
-def _hooked_logits(model, ids: torch.Tensor, hooks: dict) -> torch.Tensor:
-    return model.run(ids, hooks=hooks).logits
-
-
 def _editor(clean: torch.Tensor, rows, pos, cpos, heads) -> Callable:
     """A hook that writes clean activations into some (row, position[, head]) cells of its batch."""
     r = torch.as_tensor(rows, dtype=torch.long, device=clean.device)
@@ -335,15 +332,16 @@ def _patches(points: list[_Point], pairs, n_heads: dict[str, int]) -> list[_Patc
     return out
 
 
-def _hooks_for(chunk: list[_Patch], first_row: int, clean_acts: dict, n_pos: int) -> dict:
-    """One editing hook per hook point, covering the rows of this chunk patched there."""
+def _hooks_for(chunk: list[_Patch], first_row: int, clean_acts: dict, n_pos: int, start: int) -> dict:
+    """One editing hook per hook point, covering the rows of this chunk patched there; the
+    forward computes positions ``start..n_pos-1`` only (row positions are shifted by ``start``)."""
     cells: dict[str, tuple[list, list, list, list]] = {}
     for k, patch in enumerate(chunk):
         rows, pos, cpos, heads = cells.setdefault(patch.point.name, ([], [], [], []))
         span = [(patch.pos, patch.cpos)] if patch.pos is not None else [(q, q) for q in range(n_pos)]
         for q, cq in span:
             rows.append(first_row + k)
-            pos.append(q)
+            pos.append(q - start)
             cpos.append(cq)
             heads.append(patch.head)
     hooks = {}
@@ -353,9 +351,50 @@ def _hooks_for(chunk: list[_Patch], first_row: int, clean_acts: dict, n_pos: int
     return hooks
 
 
-def _chunks(n_rows: int, n_pos: int, batch_tokens: int) -> list[range]:
-    per = max(1, int(batch_tokens) // max(1, n_pos))
-    return [range(i, min(n_rows, i + per)) for i in range(0, n_rows, per)]
+def _plan(starts: list[int], n_pos: int, batch_tokens: int) -> list[tuple[range, int]]:
+    """Chunks of consecutive patches (``starts`` descending: the first position each patch
+    changes) within the token budget, each with the first position its forward recomputes. The
+    first chunk holds one more row (the unpatched baseline)."""
+    chunks, i = [], 0
+    while i < len(starts) or not chunks:
+        extra = 0 if chunks else 1
+        j = i + 1
+        while j < len(starts) and (j - i + 1 + extra) * (n_pos - starts[j]) <= batch_tokens:
+            j += 1
+        j = min(j, len(starts))
+        chunks.append((range(i, j), starts[j - 1] if j > i else n_pos - 1))
+        i = j
+    return chunks
+
+
+def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int):
+    """The corrupted prompt's key/value cache for positions ``0..start-1``, repeated for ``n_rows``
+    rows (None when there is nothing to reuse or the model keeps no such cache)."""
+    if start <= 0 or not model.is_decoder:
+        return None
+    out = model.hf_model(input_ids=ids[:, :start], use_cache=True)
+    past = getattr(out, "past_key_values", None)
+    if past is None or not hasattr(past, "batch_repeat_interleave"):
+        return None
+    past.batch_repeat_interleave(n_rows)
+    return past
+
+
+def _patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict], n_rows: int, start: int):
+    """Logits of ``n_rows`` copies of ``ids`` with the hooks ``make_hooks(start)``. Positions before
+    ``start`` (where no row is patched, so every row equals the corrupted run) come from one shared
+    key/value cache and the logits cover positions ``start..`` only; without such a cache (or with
+    ``start`` 0) one plain ``model.run`` of every position."""
+    from depthscope.hooks.run import Attached, normalise_hooks
+
+    past = _prefix_cache(model, ids, start, n_rows)
+    if past is None:
+        return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0)).logits
+    mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
+    with Attached(model, [], normalise_hooks(make_hooks(start), model.n_layers)):
+        out = model.hf_model(input_ids=ids[:, start:].expand(n_rows, -1), past_key_values=past, attention_mask=mask,
+                             use_cache=True)
+    return out.logits
 
 
 def activation_patching(
@@ -367,15 +406,22 @@ def activation_patching(
     positions: str = "last",
     *,
     batch_tokens: int = 2048,
+    reuse_prefix: bool = True,
 ) -> pd.DataFrame:
     """Patch clean activations into the corrupted run, one hook point (position, head) at a time.
 
     Every patch is one batch row of the corrupted prompt; rows go through the model together,
-    ``batch_tokens`` tokens (rows x prompt length) per forward, with one editing hook per hook
-    point that changes only its own rows. The first row of the first forward is left unpatched:
-    it gives ``corrupted_metric``, so patches that change nothing give a fraction of exactly 0.
+    ``batch_tokens`` tokens per forward, with one editing hook per hook point that changes only
+    its own rows. The first row of the first forward is left unpatched: it gives
+    ``corrupted_metric``, so patches that change nothing give a fraction of exactly 0.
     ``sites``: hook points (see the module docstring; default every residual site).
-    Returns the tidy table described in the module docstring (``method = "activation"``).
+
+    ``reuse_prefix`` (decoders): a patch at position ``p`` leaves positions before ``p`` as in the
+    corrupted run, so those are computed once (a key/value cache shared by the rows) and each row
+    recomputes only positions ``p..`` (patches are grouped by position); the metric then receives
+    logits for those positions only, so it must read the last position (as the token metrics do).
+    Pass ``reuse_prefix=False`` for a metric that reads earlier positions. Returns the tidy table
+    described in the module docstring (``method = "activation"``).
     """
     if int(batch_tokens) < 1:
         raise InputError(f"batch_tokens must be >= 1, got {batch_tokens}")
@@ -389,17 +435,20 @@ def activation_patching(
     n_heads = {p.name: int(clean_acts[p.name].shape[1]) for p in points if p.per_head}
     patches = _patches(points, pairs, n_heads)
     n_pos = k_ids.shape[1]
-    values = torch.empty(len(patches) + 1)
-    for rows in _chunks(len(patches) + 1, n_pos, batch_tokens):
-        chunk = [patches[i - 1] for i in rows if i > 0]
-        first = 1 if rows.start == 0 else 0
-        hooks = _hooks_for(chunk, first, clean_acts, n_pos)
-        batch = k_ids.expand(len(rows), -1)
+    reuse = reuse_prefix and model.is_decoder
+    first = [p.pos if (reuse and p.pos is not None) else 0 for p in patches]
+    order = sorted(range(len(patches)), key=lambda i: -first[i])  # stable: forward order within a position
+    values, corrupted_value = np.empty(len(patches)), None
+    for rows, start in _plan([first[i] for i in order], n_pos, int(batch_tokens)):
+        chunk = [patches[order[r]] for r in rows]
+        base = int(corrupted_value is None)
+        make = functools.partial(_hooks_for, chunk, base, clean_acts, n_pos)
         with torch.no_grad():
-            values[rows.start:rows.stop] = fn(_hooked_logits(model, batch, hooks)).float().cpu()
-    corrupted_value = float(values[0])
-    return _table(model, patches, values[1:].numpy(), clean_value, corrupted_value, c_ids, k_ids,
-                  "activation", what, positions)
+            out = fn(_patched_logits(model, k_ids, make, len(chunk) + base, start)).float().cpu().numpy()
+        if base:
+            corrupted_value = float(out[0])
+        values[[order[r] for r in rows]] = out[base:]
+    return _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, "activation", what, positions)
 
 
 def attribution_patching(model, clean: Prompt, corrupted: Prompt, metric, sites=None,
@@ -456,6 +505,10 @@ def _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, m
     df["clean_metric"] = clean_value
     df["corrupted_metric"] = corrupted_value
     denom = clean_value - corrupted_value
+    # equal prompts, or a gap at the level of float rounding (the clean and the patched runs are
+    # different forwards): the fraction would be noise
+    if torch.equal(c_ids.cpu(), k_ids.cpu()) or abs(denom) <= 1e-6 * max(1.0, abs(clean_value), abs(corrupted_value)):
+        denom = 0.0
     df["fraction_recovered"] = (df["metric"] - corrupted_value) / denom if denom != 0 else np.nan
     df["method"] = method
     df.attrs.update(model=str(model.name), metric=what, positions=positions, method=method)
