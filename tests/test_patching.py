@@ -57,7 +57,8 @@ def ref_sites(hf, ids):
     for l, b in enumerate(blocks):
         handles.append(b.register_forward_pre_hook(lambda m, a, k, l=l: pre.__setitem__(l, _pre(a, k)[0].clone()),
                                                    with_kwargs=True))
-        handles.append(getattr(b, attn).register_forward_hook(lambda m, i, o, l=l: att.__setitem__(l, _first(o)[0].clone())))
+        handles.append(getattr(b, attn).register_forward_hook(
+            lambda m, i, o, l=l: att.__setitem__(l, _first(o)[0].clone())))
         handles.append(b.register_forward_hook(lambda m, i, o, l=l: post.__setitem__(l, _first(o)[0].clone())))
     try:
         with torch.no_grad():
@@ -133,7 +134,8 @@ def ref_table(model, clean, corrupted, tokens, sites, positions):
         for p, cp in pairs:
             rows.append(ref_patched(hf, k, s, clean_sites[s], p, cp, metric))
     with torch.no_grad():
-        clean_value, corrupted_value = float(metric(hf(input_ids=c).logits)[0]), float(metric(hf(input_ids=k).logits)[0])
+        clean_value = float(metric(hf(input_ids=c).logits)[0])
+        corrupted_value = float(metric(hf(input_ids=k).logits)[0])
     return np.array(rows), clean_value, corrupted_value
 
 
@@ -150,8 +152,10 @@ def ref_points(hf, ids):
     found, handles = {}, []
     for layer in range(len(_blocks(hf)[0])):
         a, proj, mlp = _modules(hf, layer)
-        handles += [a.register_forward_hook(lambda m, i, o, l=layer: found.__setitem__(f"{l}.attn_out", _first(o)[0].clone())),
-                    mlp.register_forward_hook(lambda m, i, o, l=layer: found.__setitem__(f"{l}.mlp_out", _first(o)[0].clone())),
+        handles += [a.register_forward_hook(
+                        lambda m, i, o, l=layer: found.__setitem__(f"{l}.attn_out", _first(o)[0].clone())),
+                    mlp.register_forward_hook(
+                        lambda m, i, o, l=layer: found.__setitem__(f"{l}.mlp_out", _first(o)[0].clone())),
                     proj.register_forward_pre_hook(lambda m, i, l=layer: found.__setitem__(f"{l}.z", i[0][0].clone()))]
     try:
         with torch.no_grad():
@@ -211,7 +215,8 @@ def test_batched_table_equals_plain_hooks_one_at_a_time(tiny_factory, family, po
     assert df["corrupted_metric"].iloc[0] == pytest.approx(corrupted_value, abs=2e-6 * scale)
     expected = (df["metric"] - corrupted_value) / (clean_value - corrupted_value)
     np.testing.assert_allclose(df["fraction_recovered"], expected, atol=1e-4)
-    assert df["label"].unique().tolist() == model.labels and len(df) == model.n_sites * (n_pos if positions == "each" else 1)
+    assert df["label"].unique().tolist() == model.labels
+    assert len(df) == model.n_sites * (n_pos if positions == "each" else 1)
 
 
 def test_default_model_some_sites_equal_plain_hooks(default_model):
@@ -247,8 +252,10 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
                                      lambda lg: lg[:, -1, t] - lg[:, -1, f], d_head))
     per_layer = 2 + 2 * n_heads
     assert len(df) == model.n_layers * per_layer * (n_pos if positions == "each" else 1)
-    assert df.groupby("kind")["head"].nunique().to_dict() == {"attn_out": 0, "mlp_out": 0, "heads": n_heads, "z": n_heads}
-    assert (df.loc[df["kind"] == "mlp_out", "sublayer"] == "mlp").all() and (df.loc[df["kind"] == "z", "sublayer"] == "attn").all()
+    assert df.groupby("kind")["head"].nunique().to_dict() == {"attn_out": 0, "mlp_out": 0, "heads": n_heads,
+                                                              "z": n_heads}
+    assert (df.loc[df["kind"] == "mlp_out", "sublayer"] == "mlp").all()
+    assert (df.loc[df["kind"] == "z", "sublayer"] == "attn").all()
     scale = max(1.0, np.abs(ref).max())
     # z and the writes: bit-identical on CPU; heads go through heads.sum() + bias instead of the projection
     np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=2e-6 * scale)
@@ -257,12 +264,14 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
 
 def test_default_model_heads_equal_plain_hooks(default_model):
     hf, tok = default_model.hf_model, default_model.tokenizer
-    df = activation_patching(default_model, CLEAN, CORRUPTED, (" Mary", " John"), sites=["23.heads", "29.z", "24.attn_out"])
+    df = activation_patching(default_model, CLEAN, CORRUPTED, (" Mary", " John"),
+                             sites=["23.heads", "29.z", "24.attn_out"])
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
     clean = ref_points(hf, c)
     ref = [ref_patched_point(hf, k, r.kind, r.layer, None if pd.isna(r.head) else int(r.head),
-                             clean[f"{r.layer}.z" if r.kind != "attn_out" else r.point], int(r.position), int(r.position),
+                             clean[f"{r.layer}.z" if r.kind != "attn_out" else r.point],
+                             int(r.position), int(r.position),
                              lambda lg: lg[:, -1, t] - lg[:, -1, f], 64)
            for r in df.itertuples()]
     assert len(df) == 9 + 9 + 1
@@ -321,8 +330,8 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
     hf, tok = tiny_llama.hf_model, tiny_llama.tokenizer
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
-    est = attribution_patching(tiny_llama, CLEAN, CORRUPTED, (t, f), sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"],
-                               positions="all")
+    est = attribution_patching(tiny_llama, CLEAN, CORRUPTED, (t, f),
+                               sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"], positions="all")
     clean_sites, corr_sites = ref_sites(hf, c), ref_sites(hf, k)
     clean_pts, corr_pts = ref_points(hf, c), ref_points(hf, k)
     emb = hf.model.embed_tokens(k).detach().requires_grad_(True)
@@ -443,7 +452,8 @@ def test_plots_from_tables(tiny_llama, tmp_path):
     each = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), positions="each")
     assert plots.plot_patching_sites(each, tmp_path / "sites.png").stat().st_size > 10_000
     # a per-head table in the patching schema (the layer x head figure reads only the table)
-    heads = pd.DataFrame({"layer": np.repeat(np.arange(3), 4), "head": pd.array(np.tile(np.arange(4), 3), dtype="Int64"),
+    heads = pd.DataFrame({"layer": np.repeat(np.arange(3), 4),
+                          "head": pd.array(np.tile(np.arange(4), 3), dtype="Int64"),
                           "kind": "heads", "position": pd.array([13] * 12, dtype="Int64"),
                           "fraction_recovered": np.linspace(-0.5, 1, 12), "method": "activation"})
     assert plots.plot_patching_heads(heads, tmp_path / "heads.png").stat().st_size > 10_000

@@ -17,16 +17,36 @@ _D = PatchConfig()
 def register(app: typer.Typer) -> None:
     @app.command("patch")
     def patch(
-        clean: str = typer.Option(_D.clean, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."),
-        corrupted: str = typer.Option(_D.corrupted, "--corrupted", help="The corrupted prompt (default: the same with 'Mary' as the giver)."),
-        target: str = typer.Option(_D.target, "--target", help="Token the clean prompt should predict next, one token (mind the leading space: ' Mary')."),
-        foil: str = typer.Option(_D.foil or "", "--foil", help="Contrast token: the metric is logit[target] - logit[foil] at the last token; '' for the log-probability of the target."),
-        positions: str = typer.Option(_D.positions, "--positions", help="Which token positions to patch: last (the last token), all (every position at once) or each (one patch per position; same-length prompts)."),
-        sites: Optional[str] = typer.Option(_D.sites, "--sites", help="Comma-separated hook points or group words (e.g. 'embed,10.attn,resid'); default: every residual site."),
-        attribution: bool = typer.Option(_D.attribution, "--attribution/--no-attribution", help="Also the gradient (attribution patching) estimate of every patch, with its rank correlation to exact patching."),
-        batch_tokens: int = typer.Option(_D.batch_tokens, "--batch-tokens", help="Tokens per forward pass (patched rows x prompt length)."),
-        threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine)."),
-        plots: bool = typer.Option(_D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."),
+        clean: str = typer.Option(
+            _D.clean, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."),
+        corrupted: str = typer.Option(
+            _D.corrupted, "--corrupted", help="The corrupted prompt (default: the same with 'Mary' as the giver)."),
+        target: str = typer.Option(
+            _D.target, "--target",
+            help="Token the clean prompt should predict next, one token (mind the leading space: ' Mary')."),
+        foil: str = typer.Option(
+            _D.foil or "", "--foil",
+            help="Contrast token: the metric is logit[target] - logit[foil] at the last token; '' for the "
+                 "log-probability of the target."),
+        positions: str = typer.Option(
+            _D.positions, "--positions",
+            help="Token positions to patch: last (the last token), all (every position at once) or each "
+                 "(one patch per position; prompts of the same token length)."),
+        sites: Optional[str] = typer.Option(
+            _D.sites, "--sites",
+            help="Comma-separated hook points or group words (e.g. 'embed,10.attn,23.heads' or "
+                 "'resid,attn_out,mlp_out,heads,z'); default: every residual site."),
+        attribution: bool = typer.Option(
+            _D.attribution, "--attribution/--no-attribution",
+            help="Also the gradient (attribution patching) estimate of every patch, and its rank correlation "
+                 "with exact patching."),
+        batch_tokens: int = typer.Option(
+            _D.batch_tokens, "--batch-tokens", help="Tokens per forward pass (patched rows x recomputed positions)."),
+        threads: Optional[int] = typer.Option(
+            None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared "
+                                    "machine)."),
+        plots: bool = typer.Option(
+            _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."),
         model: Optional[str] = ModelOpt,
         out: Path = OutOpt,
     ):

@@ -72,7 +72,8 @@ def _title(df: pd.DataFrame, text: str) -> str:
     return "\n".join(bits)
 
 
-def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recovered", method: Optional[str] = None) -> Path:
+def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recovered",
+                        method: Optional[str] = None) -> Path:
     """Hook point x position heatmap: rows are the patched points in forward order (per-head
     points left out), columns the patched positions labelled with their tokens (``clean→corrupted``
     where the prompts differ)."""
@@ -96,8 +97,8 @@ def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recove
     ax.set_ylabel("patched hook point")
     ax.tick_params(axis="x", labelsize=7, rotation=60)
     ax.tick_params(axis="y", labelsize=6, rotation=0)
-    kind = "Attribution patching (estimate)" if d.get("method", pd.Series(["activation"])).iloc[0] == "attribution" else "Activation patching"
-    ax.set_title(_title(df, kind), fontsize=9)
+    estimate = "method" in d.columns and d["method"].iloc[0] == "attribution"
+    ax.set_title(_title(df, "Attribution patching (estimate)" if estimate else "Activation patching"), fontsize=9)
     savefig(fig, path)
     return Path(path)
 
