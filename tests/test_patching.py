@@ -491,14 +491,16 @@ def run_cli(args, monkeypatch, capsys):
 def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     code, so, se = run_cli(["patch", "--clean", CLEAN, "--corrupted", CORRUPTED, "--target", " Mary", "--foil", " John",
-                            "--positions", "each", "--model", tiny_dir, "--out", out, "--threads", "1"],
-                           monkeypatch, capsys)
+                            "--positions", "each", "--sites", "resid,heads", "--model", tiny_dir, "--out", out,
+                            "--threads", "1"], monkeypatch, capsys)
     assert code == 0, se
-    for name in ("patching.parquet", "patching.csv", "patching_sites.png", "patching_attribution.png"):
+    for name in ("patching.parquet", "patching.csv", "patching_sites.png", "patching_heads.png",
+                 "patching_attribution.png"):
         assert (out / name).is_file() and f"wrote {out / name}" in so, name
     df = pd.read_parquet(out / "patching.parquet")
     assert list(df.columns) == PATCH_COLUMNS and set(df["method"]) == {"activation", "attribution"}
-    assert len(df) == 2 * 7 * 14
+    assert len(df) == 2 * (7 + 3 * 4) * 14
+    assert pd.read_csv(out / "patching.csv")["metric"].to_numpy() == pytest.approx(df["metric"].to_numpy())
     assert "Traceback" not in se and "Spearman" in so
 
 
