@@ -2,6 +2,12 @@
 
 The first stage of depthscope's one-way flow (model -> residual sites -> analyses -> tidy
 tables -> plots/report). Everything here knows models; nothing here knows data or plots.
+
+Research calls on a :class:`HookedModel` (see :mod:`.points`, :mod:`.run`, :mod:`.generate`):
+``model.run(inputs, cache=..., hooks=..., grad=False, padding_side="right") -> Run`` reads and
+replaces any hook point (residual sites, ``l.pattern``, ``l.z``, ``l.heads``, ``l.attn_out``,
+``l.neurons``, ``l.mlp_out``; TransformerLens aliases too); ``model.generate(prompts,
+max_new_tokens=..., hooks=...) -> Generation`` runs hooks at every generation step.
 """
 
 from .errors import (
@@ -14,8 +20,8 @@ from .errors import (
     NonFiniteActivationError,
     UnsupportedArchitecture,
 )
-from .loading import cache_dir, default_gguf_path, load_model
 from .generate import Generation
+from .loading import cache_dir, default_gguf_path, load_model
 from .model import HookedModel, ResidualStream
 from .points import POINT_KINDS, Point, parse_point, parse_points, point_names, tl_name
 from .run import HookContext, Run

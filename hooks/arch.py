@@ -23,8 +23,8 @@ Three layouts exist:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from torch import nn
 from .errors import UnsupportedArchitecture
 
 
-def _get(root: nn.Module, path: str) -> Optional[nn.Module]:
+def _get(root: nn.Module, path: str) -> nn.Module | None:
     obj = root
     for part in path.split("."):
         if not hasattr(obj, part):
@@ -95,15 +95,30 @@ _register(["llama", "mistral", "qwen2", "qwen3", "smollm3"], _LLAMA)
 # (h' = h + Norm(Attn(h)), h'' = h' + Norm(MLP(h'))): the writes are the norms' outputs.
 _register(
     ["olmo2", "olmo3"],
-    ArchSpec(**{**_LLAMA.__dict__, "family": "olmo2", "ln1": (), "ln2": (),
-                "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
+    ArchSpec(
+        **{
+            **_LLAMA.__dict__,
+            "family": "olmo2",
+            "ln1": (),
+            "ln2": (),
+            "attn_write": ("post_attention_layernorm",),
+            "mlp_write": ("post_feedforward_layernorm",),
+        }
+    ),
 )
 # Gemma-2/3: a norm before and after each sublayer (h' = h + PostNorm(Attn(PreNorm(h))), ...)
 for _t in ("gemma2", "gemma3_text"):
     _register(
         [_t],
-        ArchSpec(**{**_LLAMA.__dict__, "family": _t.removesuffix("_text"), "ln2": ("pre_feedforward_layernorm",),
-                    "attn_write": ("post_attention_layernorm",), "mlp_write": ("post_feedforward_layernorm",)}),
+        ArchSpec(
+            **{
+                **_LLAMA.__dict__,
+                "family": _t.removesuffix("_text"),
+                "ln2": ("pre_feedforward_layernorm",),
+                "attn_write": ("post_attention_layernorm",),
+                "mlp_write": ("post_feedforward_layernorm",),
+            }
+        ),
     )
 _register(
     ["gpt2"],
@@ -171,14 +186,14 @@ class ResolvedArch:
     blocks: nn.ModuleList
     attn: list[nn.Module]
     mlp: list[nn.Module]
-    ln1: list[Optional[nn.Module]]
-    ln2: list[Optional[nn.Module]]
-    final_norm: Optional[nn.Module]
+    ln1: list[nn.Module | None]
+    ln2: list[nn.Module | None]
+    final_norm: nn.Module | None
     norm_kind: str
-    unembed: Optional[nn.Module]
-    head: Optional[Callable[[torch.Tensor], torch.Tensor]]  # encoder MLM heads
-    softcap: Optional[float]
-    logit_scale: Optional[float]
+    unembed: nn.Module | None
+    head: Callable[[torch.Tensor], torch.Tensor] | None  # encoder MLM heads
+    softcap: float | None
+    logit_scale: float | None
     # --- hook points below the stream (hooks/points.py); see ArchSpec ---------------------------
     attn_site: list = field(default_factory=list)  # output makes the l.attn site (with resid_pre unless post-norm)
     attn_write: list = field(default_factory=list)  # output is l.attn_out
@@ -186,13 +201,13 @@ class ResolvedArch:
     attn_fn: list = field(default_factory=list)  # calls the attention function (None: l.pattern unsupported)
     o_proj: list = field(default_factory=list)  # input is l.z (None: z/heads unsupported)
     down_proj: list = field(default_factory=list)  # input is l.neurons (None: unsupported)
-    n_heads: Optional[int] = None  # query heads
-    d_head: Optional[int] = None
+    n_heads: int | None = None  # query heads
+    d_head: int | None = None
     sandwich: bool = False  # a norm after each sublayer (OLMo-2, Gemma-2/3)
     # --- end of hook-point fields --------------------------------------------------------------
 
 
-def _first(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Module]:
+def _first(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
     for n in names:
         m = _get(module, n)
         if isinstance(m, nn.Module):
@@ -317,8 +332,11 @@ def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
                     norm_kind=kind,
                     attn_fn=_GENERIC_ATTN,
                     o_proj=tuple(f"{a}.{o}" for a in _GENERIC_ATTN for o in ("o_proj", "c_proj", "dense", "out_proj")),
-                    down_proj=tuple(f"{m}.{d}" for m in _GENERIC_MLP for d in ("down_proj", "c_proj", "dense_4h_to_h",
-                                                                               "fc2", "fc_out")),
+                    down_proj=tuple(
+                        f"{m}.{d}"
+                        for m in _GENERIC_MLP
+                        for d in ("down_proj", "c_proj", "dense_4h_to_h", "fc2", "fc_out")
+                    ),
                 )
     raise UnsupportedArchitecture(
         f"depthscope cannot map architecture {cls} (model_type={model_type!r}): no block list "

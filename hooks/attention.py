@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from torch import nn
 NAME = "depthscope_eager"
 
 # id(attention module) -> handler(weights) -> replacement or None; set only inside one call
-_HANDLERS: dict[int, Callable[[torch.Tensor], "torch.Tensor | None"]] = {}
+_HANDLERS: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 
 
 def _generic_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):

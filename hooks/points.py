@@ -27,6 +27,10 @@ Heads are the query heads (grouped-query models: K/V shared by a group are expan
 ``resid_post = resid_pre + attn_out + mlp_out`` holds; in post-norm encoders (BERT) the writes are
 what enters the sublayer's LayerNorm together with the stream.
 
+``l.pattern`` is exact for every attention kernel: a call that reads or replaces a pattern runs
+every attention layer through the family's own eager attention function (switched on for that
+call only, see :mod:`depthscope.hooks.attention`), like ``output_attentions=True`` under eager.
+
 A point is a :class:`Point` ``(kind, layer)``: residual sites have kind ``embed`` / ``attn`` /
 ``mlp`` (their sublayer, as in :class:`~depthscope.hooks.sites.Site`), the others the kinds above.
 Pure functions: :func:`parse_point`, :func:`parse_points`, :func:`point_names`, :func:`tl_name`.
@@ -35,7 +39,8 @@ Pure functions: :func:`parse_point`, :func:`parse_points`, :func:`point_names`, 
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple, Optional, Union
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from .errors import InputError
 
@@ -76,7 +81,7 @@ class Point(NamedTuple):
         return self.kind in RESID_KINDS
 
     @property
-    def site(self) -> Optional[int]:
+    def site(self) -> int | None:
         """The residual site index (``embed`` 0, ``l.attn`` 2l+1, ``l.mlp`` 2l+2), None below the stream."""
         if self.kind == "embed":
             return 0
@@ -97,7 +102,7 @@ def tl_name(point: Point) -> str:
     return f"blocks.{point.layer}.{_TL_SUB[point.kind]}"
 
 
-def point_names(n_layers: int, kinds: Optional[Iterable[str]] = None) -> list[str]:
+def point_names(n_layers: int, kinds: Iterable[str] | None = None) -> list[str]:
     """Canonical names of all points (or of some ``kinds``) in forward order."""
     kinds = set(POINT_KINDS if kinds is None else kinds)
     bad = kinds - set(POINT_KINDS)
@@ -118,7 +123,7 @@ def _unknown(name, n_layers: int, why: str = "") -> InputError:
     )
 
 
-def parse_point(name: Union[str, int, Point], n_layers: int) -> Point:
+def parse_point(name: str | int | Point, n_layers: int) -> Point:
     """The :class:`Point` named by a canonical name, a TransformerLens alias or a residual site index."""
     if isinstance(name, Point):
         if name.kind not in POINT_KINDS or not (name.kind == "embed" or 0 <= name.layer < n_layers):

@@ -5,16 +5,17 @@
 ...                 hooks={"3.neurons": lambda t, ctx: t * 0})       # ablate layer 3's MLP
 >>> run.logits.shape, run["5.pattern"].shape                        # [1, pos, vocab], [1, 9, pos, pos]
 
-=================  ============================================================================
-offers             what
-=================  ============================================================================
-:func:`run`        one forward with ``cache`` (names, ``"all"``, ``"resid"``) and ``hooks``
-:class:`Run`       ``.logits``, ``.mask``, ``.positions``, ``run[name]`` (aliases too), ``.grad(name)``
-:class:`HookContext`  what a hook receives beside the tensor (also the point's name as a ``str``)
-:class:`Attached`  the machinery: hooks for a set of points on a model for a ``with`` block
-                   (:mod:`depthscope.hooks.generate` reuses it for every generation step)
-:func:`position_ids`  absolute positions of a (left- or right-) padded batch
-=================  ============================================================================
+=====================  =====================================================================
+offers                 what
+=====================  =====================================================================
+:func:`run`            one forward with ``cache`` (names, ``"all"``, ``"resid"``) and ``hooks``
+:class:`Run`           ``.logits``, ``.mask``, ``.positions``, ``run[name]`` (aliases too),
+                       ``.grad(name)``, ``.stack(names)``
+:class:`HookContext`   what a hook receives beside the tensor (also the point's name, a ``str``)
+:class:`Attached`      the machinery: hooks for a set of points on a model for a ``with`` block
+                       (:mod:`depthscope.hooks.generate` reuses it for every generation step)
+:func:`position_ids`   absolute positions of a (left- or right-) padded batch
+=====================  =====================================================================
 
 Hook functions are called as ``fn(tensor, ctx)`` and return a replacement (same shape and dtype;
 anything else raises :class:`~depthscope.hooks.errors.InputError` naming the point and both
@@ -45,8 +46,9 @@ output projection's output, identical for every head (its output is their sum).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Union
 
 import torch
 
@@ -54,8 +56,8 @@ from .attention import eager_patterns
 from .errors import InputError, UnsupportedArchitecture
 from .points import Point, parse_point, parse_points
 
-HookFn = Callable[[torch.Tensor, "HookContext"], Optional[torch.Tensor]]
-Hooks = Union[Mapping[str, Union[HookFn, Sequence[HookFn]]], Iterable[tuple[str, HookFn]], None]
+HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
+Hooks = Union[Mapping[str, HookFn | Sequence[HookFn]], Iterable[tuple[str, HookFn]], None]
 
 PADDING_SIDES = ("right", "left")
 
@@ -64,7 +66,7 @@ class HookContext(str):
     """The canonical point name (a ``str``) with the call's state: ``point``, ``kind``,
     ``layer``, ``mask``, ``positions``, ``step``."""
 
-    def __new__(cls, point: Point, state: "_State"):
+    def __new__(cls, point: Point, state: _State):
         self = str.__new__(cls, point.name)
         self.point = point
         self._state = state
@@ -83,23 +85,23 @@ class HookContext(str):
         return self.point.layer
 
     @property
-    def mask(self) -> Optional[torch.Tensor]:
+    def mask(self) -> torch.Tensor | None:
         return self._state.mask
 
     @property
-    def positions(self) -> Optional[torch.Tensor]:
+    def positions(self) -> torch.Tensor | None:
         return self._state.positions
 
     @property
-    def step(self) -> Optional[int]:
+    def step(self) -> int | None:
         return self._state.step
 
 
 @dataclass
 class _State:
-    mask: Optional[torch.Tensor] = None
-    positions: Optional[torch.Tensor] = None
-    step: Optional[int] = None
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    step: int | None = None
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -152,8 +154,14 @@ class Attached:
     are stored in ``self.store`` (name -> tensor) and, with ``grad``, keep their gradients.
     Everything is removed on exit, also on error."""
 
-    def __init__(self, model, cache: Sequence[Point], hooks: Mapping[Point, list[HookFn]], grad: bool = False,
-                 state: Optional[_State] = None):
+    def __init__(
+        self,
+        model,
+        cache: Sequence[Point],
+        hooks: Mapping[Point, list[HookFn]],
+        grad: bool = False,
+        state: _State | None = None,
+    ):
         self.model, self.arch = model, model.arch
         self.cache, self.hooks, self.grad = set(cache), dict(hooks), grad
         self.state = state or _State()
@@ -165,7 +173,7 @@ class Attached:
         self._check_supported()
 
     # ------------------------------------------------------------------ core
-    def _apply(self, point: Point, t: torch.Tensor) -> Optional[torch.Tensor]:
+    def _apply(self, point: Point, t: torch.Tensor) -> torch.Tensor | None:
         """Run the user hooks at ``point`` on ``t``; store it if cached; the replacement or None."""
         new = None
         for fn in self.hooks.get(point, ()):
@@ -193,7 +201,7 @@ class Attached:
         return point in self.cache or point in self.hooks
 
     # ------------------------------------------------------------------ registration
-    def __enter__(self) -> "Attached":
+    def __enter__(self) -> Attached:
         try:
             self._register_all()
         except BaseException:
@@ -377,7 +385,7 @@ class Run:
     cached points by canonical name or alias (``run["5.pattern"]``,
     ``run["blocks.5.attn.hook_pattern"]``)."""
 
-    logits: Optional[torch.Tensor]
+    logits: torch.Tensor | None
     mask: torch.Tensor
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -404,6 +412,12 @@ class Run:
         """Names of the cached points, in forward order."""
         return list(self.cache)
 
+    def stack(self, names="resid") -> torch.Tensor:
+        """Cached points of one shape stacked in forward order: ``run.stack("resid")`` is
+        ``[2L+1, batch, pos, d_model]`` (like ``ResidualStream.resid``), ``run.stack(["1.z", "2.z"])``..."""
+        points = parse_points(names, self.n_layers)
+        return torch.stack([self[p.name] for p in points])
+
     def grad(self, name) -> torch.Tensor:
         """The gradient at a cached point after ``backward()`` (needs ``run(..., grad=True)``)."""
         key = self._key(name)
@@ -415,8 +429,16 @@ class Run:
         return transform(t.grad)
 
 
-def run(model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, padding_side: str = "right",
-        mask: Optional[torch.Tensor] = None) -> Run:
+def run(
+    model,
+    inputs,
+    *,
+    cache=None,
+    hooks: Hooks = None,
+    grad: bool = False,
+    padding_side: str = "right",
+    mask: torch.Tensor | None = None,
+) -> Run:
     """One forward of ``model`` (a HookedModel) caching ``cache`` (names, ``"all"``, ``"resid"``
     or None) with ``hooks`` ({name: fn}); see the module docstring."""
     if padding_side not in PADDING_SIDES:
@@ -434,7 +456,15 @@ def run(model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, p
         kwargs["position_ids"] = pos
     with Attached(model, points, user, grad=grad, state=state) as att:
         with torch.enable_grad() if grad else torch.no_grad():
-            out = model.hf_model(**kwargs)
+            try:
+                out = model.hf_model(**kwargs)
+            except RuntimeError as e:
+                if grad and "nference tensor" in str(e):
+                    raise InputError(
+                        f"grad=True: {model.name}'s weights are inference tensors (created under "
+                        f"torch.inference_mode), which autograd cannot use: {e}"
+                    ) from e
+                raise
     logits = getattr(out, "logits", None)
     order = [p.name for p in points]
     return Run(

@@ -25,6 +25,9 @@ mdl=False, progress=True, ...) -> ProbeResults``
     .parquet) and the figures.
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,
     ``gum_train``, ``gum_test``).
+``word_features(model, sentences, *, sites=None, pooling="last", standardize=False) -> WordFeatures``:
+    raw float32 features ``[sites, n_words, d_model]`` and an index table (sentence, word, form,
+    gold columns) from a CoNLL-U path, parsed sentences or lists of words, for your own probes.
 ``read_conllu``, ``build_task``, ``control_labels``, ``expected_layer_delta``,
 ``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``: the building blocks.
 
@@ -39,6 +42,7 @@ from pathlib import Path
 from .activations import POOLINGS, SpanStore, extract_spans
 from .classifiers import BatchedProbe, Features, accuracy, macro_f1, predict, train_probe
 from .conllu_io import ConlluError, Corpus, Mention, Sentence, Word, parse_conllu_text, read_conllu
+from .features import WordFeatures, word_features
 from .mdl import VOITA_FRACTIONS, online_codelength
 from .mixing import deltas, expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, fit_cumulative
 from .run import L2_GRID, ProbeResults, TaskData, prepare_task, run_probes
@@ -69,6 +73,8 @@ __all__ = [
     "prepare_task",
     "TaskData",
     "sample_data",
+    "word_features",
+    "WordFeatures",
     "read_conllu",
     "parse_conllu_text",
     "read_jiant",

@@ -17,8 +17,15 @@ FAMILIES = ["llama", "gpt2", "gpt_neox", "bert", "olmo2", "gemma2", "gemma3"]
 SANDWICH = ("olmo2", "gemma2", "gemma3")
 
 # module paths written out independently of depthscope's architecture map
-BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers",
-          "bert": "bert.encoder.layer", "olmo2": "model.layers", "gemma2": "model.layers", "gemma3": "model.layers"}
+BLOCKS = {
+    "llama": "model.layers",
+    "gpt2": "transformer.h",
+    "gpt_neox": "gpt_neox.layers",
+    "bert": "bert.encoder.layer",
+    "olmo2": "model.layers",
+    "gemma2": "model.layers",
+    "gemma3": "model.layers",
+}
 PATHS = {  # attention write, its output projection, MLP write, its down projection
     "llama": ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"),
     "gpt2": ("attn", "attn.c_proj", "mlp", "mlp.c_proj"),
@@ -32,19 +39,28 @@ PATHS["gemma2"] = PATHS["gemma3"] = PATHS["olmo2"]
 def make_family(family: str, vocab_size: int, n_layers: int = 3, d_model: int = 64, seed: int = 0):
     """conftest's make_tiny plus the sandwich-norm families (norm weights perturbed so they matter)."""
     import transformers as tf
-
     from conftest import make_tiny
 
     if family not in SANDWICH:
         return make_tiny(family, vocab_size=vocab_size, n_layers=n_layers, d_model=d_model, seed=seed)
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=d_model,
+        intermediate_size=2 * d_model,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if family == "olmo2":
         model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common))
     elif family == "gemma2":
-        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, sliding_window=4, attn_logit_softcapping=50.0,
-                                                     final_logit_softcapping=30.0, **common))
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(
+                head_dim=16, sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **common
+            )
+        )
     else:
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(head_dim=16, sliding_window=4, **common))
     with torch.no_grad():
@@ -141,14 +157,34 @@ def test_names_aliases_and_order():
         p = parse_point(name, 4)
         assert p.name == name and parse_point(tl_name(p), 4) == p
     names = point_names(2)
-    assert names == ["embed", "0.pattern", "0.z", "0.heads", "0.attn_out", "0.attn", "0.neurons", "0.mlp_out", "0.mlp",
-                     "1.pattern", "1.z", "1.heads", "1.attn_out", "1.attn", "1.neurons", "1.mlp_out", "1.mlp"]
+    assert names == [
+        "embed",
+        "0.pattern",
+        "0.z",
+        "0.heads",
+        "0.attn_out",
+        "0.attn",
+        "0.neurons",
+        "0.mlp_out",
+        "0.mlp",
+        "1.pattern",
+        "1.z",
+        "1.heads",
+        "1.attn_out",
+        "1.attn",
+        "1.neurons",
+        "1.mlp_out",
+        "1.mlp",
+    ]
     assert [p.name for p in parse_points("resid", 2)] == ["embed", "0.attn", "0.mlp", "1.attn", "1.mlp"]
     assert [p.name for p in parse_points(["1.z", "embed", "0.mlp_out", "1.z"], 2)] == ["embed", "0.mlp_out", "1.z"]
     assert parse_points(None, 2) == []
 
 
-@pytest.mark.parametrize("bad", ["3.pattern", "blocks.0.hook_pattern", "0.attention", "blocks.9.hook_attn_out", 99, "x"])
+BAD_NAMES = ["3.pattern", "blocks.0.hook_pattern", "0.attention", "blocks.9.hook_attn_out", 99, "x"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES)
 def test_unknown_names_list_valid_names(bad):
     with pytest.raises(InputError) as e:
         parse_point(bad, 3)

@@ -1,0 +1,138 @@
+"""Words to features: residual-stream vectors of every word, for your own probes.
+
+>>> from depthscope.probes import word_features, sample_data
+>>> wf = word_features(model, sample_data()["ewt_test"], sites=["embed", "10.mlp", "29.mlp"])
+>>> wf.features.shape            # (3, n_words, 576) float32, raw (not standardised)
+>>> wf.index.head()              # sentence, word, form, upos, xpos, lemma, feats, head, deprel
+>>> from sklearn.linear_model import LogisticRegression
+>>> LogisticRegression(max_iter=1000).fit(wf.features[1], wf.index["upos"])
+
+``sentences`` is a CoNLL-U path, a parsed :class:`~depthscope.probes.conllu_io.Corpus` (or a
+list of its :class:`Sentence` objects), or lists of words (joined by single spaces; the index
+then has no gold columns). Each sentence is one forward pass, exactly as the probes run it
+(:func:`~depthscope.probes.spans.build_passages` in sentence context, the BOS token prepended when
+the tokenizer adds none, words mapped to subwords by character offsets, activations pooled over a
+word's subwords by :func:`~depthscope.probes.activations.extract_spans`, ``pooling`` ``"last"`` /
+``"first"`` / ``"mean"``). Words that no subword covers or that truncation cut off are left out
+and counted in ``wf.n_skipped``. Features are float32 and raw unless ``standardize=True``
+(each site and dimension z-scored over the words). The activations pass through the probes'
+on-disk store (``store_dir``, default the depthscope cache), so a second call is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from depthscope.hooks.errors import InputError
+from depthscope.hooks.sites import parse_sites, site_frame
+
+from .activations import extract_spans
+from .conllu_io import Corpus, Sentence, Word
+from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
+from .tasks import load_corpus
+
+GOLD_COLUMNS = ["upos", "xpos", "lemma", "feats", "head", "deprel"]
+
+
+class WordFeatures(NamedTuple):
+    """``features`` float32 ``[sites, n_words, d_model]``; ``index`` one row per word (sentence,
+    word, form and, from CoNLL-U, the gold columns); ``sites`` the shared site columns;
+    ``n_skipped`` words left out (no subword covers them, or truncated)."""
+
+    features: np.ndarray
+    index: pd.DataFrame
+    sites: pd.DataFrame
+    n_skipped: int
+
+
+def _words_sentence(words: Sequence[str], i: int) -> Sentence:
+    if isinstance(words, str) or not all(isinstance(w, str) and w and not w.isspace() for w in words):
+        raise InputError(f"sentence {i}: give a list of non-empty word strings, got {words!r:.80}")
+    out, pos = [], 0
+    for k, form in enumerate(words):
+        out.append(Word(k, k + 1, form, "_", "_", "_", {}, -1, "_", {}, pos, pos + len(form), 0))
+        pos += len(form) + 1
+    return Sentence(" ".join(words), out, sent_id=str(i))
+
+
+def as_sentences(sentences) -> tuple[list, bool]:
+    """(list of Sentence, has gold annotation) from any accepted ``sentences`` argument."""
+    if isinstance(sentences, (str, Path)):
+        return list(load_corpus(sentences).sentences), True
+    if isinstance(sentences, Corpus):
+        return list(sentences.sentences), True
+    sentences = list(sentences)
+    if not sentences:
+        raise InputError("no sentences given")
+    if all(isinstance(s, Sentence) for s in sentences):
+        return sentences, True
+    return [_words_sentence(s, i) for i, s in enumerate(sentences)], False
+
+
+def _index(sents: list, gold: bool) -> pd.DataFrame:
+    rows = []
+    for si, s in enumerate(sents):
+        for w in s.words:
+            row = {"sentence": si, "word": w.index, "form": w.form}
+            if gold:
+                feats = "|".join(f"{k}={v}" for k, v in sorted(w.feats.items())) or "_"
+                row.update(upos=w.upos, xpos=w.xpos, lemma=w.lemma, feats=feats, head=w.head, deprel=w.deprel)
+            rows.append(row)
+    cols = ["sentence", "word", "form"] + (GOLD_COLUMNS if gold else [])
+    return pd.DataFrame(rows, columns=cols)
+
+
+def word_features(
+    model,
+    sentences,
+    *,
+    sites=None,
+    pooling: str = "last",
+    bos: bool = True,
+    max_tokens: int = 512,
+    standardize: bool = False,
+    store_dir=None,
+    batch_tokens: int = 2048,
+    progress: bool = False,
+) -> WordFeatures:
+    """Residual-stream features of every word of ``sentences`` at ``sites`` (default all);
+    see the module docstring."""
+    if pooling not in ("last", "first", "mean"):
+        raise InputError(f"pooling must be 'last', 'first' or 'mean' (one vector per word), got {pooling!r}")
+    sents, gold = as_sentences(sentences)
+    site_idx = parse_sites(sites, model.n_layers)
+    if model.max_context:
+        max_tokens = min(int(max_tokens), int(model.max_context))
+    passages, where = build_passages(sents, "sentence")
+    index = _index(sents, gold)
+    sent_of, word_of = index["sentence"].to_numpy(), index["word"].to_numpy()
+    pidx = np.array([where[s][0] for s in sent_of], dtype=np.int64)
+    cs = np.array([sents[s].words[w].start for s, w in zip(sent_of, word_of)], dtype=np.int64)
+    ce = np.array([sents[s].words[w].end for s, w in zip(sent_of, word_of)], dtype=np.int64)
+    prepend = bos_id(model.tokenizer) if (bos and model.tokenizer is not None) else None
+    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
+    table = map_spans(tok, SpanTable(pidx, cs, ce))
+    store = extract_spans(
+        model,
+        tok,
+        table,
+        sites=site_idx,
+        pooling=pooling,
+        store_dir=store_dir,
+        dtype="float32",
+        batch_tokens=batch_tokens,
+        max_tokens=max_tokens,
+        progress=progress,
+        desc="word features",
+    )
+    ok = ~store.skipped
+    feats = np.asarray(store.feats[store.row_start[ok]], dtype=np.float32).transpose(1, 0, 2)
+    feats = np.ascontiguousarray(feats)
+    if standardize:
+        feats = (feats - feats.mean(1, keepdims=True)) / np.maximum(feats.std(1, keepdims=True), 1e-8)
+    return WordFeatures(feats, index[ok].reset_index(drop=True), site_frame(site_idx, model.n_layers), int((~ok).sum()))
