@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 import pandas as pd
@@ -68,8 +69,19 @@ __all__ = [
 POSITIONS = ("last", "all", "each")
 KINDS = ("resid", "attn_out", "mlp_out", "heads", "z")
 PATCH_COLUMNS = [
-    *SITE_COLUMNS, "point", "kind", "head", "position", "clean_position", "token", "clean_token",
-    "metric", "clean_metric", "corrupted_metric", "fraction_recovered", "method",
+    *SITE_COLUMNS,
+    "point",
+    "kind",
+    "head",
+    "position",
+    "clean_position",
+    "token",
+    "clean_token",
+    "metric",
+    "clean_metric",
+    "corrupted_metric",
+    "fraction_recovered",
+    "method",
 ]
 Prompt = Union[str, torch.Tensor, Sequence[int]]
 
@@ -82,8 +94,8 @@ class TokenMetric:
     (mind the leading space: ``" Mary"``) or token ids; :meth:`bind` resolves them for a model."""
 
     kind: str
-    target: Union[str, int]
-    foil: Union[str, int, None] = None
+    target: str | int
+    foil: str | int | None = None
 
     def bind(self, model) -> Callable[[torch.Tensor], torch.Tensor]:
         t = _single_token(model, self.target, "target")
@@ -141,8 +153,10 @@ def _single_token(model, token, what: str) -> int:
     ids = model.tokenizer(token, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise InputError(f"{what} {token!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
-                         f"(mind the leading space, e.g. ' Mary') or a token id")
+        raise InputError(
+            f"{what} {token!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
+            f"(mind the leading space, e.g. ' Mary') or a token id"
+        )
     return int(ids[0])
 
 
@@ -162,13 +176,17 @@ def _bind_metric(model, metric) -> tuple[Callable[[torch.Tensor], torch.Tensor],
             if out.dim() == 0 and logits.shape[0] == 1:
                 out = out.reshape(1)
             if out.shape != (logits.shape[0],):
-                raise InputError(f"metric {name} returned shape {tuple(out.shape)}; it must return one "
-                                 f"number per batch row, shape ({logits.shape[0]},)")
+                raise InputError(
+                    f"metric {name} returned shape {tuple(out.shape)}; it must return one "
+                    f"number per batch row, shape ({logits.shape[0]},)"
+                )
             return out.float()
 
         return checked, name
-    raise InputError(f"metric must be a (target, foil) pair, a TokenMetric (logit_diff, prob, ...) or a "
-                     f"function of the logits, got {type(metric).__name__}")
+    raise InputError(
+        f"metric must be a (target, foil) pair, a TokenMetric (logit_diff, prob, ...) or a "
+        f"function of the logits, got {type(metric).__name__}"
+    )
 
 
 # ----------------------------------------------------------------------------- hook points
@@ -253,8 +271,9 @@ def _ids(model, prompt: Prompt, what: str) -> torch.Tensor:
         if t.dim() == 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() != 1 or t.numel() == 0 or t.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
-            raise InputError(f"the {what} prompt must be a string or one sequence of token ids, got shape "
-                             f"{tuple(t.shape)} {t.dtype}")
+            raise InputError(
+                f"the {what} prompt must be a string or one sequence of token ids, got shape {tuple(t.shape)} {t.dtype}"
+            )
         ids = t.long()[None]
         if int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
             raise InputError(f"the {what} prompt has token ids out of range 0..{model.vocab_size - 1}")
@@ -264,7 +283,7 @@ def _ids(model, prompt: Prompt, what: str) -> torch.Tensor:
     return ids.to(model.device)
 
 
-def _pairs(clean: torch.Tensor, corrupted: torch.Tensor, positions: str) -> list[tuple[Optional[int], Optional[int]]]:
+def _pairs(clean: torch.Tensor, corrupted: torch.Tensor, positions: str) -> list[tuple[int | None, int | None]]:
     """(corrupted position, clean position) per patch; (None, None) = every position at once."""
     if positions not in POSITIONS:
         raise InputError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
@@ -280,7 +299,7 @@ def _pairs(clean: torch.Tensor, corrupted: torch.Tensor, positions: str) -> list
     return [(None, None)] if positions == "all" else [(p, p) for p in range(tk)]
 
 
-def _decode(model, ids: torch.Tensor, p: Optional[int]) -> str:
+def _decode(model, ids: torch.Tensor, p: int | None) -> str:
     if p is None:
         return ""
     i = int(ids[0, p])
@@ -318,9 +337,9 @@ def _editor(clean: torch.Tensor, rows, pos, cpos, heads) -> Callable:
 @dataclass(frozen=True)
 class _Patch:
     point: _Point
-    pos: Optional[int]  # corrupted position; None = every position
-    cpos: Optional[int]
-    head: Optional[int]
+    pos: int | None  # corrupted position; None = every position
+    cpos: int | None
+    head: int | None
 
 
 def _patches(points: list[_Point], pairs, n_heads: dict[str, int]) -> list[_Patch]:
@@ -392,8 +411,9 @@ def _patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict],
         return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0)).logits
     mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
     with Attached(model, [], normalise_hooks(make_hooks(start), model.n_layers)):
-        out = model.hf_model(input_ids=ids[:, start:].expand(n_rows, -1), past_key_values=past, attention_mask=mask,
-                             use_cache=True)
+        out = model.hf_model(
+            input_ids=ids[:, start:].expand(n_rows, -1), past_key_values=past, attention_mask=mask, use_cache=True
+        )
     return out.logits
 
 
@@ -451,8 +471,9 @@ def activation_patching(
     return _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, "activation", what, positions)
 
 
-def attribution_patching(model, clean: Prompt, corrupted: Prompt, metric, sites=None,
-                         positions: str = "last") -> pd.DataFrame:
+def attribution_patching(
+    model, clean: Prompt, corrupted: Prompt, metric, sites=None, positions: str = "last"
+) -> pd.DataFrame:
     """The first-order estimate of :func:`activation_patching`, from gradients.
 
     One forward of the clean prompt (its activations), one forward and one backward of the
@@ -486,8 +507,18 @@ def attribution_patching(model, clean: Prompt, corrupted: Prompt, metric, sites=
             delta, grad = delta[..., pt.head, :], grad[..., pt.head, :]
         est[i] = float((delta * grad).sum())
     corrupted_value = float(value.detach())
-    return _table(model, patches, corrupted_value + est, clean_value, corrupted_value, c_ids, k_ids,
-                  "attribution", what, positions)
+    return _table(
+        model,
+        patches,
+        corrupted_value + est,
+        clean_value,
+        corrupted_value,
+        c_ids,
+        k_ids,
+        "attribution",
+        what,
+        positions,
+    )
 
 
 def _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, method, what, positions):

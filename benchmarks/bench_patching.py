@@ -71,23 +71,35 @@ def run(quick: bool = False, threads: int = 1) -> list[dict]:
     err = max(abs(a - b) for a, b in zip(batched["metric"], single))
     if err > 1e-3:
         raise AssertionError(f"batched and one-per-site patching disagree by {err:.2e}")
-    times = _interleaved({
-        "depthscope": lambda: activation_patching(model, CLEAN, CORRUPTED, (target, foil)),
-        "no_prefix": lambda: activation_patching(model, CLEAN, CORRUPTED, (target, foil), reuse_prefix=False),
-        "baseline": lambda: _one_per_site(model, target, foil),
-    }, rounds=5 if quick else 9)
+    times = _interleaved(
+        {
+            "depthscope": lambda: activation_patching(model, CLEAN, CORRUPTED, (target, foil)),
+            "no_prefix": lambda: activation_patching(model, CLEAN, CORRUPTED, (target, foil), reuse_prefix=False),
+            "baseline": lambda: _one_per_site(model, target, foil),
+        },
+        rounds=5 if quick else 9,
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     common = {"baseline": med["baseline"], "rounds": len(times["baseline"]), "threads": threads, "max_abs_diff": err}
     name = f"activation patching, {model.n_sites} residual sites, last position"
     rows = []
-    for key, what, goal in [("depthscope", "batched rows sharing the unpatched prefix", GOAL),
-                            ("no_prefix", "batched rows, every position recomputed (reuse_prefix=False)", None)]:
+    for key, what, goal in [
+        ("depthscope", "batched rows sharing the unpatched prefix", GOAL),
+        ("no_prefix", "batched rows, every position recomputed (reuse_prefix=False)", None),
+    ]:
         ratio = med["baseline"] / med[key]
-        rows.append({"figure": f"{name}: {what} vs one forward per site", "depthscope": med[key], "ratio": ratio,
-                     "goal": goal, "met": None if goal is None else ratio >= goal,
-                     "spread": (min(times[key]), max(times[key])), "baseline_spread": (min(times["baseline"]),
-                                                                                          max(times["baseline"])),
-                     **common})
+        rows.append(
+            {
+                "figure": f"{name}: {what} vs one forward per site",
+                "depthscope": med[key],
+                "ratio": ratio,
+                "goal": goal,
+                "met": None if goal is None else ratio >= goal,
+                "spread": (min(times[key]), max(times[key])),
+                "baseline_spread": (min(times["baseline"]), max(times["baseline"])),
+                **common,
+            }
+        )
     return rows
 
 
@@ -98,14 +110,17 @@ def main() -> None:
     args = ap.parse_args()
     rows = run(args.quick, args.threads)
     r0 = rows[0]
-    print(f"# torch {torch.__version__}, {r0['threads']} thread(s), median of {r0['rounds']} interleaved rounds "
-          f"(spread min-max); batched == one-per-site within {r0['max_abs_diff']:.1e}")
+    print(
+        f"# torch {torch.__version__}, {r0['threads']} thread(s), median of {r0['rounds']} interleaved rounds "
+        f"(spread min-max); batched == one-per-site within {r0['max_abs_diff']:.1e}"
+    )
     lo, hi = r0["baseline_spread"]
     print(f"one forward per site (baseline)  {r0['baseline']:7.3f} s   ({lo:.3f}-{hi:.3f})")
     for r in rows:
         lo, hi = r["spread"]
         goal = "" if r["goal"] is None else f"   goal >= {r['goal']:g}x: {'met' if r['met'] else 'NOT met'}"
         print(f"{r['figure']}\n    {r['depthscope']:7.3f} s ({lo:.3f}-{hi:.3f})   speed-up {r['ratio']:.2f}x{goal}")
+
 
 if __name__ == "__main__":
     main()

@@ -55,10 +55,14 @@ def ref_sites(hf, ids):
     blocks, attn = _blocks(hf)
     pre, att, post, handles = {}, {}, {}, []
     for l, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(lambda m, a, k, l=l: pre.__setitem__(l, _pre(a, k)[0].clone()),
-                                                   with_kwargs=True))
-        handles.append(getattr(b, attn).register_forward_hook(
-            lambda m, i, o, l=l: att.__setitem__(l, _first(o)[0].clone())))
+        handles.append(
+            b.register_forward_pre_hook(
+                lambda m, a, k, l=l: pre.__setitem__(l, _pre(a, k)[0].clone()), with_kwargs=True
+            )
+        )
+        handles.append(
+            getattr(b, attn).register_forward_hook(lambda m, i, o, l=l: att.__setitem__(l, _first(o)[0].clone()))
+        )
         handles.append(b.register_forward_hook(lambda m, i, o, l=l: post.__setitem__(l, _first(o)[0].clone())))
     try:
         with torch.no_grad():
@@ -80,6 +84,7 @@ def ref_patched(hf, ids, site: int, value, pos, cpos, metric):
     cpos = slice(None) if cpos is None else cpos
     handles, seen = [], {}
     if site == 0:
+
         def embed(m, a, k):
             h = _pre(a, k).clone()
             h[0, pos] = value[cpos]
@@ -88,8 +93,11 @@ def ref_patched(hf, ids, site: int, value, pos, cpos, metric):
         handles.append(blocks[0].register_forward_pre_hook(embed, with_kwargs=True))
     elif site % 2 == 1:
         layer = (site - 1) // 2
-        handles.append(blocks[layer].register_forward_pre_hook(lambda m, a, k: seen.__setitem__("pre", _pre(a, k)),
-                                                               with_kwargs=True))
+        handles.append(
+            blocks[layer].register_forward_pre_hook(
+                lambda m, a, k: seen.__setitem__("pre", _pre(a, k)), with_kwargs=True
+            )
+        )
 
         def attn_out(m, i, o):
             new = _first(o).clone()
@@ -98,6 +106,7 @@ def ref_patched(hf, ids, site: int, value, pos, cpos, metric):
 
         handles.append(getattr(blocks[layer], attn).register_forward_hook(attn_out))
     else:
+
         def block_out(m, i, o):
             new = _first(o).clone()
             new[0, pos] = value[cpos]
@@ -152,11 +161,11 @@ def ref_points(hf, ids):
     found, handles = {}, []
     for layer in range(len(_blocks(hf)[0])):
         a, proj, mlp = _modules(hf, layer)
-        handles += [a.register_forward_hook(
-                        lambda m, i, o, l=layer: found.__setitem__(f"{l}.attn_out", _first(o)[0].clone())),
-                    mlp.register_forward_hook(
-                        lambda m, i, o, l=layer: found.__setitem__(f"{l}.mlp_out", _first(o)[0].clone())),
-                    proj.register_forward_pre_hook(lambda m, i, l=layer: found.__setitem__(f"{l}.z", i[0][0].clone()))]
+        handles += [
+            a.register_forward_hook(lambda m, i, o, l=layer: found.__setitem__(f"{l}.attn_out", _first(o)[0].clone())),
+            mlp.register_forward_hook(lambda m, i, o, l=layer: found.__setitem__(f"{l}.mlp_out", _first(o)[0].clone())),
+            proj.register_forward_pre_hook(lambda m, i, l=layer: found.__setitem__(f"{l}.z", i[0][0].clone())),
+        ]
     try:
         with torch.no_grad():
             hf(input_ids=ids)
@@ -182,6 +191,7 @@ def ref_patched_point(hf, ids, kind, layer, head, value, pos, cpos, metric, d_he
 
         handle = proj.register_forward_pre_hook(fn)
     else:
+
         def fn(m, i, o):
             new = _first(o).clone()
             new[0, pos] = value[cpos]
@@ -197,14 +207,14 @@ def ref_patched_point(hf, ids, kind, layer, head, value, pos, cpos, metric, d_he
 
 # ----------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("positions,corrupted", [("last", CORRUPTED), ("last", LONGER), ("each", CORRUPTED),
-                                                 ("all", CORRUPTED)])
+@pytest.mark.parametrize(
+    "positions,corrupted", [("last", CORRUPTED), ("last", LONGER), ("each", CORRUPTED), ("all", CORRUPTED)]
+)
 def test_batched_table_equals_plain_hooks_one_at_a_time(tiny_factory, family, positions, corrupted):
     model = tiny_factory(family)
     n_pos = len(model.tokenizer(corrupted)["input_ids"])
     # a small token budget: several forwards, so rows are split across chunks too
-    df = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), positions=positions,
-                             batch_tokens=5 * n_pos)
+    df = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), positions=positions, batch_tokens=5 * n_pos)
     assert list(df.columns) == PATCH_COLUMNS
     sites = list(range(model.n_sites))
     ref, clean_value, corrupted_value = ref_table(model, CLEAN, corrupted, (" Mary", " John"), sites, positions)
@@ -235,8 +245,15 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
     """attn_out, mlp_out, and every head of l.heads and l.z (tiny Llama with grouped-query attention)."""
     model = tiny_factory(family)
     hf, tok = model.hf_model, model.tokenizer
-    df = activation_patching(model, CLEAN, CORRUPTED, (" Mary", " John"), sites="attn_out,mlp_out,heads,z",
-                             positions=positions, batch_tokens=700)
+    df = activation_patching(
+        model,
+        CLEAN,
+        CORRUPTED,
+        (" Mary", " John"),
+        sites="attn_out,mlp_out,heads,z",
+        positions=positions,
+        batch_tokens=700,
+    )
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
     clean = ref_points(hf, c)
@@ -248,12 +265,19 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
         point = f"{r.layer}.z" if r.kind in ("z", "heads") else r.point
         pos = None if pd.isna(r.position) else int(r.position)
         head = None if pd.isna(r.head) else int(r.head)
-        ref.append(ref_patched_point(hf, k, r.kind, r.layer, head, clean[point], pos, pos,
-                                     lambda lg: lg[:, -1, t] - lg[:, -1, f], d_head))
+        ref.append(
+            ref_patched_point(
+                hf, k, r.kind, r.layer, head, clean[point], pos, pos, lambda lg: lg[:, -1, t] - lg[:, -1, f], d_head
+            )
+        )
     per_layer = 2 + 2 * n_heads
     assert len(df) == model.n_layers * per_layer * (n_pos if positions == "each" else 1)
-    assert df.groupby("kind")["head"].nunique().to_dict() == {"attn_out": 0, "mlp_out": 0, "heads": n_heads,
-                                                              "z": n_heads}
+    assert df.groupby("kind")["head"].nunique().to_dict() == {
+        "attn_out": 0,
+        "mlp_out": 0,
+        "heads": n_heads,
+        "z": n_heads,
+    }
     assert (df.loc[df["kind"] == "mlp_out", "sublayer"] == "mlp").all()
     assert (df.loc[df["kind"] == "z", "sublayer"] == "attn").all()
     scale = max(1.0, np.abs(ref).max())
@@ -264,16 +288,27 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
 
 def test_default_model_heads_equal_plain_hooks(default_model):
     hf, tok = default_model.hf_model, default_model.tokenizer
-    df = activation_patching(default_model, CLEAN, CORRUPTED, (" Mary", " John"),
-                             sites=["23.heads", "29.z", "24.attn_out"])
+    df = activation_patching(
+        default_model, CLEAN, CORRUPTED, (" Mary", " John"), sites=["23.heads", "29.z", "24.attn_out"]
+    )
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
     clean = ref_points(hf, c)
-    ref = [ref_patched_point(hf, k, r.kind, r.layer, None if pd.isna(r.head) else int(r.head),
-                             clean[f"{r.layer}.z" if r.kind != "attn_out" else r.point],
-                             int(r.position), int(r.position),
-                             lambda lg: lg[:, -1, t] - lg[:, -1, f], 64)
-           for r in df.itertuples()]
+    ref = [
+        ref_patched_point(
+            hf,
+            k,
+            r.kind,
+            r.layer,
+            None if pd.isna(r.head) else int(r.head),
+            clean[f"{r.layer}.z" if r.kind != "attn_out" else r.point],
+            int(r.position),
+            int(r.position),
+            lambda lg: lg[:, -1, t] - lg[:, -1, f],
+            64,
+        )
+        for r in df.itertuples()
+    ]
     assert len(df) == 9 + 9 + 1
     np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=1e-4)
     top = df.loc[df["fraction_recovered"].idxmax()]
@@ -300,8 +335,9 @@ def test_prefix_reuse_computes_only_from_the_patched_position(tiny_factory):
     assert n_fast == T + (T - 1) + rows  # the clean run, the shared prefix, one position per row
     np.testing.assert_allclose(fast["metric"], full["metric"], rtol=0, atol=1e-6)
     each = activation_patching(model, CLEAN, CORRUPTED, (" Mary", " John"), positions="each", sites="resid,heads")
-    each_full = activation_patching(model, CLEAN, CORRUPTED, (" Mary", " John"), positions="each", sites="resid,heads",
-                                    reuse_prefix=False)
+    each_full = activation_patching(
+        model, CLEAN, CORRUPTED, (" Mary", " John"), positions="each", sites="resid,heads", reuse_prefix=False
+    )
     assert each[["point", "head", "position"]].equals(each_full[["point", "head", "position"]])
     np.testing.assert_allclose(each["metric"], each_full["metric"], rtol=0, atol=1e-6)
 
@@ -330,8 +366,9 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
     hf, tok = tiny_llama.hf_model, tiny_llama.tokenizer
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
-    est = attribution_patching(tiny_llama, CLEAN, CORRUPTED, (t, f),
-                               sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"], positions="all")
+    est = attribution_patching(
+        tiny_llama, CLEAN, CORRUPTED, (t, f), sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"], positions="all"
+    )
     clean_sites, corr_sites = ref_sites(hf, c), ref_sites(hf, k)
     clean_pts, corr_pts = ref_points(hf, c), ref_points(hf, k)
     emb = hf.model.embed_tokens(k).detach().requires_grad_(True)
@@ -342,9 +379,11 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
         x.retain_grad()
 
     layer1, attn2 = hf.model.layers[1], hf.model.layers[2].self_attn
-    handles = [layer1.register_forward_hook(lambda m, i, o: keep("1.mlp", _first(o))),
-               attn2.register_forward_hook(lambda m, i, o: keep("2.attn_out", _first(o))),
-               layer1.self_attn.o_proj.register_forward_pre_hook(lambda m, i: keep("1.z", i[0]))]
+    handles = [
+        layer1.register_forward_hook(lambda m, i, o: keep("1.mlp", _first(o))),
+        attn2.register_forward_hook(lambda m, i, o: keep("2.attn_out", _first(o))),
+        layer1.self_attn.o_proj.register_forward_pre_hook(lambda m, i: keep("1.z", i[0])),
+    ]
     try:
         with torch.enable_grad():
             lg = hf(inputs_embeds=emb).logits
@@ -354,15 +393,20 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
             h.remove()
     dz = (clean_pts["1.z"] - corr_pts["1.z"]) * kept["1.z"].grad[0]  # [pos, H * dh]
     per_head = dz.reshape(dz.shape[0], 4, -1).sum((0, 2))
-    want = [float(((clean_sites[0] - corr_sites[0]) * emb.grad[0]).sum()),
-            float(((clean_sites[4] - corr_sites[4]) * kept["1.mlp"].grad[0]).sum()),
-            float(((clean_pts["2.attn_out"] - corr_pts["2.attn_out"]) * kept["2.attn_out"].grad[0]).sum()),
-            *per_head.tolist(), *per_head.tolist()]
+    want = [
+        float(((clean_sites[0] - corr_sites[0]) * emb.grad[0]).sum()),
+        float(((clean_sites[4] - corr_sites[4]) * kept["1.mlp"].grad[0]).sum()),
+        float(((clean_pts["2.attn_out"] - corr_pts["2.attn_out"]) * kept["2.attn_out"].grad[0]).sum()),
+        *per_head.tolist(),
+        *per_head.tolist(),
+    ]
     assert est["point"].tolist() == ["embed", *["1.z"] * 4, *["1.heads"] * 4, "1.mlp", "2.attn_out"]  # forward order
     got = (est["metric"] - est["corrupted_metric"]).to_numpy()
     order = {p: i for i, p in enumerate(["embed", "1.mlp", "2.attn_out"])}
-    lookup = [order[p] if p in order else (3 + int(h) if p == "1.z" else 7 + int(h))
-              for p, h in zip(est["point"], est["head"].fillna(-1))]
+    lookup = [
+        order[p] if p in order else (3 + int(h) if p == "1.z" else 7 + int(h))
+        for p, h in zip(est["point"], est["head"].fillna(-1))
+    ]
     np.testing.assert_allclose(got, np.array(want)[lookup], rtol=1e-4, atol=1e-7)
     assert np.abs(got).min() > 1e-6  # none of them is trivially zero
     assert (est["method"] == "attribution").all() and list(est.columns) == PATCH_COLUMNS
@@ -398,8 +442,12 @@ def test_metric_helpers_and_callables(tiny_llama):
         "prob": float(torch.softmax(last, -1)[t]),
         "logprob": float(torch.log_softmax(last, -1)[t]),
     }
-    metrics = {"logit_diff": logit_diff(" Mary", " John"), "logit": logit(" Mary"), "prob": prob(t),
-               "logprob": logprob(" Mary")}
+    metrics = {
+        "logit_diff": logit_diff(" Mary", " John"),
+        "logit": logit(" Mary"),
+        "prob": prob(t),
+        "logprob": logprob(" Mary"),
+    }
     for name, m in metrics.items():
         df = activation_patching(tiny_llama, CLEAN, CORRUPTED, m, sites="embed")
         assert df["clean_metric"].iloc[0] == pytest.approx(want[name], rel=1e-5), name
@@ -438,8 +486,13 @@ def test_bad_input(tiny_llama):
 
 
 def test_aliases_name_the_same_points(tiny_llama):
-    a = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"),
-                            sites=["blocks.1.attn.hook_z", "blocks.2.hook_mlp_out", "blocks.0.hook_resid_mid"])
+    a = activation_patching(
+        tiny_llama,
+        CLEAN,
+        CORRUPTED,
+        (" Mary", " John"),
+        sites=["blocks.1.attn.hook_z", "blocks.2.hook_mlp_out", "blocks.0.hook_resid_mid"],
+    )
     b = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="1.z,2.mlp_out,0.attn")
     assert a["point"].tolist() == b["point"].tolist() == ["0.attn", *["1.z"] * 4, "2.mlp_out"]
     np.testing.assert_array_equal(a["metric"], b["metric"])
@@ -452,10 +505,16 @@ def test_plots_from_tables(tiny_llama, tmp_path):
     each = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), positions="each")
     assert plots.plot_patching_sites(each, tmp_path / "sites.png").stat().st_size > 10_000
     # a per-head table in the patching schema (the layer x head figure reads only the table)
-    heads = pd.DataFrame({"layer": np.repeat(np.arange(3), 4),
-                          "head": pd.array(np.tile(np.arange(4), 3), dtype="Int64"),
-                          "kind": "heads", "position": pd.array([13] * 12, dtype="Int64"),
-                          "fraction_recovered": np.linspace(-0.5, 1, 12), "method": "activation"})
+    heads = pd.DataFrame(
+        {
+            "layer": np.repeat(np.arange(3), 4),
+            "head": pd.array(np.tile(np.arange(4), 3), dtype="Int64"),
+            "kind": "heads",
+            "position": pd.array([13] * 12, dtype="Int64"),
+            "fraction_recovered": np.linspace(-0.5, 1, 12),
+            "method": "activation",
+        }
+    )
     assert plots.plot_patching_heads(heads, tmp_path / "heads.png").stat().st_size > 10_000
     for fn in (plots.plot_patching_sites, plots.plot_patching_heads, plots.plot_attribution_vs_exact):
         with pytest.raises(InputError):
@@ -490,12 +549,39 @@ def run_cli(args, monkeypatch, capsys):
 
 def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    code, so, se = run_cli(["patch", "--clean", CLEAN, "--corrupted", CORRUPTED, "--target", " Mary", "--foil", " John",
-                            "--positions", "each", "--sites", "resid,heads", "--model", tiny_dir, "--out", out,
-                            "--threads", "1"], monkeypatch, capsys)
+    code, so, se = run_cli(
+        [
+            "patch",
+            "--clean",
+            CLEAN,
+            "--corrupted",
+            CORRUPTED,
+            "--target",
+            " Mary",
+            "--foil",
+            " John",
+            "--positions",
+            "each",
+            "--sites",
+            "resid,heads",
+            "--model",
+            tiny_dir,
+            "--out",
+            out,
+            "--threads",
+            "1",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, se
-    for name in ("patching.parquet", "patching.csv", "patching_sites.png", "patching_heads.png",
-                 "patching_attribution.png"):
+    for name in (
+        "patching.parquet",
+        "patching.csv",
+        "patching_sites.png",
+        "patching_heads.png",
+        "patching_attribution.png",
+    ):
         assert (out / name).is_file() and f"wrote {out / name}" in so, name
     df = pd.read_parquet(out / "patching.parquet")
     assert list(df.columns) == PATCH_COLUMNS and set(df["method"]) == {"activation", "attribution"}
@@ -507,10 +593,12 @@ def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
 def test_cli_rejects_bad_input_without_traceback(tiny_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "o"
     base = ["patch", "--model", tiny_dir, "--out", out, "--clean", CLEAN]
-    for extra, msg in [(["--corrupted", CORRUPTED, "--target", " Mary Ann"], "is 2 tokens"),
-                       (["--corrupted", LONGER, "--positions", "each"], "same token length"),
-                       (["--corrupted", CORRUPTED, "--positions", "middle"], "positions must be one of"),
-                       (["--corrupted", CORRUPTED, "--sites", "embed,99.mlp"], "out of range")]:
+    for extra, msg in [
+        (["--corrupted", CORRUPTED, "--target", " Mary Ann"], "is 2 tokens"),
+        (["--corrupted", LONGER, "--positions", "each"], "same token length"),
+        (["--corrupted", CORRUPTED, "--positions", "middle"], "positions must be one of"),
+        (["--corrupted", CORRUPTED, "--sites", "embed,99.mlp"], "out of range"),
+    ]:
         code, so, se = run_cli(base + extra, monkeypatch, capsys)
         assert code == 2 and msg in se and "Traceback" not in se, (extra, se)
     assert not out.exists()  # nothing half-written

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,36 +17,52 @@ def register(app: typer.Typer) -> None:
     @app.command("patch")
     def patch(
         clean: str = typer.Option(
-            _D.clean, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."),
+            _D.clean, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."
+        ),
         corrupted: str = typer.Option(
-            _D.corrupted, "--corrupted", help="The corrupted prompt (default: the same with 'Mary' as the giver)."),
+            _D.corrupted, "--corrupted", help="The corrupted prompt (default: the same with 'Mary' as the giver)."
+        ),
         target: str = typer.Option(
-            _D.target, "--target",
-            help="Token the clean prompt should predict next, one token (mind the leading space: ' Mary')."),
+            _D.target,
+            "--target",
+            help="Token the clean prompt should predict next, one token (mind the leading space: ' Mary').",
+        ),
         foil: str = typer.Option(
-            _D.foil or "", "--foil",
+            _D.foil or "",
+            "--foil",
             help="Contrast token: the metric is logit[target] - logit[foil] at the last token; '' for the "
-                 "log-probability of the target."),
+            "log-probability of the target.",
+        ),
         positions: str = typer.Option(
-            _D.positions, "--positions",
+            _D.positions,
+            "--positions",
             help="Token positions to patch: last (the last token), all (every position at once) or each "
-                 "(one patch per position; prompts of the same token length)."),
-        sites: Optional[str] = typer.Option(
-            _D.sites, "--sites",
+            "(one patch per position; prompts of the same token length).",
+        ),
+        sites: str | None = typer.Option(
+            _D.sites,
+            "--sites",
             help="Comma-separated hook points or group words (e.g. 'embed,10.attn,23.heads' or "
-                 "'resid,attn_out,mlp_out,heads,z'); default: every residual site."),
+            "'resid,attn_out,mlp_out,heads,z'); default: every residual site.",
+        ),
         attribution: bool = typer.Option(
-            _D.attribution, "--attribution/--no-attribution",
+            _D.attribution,
+            "--attribution/--no-attribution",
             help="Also the gradient (attribution patching) estimate of every patch, and its rank correlation "
-                 "with exact patching."),
+            "with exact patching.",
+        ),
         batch_tokens: int = typer.Option(
-            _D.batch_tokens, "--batch-tokens", help="Tokens per forward pass (patched rows x recomputed positions)."),
-        threads: Optional[int] = typer.Option(
-            None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared "
-                                    "machine)."),
+            _D.batch_tokens, "--batch-tokens", help="Tokens per forward pass (patched rows x recomputed positions)."
+        ),
+        threads: int | None = typer.Option(
+            None,
+            "--threads",
+            help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
+        ),
         plots: bool = typer.Option(
-            _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."),
-        model: Optional[str] = ModelOpt,
+            _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."
+        ),
+        model: str | None = ModelOpt,
         out: Path = OutOpt,
     ):
         """Which activations carry the difference between a clean and a corrupted prompt.
@@ -70,8 +85,17 @@ def register(app: typer.Typer) -> None:
             import torch
 
             torch.set_num_threads(threads)
-        config = PatchConfig(clean=clean, corrupted=corrupted, target=target, foil=foil or None, sites=sites,
-                             positions=positions, attribution=attribution, batch_tokens=batch_tokens, plots=plots)
+        config = PatchConfig(
+            clean=clean,
+            corrupted=corrupted,
+            target=target,
+            foil=foil or None,
+            sites=sites,
+            positions=positions,
+            attribution=attribution,
+            batch_tokens=batch_tokens,
+            plots=plots,
+        )
         console = Console(stderr=True)
         m = load_model(model)
         console.print(repr(m))

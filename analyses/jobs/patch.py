@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .base import JobResult, Output
 
@@ -32,8 +31,8 @@ class PatchConfig:
     clean: str = IOI_CLEAN
     corrupted: str = IOI_CORRUPTED
     target: str = " Mary"
-    foil: Optional[str] = " John"
-    sites: Optional[str] = None
+    foil: str | None = " John"
+    sites: str | None = None
     positions: str = "last"
     attribution: bool = True
     batch_tokens: int = 2048
@@ -76,7 +75,8 @@ def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
         est = parts[1]["fraction_recovered"].to_numpy()
         ok = pd.notna(est) & pd.notna(exact["fraction_recovered"].to_numpy())
         summary["spearman_attribution_vs_exact"] = (
-            float(spearmanr(exact["fraction_recovered"][ok], est[ok]).statistic) if ok.sum() > 2 else None)
+            float(spearmanr(exact["fraction_recovered"][ok], est[ok]).statistic) if ok.sum() > 2 else None
+        )
     if config.plots:
         if exact["head"].isna().any():
             out.figure(plots.plot_patching_sites, table, name="patching_sites")

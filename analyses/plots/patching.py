@@ -14,7 +14,6 @@ one figure in the shared style and returns the path. Colours are diverging and c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -36,7 +35,7 @@ def _need(df: pd.DataFrame, cols, what: str) -> None:
         raise InputError(f"{what}: the table lacks columns {missing}")
 
 
-def _one_method(df: pd.DataFrame, method: Optional[str], what: str) -> pd.DataFrame:
+def _one_method(df: pd.DataFrame, method: str | None, what: str) -> pd.DataFrame:
     if "method" not in df.columns:
         return df
     methods = list(dict.fromkeys(df["method"]))
@@ -72,8 +71,9 @@ def _title(df: pd.DataFrame, text: str) -> str:
     return "\n".join(bits)
 
 
-def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recovered",
-                        method: Optional[str] = None) -> Path:
+def plot_patching_sites(
+    df: pd.DataFrame, path, *, value: str = "fraction_recovered", method: str | None = None
+) -> Path:
     """Hook point x position heatmap: rows are the patched points in forward order (per-head
     points left out), columns the patched positions labelled with their tokens (``clean→corrupted``
     where the prompts differ)."""
@@ -91,8 +91,17 @@ def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recove
     vals = grid.to_numpy(float)
     lim = _limit(vals)
     fig, ax = plt.subplots(figsize=(min(18, 3 + 0.55 * grid.shape[1]), min(16, 1.5 + 0.16 * grid.shape[0])))
-    sns.heatmap(vals, ax=ax, cmap=_CMAP, vmin=-lim, vmax=lim, center=0, xticklabels=xlabels,
-                yticklabels=list(grid.index), cbar_kws={"label": value.replace("_", " ")})
+    sns.heatmap(
+        vals,
+        ax=ax,
+        cmap=_CMAP,
+        vmin=-lim,
+        vmax=lim,
+        center=0,
+        xticklabels=xlabels,
+        yticklabels=list(grid.index),
+        cbar_kws={"label": value.replace("_", " ")},
+    )
     ax.set_xlabel("patched position (token)")
     ax.set_ylabel("patched hook point")
     ax.tick_params(axis="x", labelsize=7, rotation=60)
@@ -103,8 +112,14 @@ def plot_patching_sites(df: pd.DataFrame, path, *, value: str = "fraction_recove
     return Path(path)
 
 
-def plot_patching_heads(df: pd.DataFrame, path, *, value: str = "fraction_recovered", method: Optional[str] = None,
-                        position: Optional[int] = None) -> Path:
+def plot_patching_heads(
+    df: pd.DataFrame,
+    path,
+    *,
+    value: str = "fraction_recovered",
+    method: str | None = None,
+    position: int | None = None,
+) -> Path:
     """Layer x head heatmap of per-head patches, one panel per kind (``heads``, ``z``).
 
     With several patched positions, ``position`` picks one (default: the last patched one);
@@ -124,16 +139,27 @@ def plot_patching_heads(df: pd.DataFrame, path, *, value: str = "fraction_recove
     else:
         where = "all positions"
     kinds = list(dict.fromkeys(d["kind"]))
-    grids = [d[d["kind"] == k].pivot_table(index="layer", columns="head", values=value, aggfunc="first").sort_index()
-             for k in kinds]
+    grids = [
+        d[d["kind"] == k].pivot_table(index="layer", columns="head", values=value, aggfunc="first").sort_index()
+        for k in kinds
+    ]
     lim = _limit(np.concatenate([g.to_numpy(float).ravel() for g in grids]))
     n_layers, n_heads = max(g.shape[0] for g in grids), max(g.shape[1] for g in grids)
-    fig, axes = plt.subplots(1, len(kinds), figsize=(len(kinds) * (2.5 + 0.45 * n_heads), 1.8 + 0.22 * n_layers),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(kinds), figsize=(len(kinds) * (2.5 + 0.45 * n_heads), 1.8 + 0.22 * n_layers), squeeze=False
+    )
     for ax, kind, grid in zip(axes[0], kinds, grids):
-        sns.heatmap(grid.to_numpy(float), ax=ax, cmap=_CMAP, vmin=-lim, vmax=lim, center=0,
-                    xticklabels=[int(h) for h in grid.columns], yticklabels=[int(v) for v in grid.index],
-                    cbar_kws={"label": value.replace("_", " ")})
+        sns.heatmap(
+            grid.to_numpy(float),
+            ax=ax,
+            cmap=_CMAP,
+            vmin=-lim,
+            vmax=lim,
+            center=0,
+            xticklabels=[int(h) for h in grid.columns],
+            yticklabels=[int(v) for v in grid.index],
+            cbar_kws={"label": value.replace("_", " ")},
+        )
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(f"{kind} ({where})", fontsize=9)
