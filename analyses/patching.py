@@ -45,7 +45,6 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import pandas as pd
@@ -83,7 +82,7 @@ PATCH_COLUMNS = [
     "fraction_recovered",
     "method",
 ]
-Prompt = Union[str, torch.Tensor, Sequence[int]]
+Prompt = str | torch.Tensor | Sequence[int]
 
 
 # ----------------------------------------------------------------------------- metrics
