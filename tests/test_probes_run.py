@@ -48,7 +48,7 @@ def test_store_rows_equal_the_residual_stream(tiny_llama, tmp_path, pooling):
         f, l = int(table.first[i]), int(table.last[i])
         want = {"last": rs[:, l], "first": rs[:, f], "mean": rs[:, f : l + 1].mean(1)}.get(pooling)
         a, n = store.row_start[i], store.n_rows[i]
-        got = torch.from_numpy(np.asarray(store.feats[a : a + n]))
+        got = torch.from_numpy(np.array(store.feats[a : a + n]))
         if pooling == "attn":
             assert n == l - f + 1 and torch.allclose(got.permute(1, 0, 2), rs[:, f : l + 1], atol=1e-5)
         else:
