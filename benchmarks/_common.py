@@ -56,6 +56,12 @@ class Settings:
         if self.rounds < 5:
             raise ValueError("at least 5 interleaved rounds")
 
+    @property
+    def clock(self) -> str:
+        """'cpu' (this process's CPU time) with one thread: on a shared machine other processes'
+        time slices then do not count; 'wall' with more threads (CPU time would count spin-waits)."""
+        return "cpu" if self.threads == 1 else "wall"
+
     def pin(self) -> None:
         """One thread count for torch and for every BLAS/OpenMP pool numpy and sklearn use."""
         import threadpoolctl
@@ -81,6 +87,7 @@ def machine(settings: Settings) -> dict:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "rounds": settings.rounds,
+        "clock": settings.clock,
         "quick": settings.quick,
         "dtype": "float32",
         "torch": torch.__version__,
@@ -101,7 +108,7 @@ def machine_line(info: dict) -> str:
     la = info["load_avg_1_5_15"]
     return (f"{info['cpu']}; {info['cpu_count']} cpus, load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; "
             f"{info['threads']} thread(s) per arm; torch {info['torch']}; float32; "
-            f"{info['rounds']} interleaved rounds after warm-up")
+            f"{info['rounds']} interleaved rounds after warm-up; times are {info['clock']} seconds")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -125,16 +132,17 @@ class Timed:
 
 
 def interleave(arms: dict[str, Callable[[], object]], settings: Settings) -> dict[str, Timed]:
-    """Warm up every arm, then run them in turn for ``settings.rounds`` rounds."""
+    """Warm up every arm, then run them in turn for ``settings.rounds`` rounds (``settings.clock``)."""
+    clock = time.process_time if settings.clock == "cpu" else time.perf_counter
     for _ in range(settings.warmup):
         for fn in arms.values():
             fn()
     out: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(settings.rounds):
         for k, fn in arms.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            out[k].append(time.perf_counter() - t)
+            out[k].append(clock() - t)
     return {k: Timed(v) for k, v in out.items()}
 
 
