@@ -36,7 +36,19 @@ from typing import Callable, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-UD = Path(os.environ.get("DEPTHSCOPE_UD", ROOT.parent / "shared" / "data" / "ud"))
+
+
+def _find_ud() -> Path:
+    """$DEPTHSCOPE_UD, else the first shared/data/ud beside or above the checkout."""
+    if os.environ.get("DEPTHSCOPE_UD"):
+        return Path(os.environ["DEPTHSCOPE_UD"])
+    for base in (ROOT, ROOT.parent, ROOT.parent.parent):
+        if (base / "shared" / "data" / "ud").is_dir():
+            return base / "shared" / "data" / "ud"
+    return ROOT.parent / "shared" / "data" / "ud"
+
+
+UD = _find_ud()
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "DEPTHSCOPE_PROBE_DTYPE": "float32"}
 for _k, _v in ENV.items():
@@ -260,21 +272,12 @@ def write_results(rows: list[Row], info: dict, folder: Path = RESULTS) -> dict[s
 
 
 # ----------------------------------------------------------------------------- inputs
-FALLBACK = [
-    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
-    "Researchers measured how the residual stream of a transformer grows with depth.",
-    "In 1889 the tower was completed for the World's Fair and soon became a symbol of Paris.",
-    "She said that the committee would publish its findings after the summer break.",
-]
-
-
 def ud_sentences(name: str = "en_ewt-ud-dev.conllu", limit: Optional[int] = None) -> list[str]:
-    """``# text = `` lines of a UD file (``$DEPTHSCOPE_UD`` or ../shared/data/ud; fixed sentences if absent)."""
+    """``# text = `` lines of a UD file (``$DEPTHSCOPE_UD`` or shared/data/ud beside the checkout)."""
     path = UD / name
-    if path.is_file():
-        out = [m.group(1).strip() for m in re.finditer(r"^# text = (.+)$", path.read_text(encoding="utf-8"), re.M)]
-    else:
-        out = FALLBACK * 200
+    if not path.is_file():
+        raise FileNotFoundError(f"needs UD English EWT ({name}) in {UD}: set DEPTHSCOPE_UD to its folder")
+    out = [m.group(1).strip() for m in re.finditer(r"^# text = (.+)$", path.read_text(encoding="utf-8"), re.M)]
     return out[:limit] if limit else out
 
 
