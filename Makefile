@@ -15,7 +15,7 @@ test: setup
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	for f in benchmarks/bench_*.py; do $(VENV)/bin/python $$f || exit 1; done
+	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

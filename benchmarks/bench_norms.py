@@ -24,7 +24,7 @@ NAME = "norms"
 
 def _sizes(quick: bool) -> tuple[list[int], int, int]:
     """Corpus sizes (tokens), windows per batch, window width."""
-    return ([256, 768], 2, 64) if quick else ([1024, 4096], 4, 128)
+    return ([128, 384], 2, 64) if quick else ([1024, 4096], 4, 128)
 
 
 def _arms(model, n_tokens: int, batch_size: int, window: int) -> dict:

@@ -24,7 +24,7 @@ NAME = "probes"
 
 
 def _sizes(quick: bool) -> tuple[int, int]:
-    return (40, 16) if quick else (300, 100)
+    return (24, 8) if quick else (300, 100)
 
 
 def _corpora(train_n: int, test_n: int):
