@@ -73,17 +73,19 @@ def run(settings: Settings) -> list[Row]:
         note = (f"{n_tok} tokens, {len(batches)} batches of {batch_size}x{window}; capture alone "
                 f"{t['capture'].ratio_to(t['bare']):.2f}x bare, so metrics + aggregation "
                 f"{t['norms'].median - t['capture'].median:.3f} s of {t['norms'].median:.3f} s")
-        rows.append(Row(f"norms time / bare forward, {n_tok} tokens", f"{t['norms'].median:.3f} s ({t['norms'].spread})",
+        rows.append(Row(f"norms time / bare forward, {n_tok} tokens",
+                        f"{t['norms'].median:.3f} s ({t['norms'].spread})",
                         f"{t['bare'].median:.3f} s ({t['bare'].spread})", t["norms"].ratio_to(t["bare"]), "<= 1.3",
                         note, extra={"capture_s": t["capture"].median}))
-    mem = [peak_memory("bench_norms", "memory_arm", settings.threads, arm="norms", n_tokens=n, batch_size=batch_size,
-                       window=window) for n in sizes]
+    mem = [peak_memory("bench_norms", "memory_arm", settings.threads, arm="norms", n_tokens=n,
+                       batch_size=batch_size, window=window) for n in sizes]
     n1, n2 = mem
     rows.append(Row(f"norms peak memory, {n2['tokens']} / {n1['tokens']} tokens",
-                    f"{mb(n2['extra']):.1f} MB ({n2['batches']} batches)", f"{mb(n1['extra']):.1f} MB ({n1['batches']} batches)",
+                    f"{mb(n2['extra']):.1f} MB ({n2['batches']} batches)",
+                    f"{mb(n1['extra']):.1f} MB ({n1['batches']} batches)",
                     n2["extra"] / max(n1["extra"], 1), "<= 1.1",
-                    f"peak resident memory of contribution_norms above the warm model, batches of {batch_size}x{window}, "
-                    f"fresh subprocess per size"))
+                    f"peak resident memory of contribution_norms above the warm model, batches of "
+                    f"{batch_size}x{window}, fresh subprocess per size"))
     for r in rows:
         r.bench = NAME
     return rows

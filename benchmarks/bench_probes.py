@@ -2,12 +2,17 @@
 and extraction memory against corpus size. UD English EWT train/test sentences, float32 probes
 (``DEPTHSCOPE_PROBE_DTYPE=float32`` is set by the harness: no timing race picks the precision).
 
-| figure | depthscope arm | baseline arm |
-| --- | --- | --- |
-| end to end | ``run_probes(model, "upos", train, test)`` into a fresh store (extraction, site probes with control task, scalar mixes, metrics) | the decoder body over the same sentences (BOS + tokens, length-sorted batches of <= 2048 tokens) |
-| fit | ``BatchedProbe`` + ``train_probe`` + ``predict`` on all 61 sites at once | ``LogisticRegression(C=1/(2*l2*n), max_iter=100)`` fitted and evaluated on every site, looped, on the same standardised float32 features |
-| accuracy gap | the largest per-site gap between the two fits (points) | |
-| extraction memory | peak resident memory of ``prepare_task`` above the warm model, less the features it returns (store on disk + resident copy) | the same at a 3x smaller corpus |
+* end to end: ``run_probes(model, "upos", train, test)`` into a fresh store (extraction, site
+  probes with control task, scalar mixes, metrics) against the decoder body over the same
+  sentences (BOS + tokens, length-sorted batches of <= 2048 tokens);
+* fit: ``BatchedProbe`` + ``train_probe`` + ``predict`` on all 61 sites at once against
+  ``LogisticRegression(C=1/(2*l2*n), max_iter=100)`` fitted and evaluated on every site, looped,
+  on the same standardised float32 features; and the largest per-site accuracy gap (points);
+* extraction memory: peak resident memory of ``prepare_task`` above the warm model, less the
+  features it returns (store on disk + resident copy), at two corpus sizes (3x apart).
+
+``python -m benchmarks.bench_probes --validate`` (long, not part of the table) compares per-site
+accuracy with an independent transformers + scikit-learn pipeline.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ NAME = "probes"
 
 def _sizes(quick: bool) -> tuple[int, int]:
     return (24, 8) if quick else (300, 100)
+
+
+def _memory_batch_tokens(quick: bool) -> int:
+    """Extraction batches for the memory figure: small enough that both corpora span several."""
+    return 128 if quick else 512
 
 
 def _corpora(train_n: int, test_n: int):
@@ -141,9 +151,10 @@ def _fit(model, train, test, settings: Settings) -> list[Row]:
     ]
 
 
-def memory_arm(train_n: int, test_n: int) -> dict:
-    """(subprocess) Peak resident memory of ``prepare_task`` (extraction into a fresh store,
-    standardised resident features) above the warm model, and the features' own bytes."""
+def memory_arm(train_n: int, test_n: int, batch_tokens: int) -> dict:
+    """(subprocess) Peak resident memory of ``prepare_task`` (extraction into a fresh store in
+    batches of <= ``batch_tokens`` tokens, standardised resident features) above the warm model,
+    and the features' own bytes."""
     from depthscope.probes import prepare_task
 
     model = float32_model()
@@ -155,7 +166,8 @@ def memory_arm(train_n: int, test_n: int) -> dict:
     with tempfile.TemporaryDirectory() as store:
 
         def run():
-            holder["td"] = prepare_task(model, "upos", train, test, store_dir=store, progress=False)
+            holder["td"] = prepare_task(model, "upos", train, test, store_dir=store, progress=False,
+                                        batch_tokens=batch_tokens)
 
         m = measure_peak(run)
         feats = holder["td"].feats
@@ -166,8 +178,9 @@ def memory_arm(train_n: int, test_n: int) -> dict:
 
 
 def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
+    bt = _memory_batch_tokens(settings.quick)
     small, large = [peak_memory("bench_probes", "memory_arm", settings.threads, train_n=k * train_n // 3,
-                                test_n=max(1, k * test_n // 3)) for k in (1, 3)]
+                                test_n=max(1, k * test_n // 3), batch_tokens=bt) for k in (1, 3)]
 
     def beyond(m):
         return m["extra"] - m["features"]
@@ -177,7 +190,8 @@ def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
                f"{mb(beyond(small)):.1f} MB (features {mb(small['features']):.1f} MB)",
                beyond(large) / max(beyond(small), 1), "<= 1.1",
                "peak resident memory of prepare_task above the warm model less its store (float16, on disk, "
-               "memory-mapped) and resident float32 copy; fresh subprocess per size")
+               f"memory-mapped) and resident float32 copy; extraction batches of <= {bt} tokens; fresh subprocess "
+               "per size")
 
 
 def run(settings: Settings) -> list[Row]:
@@ -189,3 +203,99 @@ def run(settings: Settings) -> list[Row]:
     for r in rows:
         r.bench = NAME
     return rows
+
+
+# ----------------------------------------------------------------------------- validation (not timed)
+def validate(model, args):
+    """depthscope's per-site upos accuracy vs an independent pipeline (transformers
+    ``output_hidden_states`` at block outputs, its own last-subword lookup, scikit-learn)."""
+    import time
+
+    import torch
+    from sklearn.linear_model import LogisticRegression
+
+    from depthscope.probes import read_conllu, run_probes
+    from depthscope.probes.classifiers import DEFAULT_L2
+
+    train = read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=args.validate_train)
+    test = read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=args.validate_test)
+    t = time.perf_counter()
+    res = run_probes(model, "upos", train, test, store_dir=args.store, bos=not args.no_bos, progress=False)
+    print(f"run_probes: {time.perf_counter() - t:.0f} s", flush=True)
+    from depthscope.probes.spans import bos_id
+
+    prepend = None if args.no_bos else bos_id(model.tokenizer)
+    bs = res.by_site.set_index("label")
+    print(res.summary.T.to_string(), flush=True)
+    layers = [int(x) for x in args.validate_layers.split(",")]
+    seen = {s.text for s in train}
+    test_sents = [s for s in test if s.text not in seen]
+
+    def feats(corpus):
+        xs, ys = {l: [] for l in layers}, []
+        body = model.hf_model.model
+        tok = model.tokenizer
+        for a in range(0, len(corpus), 16):
+            part = corpus[a : a + 16]
+            tok.padding_side = "right"
+            enc = tok([s.text for s in part], return_offsets_mapping=True, return_tensors="pt", padding=True)
+            if prepend is not None:  # the BOS run_probes prepends, as a first column
+                B = len(part)
+                enc = {"input_ids": torch.cat([torch.full((B, 1), prepend), enc["input_ids"]], 1),
+                       "attention_mask": torch.cat([torch.ones(B, 1, dtype=torch.long), enc["attention_mask"]], 1),
+                       "offset_mapping": torch.cat([torch.zeros(B, 1, 2, dtype=torch.long), enc["offset_mapping"]], 1)}
+            with torch.no_grad():
+                hs = body(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                          output_hidden_states=True).hidden_states
+            for b, s in enumerate(part):
+                real = enc["attention_mask"][b].bool().numpy()
+                st, en = enc["offset_mapping"][b, :, 0].numpy(), enc["offset_mapping"][b, :, 1].numpy()
+                for w in s.words:
+                    last = max(i for i in range(len(en)) if real[i] and st[i] < w.end and en[i] > w.start)
+                    for l in layers:
+                        xs[l].append(hs[l][b, last].numpy())
+                    ys.append(w.upos)
+        return {l: np.stack(v) for l, v in xs.items()}, np.array(ys)
+
+    xtr, ytr = feats(list(train))
+    xte, yte = feats(test_sents)
+    print(f"independent features: {len(ytr)} train / {len(yte)} test words", flush=True)
+    for l in layers:
+        label = "embed" if l == 0 else f"{l - 1}.mlp"
+        mu, sd = xtr[l].mean(0), xtr[l].std(0)
+        sd[sd < 1e-6] = 1
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * len(ytr)), max_iter=args.validate_iter)
+            clf.fit((xtr[l] - mu) / sd, ytr)
+        ref = float((clf.predict((xte[l] - mu) / sd) == yte).mean())
+        ours = float(bs.loc[label, "accuracy"])
+        print(f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  "
+              f"gap {100 * (ours - ref):+.2f} pt"
+              f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
+              f"sklearn {time.perf_counter() - t:.0f} s)", flush=True)
+
+
+def main() -> None:
+    """``python -m benchmarks.bench_probes --validate``: accuracy against an independent pipeline (long)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=validate.__doc__)
+    ap.add_argument("--validate", action="store_true", required=True)
+    ap.add_argument("--validate-train", type=int, default=2000)
+    ap.add_argument("--validate-test", type=int, default=500)
+    ap.add_argument("--validate-layers", default="0,3,9,15,21,27",
+                    help="hidden_states indices (0 = embed, l = (l-1).mlp)")
+    ap.add_argument("--validate-iter", type=int, default=300)
+    ap.add_argument("--store", default=None, help="activation store (reused on re-runs)")
+    ap.add_argument("--no-bos", action="store_true", help="without the prepended BOS token")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    Settings(threads=args.threads).pin()
+    warnings.filterwarnings("ignore")
+    validate(float32_model(), args)
+
+
+if __name__ == "__main__":
+    main()
