@@ -9,7 +9,8 @@ and extraction memory against corpus size. UD English EWT train/test sentences, 
   ``LogisticRegression(C=1/(2*l2*n), max_iter=100)`` fitted and evaluated on every site, looped,
   on the same standardised float32 features; and the largest per-site accuracy gap (points);
 * extraction memory: peak resident memory of ``prepare_task`` above the warm model, less the
-  features it returns (store on disk + resident copy), at two corpus sizes (3x apart).
+  features it returns (store on disk + resident copy) and less the peak of a bare forward over
+  the same sentences in the same batches, at two corpus sizes (3x apart).
 
 ``python -m benchmarks.bench_probes --validate`` (long, not part of the table) compares per-site
 accuracy with an independent transformers + scikit-learn pipeline.
@@ -151,7 +152,7 @@ def _fit(model, train, test, settings: Settings) -> list[Row]:
     ]
 
 
-def memory_arm(train_n: int, test_n: int, batch_tokens: int) -> dict:
+def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes") -> dict:
     """(subprocess) Peak resident memory of ``prepare_task`` (extraction into a fresh store in
     batches of <= ``batch_tokens`` tokens, standardised resident features) above the warm model,
     and the features' own bytes."""
@@ -159,6 +160,11 @@ def memory_arm(train_n: int, test_n: int, batch_tokens: int) -> dict:
 
     model = float32_model()
     train, test = _corpora(train_n, test_n)
+    if arm == "bare":
+        warm, _ = _bare(model, ["A warm-up."])
+        warm()
+        fn, _ = _bare(model, [s.text for c in (train, test) for s in c], batch_tokens)
+        return {"extra": measure_peak(fn)["extra"]}
     w_train, w_test = _corpora(2, 1)
     with tempfile.TemporaryDirectory() as store:
         prepare_task(model, "upos", w_train, w_test, store_dir=store, progress=False)  # a warm model
@@ -181,17 +187,21 @@ def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
     bt = _memory_batch_tokens(settings.quick)
     small, large = [peak_memory("bench_probes", "memory_arm", settings.threads, train_n=k * train_n // 3,
                                 test_n=max(1, k * test_n // 3), batch_tokens=bt) for k in (1, 3)]
+    for m, k in ((small, 1), (large, 3)):
+        m["bare"] = peak_memory("bench_probes", "memory_arm", settings.threads, train_n=k * train_n // 3,
+                                test_n=max(1, k * test_n // 3), batch_tokens=bt, arm="bare")["extra"]
 
     def beyond(m):
-        return m["extra"] - m["features"]
+        return m["extra"] - m["features"] - m["bare"]
 
     return Row(f"probe extraction memory beyond the features, {large['words']} / {small['words']} words",
                f"{mb(beyond(large)):.1f} MB (features {mb(large['features']):.1f} MB)",
                f"{mb(beyond(small)):.1f} MB (features {mb(small['features']):.1f} MB)",
                beyond(large) / max(beyond(small), 1), "<= 1.1",
                "peak resident memory of prepare_task above the warm model less its store (float16, on disk, "
-               f"memory-mapped) and resident float32 copy; extraction batches of <= {bt} tokens; fresh subprocess "
-               "per size")
+               f"memory-mapped), its resident float32 copy and a bare forward's peak over the same batches "
+               f"({mb(small['bare']):.1f} / {mb(large['bare']):.1f} MB); extraction batches of <= {bt} tokens; "
+               "fresh subprocess per arm and size")
 
 
 def run(settings: Settings) -> list[Row]:
