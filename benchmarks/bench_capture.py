@@ -99,7 +99,7 @@ def memory_arm(arm: str, batch: int, tokens: int) -> dict:
     return {"extra": m["extra"], "peak": m["peak"], "result_bytes": result, "hwm_reset": m["hwm_reset"]}
 
 
-def matmul_rate(d: int, rows: int, settings: Settings, seconds: float = 1.0) -> float:
+def matmul_rate(d: int, rows: int, settings: Settings, seconds: float = 0.5) -> float:
     """FLOP/s of a float32 ``[rows, d] @ [d, 4d]`` matmul (the MLP's shape) on this machine, now:
     the best of repeated runs for ``seconds``, on the clock the arms are timed with."""
     import torch

@@ -30,7 +30,7 @@ NAME = "probes"
 
 
 def _sizes(quick: bool) -> tuple[int, int]:
-    return (24, 8) if quick else (300, 100)
+    return (18, 6) if quick else (300, 100)
 
 
 def _memory_batch_tokens(quick: bool) -> int:
