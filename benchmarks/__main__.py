@@ -3,7 +3,8 @@
 Runs each benchmark module (capture, norms, probes, lens) under one thread setting, prints ONE
 table (figure, depthscope, baseline, ratio, goal, met?) with the machine's load, cpu count and
 thread count beside it, and writes the same rows as CSV and JSON under benchmarks/results/
-(git-ignored; ``latest.csv`` / ``latest.json`` are the last run).
+(git-ignored; ``latest.csv`` / ``latest.json`` are the last run). Exit status 1 only when a
+benchmark could not run; unmet goals are reported in the table.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
             print(f"  {r.figure.strip()}: {r.note}")
     paths = write_results(rows, info)
     print(f"results: {paths['csv']} and {paths['json']}")
-    return 0 if all(r.met is not False for r in rows) else 1
+    return 1 if any(r.figure.endswith("FAILED") for r in rows) else 0  # unmet goals are in the table, not errors
 
 
 if __name__ == "__main__":
