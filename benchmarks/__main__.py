@@ -21,11 +21,16 @@ BENCHES = ["capture", "norms", "probes", "lens"]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes: the whole table in under 5 minutes on 2 cores")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="threads for every arm (torch and BLAS/OpenMP via threadpoolctl); default 1")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads for every arm (torch and BLAS/OpenMP via threadpoolctl); default 1",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure (at least 5)")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     args = ap.parse_args(argv)
@@ -51,8 +56,10 @@ def main(argv=None) -> int:
     info["seconds"] = round(time.perf_counter() - t0, 1)
     print()
     print(format_table(rows))
-    print(f"\nmachine: {machine_line(info)} (load at start {info_start['load_avg_1_5_15'][0]:.2f}); "
-          f"{info['seconds']:.0f} s in all")
+    print(
+        f"\nmachine: {machine_line(info)} (load at start {info_start['load_avg_1_5_15'][0]:.2f}); "
+        f"{info['seconds']:.0f} s in all"
+    )
     for r in rows:
         if r.note:
             print(f"  {r.figure.strip()}: {r.note}")

@@ -29,9 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -49,8 +49,12 @@ def _find_ud() -> Path:
 
 
 UD = _find_ud()
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "DEPTHSCOPE_PROBE_DTYPE": "float32"}
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DEPTHSCOPE_PROBE_DTYPE": "float32",
+}
 for _k, _v in ENV.items():
     os.environ.setdefault(_k, _v)
 os.environ["DEPTHSCOPE_PROBE_DTYPE"] = "float32"  # never the timing race in probes.classifiers
@@ -118,9 +122,11 @@ def _cpu_name() -> str:
 
 def machine_line(info: dict) -> str:
     la = info["load_avg_1_5_15"]
-    return (f"{info['cpu']}; {info['cpu_count']} cpus, load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; "
-            f"{info['threads']} thread(s) per arm; torch {info['torch']}; float32; "
-            f"{info['rounds']} interleaved rounds after warm-up; times are {info['clock']} seconds")
+    return (
+        f"{info['cpu']}; {info['cpu_count']} cpus, load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; "
+        f"{info['threads']} thread(s) per arm; torch {info['torch']}; float32; "
+        f"{info['rounds']} interleaved rounds after warm-up; times are {info['clock']} seconds"
+    )
 
 
 # ----------------------------------------------------------------------------- timing
@@ -138,7 +144,7 @@ class Timed:
     def spread(self) -> str:
         return f"{min(self.seconds):.3g}..{max(self.seconds):.3g} s"
 
-    def ratio_to(self, other: "Timed") -> float:
+    def ratio_to(self, other: Timed) -> float:
         """Median of the paired per-round ratios (round k of self / round k of other)."""
         return statistics.median(a / b for a, b in zip(self.seconds, other.seconds))
 
@@ -184,8 +190,13 @@ def measure_peak(fn: Callable[[], object]) -> dict:
     before = _status_kb("VmRSS")
     out = fn()
     peak = _status_kb("VmHWM")
-    return {"before": before * 1024, "peak": peak * 1024, "extra": (peak - before) * 1024, "hwm_reset": reset,
-            "result": out}
+    return {
+        "before": before * 1024,
+        "peak": peak * 1024,
+        "extra": (peak - before) * 1024,
+        "hwm_reset": reset,
+        "result": out,
+    }
 
 
 def peak_memory(module: str, func: str, threads: int, **kwargs) -> dict:
@@ -226,7 +237,7 @@ class Row:
     extra: dict = field(default_factory=dict)
 
     @property
-    def met(self) -> Optional[bool]:
+    def met(self) -> bool | None:
         if not self.goal or self.ratio is None or math.isnan(self.ratio):
             return None
         op, value = self.goal.split()
@@ -256,8 +267,16 @@ def format_table(rows: list[Row]) -> str:
 def write_results(rows: list[Row], info: dict, folder: Path = RESULTS) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    records = [{**dict(zip(HEADER, r.cells())), "ratio_value": r.ratio, "note": r.note, "bench": r.bench,
-                **{f"x_{k}": v for k, v in r.extra.items()}} for r in rows]
+    records = [
+        {
+            **dict(zip(HEADER, r.cells())),
+            "ratio_value": r.ratio,
+            "note": r.note,
+            "bench": r.bench,
+            **{f"x_{k}": v for k, v in r.extra.items()},
+        }
+        for r in rows
+    ]
     paths = {"json": folder / f"bench-{stamp}.json", "csv": folder / f"bench-{stamp}.csv"}
     paths["json"].write_text(json.dumps({"machine": info, "rows": records}, indent=2, default=str))
     keys = list(dict.fromkeys(k for rec in records for k in rec))
@@ -272,7 +291,7 @@ def write_results(rows: list[Row], info: dict, folder: Path = RESULTS) -> dict[s
 
 
 # ----------------------------------------------------------------------------- inputs
-def ud_sentences(name: str = "en_ewt-ud-dev.conllu", limit: Optional[int] = None) -> list[str]:
+def ud_sentences(name: str = "en_ewt-ud-dev.conllu", limit: int | None = None) -> list[str]:
     """``# text = `` lines of a UD file (``$DEPTHSCOPE_UD`` or shared/data/ud beside the checkout)."""
     path = UD / name
     if not path.is_file():
@@ -296,7 +315,7 @@ def text_ids(model, n_tokens: int):
 
     ids = model.tokenizer(" ".join(ud_sentences(limit=2000)))["input_ids"]
     if len(ids) < n_tokens:
-        ids = (ids * (n_tokens // len(ids) + 1))
+        ids = ids * (n_tokens // len(ids) + 1)
     return torch.tensor(ids[:n_tokens])
 
 

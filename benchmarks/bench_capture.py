@@ -73,7 +73,6 @@ def _arms(model, ids, bridge=None) -> dict:
 
 def memory_arm(arm: str, batch: int, tokens: int) -> dict:
     """(subprocess) Peak resident memory of one arm above the resident memory before it."""
-    import torch
 
     model = float32_model()
     bridge = _bridge(model) if arm == "transformerlens" else None
@@ -128,21 +127,45 @@ def run(settings: Settings) -> list[Row]:
     bare = t["bare"]
     shape = f"{batch}x{tokens} tokens, {model.n_sites} sites"
     rows = [
-        Row("capture time / bare forward", f"{t['depthscope'].median:.3f} s ({t['depthscope'].spread})",
-            f"{bare.median:.3f} s ({bare.spread})", t["depthscope"].ratio_to(bare), "<= 1.05", shape),
-        Row("capture time / transformers output_hidden_states", f"{t['depthscope'].median:.3f} s (61 sites)",
-            f"{t['hidden_states'].median:.3f} s (31 states)", t["depthscope"].ratio_to(t["hidden_states"]), "", shape),
+        Row(
+            "capture time / bare forward",
+            f"{t['depthscope'].median:.3f} s ({t['depthscope'].spread})",
+            f"{bare.median:.3f} s ({bare.spread})",
+            t["depthscope"].ratio_to(bare),
+            "<= 1.05",
+            shape,
+        ),
+        Row(
+            "capture time / transformers output_hidden_states",
+            f"{t['depthscope'].median:.3f} s (61 sites)",
+            f"{t['hidden_states'].median:.3f} s (31 states)",
+            t["depthscope"].ratio_to(t["hidden_states"]),
+            "",
+            shape,
+        ),
     ]
     if "transformerlens" in t:
-        rows.append(Row("capture time / TransformerLens run_with_cache(resid)",
-                        f"{t['depthscope'].median:.3f} s (61 sites)",
-                        f"{t['transformerlens'].median:.3f} s (90 names)",
-                        t["depthscope"].ratio_to(t["transformerlens"]), "", shape))
+        rows.append(
+            Row(
+                "capture time / TransformerLens run_with_cache(resid)",
+                f"{t['depthscope'].median:.3f} s (61 sites)",
+                f"{t['transformerlens'].median:.3f} s (90 names)",
+                t["depthscope"].ratio_to(t["transformerlens"]),
+                "",
+                shape,
+            )
+        )
     flops = 2 * params * n_tok / bare.median
-    rows.append(Row("forward throughput / matmul roofline",
-                    f"{flops / 1e9:.1f} GFLOP/s ({n_tok / bare.median:.0f} tok/s)",
-                    f"{rate / 1e9:.1f} GFLOP/s (mm {n_tok}x{model.d_model}x{4 * model.d_model})", flops / rate, "",
-                    f"2 x {params / 1e6:.1f}M params FLOP/token"))
+    rows.append(
+        Row(
+            "forward throughput / matmul roofline",
+            f"{flops / 1e9:.1f} GFLOP/s ({n_tok / bare.median:.0f} tok/s)",
+            f"{rate / 1e9:.1f} GFLOP/s (mm {n_tok}x{model.d_model}x{4 * model.d_model})",
+            flops / rate,
+            "",
+            f"2 x {params / 1e6:.1f}M params FLOP/token",
+        )
+    )
     rows += _memory_rows(settings, batch, tokens, bridge is not None)
     for r in rows:
         r.bench = NAME
@@ -151,8 +174,9 @@ def run(settings: Settings) -> list[Row]:
 
 def _memory_rows(settings: Settings, batch: int, tokens: int, with_tl: bool) -> list[Row]:
     arms = ["bare", "depthscope", "hidden_states"] + (["transformerlens"] if with_tl else [])
-    mem = {a: peak_memory("bench_capture", "memory_arm", settings.threads, arm=a, batch=batch, tokens=tokens)
-           for a in arms}
+    mem = {
+        a: peak_memory("bench_capture", "memory_arm", settings.threads, arm=a, batch=batch, tokens=tokens) for a in arms
+    }
     bare = mem["bare"]["extra"]
 
     def extra(a):
@@ -160,13 +184,29 @@ def _memory_rows(settings: Settings, batch: int, tokens: int, with_tl: bool) -> 
 
     d = mem["depthscope"]
     shape = f"{batch}x{tokens} tokens; fresh subprocess per arm; bare forward peak {mb(bare):.0f} MB"
-    rows = [Row("capture peak extra memory / result size", f"{mb(extra('depthscope')):.1f} MB above bare forward",
-                f"{mb(d['result_bytes']):.1f} MB result [61,{batch},{tokens},576]",
-                extra("depthscope") / d["result_bytes"], "<= 1.2", shape)]
-    for a, label in (("hidden_states", "transformers output_hidden_states"),
-                     ("transformerlens", "TransformerLens run_with_cache(resid)")):
+    rows = [
+        Row(
+            "capture peak extra memory / result size",
+            f"{mb(extra('depthscope')):.1f} MB above bare forward",
+            f"{mb(d['result_bytes']):.1f} MB result [61,{batch},{tokens},576]",
+            extra("depthscope") / d["result_bytes"],
+            "<= 1.2",
+            shape,
+        )
+    ]
+    for a, label in (
+        ("hidden_states", "transformers output_hidden_states"),
+        ("transformerlens", "TransformerLens run_with_cache(resid)"),
+    ):
         if a in mem:
-            rows.append(Row(f"  (reference) {label}: extra memory / its result",
-                            f"{mb(extra(a)):.1f} MB above bare forward", f"{mb(mem[a]['result_bytes']):.1f} MB result",
-                            extra(a) / max(mem[a]["result_bytes"], 1), "", shape))
+            rows.append(
+                Row(
+                    f"  (reference) {label}: extra memory / its result",
+                    f"{mb(extra(a)):.1f} MB above bare forward",
+                    f"{mb(mem[a]['result_bytes']):.1f} MB result",
+                    extra(a) / max(mem[a]["result_bytes"], 1),
+                    "",
+                    shape,
+                )
+            )
     return rows

@@ -54,8 +54,15 @@ def run(settings: Settings) -> list[Row]:
 
     t = interleave({"lens": lens, "floor": floor}, settings)
     rows = floor()
-    return [Row(f"logit lens / floor (capture + bare unembedding), {n} tokens",
-                f"{t['lens'].median:.2f} s ({t['lens'].spread})", f"{t['floor'].median:.2f} s ({t['floor'].spread})",
-                t["lens"].ratio_to(t["floor"]), "<= 1.5",
-                f"{model.n_sites} sites x {n} tokens = {rows} decoded rows, vocab {W.shape[0]}; windows of {window}, "
-                f"{batch} per forward", bench=NAME)]
+    return [
+        Row(
+            f"logit lens / floor (capture + bare unembedding), {n} tokens",
+            f"{t['lens'].median:.2f} s ({t['lens'].spread})",
+            f"{t['floor'].median:.2f} s ({t['floor'].spread})",
+            t["lens"].ratio_to(t["floor"]),
+            "<= 1.5",
+            f"{model.n_sites} sites x {n} tokens = {rows} decoded rows, vocab {W.shape[0]}; windows of {window}, "
+            f"{batch} per forward",
+            bench=NAME,
+        )
+    ]

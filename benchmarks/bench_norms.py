@@ -72,26 +72,45 @@ def run(settings: Settings) -> list[Row]:
         arms, batches = _arms(model, n, batch_size, window)
         n_tok = sum(int(b.mask.sum()) for b in batches)
         t = interleave(arms, settings)
-        note = (f"{n_tok} tokens, {len(batches)} batches of {batch_size}x{window}; capture alone "
-                f"{t['capture'].ratio_to(t['bare']):.2f}x bare, so metrics + aggregation "
-                f"{t['norms'].median - t['capture'].median:.3f} s of {t['norms'].median:.3f} s")
-        rows.append(Row(f"norms time / bare forward, {n_tok} tokens",
-                        f"{t['norms'].median:.3f} s ({t['norms'].spread})",
-                        f"{t['bare'].median:.3f} s ({t['bare'].spread})", t["norms"].ratio_to(t["bare"]), "<= 1.3",
-                        note, extra={"capture_s": t["capture"].median}))
-    mem = {(n, a): peak_memory("bench_norms", "memory_arm", settings.threads, arm=a, n_tokens=n,
-                               batch_size=batch_size, window=window) for n in sizes for a in ("norms", "bare")}
+        note = (
+            f"{n_tok} tokens, {len(batches)} batches of {batch_size}x{window}; capture alone "
+            f"{t['capture'].ratio_to(t['bare']):.2f}x bare, so metrics + aggregation "
+            f"{t['norms'].median - t['capture'].median:.3f} s of {t['norms'].median:.3f} s"
+        )
+        rows.append(
+            Row(
+                f"norms time / bare forward, {n_tok} tokens",
+                f"{t['norms'].median:.3f} s ({t['norms'].spread})",
+                f"{t['bare'].median:.3f} s ({t['bare'].spread})",
+                t["norms"].ratio_to(t["bare"]),
+                "<= 1.3",
+                note,
+                extra={"capture_s": t["capture"].median},
+            )
+        )
+    mem = {
+        (n, a): peak_memory(
+            "bench_norms", "memory_arm", settings.threads, arm=a, n_tokens=n, batch_size=batch_size, window=window
+        )
+        for n in sizes
+        for a in ("norms", "bare")
+    }
     own = [mem[(n, "norms")]["extra"] - mem[(n, "bare")]["extra"] for n in sizes]
     n1, n2 = mem[(sizes[0], "norms")], mem[(sizes[1], "norms")]
-    rows.append(Row(f"norms peak memory above a bare forward, {n2['tokens']} / {n1['tokens']} tokens",
-                    f"{mb(own[1]):.1f} MB ({n2['batches']} batches)",
-                    f"{mb(own[0]):.1f} MB ({n1['batches']} batches)",
-                    own[1] / max(own[0], 1), "<= 1.1",
-                    f"peak resident memory above the warm model: norms {mb(n1['extra']):.1f} / "
-                    f"{mb(n2['extra']):.1f} MB, "
-                    f"bare forward {mb(mem[(sizes[0], 'bare')]['extra']):.1f} / "
-                    f"{mb(mem[(sizes[1], 'bare')]['extra']):.1f} MB; batches of {batch_size}x{window}; "
-                    f"fresh subprocess per arm and size"))
+    rows.append(
+        Row(
+            f"norms peak memory above a bare forward, {n2['tokens']} / {n1['tokens']} tokens",
+            f"{mb(own[1]):.1f} MB ({n2['batches']} batches)",
+            f"{mb(own[0]):.1f} MB ({n1['batches']} batches)",
+            own[1] / max(own[0], 1),
+            "<= 1.1",
+            f"peak resident memory above the warm model: norms {mb(n1['extra']):.1f} / "
+            f"{mb(n2['extra']):.1f} MB, "
+            f"bare forward {mb(mem[(sizes[0], 'bare')]['extra']):.1f} / "
+            f"{mb(mem[(sizes[1], 'bare')]['extra']):.1f} MB; batches of {batch_size}x{window}; "
+            f"fresh subprocess per arm and size",
+        )
+    )
     for r in rows:
         r.bench = NAME
     return rows

@@ -45,8 +45,10 @@ def _corpora(train_n: int, test_n: int):
     for name in ("en_ewt-ud-train.conllu", "en_ewt-ud-test.conllu"):
         if not (UD / name).is_file():
             raise FileNotFoundError(f"needs UD English EWT ({name}) in {UD} (or set DEPTHSCOPE_UD)")
-    return (read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=train_n),
-            read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=test_n))
+    return (
+        read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=train_n),
+        read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=test_n),
+    )
 
 
 def _bare(model, texts, batch_tokens: int = 2048):
@@ -99,12 +101,16 @@ def _end_to_end(model, train, test, settings: Settings) -> Row:
     bare, n_tok = _bare(model, [s.text for c in (train, test) for s in c])
     t = interleave({"probes": probes, "bare": bare}, settings)
     ext, fit = statistics.median(info["extract"]), statistics.median(info["fit"])
-    return Row(f"probing end to end / bare forward, {n_tok} tokens",
-               f"{t['probes'].median:.2f} s ({t['probes'].spread})", f"{t['bare'].median:.2f} s ({t['bare'].spread})",
-               t["probes"].ratio_to(t["bare"]), "<= 2",
-               f"{len(train)}+{len(test)} sentences, 61 sites, control task + scalar mixes included; inside run_probes "
-               f"(wall): extraction {ext:.2f} s, probe fitting {fit:.2f} s",
-               extra={"extract_s": ext, "fit_s": fit})
+    return Row(
+        f"probing end to end / bare forward, {n_tok} tokens",
+        f"{t['probes'].median:.2f} s ({t['probes'].spread})",
+        f"{t['bare'].median:.2f} s ({t['bare'].spread})",
+        t["probes"].ratio_to(t["bare"]),
+        "<= 2",
+        f"{len(train)}+{len(test)} sentences, 61 sites, control task + scalar mixes included; inside run_probes "
+        f"(wall): extraction {ext:.2f} s, probe fitting {fit:.2f} s",
+        extra={"extract_s": ext, "fit_s": fit},
+    )
 
 
 def _fit(model, train, test, settings: Settings) -> list[Row]:
@@ -144,12 +150,22 @@ def _fit(model, train, test, settings: Settings) -> list[Row]:
     gap = np.abs(acc["ours"] - acc["sklearn"]) * 100
     shape = f"{S} sites, {n} train / {len(yte)} test words, {C} classes, d {D}, l2 {DEFAULT_L2:g}, float32"
     return [
-        Row("probe fit speed-up over scikit-learn (all sites)", f"{t['ours'].median:.2f} s ({t['ours'].spread})",
-            f"{t['sklearn'].median:.2f} s ({t['sklearn'].spread})", 1 / t["ours"].ratio_to(t["sklearn"]), ">= 10",
-            shape + "; ratio = sklearn / depthscope"),
-        Row("probe accuracy gap to scikit-learn, max over sites (points)", f"mean acc {acc['ours'].mean():.4f}",
-            f"mean acc {acc['sklearn'].mean():.4f}", float(gap.max()), "<= 1",
-            f"worst site {int(gap.argmax())}; mean gap {gap.mean():.2f} pt"),
+        Row(
+            "probe fit speed-up over scikit-learn (all sites)",
+            f"{t['ours'].median:.2f} s ({t['ours'].spread})",
+            f"{t['sklearn'].median:.2f} s ({t['sklearn'].spread})",
+            1 / t["ours"].ratio_to(t["sklearn"]),
+            ">= 10",
+            shape + "; ratio = sklearn / depthscope",
+        ),
+        Row(
+            "probe accuracy gap to scikit-learn, max over sites (points)",
+            f"mean acc {acc['ours'].mean():.4f}",
+            f"mean acc {acc['sklearn'].mean():.4f}",
+            float(gap.max()),
+            "<= 1",
+            f"worst site {int(gap.argmax())}; mean gap {gap.mean():.2f} pt",
+        ),
     ]
 
 
@@ -173,8 +189,9 @@ def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes"
     with tempfile.TemporaryDirectory() as store:
 
         def run():
-            holder["td"] = prepare_task(model, "upos", train, test, store_dir=store, progress=False,
-                                        batch_tokens=batch_tokens)
+            holder["td"] = prepare_task(
+                model, "upos", train, test, store_dir=store, progress=False, batch_tokens=batch_tokens
+            )
 
         m = measure_peak(run)
         feats = holder["td"].feats
@@ -186,24 +203,43 @@ def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes"
 
 def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
     bt = _memory_batch_tokens(settings.quick)
-    small, large = [peak_memory("bench_probes", "memory_arm", settings.threads, train_n=k * train_n // 3,
-                                test_n=max(1, k * test_n // 3), batch_tokens=bt) for k in (1, 3)]
+    small, large = [
+        peak_memory(
+            "bench_probes",
+            "memory_arm",
+            settings.threads,
+            train_n=k * train_n // 3,
+            test_n=max(1, k * test_n // 3),
+            batch_tokens=bt,
+        )
+        for k in (1, 3)
+    ]
     for m, k in ((small, 1), (large, 3)):
-        m["bare"] = peak_memory("bench_probes", "memory_arm", settings.threads, train_n=k * train_n // 3,
-                                test_n=max(1, k * test_n // 3), batch_tokens=bt, arm="bare")["extra"]
+        m["bare"] = peak_memory(
+            "bench_probes",
+            "memory_arm",
+            settings.threads,
+            train_n=k * train_n // 3,
+            test_n=max(1, k * test_n // 3),
+            batch_tokens=bt,
+            arm="bare",
+        )["extra"]
 
     def own(m):  # the extraction's peak above a bare forward over the same batches
         return m["extra"] - m["bare"]
 
     grow, feats = own(large) - own(small), large["features"] - small["features"]
-    return Row(f"probe extraction memory growth / feature growth, {large['words']} vs {small['words']} words",
-               f"+{mb(grow):.1f} MB peak ({mb(own(small)):.1f} -> {mb(own(large)):.1f} MB)",
-               f"+{mb(feats):.1f} MB features ({mb(small['features']):.1f} -> {mb(large['features']):.1f} MB)",
-               grow / max(feats, 1), "<= 1.1",
-               "peak resident memory of prepare_task above a bare forward's peak over the same batches "
-               f"({mb(small['bare']):.1f} / {mb(large['bare']):.1f} MB), against the growth of the features it returns "
-               f"(float16 store on disk, memory-mapped, + resident float32 copy); 1.0 = flat beyond the features; "
-               f"extraction batches of <= {bt} tokens; fresh subprocess per arm and size")
+    return Row(
+        f"probe extraction memory growth / feature growth, {large['words']} vs {small['words']} words",
+        f"+{mb(grow):.1f} MB peak ({mb(own(small)):.1f} -> {mb(own(large)):.1f} MB)",
+        f"+{mb(feats):.1f} MB features ({mb(small['features']):.1f} -> {mb(large['features']):.1f} MB)",
+        grow / max(feats, 1),
+        "<= 1.1",
+        "peak resident memory of prepare_task above a bare forward's peak over the same batches "
+        f"({mb(small['bare']):.1f} / {mb(large['bare']):.1f} MB), against the growth of the features it returns "
+        f"(float16 store on disk, memory-mapped, + resident float32 copy); 1.0 = flat beyond the features; "
+        f"extraction batches of <= {bt} tokens; fresh subprocess per arm and size",
+    )
 
 
 def run(settings: Settings) -> list[Row]:
@@ -253,12 +289,15 @@ def validate(model, args):
             enc = tok([s.text for s in part], return_offsets_mapping=True, return_tensors="pt", padding=True)
             if prepend is not None:  # the BOS run_probes prepends, as a first column
                 B = len(part)
-                enc = {"input_ids": torch.cat([torch.full((B, 1), prepend), enc["input_ids"]], 1),
-                       "attention_mask": torch.cat([torch.ones(B, 1, dtype=torch.long), enc["attention_mask"]], 1),
-                       "offset_mapping": torch.cat([torch.zeros(B, 1, 2, dtype=torch.long), enc["offset_mapping"]], 1)}
+                enc = {
+                    "input_ids": torch.cat([torch.full((B, 1), prepend), enc["input_ids"]], 1),
+                    "attention_mask": torch.cat([torch.ones(B, 1, dtype=torch.long), enc["attention_mask"]], 1),
+                    "offset_mapping": torch.cat([torch.zeros(B, 1, 2, dtype=torch.long), enc["offset_mapping"]], 1),
+                }
             with torch.no_grad():
-                hs = body(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                          output_hidden_states=True).hidden_states
+                hs = body(
+                    input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True
+                ).hidden_states
             for b, s in enumerate(part):
                 real = enc["attention_mask"][b].bool().numpy()
                 st, en = enc["offset_mapping"][b, :, 0].numpy(), enc["offset_mapping"][b, :, 1].numpy()
@@ -283,10 +322,13 @@ def validate(model, args):
             clf.fit((xtr[l] - mu) / sd, ytr)
         ref = float((clf.predict((xte[l] - mu) / sd) == yte).mean())
         ours = float(bs.loc[label, "accuracy"])
-        print(f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  "
-              f"gap {100 * (ours - ref):+.2f} pt"
-              f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
-              f"sklearn {time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  "
+            f"gap {100 * (ours - ref):+.2f} pt"
+            f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
+            f"sklearn {time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -297,8 +339,9 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true", required=True)
     ap.add_argument("--validate-train", type=int, default=2000)
     ap.add_argument("--validate-test", type=int, default=500)
-    ap.add_argument("--validate-layers", default="0,3,9,15,21,27",
-                    help="hidden_states indices (0 = embed, l = (l-1).mlp)")
+    ap.add_argument(
+        "--validate-layers", default="0,3,9,15,21,27", help="hidden_states indices (0 = embed, l = (l-1).mlp)"
+    )
     ap.add_argument("--validate-iter", type=int, default=300)
     ap.add_argument("--store", default=None, help="activation store (reused on re-runs)")
     ap.add_argument("--no-bos", action="store_true", help="without the prepended BOS token")

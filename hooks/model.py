@@ -12,18 +12,19 @@ numbers are the model's own; hooks are removed when a call ends, also on error.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import nn
 
 from .arch import ResolvedArch, resolve
 from .errors import ContextLengthError, InputError, NonFiniteActivationError
-from .sites import all_sites, parse_site, parse_sites, site_frame, site_labels
+from .sites import parse_site, parse_sites, site_frame, site_labels
 
 Inputs = Union[torch.Tensor, Sequence[str], str]
-HookFn = Callable[[torch.Tensor, str], Optional[torch.Tensor]]
+HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
 
 
 class _StopForward(Exception):
@@ -64,10 +65,10 @@ class ResidualStream:
     resid: torch.Tensor
     input_ids: torch.Tensor
     mask: torch.Tensor
-    logits: Optional[torch.Tensor]
-    final: Optional[torch.Tensor]
+    logits: torch.Tensor | None
+    final: torch.Tensor | None
     n_layers: int
-    positions: Optional[torch.Tensor] = None  # flat indices kept (resid is then [sites, n, d])
+    positions: torch.Tensor | None = None  # flat indices kept (resid is then [sites, n, d])
 
     def __getitem__(self, name) -> torch.Tensor:
         idx = parse_site(name, self.n_layers)
@@ -104,7 +105,7 @@ class HookedModel:
         self.n_sites = 2 * self.n_layers + 1
         self.labels = site_labels(self.n_layers)
         cfg = hf_model.config
-        self.d_model = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))
+        self.d_model = int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
         self.name = name or getattr(cfg, "_name_or_path", None) or type(hf_model).__name__
         self.source = source or self.name
         self.is_decoder = self.arch.layout != "post_norm"
@@ -130,7 +131,7 @@ class HookedModel:
         return next(self.hf_model.parameters()).dtype
 
     @property
-    def max_context(self) -> Optional[int]:
+    def max_context(self) -> int | None:
         cfg = self.hf_model.config
         for key in ("max_position_embeddings", "n_positions", "n_ctx"):
             v = getattr(cfg, key, None)
@@ -164,7 +165,7 @@ class HookedModel:
         }
 
     # ------------------------------------------------------------------ inputs
-    def tokenize(self, texts: Union[str, Sequence[str]], *, add_special_tokens: bool = True):
+    def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True):
         """Batch ``texts`` with right padding; returns (input_ids, mask) with mask True at real tokens."""
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer: pass token ids, or load_model(..., tokenizer=...)")
@@ -188,7 +189,7 @@ class HookedModel:
             raise InputError("empty input: a text tokenizes to no tokens")
         return ids, mask
 
-    def _prepare(self, inputs: Inputs, mask: Optional[torch.Tensor]):
+    def _prepare(self, inputs: Inputs, mask: torch.Tensor | None):
         if isinstance(inputs, torch.Tensor):
             ids = inputs
             if ids.dim() == 1:
@@ -222,11 +223,11 @@ class HookedModel:
     # ------------------------------------------------------------------ hooks
     def _register(
         self,
-        capture: Optional[dict],
+        capture: dict | None,
         wanted: set[int],
         user_hooks: Mapping[int, list[HookFn]],
-        stop_after: Optional[int],
-        keep: Optional[Callable[[object, torch.Tensor], torch.Tensor]] = None,
+        stop_after: int | None,
+        keep: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
     ) -> list:
         """Register capture and user hooks; returns handles. ``capture`` maps site -> tensor
         (``keep(site, stream)`` when given, e.g. only some positions, so the full stream is
@@ -240,13 +241,15 @@ class HookedModel:
             if stop_after is not None and site >= stop_after:
                 raise _StopForward
 
-        def apply_user(site: int, stream: torch.Tensor) -> Optional[torch.Tensor]:
+        def apply_user(site: int, stream: torch.Tensor) -> torch.Tensor | None:
             changed = None
             for fn in user_hooks.get(site, ()):
                 out = fn(stream if changed is None else changed, labels[site])
                 if out is not None:
                     if out.shape != stream.shape:
-                        raise ValueError(f"hook at {labels[site]} returned shape {tuple(out.shape)}, expected {tuple(stream.shape)}")
+                        raise ValueError(
+                            f"hook at {labels[site]} returned shape {tuple(out.shape)}, expected {tuple(stream.shape)}"
+                        )
                     changed = out
             return changed
 
@@ -334,7 +337,7 @@ class HookedModel:
         return self.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
 
     @contextlib.contextmanager
-    def hooks(self, hooks: Mapping[str, HookFn] | Iterable[tuple[str, HookFn]]) -> Iterator["HookedModel"]:
+    def hooks(self, hooks: Mapping[str, HookFn] | Iterable[tuple[str, HookFn]]) -> Iterator[HookedModel]:
         """Context manager: user hook functions at named sites for every forward inside it.
 
         A hook is called as ``fn(stream, label)`` with the stream at that site ``[batch, pos,
@@ -363,11 +366,11 @@ class HookedModel:
         inputs: Inputs,
         *,
         sites=None,
-        mask: Optional[torch.Tensor] = None,
+        mask: torch.Tensor | None = None,
         return_logits: bool = True,
         hooks=None,
         check_finite: bool = True,
-        positions: Optional[torch.Tensor] = None,
+        positions: torch.Tensor | None = None,
     ) -> ResidualStream:
         """The stream at ``sites`` (default: all 2L+1) for a batch.
 
@@ -499,10 +502,10 @@ class HookedModel:
         return self.arch.unembed.weight.T
 
     @property
-    def b_U(self) -> Optional[torch.Tensor]:
+    def b_U(self) -> torch.Tensor | None:
         return getattr(self.arch.unembed, "bias", None) if self.arch.unembed is not None else None
 
-    def norm_reading(self, site: int) -> Optional[nn.Module]:
+    def norm_reading(self, site: int) -> nn.Module | None:
         """The norm that next reads the stream after ``site`` (ln1/ln2 of a block or the final norm)."""
         s = self.site_index(site)
         arch = self.arch
