@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 bench: setup
-	for f in benchmarks/bench_*.py; do $(VENV)/bin/python $$f || exit 1; done
+	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache

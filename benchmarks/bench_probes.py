@@ -1,108 +1,120 @@
-"""Cost of the probing suite against baselines measured in the same run (real default model,
-UD English EWT sentences from ../shared/data/ud).
+"""Probing: end to end against a bare forward, the batched fit against scikit-learn on every site,
+and extraction memory against corpus size. UD English EWT train/test sentences, float32 probes
+(``DEPTHSCOPE_PROBE_DTYPE=float32`` is set by the harness: no timing race picks the precision).
 
-    python benchmarks/bench_probes.py [--quick] [--train-sentences 300] [--test-sentences 100]
-                                      [--sklearn-sites 4] [--full-sklearn] [--validate]
+* end to end: ``run_probes(model, "upos", train, test)`` into a fresh store (extraction, site
+  probes with control task, scalar mixes, metrics) against the decoder body over the same
+  sentences (BOS + tokens, length-sorted batches of <= 2048 tokens);
+* fit: ``BatchedProbe`` + ``train_probe`` + ``predict`` on all 61 sites at once against
+  ``LogisticRegression(C=1/(2*l2*n), max_iter=100)`` fitted and evaluated on every site, looped,
+  on the same standardised float32 features; and the largest per-site accuracy gap (points);
+* extraction memory: how much the peak resident memory of ``prepare_task`` (above a bare
+  forward's over the same sentences in the same batches) grows from one corpus to a 3x larger
+  one, over how much the features it returns (store on disk + resident copy) grow: 1.0 is flat
+  beyond the features.
 
-1. End to end: ``run_probes(model, "upos", ...)`` with a fresh activation store (extraction,
-   site probes with control task, cumulative scalar mixes, metrics) against a bare batched
-   forward of the decoder body (transformers, no hooks, no LM head) over the same sentences in
-   the same length-sorted batches. Goal: ratio <= 2. Also shown: ``upos,deprel`` sharing one
-   extraction, and the run repeated with the store reused.
-2. Linear probes at every site in one batched fit against scikit-learn
-   ``LogisticRegression(C=1/(2*l2*n))`` (lbfgs, ``max_iter=100``) looped over sites on the same
-   standardised features. sklearn is timed on ``--sklearn-sites`` evenly spaced sites and its
-   per-site mean is multiplied by the number of sites (``--full-sklearn`` loops over all).
-   Goals: speedup >= 10, accuracy gap <= 1 point at every compared site.
-3. Extraction throughput (tokens/s) against the bare forward's.
-
-``--validate`` (long; run it in the background) instead compares depthscope's per-site upos
-accuracy (EWT 2000 train / 500 test sentences by default) with an independent pipeline:
-transformers ``output_hidden_states`` at block outputs, its own last-subword lookup, sklearn.
+``python -m benchmarks.bench_probes --validate`` (long, not part of the table) compares per-site
+accuracy with an independent transformers + scikit-learn pipeline.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import statistics
 import tempfile
-import time
 import warnings
-from pathlib import Path
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import UD, env_line  # noqa: E402
+from benchmarks._common import UD, Row, Settings, float32_model, interleave, mb, measure_peak, peak_memory
+
+NAME = "probes"
 
 
-def bare_forward(model, texts, batch_tokens=2048):
-    """The decoder body over ``texts``, batched like the extraction (length-sorted, right
-    padding, the BOS token run_probes prepends when the tokenizer adds none)."""
-    from depthscope.probes.activations import _batches
-    from depthscope.probes.spans import bos_id
+def _sizes(quick: bool) -> tuple[int, int]:
+    return (18, 6) if quick else (300, 100)
+
+
+def _memory_batch_tokens(quick: bool) -> int:
+    """Extraction batches for the memory figure: small enough that both corpora span several."""
+    return 128 if quick else 512
+
+
+def _corpora(train_n: int, test_n: int):
+    from depthscope.probes import read_conllu
+
+    for name in ("en_ewt-ud-train.conllu", "en_ewt-ud-test.conllu"):
+        if not (UD / name).is_file():
+            raise FileNotFoundError(f"needs UD English EWT ({name}) in {UD} (or set DEPTHSCOPE_UD)")
+    return (
+        read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=train_n),
+        read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=test_n),
+    )
+
+
+def _bare(model, texts, batch_tokens: int = 2048):
+    """The decoder body over ``texts`` (BOS first), length-sorted batches of <= batch_tokens."""
+    import torch
 
     tok = model.tokenizer
-    first = bos_id(tok)
-    ids = [([first] if first is not None else []) + tok(t)["input_ids"] for t in texts]
-    lengths = np.array([len(x) for x in ids])
+    bos = tok.bos_token_id
+    ids = [([bos] if bos is not None else []) + tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids.sort(key=len)
     body = getattr(model.hf_model, "model", model.hf_model)
     pad = tok.pad_token_id or 0
-    t0 = time.perf_counter()
-    for b in _batches(lengths, batch_tokens):
-        width = int(lengths[b].max())
-        x = torch.full((len(b), width), pad, dtype=torch.long)
+    batches, cur = [], []
+    for x in ids:
+        if cur and (len(cur) + 1) * len(x) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(x)
+    batches.append(cur)
+    tensors = []
+    for b in batches:
+        width = max(len(x) for x in b)
+        t = torch.full((len(b), width), pad, dtype=torch.long)
         m = torch.zeros((len(b), width), dtype=torch.long)
-        for k, p in enumerate(b):
-            x[k, : lengths[p]] = torch.tensor(ids[p])
-            m[k, : lengths[p]] = 1
+        for k, x in enumerate(b):
+            t[k, : len(x)] = torch.tensor(x)
+            m[k, : len(x)] = 1
+        tensors.append((t, m))
+
+    def run():
         with torch.no_grad():
-            body(input_ids=x, attention_mask=m, use_cache=False)
-    return time.perf_counter() - t0, int(lengths.sum())
+            for t, m in tensors:
+                body(input_ids=t, attention_mask=m, use_cache=False)
+
+    return run, sum(len(x) for x in ids)
 
 
-def end_to_end(model, args, train, test):
+def _end_to_end(model, train, test, settings: Settings) -> Row:
     from depthscope.probes import run_probes
 
-    texts = [s.text for c in (train, test) for s in c]
-    bare_forward(model, texts[:8])  # warm-up
-    t_bare1, n_tok = bare_forward(model, texts)
-    with tempfile.TemporaryDirectory() as store:
-        t = time.perf_counter()
-        res = run_probes(model, "upos", train, test, store_dir=store, progress=False)
-        t_e2e = time.perf_counter() - t
-        t = time.perf_counter()
-        run_probes(model, "upos", train, test, store_dir=store, progress=False)
-        t_reuse = time.perf_counter() - t
-    t_bare2, _ = bare_forward(model, texts)
-    with tempfile.TemporaryDirectory() as store:
-        t = time.perf_counter()
-        run_probes(model, "upos,deprel", train, test, store_dir=store, progress=False)
-        t_two = time.perf_counter() - t
-    t_bare = min(t_bare1, t_bare2)
-    ext_tok = sum(res.info["extraction_tokens"].values())
-    print(
-        f"\n1. end to end ({len(train)} train + {len(test)} test sentences, {n_tok} tokens, "
-        f"{res.summary['n_train'].iloc[0]} + {res.summary['n_test'].iloc[0]} words, {model.n_sites} sites)"
+    info = {}
+
+    def probes():
+        with tempfile.TemporaryDirectory() as store:
+            res = run_probes(model, "upos", train, test, store_dir=store, progress=False)
+        info["extract"] = info.get("extract", []) + [float(res.info["seconds_extract"])]
+        info["fit"] = info.get("fit", []) + [float(sum(res.info["seconds_fit"].values()))]
+        return res
+
+    bare, n_tok = _bare(model, [s.text for c in (train, test) for s in c])
+    t = interleave({"probes": probes, "bare": bare}, settings)
+    ext, fit = statistics.median(info["extract"]), statistics.median(info["fit"])
+    return Row(
+        f"probing end to end / bare forward, {n_tok} tokens",
+        f"{t['probes'].median:.2f} s ({t['probes'].spread})",
+        f"{t['bare'].median:.2f} s ({t['bare'].spread})",
+        t["probes"].ratio_to(t["bare"]),
+        "<= 2",
+        f"{len(train)}+{len(test)} sentences, 61 sites, control task + scalar mixes included; inside run_probes "
+        f"(wall): extraction {ext:.2f} s, probe fitting {fit:.2f} s",
+        extra={"extract_s": ext, "fit_s": fit},
     )
-    print(
-        f"   bare batched forward (decoder body)      {t_bare:8.1f} s   ({n_tok / t_bare:.0f} tok/s; runs {t_bare1:.1f}, {t_bare2:.1f})"
-    )
-    print(f"   run_probes upos, fresh store             {t_e2e:8.1f} s   ratio {t_e2e / t_bare:.2f}  (goal <= 2)")
-    print(
-        f"     of which extraction {res.info['seconds_extract']:.1f} s, probes {sum(res.info['seconds_fit'].values()):.1f} s"
-    )
-    print(f"   run_probes upos, store reused            {t_reuse:8.1f} s   ratio {t_reuse / t_bare:.2f}")
-    print(f"   run_probes upos,deprel (one extraction)  {t_two:8.1f} s   ratio {t_two / t_bare:.2f}")
-    print(
-        f"\n3. extraction: {ext_tok / res.info['seconds_extract']:.0f} tok/s (incl. tokenising, gathering, "
-        f"float16 store writes) vs bare forward {n_tok / t_bare:.0f} tok/s"
-    )
-    return res
 
 
-def fit_speed(model, args, train, test):
+def _fit(model, train, test, settings: Settings) -> list[Row]:
+    import torch
     from sklearn.linear_model import LogisticRegression
 
     from depthscope.probes import BatchedProbe, accuracy, predict, prepare_task, train_probe
@@ -110,50 +122,144 @@ def fit_speed(model, args, train, test):
 
     with tempfile.TemporaryDirectory() as store:
         td = prepare_task(model, "upos", train, test, store_dir=store, progress=False)
-        ftr, fte = td.feats["train"], td.feats["test"]
-        ytr, yte = td.y["train"], td.y["test"]
-        S, D, C, n = ftr.n_sites, ftr.d, td.n_classes, len(ytr)
-        t = time.perf_counter()
+    ftr, fte = td.feats["train"], td.feats["test"]
+    ytr, yte = td.y["train"], td.y["test"]
+    S, D, C, n = ftr.n_sites, ftr.d, td.n_classes, len(ytr)
+    if ftr.resident is None or ftr.resident.dtype != torch.float32:
+        raise RuntimeError(f"expected resident float32 features, got {getattr(ftr.resident, 'dtype', None)}")
+    Xtr = ftr.resident[:, np.argsort(ftr.order)].numpy()  # the same standardised values, example order
+    Xte = fte.resident[:, np.argsort(fte.order)].numpy()
+    acc = {}
+
+    def ours():
         p = BatchedProbe(n_sites=S, d=D, n_spans=1, n_classes=C, l2=DEFAULT_L2)
         train_probe(p, ftr, torch.from_numpy(ytr))
         preds, _ = predict(p, fte)
-        t_ours = time.perf_counter() - t
-        ours = accuracy(preds[:, :, 0], torch.from_numpy(yte)).numpy()
-        # the same standardised features, site by site, for sklearn
-        Xtr = ftr.resident[:, np.argsort(ftr.order)].float().numpy()
-        Xte = fte.resident[:, np.argsort(fte.order)].float().numpy()
-        sites = (
-            list(range(S))
-            if args.full_sklearn
-            else np.linspace(0, S - 1, args.sklearn_sites).round().astype(int).tolist()
-        )
-        times, gaps = [], []
-        print(
-            f"\n2. linear probes, {S} sites, n_train {n}, n_test {len(yte)}, {C} classes, l2 {DEFAULT_L2:g}, "
-            f"features {str(ftr.resident.dtype).replace('torch.', '')} (sklearn: the same values in float32)"
-        )
-        print(f"   depthscope batched fit + predict, all sites  {t_ours:8.1f} s")
-        for s in sites:
-            t = time.perf_counter()
+        acc["ours"] = accuracy(preds[:, :, 0], torch.from_numpy(yte)).numpy()
+
+    def sklearn():
+        out = []
+        for s in range(S):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * n), max_iter=100).fit(Xtr[s], ytr)
-            ref = float((clf.predict(Xte[s]) == yte).mean())
-            times.append(time.perf_counter() - t)
-            gaps.append(abs(float(ours[s]) - ref))
-            print(
-                f"   site {s:2d}: sklearn {times[-1]:6.1f} s  acc {ref:.4f}   depthscope acc {ours[s]:.4f}   "
-                f"gap {100 * gaps[-1]:.2f} pt"
+            out.append(float((clf.predict(Xte[s]) == yte).mean()))
+        acc["sklearn"] = np.array(out)
+
+    t = interleave({"ours": ours, "sklearn": sklearn}, settings)
+    gap = np.abs(acc["ours"] - acc["sklearn"]) * 100
+    shape = f"{S} sites, {n} train / {len(yte)} test words, {C} classes, d {D}, l2 {DEFAULT_L2:g}, float32"
+    return [
+        Row(
+            "probe fit speed-up over scikit-learn (all sites)",
+            f"{t['ours'].median:.2f} s ({t['ours'].spread})",
+            f"{t['sklearn'].median:.2f} s ({t['sklearn'].spread})",
+            1 / t["ours"].ratio_to(t["sklearn"]),
+            ">= 10",
+            shape + "; ratio = sklearn / depthscope",
+        ),
+        Row(
+            "probe accuracy gap to scikit-learn, max over sites (points)",
+            f"mean acc {acc['ours'].mean():.4f}",
+            f"mean acc {acc['sklearn'].mean():.4f}",
+            float(gap.max()),
+            "<= 1",
+            f"worst site {int(gap.argmax())}; mean gap {gap.mean():.2f} pt",
+        ),
+    ]
+
+
+def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes") -> dict:
+    """(subprocess) Peak resident memory of ``prepare_task`` (extraction into a fresh store in
+    batches of <= ``batch_tokens`` tokens, standardised resident features) above the warm model,
+    and the features' own bytes."""
+    from depthscope.probes import prepare_task
+
+    model = float32_model()
+    train, test = _corpora(train_n, test_n)
+    if arm == "bare":
+        warm, _ = _bare(model, ["A warm-up."])
+        warm()
+        fn, _ = _bare(model, [s.text for c in (train, test) for s in c], batch_tokens)
+        return {"extra": measure_peak(fn)["extra"]}
+    w_train, w_test = _corpora(2, 1)
+    with tempfile.TemporaryDirectory() as store:
+        prepare_task(model, "upos", w_train, w_test, store_dir=store, progress=False)  # a warm model
+    holder = {}
+    with tempfile.TemporaryDirectory() as store:
+
+        def run():
+            holder["td"] = prepare_task(
+                model, "upos", train, test, store_dir=store, progress=False, batch_tokens=batch_tokens
             )
-        t_sk = float(np.mean(times)) * S
-        print(
-            f"   sklearn looped over {S} sites: {t_sk:.1f} s ({'measured' if args.full_sklearn else f'mean of {len(sites)} sites x {S}'})"
+
+        m = measure_peak(run)
+        feats = holder["td"].feats
+        on_disk = sum(f.store.feats.nbytes for f in feats.values())
+        resident = sum(f.resident.numel() * f.resident.element_size() for f in feats.values() if f.resident is not None)
+        words = sum(len(f) for f in feats.values())
+    return {"extra": m["extra"], "features": on_disk + resident, "store": on_disk, "resident": resident, "words": words}
+
+
+def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
+    bt = _memory_batch_tokens(settings.quick)
+    small, large = [
+        peak_memory(
+            "bench_probes",
+            "memory_arm",
+            settings.threads,
+            train_n=k * train_n // 3,
+            test_n=max(1, k * test_n // 3),
+            batch_tokens=bt,
         )
-        print(f"   speedup {t_sk / t_ours:.1f}x (goal >= 10), max accuracy gap {100 * max(gaps):.2f} pt (goal <= 1)")
+        for k in (1, 3)
+    ]
+    for m, k in ((small, 1), (large, 3)):
+        m["bare"] = peak_memory(
+            "bench_probes",
+            "memory_arm",
+            settings.threads,
+            train_n=k * train_n // 3,
+            test_n=max(1, k * test_n // 3),
+            batch_tokens=bt,
+            arm="bare",
+        )["extra"]
+
+    def own(m):  # the extraction's peak above a bare forward over the same batches
+        return m["extra"] - m["bare"]
+
+    grow, feats = own(large) - own(small), large["features"] - small["features"]
+    return Row(
+        f"probe extraction memory growth / feature growth, {large['words']} vs {small['words']} words",
+        f"+{mb(grow):.1f} MB peak ({mb(own(small)):.1f} -> {mb(own(large)):.1f} MB)",
+        f"+{mb(feats):.1f} MB features ({mb(small['features']):.1f} -> {mb(large['features']):.1f} MB)",
+        grow / max(feats, 1),
+        "<= 1.1",
+        "peak resident memory of prepare_task above a bare forward's peak over the same batches "
+        f"({mb(small['bare']):.1f} / {mb(large['bare']):.1f} MB), against the growth of the features it returns "
+        f"(float16 store on disk, memory-mapped, + resident float32 copy); 1.0 = flat beyond the features; "
+        f"extraction batches of <= {bt} tokens; fresh subprocess per arm and size",
+    )
 
 
+def run(settings: Settings) -> list[Row]:
+    train_n, test_n = _sizes(settings.quick)
+    model = float32_model()
+    train, test = _corpora(train_n, test_n)
+    rows = [_end_to_end(model, train, test, settings)] + _fit(model, train, test, settings)
+    rows.append(_memory(settings, train_n, test_n))
+    for r in rows:
+        r.bench = NAME
+    return rows
+
+
+# ----------------------------------------------------------------------------- validation (not timed)
 def validate(model, args):
-    """depthscope vs an independent sklearn pipeline on HF hidden states (block outputs)."""
+    """depthscope's per-site upos accuracy vs an independent pipeline (transformers
+    ``output_hidden_states`` at block outputs, its own last-subword lookup, scikit-learn)."""
+    import time
+
+    import torch
     from sklearn.linear_model import LogisticRegression
 
     from depthscope.probes import read_conllu, run_probes
@@ -212,13 +318,13 @@ def validate(model, args):
         t = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * len(ytr)), max_iter=args.validate_iter).fit(
-                (xtr[l] - mu) / sd, ytr
-            )
+            clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * len(ytr)), max_iter=args.validate_iter)
+            clf.fit((xtr[l] - mu) / sd, ytr)
         ref = float((clf.predict((xte[l] - mu) / sd) == yte).mean())
         ours = float(bs.loc[label, "accuracy"])
         print(
-            f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  gap {100 * (ours - ref):+.2f} pt"
+            f"hidden_states[{l:2d}] = {label:7s}: sklearn {ref:.4f}  depthscope {ours:.4f}  "
+            f"gap {100 * (ours - ref):+.2f} pt"
             f"  (control {bs.loc[label, 'control_accuracy']:.4f}, selectivity {bs.loc[label, 'selectivity']:.4f}; "
             f"sklearn {time.perf_counter() - t:.0f} s)",
             flush=True,
@@ -226,49 +332,24 @@ def validate(model, args):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="100 train / 40 test sentences, 3 sklearn sites")
-    ap.add_argument("--train-sentences", type=int, default=300)
-    ap.add_argument("--test-sentences", type=int, default=100)
-    ap.add_argument("--sklearn-sites", type=int, default=4)
-    ap.add_argument("--full-sklearn", action="store_true", help="loop sklearn over every site (slow)")
-    ap.add_argument("--validate", action="store_true", help="long validation against sklearn on HF hidden states")
+    """``python -m benchmarks.bench_probes --validate``: accuracy against an independent pipeline (long)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=validate.__doc__)
+    ap.add_argument("--validate", action="store_true", required=True)
     ap.add_argument("--validate-train", type=int, default=2000)
     ap.add_argument("--validate-test", type=int, default=500)
     ap.add_argument(
         "--validate-layers", default="0,3,9,15,21,27", help="hidden_states indices (0 = embed, l = (l-1).mlp)"
     )
     ap.add_argument("--validate-iter", type=int, default=300)
-    ap.add_argument("--store", default=None, help="activation store for --validate (reused on re-runs)")
-    ap.add_argument("--no-bos", action="store_true", help="--validate without the prepended BOS token")
-    ap.add_argument(
-        "--no-tune",
-        action="store_true",
-        help="keep glibc's default allocator thresholds "
-        "(the depthscope command raises them; see depthscope.hooks.tune_allocator)",
-    )
+    ap.add_argument("--store", default=None, help="activation store (reused on re-runs)")
+    ap.add_argument("--no-bos", action="store_true", help="without the prepended BOS token")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    from depthscope.hooks import tune_allocator
-    from depthscope.probes.classifiers import compute_dtype
-
-    tuned = False if args.no_tune else tune_allocator()
-    if args.quick:
-        args.train_sentences, args.test_sentences, args.sklearn_sites = 100, 40, 3
+    Settings(threads=args.threads).pin()
     warnings.filterwarnings("ignore")
-    from depthscope.hooks import load_model
-    from depthscope.probes import read_conllu
-
-    model = load_model()
-    print(env_line(), "|", repr(model), f"| allocator tuned: {tuned}, probe dtype: {compute_dtype()}")
-    if args.validate:
-        validate(model, args)
-        return
-    if not (UD / "en_ewt-ud-train.conllu").is_file():
-        raise SystemExit(f"needs UD English EWT in {UD}")
-    train = read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=args.train_sentences)
-    test = read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=args.test_sentences)
-    end_to_end(model, args, train, test)
-    fit_speed(model, args, train, test)
+    validate(float32_model(), args)
 
 
 if __name__ == "__main__":

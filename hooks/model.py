@@ -178,9 +178,7 @@ class HookedModel:
         }
 
     # ------------------------------------------------------------------ inputs
-    def tokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True, padding_side: str = "right"
-    ):
+    def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True, padding_side: str = "right"):
         """Batch ``texts`` padded on ``padding_side`` ("right" or "left"); returns (input_ids, mask)
         with mask True at real tokens. Left-padded batches get correct absolute positions in
         ``run``/``residual_stream``/``generate`` (position ids ``cumsum(mask) - 1``)."""
@@ -456,8 +454,25 @@ class HookedModel:
         ids, mask = self._prepare(inputs, mask, padding_side=padding_side)
         wanted = parse_sites(sites, self.n_layers)
         user = self._normalise_hooks(hooks)
-        keep, gathered = None, None
-        if positions is not None:
+        slot = {s: i for i, s in enumerate(wanted)}
+        out_buf: list[torch.Tensor] = []  # the one [sites, ...] result, allocated at the first capture
+
+        def buffer(like: torch.Tensor, rows: tuple) -> torch.Tensor:
+            if not out_buf:
+                out_buf.append(torch.empty((len(wanted), *rows, like.shape[-1]), dtype=like.dtype, device=like.device))
+            return out_buf[0]
+
+        if positions is None:
+
+            def keep(site, t):
+                # each site is copied straight into its slot of the result while the forward
+                # runs: the stream itself is freed by the model as usual, nothing is stacked later
+                if site not in slot:
+                    return t
+                dst = buffer(t, tuple(t.shape[:-1]))[slot[site]]
+                return dst.copy_(t)
+
+        else:
             positions = torch.as_tensor(positions, device=ids.device)
             if positions.dtype == torch.bool:
                 if positions.shape != ids.shape:
@@ -467,19 +482,13 @@ class HookedModel:
             n_flat = ids.numel()
             if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= n_flat):
                 raise InputError(f"positions must be flat indices in 0..{n_flat - 1}")
-            slot = {s: i for i, s in enumerate(wanted)}
-            gathered = []  # the [sites, n, d] output, allocated at the first capture (its dtype)
 
             def keep(site, t, idx=positions):
                 flat = t.reshape(-1, t.shape[-1])
                 if site not in slot:
                     return flat.index_select(0, idx)
-                if not gathered:
-                    gathered.append(
-                        torch.empty(len(wanted), len(idx), flat.shape[-1], dtype=flat.dtype, device=flat.device)
-                    )
                 # straight into the output: no full-size copies and no stack afterwards
-                return torch.index_select(flat, 0, idx, out=gathered[0][slot[site]])
+                return torch.index_select(flat, 0, idx, out=buffer(flat, (len(idx),))[slot[site]])
 
         capture: dict = {}
         if return_logits and self.is_decoder and wanted[-1] == self.n_sites - 1:
@@ -499,7 +508,7 @@ class HookedModel:
         missing = [self.labels[s] for s in wanted if s not in capture]
         if missing:
             raise RuntimeError(f"sites not reached by the forward pass: {missing}")
-        resid = gathered[0] if gathered else torch.stack([capture[s] for s in wanted])
+        resid = out_buf[0]
         logits = _logits_of(out) if (out is not None and return_logits) else None
         if check_finite:
             _check_finite(resid, [self.labels[s] for s in wanted])
