@@ -17,6 +17,7 @@ _EXPORTS = {
     "LogitLens": "lenses",
     "TunedLens": "lenses",
     "train_tuned_lens": "tuned_lens",
+    "TunedLensTraining": "tuned_lens_config",
     # contribution norms (analyses/norms/)
     "contribution_norms": "norms",
     "direct_logit_attribution": "norms",

@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -49,8 +50,9 @@ from depthscope.hooks.sites import parse_sites
 
 from .lens import lens_batches
 from .lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
+from .tuned_lens_config import TunedLensTraining
 
-__all__ = ["TunedLens", "train_tuned_lens", "LensMismatchError"]
+__all__ = ["TunedLens", "TunedLensTraining", "train_tuned_lens", "LensMismatchError"]
 
 CKPT_FILE = "checkpoint.safetensors"
 CKPT_META = "checkpoint.json"
@@ -184,46 +186,36 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 def train_tuned_lens(
     model,
     text,
+    config: TunedLensTraining | None = None,
     *,
     out=None,
-    sites=None,
-    steps: int = 250,
-    tokens_per_step: int = 8,
-    cache_tokens: int = 2048,
-    lr: float = 3e-2,
-    weight_lr: float = 3e-3,
-    warmup: int = 10,
     per_line: bool = True,
-    window: int | None = 256,
-    batch_size: int = 8,
-    max_batch_tokens: int = 1024,
-    checkpoint_every: int = 25,
-    resume: bool = True,
-    seed: int = 0,
-    matmul_dtype: str = "auto",
     progress: bool = True,
+    **overrides,
 ) -> TunedLens:
-    """Train a tuned lens for ``model`` on ``text`` (a text file's path, a list of documents or
-    a LongTensor of token ids) and return it.
+    """Train a tuned lens for ``model`` on ``text`` (a text file's path -- one document per line
+    with ``per_line`` --, a list of documents or a LongTensor of token ids) and return it.
 
-    ``sites``: the sites to translate (default all 2L+1; the last keeps the identity).
-    ``steps`` Adam steps on ``tokens_per_step`` tokens each (x all sites), drawn without
-    replacement from a cache of the first ``cache_tokens`` tokens, epoch after epoch. Learning
-    rates: ``lr`` for the (RMS-scaled) biases, ``weight_lr`` for the d x d matrices, with
-    ``warmup`` steps of linear warm-up then linear decay to 0 at ``steps``. ``out``: a folder
-    where the lens and a training checkpoint (parameters, Adam state, step) are written every
-    ``checkpoint_every`` steps and at the end; with ``resume`` a run whose checkpoint is there
-    continues from it (the model, the cached tokens and the settings must match). ``matmul_dtype``:
-    "auto" (bfloat16 if the CPU has native bfloat16 matmuls, else float32), "bfloat16" or "float32".
+    ``config``: a :class:`TunedLensTraining` (its defaults when None); keyword ``overrides`` set
+    single fields (``train_tuned_lens(model, docs, steps=40)``), unknown names are refused.
+    ``out``: a folder where the lens and a training checkpoint (parameters, Adam state, step)
+    are written every ``checkpoint_every`` steps and at the end; with ``resume`` a run whose
+    checkpoint is there continues from it (the model, the cached tokens and the settings must
+    match).
 
     The returned lens's ``training`` dict records the settings and, per step, the mean training
     KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
-    (Many parameters: they are the trainer's settings, recorded and checked on resume; the
-    command line passes :class:`~depthscope.analyses.jobs.lens.LensTrainConfig`.)
     """
+    known = {f.name for f in fields(TunedLensTraining)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise InputError(f"unknown tuned-lens setting(s) {unknown}; the settings are {sorted(known)}")
+    cfg = replace(config or TunedLensTraining(), **overrides).validate()
+    sites, steps, tokens_per_step, cache_tokens = cfg.sites, cfg.steps, cfg.tokens_per_step, cfg.cache_tokens
+    lr, weight_lr, warmup, seed = cfg.lr, cfg.weight_lr, cfg.warmup, cfg.seed
+    window, batch_size, max_batch_tokens = cfg.window, cfg.batch_size, cfg.max_batch_tokens
+    checkpoint_every, resume, matmul_dtype = cfg.checkpoint_every, cfg.resume, cfg.matmul_dtype
     model.unembed.check()
-    if steps < 0 or tokens_per_step < 1 or cache_tokens < 1 or checkpoint_every < 1:
-        raise InputError("steps must be >= 0, and tokens_per_step, cache_tokens, checkpoint_every >= 1")
     all_sites = parse_sites(sites, model.n_layers)
     last = model.n_sites - 1
     train_sites = [s for s in all_sites if s != last]

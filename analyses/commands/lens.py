@@ -9,12 +9,13 @@ from pathlib import Path
 import typer
 
 from ..jobs.lens import LensConfig, LensTrainConfig
+from ..tuned_lens_config import TunedLensTraining
 from .common import ModelOpt, OutOpt
 
 ThreadsOpt = typer.Option(
     None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine)."
 )
-_L, _T = LensConfig(), LensTrainConfig()
+_L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
 
 
 def _set_threads(threads: int | None) -> None:
@@ -148,22 +149,22 @@ def lens_train(
     ),
     model: str | None = ModelOpt,
     steps: int = typer.Option(
-        _T.steps,
+        _TT.steps,
         "--steps",
         help="Adam steps (bounded; each trains every site on --tokens-per-step tokens).",
     ),
     tokens_per_step: int = typer.Option(
-        _T.tokens_per_step,
+        _TT.tokens_per_step,
         "--tokens-per-step",
         help="Tokens per step (x all sites).",
     ),
     cache_tokens: int = typer.Option(
-        _T.cache_tokens,
+        _TT.cache_tokens,
         "--cache-tokens",
         help="Tokens whose streams are captured once and trained on.",
     ),
-    lr: float = typer.Option(_T.lr, "--lr", help="Learning rate of the (RMS-scaled) biases."),
-    weight_lr: float = typer.Option(_T.weight_lr, "--weight-lr", help="Learning rate of the d x d matrices."),
+    lr: float = typer.Option(_TT.lr, "--lr", help="Learning rate of the (RMS-scaled) biases."),
+    weight_lr: float = typer.Option(_TT.weight_lr, "--weight-lr", help="Learning rate of the d x d matrices."),
     per_line: bool = typer.Option(
         True,
         "--per-line/--whole-file",
@@ -171,12 +172,12 @@ def lens_train(
     ),
     sites: str | None = typer.Option(None, "--sites", help="Comma-separated sites to translate; default all."),
     resume: bool = typer.Option(
-        _T.resume,
+        _TT.resume,
         "--resume/--no-resume",
         help="Continue from a checkpoint in OUT (default).",
     ),
     checkpoint_every: int = typer.Option(
-        _T.checkpoint_every,
+        _TT.checkpoint_every,
         "--checkpoint-every",
         help="Steps between checkpoints.",
     ),
@@ -202,7 +203,7 @@ def lens_train(
     docs = read_documents(text, per_line=per_line)
     m = load(model)
     m.unembed.check()
-    cfg = LensTrainConfig(
+    training = TunedLensTraining(
         steps=steps,
         tokens_per_step=tokens_per_step,
         cache_tokens=cache_tokens,
@@ -211,8 +212,8 @@ def lens_train(
         sites=_sites(sites),
         resume=resume,
         checkpoint_every=checkpoint_every,
-        eval_tokens=eval_tokens,
-    )
+    ).validate()
+    cfg = LensTrainConfig(training=training, eval_tokens=eval_tokens)
     console.print(
         f"training a tuned lens for {m.name} on {text}; {steps} steps x {tokens_per_step} tokens; checkpoints in {out}"
     )

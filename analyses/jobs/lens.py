@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..tuned_lens_config import TunedLensTraining
 from .base import JobResult, Output
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -110,18 +111,12 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
 
 @dataclass
 class LensTrainConfig:
-    """What :func:`lens_train_job` trains (see :func:`~depthscope.analyses.tuned_lens.train_tuned_lens`);
-    ``eval_tokens`` held-out tokens (from the last tenth of the documents) compare it with the
-    logit lens (0: no comparison)."""
+    """What :func:`lens_train_job` trains: ``training`` (the trainer's settings,
+    :class:`~depthscope.analyses.tuned_lens.TunedLensTraining`) and ``eval_tokens`` held-out
+    tokens (from the last tenth of the documents) to compare it with the logit lens (0: no
+    comparison)."""
 
-    steps: int = 250
-    tokens_per_step: int = 8
-    cache_tokens: int = 2048
-    lr: float = 3e-2
-    weight_lr: float = 3e-3
-    sites: Sequence | None = None
-    resume: bool = True
-    checkpoint_every: int = 25
+    training: TunedLensTraining = field(default_factory=TunedLensTraining)
     eval_tokens: int = 128
     progress: bool = True
 
@@ -140,20 +135,7 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
     folder = Path(folder)
     n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0
     train_docs, eval_docs = (docs[:-n_eval], docs[-n_eval:]) if n_eval else (list(docs), [])
-    tl = train_tuned_lens(
-        model,
-        train_docs,
-        out=folder,
-        sites=config.sites,
-        steps=config.steps,
-        tokens_per_step=config.tokens_per_step,
-        cache_tokens=config.cache_tokens,
-        lr=config.lr,
-        weight_lr=config.weight_lr,
-        resume=config.resume,
-        checkpoint_every=config.checkpoint_every,
-        progress=config.progress,
-    )
+    tl = train_tuned_lens(model, train_docs, config.training, out=folder, progress=config.progress)
     summary = {"lens": repr(tl), "n_train_docs": len(train_docs), "n_eval_docs": len(eval_docs)}
     result = JobResult(summary=summary)
     if eval_docs:
