@@ -33,9 +33,9 @@ import pandas as pd
 from depthscope.hooks.files import atomic_text
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
+from .jobs.lens import DEFAULT_PROMPT
 from .tables import read_table
 
-DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_TARGET = " Paris"
 
 

@@ -10,19 +10,9 @@ import typer
 
 from ..jobs.lens import LensConfig, LensTrainConfig
 from ..tuned_lens_config import TunedLensTraining
-from .common import ModelOpt, OutOpt
+from .common import ModelOpt, OutOpt, ThreadsOpt, set_threads
 
-ThreadsOpt = typer.Option(
-    None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine)."
-)
 _L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _sites(spec: str | None):
@@ -112,7 +102,7 @@ def lens(
 
     from .common import load
 
-    _set_threads(threads)
+    set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
     m = load(model)
@@ -198,7 +188,7 @@ def lens_train(
 
     from .common import load
 
-    _set_threads(threads)
+    set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
     m = load(model)
