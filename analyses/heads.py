@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.arch import eager_attention, linear_weight, value_hook
+from depthscope.hooks.arch import linear_weight, value_hook
 from depthscope.hooks.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
 
@@ -221,27 +221,14 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
     if any(not 0 <= l < L for l in layers):
         raise InputError(f"layers must be in 0..{L - 1}")
     ids, mask = model.tokenize([text])
-    ids, mask = ids.to(model.device), mask.to(model.device)
     values: dict = {}
-    weights: dict = {}
-    store: dict = {}
-    handles = []
-    try:
-        for l in layers:
-            attn = model.arch.attn[l]
-            handles.append(value_hook(model.arch, l, values, name=str(model.name)))
-            handles.append(
-                attn.register_forward_hook(
-                    lambda mod, args, out, l=l: weights.__setitem__(
-                        l, out[1] if isinstance(out, tuple) and len(out) > 1 else None
-                    )
-                )
-            )
-        with eager_attention(model.hf_model), _capture_out_proj_inputs(spec, store), torch.no_grad():
-            model.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+    handles = [value_hook(model.arch, l, values, name=str(model.name)) for l in layers]
+    try:  # patterns, head outputs and writes as the model computes them (exact, any attention kernel)
+        run = model.run(ids, mask=mask, cache=[f"{l}.{k}" for l in layers for k in ("pattern", "z", "attn_out")])
     finally:
         for h in handles:
             h.remove()
+    ids = run.input_ids
     P = ids.shape[1]
     toks = (
         [model.tokenizer.decode([int(t)]) for t in ids[0]]
@@ -252,21 +239,16 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
     frames = []
     sf = site_frame([2 * l + 1 for l in layers], L).set_index("layer", drop=False)
     for l in layers:
-        a = weights.get(l)
-        if a is None:
-            raise UnsupportedArchitecture(
-                f"{model.name}: attention of layer {l} did not return its weights under eager attention"
-            )
-        a = a[0].float()  # [H, P, P]
+        a = run[f"{l}.pattern"][0].float()  # [H, P, P]
         v = values[l][0].float()  # [P, H, dh]
         z = torch.einsum("hij,jhk->ihk", a, v).reshape(P, -1)  # rebuilt head outputs
-        zt = store["z"][l][0].float()
+        zt = run[f"{l}.z"][0].float().reshape(P, -1)  # the output projection's input
         err = float((z - zt).abs().max() / zt.abs().max().clamp_min(1e-12))
         if not err <= 1e-3:
             raise UnsupportedArchitecture(
                 f"layer {l}: attention weights x values do not rebuild the heads' outputs (relative error {err:.1e})"
             )
-        _check_heads_sum(spec, l, store["z"][l][0], store["out"][l][0])
+        _check_heads_sum(spec, l, zt, run[f"{l}.attn_out"][0])
         vn = _head_norms(v.reshape(1, P, -1), spec.gram[l], H)[0]  # [P(j), H]
         w = a[:, qi, kj].T.numpy()  # [pairs, H]
         vnj = vn[kj].numpy()

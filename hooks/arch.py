@@ -26,13 +26,13 @@ from ``ArchSpec.o_proj``, and the value vectors from one of the ``VALUE_LAYOUTS`
 (``ArchSpec.values``): a separate ``v_proj`` (grouped key/value heads), GPT-2's fused
 ``c_attn`` ([q | k | v]) or GPT-NeoX's fused ``query_key_value`` (per head [q, k, v]).
 :func:`value_hook` reads them, :func:`linear_weight` reads a projection's matrix (GPT-2's
-``Conv1D`` stores it transposed), :func:`eager_attention` makes attention return its weights.
+``Conv1D`` stores it transposed). Attention patterns come from
+:mod:`depthscope.hooks.attention` (``model.run(cache=["l.pattern"])``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -417,20 +417,3 @@ def value_hook(arch: ResolvedArch, layer: int, store: dict, name: str = "model")
         store[layer] = read(out, H, n_kv)
 
     return module.register_forward_hook(hook)
-
-
-@contextlib.contextmanager
-def eager_attention(hf_model: nn.Module) -> Iterator[None]:
-    """Temporarily compute attention explicitly, so attention modules return their weights."""
-    cfg = hf_model.config
-    old = getattr(cfg, "_attn_implementation", None)
-    if old == "eager":
-        yield
-        return
-    if not hasattr(hf_model, "set_attn_implementation"):
-        raise UnsupportedArchitecture("this transformers model cannot switch to eager attention")
-    hf_model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        hf_model.set_attn_implementation(old)
