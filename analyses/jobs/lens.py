@@ -20,6 +20,8 @@ from pathlib import Path
 from .base import JobResult, Output
 
 DEFAULT_PROMPT = "The capital of France is"
+#: the most top tokens per position and site in ``lens_tokens`` (three columns each)
+MAX_TOP_K = 1000
 
 
 @dataclass
@@ -36,6 +38,22 @@ class LensConfig:
     top_k: int = 5
     tuned: Path | None = None
     source: str | None = None
+
+    def validate(self) -> LensConfig:
+        """Check the settings (before the model loads); returns self. ``window`` is at least 2
+        tokens (one position and its next token); ``top_k`` at most :data:`MAX_TOP_K`."""
+        from depthscope.hooks.errors import InputError
+        from depthscope.probes.config import check_number
+
+        check_number("batch_size", self.batch_size)
+        check_number("window", self.window, minimum=2, allow_none=True)
+        check_number("max_tokens", self.max_tokens, allow_none=True)
+        check_number("top_k", self.top_k)
+        if self.top_k > MAX_TOP_K:
+            raise InputError(f"top_k must be at most {MAX_TOP_K} (three table columns each), got {self.top_k}")
+        if not self.prompt:
+            raise InputError("the prompt is empty")
+        return self
 
 
 def split_note(model, docs: Sequence[str], window: int | None) -> str | None:
@@ -69,6 +87,7 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
     from depthscope.analyses.tables import site_first
 
+    config.validate()
     model.unembed.check()
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
     kw = dict(
@@ -125,6 +144,17 @@ class LensTrainConfig:
     eval_tokens: int = 128
     progress: bool = True
 
+    def validate(self) -> LensTrainConfig:
+        """Check the settings (before the model loads); returns self. ``eval_tokens`` 0: no comparison."""
+        from depthscope.probes.config import check_number
+
+        for name in ("steps", "tokens_per_step", "cache_tokens", "checkpoint_every"):
+            check_number(name, getattr(self, name))
+        check_number("eval_tokens", self.eval_tokens, minimum=0)
+        for name in ("lr", "weight_lr"):
+            check_number(name, getattr(self, name), minimum=0.0, integer=False)
+        return self
+
 
 def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: Path) -> JobResult:
     """Train a tuned lens on ``docs`` (all but the held-out tenth) into ``folder`` (lens files and
@@ -136,6 +166,7 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
     from depthscope.analyses.tables import site_first
     from depthscope.analyses.tuned_lens import train_tuned_lens
 
+    config.validate()
     model.unembed.check()
     folder = Path(folder)
     n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0
