@@ -40,7 +40,7 @@ ThreadsOpt = typer.Option(
     min=1,
     help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
 )
-SeedOpt = typer.Option(0, "--seed", min=0, help="Seed for sampling, control tasks and training.")
+SeedOpt = typer.Option(0, "--seed", min=0, help="Seed for sampling, control tasks and training (an integer >= 0).")
 
 
 def positive(value: float | None):
