@@ -293,7 +293,7 @@ def _pairs(clean: torch.Tensor, corrupted: torch.Tensor, positions: str) -> list
         raise InputError(
             f"positions={positions!r} needs clean and corrupted prompts of the same token length, got {tc} and {tk} "
             f"tokens; make the corrupted prompt differ by same-length tokens (e.g. swap one name for another) "
-            f"or use positions='last' (which aligns the last tokens)"
+            f"or patch the last position only (--positions last; positions='last'), which aligns the last tokens"
         )
     return [(None, None)] if positions == "all" else [(p, p) for p in range(tk)]
 

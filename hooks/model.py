@@ -178,9 +178,7 @@ class HookedModel:
         }
 
     # ------------------------------------------------------------------ inputs
-    def tokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True, padding_side: str = "right"
-    ):
+    def tokenize(self, texts: str | Sequence[str], *, add_special_tokens: bool = True, padding_side: str = "right"):
         """Batch ``texts`` padded on ``padding_side`` ("right" or "left"); returns (input_ids, mask)
         with mask True at real tokens. Left-padded batches get correct absolute positions in
         ``run``/``residual_stream``/``generate`` (position ids ``cumsum(mask) - 1``)."""
@@ -559,5 +557,5 @@ def _check_finite(resid: torch.Tensor, labels: list[str]) -> None:
             n = int((~torch.isfinite(resid[i])).sum())
             raise NonFiniteActivationError(
                 f"NaN/inf in the residual stream first at site {lab} ({n} values; rows "
-                f"{bad[i].nonzero().flatten().tolist()}); pass check_finite=False to keep them"
+                f"{bad[i].nonzero().flatten().tolist()}): the weights may be corrupt or overflow their dtype"
             )

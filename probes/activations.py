@@ -259,7 +259,8 @@ def extract_spans(
             arr = out.permute(1, 0, 2).to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
             if dtype == np.float16 and not np.isfinite(arr).all():
                 raise NonFiniteActivationError(
-                    "activations overflow float16 (|x| > 65504) at some site: rerun with dtype='float32'"
+                    "activations overflow float16 (|x| > 65504) at some site: store them as float32 "
+                    "(--float32; in Python store_dtype='float32')"
                 )
             r0 = int(row_start[here[0]])
             feats[r0 : r0 + len(arr)] = arr
