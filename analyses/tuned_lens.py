@@ -169,10 +169,10 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
     return X, Fin, digest
 
 
-def _bar(progress: bool, **kw):
-    from tqdm.auto import tqdm
+def _bar(progress: bool, *, total=None, desc: str, unit: str = "it", **kw):
+    from depthscope.hooks.progress import progress_bar
 
-    return tqdm(disable=not progress, leave=False, dynamic_ncols=True, **kw)
+    return progress_bar(total, desc=desc, unit=unit, enabled=progress, **kw)
 
 
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:

@@ -267,8 +267,10 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             shutil.rmtree(target, ignore_errors=True)
     _check_gguf_header(path)
     log.info("converting %s (dequantising, ~20 s, once)", path.name)
+    from .progress import spinner
+
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors (once, ~20 s)"):
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

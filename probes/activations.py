@@ -222,9 +222,9 @@ def extract_spans(
         t0, n_tokens = time.perf_counter(), 0
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from depthscope.hooks.progress import progress_bar
 
-            bar = tqdm(total=int(run_len.sum()), desc=desc, unit="tok", leave=False)
+            bar = progress_bar(int(run_len.sum()), desc=desc, unit="tok")
         for j, b in enumerate(batches):
             width = int(run_len[b].max())
             ids = torch.full((len(b), width), pad, dtype=torch.long)

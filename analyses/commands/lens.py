@@ -123,6 +123,7 @@ def lens(
         top_k=top_k,
         tuned=tuned,
         source=text.name,
+        progress=True,
     ).validate()
     prepare_out(out, "lens", {"model": model or "default", "text": str(text)}, force)
     m = load(model)

@@ -38,6 +38,7 @@ class LensConfig:
     top_k: int = 5
     tuned: Path | None = None
     source: str | None = None
+    progress: bool = False
 
     def validate(self) -> LensConfig:
         """Check the settings (before the model loads); returns self. ``window`` is at least 2
@@ -56,15 +57,19 @@ class LensConfig:
         return self
 
 
-def split_note(model, docs: Sequence[str], window: int | None) -> str | None:
+def token_counts(model, docs: Sequence[str]) -> list[int]:
+    """Tokens of each document (one tokenizer pass; sizes the progress bar and :func:`split_note`)."""
+    return [len(ids) for ids in model.tokenizer(list(docs))["input_ids"]] if docs else []
+
+
+def split_note(model, docs: Sequence[str], window: int | None, counts: Sequence[int] | None = None) -> str | None:
     """Say how many documents are longer than the window (they are split, not truncated)."""
     from depthscope.analyses.text import windows as split
 
     ctx = model.max_context or 2048
     w = min(window or 512, ctx)
     long_docs, pieces = 0, 0
-    for d in docs:
-        n = len(model.tokenizer(d)["input_ids"])
+    for n in counts if counts is not None else token_counts(model, docs):
         if n > w:
             long_docs += 1
             pieces += len(split(list(range(n)), w))
@@ -93,9 +98,11 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     kw = dict(
         sites=config.sites, batch_size=config.batch_size, window=config.window, first_position=config.first_position
     )
+    counts = token_counts(model, docs)
+    big = dict(max_tokens=config.max_tokens, progress=config.progress, total=sum(counts))
     by_site = site_first(
         pd.concat(
-            [logit_lens(model, docs, lens=lens, max_tokens=config.max_tokens, **kw) for lens in lenses],
+            [logit_lens(model, docs, lens=lens, **big, **kw) for lens in lenses],
             ignore_index=True,
         )
     )
@@ -122,7 +129,7 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
         "model": str(model.name),
         "n_positions": n_positions,
         "mean_kl_to_final": {k: float(g["kl_to_final"].mean()) for k, g in by_site.groupby("lens")},
-        "split_note": split_note(model, docs, config.window),
+        "split_note": split_note(model, docs, config.window, counts),
     }
     return JobResult(tables={"lens_by_site": by_site, "lens_tokens": tokens}, summary=summary, files=list(out.written))
 
