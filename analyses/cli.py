@@ -41,15 +41,19 @@ def _numeric(hint) -> type | None:
 
 
 def _guard(fn):
-    """Every command: a float option must be finite (a callback added to each float option), and a
+    """Every command: a float option must be finite (a callback added to each float option), a
+    numeric option's type reads ``<int>``/``<float>`` before its range, and a
     :class:`DepthscopeError` is printed as ``error: ...`` without a traceback (exit 1 for an
     output place that cannot be written, 2 for bad input)."""
     hints = typing.get_type_hints(fn)
     for name, p in inspect.signature(fn).parameters.items():
         info = p.default
-        if _numeric(hints.get(name)) is float and isinstance(info, typer.models.ParameterInfo):
-            if info.callback is None:
+        kind = _numeric(hints.get(name))
+        if kind is not None and isinstance(info, typer.models.ParameterInfo):
+            if kind is float and info.callback is None:
                 info.callback = _finite
+            if info.metavar is None:  # "<int>", not "<int range>": the range follows it ("[x>=1]")
+                info.metavar = f"<{kind.__name__}>"
 
     @functools.wraps(fn)
     def command(*args, **kwargs):

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
 from depthscope.hooks.errors import OutputError
-from depthscope.hooks.files import FolderLock, atomic_text, atomic_write
+from depthscope.hooks.files import atomic_write
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "lens", "ewt_sample.txt")
 runner = CliRunner()
@@ -162,12 +162,3 @@ def test_cli_disk_full_exits_1_without_traceback_and_earlier_tables_stay_whole(
     written = pd.read_csv(out / "norms_by_site.csv")  # whole, readable
     assert len(written) > 0
     assert not calls[3].exists()
-
-
-def test_lock_refuses_a_second_writer_and_dies_with_its_process(tmp_path):
-    lock = FolderLock(tmp_path / ".depthscope.lock", "into the folder").acquire()
-    with pytest.raises(OutputError, match=rf"pid {os.getpid()}\) is writing into the folder"):
-        FolderLock(tmp_path / ".depthscope.lock", "into the folder").acquire()
-    lock.release()
-    FolderLock(tmp_path / ".depthscope.lock").acquire().release()
-    atomic_text(tmp_path / "done.txt", "ok")
