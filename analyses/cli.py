@@ -93,6 +93,11 @@ def main() -> None:
     except DepthscopeError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        typer.secho(
+            "interrupted: files already written are whole, no partial file is left", fg=typer.colors.RED, err=True
+        )
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 |---|---|
 | ``atomic_write(path, write)`` | ``write(tmp)`` on a temporary file beside ``path``, then a rename over ``path`` |
 | ``atomic_text(path, text)`` | a text file (JSON, Markdown, HTML) |
+| ``preallocate(path, n_bytes)`` | a file whose blocks are reserved now (a full disk fails here, not in a memmap) |
 | ``check_writable(folder)`` | an output folder, created and probed before any compute |
 | ``FolderLock(path)`` | an exclusive ``flock`` on a lock file: one writer per folder or store |
 
@@ -29,10 +30,12 @@ PathLike = Union[str, "os.PathLike[str]"]
 PLACE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
 
 
-def _place_error(e: BaseException) -> bool:
+def is_place_error(e: BaseException) -> bool:
     """True for an OSError about the place written to (disk full, read-only, permission); pyarrow's
     and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
-    if not isinstance(e, OSError):
+    from .errors import OutputError
+
+    if not isinstance(e, OSError) or isinstance(e, OutputError):  # an OutputError already names its path
         return False
     if e.errno in PLACE_ERRNOS:
         return True
@@ -40,13 +43,15 @@ def _place_error(e: BaseException) -> bool:
     return any(s in msg for s in ("no space left", "read-only file system", "permission denied", "quota exceeded"))
 
 
-def output_error(path: PathLike, e: OSError):
-    """The :class:`~depthscope.hooks.errors.OutputError` for an OSError ``e`` raised writing ``path``."""
+def output_error(path: PathLike, e: OSError, option: str = "--out"):
+    """The :class:`~depthscope.hooks.errors.OutputError` for an OSError ``e`` raised writing ``path``
+    (``option``: the command-line option that chooses the place)."""
     from .errors import OutputError
 
     why = e.strerror or str(e)
-    hint = {errno.ENOSPC: "free some space or use another --out", errno.EDQUOT: "free some space or use another --out"}
-    return OutputError(f"cannot write {path}: {why} ({hint.get(e.errno, 'use another --out')})")
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
+    hint = f"free some space or use another {option}" if full else f"use another {option}"
+    return OutputError(f"cannot write {path}: {why} ({hint})")
 
 
 def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
@@ -65,7 +70,7 @@ def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        if _place_error(e):
+        if is_place_error(e):
             raise output_error(path, e) from e
         raise
     return path
@@ -74,6 +79,21 @@ def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
 def atomic_text(path: PathLike, text: str) -> Path:
     """Write a text file (UTF-8) atomically; returns ``path``."""
     return atomic_write(path, lambda t: Path(t).write_text(text, encoding="utf-8"))
+
+
+def preallocate(path: PathLike, n_bytes: int) -> Path:
+    """Create ``path`` with ``n_bytes`` reserved on disk (``posix_fallocate``; a plain size where
+    the file system cannot reserve). A memmap written on a full disk dies of SIGBUS: reserving
+    first turns that into an OSError (ENOSPC) the caller can name (:func:`output_error`)."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, max(int(n_bytes), 1))
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            f.truncate(max(int(n_bytes), 1))
+    return path
 
 
 def check_writable(folder: PathLike) -> Path:

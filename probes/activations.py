@@ -254,7 +254,11 @@ def extract_spans(
     tmp = store_dir / f".{key}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
-        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="w+", shape=(max(n_rows_total, 1), S, D))
+        from depthscope.hooks.files import preallocate
+
+        shape = (max(n_rows_total, 1), S, D)
+        preallocate(tmp / "feats.bin", int(np.prod(shape)) * dtype.itemsize)  # a full disk fails here, not SIGBUS
+        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="r+", shape=shape)
         pad = getattr(model.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else int(pad)
         t0, n_tokens = time.perf_counter(), 0
@@ -334,8 +338,12 @@ def extract_spans(
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        from depthscope.hooks.files import is_place_error, output_error
+
+        if is_place_error(e):
+            raise output_error(path, e, "--store") from e
         raise
     finally:
         lock.release()

@@ -129,3 +129,25 @@ def test_error_messages_name_cli_options_when_they_name_arguments():
             if PYTHON_ONLY.search(msg) and "--" not in msg:
                 bad.append(f"{path.relative_to(ROOT)}: {msg[:100]}")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_real_model_cache_with_a_zeroed_block_is_converted_again(tmp_path, monkeypatch, caplog):
+    """The reported case: the default model's cached conversion with a zeroed block made it
+    predict ' the' after 'The capital of France is'; now the block is seen and the model converted
+    again, and it predicts ' Paris'."""
+    monkeypatch.setenv("DEPTHSCOPE_CACHE", str(tmp_path))
+    m = loading.load_model()
+    target = next((tmp_path / "models").iterdir())
+    st = target / "model.safetensors"
+    with open(st, "r+b") as h:
+        h.seek(st.stat().st_size // 3)
+        h.write(b"\0" * (8 << 20))
+    del m
+    with caplog.at_level(logging.WARNING, logger="depthscope"):
+        m = loading.load_model()
+    assert "changed since it was written (model.safetensors)" in caplog.text
+    ids = m.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        top = int(m.hf_model(ids).logits[0, -1].argmax())
+    assert m.tokenizer.decode([top]) == " Paris"

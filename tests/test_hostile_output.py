@@ -162,3 +162,27 @@ def test_cli_disk_full_exits_1_without_traceback_and_earlier_tables_stay_whole(
     written = pd.read_csv(out / "norms_by_site.csv")  # whole, readable
     assert len(written) > 0
     assert not calls[3].exists()
+
+
+def test_activation_store_on_a_full_disk_is_an_output_error_not_a_crash(tiny_factory, tmp_path, monkeypatch):
+    """The store is a memmap: writing one on a full disk would die of SIGBUS. Its blocks are
+    reserved first, so a full disk is an OutputError naming the store, and nothing is left."""
+    import numpy as np
+
+    from depthscope.probes.activations import extract_spans
+    from depthscope.probes.conllu_io import read_conllu
+    from depthscope.probes.spans import SpanTable, build_passages, map_spans, tokenize_passages
+
+    m = tiny_factory("llama", n_layers=1, d_model=32)
+    c = read_conllu(os.path.join(os.path.dirname(__file__), "fixtures", "ud", "ewt_tiny_test.conllu"), max_sentences=3)
+    passages, _ = build_passages(c.sentences, "sentence")
+    tok = tokenize_passages(m.tokenizer, [p.text for p in passages], max_tokens=64)
+    rows = [(si, w.start, w.end) for si, s in enumerate(c.sentences) for w in s.words]
+    table = map_spans(tok, SpanTable(*(np.array(v, dtype=np.int64) for v in zip(*rows))))
+    monkeypatch.setattr(os, "posix_fallocate", _full_disk)
+    with pytest.raises(
+        OutputError,
+        match=rf"cannot write {tmp_path}/\w+: No space left on device \(free some space or use another --store\)",
+    ):
+        extract_spans(m, tok, table, store_dir=tmp_path, progress=False)
+    assert [p for p in tmp_path.iterdir() if p.suffix != ".lock"] == []
