@@ -3,10 +3,14 @@ and registers itself through a ``register(app)`` function; this file only assemb
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import logging
+import math
 import os
 import pkgutil
+import typing
 
 import typer
 
@@ -23,6 +27,47 @@ app = typer.Typer(
 )
 
 
+def _finite(value):
+    """Option callback: a float option is a finite number (``nan`` and ``inf`` parse as floats)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _numeric(hint) -> type | None:
+    """``int`` or ``float`` for a (possibly optional) numeric annotation, else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if len(args) == 1 and args[0] in (int, float) else None
+
+
+def _guard(fn):
+    """Every command: a float option must be finite (a callback added to each float option), a
+    numeric option's type reads ``<int>``/``<float>`` before its range, and a
+    :class:`DepthscopeError` is printed as ``error: ...`` without a traceback (exit 1 for an
+    output place that cannot be written, 2 for bad input)."""
+    hints = typing.get_type_hints(fn)
+    for name, p in inspect.signature(fn).parameters.items():
+        info = p.default
+        kind = _numeric(hints.get(name))
+        if kind is not None and isinstance(info, typer.models.ParameterInfo):
+            if kind is float and info.callback is None:
+                info.callback = _finite
+            if info.metavar is None:  # "<int>", not "<int range>": the range follows it ("[x>=1]")
+                info.metavar = f"<{kind.__name__}>"
+
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        from depthscope.hooks.errors import DepthscopeError, OutputError
+
+        try:
+            return fn(*args, **kwargs)
+        except DepthscopeError as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1 if isinstance(e, OutputError) else 2) from None
+
+    return command
+
+
 def _load_commands() -> None:
     from . import commands
 
@@ -30,6 +75,8 @@ def _load_commands() -> None:
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
         if hasattr(mod, "register"):
             mod.register(app)
+    for cmd in app.registered_commands:
+        cmd.callback = _guard(cmd.callback)
 
 
 _load_commands()
@@ -46,6 +93,15 @@ def main() -> None:
     except DepthscopeError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        typer.secho(
+            "interrupted: files already written are whole, no partial file is left", fg=typer.colors.RED, err=True
+        )
+        raise SystemExit(130) from None
+    finally:
+        from .commands.common import release_locks
+
+        release_locks()
 
 
 if __name__ == "__main__":

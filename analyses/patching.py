@@ -293,7 +293,7 @@ def _pairs(clean: torch.Tensor, corrupted: torch.Tensor, positions: str) -> list
         raise InputError(
             f"positions={positions!r} needs clean and corrupted prompts of the same token length, got {tc} and {tk} "
             f"tokens; make the corrupted prompt differ by same-length tokens (e.g. swap one name for another) "
-            f"or use positions='last' (which aligns the last tokens)"
+            f"or patch the last position only (--positions last; positions='last'), which aligns the last tokens"
         )
     return [(None, None)] if positions == "all" else [(p, p) for p in range(tk)]
 
@@ -458,6 +458,9 @@ def activation_patching(
     first = [p.pos if (reuse and p.pos is not None) else 0 for p in patches]
     order = sorted(range(len(patches)), key=lambda i: -first[i])  # stable: forward order within a position
     values, corrupted_value = np.empty(len(patches)), None
+    from depthscope.hooks.progress import progress_bar
+
+    bar = progress_bar(len(patches), desc="patching", unit="patch")
     for rows, start in _plan([first[i] for i in order], n_pos, int(batch_tokens)):
         chunk = [patches[order[r]] for r in rows]
         base = int(corrupted_value is None)
@@ -467,6 +470,8 @@ def activation_patching(
         if base:
             corrupted_value = float(out[0])
         values[[order[r] for r in rows]] = out[base:]
+        bar.update(len(rows))
+    bar.close()
     return _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, "activation", what, positions)
 
 

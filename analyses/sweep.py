@@ -232,15 +232,10 @@ def sweep(
     write_manifest()
     result = SweepResult(tables={}, out_dir=out)
     iterator = cks
-    bar = None
     if progress:
-        try:
-            from tqdm.auto import tqdm
+        from depthscope.hooks.progress import track
 
-            bar = tqdm(cks, desc="sweep", unit="ckpt")
-            iterator = bar
-        except ImportError:  # pragma: no cover
-            pass
+        iterator = track(cks, desc="sweep", unit="ckpt", leave=True)
     for ck in iterator:
         done_marker = ck_dir / f"{ck.name}.done.json"
         failed_marker = ck_dir / f"{ck.name}.failed.json"

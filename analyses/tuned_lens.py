@@ -171,10 +171,10 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
     return X, Fin, digest
 
 
-def _bar(progress: bool, **kw):
-    from tqdm.auto import tqdm
+def _bar(progress: bool, *, total=None, desc: str, unit: str = "it", **kw):
+    from depthscope.hooks.progress import progress_bar
 
-    return tqdm(disable=not progress, leave=False, dynamic_ncols=True, **kw)
+    return progress_bar(total, desc=desc, unit=unit, enabled=progress, **kw)
 
 
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -392,7 +392,7 @@ def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, li
     if {k: v for k, v in old_model.items() if k != "name"} != {k: v for k, v in info.items() if k != "name"}:
         raise LensMismatchError(
             f"the checkpoint in {out} was trained for {old_model.get('name')!r} (another model or "
-            f"weights); use another output folder or resume=False"
+            f"weights); use another output folder or start afresh (--no-resume; resume=False)"
         )
     old = meta.get("settings", {})
     keys = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
@@ -400,7 +400,7 @@ def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, li
     if diff:
         raise InputError(
             f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
-            f"use the same settings, another output folder, or resume=False"
+            f"use the same settings, another output folder, or start afresh (--no-resume; resume=False)"
         )
     t = load_tensors(out / CKPT_FILE)
     with torch.no_grad():

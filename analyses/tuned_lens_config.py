@@ -6,10 +6,10 @@ builds it from its options (:class:`depthscope.analyses.jobs.lens.LensTrainConfi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from depthscope.hooks.errors import InputError
+from depthscope.probes.config import check_number
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,14 @@ class TunedLensTraining:
     matmul_dtype: str = "auto"
 
     def validate(self) -> TunedLensTraining:
-        """Raise :class:`InputError` on a setting that would give no or a wrong lens."""
-        if self.steps < 0:
-            raise InputError(f"steps must be >= 0, got {self.steps}")
+        """Raise :class:`InputError` on a setting that would give no or a wrong lens; returns self."""
+        check_number("steps", self.steps, minimum=0)
+        check_number("warmup", self.warmup, minimum=0)
         for name in ("tokens_per_step", "cache_tokens", "checkpoint_every", "batch_size", "max_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise InputError(f"warmup must be >= 0, got {self.warmup}")
+            check_number(name, getattr(self, name))
+        check_number("window", self.window, allow_none=True)
         for name in ("lr", "weight_lr"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise InputError(f"{name} must be a positive finite number, got {v}")
-        if self.window is not None and self.window < 1:
-            raise InputError(f"window must be >= 1 (or None: the model's context), got {self.window}")
+            check_number(name, getattr(self, name), minimum=0.0, integer=False)
         if self.matmul_dtype not in ("auto", "bfloat16", "float32"):
             raise InputError(f"matmul_dtype must be auto, bfloat16 or float32, got {self.matmul_dtype!r}")
         return self

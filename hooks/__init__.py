@@ -24,6 +24,7 @@ from .errors import (
     InputError,
     ModelSpecError,
     NonFiniteActivationError,
+    OutputError,
     UnsupportedArchitecture,
 )
 from .runtime import tune_allocator
@@ -106,6 +107,7 @@ __all__ = [
     "InputError",
     "ContextLengthError",
     "NonFiniteActivationError",
+    "OutputError",
 ]
 
 

@@ -31,3 +31,9 @@ class ContextLengthError(InputError):
 
 class NonFiniteActivationError(DepthscopeError, FloatingPointError):
     """NaN or inf in the residual stream."""
+
+
+class OutputError(DepthscopeError, OSError):
+    """An output place that cannot take the results: an existing file where a folder is wanted,
+    a read-only or unwritable place, a folder of another run or one another process is writing,
+    a full disk."""

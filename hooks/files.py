@@ -4,13 +4,19 @@
 |---|---|
 | ``atomic_write(path, write)`` | ``write(tmp)`` on a temporary file beside ``path``, then a rename over ``path`` |
 | ``atomic_text(path, text)`` | a text file (JSON, Markdown, HTML) |
+| ``preallocate(path, n_bytes)`` | a file whose blocks are reserved now (a full disk fails here, not in a memmap) |
+| ``check_writable(folder)`` | an output folder, created and probed before any compute |
+| ``FolderLock(path)`` | an exclusive ``flock`` on a lock file: one writer per folder or store |
 
 A reader sees the old file or the new one, never a part; a failed or interrupted write leaves
 no temporary file behind. Files are made readable by all (0644): tables and reports are shared.
+A full disk, a read-only file system or a missing permission is an
+:class:`~depthscope.hooks.errors.OutputError` that names the path (the CLI prints it, exit 1).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable
@@ -20,19 +26,52 @@ from typing import Union
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+#: errors of the place written to (not of the data): they become an OutputError naming the path
+PLACE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
+
+
+def is_place_error(e: BaseException) -> bool:
+    """True for an OSError about the place written to (disk full, read-only, permission); pyarrow's
+    and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
+    from .errors import OutputError
+
+    if not isinstance(e, OSError) or isinstance(e, OutputError):  # an OutputError already names its path
+        return False
+    if e.errno in PLACE_ERRNOS:
+        return True
+    msg = str(e).lower()
+    return any(s in msg for s in ("no space left", "read-only file system", "permission denied", "quota exceeded"))
+
+
+def output_error(path: PathLike, e: OSError, option: str = "--out"):
+    """The :class:`~depthscope.hooks.errors.OutputError` for an OSError ``e`` raised writing ``path``
+    (``option``: the command-line option that chooses the place)."""
+    from .errors import OutputError
+
+    why = e.strerror or str(e)
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
+    hint = f"free some space or use another {option}" if full else f"use another {option}"
+    return OutputError(f"cannot write {path}: {why} ({hint})")
+
+
 def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
-    """Write ``path`` through ``write(tmp_path)`` and an atomic rename; returns ``path``."""
+    """Write ``path`` through ``write(tmp_path)`` and an atomic rename; returns ``path``. A full disk,
+    read-only place or missing permission raises :class:`~depthscope.hooks.errors.OutputError`
+    naming ``path``; the file is then untouched (old content or absent) and no temporary is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
         write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes owner-only files
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if is_place_error(e):
+            raise output_error(path, e) from e
         raise
     return path
 
@@ -40,3 +79,93 @@ def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
 def atomic_text(path: PathLike, text: str) -> Path:
     """Write a text file (UTF-8) atomically; returns ``path``."""
     return atomic_write(path, lambda t: Path(t).write_text(text, encoding="utf-8"))
+
+
+def preallocate(path: PathLike, n_bytes: int) -> Path:
+    """Create ``path`` with ``n_bytes`` reserved on disk (``posix_fallocate``; a plain size where
+    the file system cannot reserve). A memmap written on a full disk dies of SIGBUS: reserving
+    first turns that into an OSError (ENOSPC) the caller can name (:func:`output_error`)."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, max(int(n_bytes), 1))
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            f.truncate(max(int(n_bytes), 1))
+    return path
+
+
+def check_writable(folder: PathLike) -> Path:
+    """Create ``folder`` (and parents) and prove a file can be written there, before any compute:
+    an existing file of that name, a read-only or unwritable place raise
+    :class:`~depthscope.hooks.errors.OutputError` naming it. Returns the folder."""
+    from .errors import OutputError
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"--out {folder} is an existing file, not a folder; use another --out")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".depthscope-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        if isinstance(e, FileExistsError) or e.errno == errno.ENOTDIR:
+            raise OutputError(
+                f"cannot create the folder {folder}: a part of its path is a file; use another --out"
+            ) from e
+        raise output_error(folder, e) from e
+    return folder
+
+
+class FolderLock:
+    """An exclusive lock on ``path`` (a lock file, created): ``acquire(wait=False)`` takes it or
+    raises :class:`~depthscope.hooks.errors.OutputError` saying which process holds it
+    (``wait=True``: blocks until it is free, after ``on_wait()``). The lock is ``fcntl.flock`` on
+    an open file, so the kernel drops it when its process dies: a killed run never leaves a
+    stale lock. ``release()`` (or leaving a ``with`` block) frees it."""
+
+    def __init__(self, path: PathLike, what: str = "this folder"):
+        self.path, self.what, self._fd = Path(path), what, None
+
+    def acquire(self, wait: bool = False, on_wait: Callable[[], object] | None = None) -> FolderLock:
+        import fcntl
+
+        if self._fd is not None:
+            return self
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise output_error(self.path, e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                from .errors import OutputError
+
+                raise OutputError(
+                    f"another depthscope process (pid {holder}) is writing {self.what}; "
+                    f"wait for it to finish or use another --out"
+                ) from None
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the flock
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -253,6 +253,9 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
         raise CheckpointError(f"no such GGUF file: {path}")
     target = cache_dir() / "models" / _gguf_cache_key(path)
     if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        if not _cache_intact(target, path):
+            shutil.rmtree(target, ignore_errors=True)
+    if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 target, dtype=dtype, local_files_only=True, use_safetensors=True
@@ -264,8 +267,10 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             shutil.rmtree(target, ignore_errors=True)
     _check_gguf_header(path)
     log.info("converting %s (dequantising, ~20 s, once)", path.name)
+    from .progress import spinner
+
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors (once, ~20 s)"):
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -292,12 +297,28 @@ def _check_gguf_header(path: Path) -> None:
         raise CheckpointError(f"{path} is not a GGUF file (bad magic {magic!r}); it may be corrupt or truncated")
 
 
+def _cache_intact(target: Path, gguf: Path) -> bool:
+    """True when the cached conversion in ``target`` matches its stamps (:mod:`depthscope.hooks.stamps`);
+    a missing stamp or a changed file is warned about (the caller converts again)."""
+    from .stamps import verify_stamps
+
+    bad = verify_stamps(target)
+    if bad == []:
+        return True
+    why = "carries no content digest" if bad is None else f"changed since it was written ({', '.join(bad)})"
+    log.warning("the cached conversion of %s in %s %s; converting again", gguf.name, target, why)
+    return False
+
+
 def _save_atomically(model, tok, target: Path) -> None:
+    from .stamps import write_stamps
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        write_stamps(tmp)  # checked on every load: a corrupted cache is converted again
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)

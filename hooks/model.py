@@ -568,5 +568,5 @@ def _check_finite(resid: torch.Tensor, labels: list[str]) -> None:
             n = int((~torch.isfinite(resid[i])).sum())
             raise NonFiniteActivationError(
                 f"NaN/inf in the residual stream first at site {lab} ({n} values; rows "
-                f"{bad[i].nonzero().flatten().tolist()}); pass check_finite=False to keep them"
+                f"{bad[i].nonzero().flatten().tolist()}): the weights may be corrupt or overflow their dtype"
             )

@@ -15,12 +15,16 @@ The store lives in ``store_dir/<key>/`` where the key hashes the model (architec
 tokenizer and a digest of its weights), the token ids of every passage, every span's token
 range, the sites, the pooling and the dtype; a re-run with the same model, data and sites
 finds the complete store (``meta.json`` is written last) and reuses it without a forward pass.
+One process extracts a key at a time (a ``flock`` on ``store_dir/.<key>.lock``): a second one
+waits, says so, and then reuses what the first wrote. Temporary folders of killed runs (their
+process is gone) are removed by the next extraction into the same folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -39,6 +43,36 @@ from .spans import SpanTable, Tokenized
 
 ATTN_MAX_TOKENS = 16
 STORE_VERSION = 1
+log = logging.getLogger("depthscope")
+
+
+def _claim(store_dir: Path, key: str):
+    """Hold the extraction lock of ``key`` (waiting, with a message, while another process holds
+    it) and remove temporary folders left by killed extractions; returns the lock."""
+    from depthscope.hooks.files import FolderLock
+
+    lock = FolderLock(store_dir / f".{key}.lock", f"the activation store {store_dir / key}")
+
+    def waiting():
+        log.warning("another process is extracting the same activations into %s; waiting for it", store_dir / key)
+
+    lock.acquire(wait=True, on_wait=waiting)
+    for tmp in store_dir.glob(".*.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        mine = tmp.name.startswith(f".{key}.tmp")  # we hold this key's lock: nobody else writes it
+        if tmp.is_dir() and (mine or (pid.isdigit() and not _alive(int(pid)))):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return lock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -211,20 +245,28 @@ def extract_spans(
     n_rows_total = r
     D, S = model.d_model, len(sites)
 
+    store_dir.mkdir(parents=True, exist_ok=True)
+    lock = _claim(store_dir, key)
+    found = _open(path)  # another process may have written it while we waited
+    if found is not None:
+        lock.release()
+        return found
     tmp = store_dir / f".{key}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="w+", shape=(max(n_rows_total, 1), S, D))
+        from depthscope.hooks.files import preallocate
+
+        shape = (max(n_rows_total, 1), S, D)
+        preallocate(tmp / "feats.bin", int(np.prod(shape)) * dtype.itemsize)  # a full disk fails here, not SIGBUS
+        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="r+", shape=shape)
         pad = getattr(model.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else int(pad)
         t0, n_tokens = time.perf_counter(), 0
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from depthscope.hooks.progress import progress_bar
 
-            bar = tqdm(total=int(run_len.sum()), desc=desc, unit="tok", leave=False)
+            bar = progress_bar(int(run_len.sum()), desc=desc, unit="tok")
         for j, b in enumerate(batches):
             width = int(run_len[b].max())
             ids = torch.full((len(b), width), pad, dtype=torch.long)
@@ -259,7 +301,8 @@ def extract_spans(
             arr = out.permute(1, 0, 2).to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
             if dtype == np.float16 and not np.isfinite(arr).all():
                 raise NonFiniteActivationError(
-                    "activations overflow float16 (|x| > 65504) at some site: rerun with dtype='float32'"
+                    "activations overflow float16 (|x| > 65504) at some site: store them as float32 "
+                    "(--float32; in Python store_dtype='float32')"
                 )
             r0 = int(row_start[here[0]])
             feats[r0 : r0 + len(arr)] = arr
@@ -295,9 +338,15 @@ def extract_spans(
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        from depthscope.hooks.files import is_place_error, output_error
+
+        if is_place_error(e):
+            raise output_error(path, e, "--store") from e
         raise
+    finally:
+        lock.release()
     store = _open(path)
     store.reused = False
     return store

@@ -25,6 +25,7 @@ same protocol. One default for training: 12 epochs (``depthscope run`` trained 6
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -51,11 +52,26 @@ def _choice(name: str, value, allowed) -> None:
         raise _error(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def _positive(name: str, value, *, allow_none: bool = False) -> None:
+def check_number(name: str, value, *, minimum: float = 1, integer: bool = True, allow_none: bool = False) -> None:
+    """The one numeric check of every configuration: ``value`` is a finite number (an integer when
+    ``integer``) of at least ``minimum`` (``minimum=0.0`` with ``integer=False``: greater than 0),
+    or None when ``allow_none``; else an :class:`~depthscope.hooks.errors.InputError` naming it."""
     if value is None and allow_none:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise _error(f"{name} must be a positive number, got {value!r}")
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = value >= minimum
+    elif ok:
+        ok = value > 0 if minimum == 0.0 else value >= minimum
+    if not ok:
+        what = "an integer" if integer else "a finite number"
+        bound = f">= {minimum}" if integer or minimum != 0.0 else "> 0"
+        raise _error(f"{name} must be {what} {bound}, got {value!r}")
+
+
+def _positive(name: str, value, *, allow_none: bool = False) -> None:
+    check_number(name, value, minimum=0.0, integer=False, allow_none=allow_none)
 
 
 @dataclass
@@ -92,12 +108,20 @@ class ProbeConfig:
         _choice("probe", self.probe, PROBES)
         _choice("precision", self.precision, PRECISIONS)
         if not (
-            self.l2 == "dev" or (isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool) and self.l2 >= 0)
+            self.l2 == "dev"
+            or (
+                isinstance(self.l2, (int, float))
+                and not isinstance(self.l2, bool)
+                and math.isfinite(self.l2)
+                and self.l2 >= 0
+            )
         ):
-            raise _error(f"l2 must be a non-negative number or 'dev', got {self.l2!r}")
-        for name in ("epochs", "lr", "hidden"):
-            _positive(name, getattr(self, name))
-        _positive("batch_size", self.batch_size, allow_none=True)
+            raise _error(f"l2 must be a finite non-negative number or 'dev', got {self.l2!r}")
+        for name in ("epochs", "hidden"):
+            check_number(name, getattr(self, name))
+        _positive("lr", self.lr)
+        check_number("batch_size", self.batch_size, allow_none=True)
+        check_number("seed", self.seed, minimum=0)
         if not isinstance(self.min_steps, int) or self.min_steps < 0:
             raise _error(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
         return self
@@ -134,8 +158,9 @@ class ExtractionConfig:
         _choice("store_dtype", self.store_dtype, STORE_DTYPES)
         if self.context is not None:
             _choice("context", self.context, CONTEXTS)
-        for name in ("batch_tokens", "max_tokens", "resident_bytes"):
-            _positive(name, getattr(self, name))
+        for name in ("batch_tokens", "max_tokens"):
+            check_number(name, getattr(self, name))
+        _positive("resident_bytes", self.resident_bytes)
         return self
 
 
@@ -160,7 +185,7 @@ class DataConfig:
     def validate(self) -> DataConfig:
         _choice("overlap", self.overlap, OVERLAP)
         for name in ("max_train_sentences", "max_test_sentences", "max_dev_sentences"):
-            _positive(name, getattr(self, name), allow_none=True)
+            check_number(name, getattr(self, name), allow_none=True)
         _positive("coref_neg_ratio", self.coref_neg_ratio)
         if not isinstance(self.coref_window, int) or self.coref_window < 0:
             raise _error(f"coref_window must be a non-negative integer, got {self.coref_window!r}")

@@ -188,13 +188,8 @@ def load_and_extract(
     seed: int = 0,
     progress: bool = True,
 ) -> Extracted:
-    """Model, corpora, task examples and one extraction per split x context."""
-    m = resolve_model(model)
-    max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
-    site_idx = parse_sites(extraction.sites, m.n_layers)
-    frame = site_frame(site_idx, m.n_layers)
-
-    prepend = bos_id(m.tokenizer) if (extraction.bos and m.tokenizer is not None) else None
+    """Model, corpora, task examples and one extraction per split x context. The data are read
+    and checked (files, tasks, labels) before the model loads: bad data fail fast."""
     corpora = {"train": _as_corpus(train, data.max_train_sentences, seed, "train")}
     corpora["test"] = _as_corpus(test, data.max_test_sentences, seed, "test")
     if dev is not None:
@@ -204,6 +199,11 @@ def load_and_extract(
     context_of = {task: extraction.context or default_context(task) for task in tasks}
     examples = _examples(tasks, corpora, data, context_of, seed)
 
+    m = resolve_model(model)
+    max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
+    site_idx = parse_sites(extraction.sites, m.n_layers)
+    frame = site_frame(site_idx, m.n_layers)
+    prepend = bos_id(m.tokenizer) if (extraction.bos and m.tokenizer is not None) else None
     extractions: dict = {}
     t_ex = time.perf_counter()
     for split, corpus in corpora.items():

@@ -89,9 +89,9 @@ def online_codelength(
     blocks = list(zip(ends[:-1], ends[1:]))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from depthscope.hooks.progress import progress_bar
 
-        bar = tqdm(total=len(blocks), desc="MDL blocks", leave=False)
+        bar = progress_bar(len(blocks), desc="MDL blocks", unit="block")
     for t0, t1 in blocks:
         tr_idx, ev_idx = order[:t0], order[t0:t1]
         ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)

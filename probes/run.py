@@ -44,6 +44,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from depthscope.hooks.errors import InputError
@@ -95,6 +96,26 @@ def resolve_configs(
     return tuple(c.validate() for c in override(configs, overrides))
 
 
+def dropped_note(td, max_tokens: int) -> str | None:
+    """One sentence on the data a task loses: spans no subword covers (or cut off by the
+    ``max_tokens`` context) per split, and test examples whose label train never has (the probe
+    cannot predict them: they count as errors). None when nothing is lost."""
+    parts = []
+    skipped = {s: n for s, n in td.skipped.items() if n}
+    if skipped:
+        where = ", ".join(f"{n} of {n + len(td.examples[s].labels)} {s}" for s, n in skipped.items())
+        parts.append(f"{where} spans skipped (no subword covers them, or past the {max_tokens}-token context)")
+    unseen = td.y["test"] >= td.n_classes
+    if unseen.any():
+        labels = sorted({str(x) for x in np.asarray(td.examples["test"].labels)[unseen]})
+        shown = ", ".join(labels[:5]) + (", ..." if len(labels) > 5 else "")
+        parts.append(
+            f"{int(unseen.sum())} test example(s) carry {len(labels)} label(s) unseen in train ({shown}); "
+            f"they count as errors"
+        )
+    return f"task {td.task!r}: " + "; ".join(parts) if parts else None
+
+
 def run_probes(
     model,
     tasks,
@@ -133,6 +154,9 @@ def run_probes(
         td = encode_task(
             task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=dtype
         )
+        note = dropped_note(td, ext.max_tokens)
+        if note:
+            log.warning(note)
         rows = fit_task(
             td,
             got.frame,

@@ -83,9 +83,9 @@ def train_probe(
     losses = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from depthscope.hooks.progress import progress_bar
 
-        bar = tqdm(total=total, desc=desc, unit="step", leave=False)
+        bar = progress_bar(total, desc=desc, unit="step")
     probe.train()
     with threads_for(step_work(probe, feats, batch_size)):
         losses = _train_loop(probe, feats, y, opt, base, rng, epochs, total, batch_size, bar)

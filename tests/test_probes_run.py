@@ -69,7 +69,8 @@ def test_store_is_reused_and_keyed(tiny_factory, tmp_path):
     other = tiny_factory("llama", n_layers=2, d_model=32, seed=1)  # same config, other weights
     d = extract_spans(other, tok, table, store_dir=tmp_path, progress=False)
     assert d.path != a.path and not d.reused
-    assert len(list(tmp_path.iterdir())) == 3  # no temporary folders left behind
+    # no temporary folders left behind (the per-key lock files stay: unlinking a lock file races)
+    assert len([p for p in tmp_path.iterdir() if p.suffix != ".lock"]) == 3
 
 
 def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):

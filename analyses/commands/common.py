@@ -12,6 +12,33 @@ ModelOpt = typer.Option(
 OutOpt = typer.Option(Path("depthscope-out"), "--out", "-o", help="Output folder for tables and plots.")
 
 
+ForceOpt = typer.Option(False, "--force", help="Write into an output folder that holds another run.")
+
+
+def prepare_out(out: Path, command: str, identity: dict | None = None, force: bool = False) -> None:
+    """Check and claim ``out`` before any compute (:func:`~depthscope.analyses.jobs.base.prepare_output`);
+    the folder's lock is released when the command ends."""
+    import click
+
+    from ..jobs.base import prepare_output
+
+    lock = prepare_output(out, command, identity, force=force)
+    _HELD.append(lock)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(lock.release)
+
+
+_HELD: list = []  # folder locks taken by this process's commands
+
+
+def release_locks() -> None:
+    """Release every folder lock a command took (``main`` calls it when the command ends, also on
+    an error, so an in-process caller -- tests, notebooks -- can run the next command)."""
+    while _HELD:
+        _HELD.pop().release()
+
+
 def load(model: str | None):
     from depthscope.hooks import load_model
 
@@ -19,9 +46,21 @@ def load(model: str | None):
 
 
 ThreadsOpt = typer.Option(
-    None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine)."
+    None,
+    "--threads",
+    min=1,
+    help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
 )
-SeedOpt = typer.Option(0, "--seed", help="Seed for sampling, control tasks and training.")
+SeedOpt = typer.Option(0, "--seed", min=0, help="Seed for sampling, control tasks and training (an integer >= 0).")
+
+
+def positive(value: float | None):
+    """Option callback: a float that is finite and greater than 0 (learning rates)."""
+    import math
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a number greater than 0")
+    return value
 
 
 def set_threads(threads: int | None) -> None:

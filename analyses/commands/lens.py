@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from ..jobs.lens import LensConfig, LensTrainConfig
+from ..jobs.lens import MAX_TOP_K, LensConfig, LensTrainConfig
 from ..tuned_lens_config import TunedLensTraining
-from .common import ModelOpt, OutOpt, ThreadsOpt, set_threads
+from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, positive, prepare_out, set_threads
 
 _L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
 
@@ -65,12 +65,14 @@ def lens(
     max_tokens: int | None = typer.Option(
         _L.max_tokens,
         "--max-tokens",
+        min=1,
         help="Stop after this many token positions of the text.",
     ),
-    batch_size: int = typer.Option(_L.batch_size, "--batch-size", help="Windows per forward pass."),
+    batch_size: int = typer.Option(_L.batch_size, "--batch-size", min=1, help="Windows per forward pass."),
     window: int | None = typer.Option(
         _L.window,
         "--window",
+        min=2,
         help="Tokens per window (default min(context, 512)); longer documents are split.",
     ),
     tuned: Path | None = typer.Option(
@@ -88,8 +90,15 @@ def lens(
         "--first-position/--skip-first-position",
         help="Include position 0 of every window (default) or skip it (attention sink).",
     ),
-    top_k: int = typer.Option(_L.top_k, "--top-k", help="Top tokens per position and site in the token table."),
+    top_k: int = typer.Option(
+        _L.top_k,
+        "--top-k",
+        min=1,
+        max=MAX_TOP_K,
+        help=f"Top tokens per position and site in the token table (at most {MAX_TOP_K} and the vocabulary).",
+    ),
     threads: int | None = ThreadsOpt,
+    force: bool = ForceOpt,
 ):
     """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
     cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
@@ -105,11 +114,6 @@ def lens(
     set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
-    m = load(model)
-    m.unembed.check()
-    console.print(
-        f"logit lens: {m.name}, {len(docs)} document(s) from {text}" + (f"; tuned lens: {tuned}" if tuned else "")
-    )
     cfg = LensConfig(
         prompt=prompt,
         sites=_sites(sites),
@@ -120,6 +124,13 @@ def lens(
         top_k=top_k,
         tuned=tuned,
         source=text.name,
+        progress=True,
+    ).validate()
+    prepare_out(out, "lens", {"model": model or "default", "text": str(text)}, force)
+    m = load(model)
+    m.unembed.check()
+    console.print(
+        f"logit lens: {m.name}, {len(docs)} document(s) from {text}" + (f"; tuned lens: {tuned}" if tuned else "")
     )
     res = lens_job(m, docs, cfg, Output(out))
     if res.summary.get("split_note"):
@@ -141,20 +152,25 @@ def lens_train(
     steps: int = typer.Option(
         _TT.steps,
         "--steps",
+        min=1,
         help="Adam steps (bounded; each trains every site on --tokens-per-step tokens).",
     ),
     tokens_per_step: int = typer.Option(
         _TT.tokens_per_step,
         "--tokens-per-step",
+        min=1,
         help="Tokens per step (x all sites).",
     ),
     cache_tokens: int = typer.Option(
         _TT.cache_tokens,
         "--cache-tokens",
+        min=1,
         help="Tokens whose streams are captured once and trained on.",
     ),
-    lr: float = typer.Option(_TT.lr, "--lr", help="Learning rate of the (RMS-scaled) biases."),
-    weight_lr: float = typer.Option(_TT.weight_lr, "--weight-lr", help="Learning rate of the d x d matrices."),
+    lr: float = typer.Option(_TT.lr, "--lr", callback=positive, help="Learning rate of the (RMS-scaled) biases."),
+    weight_lr: float = typer.Option(
+        _TT.weight_lr, "--weight-lr", callback=positive, help="Learning rate of the d x d matrices."
+    ),
     per_line: bool = typer.Option(
         True,
         "--per-line/--whole-file",
@@ -169,11 +185,13 @@ def lens_train(
     checkpoint_every: int = typer.Option(
         _TT.checkpoint_every,
         "--checkpoint-every",
+        min=1,
         help="Steps between checkpoints.",
     ),
     eval_tokens: int = typer.Option(
         _T.eval_tokens,
         "--eval-tokens",
+        min=0,
         help="Held-out tokens (the last tenth of the documents) to compare with the logit lens; 0 to skip.",
     ),
     threads: int | None = ThreadsOpt,
@@ -191,8 +209,6 @@ def lens_train(
     set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
-    m = load(model)
-    m.unembed.check()
     training = TunedLensTraining(
         steps=steps,
         tokens_per_step=tokens_per_step,
@@ -203,7 +219,10 @@ def lens_train(
         resume=resume,
         checkpoint_every=checkpoint_every,
     ).validate()
-    cfg = LensTrainConfig(training=training, eval_tokens=eval_tokens)
+    cfg = LensTrainConfig(training=training, eval_tokens=eval_tokens).validate()
+    prepare_out(out, "lens-train", None)  # the folder may hold a checkpoint to resume
+    m = load(model)
+    m.unembed.check()
     console.print(
         f"training a tuned lens for {m.name} on {text}; {steps} steps x {tokens_per_step} tokens; checkpoints in {out}"
     )

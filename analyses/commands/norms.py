@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..jobs.norms import NormsConfig
-from .common import ModelOpt, OutOpt
+from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
 
 _N = NormsConfig()
 
@@ -72,12 +72,14 @@ def norms(
     max_tokens: int | None = typer.Option(
         _N.max_tokens,
         "--max-tokens",
+        min=1,
         help="Stop after this many real tokens of the text.",
     ),
-    batch_size: int = typer.Option(_N.batch_size, "--batch-size", help="Sequences per forward pass."),
+    batch_size: int = typer.Option(_N.batch_size, "--batch-size", min=1, help="Sequences per forward pass."),
     window: int | None = typer.Option(
         _N.window,
         "--window",
+        min=1,
         help="Split documents into windows of at most this many tokens (default min(context, 512)).",
     ),
     whole_file: bool = typer.Option(
@@ -90,6 +92,8 @@ def norms(
         "--heads",
         help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
     ),
+    threads: int | None = ThreadsOpt,
+    force: bool = ForceOpt,
 ):
     """How much each sublayer writes into the residual stream, relative to it.
 
@@ -105,18 +109,12 @@ def norms(
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.norms import norms_job
     from depthscope.analyses.text import read_documents
-    from depthscope.hooks.errors import InputError
 
     from .common import load
 
+    set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=not whole_file)
-    if not prompt:
-        raise InputError("--prompt is empty")
-    m = load(model)
-    console.print(repr(m))
-    if not m.unembed.decodes_stream:
-        console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
     cfg = NormsConfig(
         prompt=prompt,
         target=target,
@@ -127,7 +125,12 @@ def norms(
         heads=heads,
         progress=True,
         source=str(text),
-    )
+    ).validate()
+    prepare_out(out, "norms", {"model": model or "default", "text": str(text)}, force)
+    m = load(model)
+    console.print(repr(m))
+    if not m.unembed.decodes_stream:
+        console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
     res = norms_job(m, docs, cfg, Output(out))
     _print_summary(m, res.summary)
     console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {out}")

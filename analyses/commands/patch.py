@@ -8,7 +8,7 @@ import typer
 
 from depthscope.analyses.jobs.patch import PatchConfig
 
-from .common import ModelOpt, OutOpt
+from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
 
 _D = PatchConfig()
 
@@ -52,18 +52,18 @@ def register(app: typer.Typer) -> None:
             "with exact patching.",
         ),
         batch_tokens: int = typer.Option(
-            _D.batch_tokens, "--batch-tokens", help="Tokens per forward pass (patched rows x recomputed positions)."
+            _D.batch_tokens,
+            "--batch-tokens",
+            min=1,
+            help="Tokens per forward pass (patched rows x recomputed positions).",
         ),
-        threads: int | None = typer.Option(
-            None,
-            "--threads",
-            help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
-        ),
+        threads: int | None = ThreadsOpt,
         plots: bool = typer.Option(
             _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."
         ),
         model: str | None = ModelOpt,
         out: Path = OutOpt,
+        force: bool = ForceOpt,
     ):
         """Which activations carry the difference between a clean and a corrupted prompt.
 
@@ -81,10 +81,7 @@ def register(app: typer.Typer) -> None:
         from depthscope.analyses.jobs.patch import patch_job
         from depthscope.hooks import load_model
 
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
+        set_threads(threads)
         config = PatchConfig(
             clean=clean,
             corrupted=corrupted,
@@ -95,7 +92,8 @@ def register(app: typer.Typer) -> None:
             attribution=attribution,
             batch_tokens=batch_tokens,
             plots=plots,
-        )
+        ).validate()
+        prepare_out(out, "patch", {"model": model or "default", "clean": clean, "corrupted": corrupted}, force)
         console = Console(stderr=True)
         m = load_model(model)
         console.print(repr(m))

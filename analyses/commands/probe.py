@@ -8,13 +8,15 @@ import typer
 
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-from .common import ModelOpt, OutOpt, SeedOpt, ThreadsOpt, set_threads
+from .common import ForceOpt, ModelOpt, OutOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
 
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
 
 def job_config(o: dict):
     """The :class:`ProbeJobConfig` that the command's options ``o`` (by parameter name) describe."""
+    import math
+
     from depthscope.analyses.jobs.probe import ProbeJobConfig
     from depthscope.hooks.errors import InputError
 
@@ -22,6 +24,8 @@ def job_config(o: dict):
         l2 = o["l2"] if o["l2"] == "dev" else float(o["l2"])
     except ValueError:
         raise InputError(f"--l2 must be a number or 'dev', got {o['l2']!r}") from None
+    if l2 != "dev" and not (math.isfinite(l2) and l2 >= 0):
+        raise InputError(f"--l2 must be a finite number >= 0 (0: no penalty) or 'dev', got {o['l2']!r}")
     return ProbeJobConfig(
         tasks=[t.strip() for t in o["task"].split(",") if t.strip()] if o["task"] else None,
         train=o["train"],
@@ -45,7 +49,7 @@ def job_config(o: dict):
             max_dev_sentences=o["max_dev_sentences"],
             overlap=o["overlap"],
         ),
-    )
+    ).validate()
 
 
 def print_summary(summary) -> None:
@@ -104,13 +108,16 @@ def register(app: typer.Typer) -> None:
             None, "--sites", help="Comma-separated sites (labels or indices); default all 2L+1."
         ),
         max_train_sentences: int | None = typer.Option(
-            _D.max_train_sentences, "--max-train-sentences", help="Cap train at N sentences (whole documents, seeded)."
+            _D.max_train_sentences,
+            "--max-train-sentences",
+            min=1,
+            help="Cap train at N sentences (whole documents, seeded).",
         ),
         max_test_sentences: int | None = typer.Option(
-            _D.max_test_sentences, "--max-test-sentences", help="Cap test at N sentences."
+            _D.max_test_sentences, "--max-test-sentences", min=1, help="Cap test at N sentences."
         ),
         max_dev_sentences: int | None = typer.Option(
-            _D.max_dev_sentences, "--max-dev-sentences", help="Cap dev at N sentences."
+            _D.max_dev_sentences, "--max-dev-sentences", min=1, help="Cap dev at N sentences."
         ),
         context: str | None = typer.Option(
             _E.context, "--context", help="sentence or document for every task (default: document for coref only)."
@@ -118,9 +125,10 @@ def register(app: typer.Typer) -> None:
         l2: str = typer.Option(
             str(_P.l2),
             "--l2",
-            help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'dev' to choose per site on --dev.",
+            help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n); 0: none), or 'dev' to choose per site "
+            "on --dev.",
         ),
-        epochs: int = typer.Option(_P.epochs, "--epochs", help="Training epochs of every probe."),
+        epochs: int = typer.Option(_P.epochs, "--epochs", min=1, help="Training epochs of every probe."),
         precision: str = typer.Option(
             _P.precision,
             "--precision",
@@ -148,6 +156,7 @@ def register(app: typer.Typer) -> None:
         threads: int | None = ThreadsOpt,
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Draw the figures."),
         out: Path = OutOpt,
+        force: bool = ForceOpt,
     ):
         """Probe which depth encodes which property (Tenney et al. 2019): per-site accuracy, control-task
         selectivity, scalar-mix E_s and cumulative-scoring E_Delta, for each TASK.
@@ -160,6 +169,7 @@ def register(app: typer.Typer) -> None:
 
         set_threads(threads)
         cfg = job_config(dict(locals()))  # every option by its parameter name
+        prepare_out(out, "probe", {"model": model or "default", "train": str(train), "test": str(test)}, force)
         result = run_probe_job(model, cfg, Output(out), progress=True)
         print_summary(result.tables["probes_summary"])
         typer.echo(f"precision: {result.summary['precision']}")

@@ -8,7 +8,7 @@ import typer
 
 from depthscope.probes.config import DataConfig, ProbeConfig
 
-from .common import ModelOpt, SeedOpt, ThreadsOpt, set_threads
+from .common import ForceOpt, ModelOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
 
 _P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -40,19 +40,20 @@ def register(app: typer.Typer) -> None:
         max_train_sentences: int | None = typer.Option(
             _D.max_train_sentences,
             "--max-train-sentences",
+            min=1,
             help="Cap probe train data at N sentences (whole documents, seeded).",
         ),
         max_test_sentences: int | None = typer.Option(
-            _D.max_test_sentences, "--max-test-sentences", help="Cap probe test data at N sentences."
+            _D.max_test_sentences, "--max-test-sentences", min=1, help="Cap probe test data at N sentences."
         ),
         epochs: int = typer.Option(
-            _P.epochs, "--epochs", help="Training epochs of every probe (the same default as depthscope probe)."
+            _P.epochs, "--epochs", min=1, help="Training epochs of every probe (the same default as depthscope probe)."
         ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
-        lens_tokens: int = typer.Option(1500, "--lens-tokens", help="Tokens of text for the logit lens."),
-        norms_tokens: int = typer.Option(4000, "--norms-tokens", help="Tokens of text for contribution norms."),
-        force: bool = typer.Option(False, "--force", help="Write into an output folder that holds another run."),
+        lens_tokens: int = typer.Option(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens."),
+        norms_tokens: int = typer.Option(4000, "--norms-tokens", min=1, help="Tokens of text for contribution norms."),
+        force: bool = ForceOpt,
     ):
         """Run the logit lens, contribution norms and probes on one model and write tables, plots and
         a report (report.md, report.html) answering which depth encodes which property."""
@@ -69,6 +70,11 @@ def register(app: typer.Typer) -> None:
             if not Path(f).is_file():
                 raise typer.BadParameter(f"no such file: {f}")
         _check_out(out, model, files, force)
+        probe, data_cfg = (
+            ProbeConfig(epochs=epochs, seed=seed).validate(),
+            DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences).validate(),
+        )
+        prepare_out(out, "run", None, force)
         cfg = ReportConfig(
             model=model,
             train=files[0] if files else None,
@@ -80,8 +86,8 @@ def register(app: typer.Typer) -> None:
             target=target,
             lens_tokens=lens_tokens,
             norms_tokens=norms_tokens,
-            probe=ProbeConfig(epochs=epochs, seed=seed),
-            data=DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences),
+            probe=probe,
+            data=data_cfg,
         )
         path = run_report(out, cfg)
         typer.echo(f"report: {path}\nmarkdown: {out / 'report.md'}")
@@ -95,7 +101,9 @@ def _check_out(out: Path, model, files, force: bool) -> None:
     from depthscope.hooks.errors import InputError
 
     run_json = out / "run.json"
-    if not out.exists() or not any(out.iterdir()) or force:
+    if out.exists() and not out.is_dir():
+        return  # prepare_output says it is a file
+    if not out.exists() or not any(not p.name.startswith(".depthscope") for p in out.iterdir()) or force:
         return
     if run_json.is_file():
         old = json.loads(run_json.read_text())

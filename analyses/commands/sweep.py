@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         text: Path | None = typer.Option(
             None, "--text", help="Plain text for lens/norms (one document per line); default: the bundled EWT sample."
         ),
-        max_docs: int = typer.Option(200, "--max-docs", help="Use at most this many documents of --text."),
+        max_docs: int = typer.Option(200, "--max-docs", min=1, help="Use at most this many documents of --text."),
         task: str = typer.Option("upos", "--task", help="Probe tasks, comma-separated (probe)."),
         train: Path | None = typer.Option(
             None, "--train", help="CoNLL-U/JSONL train file (probe); default: bundled EWT sample."
@@ -33,10 +33,10 @@ def register(app: typer.Typer) -> None:
             None, "--test", help="CoNLL-U/JSONL test file (probe); default: bundled EWT sample."
         ),
         max_train_sentences: int | None = typer.Option(
-            None, "--max-train-sentences", help="Cap probe train data at N sentences (probe)."
+            None, "--max-train-sentences", min=1, help="Cap probe train data at N sentences (probe)."
         ),
         max_test_sentences: int | None = typer.Option(
-            None, "--max-test-sentences", help="Cap probe test data at N sentences (probe)."
+            None, "--max-test-sentences", min=1, help="Cap probe test data at N sentences (probe)."
         ),
         metric: str | None = typer.Option(
             None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
@@ -55,6 +55,11 @@ def register(app: typer.Typer) -> None:
         from depthscope.analyses.plots import sweep as sweep_plots
         from depthscope.analyses.sweep import discover_checkpoints, sweep
 
+        from .common import prepare_out
+
+        if analysis not in ("lens", "norms", "probe"):
+            raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
+        prepare_out(out, "sweep", None, overwrite)  # sweep() itself refuses another sweep's folder
         cks = discover_checkpoints([*(checkpoints or []), *(checkpoints_pos or [])], checkpoint_dir)
         kwargs: dict = {}
         if analysis in ("lens", "norms"):
@@ -117,8 +122,8 @@ def register(app: typer.Typer) -> None:
     @app.command("toy-series")
     def toy_series(
         out: Path = typer.Option(..., "--out", "-o", help="Folder for step0/, step50/, ... checkpoints."),
-        steps: int = typer.Option(200, "--steps"),
-        save_every: int = typer.Option(50, "--save-every"),
+        steps: int = typer.Option(200, "--steps", min=1, help="Training steps."),
+        save_every: int = typer.Option(50, "--save-every", min=1, help="Steps between saved checkpoints."),
         text: Path | None = typer.Option(None, "--text", help="Training text (default: the bundled EWT sample)."),
     ):
         """Train a tiny Llama on text with the default tokenizer, saving a checkpoint series to sweep over."""
@@ -127,6 +132,9 @@ def register(app: typer.Typer) -> None:
         from depthscope.hooks import load_model
         from depthscope.hooks.toy import train_tiny_series
 
+        from .common import prepare_out
+
+        prepare_out(out, "toy-series", None)
         tok = load_model().tokenizer
         docs = read_documents(text) if text else sample_texts()
         paths = train_tiny_series(out, docs, tok, steps=steps, save_every=save_every)

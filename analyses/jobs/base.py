@@ -1,4 +1,5 @@
-"""What every job shares: an output folder that records what was written, and the result."""
+"""What every job shares: an output folder checked and claimed before any compute
+(:func:`prepare_output`), that records what was written (:class:`Output`), and the result."""
 
 from __future__ import annotations
 
@@ -9,6 +10,59 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
+
+
+#: the marker of an output folder: which command wrote it, for which model and data
+MARKER = ".depthscope.json"
+#: commands whose folder is theirs alone (a report, a sweep): other commands do not write into it
+EXCLUSIVE = ("run", "sweep")
+
+
+def prepare_output(out, command: str, identity: dict | None = None, *, force: bool = False):
+    """Check and claim the output folder ``out`` before any compute; returns the held
+    :class:`~depthscope.hooks.files.FolderLock` (release it when done; the CLI does so when the
+    command ends).
+
+    Raises :class:`~depthscope.hooks.errors.OutputError` when ``out`` is an existing file, a place
+    that cannot be written (read-only, no permission), a folder another process is writing
+    (a lock file in it), or, unless ``force``: a folder holding another run of ``command`` (its
+    recorded ``identity``, e.g. the model and data, differs) or a folder of a report or a sweep
+    (``EXCLUSIVE``) when ``command`` is another one. The folder records ``command: identity`` in
+    :data:`MARKER`."""
+    import json
+
+    from depthscope.hooks.errors import OutputError
+    from depthscope.hooks.files import FolderLock, atomic_text, check_writable
+
+    folder = check_writable(out)
+    lock = FolderLock(folder / ".depthscope.lock", f"into {folder}").acquire()
+    try:
+        marker = folder / MARKER
+        try:
+            old = json.loads(marker.read_text()) if marker.is_file() else {}
+        except (OSError, ValueError):
+            old = {}
+        old = old if isinstance(old, dict) else {}
+        # a folder that holds nothing but claims (a run that failed before writing) is free
+        empty = not any(p.name not in (MARKER, ".depthscope.lock") for p in folder.iterdir())
+        if not force and not empty:
+            owners = [c for c in old if c in EXCLUSIVE and c != command]
+            if owners:
+                raise OutputError(
+                    f"{folder} holds a depthscope {owners[0]} (its tables would be mixed with this {command}'s); "
+                    f"use another --out or --force"
+                )
+            if identity is not None and command in old and old[command] not in (None, identity):
+                was = ", ".join(f"{k} {v}" for k, v in old[command].items())
+                raise OutputError(
+                    f"{folder} holds the results of another {command} run ({was}); use another --out or --force"
+                )
+        old[command] = identity
+        atomic_text(marker, json.dumps(old, indent=1, default=str))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 class Output:

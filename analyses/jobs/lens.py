@@ -21,6 +21,8 @@ from ..tuned_lens_config import TunedLensTraining
 from .base import JobResult, Output
 
 DEFAULT_PROMPT = "The capital of France is"
+#: the most top tokens per position and site in ``lens_tokens`` (three columns each)
+MAX_TOP_K = 1000
 
 
 @dataclass
@@ -37,17 +39,38 @@ class LensConfig:
     top_k: int = 5
     tuned: Path | None = None
     source: str | None = None
+    progress: bool = False
+
+    def validate(self) -> LensConfig:
+        """Check the settings (before the model loads); returns self. ``window`` is at least 2
+        tokens (one position and its next token); ``top_k`` at most :data:`MAX_TOP_K`."""
+        from depthscope.hooks.errors import InputError
+        from depthscope.probes.config import check_number
+
+        check_number("batch_size", self.batch_size)
+        check_number("window", self.window, minimum=2, allow_none=True)
+        check_number("max_tokens", self.max_tokens, allow_none=True)
+        check_number("top_k", self.top_k)
+        if self.top_k > MAX_TOP_K:
+            raise InputError(f"top_k must be at most {MAX_TOP_K} (three table columns each), got {self.top_k}")
+        if not self.prompt:
+            raise InputError("the prompt is empty")
+        return self
 
 
-def split_note(model, docs: Sequence[str], window: int | None) -> str | None:
+def token_counts(model, docs: Sequence[str]) -> list[int]:
+    """Tokens of each document (one tokenizer pass; sizes the progress bar and :func:`split_note`)."""
+    return [len(ids) for ids in model.tokenizer(list(docs))["input_ids"]] if docs else []
+
+
+def split_note(model, docs: Sequence[str], window: int | None, counts: Sequence[int] | None = None) -> str | None:
     """Say how many documents are longer than the window (they are split, not truncated)."""
     from depthscope.analyses.text import windows as split
 
     ctx = model.max_context or 2048
     w = min(window or 512, ctx)
     long_docs, pieces = 0, 0
-    for d in docs:
-        n = len(model.tokenizer(d)["input_ids"])
+    for n in counts if counts is not None else token_counts(model, docs):
         if n > w:
             long_docs += 1
             pieces += len(split(list(range(n)), w))
@@ -70,14 +93,17 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
     from depthscope.analyses.tables import site_first
 
+    config.validate()
     model.unembed.check()
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
     kw = dict(
         sites=config.sites, batch_size=config.batch_size, window=config.window, first_position=config.first_position
     )
+    counts = token_counts(model, docs)
+    big = dict(max_tokens=config.max_tokens, progress=config.progress, total=sum(counts))
     by_site = site_first(
         pd.concat(
-            [logit_lens(model, docs, lens=lens, max_tokens=config.max_tokens, **kw) for lens in lenses],
+            [logit_lens(model, docs, lens=lens, **big, **kw) for lens in lenses],
             ignore_index=True,
         )
     )
@@ -104,7 +130,7 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
         "model": str(model.name),
         "n_positions": n_positions,
         "mean_kl_to_final": {k: float(g["kl_to_final"].mean()) for k, g in by_site.groupby("lens")},
-        "split_note": split_note(model, docs, config.window),
+        "split_note": split_note(model, docs, config.window, counts),
     }
     return JobResult(tables={"lens_by_site": by_site, "lens_tokens": tokens}, summary=summary, files=list(out.written))
 
@@ -120,6 +146,14 @@ class LensTrainConfig:
     eval_tokens: int = 128
     progress: bool = True
 
+    def validate(self) -> LensTrainConfig:
+        """Check the settings (before the model loads); returns self. ``eval_tokens`` 0: no comparison."""
+        from depthscope.probes.config import check_number
+
+        self.training.validate()
+        check_number("eval_tokens", self.eval_tokens, minimum=0)
+        return self
+
 
 def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: Path) -> JobResult:
     """Train a tuned lens on ``docs`` (all but the held-out tenth) into ``folder`` (lens files and
@@ -131,6 +165,7 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
     from depthscope.analyses.tables import site_first
     from depthscope.analyses.tuned_lens import train_tuned_lens
 
+    config.validate()
     model.unembed.check()
     folder = Path(folder)
     n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0

@@ -35,6 +35,18 @@ class NormsConfig:
     progress: bool = False
     source: str | None = None
 
+    def validate(self) -> NormsConfig:
+        """Check the settings (before the model loads); returns self."""
+        from depthscope.hooks.errors import InputError
+        from depthscope.probes.config import check_number
+
+        check_number("batch_size", self.batch_size)
+        check_number("window", self.window, allow_none=True)
+        check_number("max_tokens", self.max_tokens, allow_none=True)
+        if not self.prompt:
+            raise InputError("the prompt is empty")
+        return self
+
 
 def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:
     from depthscope.analyses.norms import norms_summary
@@ -67,10 +79,8 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     headline numbers (``dla_target``, ``dla_logit``, ``dla_top``, ``top_head``, ...)."""
     from depthscope.analyses.norms import contribution_norms, direct_logit_attribution, norms_by_position
     from depthscope.analyses.plots import norms as plots
-    from depthscope.hooks.errors import InputError
 
-    if not config.prompt:
-        raise InputError("the prompt is empty")
+    config.validate()
     df = contribution_norms(
         model,
         docs,

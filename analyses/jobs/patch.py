@@ -38,6 +38,18 @@ class PatchConfig:
     batch_tokens: int = 2048
     plots: bool = True
 
+    def validate(self) -> PatchConfig:
+        """Check the settings (before the model loads); returns self."""
+        from depthscope.hooks.errors import InputError
+        from depthscope.probes.config import check_number
+
+        check_number("batch_tokens", self.batch_tokens)
+        if self.positions not in ("last", "all", "each"):
+            raise InputError(f"positions must be last, all or each, got {self.positions!r}")
+        if not self.clean or not self.corrupted:
+            raise InputError("the clean and the corrupted prompt must not be empty")
+        return self
+
 
 def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
     """Patch the clean prompt's activations into the corrupted run at every hook point; writes the
@@ -50,6 +62,7 @@ def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
     from depthscope.analyses.patching import activation_patching, attribution_patching, logit_diff, logprob
     from depthscope.analyses.plots import patching as plots
 
+    config.validate()
     metric = logit_diff(config.target, config.foil) if config.foil is not None else logprob(config.target)
     args = (model, config.clean, config.corrupted, metric)
     kw = dict(sites=config.sites, positions=config.positions)

@@ -50,6 +50,19 @@ class ProbeJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     plots: bool = True
 
+    def validate(self) -> ProbeJobConfig:
+        """Check the settings and that the data files exist (before the model loads); returns self."""
+        from depthscope.hooks.errors import InputError
+
+        self.probe.validate()
+        self.extraction.validate()
+        self.data.validate()
+        for name in ("train", "test", "dev"):
+            p = getattr(self, name)
+            if isinstance(p, (str, Path)) and not Path(p).is_file():
+                raise InputError(f"--{name}: no such file: {p}")
+        return self
+
 
 def has_entities(path: str | Path) -> bool:
     """True when a CoNLL-U file carries GUM ``Entity=`` annotation (in its first 5000 lines)."""
@@ -102,7 +115,7 @@ def run_probe_job(
     figures; ``out`` None (or ``Output(None)``) computes without writing."""
     from depthscope.probes import run_probes
 
-    cfg = config or ProbeJobConfig()
+    cfg = (config or ProbeJobConfig()).validate()
     out = out if out is not None else Output(None)
     tasks, train, test = resolve_inputs(cfg)
     n_before = len(out.written)

@@ -54,13 +54,12 @@ def contribution_norms(
     check_has_blocks(model)
     totals = _Totals(model.n_sites)
     reader = None
-    it = norm_batches(model, inputs, batch_size, window, max_tokens, mask)
-    if progress:
-        from tqdm.auto import tqdm
+    from depthscope.hooks.progress import progress_bar
 
-        it = tqdm(it, desc="norms", unit="batch")
-    for batch in it:
+    bar = progress_bar(max_tokens, desc="norms", unit="tok", enabled=progress)
+    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
         rs = stream_batch(model, batch, hooks)
+        bar.update(int(rs.mask.sum()))
         resid, real = rs.resid, rs.mask.to(rs.resid.device)
         if reader is None:
             reader = readers(model, norm_sample(resid, real))
@@ -69,6 +68,7 @@ def contribution_norms(
         rs.resid = None  # free the big tensor before the next forward
         del resid
         totals.add(m, undefined_tokens(m, reader), real, batch, rs.input_ids)
+    bar.close()
     if totals.seen == 0:
         raise InputError("empty input: no real tokens to measure")
     df = totals.frame(model)

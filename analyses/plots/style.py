@@ -23,10 +23,13 @@ def setup() -> None:
 def savefig(fig, path) -> None:
     from pathlib import Path
 
+    from depthscope.hooks.files import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:  # whole or not at all, and a full disk is an OutputError naming the file
+        atomic_write(path, lambda t: fig.savefig(t, format=path.suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
 
 
 def depth_axis(ax, n_layers: int | None = None) -> None:
