@@ -59,11 +59,15 @@ def _guard(fn):
     def command(*args, **kwargs):
         from depthscope.hooks.errors import DepthscopeError, OutputError
 
+        from .commands.common import release_outputs
+
         try:
             return fn(*args, **kwargs)
         except DepthscopeError as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1 if isinstance(e, OutputError) else 2) from None
+        finally:
+            release_outputs()  # the output folders' locks (and a failed run's empty folder)
 
     return command
 
@@ -98,10 +102,6 @@ def main() -> None:
             "interrupted: files already written are whole, no partial file is left", fg=typer.colors.RED, err=True
         )
         raise SystemExit(130) from None
-    finally:
-        from .commands.common import release_locks
-
-        release_locks()
 
 
 if __name__ == "__main__":

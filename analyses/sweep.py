@@ -219,7 +219,7 @@ def sweep(
             old = {}
         reference = old.get("reference")
     else:
-        if out.exists() and any(out.iterdir()) and not overwrite:
+        if out.exists() and any(not p.name.startswith(".depthscope") for p in out.iterdir()) and not overwrite:
             raise OutputConflict(f"{out} is not empty and holds no sweep.json; choose an empty or new --out")
         reference = None
     ck_dir.mkdir(parents=True, exist_ok=True)

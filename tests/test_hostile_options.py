@@ -43,13 +43,21 @@ def test_the_options_are_found():
     assert len(ids) >= 25
 
 
+class Reached(Exception):
+    """Valid options reach the output folder's claim, the last step before any compute."""
+
+
 @pytest.fixture(autouse=True)
 def no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a model was loaded for an invalid option")
 
+    def stop(*a, **k):
+        raise Reached()
+
     monkeypatch.setattr("depthscope.hooks.load_model", boom)
     monkeypatch.setattr("depthscope.analyses.commands.common.load", boom)
+    monkeypatch.setattr("depthscope.analyses.jobs.base.prepare_output", stop)
 
 
 def _refused(r, flag):
@@ -83,6 +91,7 @@ def test_zero_is_refused_or_documented(command, flag, kind, info):
     r = runner.invoke(app, [command, *_required(command), flag, "0"])
     if r.exit_code == 2 and "Traceback" not in r.output and flag in r.output:
         return  # refused
+    assert isinstance(r.exception, Reached) or r.exit_code == 2, r.output  # accepted: stopped before compute
     assert re.search(r"\b0\b", info.help or ""), f"{command} {flag} takes 0 but --help does not say what it means"
 
 

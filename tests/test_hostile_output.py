@@ -87,25 +87,38 @@ def test_read_only_file_system_is_refused_before_the_model_loads(command, tmp_pa
 def test_folder_of_another_run_is_refused_unless_forced(tmp_path, monkeypatch):
     from depthscope.analyses.jobs.base import prepare_output
 
+    def claim(folder, *a, **k):  # a run that writes a table
+        c = prepare_output(folder, *a, **k)
+        (folder / f"{a[0]}.csv").write_text("x\n1\n")
+        c.release()
+
     out = tmp_path / "out"
-    prepare_output(out, "lens", {"model": "a", "text": "t"}).release()
-    # a claim that wrote nothing (the run failed before its first table) does not block another run
-    prepare_output(out, "lens", {"model": "z", "text": "t"}).release()
-    prepare_output(out, "lens", {"model": "a", "text": "t"}).release()
-    (out / "lens_by_site.csv").write_text("site\n0\n")  # the run's results
-    prepare_output(out, "lens", {"model": "a", "text": "t"}).release()  # the same run again: fine
-    prepare_output(out, "norms", {"model": "b", "text": "t"}).release()  # another command's names: fine
+    claim(out, "lens", {"model": "a", "text": "t"})
+    claim(out, "lens", {"model": "a", "text": "t"})  # the same run again: fine
+    claim(out, "norms", {"model": "b", "text": "t"})  # another command's names: fine
     with pytest.raises(OutputError, match="another lens run"):
         prepare_output(out, "lens", {"model": "b", "text": "t"})
-    prepare_output(out, "lens", {"model": "b", "text": "t"}, force=True).release()
+    claim(out, "lens", {"model": "b", "text": "t"}, force=True)
     report = tmp_path / "report"
-    prepare_output(report, "run").release()
-    (report / "report.md").write_text("# report\n")
+    claim(report, "run")
     with pytest.raises(OutputError, match="holds a depthscope run"):
         prepare_output(report, "lens", {"model": "a"})
     _no_model(monkeypatch)
     r = runner.invoke(app, ["lens", "--text", TEXT, "--out", str(report)])
     assert r.exit_code == 1 and "holds a depthscope run" in r.output and "--force" in r.output
+
+
+def test_a_failed_run_leaves_no_folder_behind(tmp_path):
+    from depthscope.analyses.jobs.base import prepare_output
+
+    new = tmp_path / "new"
+    prepare_output(new, "lens", {"model": "a"}).release()  # nothing written: tidied away
+    assert not new.exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "mine.txt").write_text("keep")
+    prepare_output(old, "lens", {"model": "a"}).release()
+    assert sorted(p.name for p in old.iterdir()) == [".depthscope.json", ".depthscope.lock", "mine.txt"]
 
 
 def _full_disk(*a, **k):

@@ -15,28 +15,21 @@ OutOpt = typer.Option(Path("depthscope-out"), "--out", "-o", help="Output folder
 ForceOpt = typer.Option(False, "--force", help="Write into an output folder that holds another run.")
 
 
+_CLAIMS: list = []
+
+
 def prepare_out(out: Path, command: str, identity: dict | None = None, force: bool = False) -> None:
     """Check and claim ``out`` before any compute (:func:`~depthscope.analyses.jobs.base.prepare_output`);
-    the folder's lock is released when the command ends."""
-    import click
-
+    the claim is released when the command ends (:func:`release_outputs`, called by the CLI)."""
     from ..jobs.base import prepare_output
 
-    lock = prepare_output(out, command, identity, force=force)
-    _HELD.append(lock)
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.call_on_close(lock.release)
+    _CLAIMS.append(prepare_output(out, command, identity, force=force))
 
 
-_HELD: list = []  # folder locks taken by this process's commands
-
-
-def release_locks() -> None:
-    """Release every folder lock a command took (``main`` calls it when the command ends, also on
-    an error, so an in-process caller -- tests, notebooks -- can run the next command)."""
-    while _HELD:
-        _HELD.pop().release()
+def release_outputs() -> None:
+    """Release the output folders this command claimed (the CLI calls it when a command ends)."""
+    while _CLAIMS:
+        _CLAIMS.pop().release()
 
 
 def load(model: str | None):

@@ -18,9 +18,37 @@ MARKER = ".depthscope.json"
 EXCLUSIVE = ("run", "sweep")
 
 
-def prepare_output(out, command: str, identity: dict | None = None, *, force: bool = False):
-    """Check and claim the output folder ``out`` before any compute; returns the held
-    :class:`~depthscope.hooks.files.FolderLock` (release it when done; the CLI does so when the
+class OutputClaim:
+    """An output folder claimed by :func:`prepare_output`: its lock is held until :meth:`release`,
+    which also removes what the claim added when nothing else was written (a run that failed
+    leaves no empty folder and no marker behind)."""
+
+    def __init__(self, folder: Path, lock, created: bool, marker_existed: bool):
+        self.folder, self.lock, self.created, self.marker_existed = folder, lock, created, marker_existed
+
+    def release(self) -> None:
+        if self.lock is None:
+            return
+        ours = {MARKER, LOCK}
+        try:
+            empty = not any(p.name not in ours for p in self.folder.iterdir())
+            if empty and not self.marker_existed:
+                (self.folder / MARKER).unlink(missing_ok=True)
+                if self.created:
+                    (self.folder / LOCK).unlink(missing_ok=True)
+                    self.folder.rmdir()
+        except OSError:
+            pass  # tidying up is best effort
+        self.lock.release()
+        self.lock = None
+
+
+LOCK = ".depthscope.lock"
+
+
+def prepare_output(out, command: str, identity: dict | None = None, *, force: bool = False) -> OutputClaim:
+    """Check and claim the output folder ``out`` before any compute; returns the
+    :class:`OutputClaim` holding its lock (release it when done; the CLI does so when the
     command ends).
 
     Raises :class:`~depthscope.hooks.errors.OutputError` when ``out`` is an existing file, a place
@@ -34,18 +62,18 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     from depthscope.hooks.errors import OutputError
     from depthscope.hooks.files import FolderLock, atomic_text, check_writable
 
+    created = not Path(out).exists()
     folder = check_writable(out)
-    lock = FolderLock(folder / ".depthscope.lock", f"into {folder}").acquire()
+    lock = FolderLock(folder / LOCK, f"into {folder}").acquire()
     try:
         marker = folder / MARKER
+        marker_existed = marker.is_file()
         try:
             old = json.loads(marker.read_text()) if marker.is_file() else {}
         except (OSError, ValueError):
             old = {}
         old = old if isinstance(old, dict) else {}
-        # a folder that holds nothing but claims (a run that failed before writing) is free
-        empty = not any(p.name not in (MARKER, ".depthscope.lock") for p in folder.iterdir())
-        if not force and not empty:
+        if not force:
             owners = [c for c in old if c in EXCLUSIVE and c != command]
             if owners:
                 raise OutputError(
@@ -62,7 +90,7 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     except BaseException:
         lock.release()
         raise
-    return lock
+    return OutputClaim(folder, lock, created, marker_existed)
 
 
 class Output:

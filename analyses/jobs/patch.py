@@ -45,7 +45,7 @@ class PatchConfig:
 
         check_number("batch_tokens", self.batch_tokens)
         if self.positions not in ("last", "all", "each"):
-            raise InputError(f"positions must be last, all or each, got {self.positions!r}")
+            raise InputError(f"positions must be one of last, all, each, got {self.positions!r}")
         if not self.clean or not self.corrupted:
             raise InputError("the clean and the corrupted prompt must not be empty")
         return self
