@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from depthscope.hooks import load_model
 from depthscope.hooks.devices import (
     TOLERANCE,
