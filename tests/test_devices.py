@@ -174,3 +174,21 @@ def test_cuda_device_map_auto(folder):
     ref, ids = reference_logits(folder, torch.float32, "cuda")
     got = m.residual_stream(ids).logits.float().cpu()
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_cli_device_and_dtype_options(folder):
+    """``--device``/``--dtype`` reach load_model: a bad value is a one-line error, no traceback."""
+    import subprocess
+    import sys
+
+    def cli(*args):
+        code = "from depthscope.analyses.cli import main; main()"
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+
+    ok = cli("info", "-m", str(folder), "--dtype", "bf16", "-p", "the cat")
+    assert ok.returncode == 0, ok.stderr
+    bad = cli("info", "-m", str(folder), "--dtype", "int4")
+    assert bad.returncode != 0 and "unknown dtype 'int4'" in bad.stderr and "Traceback" not in bad.stderr
+    if not torch.cuda.is_available():
+        gpu = cli("info", "-m", str(folder), "--device", "cuda")
+        assert gpu.returncode != 0 and "sees no CUDA GPU" in gpu.stderr and "Traceback" not in gpu.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..jobs.lens import LensConfig, LensTrainConfig
-from .common import ModelOpt, OutOpt
+from .common import DeviceOpt, DtypeOpt, ModelOpt, OutOpt
 
 ThreadsOpt = typer.Option(
     None, "--threads", help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine)."
@@ -59,6 +59,8 @@ def lens(
         help="Plain-text file (UTF-8): one document per line, or the whole file (--whole-file).",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     prompt: str = typer.Option(
         _L.prompt,
         "--prompt",
@@ -114,7 +116,7 @@ def lens(
     _set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
-    m = load(model)
+    m = load(model, device, dtype)
     m.unembed.check()
     console.print(
         f"logit lens: {m.name}, {len(docs)} document(s) from {text}" + (f"; tuned lens: {tuned}" if tuned else "")
@@ -147,6 +149,8 @@ def lens_train(
         help="Folder for the tuned lens and its training checkpoint.",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     steps: int = typer.Option(
         _T.steps,
         "--steps",
@@ -200,7 +204,7 @@ def lens_train(
     _set_threads(threads)
     console = Console(stderr=True)
     docs = read_documents(text, per_line=per_line)
-    m = load(model)
+    m = load(model, device, dtype)
     m.unembed.check()
     cfg = LensTrainConfig(
         steps=steps,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..jobs.norms import NormsConfig
-from .common import ModelOpt, OutOpt
+from .common import DeviceOpt, DtypeOpt, ModelOpt, OutOpt
 
 _N = NormsConfig()
 
@@ -51,6 +51,8 @@ def norms(
         help="Plain-text file: one document per non-blank line (see --whole-file).",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     out: Path = OutOpt,
     prompt: str = typer.Option(
         _N.prompt,
@@ -113,7 +115,7 @@ def norms(
     docs = read_documents(text, per_line=not whole_file)
     if not prompt:
         raise InputError("--prompt is empty")
-    m = load(model)
+    m = load(model, device, dtype)
     console.print(repr(m))
     if not m.unembed.decodes_stream:
         console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")

@@ -8,7 +8,7 @@ import typer
 
 from depthscope.analyses.jobs.patch import PatchConfig
 
-from .common import ModelOpt, OutOpt
+from .common import DeviceOpt, DtypeOpt, ModelOpt, OutOpt
 
 _D = PatchConfig()
 
@@ -63,6 +63,8 @@ def register(app: typer.Typer) -> None:
             _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."
         ),
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         out: Path = OutOpt,
     ):
         """Which activations carry the difference between a clean and a corrupted prompt.
@@ -97,7 +99,7 @@ def register(app: typer.Typer) -> None:
             plots=plots,
         )
         console = Console(stderr=True)
-        m = load_model(model)
+        m = load_model(model, device=device, dtype=dtype)
         console.print(repr(m))
         result = patch_job(m, config, Output(out))
         s = result.summary

@@ -8,7 +8,7 @@ import typer
 
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-from .common import ModelOpt, OutOpt, SeedOpt, ThreadsOpt, set_threads
+from .common import DeviceOpt, DtypeOpt, ModelOpt, OutOpt, SeedOpt, ThreadsOpt, set_threads
 
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -92,6 +92,8 @@ def register(app: typer.Typer) -> None:
             None, "--dev", help="Dev file, used to pick the L2 penalty per site (with --l2 dev)."
         ),
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         probe_kind: str = typer.Option(
             _P.probe, "--probe", help="linear (softmax regression) or mlp (one hidden layer)."
         ),
@@ -160,7 +162,9 @@ def register(app: typer.Typer) -> None:
 
         set_threads(threads)
         cfg = job_config(dict(locals()))  # every option by its parameter name
-        result = run_probe_job(model, cfg, Output(out), progress=True)
+        from .common import load
+
+        result = run_probe_job(load(model, device, dtype), cfg, Output(out), progress=True)
         print_summary(result.tables["probes_summary"])
         typer.echo(f"precision: {result.summary['precision']}")
         for p in result.files:
