@@ -17,7 +17,9 @@ a retry rewrites the same files (atomic replaces, marker last), so no row is los
 and a task that still fails is recorded as ``checkpoints/<name>.failed.json``.
 
 Workers import depthscope and run the analysis function, so a cluster given by ``address``
-must have depthscope installed (a local Ray gets this process's ``sys.path``).
+must have depthscope installed (a local Ray gets this process's ``sys.path``), and must see the
+checkpoints and the output folder at the same paths (a shared file system); each task runs in
+the driver's working folder when it exists on the worker, so relative paths work too.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class RayEngine:
         try:
             remote = ray.remote(num_cpus=1, num_gpus=self.gpus_per_task, max_retries=self.max_retries)(_task)
             shared = ray.put(task)  # the analysis, its texts and the loader: sent once, not once per task
-            refs = {remote.remote(shared, ck, reference, allow_mixed): ck for ck in pending}
+            cwd = os.getcwd()  # relative checkpoint, output and data paths mean the same in every task
+            refs = {remote.remote(shared, ck, reference, allow_mixed, cwd): ck for ck in pending}
             outcomes = {}
             bar = _bar(progress, len(refs))
             waiting = list(refs)
@@ -144,8 +147,11 @@ def _init_within(ray, address: str, timeout: float) -> None:
         raise RayUnavailable(f"cannot join the Ray cluster at {address}: {type(e).__name__}: {e}") from e
 
 
-def _task(task: Callable, ck, reference, allow_mixed: bool) -> dict:
-    """The Ray task: one checkpoint (one torch thread per task unless the worker says otherwise)."""
+def _task(task: Callable, ck, reference, allow_mixed: bool, cwd: str) -> dict:
+    """The Ray task: one checkpoint, run in the driver's working folder when this worker sees it
+    (a local Ray, or a cluster on a shared file system; else give absolute paths)."""
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
     return task(ck, reference=reference, allow_mixed=allow_mixed)
 
 
