@@ -166,3 +166,17 @@ def test_ray_engine_starts_its_own_local_ray_and_refuses_mixed_series(series, tm
     assert res.done == ["step0", "step20"]
     pd.testing.assert_frame_equal(res.tables["by_site"], local.tables["by_site"])
     assert not (tmp_path / "ray" / "checkpoints" / "step99.done.json").exists()
+
+
+def test_cli_engine_ray_without_ray_says_the_install_command(series, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from depthscope.analyses.cli import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    args = ["sweep", str(series / "step0"), "-a", "lens", "-o", str(tmp_path / "o"), "--engine", "ray"]
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, RayUnavailable) and "pip install 'depthscope[ray]'" in str(res.exception)
+    assert not (tmp_path / "o").exists()  # refused before any work
+    res = CliRunner().invoke(app, [*args[:-2], "--address", "127.0.0.1:6379"])
+    assert res.exit_code == 2 and "need --engine ray" in res.output
