@@ -109,6 +109,27 @@ def test_analyses_in_half_precision_give_float_tables(folder, dtype):
     np.testing.assert_allclose(nb["stream_norm"], na["stream_norm"], rtol=1e-2 if dtype == torch.float16 else 3e-2)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_patching_and_probes_in_half_precision(folder, dtype):
+    """Activation patching and probe features of a half-precision model: float tables close to
+    float32's (probe features are stored and trained in float32 whatever the model's dtype)."""
+    from depthscope.analyses.patching import activation_patching
+    from depthscope.probes import run_probes, sample_data
+
+    s = sample_data()
+    out = {}
+    for dt in (torch.float32, dtype):
+        m = load_model(folder, dtype=dt)
+        t, f = (m.tokenizer(x, add_special_tokens=False)["input_ids"][0] for x in (" cat", " dog"))
+        p = activation_patching(m, "The cat sat on the mat and the", "The dog sat on the mat and the", (t, f))
+        r = run_probes(m, ["upos"], s["ewt_train"], s["ewt_test"], progress=False, max_train_sentences=40,
+                       max_test_sentences=20, epochs=2)  # fmt: skip
+        out[dt] = (p["metric"].to_numpy(), r.by_site["accuracy"].to_numpy())
+    assert out[dtype][0].dtype.kind == "f" and np.isfinite(out[dtype][0]).all()
+    np.testing.assert_allclose(out[dtype][0], out[torch.float32][0], atol=0.01)
+    np.testing.assert_allclose(out[dtype][1], out[torch.float32][1], atol=0.05)
+
+
 def test_in_memory_model_keeps_or_changes_placement(tiny_tokenizer):
     hf = make_tiny("llama", vocab_size=len(tiny_tokenizer))
     assert load_model(hf, tokenizer=tiny_tokenizer).dtype == torch.float32
