@@ -112,7 +112,7 @@ def test_analyses_in_half_precision_give_float_tables(folder, dtype):
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_patching_and_probes_in_half_precision(folder, dtype):
     """Activation patching and probe features of a half-precision model: float tables close to
-    float32's (probe features are stored and trained in float32 whatever the model's dtype)."""
+    float32's (mean-pooled probe features are summed in float32 whatever the model's dtype)."""
     from depthscope.analyses.patching import activation_patching
     from depthscope.probes import run_probes, sample_data
 
@@ -123,7 +123,7 @@ def test_patching_and_probes_in_half_precision(folder, dtype):
         t, f = (m.tokenizer(x, add_special_tokens=False)["input_ids"][0] for x in (" cat", " dog"))
         p = activation_patching(m, "The cat sat on the mat and the", "The dog sat on the mat and the", (t, f))
         r = run_probes(m, ["upos"], s["ewt_train"], s["ewt_test"], progress=False, max_train_sentences=40,
-                       max_test_sentences=20, epochs=2)  # fmt: skip
+                       max_test_sentences=20, epochs=2, pooling="mean")  # fmt: skip
         out[dt] = (p["metric"].to_numpy(), r.by_site["accuracy"].to_numpy())
     assert out[dtype][0].dtype.kind == "f" and np.isfinite(out[dtype][0]).all()
     np.testing.assert_allclose(out[dtype][0], out[torch.float32][0], atol=0.01)
