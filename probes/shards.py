@@ -63,8 +63,27 @@ class ShardedFeats:
         out = np.empty((len(flat), *self.shape[1:]), dtype=self.dtype)
         for k in np.unique(which):
             sel = which == k
-            out[sel] = self.parts[k][flat[sel] - self.offsets[k]]
+            rows, inverse = np.unique(flat[sel] - self.offsets[k], return_inverse=True)
+            out[sel] = _read_rows(self.parts[k], rows)[inverse]
         return out.reshape(*idx.shape, *self.shape[1:])
+
+
+def _read_rows(part, rows: np.ndarray) -> np.ndarray:
+    """``part[rows]`` (``rows`` sorted, unique). A memmap is read with ``os.pread``, runs of
+    consecutive rows in one call, rather than through the mapping: the pages read stay in the
+    OS page cache instead of this process's resident memory, which would otherwise grow with
+    every row ever read (the store's whole size after one epoch)."""
+    if not isinstance(part, np.memmap) or part.filename is None:
+        return np.asarray(part[rows])
+    row_shape = part.shape[1:]
+    row_bytes = int(np.prod(row_shape)) * part.dtype.itemsize
+    out = np.empty((len(rows), *row_shape), dtype=part.dtype)
+    cut = np.nonzero(np.diff(rows) != 1)[0] + 1
+    with open(part.filename, "rb") as f:
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(rows)]])):
+            buf = os.pread(f.fileno(), int(b - a) * row_bytes, part.offset + int(rows[a]) * row_bytes)
+            out[a:b] = np.frombuffer(buf, dtype=part.dtype).reshape(int(b - a), *row_shape)
+    return out
 
 
 def slice_spans(tok: Tokenized, table: SpanTable, lo: int, hi: int) -> tuple[Tokenized, SpanTable]:
