@@ -97,3 +97,19 @@ def test_shards_written_by_ray_tasks(folder, tmp_path):
     assert [s["key"] for s in ray.meta["shards"]] == [s["key"] for s in here.meta["shards"]]
     ids = np.arange(len(table))
     np.testing.assert_array_equal(ray.gather(ids)[0].numpy(), here.gather(ids)[0].numpy())
+
+
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=pytest.mark.slow)])
+def test_probes_on_a_sharded_store(folder, tmp_path, engine):
+    """run_probes with shards=3 (here or on Ray): the probe table of the unsharded store."""
+    if engine == "ray" and importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed")
+    from depthscope.probes import run_probes, sample_data
+
+    s = sample_data()
+    kw = dict(progress=False, max_train_sentences=40, max_test_sentences=20, epochs=2, store_dtype="float32")
+    one = run_probes(str(folder), ["upos"], s["ewt_train"], s["ewt_test"], store_dir=str(tmp_path / "a"), **kw)
+    sh = run_probes(str(folder), ["upos"], s["ewt_train"], s["ewt_test"], store_dir=str(tmp_path / "b"), shards=3,
+                    engine=engine, workers=2, **kw)  # fmt: skip
+    assert len(list((tmp_path / "b").glob("*.manifest.json"))) == 2  # train and test, 3 shards each
+    np.testing.assert_allclose(sh.by_site["accuracy"], one.by_site["accuracy"], atol=0.02)

@@ -38,6 +38,9 @@ def job_config(o: dict):
             bos=o["bos"],
             sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
             store_dtype="float32" if o["float32"] else "float16",
+            shards=o["shards"],
+            engine=o["engine"],
+            workers=o["workers"],
         ),
         data=DataConfig(
             max_train_sentences=o["max_train_sentences"],
@@ -146,6 +149,13 @@ def register(app: typer.Typer) -> None:
             "--bos/--no-bos",
             help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink.",
         ),
+        shards: int = typer.Option(
+            _E.shards, "--shards", help="Write the activation store as N shards (a re-run redoes only missing ones)."
+        ),
+        engine: str = typer.Option(
+            _E.engine, "--engine", help="Extraction engine: local, or ray (one Ray task per shard)."
+        ),
+        workers: int = typer.Option(_E.workers, "--workers", help="CPUs of the local Ray (--engine ray)."),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Draw the figures."),
