@@ -2,9 +2,10 @@
 
 The series is a real tiny training run (:func:`depthscope.hooks.toy.train_tiny_series`, a
 2-layer Llama with the default model's tokenizer, so the lens decodes a 49k vocabulary), saved
-every 10 steps: step0 ... step50. Every side runs the logit lens over the same UD English EWT
-sentences on each checkpoint, torch on one thread per process (the local engine in this
-process, each Ray worker in its own), and their combined tables are checked equal. Timed:
+every 10 steps: step0 ... step50. Every side runs the logit lens over the same distinct UD
+English EWT sentences (``$DEPTHSCOPE_UD``, else the bundled samples) on each checkpoint, torch
+on one thread per process (the local engine in this process, each Ray worker in its own), and
+their combined tables are checked equal. Timed:
 
 * ``local``: ``sweep(..., engine=None)``, the checkpoints one after another;
 * ``ray (cold)``: ``RayEngine(workers=2)`` starting its own local Ray (start, worker spawn and
@@ -34,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ud_sentences  # noqa: E402
+from bench_extraction import distinct_sentences  # noqa: E402
 
 N_CHECKPOINTS = 6
 
@@ -45,7 +46,7 @@ def _series(root: Path) -> list:
     from depthscope.hooks.toy import train_tiny_series
 
     tok = load_model().tokenizer
-    train_tiny_series(root / "series", ud_sentences(limit=400), tok, steps=50, save_every=10, d_model=64, n_layers=2)
+    train_tiny_series(root / "series", distinct_sentences(400), tok, steps=50, save_every=10, d_model=64, n_layers=2)
     cks = discover_checkpoints(checkpoint_dir=root / "series")
     assert len(cks) == N_CHECKPOINTS, cks
     return cks
@@ -68,7 +69,7 @@ def run(quick: bool = False) -> list[dict]:
 
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    texts = ud_sentences(limit=60 if quick else 200)
+    texts = distinct_sentences(60 if quick else 200)
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
     try:
         cks = _series(root)
