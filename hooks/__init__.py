@@ -59,6 +59,7 @@ _EXPORTS = {
 _SUBMODULES = {
     "arch",
     "attention",
+    "devices",
     "digest",
     "files",
     "generate",
