@@ -28,6 +28,7 @@ _EXPORTS = {
     # main job and sweeps (analyses/report.py, analyses/sweep.py)
     "run_report": "report",
     "sweep": "sweep",
+    "RayEngine": "sweep_ray",
     # shared plumbing
     "write_table": "tables",
     "read_documents": "text",

@@ -65,6 +65,8 @@ def sample_texts() -> list[str]:
 @dataclass
 class ReportConfig:
     model: str | None = None
+    device: str = "cpu"  # cpu, cuda, cuda:N, mps, auto
+    dtype: str = "float32"  # float32, bfloat16, float16
     train: str | None = None
     test: str | None = None
     dev: str | None = None
@@ -111,7 +113,7 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
 
     t0 = time.time()
     say(f"loading model {cfg.model or 'default (SmolLM2-135M-Instruct)'}")
-    model = model or load_model(cfg.model)
+    model = model or load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     timings["load"] = time.time() - t0
 
     from depthscope.probes import sample_data

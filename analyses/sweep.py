@@ -9,8 +9,14 @@ Layout of the output folder::
 
     sweep.json                          what was asked (analysis, options, data digest)
     checkpoints/<name>.<table>.parquet  each checkpoint's tables, written atomically when it finishes
+    checkpoints/<name>.done.json        its marker, written last (seconds, fingerprint, weight digest)
     checkpoints/<name>.failed.json      a checkpoint that failed, with its error (retried on re-run)
-    sweep_<table>.parquet / .csv        the combined tables (checkpoint and step columns first)
+    sweep_<table>.parquet / .csv        the combined tables (checkpoint and step columns first,
+                                        duplicate_of: an earlier checkpoint with identical weights)
+
+Engines: ``engine=None`` runs the checkpoints in this process; ``RayEngine(workers=N)``
+(:mod:`depthscope.analyses.sweep_ray`) runs one Ray task per checkpoint, on a local Ray or a
+cluster; both write the same files, so a sweep can be resumed with either.
 
 A re-run with the same request skips checkpoints whose tables exist, so an interrupted sweep
 resumes without losing or duplicating rows; an output folder holding another request is refused.
@@ -21,6 +27,7 @@ failed) unless ``allow_mixed=True``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -181,12 +188,19 @@ def sweep(
     overwrite: bool = False,
     load: Callable | None = None,
     progress: bool = True,
+    engine=None,
     **analysis_kwargs,
 ) -> SweepResult:
     """Run ``analysis`` ("lens", "norms", "probe", or a function ``f(model, **kw) -> {name: df}``)
     on each checkpoint, writing each checkpoint's tables atomically as it finishes, and return
-    the combined tables with ``checkpoint`` and ``step`` columns. Failures are recorded and the
-    sweep goes on (``result.failed``)."""
+    the combined tables with ``checkpoint``, ``step`` and ``duplicate_of`` columns. Failures are
+    recorded and the sweep goes on (``result.failed``).
+
+    ``engine``: None or ``"local"`` runs the checkpoints one after another in this process; a
+    :class:`~depthscope.analyses.sweep_ray.RayEngine` runs one Ray task per checkpoint (each
+    task writes its own result files, so resume, failure records and the table are the same).
+    ``load``: the loader (default :func:`~depthscope.hooks.load_model`; a ``functools.partial``
+    of it with ``device``/``dtype``: its keywords become part of the request)."""
     from depthscope.hooks import load_model
 
     load = load or load_model
@@ -199,111 +213,224 @@ def sweep(
     fn = ANALYSES.get(analysis) if isinstance(analysis, str) else analysis
     if fn is None:
         raise SweepError(f"unknown analysis {analysis!r}; choose one of {sorted(ANALYSES)}")
+    if engine not in (None, "local") and not hasattr(engine, "run"):
+        raise SweepError(f"unknown sweep engine {engine!r}; use 'local' or a RayEngine")
     out = Path(out_dir)
-    ck_dir = out / "checkpoints"
     request = {
         "analysis": analysis if isinstance(analysis, str) else getattr(analysis, "__name__", "custom"),
         "options": _describe_inputs(analysis_kwargs),
     }
-    manifest = out / "sweep.json"
-    if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        if old.get("request") != request:
-            if not overwrite:
-                raise OutputConflict(
-                    f"{out} holds the results of another sweep ({old.get('request', {}).get('analysis')} with other "
-                    f"options); choose another --out or pass --overwrite"
-                )
-            for p in ck_dir.glob("*"):
-                p.unlink()
-            old = {}
-        reference = old.get("reference")
-    else:
-        if out.exists() and any(not p.name.startswith(".depthscope") for p in out.iterdir()) and not overwrite:
-            raise OutputConflict(f"{out} is not empty and holds no sweep.json; choose an empty or new --out")
-        reference = None
-    ck_dir.mkdir(parents=True, exist_ok=True)
-
-    def write_manifest():
-        atomic_write(
-            manifest, lambda t: Path(t).write_text(json.dumps({"request": request, "reference": reference}, indent=1))
-        )
-
-    write_manifest()
+    if isinstance(load, functools.partial) and load.keywords:  # device, dtype: they change the numbers
+        request["load"] = _describe_inputs(load.keywords)
+    state = _SweepState.open(out, request, overwrite)
     result = SweepResult(tables={}, out_dir=out)
-    iterator = cks
-    if progress:
-        from depthscope.hooks.progress import track
-
-        iterator = track(cks, desc="sweep", unit="ckpt", leave=True)
-    for ck in iterator:
-        done_marker = ck_dir / f"{ck.name}.done.json"
-        failed_marker = ck_dir / f"{ck.name}.failed.json"
-        if done_marker.is_file():
+    pending = []
+    for ck in cks:
+        if state.done_marker(ck).is_file():
             result.skipped.append(ck.name)
-            continue
-        t0 = time.time()
-        try:
-            model = load(ck.spec)
-            fp = model.fingerprint()
-            if reference is None:
-                reference = {"checkpoint": ck.name, "fingerprint": fp}
-                write_manifest()
-            elif fp != reference["fingerprint"] and not allow_mixed:
-                diff = {
-                    k: (reference["fingerprint"].get(k), v)
-                    for k, v in fp.items()
-                    if reference["fingerprint"].get(k) != v
-                }
-                raise SweepError(
-                    f"mixed series: {ck.name} differs from {reference['checkpoint']} in {diff}; pass allow_mixed=True "
-                    f"(--allow-mixed) to compare them anyway"
-                )
-            tables = fn(model, **analysis_kwargs)
-            del model
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # recorded, the sweep goes on
-            msg = f"{type(e).__name__}: {e}"
-            record = {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}
-            atomic_text(failed_marker, json.dumps(record, indent=1))
-            result.failed[ck.name] = msg
-            continue
-        for tname, df in tables.items():
-            df = df.copy()
-            df.insert(0, "step", ck.step if ck.step is not None else pd.NA)
-            df.insert(0, "checkpoint", ck.name)
-            atomic_write(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
-        # the marker is written last: a checkpoint counts as finished only once all its tables are
-        done = {
-            "checkpoint": ck.name,
-            "spec": ck.spec,
-            "step": ck.step,
-            "tables": sorted(tables),
-            "seconds": round(time.time() - t0, 2),
-        }
-        atomic_text(done_marker, json.dumps(done, indent=1))
-        if failed_marker.exists():
-            failed_marker.unlink()
-        result.done.append(ck.name)
+        else:
+            pending.append(ck)
+    task = functools.partial(_run_checkpoint, fn=fn, ck_dir=state.ck_dir, load=load, kwargs=analysis_kwargs)
+    if engine in (None, "local"):
+        for ck in _progress(pending, progress, len(cks), len(result.skipped)):
+            outcome = task(ck, reference=state.reference, allow_mixed=allow_mixed)
+            if state.reference is None and outcome.get("fingerprint") is not None:
+                state.set_reference(ck.name, outcome["fingerprint"])
+            _tally(result, outcome)
+    else:
+        outcomes = engine.run(pending, task, state.reference, allow_mixed, progress=progress)
+        for outcome in outcomes:
+            _tally(result, outcome)
+        state.reconcile(cks, result, allow_mixed)
     result.tables = combine(out, [c.name for c in cks])
     for tname, df in result.tables.items():
         write_table(df, out, f"sweep_{tname}")
     return result
 
 
+def _tally(result: SweepResult, outcome: dict) -> None:
+    if outcome["status"] == "done":
+        result.done.append(outcome["checkpoint"])
+    else:
+        result.failed[outcome["checkpoint"]] = outcome["error"]
+
+
+def _progress(items, progress: bool, total: int, initial: int):
+    from depthscope.hooks.progress import track
+
+    return track(items, desc="sweep", unit="ckpt", enabled=progress, total=total - initial)
+
+
+@dataclass
+class _SweepState:
+    """The output folder of one request: its manifest (the request and the reference
+    checkpoint's fingerprint) and the per-checkpoint markers."""
+
+    out: Path
+    request: dict
+    reference: dict | None
+
+    @property
+    def ck_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def done_marker(self, ck: Checkpoint) -> Path:
+        return self.ck_dir / f"{ck.name}.done.json"
+
+    @classmethod
+    def open(cls, out: Path, request: dict, overwrite: bool) -> _SweepState:
+        """The folder's state; another request's folder is refused (or cleared with ``overwrite``)."""
+        manifest = out / "sweep.json"
+        reference = None
+        if manifest.is_file():
+            old = json.loads(manifest.read_text())
+            if old.get("request") != request:
+                if not overwrite:
+                    raise OutputConflict(
+                        f"{out} holds the results of another sweep ({old.get('request', {}).get('analysis')} with "
+                        f"other options); choose another --out or pass --overwrite"
+                    )
+                for p in (out / "checkpoints").glob("*"):
+                    p.unlink()
+                old = {}
+            reference = old.get("reference")
+        elif out.exists() and any(not p.name.startswith(".depthscope") for p in out.iterdir()) and not overwrite:
+            raise OutputConflict(f"{out} is not empty and holds no sweep.json; choose an empty or new --out")
+        state = cls(out, request, reference)
+        state.ck_dir.mkdir(parents=True, exist_ok=True)
+        state.write()
+        return state
+
+    def write(self) -> None:
+        text = json.dumps({"request": self.request, "reference": self.reference}, indent=1)
+        atomic_text(self.out / "sweep.json", text)
+
+    def set_reference(self, name: str, fingerprint: dict) -> None:
+        self.reference = {"checkpoint": name, "fingerprint": fingerprint}
+        self.write()
+
+    def reconcile(self, cks: Sequence[Checkpoint], result: SweepResult, allow_mixed: bool) -> None:
+        """After checkpoints ran in parallel (without a reference yet): the reference is the first
+        checkpoint, in order, that loaded; a finished checkpoint of another architecture or
+        tokenizer is turned into a failure record, as the local engine would have recorded it."""
+        records = {}
+        for ck in cks:
+            for kind in ("done", "failed"):
+                p = self.ck_dir / f"{ck.name}.{kind}.json"
+                if p.is_file():
+                    records[ck.name] = (kind, json.loads(p.read_text()))
+                    break
+        if self.reference is None:
+            first = next((n for n in (c.name for c in cks) if records.get(n, ("", {}))[1].get("fingerprint")), None)
+            if first is None:
+                return
+            self.set_reference(first, records[first][1]["fingerprint"])
+        if allow_mixed:
+            return
+        for ck in cks:
+            kind, rec = records.get(ck.name, ("", {}))
+            fp = rec.get("fingerprint")
+            if kind != "done" or fp is None or fp == self.reference["fingerprint"]:
+                continue
+            error = _mixed_error(ck.name, fp, self.reference)
+            failure = {"checkpoint": ck.name, "spec": ck.spec, "error": error, "fingerprint": fp}
+            atomic_text(self.ck_dir / f"{ck.name}.failed.json", json.dumps(failure, indent=1))
+            self.done_marker(ck).unlink()  # the tables go after the marker: never a marker without tables
+            for t in rec.get("tables", []):
+                (self.ck_dir / f"{ck.name}.{t}.parquet").unlink(missing_ok=True)
+            for lst in (result.done, result.skipped):
+                if ck.name in lst:
+                    lst.remove(ck.name)
+            result.failed[ck.name] = error
+
+
+def _mixed_error(name: str, fp: dict, reference: dict) -> str:
+    diff = {k: (reference["fingerprint"].get(k), v) for k, v in fp.items() if reference["fingerprint"].get(k) != v}
+    return (
+        f"SweepError: mixed series: {name} differs from {reference['checkpoint']} in {diff}; pass allow_mixed=True "
+        f"(--allow-mixed) to compare them anyway"
+    )
+
+
+def _run_checkpoint(
+    ck: Checkpoint, *, fn: AnalysisFn, ck_dir: Path, load: Callable, kwargs: dict, reference, allow_mixed: bool
+) -> dict:
+    """Load one checkpoint, run the analysis and write its tables, then its ``done`` marker (or
+    its ``failed`` record); returns ``{checkpoint, status, error, fingerprint}``. The unit of
+    work of every engine: it runs in this process or in a Ray worker, and its files are written
+    atomically, so a retried task replaces, never duplicates, a half-finished attempt."""
+    from depthscope.hooks.digest import ALGORITHM, model_digest
+
+    t0 = time.time()
+    fp = None
+    try:
+        model = load(ck.spec)
+        fp = model.fingerprint()
+        if reference is not None and fp != reference["fingerprint"] and not allow_mixed:
+            raise SweepError(_mixed_error(ck.name, fp, reference).removeprefix("SweepError: "))
+        digest = model_digest(model)
+        tables = fn(model, **kwargs)
+        del model
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # recorded, the sweep goes on
+        msg = f"{type(e).__name__}: {e}"
+        record = {"checkpoint": ck.name, "spec": ck.spec, "error": msg, "traceback": traceback.format_exc()}
+        if fp is not None:
+            record["fingerprint"] = fp
+        atomic_text(ck_dir / f"{ck.name}.failed.json", json.dumps(record, indent=1))
+        return {"checkpoint": ck.name, "status": "failed", "error": msg, "fingerprint": fp}
+    for tname, df in tables.items():
+        df = df.copy()
+        df.insert(0, "step", ck.step if ck.step is not None else pd.NA)
+        df.insert(0, "checkpoint", ck.name)
+        atomic_write(ck_dir / f"{ck.name}.{tname}.parquet", lambda t, df=df: df.to_parquet(t, index=False))
+    # the marker is written last: a checkpoint counts as finished only once all its tables are
+    done = {
+        "checkpoint": ck.name,
+        "spec": ck.spec,
+        "step": ck.step,
+        "tables": sorted(tables),
+        "seconds": round(time.time() - t0, 2),
+        "fingerprint": fp,
+        "digest": digest,
+        "digest_algorithm": ALGORITHM,
+    }
+    atomic_text(ck_dir / f"{ck.name}.done.json", json.dumps(done, indent=1))
+    (ck_dir / f"{ck.name}.failed.json").unlink(missing_ok=True)
+    return {"checkpoint": ck.name, "status": "done", "error": None, "fingerprint": fp}
+
+
 def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
-    """The combined tables of a sweep folder (finished checkpoints only), ordered by step."""
+    """The combined tables of a sweep folder (finished checkpoints only), ordered by step, with a
+    ``duplicate_of`` column: the earlier checkpoint whose weights have the same digest
+    (:func:`~depthscope.hooks.digest.model_digest`), else None."""
     ck_dir = Path(out_dir) / "checkpoints"
-    finished = {json.loads(p.read_text())["checkpoint"]: json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")}
+    records = [json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")]
+    finished = {r["checkpoint"]: r for r in records}
     names = [n for n in (order or sorted(finished)) if n in finished]
+    duplicate_of = duplicates({n: finished[n].get("digest") for n in names})
     tables: dict[str, list[pd.DataFrame]] = {}
     for n in names:
         for tname in finished[n]["tables"]:
-            tables.setdefault(tname, []).append(pd.read_parquet(ck_dir / f"{n}.{tname}.parquet"))
+            part = pd.read_parquet(ck_dir / f"{n}.{tname}.parquet")
+            part["duplicate_of"] = pd.Series([duplicate_of[n]] * len(part), dtype="object")
+            tables.setdefault(tname, []).append(part)
     combined = {}
     for tname, parts in tables.items():
         df = pd.concat(parts, ignore_index=True)
         df["step"] = pd.to_numeric(df["step"], errors="coerce")
         combined[tname] = site_first(df, ("checkpoint", "step"))
     return combined
+
+
+def duplicates(digests: dict[str, str | None]) -> dict[str, str | None]:
+    """For each name (in order), the first earlier name with the same weight digest, else None
+    (published series have shipped identical checkpoints under different steps)."""
+    first: dict[str, str] = {}
+    out: dict[str, str | None] = {}
+    for name, d in digests.items():
+        out[name] = first.get(d) if d is not None else None
+        if d is not None:
+            first.setdefault(d, name)
+    return out

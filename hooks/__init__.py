@@ -60,6 +60,7 @@ _EXPORTS = {
 _SUBMODULES = {
     "arch",
     "attention",
+    "devices",
     "digest",
     "files",
     "generate",

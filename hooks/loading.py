@@ -17,6 +17,7 @@ Remote code is never run unless ``trust_remote_code=True``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .devices import check_dtype_on, check_fits, parameter_count, require_accelerate, resolve_device, resolve_dtype
 from .errors import CheckpointError, DefaultModelMissing, ModelSpecError
 from .model import HookedModel
 
@@ -79,21 +81,41 @@ def load_model(
     spec=None,
     *,
     tokenizer=None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
     trust_remote_code: bool = False,
     use_cache: bool = True,
 ) -> HookedModel:
-    """Load a model as a :class:`HookedModel` (see the module docstring for ``spec``)."""
+    """Load a model as a :class:`HookedModel` (see the module docstring for ``spec``).
+
+    ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, ``"mps"`` or ``"auto"`` (a GPU when
+    torch sees one); ``dtype``: float32 (default), bfloat16 or float16 (names or torch dtypes);
+    ``device_map="auto"`` spreads the weights over the visible GPUs through accelerate (then
+    ``device`` is not used). Models in memory keep their dtype and device unless these are given.
+    A model whose weights exceed the device's free memory is refused with the sizes
+    (:mod:`depthscope.hooks.devices`)."""
     if isinstance(spec, HookedModel):
-        return spec
+        return spec if device is None and dtype is None else _placed(spec, device, dtype)
     if _is_bridge(spec):
         hf = getattr(spec, "original_model", None)
         if hf is None:
             raise ModelSpecError("this TransformerBridge exposes no original_model")
-        return HookedModel(hf, tokenizer or getattr(spec, "tokenizer", None), source="TransformerBridge")
+        model = HookedModel(hf, tokenizer or getattr(spec, "tokenizer", None), source="TransformerBridge")
+        return model if device is None and dtype is None else _placed(model, device, dtype)
     if _is_hf_model(spec):
-        return HookedModel(spec.to(device), tokenizer, source="in-memory")
+        model = HookedModel(spec, tokenizer, source="in-memory")
+        return model if device is None and dtype is None else _placed(model, device, dtype)
+    dtype = resolve_dtype(dtype)
+    if device_map is not None:
+        if device not in (None, "cpu", "auto"):
+            raise ModelSpecError(f"pass either device={device!r} or device_map={device_map!r}, not both")
+        require_accelerate()
+        device = Placement(None, dtype, device_map)  # the loaders below take the placement
+    else:
+        dev = resolve_device(device)
+        check_dtype_on(dev, dtype)
+        device = Placement(dev, dtype, None)
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_NAMES):
         return _load_gguf(default_gguf_path(), dtype, device, use_cache, name="smollm2-135m")
     if not isinstance(spec, (str, os.PathLike)):
@@ -112,6 +134,41 @@ def load_model(
     if _looks_like_path(str(spec)):
         raise CheckpointError(f"no such checkpoint folder or file: {path}; {ACCEPTED}")
     return _load_hub_cached(str(spec), dtype, device, trust_remote_code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a loaded model goes: one ``device``, or accelerate's ``device_map``; in ``dtype``."""
+
+    device: torch.device | None
+    dtype: torch.dtype
+    device_map: str | dict | None = None
+
+    def from_pretrained_kwargs(self) -> dict:
+        return {"device_map": self.device_map} if self.device_map is not None else {}
+
+    def check_config(self, config) -> None:
+        """Refuse, before reading any weights, a model too large for the device."""
+        if self.device is not None:
+            check_fits(parameter_count(config), self.dtype, self.device)
+
+    def put(self, model):
+        """The loaded transformers model in ``dtype`` on ``device`` (checked to fit first when it
+        moves off the CPU); a ``device_map`` model stays where accelerate put it."""
+        if self.device_map is not None:
+            return model
+        if self.device.type != "cpu":
+            check_fits(sum(p.numel() for p in model.parameters()), self.dtype, self.device)
+        return model.to(dtype=self.dtype).to(self.device)
+
+
+def _placed(model: HookedModel, device, dtype) -> HookedModel:
+    """An in-memory model moved to ``device`` / cast to ``dtype`` (those given)."""
+    dev = resolve_device(device) if device is not None else model.device
+    dt = resolve_dtype(dtype) if dtype is not None else model.dtype
+    check_dtype_on(dev, dt)
+    model.hf_model.to(dtype=dt).to(dev)
+    return model
 
 
 @contextlib.contextmanager
@@ -214,7 +271,10 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
     except Exception as e:
         raise CheckpointError(f"cannot read the config in {path}: {e}") from e
     cls = _auto_class(config)
-    kw = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True)
+    device.check_config(config)
+    kw = dict(
+        dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True, **device.from_pretrained_kwargs()
+    )
     if st:
         kw["use_safetensors"] = True
     else:
@@ -228,7 +288,7 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
     except Exception as e:
         raise CheckpointError(f"cannot load the checkpoint in {path}: {type(e).__name__}: {e}") from e
     tok = _load_tokenizer(path, trust_remote_code=trust_remote_code)
-    return HookedModel(model.to(device), tok, name=path.name, source=str(path))
+    return HookedModel(device.put(model), tok, name=path.name, source=str(path))
 
 
 def _torch_has_weights_only() -> bool:
@@ -258,10 +318,10 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
     if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                target, dtype=dtype, local_files_only=True, use_safetensors=True
+                target, dtype=dtype, local_files_only=True, use_safetensors=True, **device.from_pretrained_kwargs()
             )
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-            return HookedModel(model.to(device), tok, name=name or path.stem, source=str(path))
+            return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
         except Exception as e:  # a broken cache entry is rebuilt, not fatal
             log.warning("cached conversion of %s is unreadable (%s); converting again", path, e)
             shutil.rmtree(target, ignore_errors=True)
@@ -287,7 +347,11 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             pass
     if use_cache:
         _save_atomically(model, tok, target)
-    return HookedModel(model.to(dtype).to(device), tok, name=name or path.stem, source=str(path))
+    if device.device_map is not None:  # converted in float32 on the CPU: reload it placed by accelerate
+        if use_cache:
+            return _load_gguf(path, dtype, device, use_cache, name)
+        device = Placement(resolve_device("auto"), dtype)
+    return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
 
 
 def _check_gguf_header(path: Path) -> None:
@@ -339,12 +403,19 @@ def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel
             f"(depthscope never downloads); {ACCEPTED}"
         ) from e
     cls = _auto_class(config)
+    device.check_config(config)
     try:
-        model = cls.from_pretrained(name, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
+        model = cls.from_pretrained(
+            name,
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            **device.from_pretrained_kwargs(),
+        )
     except Exception as e:
         raise CheckpointError(f"cannot load {name!r} from the local Hugging Face cache: {e}") from e
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception:
         tok = None
-    return HookedModel(model.to(device), tok, name=name, source=f"hf-cache:{name}")
+    return HookedModel(device.put(model), tok, name=name, source=f"hf-cache:{name}")

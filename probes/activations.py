@@ -292,11 +292,11 @@ def extract_spans(
             # only the positions spans need are kept, gathered inside each site's hook: [S, n, D]
             ti = torch.from_numpy(np.ascontiguousarray(tok_idx, dtype=np.int64))
             out = model.residual_stream(ids, mask=mask, sites=sites, return_logits=False, positions=ti).resid
-            if pooling == "mean":
-                sg = torch.from_numpy(seg)
-                summed = torch.zeros(S, len(here), D, dtype=out.dtype)
-                summed.index_add_(1, sg, out)
-                cnt = torch.bincount(sg, minlength=len(here)).to(out.dtype)
+            if pooling == "mean":  # summed in float32 on the model's device, whatever the model's dtype
+                sg = torch.from_numpy(seg).to(out.device)
+                summed = torch.zeros(S, len(here), D, dtype=torch.float32, device=out.device)
+                summed.index_add_(1, sg, out.float())
+                cnt = torch.bincount(sg, minlength=len(here)).to(torch.float32)
                 out = summed / cnt[None, :, None]
             arr = out.permute(1, 0, 2).to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
             if dtype == np.float16 and not np.isfinite(arr).all():

@@ -141,6 +141,9 @@ class ExtractionConfig:
     the first word is not the model's attention sink (without it, from SmolLM2-135M's 11.mlp
     the first word's upos accuracy falls from ~0.80 to ~0.67). ``resident_bytes``: memory for
     the standardised features held in RAM during fitting (else streamed from the store).
+    ``shards``: write the store as this many shards (corpus slices, :mod:`.shards`; a re-run
+    redoes only missing ones); ``engine``: ``local`` or ``ray`` (one Ray task per shard on a
+    local Ray with ``workers`` CPUs, each loading the model from its source).
     """
 
     pooling: str = "last"
@@ -152,13 +155,17 @@ class ExtractionConfig:
     max_tokens: int = 512
     bos: bool = True
     resident_bytes: float = 4e9
+    shards: int = 1
+    engine: str = "local"
+    workers: int = 2
 
     def validate(self) -> ExtractionConfig:
         _choice("pooling", self.pooling, POOLINGS)
         _choice("store_dtype", self.store_dtype, STORE_DTYPES)
         if self.context is not None:
             _choice("context", self.context, CONTEXTS)
-        for name in ("batch_tokens", "max_tokens"):
+        _choice("engine", self.engine, ("local", "ray"))
+        for name in ("batch_tokens", "max_tokens", "shards", "workers"):
             check_number(name, getattr(self, name))
         _positive("resident_bytes", self.resident_bytes)
         return self

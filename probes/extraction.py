@@ -124,21 +124,35 @@ def _extract_split(
     ce = np.array([sents[s].words[b - 1].end for s, b in zip(uniq[:, 0], uniq[:, 2])], dtype=np.int64) + off
     tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
     table = map_spans(tok, SpanTable(pidx, cs, ce))
-    store = extract_spans(
-        model,
-        tok,
-        table,
-        sites=sites,
-        pooling=ext.pooling,
-        store_dir=ext.store_dir,
-        dtype=ext.store_dtype,
-        batch_tokens=ext.batch_tokens,
-        max_tokens=max_tokens,
-        progress=progress,
-        desc=desc,
-    )
+    kw = dict(sites=sites, pooling=ext.pooling, dtype=ext.store_dtype, batch_tokens=ext.batch_tokens)
+    if ext.shards > 1 or ext.engine == "ray":
+        store = _extract_sharded(model, tok, table, ext, max_tokens=max_tokens, **kw)
+    else:
+        store = extract_spans(
+            model, tok, table, store_dir=ext.store_dir, max_tokens=max_tokens, progress=progress, desc=desc, **kw
+        )
     lookup = {tuple(int(v) for v in k): i for i, k in enumerate(uniq)}
     return Extraction(store, lookup)
+
+
+def _extract_sharded(model, tok, table, ext: ExtractionConfig, **kw):
+    """The store as ``ext.shards`` shards, here or as Ray tasks that load the model from its source."""
+    import functools
+    import types
+
+    from depthscope.hooks.loading import cache_dir, load_model
+
+    from .shards import extract_sharded
+
+    store_dir = ext.store_dir or cache_dir() / "activations"
+    engine, load = None, None
+    if ext.engine == "ray":
+        if not model.source or model.source in ("in-memory", "TransformerBridge"):
+            raise InputError("engine='ray' loads the model in each worker: pass a model spec (a path), not a model")
+        engine = types.SimpleNamespace(workers=ext.workers, address=None, gpus_per_task=0.0, max_retries=1)
+        spec = model.source.removeprefix("hf-cache:")
+        load = functools.partial(load_model, spec, dtype=model.dtype, device=str(model.device))
+    return extract_sharded(model, tok, table, n_shards=ext.shards, store_dir=store_dir, engine=engine, load=load, **kw)
 
 
 def span_ids(ex: TaskExamples, ext: Extraction) -> tuple:
@@ -151,10 +165,16 @@ def span_ids(ex: TaskExamples, ext: Extraction) -> tuple:
 
 
 def resolve_model(model):
-    """A HookedModel as is, anything else through ``load_model`` (None: the default model)."""
+    """A HookedModel as is; a loader (a function of no arguments, e.g. ``functools.partial(load_model,
+    spec, device=..., dtype=...)``) called; anything else through ``load_model`` (None: the default
+    model). Callers validate their data first, so a loader runs only once the inputs are known good."""
     from depthscope.hooks import HookedModel, load_model
 
-    return model if isinstance(model, HookedModel) else load_model(model)
+    if isinstance(model, HookedModel):
+        return model
+    if callable(model):
+        return model()
+    return load_model(model)
 
 
 def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:

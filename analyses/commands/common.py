@@ -32,10 +32,21 @@ def release_outputs() -> None:
         _CLAIMS.pop().release()
 
 
-def load(model: str | None):
+DeviceOpt = typer.Option(
+    "cpu", "--device", help="Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees one)."
+)
+DtypeOpt = typer.Option(
+    "float32",
+    "--dtype",
+    help="Precision of the model's weights: float32, bfloat16 or float16 (metrics are reduced in float32).",
+)
+
+
+def load(model: str | None, device: str = "cpu", dtype: str = "float32"):
+    """``load_model(model, device=device, dtype=dtype)``: bad names and absent devices are clear errors."""
     from depthscope.hooks import load_model
 
-    return load_model(model)
+    return load_model(model, device=device, dtype=dtype)
 
 
 ThreadsOpt = typer.Option(

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import typer
 
-from .common import ModelOpt
+from .common import DeviceOpt, DtypeOpt, ModelOpt
 
 
 def register(app: typer.Typer) -> None:
     @app.command("info")
     def info(
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         prompt: str = typer.Option("The capital of France is", "--prompt", "-p", help="Text to run."),
     ):
         """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
@@ -20,7 +22,7 @@ def register(app: typer.Typer) -> None:
 
         from depthscope.hooks import load_model
 
-        m = load_model(model)
+        m = load_model(model, device=device, dtype=dtype)
         console = Console()
         console.print(repr(m))
         rs = m.residual_stream([prompt])

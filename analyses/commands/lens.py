@@ -10,7 +10,7 @@ import typer
 
 from ..jobs.lens import MAX_TOP_K, LensConfig, LensTrainConfig
 from ..tuned_lens_config import TunedLensTraining
-from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, positive, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, positive, prepare_out, set_threads
 
 _L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
 
@@ -50,6 +50,8 @@ def lens(
         help="Plain-text file (UTF-8): one document per line, or the whole file (--whole-file).",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     prompt: str = typer.Option(
         _L.prompt,
         "--prompt",
@@ -127,7 +129,7 @@ def lens(
         progress=True,
     ).validate()
     prepare_out(out, "lens", {"model": model or "default", "text": str(text)}, force)
-    m = load(model)
+    m = load(model, device, dtype)
     m.unembed.check()
     console.print(
         f"logit lens: {m.name}, {len(docs)} document(s) from {text}" + (f"; tuned lens: {tuned}" if tuned else "")
@@ -149,6 +151,8 @@ def lens_train(
         help="Folder for the tuned lens and its training checkpoint.",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     steps: int = typer.Option(
         _TT.steps,
         "--steps",
@@ -221,7 +225,7 @@ def lens_train(
     ).validate()
     cfg = LensTrainConfig(training=training, eval_tokens=eval_tokens).validate()
     prepare_out(out, "lens-train", None)  # the folder may hold a checkpoint to resume
-    m = load(model)
+    m = load(model, device, dtype)
     m.unembed.check()
     console.print(
         f"training a tuned lens for {m.name} on {text}; {steps} steps x {tokens_per_step} tokens; checkpoints in {out}"

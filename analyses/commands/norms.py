@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..jobs.norms import NormsConfig
-from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
 
 _N = NormsConfig()
 
@@ -51,6 +51,8 @@ def norms(
         help="Plain-text file: one document per non-blank line (see --whole-file).",
     ),
     model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     out: Path = OutOpt,
     prompt: str = typer.Option(
         _N.prompt,
@@ -127,7 +129,7 @@ def norms(
         source=str(text),
     ).validate()
     prepare_out(out, "norms", {"model": model or "default", "text": str(text)}, force)
-    m = load(model)
+    m = load(model, device, dtype)
     console.print(repr(m))
     if not m.unembed.decodes_stream:
         console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")

@@ -8,7 +8,7 @@ import typer
 
 from depthscope.analyses.jobs.patch import PatchConfig
 
-from .common import ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
 
 _D = PatchConfig()
 
@@ -62,6 +62,8 @@ def register(app: typer.Typer) -> None:
             _D.plots, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter)."
         ),
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         out: Path = OutOpt,
         force: bool = ForceOpt,
     ):
@@ -95,7 +97,7 @@ def register(app: typer.Typer) -> None:
         ).validate()
         prepare_out(out, "patch", {"model": model or "default", "clean": clean, "corrupted": corrupted}, force)
         console = Console(stderr=True)
-        m = load_model(model)
+        m = load_model(model, device=device, dtype=dtype)
         console.print(repr(m))
         result = patch_job(m, config, Output(out))
         s = result.summary

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import typer
 
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-from .common import ForceOpt, ModelOpt, OutOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
 
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -42,6 +43,9 @@ def job_config(o: dict):
             bos=o["bos"],
             sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
             store_dtype="float32" if o["float32"] else "float16",
+            shards=o["shards"],
+            engine=o["engine"],
+            workers=o["workers"],
         ),
         data=DataConfig(
             max_train_sentences=o["max_train_sentences"],
@@ -96,6 +100,8 @@ def register(app: typer.Typer) -> None:
             None, "--dev", help="Dev file, used to pick the L2 penalty per site (with --l2 dev)."
         ),
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         probe_kind: str = typer.Option(
             _P.probe, "--probe", help="linear (softmax regression) or mlp (one hidden layer)."
         ),
@@ -152,6 +158,16 @@ def register(app: typer.Typer) -> None:
             "--bos/--no-bos",
             help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink.",
         ),
+        shards: int = typer.Option(
+            _E.shards,
+            "--shards",
+            min=1,
+            help="Write the activation store as N shards (a re-run redoes only missing ones; 1: one store).",
+        ),
+        engine: str = typer.Option(
+            _E.engine, "--engine", help="Extraction engine: local, or ray (one Ray task per shard)."
+        ),
+        workers: int = typer.Option(_E.workers, "--workers", min=1, help="CPUs of the local Ray (--engine ray)."),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Draw the figures."),
@@ -170,7 +186,11 @@ def register(app: typer.Typer) -> None:
         set_threads(threads)
         cfg = job_config(dict(locals()))  # every option by its parameter name
         prepare_out(out, "probe", {"model": model or "default", "train": str(train), "test": str(test)}, force)
-        result = run_probe_job(model, cfg, Output(out), progress=True)
+        from .common import load
+
+        # the model loads (on --device, in --dtype) only once the data are read and checked
+        loader = functools.partial(load, model, device, dtype)
+        result = run_probe_job(loader, cfg, Output(out), progress=True)
         print_summary(result.tables["probes_summary"])
         typer.echo(f"precision: {result.summary['precision']}")
         for p in result.files:

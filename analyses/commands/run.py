@@ -8,7 +8,7 @@ import typer
 
 from depthscope.probes.config import DataConfig, ProbeConfig
 
-from .common import ForceOpt, ModelOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
 
 _P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -17,6 +17,8 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
         model: str | None = ModelOpt,
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
         data: list[Path] | None = typer.Option(
             None,
             "--data",
@@ -77,6 +79,8 @@ def register(app: typer.Typer) -> None:
         prepare_out(out, "run", None, force)
         cfg = ReportConfig(
             model=model,
+            device=device,
+            dtype=dtype,
             train=files[0] if files else None,
             test=files[1] if len(files) > 1 else None,
             dev=files[2] if len(files) > 2 else None,

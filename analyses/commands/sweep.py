@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from .common import DeviceOpt, DtypeOpt
+
 
 def register(app: typer.Typer) -> None:
     @app.command("sweep")
@@ -45,20 +47,59 @@ def register(app: typer.Typer) -> None:
             False, "--allow-mixed", help="Allow checkpoints of different architectures or tokenizers."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace another sweep's results in --out."),
+        device: str = DeviceOpt,
+        dtype: str = DtypeOpt,
+        engine: str = typer.Option(
+            "local", "--engine", help="local (one checkpoint after another) or ray (one Ray task per checkpoint)."
+        ),
+        address: str | None = typer.Option(
+            None, "--address", help="Ray cluster to join (host:port, ray://host:port or auto); default: a local Ray."
+        ),
+        workers: int = typer.Option(
+            2, "--workers", min=1, help="CPUs of the local Ray (concurrent checkpoints); --engine ray."
+        ),
+        gpus_per_task: float = typer.Option(
+            0.0,
+            "--gpus-per-task",
+            min=0.0,
+            help="GPUs each Ray task reserves (0: none, CPU tasks; use with --device cuda); --engine ray.",
+        ),
     ):
         """Run one analysis on each checkpoint; write one combined table (checkpoint, step columns) and plots.
 
         Each checkpoint's result is written atomically as it finishes; re-running the same command skips
-        finished checkpoints. A checkpoint that fails to load is recorded (checkpoints/NAME.failed.json)
-        and the sweep goes on; the exit status is 1 if any failed.
+        finished checkpoints (with either engine). --engine ray runs one Ray task per checkpoint on a local
+        Ray with --workers CPUs, or on the cluster at --address. Checkpoints with identical weights are
+        marked in the table's duplicate_of column. A checkpoint that fails to load is recorded
+        (checkpoints/NAME.failed.json) and the sweep goes on; the exit status is 1 if any failed.
         """
+        import functools
+
         from depthscope.analyses.plots import sweep as sweep_plots
         from depthscope.analyses.sweep import discover_checkpoints, sweep
+        from depthscope.hooks import load_model
+        from depthscope.hooks.devices import resolve_dtype
 
         from .common import prepare_out
 
         if analysis not in ("lens", "norms", "probe"):
             raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
+        if engine not in ("local", "ray"):
+            raise typer.BadParameter(f"--engine must be local or ray, not {engine!r}")
+        if engine == "local" and (address is not None or gpus_per_task):
+            raise typer.BadParameter("--address and --gpus-per-task need --engine ray")
+        run_on = None
+        if engine == "ray":
+            from depthscope.analyses.sweep_ray import RayEngine, require_ray
+
+            require_ray()
+            run_on = RayEngine(address=address, workers=workers, gpus_per_task=gpus_per_task)
+        resolve_dtype(dtype)  # a bad name fails here, not once per checkpoint
+        if engine == "local" or not gpus_per_task:  # Ray tasks see their GPUs only inside the task
+            from depthscope.hooks.devices import resolve_device
+
+            resolve_device(device)
+        load = functools.partial(load_model, device=device, dtype=dtype)
         prepare_out(out, "sweep", None, overwrite)  # sweep() itself refuses another sweep's folder
         cks = discover_checkpoints([*(checkpoints or []), *(checkpoints_pos or [])], checkpoint_dir)
         kwargs: dict = {}
@@ -85,7 +126,9 @@ def register(app: typer.Typer) -> None:
             )
         else:
             raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
-        result = sweep(cks, analysis, out, allow_mixed=allow_mixed, overwrite=overwrite, **kwargs)
+        result = sweep(
+            cks, analysis, out, allow_mixed=allow_mixed, overwrite=overwrite, load=load, engine=run_on, **kwargs
+        )
         by_site = result.tables.get("by_site")
         written = []
         if by_site is not None and len(by_site):

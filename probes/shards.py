@@ -1,0 +1,210 @@
+"""Activation stores written as shards (one per corpus slice, by parallel workers), read as one.
+
+==============================  ================================================================
+:func:`extract_sharded`         split the spans into ``n_shards`` contiguous slices, extract each
+                                slice as its own store (:func:`~.activations.extract_spans`), in
+                                this process or as Ray tasks; a re-run skips finished shards
+:class:`ShardedFeats`           the shards' memmaps as one ``[n_rows, n_sites, d]`` array for
+                                row indexing (reads only the rows asked for: streaming)
+:func:`slice_spans`             the passages and spans of one slice, passage indices re-based
+==============================  ================================================================
+
+Layout: each shard is an ordinary store ``store_dir/<shard key>/`` (``feats.bin`` memmap,
+``rows.npy``, ``meta.json`` written last), keyed like any store by the model digest, the
+slice's token ids and spans, sites, pooling and dtype; ``store_dir/<key>.manifest.json`` lists
+the shards in span order and is written last, atomically. The returned
+:class:`~.activations.SpanStore` has the same rows, in the same order, as the unsharded store
+of the same data (``gather`` is equal), and its memory does not grow with the corpus: the probe
+reads each batch's rows from the memmaps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from depthscope.hooks.digest import model_digest
+from depthscope.hooks.errors import InputError
+from depthscope.hooks.files import atomic_text
+
+from .activations import SpanStore, _open, _store_key, extract_spans
+from .spans import SpanTable, Tokenized
+
+
+class ShardedFeats:
+    """Rows of several ``[n_i, S, D]`` arrays as one ``[sum n_i, S, D]`` array (integer indexing)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        sizes = np.array([len(p) for p in parts], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.shape = (int(self.offsets[-1]), *parts[0].shape[1:])
+        self.dtype = parts[0].dtype
+        self.nbytes = int(sum(p.nbytes for p in parts))
+        self.ndim = 3
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate([np.asarray(p) for p in self.parts])
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, idx):
+        idx = np.asarray(idx, dtype=np.int64)
+        flat = idx.reshape(-1)
+        which = np.searchsorted(self.offsets, flat, side="right") - 1
+        out = np.empty((len(flat), *self.shape[1:]), dtype=self.dtype)
+        for k in np.unique(which):
+            sel = which == k
+            rows, inverse = np.unique(flat[sel] - self.offsets[k], return_inverse=True)
+            out[sel] = _read_rows(self.parts[k], rows)[inverse]
+        return out.reshape(*idx.shape, *self.shape[1:])
+
+
+def _read_rows(part, rows: np.ndarray) -> np.ndarray:
+    """``part[rows]`` (``rows`` sorted, unique). A memmap is read with ``os.pread``, runs of
+    consecutive rows in one call, rather than through the mapping: the pages read stay in the
+    OS page cache instead of this process's resident memory, which would otherwise grow with
+    every row ever read (the store's whole size after one epoch)."""
+    if not isinstance(part, np.memmap) or part.filename is None:
+        return np.asarray(part[rows])
+    row_shape = part.shape[1:]
+    row_bytes = int(np.prod(row_shape)) * part.dtype.itemsize
+    out = np.empty((len(rows), *row_shape), dtype=part.dtype)
+    cut = np.nonzero(np.diff(rows) != 1)[0] + 1
+    with open(part.filename, "rb") as f:
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(rows)]])):
+            buf = os.pread(f.fileno(), int(b - a) * row_bytes, part.offset + int(rows[a]) * row_bytes)
+            out[a:b] = np.frombuffer(buf, dtype=part.dtype).reshape(int(b - a), *row_shape)
+    return out
+
+
+def slice_spans(tok: Tokenized, table: SpanTable, lo: int, hi: int) -> tuple[Tokenized, SpanTable]:
+    """Spans ``lo:hi`` of ``table`` and the passages they use (re-indexed from 0)."""
+    passage = table.passage[lo:hi]
+    used = np.unique(passage[passage >= 0])
+    sub_tok = Tokenized(
+        ids=[tok.ids[p] for p in used], starts=[tok.starts[p] for p in used], ends=[tok.ends[p] for p in used]
+    )
+    sub = SpanTable(
+        passage=np.where(passage >= 0, np.searchsorted(used, passage), passage),
+        cs=table.cs[lo:hi],
+        ce=table.ce[lo:hi],
+        first=table.first[lo:hi],
+        last=table.last[lo:hi],
+    )
+    return sub_tok, sub
+
+
+def extract_sharded(
+    model,
+    tok: Tokenized,
+    table: SpanTable,
+    *,
+    n_shards: int,
+    store_dir,
+    engine=None,
+    load: Callable | None = None,
+    **extract_kw,
+) -> SpanStore:
+    """The store of ``table`` written as ``n_shards`` shards (see the module docstring).
+
+    ``engine``: None runs the missing shards here with ``model``; a
+    :class:`~depthscope.analyses.sweep_ray.RayEngine`-like object with ``workers`` runs one Ray
+    task per missing shard, each loading the model with ``load()`` (a picklable loader such as
+    ``functools.partial(load_model, spec, dtype=...)``). ``extract_kw``: ``sites``, ``pooling``,
+    ``dtype``, ``batch_tokens``, ``max_tokens`` as for :func:`~.activations.extract_spans`."""
+    if n_shards < 1:
+        raise InputError(f"n_shards must be at least 1, got {n_shards}")
+    store_dir = Path(store_dir)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    extract_kw = {"progress": False, **extract_kw}
+    sites = extract_kw.get("sites")
+    extract_kw["sites"] = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
+    bounds = np.linspace(0, len(table), min(n_shards, max(len(table), 1)) + 1).astype(int)
+    slices = [slice_spans(tok, table, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    digest = model_digest(model)
+    keys = [
+        _store_key(
+            digest,
+            t,
+            s,
+            extract_kw["sites"],
+            extract_kw.get("pooling", "last"),
+            np.dtype(extract_kw.get("dtype", "float16")),
+            extract_kw.get("max_tokens", 512),
+        )
+        for t, s in slices
+    ]
+    missing = [i for i, k in enumerate(keys) if _open(store_dir / k) is None]
+    if missing and engine is None:
+        for i in missing:
+            extract_spans(model, *slices[i], store_dir=store_dir, **extract_kw)
+    elif missing:
+        if load is None:
+            raise InputError("extract_sharded on Ray needs load=, a picklable loader of the model")
+        _run_on_ray(engine, load, [slices[i] for i in missing], store_dir, extract_kw)
+    shards = [_open(store_dir / k) for k in keys]
+    lost = [keys[i] for i, s in enumerate(shards) if s is None]
+    if lost:
+        raise InputError(f"shards {lost} were not written in {store_dir}")
+    key = hashlib.sha256("|".join(keys).encode()).hexdigest()[:24]
+    manifest = {
+        "complete": True,
+        "key": key,
+        "shards": [{"key": k, "spans": [int(a), int(b)]} for k, a, b in zip(keys, bounds[:-1], bounds[1:])],
+        "reused": [i for i in range(len(keys)) if i not in missing],
+    }
+    atomic_text(store_dir / f"{key}.manifest.json", json.dumps(manifest, indent=1))
+    offsets = np.concatenate([[0], np.cumsum([s.feats.shape[0] for s in shards])])
+    row_start = np.concatenate([s.row_start + off for s, off in zip(shards, offsets[:-1])])
+    n_rows = np.concatenate([s.n_rows for s in shards])
+    meta = {
+        **shards[0].meta,
+        "shards": manifest["shards"],
+        "key": key,
+        "shape": [int(offsets[-1]), *shards[0].meta["shape"][1:]],
+    }
+    return SpanStore(
+        store_dir, ShardedFeats([s.feats for s in shards]), row_start, n_rows, shards[0].sites, shards[0].pooling,
+        meta, reused=not missing,
+    )  # fmt: skip
+
+
+def _shard_task(load: Callable, tok: Tokenized, table: SpanTable, store_dir: str, extract_kw: dict) -> str:
+    """One Ray task: load the model and write one shard (atomically, by extract_spans)."""
+    model = load()
+    return str(extract_spans(model, tok, table, store_dir=store_dir, **extract_kw).path)
+
+
+def _run_on_ray(engine, load: Callable, slices: list, store_dir: Path, extract_kw: dict) -> None:
+    """One Ray task per shard; ``engine`` gives ``address``, ``workers``, ``gpus_per_task``, ``max_retries``."""
+    try:
+        import ray
+    except ImportError:
+        raise InputError("sharded extraction on Ray needs Ray: run `pip install 'depthscope[ray]'`") from None
+    started = False
+    if not ray.is_initialized():
+        address = getattr(engine, "address", None)
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            path = os.pathsep.join(p for p in sys.path if p)
+            ray.init(address="local", num_cpus=getattr(engine, "workers", 2), include_dashboard=False,
+                     log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+        started = True
+    try:
+        opts = dict(num_cpus=1, num_gpus=getattr(engine, "gpus_per_task", 0.0))
+        remote = ray.remote(max_retries=getattr(engine, "max_retries", 1), **opts)(_shard_task)
+        shared = ray.put(load)
+        ray.get([remote.remote(shared, t, s, str(store_dir.resolve()), extract_kw) for t, s in slices])
+    finally:
+        if started:
+            ray.shutdown()
