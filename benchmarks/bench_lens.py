@@ -47,7 +47,7 @@ def run(settings: Settings) -> list[Row]:
             x = rs.resid.reshape(-1, rs.resid.shape[-1])
             with torch.no_grad():
                 for c in range(0, len(x), chunk):
-                    h = model.final_norm(x[c : c + chunk])
+                    h = model.unembed.norm(x[c : c + chunk])
                     torch.mm(h, W.t(), out=out[: len(h)])
                     rows += len(h)
         return rows
