@@ -130,19 +130,7 @@ def extract_sharded(
     extract_kw["sites"] = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
     bounds = np.linspace(0, len(table), min(n_shards, max(len(table), 1)) + 1).astype(int)
     slices = [slice_spans(tok, table, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    digest = model_digest(model)
-    keys = [
-        _store_key(
-            digest,
-            t,
-            s,
-            extract_kw["sites"],
-            extract_kw.get("pooling", "last"),
-            np.dtype(extract_kw.get("dtype", "float16")),
-            extract_kw.get("max_tokens", 512),
-        )
-        for t, s in slices
-    ]
+    keys = _shard_keys(model, slices, extract_kw)
     missing = [i for i, k in enumerate(keys) if _open(store_dir / k) is None]
     if missing and engine is None:
         for i in missing:
@@ -176,6 +164,14 @@ def extract_sharded(
         store_dir, ShardedFeats([s.feats for s in shards]), row_start, n_rows, shards[0].sites, shards[0].pooling,
         meta, reused=not missing,
     )  # fmt: skip
+
+
+def _shard_keys(model, slices: list, extract_kw: dict) -> list[str]:
+    """The store key of each slice: what :func:`~.activations.extract_spans` names its store."""
+    digest = model_digest(model)
+    pooling, max_tokens = extract_kw.get("pooling", "last"), extract_kw.get("max_tokens", 512)
+    dtype = np.dtype(extract_kw.get("dtype", "float16"))
+    return [_store_key(digest, t, s, extract_kw["sites"], pooling, dtype, max_tokens) for t, s in slices]
 
 
 def _shard_task(load: Callable, tok: Tokenized, table: SpanTable, store_dir: str, extract_kw: dict) -> str:
