@@ -11,36 +11,38 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import time
 import traceback
 import warnings
 
 from benchmarks._common import Row, Settings, failed_row, format_table, machine, machine_line, write_results
 
-BENCHES = ["capture", "norms", "probes", "lens", "patching", "points"]
-# self-contained benchmarks: ``run(quick, threads) -> list[dict]`` rows with figure, depthscope and
-# baseline (seconds or text), ratio and goal (a number means "at least", a string is a comparison)
-DICT_BENCHES = {"patching"}
+BENCHES = ["capture", "norms", "probes", "lens", "points", "patching", "sweep", "extraction"]
+# self-contained benchmarks: ``run(quick[, threads]) -> list[dict]`` rows with figure, depthscope and
+# baseline (numbers in the unit given here), ratio and a numeric goal compared with the operator here
+DICT_BENCHES = {"patching": (">=", "s"), "sweep": (">=", "s"), "extraction": ("<=", "MB")}
 
 
-def _cell(v) -> str:
-    return f"{v:.3f} s" if isinstance(v, float) else str(v)
+def _cell(v, unit: str) -> str:
+    return f"{v:.3f} {unit}" if isinstance(v, float) else str(v)
 
 
 def _as_rows(name: str, got: list) -> list[Row]:
+    op, unit = DICT_BENCHES[name]
     rows = []
     for r in got:
         if isinstance(r, Row):
             rows.append(r)
             continue
         goal = r.get("goal")
-        goal = "" if goal is None else (goal if isinstance(goal, str) else f">= {goal:g}")
+        goal = "" if goal is None else (goal if isinstance(goal, str) else f"{op} {goal:g}")
         ratio = r.get("ratio")
         rows.append(
             Row(
                 figure=r["figure"],
-                depthscope=_cell(r.get("depthscope", "")),
-                baseline=_cell(r.get("baseline", "")),
+                depthscope=_cell(r.get("depthscope", ""), unit),
+                baseline=_cell(r.get("baseline", ""), unit),
                 ratio=float("nan") if ratio is None else float(ratio),
                 goal=goal,
                 note=str(r.get("note", "")),
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
         try:
             module = importlib.import_module(f"benchmarks.bench_{name}")
             if name in DICT_BENCHES:
-                got = _as_rows(name, module.run(quick=settings.quick, threads=settings.threads))
+                kw = {"threads": settings.threads} if "threads" in inspect.signature(module.run).parameters else {}
+                got = _as_rows(name, module.run(quick=settings.quick, **kw))
             else:
                 got = module.run(settings)
         except Exception as e:  # one failed benchmark still leaves the others' figures
