@@ -9,7 +9,7 @@ Public API
 ----------
 ``run_probes(model, tasks, train, test, dev=None, *, config=ProbeConfig(), extraction=ExtractionConfig(),
 data=DataConfig(), progress=True, **overrides) -> ProbeResults``
-    ``overrides``: any field of the three configuration objects by name (``epochs=6``,
+    ``overrides``: any field of the three configuration objects by name (``max_epochs=60``,
     ``pooling="mean"``, ``max_train_sentences=200``); an unknown name is an ``InputError``.
     ``.by_site`` columns: task, site, label, layer, sublayer, depth, accuracy, macro_f1,
     control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test

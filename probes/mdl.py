@@ -8,9 +8,9 @@ codelength is the total in bits; the uniform codelength is ``N * log2 K``; compr
 uniform / online (higher = the property is easier to extract from that site).
 
 Every block's probe is trained for all sites at once (one batched fit per block, ten in
-all), from scratch, for a fixed number of epochs but at least ``min_steps`` optimiser steps
-(the first blocks hold a handful of examples); the L2 penalty keeps those small fits from
-overconfident codes.
+all), from scratch, to convergence like every probe (the Adam solver takes at least
+``min_steps`` steps: the first blocks hold a handful of examples); the task's L2 penalty keeps
+those small fits from overconfident codes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe
+from .classifiers import BatchedProbe, numeric_l2
 from .config import ProbeConfig, override
 from .features import Features
 from .training import predict, train_probe
@@ -74,9 +74,9 @@ def online_codelength(
     **overrides,
 ) -> MDLResult:
     """Online codelength per site of labels ``y`` (class indices < n_classes), in bits.
-    ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, epochs, lr,
-    batch, hidden units and seed; MDL keeps its own floor of ``min_steps`` steps per block
-    (the first blocks hold a handful of examples). ``dtype``: the precision of the resident
+    ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, solver,
+    tolerances, the epoch cap, lr, batch, hidden units and seed; MDL keeps its own floor of
+    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``dtype``: the precision of the resident
     blocks (None: the CPU rule)."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     seed, batch_size = cfg.seed, cfg.batch_size
@@ -99,9 +99,10 @@ def online_codelength(
         ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
         fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
         probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=cfg.probe,
-                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=float(cfg.l2), seed=seed)
-        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], epochs=cfg.epochs, lr=cfg.lr,
-                    batch_size=None if batch_size is None else min(batch_size, max(8, t0)), min_steps=min_steps, seed=seed)
+                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=numeric_l2(cfg.l2), seed=seed)
+        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], max_epochs=cfg.max_epochs, tol=cfg.tol,
+                    gtol=cfg.gtol, solver=cfg.solver, lr=cfg.lr, seed=seed, min_steps=min_steps,
+                    batch_size=None if batch_size is None else min(batch_size, max(8, t0)))
         _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
         bits += b[:, :, 0].double().sum(1).numpy()
         if bar is not None:

@@ -20,7 +20,7 @@ def report_dir(tmp_path_factory, tiny_factory):
     out = tmp_path_factory.mktemp("report")
     model = tiny_factory("llama", n_layers=2)
     cfg = ReportConfig(lens_tokens=200, norms_tokens=300, data=DataConfig(max_train_sentences=40, max_test_sentences=20),
-                       probe=ProbeConfig(epochs=2))
+                       probe=ProbeConfig(max_epochs=20))
     run_report(out, cfg, progress=False, model=model)
     return out
 

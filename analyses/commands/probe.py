@@ -20,13 +20,13 @@ def job_config(o: dict):
     from depthscope.hooks.errors import InputError
 
     try:
-        l2 = o["l2"] if o["l2"] == "dev" else float(o["l2"])
+        l2 = o["l2"] if o["l2"] in ("auto", "dev") else float(o["l2"])
     except ValueError:
-        raise InputError(f"--l2 must be a number or 'dev', got {o['l2']!r}") from None
+        raise InputError(f"--l2 must be a number, 'auto' or 'dev', got {o['l2']!r}") from None
     return ProbeJobConfig(
         tasks=[t.strip() for t in o["task"].split(",") if t.strip()] if o["task"] else None,
         train=o["train"], test=o["test"], dev=o["dev"], plots=o["plots"],
-        probe=ProbeConfig(probe=o["probe_kind"], l2=l2, epochs=o["epochs"], mdl=o["mdl"], seed=o["seed"],
+        probe=ProbeConfig(probe=o["probe_kind"], l2=l2, max_epochs=o["max_epochs"], mdl=o["mdl"], seed=o["seed"],
                           precision=o["precision"]),
         extraction=ExtractionConfig(pooling=o["pooling"], context=o["context"], store_dir=o["store"], bos=o["bos"],
                                     sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
@@ -40,15 +40,21 @@ def print_summary(summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("task", "n_train", "n_test", "best site", "best acc", "max selectivity", "E_Delta [95%]", "E_s")
+    table = Table("task", "n_train", "n_test", "best site", "best acc", "max sel. (pts)", "E_Delta [95%]", "E_s", "L2",
+                  "converged")
     for col in table.columns:
         col.no_wrap = True
     for r in summary.itertuples():
         lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
+        e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]" + ("" if r.expected_layer_delta_meaningful else " (gain too small)")
+        conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
         table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
-                      f"{r.max_selectivity:.3f}", f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]",
-                      f"{r.expected_layer_mix:.2f}")
+                      f"{100 * r.max_selectivity:.1f}", e, f"{r.expected_layer_mix:.2f}", f"{r.l2:g}", conv)
     Console().print(table)
+    for r in summary.itertuples():
+        if not r.converged:
+            Console(stderr=True).print(f"[yellow]warning:[/] {r.task}: {r.n_not_converged} probe(s) stopped at "
+                                       f"--max-epochs {r.max_epochs} before converging; raise --max-epochs")
 
 
 def register(app: typer.Typer) -> None:
@@ -60,7 +66,7 @@ def register(app: typer.Typer) -> None:
                                            "with GUM data)."),
         train: Optional[Path] = typer.Option(None, "--train", help="Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample."),
         test: Optional[Path] = typer.Option(None, "--test", help="Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample."),
-        dev: Optional[Path] = typer.Option(None, "--dev", help="Dev file, used to pick the L2 penalty per site (with --l2 dev)."),
+        dev: Optional[Path] = typer.Option(None, "--dev", help="Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."),
         model: Optional[str] = ModelOpt,
         probe_kind: str = typer.Option(_P.probe, "--probe", help="linear (softmax regression) or mlp (one hidden layer)."),
         pooling: str = typer.Option(_E.pooling, "--pooling", help="Span pooling: last (default for decoders), first, mean, attn (self-attentive)."),
@@ -69,8 +75,10 @@ def register(app: typer.Typer) -> None:
         max_test_sentences: Optional[int] = typer.Option(_D.max_test_sentences, "--max-test-sentences", help="Cap test at N sentences."),
         max_dev_sentences: Optional[int] = typer.Option(_D.max_dev_sentences, "--max-dev-sentences", help="Cap dev at N sentences."),
         context: Optional[str] = typer.Option(_E.context, "--context", help="sentence or document for every task (default: document for coref only)."),
-        l2: str = typer.Option(str(_P.l2), "--l2", help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'dev' to choose per site on --dev."),
-        epochs: int = typer.Option(_P.epochs, "--epochs", help="Training epochs of every probe."),
+        l2: str = typer.Option(str(_P.l2), "--l2", help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'auto': one per task from the grid "
+                               "1e-4, 1e-3, 1e-2 by held-out accuracy (on --dev when given, else on folds of train)."),
+        max_epochs: int = typer.Option(_P.max_epochs, "--max-epochs", help="Cap on passes over train: probes train until they converge; "
+                                       "hitting the cap warns and is recorded (converged=False)."),
         precision: str = typer.Option(_P.precision, "--precision", help="Feature precision: auto (bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu), float32 or bfloat16."),
         mdl: bool = typer.Option(_P.mdl, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."),
         overlap: str = typer.Option(_D.overlap, "--overlap", help="Test sentences also in train: drop (default), keep, or error."),

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option(" Paris", "--target", help="Target token for DLA."),
         max_train_sentences: Optional[int] = typer.Option(_D.max_train_sentences, "--max-train-sentences", help="Cap probe train data at N sentences (whole documents, seeded)."),
         max_test_sentences: Optional[int] = typer.Option(_D.max_test_sentences, "--max-test-sentences", help="Cap probe test data at N sentences."),
-        epochs: int = typer.Option(_P.epochs, "--epochs", help="Training epochs of every probe (the same default as depthscope probe)."),
+        max_epochs: int = typer.Option(_P.max_epochs, "--max-epochs", help="Cap on passes over train for every probe (they train to convergence; the same default as depthscope probe)."),
         seed: int = SeedOpt,
         threads: Optional[int] = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", help="Tokens of text for the logit lens."),
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
             target=target,
             lens_tokens=lens_tokens,
             norms_tokens=norms_tokens,
-            probe=ProbeConfig(epochs=epochs, seed=seed),
+            probe=ProbeConfig(max_epochs=max_epochs, seed=seed),
             data=DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences),
         )
         path = run_report(out, cfg)
