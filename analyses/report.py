@@ -204,6 +204,29 @@ def _fmt(x, nd=2):
     return f"{x:.{nd}f}"
 
 
+def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
+    """The probe summary as the report shows it: readable column names, the E_Δ interval, the
+    scalar-mix E_s, selectivity in points, the chosen penalty and convergence."""
+    s = summary
+    g = lambda c: s[c] if c in s else pd.Series([np.nan] * len(s), index=s.index)  # noqa: E731
+    t = pd.DataFrame({"task": s["task"]})
+    t["E_Δ (blocks)"] = g("expected_layer_delta")
+    t["E_Δ 95% interval"] = [f"[{_fmt(a, 1)}, {_fmt(b, 1)}]" for a, b in zip(g("expected_layer_delta_lo"),
+                                                                               g("expected_layer_delta_hi"))]
+    t["E_Δ / depth"] = g("expected_layer_delta") / n_layers
+    t["E_s (blocks)"] = g("expected_layer_mix")
+    t["total gain (points)"] = 100 * g("total_delta")
+    t["best site"] = g("best_label")
+    t["best accuracy (%)"] = 100 * g("best_accuracy")
+    t["majority (%)"] = 100 * g("majority_accuracy")
+    t["max selectivity (points)"] = 100 * g("max_selectivity")
+    t["L2"] = [f"{v:g}" if np.isfinite(v) else "n/a" for v in g("l2").astype(float)]
+    t["converged"] = ["yes" if v is True or v == 1 else "no" for v in g("converged")]
+    t["n train"] = g("n_train")
+    t["n test"] = g("n_test")
+    return t.reset_index(drop=True)
+
+
 def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) -> list[str]:
     out = []
     if summary is None or not len(summary):
@@ -222,6 +245,14 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
             out.append("E_Δ is unstable for " + ", ".join(wide["task"]) + ": its bootstrap interval over the test "
                        "examples spans more than a quarter of the depth (small total gain against noisy per-site gains); "
                        "read the per-site accuracies instead.")
+    if "expected_layer_delta_meaningful" in s:
+        weak = s[~s["expected_layer_delta_meaningful"].astype(bool)]
+        for r in weak.itertuples():
+            out.append(f"{r.task}: the total cumulative gain is {_fmt(100 * r.total_delta, 1)} points, too small for "
+                       "E_Δ to mean a depth (the embedding already decodes most of it).")
+    if "converged" in s and not s["converged"].astype(bool).all():
+        out.append("Some probes stopped at max_epochs before converging (" + ", ".join(
+            s[~s["converged"].astype(bool)]["task"]) + "): raise --max-epochs before reading these numbers.")
     first, last = s.iloc[0], s.iloc[-1]
     if len(s) > 1:
         gap = last.expected_layer_delta - first.expected_layer_delta
@@ -313,8 +344,12 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
 
 # ---------------------------------------------------------------------------- rendering
 FIGURES = [
-    ("Which depth encodes which property", [("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, "
-                                             "E_Δ and E_s marked"), ("probes_accuracy.png", "Probe accuracy and selectivity per site")]),
+    ("Which depth encodes which property", [("probes_overview.png", "All tasks on one depth axis: E_Δ with its 95% "
+                                             "interval and E_s"),
+                                            ("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, "
+                                             "E_Δ and E_s marked"),
+                                            ("probes_accuracy.png", "Probe accuracy (majority baseline dotted) and "
+                                             "selectivity in points per site")]),
     ("How the prediction forms: logit lens", [("lens_metrics.png", "Lens metrics against depth"),
                                               ("lens_top1_heatmap.png", "Top-1 token per position and site for the prompt"),
                                               ("lens_rank_trajectory.png", "Rank of each next token through depth")]),
@@ -355,11 +390,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
     sections: list[tuple[str, list[str], Optional[pd.DataFrame], list[tuple[str, str]]]] = []
     table = None
     if summary is not None and len(summary):
-        cols = [c for c in ["task", "expected_layer_delta", "expected_layer_mix", "best_label", "best_accuracy",
-                            "n_train", "n_test"] if c in summary.columns]
-        table = summary[cols].copy()
-        table["relative_depth_delta"] = table["expected_layer_delta"] / L
-        table = table.sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
+        table = probe_table(summary, L).sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
     findings = {
         FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
         FIGURES[1][0]: lens_findings(lens, L),

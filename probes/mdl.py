@@ -10,7 +10,10 @@ uniform / online (higher = the property is easier to extract from that site).
 Every block's probe is trained for all sites at once (one batched fit per block, ten in
 all), from scratch, to convergence like every probe (the Adam solver takes at least
 ``min_steps`` steps: the first blocks hold a handful of examples); the task's L2 penalty keeps
-those small fits from overconfident codes.
+those small fits from overconfident codes. The penalty is on the mean cross-entropy, so a block
+of ``t`` examples gets ``l2 * n / t``: the same prior on the weights (relative to the summed
+cross-entropy) in every block, as the full-data probe has; without it, converged probes on
+the first, tiny blocks overfit and their codes cost more than the uniform code.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def online_codelength(
         ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
         fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
         probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=cfg.probe,
-                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=numeric_l2(cfg.l2), seed=seed)
+                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=numeric_l2(cfg.l2) * n / t0, seed=seed)
         train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], max_epochs=cfg.max_epochs, tol=cfg.tol,
                     gtol=cfg.gtol, solver=cfg.solver, lr=cfg.lr, seed=seed, min_steps=min_steps,
                     batch_size=None if batch_size is None else min(batch_size, max(8, t0)))

@@ -44,6 +44,7 @@ def site_rows(task: str, frame: pd.DataFrame, td, scores: dict, l2, *, probe: st
     df["pooling"] = pooling
     df["n_train"] = len(td.examples["train"])
     df["n_test"] = len(td.examples["test"])
+    df["majority_accuracy"] = td.majority_accuracy
     return df
 
 
