@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
         max_dev_sentences: Optional[int] = typer.Option(_D.max_dev_sentences, "--max-dev-sentences", help="Cap dev at N sentences."),
         context: Optional[str] = typer.Option(_E.context, "--context", help="sentence or document for every task (default: document for coref only)."),
         l2: str = typer.Option(str(_P.l2), "--l2", help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'auto': one per task from the grid "
-                               "1e-4, 1e-3, 1e-2 by held-out accuracy (on --dev when given, else on folds of train)."),
+                               "3e-4, 1e-3, 3e-3 by held-out accuracy (on --dev when given, else on folds of train)."),
         max_epochs: int = typer.Option(_P.max_epochs, "--max-epochs", help="Cap on passes over train: probes train until they converge; "
                                        "hitting the cap warns and is recorded (converged=False)."),
         precision: str = typer.Option(_P.precision, "--precision", help="Feature precision: auto (bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu), float32 or bfloat16."),

@@ -28,7 +28,7 @@ import pandas as pd
 
 from depthscope.probes.tasks import pipeline_rank
 
-from .style import SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig
+from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, plt, savefig
 
 
 def _task_order(tasks) -> list:
