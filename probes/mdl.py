@@ -79,7 +79,8 @@ def online_codelength(
     """Online codelength per site of labels ``y`` (class indices < n_classes), in bits.
     ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, solver,
     tolerances, the epoch cap, lr, batch, hidden units and seed; MDL keeps its own floor of
-    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``dtype``: the precision of the resident
+    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``dtype``:
+    the precision of the resident
     blocks (None: the CPU rule)."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     seed, batch_size = cfg.seed, cfg.batch_size

@@ -83,7 +83,8 @@ def test_init_does_no_work_and_validate_checks():
     assert bad.probe == "svm"
     for c, match in [(bad, "probe"), (ProbeConfig(precision="half"), "precision"), (ProbeConfig(l2="cv"), "l2"),
                      (ProbeConfig(max_epochs=0), "max_epochs"),
-                     (ProbeConfig(solver="sgd"), "solver"), (ProbeConfig(l2_folds=1), "l2_folds"), (ExtractionConfig(pooling="max"), "pooling"),
+                     (ProbeConfig(solver="sgd"), "solver"), (ProbeConfig(l2_folds=1), "l2_folds"),
+                     (ExtractionConfig(pooling="max"), "pooling"),
                      (ExtractionConfig(store_dtype="int8"), "store_dtype"),
                      (ExtractionConfig(context="page"), "context"),
                      (DataConfig(overlap="merge"), "overlap"), (DataConfig(max_train_sentences=0), "max_train")]:
@@ -101,7 +102,8 @@ def test_overrides_apply_by_field_and_unknown_names_are_rejected():
     cfg, _, _ = resolve_configs(ProbeConfig(max_epochs=6), max_epochs=3)  # a loose setting wins over the object
     assert cfg.max_epochs == 3
     # rejected before any model is loaded or file read (model None would load the default model)
-    with pytest.raises(InputError, match=r"unknown probe setting\(s\) epochz; valid: probe, l2, l2_folds, solver, max_epochs"):
+    want = r"unknown probe setting\(s\) epochz; valid: probe, l2, l2_folds, solver, max_epochs"
+    with pytest.raises(InputError, match=want):
         run_probes(None, "upos", EWT_TRAIN, EWT_TEST, epochz=3)
     with pytest.raises(InputError, match="dtype"):
         run_probes(None, "upos", EWT_TRAIN, EWT_TEST, dtype="float32")  # renamed: store_dtype

@@ -46,7 +46,8 @@ def print_summary(summary) -> None:
         col.no_wrap = True
     for r in summary.itertuples():
         lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
-        e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]" + ("" if r.expected_layer_delta_meaningful else " (gain too small)")
+        e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]"
+        e += "" if r.expected_layer_delta_meaningful else " (gain too small)"
         conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
         table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
                       f"{100 * r.max_selectivity:.1f}", e, f"{r.expected_layer_mix:.2f}", f"{r.l2:g}", conv)

@@ -74,7 +74,8 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
                plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, mfc="white", lw=0),
                plt.Line2D([], [], color="#2ca02c", marker="D", ms=6, mfc="none", lw=0)]
     ax.legend(handles, ["$E_\\Delta$ (cumulative scoring) and 95% interval", "$E_\\Delta$ where the gain is too small",
-                        "$E_s$ (scalar mix)"], loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
+                        "$E_s$ (scalar mix)"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
               ncol=3, frameon=False, fontsize=8)
     ax.set_title("Which depth encodes which property: expected layer per task", fontsize=10)
     fig.tight_layout()
