@@ -37,6 +37,8 @@ def job_config(o: dict):
 
 
 def print_summary(summary) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
@@ -51,7 +53,7 @@ def print_summary(summary) -> None:
         conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
         table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
                       f"{100 * r.max_selectivity:.1f}", e, f"{r.expected_layer_mix:.2f}", f"{r.l2:g}", conv)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # logs: no 80-column squeeze
     for r in summary.itertuples():
         if not r.converged:
             Console(stderr=True).print(f"[yellow]warning:[/] {r.task}: {r.n_not_converged} probe(s) stopped at "
