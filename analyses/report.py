@@ -405,6 +405,11 @@ def render_report(out_dir: Union[str, Path]) -> Path:
              f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
              f"Probe data: `{Path(str(meta.get('train', '?'))).name}` → `{Path(str(meta.get('test', '?'))).name}`. "
              f"Depth is in blocks: embedding 0, after block l's attention l + 0.5, after its MLP l + 1.")
+    if "gguf" in str(meta.get("model", "")).lower() or meta.get("model") == "smollm2-135m":  # the default model
+        intro += (" The default model's weights are a Q4_1 GGUF file, dequantised to float32 (so they differ slightly "
+                  "from the original checkpoint).")
+    intro += (" Probes are trained to convergence (max_epochs is only a cap), with one L2 penalty per task chosen on "
+              "held-out data; E_Δ intervals are 95% bootstraps over test examples.")
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."
 
