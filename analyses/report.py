@@ -23,9 +23,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -39,7 +39,7 @@ DEFAULT_TARGET = " Paris"
 
 
 # ---------------------------------------------------------------------------- data
-def _conllu_texts(path: Union[str, Path], sentences_per_doc: int = 6) -> list[str]:
+def _conllu_texts(path: str | Path, sentences_per_doc: int = 6) -> list[str]:
     """Documents of running text from a CoNLL-U file: ``# text`` lines grouped by ``# newdoc``
     (or every ``sentences_per_doc`` sentences when the file marks no documents)."""
     docs: list[list[str]] = [[]]
@@ -49,7 +49,7 @@ def _conllu_texts(path: Union[str, Path], sentences_per_doc: int = 6) -> list[st
         elif line.startswith("# text = "):
             if len(docs[-1]) >= sentences_per_doc:
                 docs.append([])
-            docs[-1].append(line[len("# text = "):].strip())
+            docs[-1].append(line[len("# text = ") :].strip())
     return [" ".join(d) for d in docs if d]
 
 
@@ -63,12 +63,12 @@ def sample_texts() -> list[str]:
 
 @dataclass
 class ReportConfig:
-    model: Optional[str] = None
-    train: Optional[str] = None
-    test: Optional[str] = None
-    dev: Optional[str] = None
-    texts: Optional[Sequence[str]] = None
-    tasks: Optional[Sequence[str]] = None
+    model: str | None = None
+    train: str | None = None
+    test: str | None = None
+    dev: str | None = None
+    texts: Sequence[str] | None = None
+    tasks: Sequence[str] | None = None
     prompt: str = DEFAULT_PROMPT
     target: str = DEFAULT_TARGET
     lens_tokens: int = 1500
@@ -91,7 +91,9 @@ def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the job
-def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None, *, progress: bool = True, model=None) -> Path:
+def run_report(
+    out_dir: str | Path, config: ReportConfig | None = None, *, progress: bool = True, model=None
+) -> Path:
     """Run every analysis and write tables, plots, ``report.md`` and ``report.html``; returns the
     path of ``report.html``."""
     from depthscope.hooks import load_model
@@ -120,8 +122,9 @@ def run_report(out_dir: Union[str, Path], config: Optional[ReportConfig] = None,
     train = cfg.train or str(sample["ewt_train"])
     test = cfg.test or str(sample["ewt_test"])
     texts = list(cfg.texts) if cfg.texts else _conllu_texts(train) + _conllu_texts(test)
-    probe_job = ProbeJobConfig(tasks=cfg.tasks, train=train, test=test, dev=cfg.dev, probe=cfg.probe,
-                               extraction=cfg.extraction, data=cfg.data)
+    probe_job = ProbeJobConfig(
+        tasks=cfg.tasks, train=train, test=test, dev=cfg.dev, probe=cfg.probe, extraction=cfg.extraction, data=cfg.data
+    )
     tasks = resolve_inputs(probe_job)[0]
 
     meta = {
@@ -211,8 +214,9 @@ def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     g = lambda c: s[c] if c in s else pd.Series([np.nan] * len(s), index=s.index)  # noqa: E731
     t = pd.DataFrame({"task": s["task"]})
     t["E_Δ (blocks)"] = g("expected_layer_delta")
-    t["E_Δ 95% interval"] = [f"[{_fmt(a, 1)}, {_fmt(b, 1)}]" for a, b in zip(g("expected_layer_delta_lo"),
-                                                                               g("expected_layer_delta_hi"))]
+    t["E_Δ 95% interval"] = [
+        f"[{_fmt(a, 1)}, {_fmt(b, 1)}]" for a, b in zip(g("expected_layer_delta_lo"), g("expected_layer_delta_hi"))
+    ]
     t["E_Δ / depth"] = g("expected_layer_delta") / n_layers
     t["E_s (blocks)"] = g("expected_layer_mix")
     t["total gain (points)"] = 100 * g("total_delta")
@@ -233,26 +237,39 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
         return out
     s = summary.copy()
     s = s.sort_values("expected_layer_delta")
+
     def interval(r):
-        lo, hi = getattr(r, "expected_layer_delta_lo", float("nan")), getattr(r, "expected_layer_delta_hi", float("nan"))
+        lo, hi = (
+            getattr(r, "expected_layer_delta_lo", float("nan")),
+            getattr(r, "expected_layer_delta_hi", float("nan")),
+        )
         return f", 95% interval [{_fmt(lo)}, {_fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else ""
 
     parts = [f"{r.task} (E_Δ = {_fmt(r.expected_layer_delta)}{interval(r)})" for r in s.itertuples()]
-    out.append("Ordered by the expected layer of their cumulative gains, the properties emerge as: " + ", ".join(parts) + ".")
+    out.append(
+        "Ordered by the expected layer of their cumulative gains, the properties emerge as: " + ", ".join(parts) + "."
+    )
     if "expected_layer_delta_lo" in s:
         wide = s[(s["expected_layer_delta_hi"] - s["expected_layer_delta_lo"]) > 0.25 * n_layers]
         if len(wide):
-            out.append("E_Δ is unstable for " + ", ".join(wide["task"]) + ": its bootstrap interval over the test "
-                       "examples spans more than a quarter of the depth (small total gain against noisy per-site gains); "
-                       "read the per-site accuracies instead.")
+            out.append(
+                "E_Δ is unstable for " + ", ".join(wide["task"]) + ": its bootstrap interval over the test "
+                "examples spans more than a quarter of the depth (small total gain against noisy per-site gains); "
+                "read the per-site accuracies instead."
+            )
     if "expected_layer_delta_meaningful" in s:
         weak = s[~s["expected_layer_delta_meaningful"].astype(bool)]
         for r in weak.itertuples():
-            out.append(f"{r.task}: the total cumulative gain is {_fmt(100 * r.total_delta, 1)} points, too small for "
-                       "E_Δ to mean a depth (the embedding already decodes most of it).")
+            out.append(
+                f"{r.task}: the total cumulative gain is {_fmt(100 * r.total_delta, 1)} points, too small for "
+                "E_Δ to mean a depth (the embedding already decodes most of it)."
+            )
     if "converged" in s and not s["converged"].astype(bool).all():
-        out.append("Some probes stopped at max_epochs before converging (" + ", ".join(
-            s[~s["converged"].astype(bool)]["task"]) + "): raise --max-epochs before reading these numbers.")
+        out.append(
+            "Some probes stopped at max_epochs before converging ("
+            + ", ".join(s[~s["converged"].astype(bool)]["task"])
+            + "): raise --max-epochs before reading these numbers."
+        )
     first, last = s.iloc[0], s.iloc[-1]
     if len(s) > 1:
         gap = last.expected_layer_delta - first.expected_layer_delta
@@ -268,8 +285,10 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
         best = t.loc[t["accuracy"].idxmax()]
         emb = t[t["site"] == 0]["accuracy"]
         sel = best.get("selectivity", float("nan"))
-        line = (f"{r.task}: best accuracy {_fmt(best['accuracy'] * 100, 1)}% at {best['label']} (depth {best['depth']:g}), "
-                f"selectivity there {_fmt(sel * 100, 1)} points")
+        line = (
+            f"{r.task}: best accuracy {_fmt(best['accuracy'] * 100, 1)}% at {best['label']} (depth {best['depth']:g}), "
+            f"selectivity there {_fmt(sel * 100, 1)} points"
+        )
         if len(emb):
             line += f"; the embedding alone gives {_fmt(float(emb.iloc[0]) * 100, 1)}%"
         out.append(line + ".")
@@ -282,22 +301,30 @@ def lens_findings(lens: pd.DataFrame, n_layers: int) -> list[str]:
         return out
     d = lens.sort_values("site")
     emb = d.iloc[0]
-    out.append(f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
-               f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%.")
+    out.append(
+        f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
+        f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%."
+    )
     half = d[d["top1_agreement"] >= 0.5]
     if len(half):
         h = half.iloc[0]
-        out.append(f"The lens first agrees with the model's own top-1 on half the tokens at {h['label']} "
-                   f"(depth {h['depth']:g} of {n_layers}).")
+        out.append(
+            f"The lens first agrees with the model's own top-1 on half the tokens at {h['label']} "
+            f"(depth {h['depth']:g} of {n_layers})."
+        )
     mid = d.iloc[len(d) // 2]
-    out.append(f"Half-way ({mid['label']}), KL to the final distribution is {_fmt(mid['kl_to_final'])} nats and the "
-               f"next-token cross-entropy {_fmt(mid['cross_entropy'])} nats, against {_fmt(d.iloc[-1]['cross_entropy'])} at the output.")
+    out.append(
+        f"Half-way ({mid['label']}), KL to the final distribution is {_fmt(mid['kl_to_final'])} nats and the "
+        f"next-token cross-entropy {_fmt(mid['cross_entropy'])} nats, against {_fmt(d.iloc[-1]['cross_entropy'])} at the output."
+    )
     drops = d["kl_to_final"].diff(-1)  # how much KL falls from each site to the next
     if drops.notna().any():
         i = drops.idxmax()
         nxt = d.loc[d.index[d.index.get_loc(i) + 1]] if d.index.get_loc(i) + 1 < len(d) else None
         if nxt is not None:
-            out.append(f"The largest single drop in KL ({_fmt(drops[i])} nats) comes from {nxt['label']} ({nxt['sublayer']} write).")
+            out.append(
+                f"The largest single drop in KL ({_fmt(drops[i])} nats) comes from {nxt['label']} ({nxt['sublayer']} write)."
+            )
     return out
 
 
@@ -318,50 +345,72 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
         line = f"The stream's norm goes from {_fmt(e)} at the embedding"
         if len(b0):
             line += f" to {_fmt(float(b0.iloc[0]))} after block 0"
-        line += (f" and {_fmt(f)} after the last block; a log-linear fit over the block outputs gives "
-                 f"×{_fmt(fit['rate'], 3)} per block (R² {_fmt(fit['r2'])}).")
+        line += (
+            f" and {_fmt(f)} after the last block; a log-linear fit over the block outputs gives "
+            f"×{_fmt(fit['rate'], 3)} per block (R² {_fmt(fit['r2'])})."
+        )
         out.append(line)
     if "attn_share" in d.columns:
         share = d[d["sublayer"] == "attn"]["attn_share"].mean()
-        out.append(f"Attention writes {_fmt(share * 100, 0)}% of the per-layer update norm on average, MLPs {_fmt((1 - share) * 100, 0)}%.")
+        out.append(
+            f"Attention writes {_fmt(share * 100, 0)}% of the per-layer update norm on average, MLPs {_fmt((1 - share) * 100, 0)}%."
+        )
     upd = d.dropna(subset=["relative_update"])
     if len(upd):
         big = upd.loc[upd["relative_update"].idxmax()]
-        out.append(f"The largest write relative to the stream is {big['label']} (‖u‖/‖h‖ = {_fmt(big['relative_update'])}).")
+        out.append(
+            f"The largest write relative to the stream is {big['label']} (‖u‖/‖h‖ = {_fmt(big['relative_update'])})."
+        )
     if "cos_update_stream" in d.columns:
         erase = upd[upd["cos_update_stream"] < -0.2]
         if len(erase):
-            out.append(f"{len(erase)} sublayer{'s' if len(erase) != 1 else ''} write{'' if len(erase) != 1 else 's'} against the stream (cosine < -0.2), most strongly "
-                       f"{erase.loc[erase['cos_update_stream'].idxmin(), 'label']}.")
+            out.append(
+                f"{len(erase)} sublayer{'s' if len(erase) != 1 else ''} write{'' if len(erase) != 1 else 's'} against the stream (cosine < -0.2), most strongly "
+                f"{erase.loc[erase['cos_update_stream'].idxmin(), 'label']}."
+            )
     if "positions" in norms.columns and (norms["positions"] == "first").any():
         first = norms[norms["positions"] == "first"].sort_values("site")
         ratio = first["stream_norm"].to_numpy()[-1] / max(d["stream_norm"].to_numpy()[-1], 1e-9)
         mx = first["stream_norm"].max() / max(d["stream_norm"].max(), 1e-9)
-        out.append(f"The first position (attention sink) reaches up to {_fmt(mx, 1)}× the norm of other tokens "
-                   f"(×{_fmt(ratio, 1)} after the last block).")
+        out.append(
+            f"The first position (attention sink) reaches up to {_fmt(mx, 1)}× the norm of other tokens "
+            f"(×{_fmt(ratio, 1)} after the last block)."
+        )
     return out
 
 
 # ---------------------------------------------------------------------------- rendering
 FIGURES = [
-    ("Which depth encodes which property", [("probes_overview.png", "All tasks on one depth axis: E_Δ with its 95% "
-                                             "interval and E_s"),
-                                            ("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, "
-                                             "E_Δ and E_s marked"),
-                                            ("probes_accuracy.png", "Probe accuracy (majority baseline dotted) and "
-                                             "selectivity in points per site")]),
-    ("How the prediction forms: logit lens", [("lens_metrics.png", "Lens metrics against depth"),
-                                              ("lens_top1_heatmap.png", "Top-1 token per position and site for the prompt"),
-                                              ("lens_rank_trajectory.png", "Rank of each next token through depth")]),
-    ("How the stream gets there: contribution norms", [("norms_stream_growth.png", "Stream norm against depth"),
-                                                        ("norms_update_norms.png", "Attention and MLP write norms per layer"),
-                                                        ("norms_relative_update.png", "Relative update and cosine to the stream"),
-                                                        ("norms_position_heatmap.png", "Stream norm per position and site"),
-                                                        ("norms_dla.png", "Direct logit attribution for the prompt")]),
+    (
+        "Which depth encodes which property",
+        [
+            ("probes_overview.png", "All tasks on one depth axis: E_Δ with its 95% interval and E_s"),
+            ("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, E_Δ and E_s marked"),
+            ("probes_accuracy.png", "Probe accuracy (majority baseline dotted) and selectivity in points per site"),
+        ],
+    ),
+    (
+        "How the prediction forms: logit lens",
+        [
+            ("lens_metrics.png", "Lens metrics against depth"),
+            ("lens_top1_heatmap.png", "Top-1 token per position and site for the prompt"),
+            ("lens_rank_trajectory.png", "Rank of each next token through depth"),
+        ],
+    ),
+    (
+        "How the stream gets there: contribution norms",
+        [
+            ("norms_stream_growth.png", "Stream norm against depth"),
+            ("norms_update_norms.png", "Attention and MLP write norms per layer"),
+            ("norms_relative_update.png", "Relative update and cosine to the stream"),
+            ("norms_position_heatmap.png", "Stream norm per position and site"),
+            ("norms_dla.png", "Direct logit attribution for the prompt"),
+        ],
+    ),
 ]
 
 
-def _load(out: Path, name: str) -> Optional[pd.DataFrame]:
+def _load(out: Path, name: str) -> pd.DataFrame | None:
     for ext in (".parquet", ".csv"):
         p = out / f"{name}{ext}"
         if p.is_file():
@@ -369,7 +418,7 @@ def _load(out: Path, name: str) -> Optional[pd.DataFrame]:
     return None
 
 
-def render_report(out_dir: Union[str, Path]) -> Path:
+def render_report(out_dir: str | Path) -> Path:
     """Write ``report.md`` and ``report.html`` from the tables and plots in ``out_dir``."""
     from depthscope.probes.tasks import pipeline_rank
 
@@ -387,7 +436,7 @@ def render_report(out_dir: Union[str, Path]) -> Path:
                 break
     L = L or 1
 
-    sections: list[tuple[str, list[str], Optional[pd.DataFrame], list[tuple[str, str]]]] = []
+    sections: list[tuple[str, list[str], pd.DataFrame | None, list[tuple[str, str]]]] = []
     table = None
     if summary is not None and len(summary):
         table = probe_table(summary, L).sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
@@ -401,15 +450,21 @@ def render_report(out_dir: Union[str, Path]) -> Path:
         sections.append((title, findings[title], table if title == FIGURES[0][0] else None, present))
 
     head = f"depthscope report: {meta.get('model', 'model')}"
-    intro = (f"Model `{meta.get('model', '?')}` ({meta.get('family', '?')}, {meta.get('n_layers', '?')} blocks, "
-             f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
-             f"Probe data: `{Path(str(meta.get('train', '?'))).name}` → `{Path(str(meta.get('test', '?'))).name}`. "
-             f"Depth is in blocks: embedding 0, after block l's attention l + 0.5, after its MLP l + 1.")
+    intro = (
+        f"Model `{meta.get('model', '?')}` ({meta.get('family', '?')}, {meta.get('n_layers', '?')} blocks, "
+        f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
+        f"Probe data: `{Path(str(meta.get('train', '?'))).name}` → `{Path(str(meta.get('test', '?'))).name}`. "
+        f"Depth is in blocks: embedding 0, after block l's attention l + 0.5, after its MLP l + 1."
+    )
     if "gguf" in str(meta.get("model", "")).lower() or meta.get("model") == "smollm2-135m":  # the default model
-        intro += (" The default model's weights are a Q4_1 GGUF file, dequantised to float32 (so they differ slightly "
-                  "from the original checkpoint).")
-    intro += (" Probes are trained to convergence (max_epochs is only a cap), with one L2 penalty per task chosen on "
-              "held-out data; E_Δ intervals are 95% bootstraps over test examples.")
+        intro += (
+            " The default model's weights are a Q4_1 GGUF file, dequantised to float32 (so they differ slightly "
+            "from the original checkpoint)."
+        )
+    intro += (
+        " Probes are trained to convergence (max_epochs is only a cap), with one L2 penalty per task chosen on "
+        "held-out data; E_Δ intervals are 95% bootstraps over test examples."
+    )
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."
 
@@ -420,16 +475,24 @@ def render_report(out_dir: Union[str, Path]) -> Path:
         if tab is not None:
             md += [_md_table(tab), ""]
         md += [f"![{cap}]({f})" for f, cap in figs] + [""]
-    md += ["## Tables", "", "All numbers above come from the tidy tables in this folder (Parquet and CSV): "
-           + ", ".join(sorted(p.name for p in out.glob("*.csv"))) + "."]
+    md += [
+        "## Tables",
+        "",
+        "All numbers above come from the tidy tables in this folder (Parquet and CSV): "
+        + ", ".join(sorted(p.name for p in out.glob("*.csv")))
+        + ".",
+    ]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
 
-    h = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(head)}</title>",
-         "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-         "img{max-width:100%;border:1px solid #ddd;margin:.5em 0}table{border-collapse:collapse}"
-         "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}"
-         "figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style></head><body>",
-         f"<h1>{html.escape(head)}</h1>", f"<p>{_md_inline(intro)}</p>"]
+    h = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(head)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+        "img{max-width:100%;border:1px solid #ddd;margin:.5em 0}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}"
+        "figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style></head><body>",
+        f"<h1>{html.escape(head)}</h1>",
+        f"<p>{_md_inline(intro)}</p>",
+    ]
     for title, lines, tab, figs in sections:
         h.append(f"<h2>{html.escape(title)}</h2>")
         if lines:
@@ -438,8 +501,10 @@ def render_report(out_dir: Union[str, Path]) -> Path:
             h.append(tab.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0))
         for f, cap in figs:
             data = base64.b64encode((out / f).read_bytes()).decode()
-            h.append(f"<figure><img alt='{html.escape(cap)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+            h.append(
+                f"<figure><img alt='{html.escape(cap)}' src='data:image/png;base64,{data}'>"
+                f"<figcaption>{html.escape(cap)}</figcaption></figure>"
+            )
     h.append("</body></html>")
     path = out / "report.html"
     path.write_text("\n".join(h), encoding="utf-8")

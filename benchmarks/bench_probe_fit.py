@@ -70,8 +70,10 @@ def fit_sklearn(Xtr, ytr):
     from sklearn.linear_model import LogisticRegression
 
     n = len(ytr)
-    return [LogisticRegression(C=1 / (2 * L2 * n), tol=1e-6, max_iter=1000).fit(Xtr[s].numpy(), ytr)
-            for s in range(Xtr.shape[0])]
+    return [
+        LogisticRegression(C=1 / (2 * L2 * n), tol=1e-6, max_iter=1000).fit(Xtr[s].numpy(), ytr)
+        for s in range(Xtr.shape[0])
+    ]
 
 
 def objective_np(W, b, X, y):
@@ -132,12 +134,30 @@ def run(quick: bool = True, threads: int = 1, rounds: int = 5, verbose: bool = F
     obj_max = max(abs(d[1]) for d in diffs)
     S = Xtr.shape[0]
     return [
-        dict(figure=f"fit {S} sites, {Xtr.shape[1]} words (s, median of {rounds})", depthscope=ours, baseline=ref,
-             ratio=ref / ours, goal=f">= {GOAL_RATIO:g}x", met=ref / ours >= GOAL_RATIO),
-        dict(figure="max |accuracy difference| (points)", depthscope=acc_max, baseline=0.0, ratio=float("nan"),
-             goal=f"<= {100 * GOAL_ACC:g}", met=acc_max <= 100 * GOAL_ACC),
-        dict(figure="max |objective difference| (relative)", depthscope=obj_max, baseline=0.0, ratio=float("nan"),
-             goal=f"<= {GOAL_OBJ:g}", met=obj_max <= GOAL_OBJ),
+        dict(
+            figure=f"fit {S} sites, {Xtr.shape[1]} words (s, median of {rounds})",
+            depthscope=ours,
+            baseline=ref,
+            ratio=ref / ours,
+            goal=f">= {GOAL_RATIO:g}x",
+            met=ref / ours >= GOAL_RATIO,
+        ),
+        dict(
+            figure="max |accuracy difference| (points)",
+            depthscope=acc_max,
+            baseline=0.0,
+            ratio=float("nan"),
+            goal=f"<= {100 * GOAL_ACC:g}",
+            met=acc_max <= 100 * GOAL_ACC,
+        ),
+        dict(
+            figure="max |objective difference| (relative)",
+            depthscope=obj_max,
+            baseline=0.0,
+            ratio=float("nan"),
+            goal=f"<= {GOAL_OBJ:g}",
+            met=obj_max <= GOAL_OBJ,
+        ),
     ]
 
 
@@ -150,8 +170,10 @@ def main() -> None:
     rows = run(a.quick, a.threads, a.rounds, verbose=True)
     print(f"{'figure':50s} {'depthscope':>11s} {'baseline':>10s} {'ratio':>7s} {'goal':>9s}  met")
     for r in rows:
-        print(f"{r['figure']:50s} {r['depthscope']:11.4g} {r['baseline']:10.4g} {r['ratio']:7.2f} {r['goal']:>9s}  "
-              f"{r['met']}")
+        print(
+            f"{r['figure']:50s} {r['depthscope']:11.4g} {r['baseline']:10.4g} {r['ratio']:7.2f} {r['goal']:>9s}  "
+            f"{r['met']}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ no scale is needed). ``gamma`` stays a buffer of ones for the tables.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -66,7 +65,7 @@ class BatchedProbe(nn.Module):
         n_heads: int = 1,
         kind: str = "linear",
         hidden: int = DEFAULT_HIDDEN,
-        mix_mask: Optional[torch.Tensor] = None,
+        mix_mask: torch.Tensor | None = None,
         attn_pool: bool = False,
         l2=DEFAULT_L2,
         seed: int = 0,
@@ -104,13 +103,13 @@ class BatchedProbe(nn.Module):
             self.W2 = nn.Parameter(torch.randn(U, n_heads, hidden, n_classes, generator=g) / math.sqrt(hidden))
             self.b2 = nn.Parameter(torch.zeros(U, n_heads, 1, n_classes))
 
-    def mix_weights(self) -> Optional[torch.Tensor]:
+    def mix_weights(self) -> torch.Tensor | None:
         """Softmax mixing weights ``[U, S]`` (zeros outside each unit's allowed sites)."""
         if self.mix_mask is None:
             return None
         return torch.softmax(self.mix_logits.masked_fill(~self.mix_mask, float("-inf")), -1)
 
-    def features(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def features(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Per-unit features ``[U, B, n*D]`` from pooled site-major ``x [S, B, n*D]``
         (``mask`` None) or from subword rows ``x [B, n, L, S, D]`` with ``mask [B, n, L]``."""
         if mask is None:
@@ -134,7 +133,7 @@ class BatchedProbe(nn.Module):
             pooled = xu[:, :, :, 0]
         return pooled.reshape(self.U, B, n * D)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[U, B, G, C]``."""
         f = self.features(x, mask)
         U, B, _ = f.shape

@@ -27,8 +27,8 @@ the answer does not depend on how long training runs (it did with a fixed 12 or 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Union
 
 PROBES = ("linear", "mlp")
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
@@ -87,7 +87,7 @@ class ProbeConfig:
     """
 
     probe: str = "linear"
-    l2: Union[float, str] = "auto"
+    l2: float | str = "auto"
     l2_folds: int = 2
     solver: str = "auto"
     max_epochs: int = 200
@@ -95,7 +95,7 @@ class ProbeConfig:
     gtol: float = 5e-4
     min_steps: int = 100
     lr: float = 1e-2
-    batch_size: Optional[int] = None
+    batch_size: int | None = None
     hidden: int = 256
     control: bool = True
     cumulative: bool = True
@@ -103,12 +103,14 @@ class ProbeConfig:
     seed: int = 0
     precision: str = "auto"
 
-    def validate(self) -> "ProbeConfig":
+    def validate(self) -> ProbeConfig:
         _choice("probe", self.probe, PROBES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("solver", self.solver, SOLVERS)
-        if not (self.l2 in ("auto", "dev") or (isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
-                                               and self.l2 >= 0)):
+        if not (
+            self.l2 in ("auto", "dev")
+            or (isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool) and self.l2 >= 0)
+        ):
             raise _error(f"l2 must be a non-negative number, 'auto' or 'dev', got {self.l2!r}")
         for name in ("max_epochs", "lr", "hidden", "tol", "gtol"):
             _positive(name, getattr(self, name))
@@ -139,16 +141,16 @@ class ExtractionConfig:
     """
 
     pooling: str = "last"
-    sites: Optional[Sequence] = None
-    context: Optional[str] = None
-    store_dir: Optional[str] = None
+    sites: Sequence | None = None
+    context: str | None = None
+    store_dir: str | None = None
     store_dtype: str = "float16"
     batch_tokens: int = 2048
     max_tokens: int = 512
     bos: bool = True
     resident_bytes: float = 4e9
 
-    def validate(self) -> "ExtractionConfig":
+    def validate(self) -> ExtractionConfig:
         _choice("pooling", self.pooling, POOLINGS)
         _choice("store_dtype", self.store_dtype, STORE_DTYPES)
         if self.context is not None:
@@ -169,14 +171,14 @@ class DataConfig:
     second; ``coref_neg_ratio``: negatives sampled per positive pair.
     """
 
-    max_train_sentences: Optional[int] = None
-    max_test_sentences: Optional[int] = None
-    max_dev_sentences: Optional[int] = None
+    max_train_sentences: int | None = None
+    max_test_sentences: int | None = None
+    max_dev_sentences: int | None = None
     overlap: str = "drop"
     coref_window: int = 2
     coref_neg_ratio: float = 1.0
 
-    def validate(self) -> "DataConfig":
+    def validate(self) -> DataConfig:
         _choice("overlap", self.overlap, OVERLAP)
         for name in ("max_train_sentences", "max_test_sentences", "max_dev_sentences"):
             _positive(name, getattr(self, name), allow_none=True)

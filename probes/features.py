@@ -18,7 +18,6 @@ scalar mix prefers), and edge tasks concatenate the two spans' vectors (as jiant
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -41,11 +40,11 @@ class Features:
 
     store: SpanStore
     span_ids: np.ndarray  # [N, n_spans]
-    mean: Optional[torch.Tensor] = None  # [S, D]
-    std: Optional[torch.Tensor] = None
+    mean: torch.Tensor | None = None  # [S, D]
+    std: torch.Tensor | None = None
     max_len: int = 1
-    resident: Optional[torch.Tensor] = None  # [S, N, n_spans * D], rows in ``order``
-    order: Optional[np.ndarray] = None
+    resident: torch.Tensor | None = None  # [S, N, n_spans * D], rows in ``order``
+    order: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.span_ids)
@@ -67,11 +66,11 @@ class Features:
         """True when examples carry several subword rows (attention pooling)."""
         return self.store.pooling == "attn"
 
-    def standardise_like(self, other: "Features") -> "Features":
+    def standardise_like(self, other: Features) -> Features:
         self.mean, self.std = other.mean, other.std
         return self
 
-    def fit_standardiser(self, chunk: int = 1024) -> "Features":
+    def fit_standardiser(self, chunk: int = 1024) -> Features:
         """Mean and std per site and dimension over the rows these examples use, in one pass
         over the store: per-chunk mean and squared deviations (float32, about the chunk's own
         mean, so no cancellation) merged in float64 (Chan et al.'s pairwise update)."""
@@ -130,7 +129,7 @@ class Features:
         self.resident = X
         return True
 
-    def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> "Features":
+    def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> Features:
         """The examples ``idx`` with this split's standardisation: resident rows are copied from
         memory (same dtype), else the subset is made resident from the store when it fits."""
         idx = np.asarray(idx, dtype=np.int64)
@@ -161,7 +160,7 @@ class Features:
             x = (x - self.mean) / self.std
         return x, torch.stack(ms, 1)
 
-    def batches(self, batch_size: int, rng: Optional[np.random.Generator] = None):
+    def batches(self, batch_size: int, rng: np.random.Generator | None = None):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
         order (resident: fixed shuffled slices visited in random order)."""

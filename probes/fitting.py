@@ -22,7 +22,6 @@ probe is trained to convergence (:mod:`depthscope.probes.training`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import numpy as np
 import torch
@@ -38,8 +37,16 @@ from .training import TrainLog, predict, train_probe
 
 def train_kwargs(cfg: ProbeConfig) -> dict:
     """The settings ``train_probe``-based building blocks take, from ``cfg``."""
-    return dict(max_epochs=cfg.max_epochs, tol=cfg.tol, gtol=cfg.gtol, solver=cfg.solver, min_steps=cfg.min_steps,
-                lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
+    return dict(
+        max_epochs=cfg.max_epochs,
+        tol=cfg.tol,
+        gtol=cfg.gtol,
+        solver=cfg.solver,
+        min_steps=cfg.min_steps,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+    )
 
 
 def pick_l2(acc: np.ndarray, grid=L2_GRID) -> int:
@@ -62,12 +69,20 @@ class L2Choice:
 def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, progress: bool) -> np.ndarray:
     """Mean-over-sites accuracy on ``held`` of probes trained on ``train``, one per grid value."""
     grid = list(L2_GRID)
-    p = BatchedProbe(n_sites=train.n_sites, d=train.d, n_spans=train.n_spans, n_classes=td.n_classes,
-                     n_heads=len(grid), kind=cfg.probe, hidden=cfg.hidden, attn_pool=train.tokens, l2=grid,
-                     seed=cfg.seed)
+    p = BatchedProbe(
+        n_sites=train.n_sites,
+        d=train.d,
+        n_spans=train.n_spans,
+        n_classes=td.n_classes,
+        n_heads=len(grid),
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        attn_pool=train.tokens,
+        l2=grid,
+        seed=cfg.seed,
+    )
     y_heads = np.repeat(np.asarray(y_train)[:, None], len(grid), 1)
-    train_probe(p, train, torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} L2 grid",
-                **train_kwargs(cfg))
+    train_probe(p, train, torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} L2 grid", **train_kwargs(cfg))
     pred, _ = predict(p, held)
     yh = torch.from_numpy(np.asarray(y_held))
     return np.array([float(accuracy(pred[:, :, k], yh).mean()) for k in range(len(grid))])
@@ -104,7 +119,7 @@ class SiteFit:
 
     test: torch.Tensor
     train: torch.Tensor
-    control_test: Optional[torch.Tensor]
+    control_test: torch.Tensor | None
     l2: float
     log: TrainLog
 
@@ -114,18 +129,37 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = Fal
     S = feats["train"].n_sites
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
     y_heads = np.stack(label_sets, 1)
-    p = BatchedProbe(n_sites=S, d=feats["train"].d, n_spans=feats["train"].n_spans, n_classes=td.n_classes,
-                     n_heads=y_heads.shape[1], kind=cfg.probe, hidden=cfg.hidden, attn_pool=feats["train"].tokens,
-                     l2=l2, seed=cfg.seed)
-    log = train_probe(p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes",
-                      **train_kwargs(cfg))
+    p = BatchedProbe(
+        n_sites=S,
+        d=feats["train"].d,
+        n_spans=feats["train"].n_spans,
+        n_classes=td.n_classes,
+        n_heads=y_heads.shape[1],
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        attn_pool=feats["train"].tokens,
+        l2=l2,
+        seed=cfg.seed,
+    )
+    log = train_probe(
+        p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
+    )
     pred_te, _ = predict(p, feats["test"])
     pred_tr, _ = predict(p, feats["train"])
     return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], pred_te[:, :, 1] if cfg.control else None, l2, log)
 
 
-def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: str, resident_bytes: float = 4e9,
-             dtype=None, progress: bool = False) -> dict:
+def fit_task(
+    td: TaskData,
+    frame,
+    n_layers: int,
+    cfg: ProbeConfig,
+    *,
+    pooling: str,
+    resident_bytes: float = 4e9,
+    dtype=None,
+    progress: bool = False,
+) -> dict:
     """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`)."""
     task, feats, y = td.task, td.feats, td.y
     choice = choose_l2(td, cfg, resident_bytes=resident_bytes, progress=progress)
@@ -136,8 +170,11 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     scores = {
         "accuracy": acc,
         "macro_f1": macro_f1(fit.test, yte, td.n_eval_classes).numpy(),
-        "control_accuracy": (accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
-                             if fit.control_test is not None else np.full(len(acc), np.nan)),
+        "control_accuracy": (
+            accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
+            if fit.control_test is not None
+            else np.full(len(acc), np.nan)
+        ),
         "train_accuracy": accuracy(fit.train, torch.from_numpy(y["train"])).numpy(),
     }
     df = site_rows(task, frame, td, scores, fit.l2, probe=cfg.probe, pooling=pooling)
@@ -146,9 +183,17 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
 
     cum_summ, mix_df, cum = cumulative_summary(None, None, cfg.seed), None, None
     if cfg.cumulative and feats["train"].n_sites >= 2:
-        cum = fit_cumulative(feats["train"], y["train"], feats["test"], y["test"], n_classes=td.n_classes,
-                             n_eval_classes=td.n_eval_classes, config=cfg, progress=progress,
-                             desc=f"{task} cumulative")
+        cum = fit_cumulative(
+            feats["train"],
+            y["train"],
+            feats["test"],
+            y["test"],
+            n_classes=td.n_classes,
+            n_eval_classes=td.n_eval_classes,
+            config=cfg,
+            progress=progress,
+            desc=f"{task} cumulative",
+        )
         depths = frame["depth"].to_numpy()
         cum_summ = cumulative_summary(depths, cum, cfg.seed)
         mix_df = mixing_rows(task, frame, cum)
@@ -159,9 +204,15 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     if cfg.mdl:
         from .mdl import online_codelength
 
-        res = online_codelength(feats["train"], y["train"], n_classes=td.n_classes,
-                                config=cfg, max_bytes=resident_bytes,
-                                dtype=dtype, progress=progress)
+        res = online_codelength(
+            feats["train"],
+            y["train"],
+            n_classes=td.n_classes,
+            config=cfg,
+            max_bytes=resident_bytes,
+            dtype=dtype,
+            progress=progress,
+        )
         df["mdl_online_bits"] = res.online_bits
         df["mdl_uniform_bits"] = res.uniform_bits
         df["mdl_compression"] = res.compression
@@ -170,7 +221,7 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, *, pooling: s
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 
-def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: Optional[TrainLog]) -> dict:
+def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: TrainLog | None) -> dict:
     """The summary's training columns: the penalty and how it was chosen, convergence, passes."""
     logs = [sites] + ([cum] if cum is not None else [])
     return {

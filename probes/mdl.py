@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -29,7 +28,6 @@ from .classifiers import BatchedProbe, numeric_l2
 from .config import ProbeConfig, override
 from .features import Features
 from .training import predict, train_probe
-
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -68,11 +66,11 @@ def online_codelength(
     y,
     *,
     n_classes: int,
-    config: Optional[ProbeConfig] = None,
+    config: ProbeConfig | None = None,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
     max_bytes: float = 4e9,
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
     progress: bool = False,
     **overrides,
 ) -> MDLResult:
@@ -102,11 +100,30 @@ def online_codelength(
         tr_idx, ev_idx = order[:t0], order[t0:t1]
         ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
         fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
-        probe = BatchedProbe(n_sites=S, d=feats.d, n_spans=feats.n_spans, n_classes=n_classes, kind=cfg.probe,
-                             hidden=cfg.hidden, attn_pool=feats.tokens, l2=numeric_l2(cfg.l2) * n / t0, seed=seed)
-        train_probe(probe, ftr, torch.from_numpy(y[tr_idx])[:, None], max_epochs=cfg.max_epochs, tol=cfg.tol,
-                    gtol=cfg.gtol, solver=cfg.solver, lr=cfg.lr, seed=seed, min_steps=min_steps,
-                    batch_size=None if batch_size is None else min(batch_size, max(8, t0)))
+        probe = BatchedProbe(
+            n_sites=S,
+            d=feats.d,
+            n_spans=feats.n_spans,
+            n_classes=n_classes,
+            kind=cfg.probe,
+            hidden=cfg.hidden,
+            attn_pool=feats.tokens,
+            l2=numeric_l2(cfg.l2) * n / t0,
+            seed=seed,
+        )
+        train_probe(
+            probe,
+            ftr,
+            torch.from_numpy(y[tr_idx])[:, None],
+            max_epochs=cfg.max_epochs,
+            tol=cfg.tol,
+            gtol=cfg.gtol,
+            solver=cfg.solver,
+            lr=cfg.lr,
+            seed=seed,
+            min_steps=min_steps,
+            batch_size=None if batch_size is None else min(batch_size, max(8, t0)),
+        )
         _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
         bits += b[:, :, 0].double().sum(1).numpy()
         if bar is not None:

@@ -16,8 +16,8 @@ layer numbers; relative depth = E / n_layers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ from .config import ProbeConfig, override
 from .features import Features
 from .metrics import accuracy, macro_f1
 from .training import predict, train_probe
-
 
 
 def deltas(scores) -> np.ndarray:
@@ -56,8 +55,9 @@ def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> flo
     return float((np.asarray(depths, dtype=np.float64) * w).sum() / w.sum())
 
 
-def expected_layer_delta_interval(depths: Sequence[float], correct, *, n_boot: int = 1000, level: float = 0.95,
-                                  seed: int = 0) -> tuple:
+def expected_layer_delta_interval(
+    depths: Sequence[float], correct, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+) -> tuple:
     """A bootstrap interval for ``E_Delta`` over the test examples: ``correct [S, N]`` says
     whether prefix probe ``P(s)`` got example ``n`` right; each resample reweights the
     examples (Poisson(1) weights, all prefixes at once as one matrix product) and recomputes
@@ -113,7 +113,7 @@ def fit_cumulative(
     *,
     n_classes: int,
     n_eval_classes: int,
-    config: Optional[ProbeConfig] = None,
+    config: ProbeConfig | None = None,
     progress: bool = False,
     desc: str = "cumulative",
     **overrides,
@@ -126,12 +126,33 @@ def fit_cumulative(
     S = train.n_sites
     mask = torch.tril(torch.ones(S, S, dtype=torch.bool))
     probe = BatchedProbe(
-        n_sites=S, d=train.d, n_spans=train.n_spans, n_classes=n_classes, n_heads=1, kind=cfg.probe,
-        hidden=cfg.hidden, mix_mask=mask, attn_pool=train.tokens, l2=numeric_l2(cfg.l2), seed=cfg.seed,
+        n_sites=S,
+        d=train.d,
+        n_spans=train.n_spans,
+        n_classes=n_classes,
+        n_heads=1,
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        mix_mask=mask,
+        attn_pool=train.tokens,
+        l2=numeric_l2(cfg.l2),
+        seed=cfg.seed,
     )
-    log = train_probe(probe, train, torch.as_tensor(y_train)[:, None], max_epochs=cfg.max_epochs, tol=cfg.tol,
-                      gtol=cfg.gtol, solver=cfg.solver, min_steps=cfg.min_steps, lr=cfg.lr,
-                      batch_size=cfg.batch_size, seed=cfg.seed, progress=progress, desc=desc)
+    log = train_probe(
+        probe,
+        train,
+        torch.as_tensor(y_train)[:, None],
+        max_epochs=cfg.max_epochs,
+        tol=cfg.tol,
+        gtol=cfg.gtol,
+        solver=cfg.solver,
+        min_steps=cfg.min_steps,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        progress=progress,
+        desc=desc,
+    )
     preds, _ = predict(probe, test)
     yt = torch.as_tensor(y_test)
     acc = accuracy(preds[:, :, 0], yt).numpy()
@@ -140,5 +161,6 @@ def fit_cumulative(
         w = probe.mix_weights().numpy()
         gamma = probe.gamma.detach().numpy()
     correct = (preds[:, :, 0] == yt[None]).numpy()
-    return CumulativeFit(acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64),
-                         correct, log)
+    return CumulativeFit(
+        acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64), correct, log
+    )

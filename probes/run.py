@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pandas as pd
 
@@ -81,8 +80,12 @@ def task_list(tasks) -> list:
     return tasks
 
 
-def resolve_configs(config: Optional[ProbeConfig] = None, extraction: Optional[ExtractionConfig] = None,
-                    data: Optional[DataConfig] = None, **overrides) -> tuple:
+def resolve_configs(
+    config: ProbeConfig | None = None,
+    extraction: ExtractionConfig | None = None,
+    data: DataConfig | None = None,
+    **overrides,
+) -> tuple:
     """``(ProbeConfig, ExtractionConfig, DataConfig)``: the given objects (defaults where
     None) with loose ``overrides`` applied to the fields they name, validated."""
     configs = [config or ProbeConfig(), extraction or ExtractionConfig(), data or DataConfig()]
@@ -92,9 +95,19 @@ def resolve_configs(config: Optional[ProbeConfig] = None, extraction: Optional[E
     return tuple(c.validate() for c in override(configs, overrides))
 
 
-def run_probes(model, tasks, train, test, dev=None, *, config: Optional[ProbeConfig] = None,
-               extraction: Optional[ExtractionConfig] = None, data: Optional[DataConfig] = None,
-               progress: bool = True, **overrides) -> ProbeResults:
+def run_probes(
+    model,
+    tasks,
+    train,
+    test,
+    dev=None,
+    *,
+    config: ProbeConfig | None = None,
+    extraction: ExtractionConfig | None = None,
+    data: DataConfig | None = None,
+    progress: bool = True,
+    **overrides,
+) -> ProbeResults:
     """Probe every site of ``model`` for each task; see the module docstring.
 
     ``model``: a HookedModel or a spec for ``load_model`` (None = the default model).
@@ -117,10 +130,19 @@ def run_probes(model, tasks, train, test, dev=None, *, config: Optional[ProbeCon
     for task in sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t))):
         t0 = time.perf_counter()
         by_split = got.for_task(task)
-        td = encode_task(task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes,
-                         dtype=dtype)
-        rows = fit_task(td, got.frame, got.model.n_layers, cfg, pooling=by_split["train"].store.pooling,
-                        resident_bytes=ext.resident_bytes, dtype=dtype, progress=progress)
+        td = encode_task(
+            task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=dtype
+        )
+        rows = fit_task(
+            td,
+            got.frame,
+            got.model.n_layers,
+            cfg,
+            pooling=by_split["train"].store.pooling,
+            resident_bytes=ext.resident_bytes,
+            dtype=dtype,
+            progress=progress,
+        )
         rows["summary"]["n_overlap_dropped" if dat.overlap == "drop" else "n_overlap"] = got.n_overlap
         rows["summary"]["context"] = got.context_of[task]
         by_site.append(rows["by_site"])
@@ -146,13 +168,29 @@ def run_probes(model, tasks, train, test, dev=None, *, config: Optional[ProbeCon
     return ProbeResults(by_site_df, summary_df, mixing_df, info)
 
 
-def prepare_task(model, task: str, train, test, dev=None, *, config: Optional[ProbeConfig] = None,
-                 extraction: Optional[ExtractionConfig] = None, data: Optional[DataConfig] = None,
-                 progress: bool = True, **overrides) -> TaskData:
+def prepare_task(
+    model,
+    task: str,
+    train,
+    test,
+    dev=None,
+    *,
+    config: ProbeConfig | None = None,
+    extraction: ExtractionConfig | None = None,
+    data: DataConfig | None = None,
+    progress: bool = True,
+    **overrides,
+) -> TaskData:
     """One task's :class:`TaskData` (labels, control labels, standardised features per split)
     without fitting anything: for benchmarks and custom probes. Settings as in
     :func:`run_probes`."""
     cfg, ext, dat = resolve_configs(config, extraction, data, **overrides)
     got = load_and_extract(model, [task], train, test, dev, ext, dat, seed=cfg.seed, progress=progress)
-    return encode_task(task, got.examples[task], got.for_task(task), seed=cfg.seed,
-                       resident_bytes=ext.resident_bytes, dtype=resolve_precision(cfg.precision))
+    return encode_task(
+        task,
+        got.examples[task],
+        got.for_task(task),
+        seed=cfg.seed,
+        resident_bytes=ext.resident_bytes,
+        dtype=resolve_precision(cfg.precision),
+    )

@@ -26,8 +26,8 @@ most 1) until Armijo's sufficient decrease holds; curvature pairs with ``s.y <= 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -65,8 +65,17 @@ def _two_loop(g, S, Y, R, h0, M):
     return -r
 
 
-def lbfgs(fg: Callable, x0: torch.Tensor, *, max_evals: int, ftol: float = 1e-6, gtol: float = 1e-4,
-          memory: int = 10, precond: Optional[Callable] = None, on_eval: Optional[Callable] = None) -> Solved:
+def lbfgs(
+    fg: Callable,
+    x0: torch.Tensor,
+    *,
+    max_evals: int,
+    ftol: float = 1e-6,
+    gtol: float = 1e-4,
+    memory: int = 10,
+    precond: Callable | None = None,
+    on_eval: Callable | None = None,
+) -> Solved:
     """Minimise ``U`` independent objectives from ``x0 [U, P]``; see the module docstring.
     ``fg(x)`` returns ``(f [U], grad [U, P])``; ``precond(q)`` (optional) applies a fixed
     symmetric positive definite approximation of each unit's inverse Hessian to ``q [U, P]``

@@ -22,10 +22,27 @@ from .mixing import expected_layer_delta, expected_layer_delta_interval, expecte
 MIN_GAIN = 0.02
 GAIN_SE = 3.0
 
-BY_SITE_FIRST = ["task", "site", "label", "layer", "sublayer", "depth", "accuracy", "macro_f1", "control_accuracy",
-                 "selectivity"]
-SUMMARY_FIRST = ["task", "expected_layer_delta", "expected_layer_mix", "best_label", "best_accuracy", "n_train",
-                 "n_test"]
+BY_SITE_FIRST = [
+    "task",
+    "site",
+    "label",
+    "layer",
+    "sublayer",
+    "depth",
+    "accuracy",
+    "macro_f1",
+    "control_accuracy",
+    "selectivity",
+]
+SUMMARY_FIRST = [
+    "task",
+    "expected_layer_delta",
+    "expected_layer_mix",
+    "best_label",
+    "best_accuracy",
+    "n_train",
+    "n_test",
+]
 MIXING_COLUMNS = ["task", "site", "label", "layer", "sublayer", "depth", "mix_weight", "cumulative_score", "delta"]
 
 
@@ -59,8 +76,14 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     ``expected_layer_delta_meaningful`` is False when the total gain is below ``MIN_GAIN`` or
     ``GAIN_SE`` standard errors (the note says why)."""
     if cum is None:
-        keys = ["expected_layer_delta", "expected_layer_delta_lo", "expected_layer_delta_hi", "total_delta",
-                "total_delta_se", "expected_layer_mix"]
+        keys = [
+            "expected_layer_delta",
+            "expected_layer_delta_lo",
+            "expected_layer_delta_hi",
+            "total_delta",
+            "total_delta_se",
+            "expected_layer_mix",
+        ]
         out = {k: np.nan for k in keys}
         out.update(expected_layer_delta_meaningful=False, expected_layer_delta_note="no cumulative scoring")
         return out
@@ -69,8 +92,14 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     diff = cum.correct[-1].astype(np.float64) - cum.correct[0].astype(np.float64)  # paired, per test example
     se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
     ok = bool(gain >= MIN_GAIN and gain >= GAIN_SE * se)
-    note = "" if ok else (f"total gain {gain:.3f} (SE {se:.3f}) is below max({MIN_GAIN}, {GAIN_SE:g} SE): "
-                          "the embedding already decodes the property, E_Delta is not a meaningful depth")
+    note = (
+        ""
+        if ok
+        else (
+            f"total gain {gain:.3f} (SE {se:.3f}) is below max({MIN_GAIN}, {GAIN_SE:g} SE): "
+            "the embedding already decodes the property, E_Delta is not a meaningful depth"
+        )
+    )
     return {
         "expected_layer_delta": expected_layer_delta(depths, cum.accuracy),
         "expected_layer_delta_lo": lo,
@@ -95,34 +124,37 @@ def mixing_rows(task: str, frame: pd.DataFrame, cum) -> pd.DataFrame:
     return df
 
 
-def summary_row(task: str, by_site: pd.DataFrame, td, n_layers: int, cum_summary: dict, *, probe: str, pooling: str,
-                control: bool) -> dict:
+def summary_row(
+    task: str, by_site: pd.DataFrame, td, n_layers: int, cum_summary: dict, *, probe: str, pooling: str, control: bool
+) -> dict:
     acc = by_site["accuracy"].to_numpy()
     best = int(np.argmax(acc))
     summ = {"task": task, **cum_summary}
-    summ.update({
-        "best_label": by_site["label"].iloc[best],
-        "best_site": int(by_site["site"].iloc[best]),
-        "best_depth": float(by_site["depth"].iloc[best]),
-        "best_accuracy": float(acc[best]),
-        "best_macro_f1": float(by_site["macro_f1"].iloc[best]),
-        "best_selectivity": float(by_site["selectivity"].iloc[best]) if control else np.nan,
-        "max_selectivity": float(np.nanmax(by_site["selectivity"])) if control else np.nan,
-        "n_layers": n_layers,
-        "relative_depth_delta": summ["expected_layer_delta"] / n_layers,
-        "relative_depth_mix": summ["expected_layer_mix"] / n_layers,
-        "relative_depth_best": float(by_site["depth"].iloc[best]) / n_layers,
-        "majority_accuracy": td.majority_accuracy,
-        "n_train": len(td.examples["train"]),
-        "n_test": len(td.examples["test"]),
-        "n_classes": td.n_classes,
-        "n_test_unseen_labels": int((td.y["test"] >= td.n_classes).sum()),
-        "n_skipped_train": td.skipped["train"],
-        "n_skipped_test": td.skipped["test"],
-        "kind": td.examples["train"].kind,
-        "probe": probe,
-        "pooling": pooling,
-    })
+    summ.update(
+        {
+            "best_label": by_site["label"].iloc[best],
+            "best_site": int(by_site["site"].iloc[best]),
+            "best_depth": float(by_site["depth"].iloc[best]),
+            "best_accuracy": float(acc[best]),
+            "best_macro_f1": float(by_site["macro_f1"].iloc[best]),
+            "best_selectivity": float(by_site["selectivity"].iloc[best]) if control else np.nan,
+            "max_selectivity": float(np.nanmax(by_site["selectivity"])) if control else np.nan,
+            "n_layers": n_layers,
+            "relative_depth_delta": summ["expected_layer_delta"] / n_layers,
+            "relative_depth_mix": summ["expected_layer_mix"] / n_layers,
+            "relative_depth_best": float(by_site["depth"].iloc[best]) / n_layers,
+            "majority_accuracy": td.majority_accuracy,
+            "n_train": len(td.examples["train"]),
+            "n_test": len(td.examples["test"]),
+            "n_classes": td.n_classes,
+            "n_test_unseen_labels": int((td.y["test"] >= td.n_classes).sum()),
+            "n_skipped_train": td.skipped["train"],
+            "n_skipped_test": td.skipped["test"],
+            "kind": td.examples["train"].kind,
+            "probe": probe,
+            "pooling": pooling,
+        }
+    )
     return summ
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
@@ -76,7 +75,7 @@ class TrainLog:
         return bool(np.all(self.converged))
 
 
-def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: Optional[int] = None) -> int:
+def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: int | None = None) -> int:
     """``batch_size`` if given, else the batch (between 128 and 512, a multiple of 32) that
     gives about ``TARGET_STEPS`` steps over ``epochs`` epochs of ``n`` examples."""
     if batch_size is not None:
@@ -104,7 +103,7 @@ def train_probe(
     tol: float = _DEFAULTS.tol,
     gtol: float = _DEFAULTS.gtol,
     solver: str = _DEFAULTS.solver,
-    batch_size: Optional[int] = _DEFAULTS.batch_size,
+    batch_size: int | None = _DEFAULTS.batch_size,
     lr: float = _DEFAULTS.lr,
     min_steps: int = _DEFAULTS.min_steps,
     seed: int = 0,
@@ -134,8 +133,14 @@ def train_probe(
         bar.close()
     probe.eval()
     if out.hit_cap:
-        log.warning("%s: %d of %d probes had not converged when max_epochs=%d stopped training (%s); "
-                    "raise max_epochs", desc, int((~out.converged).sum()), len(out.converged), max_epochs, solver)
+        log.warning(
+            "%s: %d of %d probes had not converged when max_epochs=%d stopped training (%s); raise max_epochs",
+            desc,
+            int((~out.converged).sum()),
+            len(out.converged),
+            max_epochs,
+            solver,
+        )
     return out
 
 
@@ -200,14 +205,22 @@ def _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
 
     with threads_for(step_work(probe, feats, len(feats))):
         M = _preconditioner(probe, feats, [n for n, p in probe.named_parameters() if p.requires_grad], sizes)
-        sol = lbfgs(fg, flat([p.detach() for p in params]), max_evals=max_epochs, ftol=tol, gtol=gtol, precond=M,
-                    on_eval=tick)
+        sol = lbfgs(
+            fg, flat([p.detach() for p in params]), max_evals=max_epochs, ftol=tol, gtol=gtol, precond=M, on_eval=tick
+        )
         with torch.no_grad():
             for p, part in zip(params, torch.split(sol.x, sizes, 1)):
                 p.copy_(part.view_as(p))
     conv = sol.converged.numpy()
-    return TrainLog("lbfgs", sol.evals, conv, sol.f.numpy(), sol.grad_max.numpy(),
-                    hit_cap=bool(not conv.all() and sol.evals >= max_epochs), history=sol.history)
+    return TrainLog(
+        "lbfgs",
+        sol.evals,
+        conv,
+        sol.f.numpy(),
+        sol.grad_max.numpy(),
+        hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
+        history=sol.history,
+    )
 
 
 @torch.no_grad()
@@ -236,8 +249,8 @@ def _preconditioner(probe: BatchedProbe, feats: Features, names: list, sizes: li
 
     def M(q):
         out = q.clone()
-        w = q[:, start:start + sizes[wi]].reshape(U, Fd, -1)
-        out[:, start:start + sizes[wi]] = torch.cholesky_solve(w, chol).reshape(U, -1)
+        w = q[:, start : start + sizes[wi]].reshape(U, Fd, -1)
+        out[:, start : start + sizes[wi]] = torch.cholesky_solve(w, chol).reshape(U, -1)
         return out
 
     return M
@@ -277,8 +290,15 @@ def _train_adam(probe, feats, y, max_epochs, tol, lr, min_steps, batch_size, see
             if epoch >= min_epochs and halvings >= 3 and bool((small >= 2).all()):
                 break
     conv = (small >= 2) & (halvings >= 3)
-    return TrainLog("adam", epoch, conv, prev, np.full(probe.U, np.nan),
-                    hit_cap=bool(not conv.all() and epoch >= max_epochs), history=history)
+    return TrainLog(
+        "adam",
+        epoch,
+        conv,
+        prev,
+        np.full(probe.U, np.nan),
+        hit_cap=bool(not conv.all() and epoch >= max_epochs),
+        history=history,
+    )
 
 
 def _adam_epoch(probe, feats, y, opt, rng, batch_size) -> np.ndarray:
@@ -309,7 +329,7 @@ def _adam(groups) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def predict(probe: BatchedProbe, feats: Features, y: Optional[torch.Tensor] = None, *, batch_size: int = 1024):
+def predict(probe: BatchedProbe, feats: Features, y: torch.Tensor | None = None, *, batch_size: int = 1024):
     """Predicted classes ``[U, N, G]`` and, with labels ``y [N, G]`` (indices < C), the
     code length ``-log2 p(y)`` of each example ``[U, N, G]`` (else None)."""
     probe.eval()

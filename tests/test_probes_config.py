@@ -67,9 +67,15 @@ def test_building_blocks_default_to_the_config():
 
     cfg = ProbeConfig()
     tp = inspect.signature(train_probe).parameters
-    assert (tp["max_epochs"].default, tp["tol"].default, tp["gtol"].default, tp["solver"].default, tp["lr"].default,
-            tp["min_steps"].default, tp["batch_size"].default) == (
-        cfg.max_epochs, cfg.tol, cfg.gtol, cfg.solver, cfg.lr, cfg.min_steps, cfg.batch_size)
+    assert (
+        tp["max_epochs"].default,
+        tp["tol"].default,
+        tp["gtol"].default,
+        tp["solver"].default,
+        tp["lr"].default,
+        tp["min_steps"].default,
+        tp["batch_size"].default,
+    ) == (cfg.max_epochs, cfg.tol, cfg.gtol, cfg.solver, cfg.lr, cfg.min_steps, cfg.batch_size)
     for fn in (fit_cumulative, online_codelength):  # settings come in a ProbeConfig, no defaults of their own
         params = inspect.signature(fn).parameters
         assert "config" in params and not {"epochs", "max_epochs", "l2", "lr", "hidden", "kind"} & set(params)
@@ -81,13 +87,19 @@ def test_building_blocks_default_to_the_config():
 def test_init_does_no_work_and_validate_checks():
     bad = ProbeConfig(probe="svm")  # stored as given, like a scikit-learn estimator
     assert bad.probe == "svm"
-    for c, match in [(bad, "probe"), (ProbeConfig(precision="half"), "precision"), (ProbeConfig(l2="cv"), "l2"),
-                     (ProbeConfig(max_epochs=0), "max_epochs"),
-                     (ProbeConfig(solver="sgd"), "solver"), (ProbeConfig(l2_folds=1), "l2_folds"),
-                     (ExtractionConfig(pooling="max"), "pooling"),
-                     (ExtractionConfig(store_dtype="int8"), "store_dtype"),
-                     (ExtractionConfig(context="page"), "context"),
-                     (DataConfig(overlap="merge"), "overlap"), (DataConfig(max_train_sentences=0), "max_train")]:
+    for c, match in [
+        (bad, "probe"),
+        (ProbeConfig(precision="half"), "precision"),
+        (ProbeConfig(l2="cv"), "l2"),
+        (ProbeConfig(max_epochs=0), "max_epochs"),
+        (ProbeConfig(solver="sgd"), "solver"),
+        (ProbeConfig(l2_folds=1), "l2_folds"),
+        (ExtractionConfig(pooling="max"), "pooling"),
+        (ExtractionConfig(store_dtype="int8"), "store_dtype"),
+        (ExtractionConfig(context="page"), "context"),
+        (DataConfig(overlap="merge"), "overlap"),
+        (DataConfig(max_train_sentences=0), "max_train"),
+    ]:
         with pytest.raises(InputError, match=match):
             c.validate()
     assert ProbeConfig(l2="dev").validate().l2 == "dev"
@@ -95,8 +107,9 @@ def test_init_does_no_work_and_validate_checks():
 
 
 def test_overrides_apply_by_field_and_unknown_names_are_rejected():
-    cfg, ext, dat = resolve_configs(ProbeConfig(max_epochs=6, seed=3), None, None, pooling="mean",
-                                    max_train_sentences=50)
+    cfg, ext, dat = resolve_configs(
+        ProbeConfig(max_epochs=6, seed=3), None, None, pooling="mean", max_train_sentences=50
+    )
     assert (cfg.max_epochs, cfg.seed, ext.pooling, dat.max_train_sentences) == (6, 3, "mean", 50)
     assert ext.store_dtype == ExtractionConfig().store_dtype and dat.overlap == DataConfig().overlap
     cfg, _, _ = resolve_configs(ProbeConfig(max_epochs=6), max_epochs=3)  # a loose setting wins over the object
@@ -117,13 +130,27 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
     from depthscope.probes import resolve_precision
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
-    res = run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False),
-                     extraction=ExtractionConfig(store_dir=str(tmp_path)), progress=False)
+    res = run_probes(
+        m,
+        "upos",
+        EWT_TRAIN,
+        EWT_TEST,
+        config=ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False),
+        extraction=ExtractionConfig(store_dir=str(tmp_path)),
+        progress=False,
+    )
     want = str(resolve_precision("auto")).replace("torch.", "")
     assert (res.summary["precision"] == want).all() and res.info["precision"] == want
     assert res.summary["expected_layer_delta"].isna().all()  # cumulative=False was honoured
-    res_bf = run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=ProbeConfig(max_epochs=5, l2=1e-3, precision="bfloat16"),
-                       store_dir=str(tmp_path), progress=False)
+    res_bf = run_probes(
+        m,
+        "upos",
+        EWT_TRAIN,
+        EWT_TEST,
+        config=ProbeConfig(max_epochs=5, l2=1e-3, precision="bfloat16"),
+        store_dir=str(tmp_path),
+        progress=False,
+    )
     assert res_bf.summary["precision"].iloc[0] == "bfloat16"
 
 
@@ -136,8 +163,11 @@ def test_probes_never_import_analyses():
 
     for path in Path(config.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                ["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else [])
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else (["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else [])
+            )
             for m in mods:
                 assert "analyses" not in m, (path.name, m)
     from depthscope.probes import ProbeResults

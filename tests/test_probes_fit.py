@@ -95,7 +95,7 @@ def test_converged_objective_matches_sklearn(l2):
     for s in range(3):
         clf = LogisticRegression(C=1 / (2 * l2 * len(y)), tol=1e-10, max_iter=10000).fit(X[s], y)
         logp = clf.predict_log_proba(X[s])
-        ref = -logp[np.arange(len(y)), y].mean() + l2 * (clf.coef_ ** 2).sum()
+        ref = -logp[np.arange(len(y)), y].mean() + l2 * (clf.coef_**2).sum()
         assert abs(ours[s] - ref) <= 1e-3 * ref, (s, ours[s], ref)
 
 
@@ -142,7 +142,7 @@ def test_bf16_features_agree_and_env_forces_a_type(monkeypatch):
 
 
 def test_precision_rule_is_deterministic(monkeypatch):
-    """"auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
+    """ "auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
     kernels; float32 on anything uncertain; explicit precisions and the env variable win."""
     from depthscope.probes import cpu
     from depthscope.probes.cpu import precision_rule, resolve_precision

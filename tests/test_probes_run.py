@@ -37,8 +37,9 @@ def word_table(model, corpus, max_tokens=128):
 def test_store_rows_equal_the_residual_stream(tiny_llama, tmp_path, pooling):
     c = read_conllu(EWT_TEST, max_sentences=6)
     tok, table = word_table(tiny_llama, c)
-    store = extract_spans(tiny_llama, tok, table, pooling=pooling, store_dir=tmp_path, dtype="float32",
-                          batch_tokens=64, progress=False)
+    store = extract_spans(
+        tiny_llama, tok, table, pooling=pooling, store_dir=tmp_path, dtype="float32", batch_tokens=64, progress=False
+    )
     assert store.feats.shape[1:] == (tiny_llama.n_sites, tiny_llama.d_model)
     for i in [0, 3, len(table) - 1]:
         p = int(table.passage[i])
@@ -75,8 +76,18 @@ def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):
     res = run_probes(tiny_llama, "upos,deprel,feats:Number", EWT_TRAIN, EWT_TEST, store_dir=tmp_path, **FAST)
     S = tiny_llama.n_sites
     bs = res.by_site
-    for col in ["task", "site", "label", "layer", "sublayer", "depth", "accuracy", "macro_f1", "control_accuracy",
-                "selectivity"]:
+    for col in [
+        "task",
+        "site",
+        "label",
+        "layer",
+        "sublayer",
+        "depth",
+        "accuracy",
+        "macro_f1",
+        "control_accuracy",
+        "selectivity",
+    ]:
         assert col in bs.columns
     assert len(bs) == 3 * S and list(bs["site"][:S]) == list(range(S))
     assert bs["depth"].iloc[:3].tolist() == [0.0, 0.5, 1.0]
@@ -104,11 +115,28 @@ def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):
     out = Output(tmp_path / "out")
     write_outputs(res, out)  # the probe job's writer (probes/ never writes tables or figures)
     names = {p.name for p in out.written}
-    assert {"probes_by_site.csv", "probes_by_site.parquet", "probes_summary.csv", "probes_summary.parquet",
-            "probes_mixing.csv", "probes_accuracy.png", "probes_tenney.png"} <= names
+    assert {
+        "probes_by_site.csv",
+        "probes_by_site.parquet",
+        "probes_summary.csv",
+        "probes_summary.parquet",
+        "probes_mixing.csv",
+        "probes_accuracy.png",
+        "probes_tenney.png",
+    } <= names
     back = pd.read_csv(tmp_path / "out" / "probes_by_site.csv")
-    assert list(back.columns[:10]) == ["task", "site", "label", "layer", "sublayer", "depth", "accuracy", "macro_f1",
-                                       "control_accuracy", "selectivity"]
+    assert list(back.columns[:10]) == [
+        "task",
+        "site",
+        "label",
+        "layer",
+        "sublayer",
+        "depth",
+        "accuracy",
+        "macro_f1",
+        "control_accuracy",
+        "selectivity",
+    ]
     # a re-run reuses the store: no forward pass
     again = run_probes(tiny_llama, "upos", EWT_TRAIN, EWT_TEST, store_dir=tmp_path, **FAST)
     assert all(again.info["stores_reused"].values())
@@ -116,8 +144,9 @@ def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):
 
 def test_gum_entity_and_coref_with_document_context(tiny_factory, tmp_path):
     m = tiny_factory("gpt2", n_layers=2, d_model=32)
-    res = run_probes(m, ["entity", "coref"], GUM_TRAIN, GUM_TEST, store_dir=tmp_path, pooling="mean", max_tokens=96,
-                     **FAST)
+    res = run_probes(
+        m, ["entity", "coref"], GUM_TRAIN, GUM_TEST, store_dir=tmp_path, pooling="mean", max_tokens=96, **FAST
+    )
     s = res.summary.set_index("task")
     assert s.loc["coref", "context"] == "document" and s.loc["entity", "context"] == "sentence"
     assert s.loc["coref", "n_classes"] == 2 and s.loc["entity", "n_classes"] >= 5
@@ -126,8 +155,9 @@ def test_gum_entity_and_coref_with_document_context(tiny_factory, tmp_path):
 
 def test_attn_pooling_and_mlp_probe_run(tiny_factory, tmp_path):
     m = tiny_factory("llama", n_layers=1, d_model=32)
-    res = run_probes(m, "entity", GUM_TRAIN, GUM_TEST, store_dir=tmp_path, pooling="attn", probe="mlp", hidden=16,
-                     **FAST)
+    res = run_probes(
+        m, "entity", GUM_TRAIN, GUM_TEST, store_dir=tmp_path, pooling="attn", probe="mlp", hidden=16, **FAST
+    )
     assert res.summary["pooling"].iloc[0] == "attn" and res.summary["probe"].iloc[0] == "mlp"
     assert res.by_site["accuracy"].notna().all()
 
@@ -170,8 +200,19 @@ def test_unseen_labels_and_uncovered_spans_are_counted(tiny_factory, tmp_path):
 
 
 def test_sites_subset_and_l2_from_dev(tiny_llama, tmp_path):
-    res = run_probes(tiny_llama, "upos", EWT_TRAIN, EWT_TEST, dev=EWT_TEST, sites=["embed", "1.attn", "2.mlp"],
-                     l2="dev", store_dir=tmp_path, overlap="keep", mdl=True, **FAST)
+    res = run_probes(
+        tiny_llama,
+        "upos",
+        EWT_TRAIN,
+        EWT_TEST,
+        dev=EWT_TEST,
+        sites=["embed", "1.attn", "2.mlp"],
+        l2="dev",
+        store_dir=tmp_path,
+        overlap="keep",
+        mdl=True,
+        **FAST,
+    )
     assert res.by_site["label"].tolist() == ["embed", "1.attn", "2.mlp"]
     bs = res.by_site
     assert (bs["mdl_uniform_bits"] == bs["n_train"] * np.log2(res.summary["n_classes"].iloc[0])).all()
@@ -200,16 +241,50 @@ def test_cli_probe(tiny_factory, tokenizer, tmp_path):
     m.hf_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "out"
-    r = runner.invoke(app, ["probe", "--task", "upos,deprel", "--train", EWT_TRAIN, "--test", EWT_TEST, "--model",
-                            str(folder), "--max-train-sentences", "20", "--max-epochs", "5", "--store", str(tmp_path / "st"),
-                            "--no-plots", "--out", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "probe",
+            "--task",
+            "upos,deprel",
+            "--train",
+            EWT_TRAIN,
+            "--test",
+            EWT_TEST,
+            "--model",
+            str(folder),
+            "--max-train-sentences",
+            "20",
+            "--max-epochs",
+            "5",
+            "--store",
+            str(tmp_path / "st"),
+            "--no-plots",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     by_site = pd.read_csv(out / "probes_by_site.csv")
     summ = pd.read_parquet(out / "probes_summary.parquet")
     assert set(by_site["task"]) == {"upos", "deprel"} and len(by_site) == 2 * 3
     assert summ["n_train"].iloc[0] == read_conllu(EWT_TRAIN, max_sentences=20).n_words
-    r = runner.invoke(app, ["probe", "--task", "upos", "--train", str(tmp_path / "missing.conllu"), "--test", EWT_TEST,
-                            "--model", str(folder), "--out", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "probe",
+            "--task",
+            "upos",
+            "--train",
+            str(tmp_path / "missing.conllu"),
+            "--test",
+            EWT_TEST,
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code != 0
 
 
@@ -230,8 +305,9 @@ def test_real_model_agrees_with_sklearn_on_hf_hidden_states(default_model, tmp_p
         tok.padding_side = "right"
         enc = tok([s.text for s in corpus], return_offsets_mapping=True, return_tensors="pt", padding=True)
         with torch.no_grad():  # the decoder body only (no LM head), right padding, one batch
-            hs = m.hf_model.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                  output_hidden_states=True).hidden_states
+            hs = m.hf_model.model(
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True
+            ).hidden_states
         xs, ys = {l: [] for l in layers}, []
         for b, s in enumerate(corpus):
             real = enc["attention_mask"][b].bool().numpy()
@@ -269,9 +345,14 @@ def test_expected_layer_is_stable_to_seed_and_epoch_cap(default_model, tmp_path)
     p = sample_data()
     kw = dict(store_dir=tmp_path, progress=False)
     base = ProbeConfig()
-    runs = {name: run_probes(default_model, "upos,deprel", p["ewt_train"], p["ewt_test"], config=cfg, **kw).summary
-            for name, cfg in [("base", base), ("cap x2", ProbeConfig(max_epochs=2 * base.max_epochs)),
-                              ("seed 1", ProbeConfig(seed=1))]}
+    runs = {
+        name: run_probes(default_model, "upos,deprel", p["ewt_train"], p["ewt_test"], config=cfg, **kw).summary
+        for name, cfg in [
+            ("base", base),
+            ("cap x2", ProbeConfig(max_epochs=2 * base.max_epochs)),
+            ("seed 1", ProbeConfig(seed=1)),
+        ]
+    }
     e0 = runs["base"].set_index("task")["expected_layer_delta"]
     assert runs["base"]["converged"].all()
     for name, summ in runs.items():

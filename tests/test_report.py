@@ -19,15 +19,26 @@ from depthscope.probes import DataConfig, ProbeConfig
 def report_dir(tmp_path_factory, tiny_factory):
     out = tmp_path_factory.mktemp("report")
     model = tiny_factory("llama", n_layers=2)
-    cfg = ReportConfig(lens_tokens=200, norms_tokens=300, data=DataConfig(max_train_sentences=40, max_test_sentences=20),
-                       probe=ProbeConfig(max_epochs=20))
+    cfg = ReportConfig(
+        lens_tokens=200,
+        norms_tokens=300,
+        data=DataConfig(max_train_sentences=40, max_test_sentences=20),
+        probe=ProbeConfig(max_epochs=20),
+    )
     run_report(out, cfg, progress=False, model=model)
     return out
 
 
 def test_report_files_and_tables(report_dir):
-    for name in ["lens_by_site", "lens_tokens", "norms_by_site", "norms_by_position", "dla", "probes_by_site",
-                 "probes_summary"]:
+    for name in [
+        "lens_by_site",
+        "lens_tokens",
+        "norms_by_site",
+        "norms_by_position",
+        "dla",
+        "probes_by_site",
+        "probes_summary",
+    ]:
         assert (report_dir / f"{name}.parquet").is_file() and (report_dir / f"{name}.csv").is_file(), name
     lens = pd.read_parquet(report_dir / "lens_by_site.parquet")
     assert list(lens.columns[:5]) == ["site", "label", "layer", "sublayer", "depth"]
@@ -55,10 +66,18 @@ def test_report_text_is_computed_from_the_tables(report_dir):
 
 
 def test_lens_findings_values():
-    df = pd.DataFrame({"site": [0, 1, 2], "label": ["embed", "0.attn", "0.mlp"], "layer": [-1, 0, 0],
-                       "sublayer": ["embed", "attn", "mlp"], "depth": [0, 0.5, 1.0],
-                       "kl_to_final": [5.0, 4.0, 0.0], "top1_agreement": [0.1, 0.6, 1.0],
-                       "cross_entropy": [9.0, 7.0, 3.0]})
+    df = pd.DataFrame(
+        {
+            "site": [0, 1, 2],
+            "label": ["embed", "0.attn", "0.mlp"],
+            "layer": [-1, 0, 0],
+            "sublayer": ["embed", "attn", "mlp"],
+            "depth": [0, 0.5, 1.0],
+            "kl_to_final": [5.0, 4.0, 0.0],
+            "top1_agreement": [0.1, 0.6, 1.0],
+            "cross_entropy": [9.0, 7.0, 3.0],
+        }
+    )
     text = " ".join(lens_findings(df, 1))
     assert "KL = 5.00" in text and "at 0.attn" in text and "from 0.mlp" in text
 
@@ -76,11 +95,22 @@ def test_sweep_cli_lens_on_training_series(tmp_path, tokenizer):
     from depthscope.hooks.toy import train_tiny_series
 
     texts = ["The cat sat on the mat. The dog sat on the log."] * 30
-    train_tiny_series(tmp_path / "ckpts", texts, tokenizer, steps=20, save_every=10, d_model=32, n_layers=2, batch_size=8)
+    train_tiny_series(
+        tmp_path / "ckpts", texts, tokenizer, steps=20, save_every=10, d_model=32, n_layers=2, batch_size=8
+    )
     text = tmp_path / "text.txt"
     text.write_text("\n".join(texts[:4]))
-    args = ["sweep", "--checkpoint-dir", str(tmp_path / "ckpts"), "--analysis", "lens", "--text", str(text),
-            "--out", str(tmp_path / "sweep")]
+    args = [
+        "sweep",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpts"),
+        "--analysis",
+        "lens",
+        "--text",
+        str(text),
+        "--out",
+        str(tmp_path / "sweep"),
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     df = pd.read_parquet(tmp_path / "sweep" / "sweep_by_site.parquet")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -25,14 +24,32 @@ def job_config(o: dict):
         raise InputError(f"--l2 must be a number, 'auto' or 'dev', got {o['l2']!r}") from None
     return ProbeJobConfig(
         tasks=[t.strip() for t in o["task"].split(",") if t.strip()] if o["task"] else None,
-        train=o["train"], test=o["test"], dev=o["dev"], plots=o["plots"],
-        probe=ProbeConfig(probe=o["probe_kind"], l2=l2, max_epochs=o["max_epochs"], mdl=o["mdl"], seed=o["seed"],
-                          precision=o["precision"]),
-        extraction=ExtractionConfig(pooling=o["pooling"], context=o["context"], store_dir=o["store"], bos=o["bos"],
-                                    sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
-                                    store_dtype="float32" if o["float32"] else "float16"),
-        data=DataConfig(max_train_sentences=o["max_train_sentences"], max_test_sentences=o["max_test_sentences"],
-                        max_dev_sentences=o["max_dev_sentences"], overlap=o["overlap"]),
+        train=o["train"],
+        test=o["test"],
+        dev=o["dev"],
+        plots=o["plots"],
+        probe=ProbeConfig(
+            probe=o["probe_kind"],
+            l2=l2,
+            max_epochs=o["max_epochs"],
+            mdl=o["mdl"],
+            seed=o["seed"],
+            precision=o["precision"],
+        ),
+        extraction=ExtractionConfig(
+            pooling=o["pooling"],
+            context=o["context"],
+            store_dir=o["store"],
+            bos=o["bos"],
+            sites=[s.strip() for s in o["sites"].split(",")] if o["sites"] else None,
+            store_dtype="float32" if o["float32"] else "float16",
+        ),
+        data=DataConfig(
+            max_train_sentences=o["max_train_sentences"],
+            max_test_sentences=o["max_test_sentences"],
+            max_dev_sentences=o["max_dev_sentences"],
+            overlap=o["overlap"],
+        ),
     )
 
 
@@ -42,8 +59,18 @@ def print_summary(summary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("task", "n_train", "n_test", "best site", "best acc", "max sel. (pts)", "E_Delta [95%]", "E_s", "L2",
-                  "converged")
+    table = Table(
+        "task",
+        "n_train",
+        "n_test",
+        "best site",
+        "best acc",
+        "max sel. (pts)",
+        "E_Delta [95%]",
+        "E_s",
+        "L2",
+        "converged",
+    )
     for col in table.columns:
         col.no_wrap = True
     for r in summary.itertuples():
@@ -51,45 +78,108 @@ def print_summary(summary) -> None:
         e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]"
         e += "" if r.expected_layer_delta_meaningful else " (gain too small)"
         conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
-        table.add_row(r.task, str(r.n_train), str(r.n_test), str(r.best_label), f"{r.best_accuracy:.3f}",
-                      f"{100 * r.max_selectivity:.1f}", e, f"{r.expected_layer_mix:.2f}", f"{r.l2:g}", conv)
+        table.add_row(
+            r.task,
+            str(r.n_train),
+            str(r.n_test),
+            str(r.best_label),
+            f"{r.best_accuracy:.3f}",
+            f"{100 * r.max_selectivity:.1f}",
+            e,
+            f"{r.expected_layer_mix:.2f}",
+            f"{r.l2:g}",
+            conv,
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # logs: no 80-column squeeze
     for r in summary.itertuples():
         if not r.converged:
-            Console(stderr=True).print(f"[yellow]warning:[/] {r.task}: {r.n_not_converged} probe(s) stopped at "
-                                       f"--max-epochs {r.max_epochs} before converging; raise --max-epochs")
+            Console(stderr=True).print(
+                f"[yellow]warning:[/] {r.task}: {r.n_not_converged} probe(s) stopped at "
+                f"--max-epochs {r.max_epochs} before converging; raise --max-epochs"
+            )
 
 
 def register(app: typer.Typer) -> None:
     @app.command("probe")
     def probe(
-        task: Optional[str] = typer.Option(None, "--task", "-t", help="Comma-separated tasks: upos, xpos, feats:Number, "
-                                           "feats:Tense, ..., deprel, deprel:base, entity, coref (GUM), or any name with a "
-                                           "jiant edge-probing .jsonl. Default: upos,deprel,feats:Number (+entity,coref "
-                                           "with GUM data)."),
-        train: Optional[Path] = typer.Option(None, "--train", help="Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample."),
-        test: Optional[Path] = typer.Option(None, "--test", help="Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample."),
-        dev: Optional[Path] = typer.Option(None, "--dev", help="Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."),
-        model: Optional[str] = ModelOpt,
-        probe_kind: str = typer.Option(_P.probe, "--probe", help="linear (softmax regression) or mlp (one hidden layer)."),
-        pooling: str = typer.Option(_E.pooling, "--pooling", help="Span pooling: last (default for decoders), first, mean, attn (self-attentive)."),
-        sites: Optional[str] = typer.Option(None, "--sites", help="Comma-separated sites (labels or indices); default all 2L+1."),
-        max_train_sentences: Optional[int] = typer.Option(_D.max_train_sentences, "--max-train-sentences", help="Cap train at N sentences (whole documents, seeded)."),
-        max_test_sentences: Optional[int] = typer.Option(_D.max_test_sentences, "--max-test-sentences", help="Cap test at N sentences."),
-        max_dev_sentences: Optional[int] = typer.Option(_D.max_dev_sentences, "--max-dev-sentences", help="Cap dev at N sentences."),
-        context: Optional[str] = typer.Option(_E.context, "--context", help="sentence or document for every task (default: document for coref only)."),
-        l2: str = typer.Option(str(_P.l2), "--l2", help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'auto': one per task from the grid "
-                               "3e-4, 1e-3, 3e-3 by held-out accuracy (on --dev when given, else on folds of train)."),
-        max_epochs: int = typer.Option(_P.max_epochs, "--max-epochs", help="Cap on passes over train: probes train until they converge; "
-                                       "hitting the cap warns and is recorded (converged=False)."),
-        precision: str = typer.Option(_P.precision, "--precision", help="Feature precision: auto (bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu), float32 or bfloat16."),
-        mdl: bool = typer.Option(_P.mdl, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."),
-        overlap: str = typer.Option(_D.overlap, "--overlap", help="Test sentences also in train: drop (default), keep, or error."),
-        store: Optional[Path] = typer.Option(_E.store_dir, "--store", help="Activation store folder (default: <cache>/activations); reused on re-runs."),
-        float32: bool = typer.Option(_E.store_dtype == "float32", "--float32/--float16", help="Store activations as float32 (default float16)."),
-        bos: bool = typer.Option(_E.bos, "--bos/--no-bos", help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink."),
+        task: str | None = typer.Option(
+            None,
+            "--task",
+            "-t",
+            help="Comma-separated tasks: upos, xpos, feats:Number, "
+            "feats:Tense, ..., deprel, deprel:base, entity, coref (GUM), or any name with a "
+            "jiant edge-probing .jsonl. Default: upos,deprel,feats:Number (+entity,coref "
+            "with GUM data).",
+        ),
+        train: Path | None = typer.Option(
+            None, "--train", help="Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample."
+        ),
+        test: Path | None = typer.Option(
+            None, "--test", help="Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample."
+        ),
+        dev: Path | None = typer.Option(
+            None, "--dev", help="Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."
+        ),
+        model: str | None = ModelOpt,
+        probe_kind: str = typer.Option(
+            _P.probe, "--probe", help="linear (softmax regression) or mlp (one hidden layer)."
+        ),
+        pooling: str = typer.Option(
+            _E.pooling,
+            "--pooling",
+            help="Span pooling: last (default for decoders), first, mean, attn (self-attentive).",
+        ),
+        sites: str | None = typer.Option(
+            None, "--sites", help="Comma-separated sites (labels or indices); default all 2L+1."
+        ),
+        max_train_sentences: int | None = typer.Option(
+            _D.max_train_sentences, "--max-train-sentences", help="Cap train at N sentences (whole documents, seeded)."
+        ),
+        max_test_sentences: int | None = typer.Option(
+            _D.max_test_sentences, "--max-test-sentences", help="Cap test at N sentences."
+        ),
+        max_dev_sentences: int | None = typer.Option(
+            _D.max_dev_sentences, "--max-dev-sentences", help="Cap dev at N sentences."
+        ),
+        context: str | None = typer.Option(
+            _E.context, "--context", help="sentence or document for every task (default: document for coref only)."
+        ),
+        l2: str = typer.Option(
+            str(_P.l2),
+            "--l2",
+            help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n)), or 'auto': one per task from the grid "
+            "3e-4, 1e-3, 3e-3 by held-out accuracy (on --dev when given, else on folds of train).",
+        ),
+        max_epochs: int = typer.Option(
+            _P.max_epochs,
+            "--max-epochs",
+            help="Cap on passes over train: probes train until they converge; "
+            "hitting the cap warns and is recorded (converged=False).",
+        ),
+        precision: str = typer.Option(
+            _P.precision,
+            "--precision",
+            help="Feature precision: auto (bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu), float32 or bfloat16.",
+        ),
+        mdl: bool = typer.Option(
+            _P.mdl, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."
+        ),
+        overlap: str = typer.Option(
+            _D.overlap, "--overlap", help="Test sentences also in train: drop (default), keep, or error."
+        ),
+        store: Path | None = typer.Option(
+            _E.store_dir, "--store", help="Activation store folder (default: <cache>/activations); reused on re-runs."
+        ),
+        float32: bool = typer.Option(
+            _E.store_dtype == "float32", "--float32/--float16", help="Store activations as float32 (default float16)."
+        ),
+        bos: bool = typer.Option(
+            _E.bos,
+            "--bos/--no-bos",
+            help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink.",
+        ),
         seed: int = SeedOpt,
-        threads: Optional[int] = ThreadsOpt,
+        threads: int | None = ThreadsOpt,
         plots: bool = typer.Option(True, "--plots/--no-plots", help="Draw the figures."),
         out: Path = OutOpt,
     ):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -17,21 +16,42 @@ _P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
-        model: Optional[str] = ModelOpt,
-        data: Optional[List[Path]] = typer.Option(
-            None, "--data", "-d",
+        model: str | None = ModelOpt,
+        data: list[Path] | None = typer.Option(
+            None,
+            "--data",
+            "-d",
             help="CoNLL-U files: TRAIN [TEST [DEV]] (repeat --data). Default: the bundled UD English EWT sample.",
         ),
         out: Path = typer.Option(Path("depthscope-report"), "--out", "-o", help="Output folder."),
-        task: Optional[str] = typer.Option(None, "--task", "-t", help="Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data)."),
-        text: Optional[Path] = typer.Option(None, "--text", help="Plain text for the lens and norms (default: the probe data's sentences)."),
-        prompt: str = typer.Option("The capital of France is", "--prompt", help="Prompt for the per-token views and DLA."),
+        task: str | None = typer.Option(
+            None,
+            "--task",
+            "-t",
+            help="Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data).",
+        ),
+        text: Path | None = typer.Option(
+            None, "--text", help="Plain text for the lens and norms (default: the probe data's sentences)."
+        ),
+        prompt: str = typer.Option(
+            "The capital of France is", "--prompt", help="Prompt for the per-token views and DLA."
+        ),
         target: str = typer.Option(" Paris", "--target", help="Target token for DLA."),
-        max_train_sentences: Optional[int] = typer.Option(_D.max_train_sentences, "--max-train-sentences", help="Cap probe train data at N sentences (whole documents, seeded)."),
-        max_test_sentences: Optional[int] = typer.Option(_D.max_test_sentences, "--max-test-sentences", help="Cap probe test data at N sentences."),
-        max_epochs: int = typer.Option(_P.max_epochs, "--max-epochs", help="Cap on passes over train for every probe (they train to convergence; the same default as depthscope probe)."),
+        max_train_sentences: int | None = typer.Option(
+            _D.max_train_sentences,
+            "--max-train-sentences",
+            help="Cap probe train data at N sentences (whole documents, seeded).",
+        ),
+        max_test_sentences: int | None = typer.Option(
+            _D.max_test_sentences, "--max-test-sentences", help="Cap probe test data at N sentences."
+        ),
+        max_epochs: int = typer.Option(
+            _P.max_epochs,
+            "--max-epochs",
+            help="Cap on passes over train for every probe (they train to convergence; the same default as depthscope probe).",
+        ),
         seed: int = SeedOpt,
-        threads: Optional[int] = ThreadsOpt,
+        threads: int | None = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", help="Tokens of text for the logit lens."),
         norms_tokens: int = typer.Option(4000, "--norms-tokens", help="Tokens of text for contribution norms."),
         force: bool = typer.Option(False, "--force", help="Write into an output folder that holds another run."),
@@ -82,7 +102,8 @@ def _check_out(out: Path, model, files, force: bool) -> None:
     if run_json.is_file():
         old = json.loads(run_json.read_text())
         same_model = (model or "default") in (old.get("model_source"), old.get("model")) or (
-            model is None and old.get("model") == "smollm2-135m")
+            model is None and old.get("model") == "smollm2-135m"
+        )
         same_data = not files or (files[0] == old.get("train") and files[1] == old.get("test"))
         if same_model and same_data:
             return

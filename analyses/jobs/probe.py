@@ -21,9 +21,9 @@ else EWT). ``depthscope probe`` and ``depthscope run`` both call :func:`run_prob
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
@@ -41,17 +41,17 @@ class ProbeJobConfig:
     with GUM-style data), ``train`` / ``test`` / ``dev`` files (None: the bundled sample; no
     dev), the settings objects, and ``plots``."""
 
-    tasks: Optional[Sequence[str]] = None
-    train: Optional[Union[str, Path]] = None
-    test: Optional[Union[str, Path]] = None
-    dev: Optional[Union[str, Path]] = None
+    tasks: Sequence[str] | None = None
+    train: str | Path | None = None
+    test: str | Path | None = None
+    dev: str | Path | None = None
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     extraction: ExtractionConfig = field(default_factory=ExtractionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     plots: bool = True
 
 
-def has_entities(path: Union[str, Path]) -> bool:
+def has_entities(path: str | Path) -> bool:
     """True when a CoNLL-U file carries GUM ``Entity=`` annotation (in its first 5000 lines)."""
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
@@ -96,8 +96,9 @@ def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
     return tables
 
 
-def run_probe_job(model, config: Optional[ProbeJobConfig] = None, out: Optional[Output] = None, *,
-                  progress: bool = True) -> JobResult:
+def run_probe_job(
+    model, config: ProbeJobConfig | None = None, out: Output | None = None, *, progress: bool = True
+) -> JobResult:
     """Probe every site of ``model`` (a HookedModel or a spec) and write the probe tables and
     figures; ``out`` None (or ``Output(None)``) computes without writing."""
     from depthscope.probes import run_probes
@@ -106,8 +107,17 @@ def run_probe_job(model, config: Optional[ProbeJobConfig] = None, out: Optional[
     out = out if out is not None else Output(None)
     tasks, train, test = resolve_inputs(cfg)
     n_before = len(out.written)
-    res = run_probes(model, tasks, train, test, cfg.dev, config=cfg.probe, extraction=cfg.extraction, data=cfg.data,
-                     progress=progress)
+    res = run_probes(
+        model,
+        tasks,
+        train,
+        test,
+        cfg.dev,
+        config=cfg.probe,
+        extraction=cfg.extraction,
+        data=cfg.data,
+        progress=progress,
+    )
     tables = write_outputs(res, out, plots=cfg.plots)
     info = res.info
     summary = {

@@ -54,8 +54,10 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
     for i, task in enumerate(tasks):
         r = s.loc[task]
         y = len(tasks) - 1 - i
-        e, lo, hi = (float(r.get(c, np.nan)) for c in ("expected_layer_delta", "expected_layer_delta_lo",
-                                                         "expected_layer_delta_hi"))
+        e, lo, hi = (
+            float(r.get(c, np.nan))
+            for c in ("expected_layer_delta", "expected_layer_delta_lo", "expected_layer_delta_hi")
+        )
         es = float(r.get("expected_layer_mix", np.nan))
         ok = bool(r.get("expected_layer_delta_meaningful", True))
         if np.isfinite(lo) and np.isfinite(hi):
@@ -70,13 +72,24 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
     ax.set_yticklabels(list(reversed(tasks)))
     ax.set_ylim(-0.6, len(tasks) - 0.4)
     depth_axis(ax, L)
-    handles = [plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, lw=2.2),
-               plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, mfc="white", lw=0),
-               plt.Line2D([], [], color="#2ca02c", marker="D", ms=6, mfc="none", lw=0)]
-    ax.legend(handles, ["$E_\\Delta$ (cumulative scoring) and 95% interval", "$E_\\Delta$ where the gain is too small",
-                        "$E_s$ (scalar mix)"], loc="upper center",
-              bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
-              ncol=3, frameon=False, fontsize=8)
+    handles = [
+        plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, lw=2.2),
+        plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, mfc="white", lw=0),
+        plt.Line2D([], [], color="#2ca02c", marker="D", ms=6, mfc="none", lw=0),
+    ]
+    ax.legend(
+        handles,
+        [
+            "$E_\\Delta$ (cumulative scoring) and 95% interval",
+            "$E_\\Delta$ where the gain is too small",
+            "$E_s$ (scalar mix)",
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
+        ncol=3,
+        frameon=False,
+        fontsize=8,
+    )
     ax.set_title("Which depth encodes which property: expected layer per task", fontsize=10)
     fig.tight_layout()
     savefig(fig, path)
@@ -99,8 +112,17 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
             part = d[d["sublayer"] == sub]
             if len(part):
                 err = _binomial_se(part["accuracy"].to_numpy(), part["n_test"].to_numpy() if "n_test" in part else 1)
-                ax.errorbar(part["depth"], part["accuracy"], yerr=1.96 * err, fmt=SUBLAYER_MARKERS[sub], ms=4,
-                            color=SUBLAYER_PALETTE[sub], elinewidth=0.8, capsize=0, zorder=2)
+                ax.errorbar(
+                    part["depth"],
+                    part["accuracy"],
+                    yerr=1.96 * err,
+                    fmt=SUBLAYER_MARKERS[sub],
+                    ms=4,
+                    color=SUBLAYER_PALETTE[sub],
+                    elinewidth=0.8,
+                    capsize=0,
+                    zorder=2,
+                )
         if "control_accuracy" in d and d["control_accuracy"].notna().any():
             ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2)
         if "majority_accuracy" in d and d["majority_accuracy"].notna().any():
@@ -113,8 +135,14 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
             for sub in SUBLAYER_ORDER:
                 part = d[d["sublayer"] == sub]
                 if len(part):
-                    ax.scatter(part["depth"], 100 * part["selectivity"], s=18, marker=SUBLAYER_MARKERS[sub],
-                               color=SUBLAYER_PALETTE[sub], zorder=2)
+                    ax.scatter(
+                        part["depth"],
+                        100 * part["selectivity"],
+                        s=18,
+                        marker=SUBLAYER_MARKERS[sub],
+                        color=SUBLAYER_PALETTE[sub],
+                        zorder=2,
+                    )
             ax.axhline(0, color="black", lw=0.6)
         ax.set_ylabel(f"{task}\nselectivity (points)")
     for ax in axes[-1]:
@@ -123,8 +151,15 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
     axes[0, 1].set_title("selectivity = accuracy - control accuracy", fontsize=10)
     handles = [plt.Line2D([], [], color=SUBLAYER_PALETTE[s], marker=SUBLAYER_MARKERS[s], lw=0) for s in SUBLAYER_ORDER]
     handles += [plt.Line2D([], [], color="#7f7f7f", ls="--"), plt.Line2D([], [], color="black", ls=":")]
-    fig.legend(handles, [f"{s} site" for s in SUBLAYER_ORDER] + ["control task", "majority class"],
-               loc="lower center", ncol=5, frameon=False, fontsize=9, bbox_to_anchor=(0.5, -0.01))
+    fig.legend(
+        handles,
+        [f"{s} site" for s in SUBLAYER_ORDER] + ["control task", "majority class"],
+        loc="lower center",
+        ncol=5,
+        frameon=False,
+        fontsize=9,
+        bbox_to_anchor=(0.5, -0.01),
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     savefig(fig, path)
     return Path(path)
@@ -135,8 +170,9 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     if mixing is None or not len(mixing):
         fig, ax = plt.subplots(figsize=(6, 1.5))
         ax.axis("off")
-        ax.text(0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center",
-                va="center")
+        ax.text(
+            0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center", va="center"
+        )
         savefig(fig, path)
         return Path(path)
     tasks = _task_order(mixing["task"])
@@ -163,8 +199,10 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
             if np.isfinite(lo) and np.isfinite(hi):  # bootstrap interval of E_Delta over test examples
                 ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
         if task in summ.index:
-            marks = [("expected_layer_delta", "$E_\\Delta$", "#9467bd", "-", 2.0, 1.0),
-                     ("expected_layer_mix", "$E_s$", "#2ca02c", "--", 1.5, 0.97)]
+            marks = [
+                ("expected_layer_delta", "$E_\\Delta$", "#9467bd", "-", 2.0, 1.0),
+                ("expected_layer_mix", "$E_s$", "#2ca02c", "--", 1.5, 0.97),
+            ]
             for col, name, color, ls, lw, ypos in marks:
                 e = float(summ.loc[task, col]) if col in summ.columns else float("nan")
                 if not np.isfinite(e):
@@ -173,17 +211,29 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
                 off = " (off scale)" if shown != e else ""
                 ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
                 # E_Delta's label on the side away from E_s, so the two never overlap
-                other = float(summ.loc[task, "expected_layer_mix" if col == "expected_layer_delta"
-                                       else "expected_layer_delta"])
+                other = float(
+                    summ.loc[task, "expected_layer_mix" if col == "expected_layer_delta" else "expected_layer_delta"]
+                )
                 right = shown >= other if np.isfinite(other) else shown < 0.8 * L
-                ax.text(shown, ypos, f" {name} = {e:.2f}{off} ", transform=ax.get_xaxis_transform(), va="top",
-                        ha="left" if right else "right", fontsize=8, color=color,
-                        bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
+                ax.text(
+                    shown,
+                    ypos,
+                    f" {name} = {e:.2f}{off} ",
+                    transform=ax.get_xaxis_transform(),
+                    va="top",
+                    ha="left" if right else "right",
+                    fontsize=8,
+                    color=color,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5),
+                )
     depth_axis(axes[-1, 0], L)
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
     labels = [f"$\\Delta$ at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
-    handles += [plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2), plt.Line2D([], [], color="#9467bd", lw=2),
-                plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--")]
+    handles += [
+        plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2),
+        plt.Line2D([], [], color="#9467bd", lw=2),
+        plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--"),
+    ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
     labels += ["scalar mix weight $s$", "$E_\\Delta$ (cumulative)", "$E_s$ (scalar mix)", "$E_\\Delta$ 95% interval"]
     fig.legend(handles, labels, loc="upper center", ncol=4, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.02))
