@@ -18,14 +18,14 @@ import warnings
 
 from benchmarks._common import Row, Settings, failed_row, format_table, machine, machine_line, write_results
 
-BENCHES = ["capture", "norms", "probes", "lens", "points", "patching", "sweep", "extraction"]
+BENCHES = ["capture", "norms", "probes", "probe_fit", "lens", "points", "patching", "sweep", "extraction"]
 # self-contained benchmarks: ``run(quick[, threads]) -> list[dict]`` rows with figure, depthscope and
 # baseline (numbers in the unit given here), ratio and a numeric goal compared with the operator here
-DICT_BENCHES = {"patching": (">=", "s"), "sweep": (">=", "s"), "extraction": ("<=", "MB")}
+DICT_BENCHES = {"patching": (">=", "s"), "sweep": (">=", "s"), "extraction": ("<=", "MB"), "probe_fit": (">=", "")}
 
 
 def _cell(v, unit: str) -> str:
-    return f"{v:.3f} {unit}" if isinstance(v, float) else str(v)
+    return f"{v:.4g} {unit}".strip() if isinstance(v, float) else str(v)
 
 
 def _as_rows(name: str, got: list) -> list[Row]:
@@ -36,8 +36,10 @@ def _as_rows(name: str, got: list) -> list[Row]:
             rows.append(r)
             continue
         goal = r.get("goal")
-        goal = "" if goal is None else (goal if isinstance(goal, str) else f"{op} {goal:g}")
+        goal = "" if goal is None else (goal.rstrip("x") if isinstance(goal, str) else f"{op} {goal:g}")
         ratio = r.get("ratio")
+        if (ratio is None or ratio != ratio) and isinstance(r.get("depthscope"), float):
+            ratio = r["depthscope"]  # a figure whose goal bounds depthscope's value itself (a difference)
         rows.append(
             Row(
                 figure=r["figure"],
