@@ -6,7 +6,10 @@ from pathlib import Path
 
 import typer
 
+from ..jobs.sweep import SweepJobConfig
 from .common import DeviceOpt, DtypeOpt
+
+_S = SweepJobConfig()
 
 
 def register(app: typer.Typer) -> None:
@@ -26,8 +29,10 @@ def register(app: typer.Typer) -> None:
         text: Path | None = typer.Option(
             None, "--text", help="Plain text for lens/norms (one document per line); default: the bundled EWT sample."
         ),
-        max_docs: int = typer.Option(200, "--max-docs", min=1, help="Use at most this many documents of --text."),
-        task: str = typer.Option("upos", "--task", help="Probe tasks, comma-separated (probe)."),
+        max_docs: int = typer.Option(
+            _S.max_docs, "--max-docs", min=1, help="Use at most this many documents of --text."
+        ),
+        task: str = typer.Option(",".join(_S.tasks), "--task", help="Probe tasks, comma-separated (probe)."),
         train: Path | None = typer.Option(
             None, "--train", help="CoNLL-U/JSONL train file (probe); default: bundled EWT sample."
         ),
@@ -75,15 +80,26 @@ def register(app: typer.Typer) -> None:
         """
         import functools
 
-        from depthscope.analyses.plots import sweep as sweep_plots
-        from depthscope.analyses.sweep import discover_checkpoints, sweep
+        from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
+        from depthscope.analyses.sweep import discover_checkpoints
         from depthscope.hooks import load_model
         from depthscope.hooks.devices import resolve_dtype
 
         from .common import prepare_out
 
-        if analysis not in ("lens", "norms", "probe"):
-            raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
+        cfg = SweepJobConfig(
+            analysis=analysis,
+            text=text,
+            max_docs=max_docs,
+            tasks=[t.strip() for t in task.split(",") if t.strip()],
+            train=train,
+            test=test,
+            max_train_sentences=max_train_sentences,
+            max_test_sentences=max_test_sentences,
+            metric=metric,
+            allow_mixed=allow_mixed,
+            overwrite=overwrite,
+        ).validate()
         if engine not in ("local", "ray"):
             raise typer.BadParameter(f"--engine must be local or ray, not {engine!r}")
         if engine == "local" and (address is not None or gpus_per_task):
@@ -99,67 +115,18 @@ def register(app: typer.Typer) -> None:
             from depthscope.hooks.devices import resolve_device
 
             resolve_device(device)
-        load = functools.partial(load_model, device=device, dtype=dtype)
         prepare_out(out, "sweep", None, overwrite)  # sweep() itself refuses another sweep's folder
         cks = discover_checkpoints([*(checkpoints or []), *(checkpoints_pos or [])], checkpoint_dir)
-        kwargs: dict = {}
-        if analysis in ("lens", "norms"):
-            from depthscope.analyses.text import read_documents
-
-            if text is None:
-                from depthscope.analyses.report import sample_texts
-
-                docs = sample_texts()
-            else:
-                docs = read_documents(text)
-            kwargs["texts"] = docs[:max_docs]
-        elif analysis == "probe":
-            from depthscope.probes import sample_data
-
-            sample = sample_data()
-            kwargs.update(
-                tasks=[t.strip() for t in task.split(",") if t.strip()],
-                train=str(train or sample["ewt_train"]),
-                test=str(test or sample["ewt_test"]),
-                max_train_sentences=max_train_sentences,
-                max_test_sentences=max_test_sentences,
-            )
-        else:
-            raise typer.BadParameter(f"--analysis must be lens, norms or probe, not {analysis!r}")
-        result = sweep(
-            cks, analysis, out, allow_mixed=allow_mixed, overwrite=overwrite, load=load, engine=run_on, **kwargs
-        )
-        by_site = result.tables.get("by_site")
-        written = []
-        if by_site is not None and len(by_site):
-            m = metric or {"lens": "kl_to_final", "norms": "stream_norm", "probe": "accuracy"}[analysis]
-            if analysis == "probe":
-                for t in by_site["task"].unique():
-                    written.append(
-                        sweep_plots.plot_checkpoint_heatmap(
-                            by_site[by_site["task"] == t],
-                            m,
-                            out / f"sweep_{m}_{t}.png",
-                            title=f"{t}: {m} across checkpoints",
-                        )
-                    )
-                summ = result.tables.get("summary")
-                if summ is not None and len(summ):
-                    written.append(
-                        sweep_plots.plot_metric_over_training(
-                            summ, "expected_layer_delta", out / "sweep_expected_layer.png"
-                        )
-                    )
-            else:
-                written.append(sweep_plots.plot_checkpoint_heatmap(by_site, m, out / f"sweep_{m}.png"))
-                written.append(sweep_plots.plot_final_site_over_training(by_site, m, out / f"sweep_{m}_lines.png"))
+        load = functools.partial(load_model, device=device, dtype=dtype)
+        res = sweep_job(cks, cfg, out, load=load, engine=run_on)
+        s = res.summary
         typer.echo(
-            f"{len(result.done)} checkpoints done, {len(result.skipped)} already finished, {len(result.failed)} failed"
+            f"{len(s['done'])} checkpoints done, {len(s['skipped'])} already finished, {len(s['failed'])} failed"
         )
-        for name, err in result.failed.items():
+        for name, err in s["failed"].items():
             typer.secho(f"  failed: {name}: {err}", fg=typer.colors.RED, err=True)
-        typer.echo(f"tables: {out}/sweep_*.parquet|csv; plots: {', '.join(str(p) for p in written) or 'none'}")
-        if result.failed:
+        typer.echo(f"tables: {out}/sweep_*.parquet|csv; plots: {', '.join(str(p) for p in res.files) or 'none'}")
+        if s["failed"]:
             raise typer.Exit(1)
 
     @app.command("toy-series")
