@@ -442,23 +442,6 @@ def logit_lens(
 
 
 # ----------------------------------------------------------------------------- per token
-def _single_token(model, target) -> int:
-    if isinstance(target, (int, np.integer)):
-        if not 0 <= int(target) < model.vocab_size:
-            raise InputError(f"target token id {target} out of range 0..{model.vocab_size - 1}")
-        return int(target)
-    if model.tokenizer is None:
-        raise InputError("a string target needs a tokenizer; pass a token id")
-    ids = model.tokenizer(str(target), add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise InputError(
-            f"target {target!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
-            f"(mind the leading space, e.g. ' Paris') or a token id"
-        )
-    return int(ids[0])
-
-
 def _decode_token(tok, i: int) -> str:
     if tok is None:
         return str(i)
@@ -500,7 +483,7 @@ def logit_lens_tokens(
         raise InputError("k must be at least 1")
     k = min(int(k), model.vocab_size)
     sites = lens.resolve_sites(model, sites)
-    fixed = None if target is None else _single_token(model, target)
+    fixed = None if target is None else model.token_id(target, "target")
 
     def target_fn(targets, final_top):
         if fixed is not None:

@@ -141,22 +141,7 @@ def logprob(target) -> TokenMetric:
 def _single_token(model, token, what: str) -> int:
     if token is None:
         raise InputError(f"a logit difference needs a {what} token")
-    if isinstance(token, (int, np.integer)) and not isinstance(token, bool):
-        if not 0 <= int(token) < model.vocab_size:
-            raise InputError(f"{what} token id {token} out of range 0..{model.vocab_size - 1}")
-        return int(token)
-    if not isinstance(token, str) or not token:
-        raise InputError(f"the {what} must be a non-empty string or a token id, got {token!r}")
-    if model.tokenizer is None:
-        raise InputError(f"a string {what} needs a tokenizer; pass a token id")
-    ids = model.tokenizer(token, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise InputError(
-            f"{what} {token!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
-            f"(mind the leading space, e.g. ' Mary') or a token id"
-        )
-    return int(ids[0])
+    return model.token_id(token, what)
 
 
 def _bind_metric(model, metric) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:

@@ -12,6 +12,7 @@ numbers are the model's own; hooks are removed when a call ends, also on error.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -205,6 +206,28 @@ class HookedModel:
         if ids.shape[1] == 0 or not mask.any(dim=1).all():
             raise InputError("empty input: a text tokenizes to no tokens")
         return ids, mask
+
+    def token_id(self, token, what: str = "token") -> int:
+        """One token's id: an id (an int or a one-element tensor) checked against the vocabulary, or a
+        string the tokenizer encodes as exactly one token (mind the leading space: ``" Paris"``)."""
+        if isinstance(token, torch.Tensor) and token.numel() == 1:
+            token = int(token)
+        if isinstance(token, numbers.Integral) and not isinstance(token, bool):  # numpy integers too
+            if not 0 <= int(token) < self.vocab_size:
+                raise InputError(f"{what} token id {token} out of range 0..{self.vocab_size - 1}")
+            return int(token)
+        if not isinstance(token, str) or not token:
+            raise InputError(f"the {what} must be a non-empty string or a token id, got {token!r}")
+        if self.tokenizer is None:
+            raise InputError(f"a string {what} needs a tokenizer; pass a token id")
+        ids = self.tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            pieces = [self.tokenizer.decode([i]) for i in ids]
+            raise InputError(
+                f"{what} {token!r} is {len(ids)} tokens {pieces}, not one; pass a single token "
+                f"(mind the leading space, e.g. ' Paris') or a token id"
+            )
+        return int(ids[0])
 
     def _prepare(self, inputs: Inputs, mask: torch.Tensor | None, padding_side: str = "right"):
         if isinstance(inputs, torch.Tensor):

@@ -12,35 +12,15 @@ from depthscope.hooks.sites import site_frame
 from .streaming import Inputs, check_has_blocks
 
 
-def _token_id(model, t, what: str) -> int:
-    if isinstance(t, (int, np.integer)) or (isinstance(t, torch.Tensor) and t.numel() == 1):
-        i = int(t)
-        if not 0 <= i < model.vocab_size:
-            raise InputError(f"{what} token id {i} out of range 0..{model.vocab_size - 1}")
-        return i
-    if not isinstance(t, str) or t == "":
-        raise InputError(f"{what} must be a token id or a non-empty string, got {t!r}")
-    if model.tokenizer is None:
-        raise InputError(f"this model has no tokenizer: pass the {what} as a token id")
-    ids = model.tokenizer(t, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise InputError(
-            f"{what} {t!r} is {len(ids)} tokens {pieces}, not one; pass a single-token string "
-            f"(mind the leading space, e.g. ' Paris') or a token id"
-        )
-    return int(ids[0])
-
-
 def _per_example(model, tokens, n: int, what: str) -> list[int] | None:
     if tokens is None:
         return None
     if isinstance(tokens, (str, int, np.integer)) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1):
-        return [_token_id(model, tokens, what)] * n
+        return [model.token_id(tokens, what)] * n
     tokens = list(tokens)
     if len(tokens) != n:
         raise InputError(f"{len(tokens)} {what} tokens for {n} examples; give one, or one per example")
-    return [_token_id(model, t, what) for t in tokens]
+    return [model.token_id(t, what) for t in tokens]
 
 
 def direct_logit_attribution(
