@@ -69,12 +69,14 @@ class Features:
         self.mean, self.std = other.mean, other.std
         return self
 
-    def fit_standardiser(self, chunk: int = 1024) -> Features:
+    def fit_standardiser(self, chunk: int | None = None) -> Features:
         """Mean and std per site and dimension over the rows these examples use, in one pass
         over the store: per-chunk mean and squared deviations (float32, about the chunk's own
-        mean, so no cancellation) merged in float64 (Chan et al.'s pairwise update)."""
+        mean, so no cancellation) merged in float64 (Chan et al.'s pairwise update). Chunks hold
+        about ``CHUNK_BYTES`` of float32 rows, so memory beyond the features stays flat."""
         spans = np.unique(self.span_ids.reshape(-1))
         S, D = self.n_sites, self.d
+        chunk = chunk or _rows_per_chunk(S * D * max(1, self.max_len or 1))
         mean = torch.zeros(S, D, dtype=torch.float64)
         m2 = torch.zeros(S, D, dtype=torch.float64)
         n = 0
@@ -97,7 +99,7 @@ class Features:
         self.mean, self.std = mean.float(), std.float()
         return self
 
-    def make_resident(self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int = 1024, dtype=None) -> bool:
+    def make_resident(self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int | None = None, dtype=None) -> bool:
         """Standardised features in memory, site-major; False if they do not fit (or attn).
 
         ``dtype`` None picks :func:`~depthscope.probes.cpu.compute_dtype` (the CPU-flag rule),
@@ -116,6 +118,7 @@ class Features:
         X = torch.empty(S, N, F_, dtype=dt)
         st = self.store
         D = self.d
+        chunk = chunk or _rows_per_chunk(S * D)
         with threads_for(0):
             for a in range(0, N, chunk):
                 idx = self.order[a : a + chunk]
@@ -162,3 +165,10 @@ class Features:
             for a in starts:
                 idx = np.sort(perm[a : a + batch_size])
                 yield idx, self._gather(idx)
+
+
+CHUNK_BYTES = 8 * 2**20  # float32 rows per chunk when reading the store: small temporaries, flat memory
+
+
+def _rows_per_chunk(values_per_row: int) -> int:
+    return max(16, CHUNK_BYTES // (4 * max(1, values_per_row)))
