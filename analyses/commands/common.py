@@ -12,6 +12,12 @@ ModelOpt = typer.Option(
 OutOpt = typer.Option(Path("depthscope-out"), "--out", "-o", help="Output folder for tables and plots.")
 
 
+TextOpt = typer.Option(
+    ...,
+    "--text",
+    "-t",
+    help="Plain-text file (UTF-8): one document per non-blank line, or the whole file as one (--whole-file).",
+)
 ForceOpt = typer.Option(False, "--force", help="Write into an output folder that holds another run.")
 
 

@@ -10,7 +10,18 @@ import typer
 
 from ..jobs.lens import MAX_TOP_K, LensConfig, LensTrainConfig
 from ..tuned_lens_config import TunedLensTraining
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, positive, prepare_out, set_threads
+from .common import (
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    ModelOpt,
+    OutOpt,
+    TextOpt,
+    ThreadsOpt,
+    positive,
+    prepare_out,
+    set_threads,
+)
 
 _L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
 
@@ -43,12 +54,7 @@ def _print_sites(by_site) -> None:
 
 
 def lens(
-    text: Path = typer.Option(
-        ...,
-        "--text",
-        "-t",
-        help="Plain-text file (UTF-8): one document per line, or the whole file (--whole-file).",
-    ),
+    text: Path = TextOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..jobs.norms import NormsConfig
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
+from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, TextOpt, ThreadsOpt, prepare_out, set_threads
 
 _N = NormsConfig()
 
@@ -44,12 +44,7 @@ def _print_summary(model, summary: dict) -> None:
 
 
 def norms(
-    text: Path = typer.Option(
-        ...,
-        "--text",
-        "-t",
-        help="Plain-text file: one document per non-blank line (see --whole-file).",
-    ),
+    text: Path = TextOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
