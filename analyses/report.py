@@ -192,6 +192,30 @@ def _fmt(x, nd=2):
     return f"{x:.{nd}f}"
 
 
+def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
+    """The probe summary as the report shows it: readable column names, the E_Δ interval, the
+    scalar-mix E_s, selectivity in points, the chosen penalty and convergence."""
+    s = summary
+    g = lambda c: s[c] if c in s else pd.Series([np.nan] * len(s), index=s.index)  # noqa: E731
+    t = pd.DataFrame({"task": s["task"]})
+    t["E_Δ (blocks)"] = g("expected_layer_delta")
+    t["E_Δ 95% interval"] = [
+        f"[{_fmt(a, 1)}, {_fmt(b, 1)}]" for a, b in zip(g("expected_layer_delta_lo"), g("expected_layer_delta_hi"))
+    ]
+    t["E_Δ / depth"] = g("expected_layer_delta") / n_layers
+    t["E_s (blocks)"] = g("expected_layer_mix")
+    t["total gain (points)"] = 100 * g("total_delta")
+    t["best site"] = g("best_label")
+    t["best accuracy (%)"] = 100 * g("best_accuracy")
+    t["majority (%)"] = 100 * g("majority_accuracy")
+    t["max selectivity (points)"] = 100 * g("max_selectivity")
+    t["L2"] = [f"{v:g}" if np.isfinite(v) else "n/a" for v in g("l2").astype(float)]
+    t["converged"] = ["yes" if v is True or v == 1 else "no" for v in g("converged")]
+    t["n train"] = g("n_train")
+    t["n test"] = g("n_test")
+    return t.reset_index(drop=True)
+
+
 def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) -> list[str]:
     out = []
     if summary is None or not len(summary):
@@ -218,6 +242,19 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
                 "examples spans more than a quarter of the depth (small total gain against noisy per-site gains); "
                 "read the per-site accuracies instead."
             )
+    if "expected_layer_delta_meaningful" in s:
+        weak = s[~s["expected_layer_delta_meaningful"].astype(bool)]
+        for r in weak.itertuples():
+            out.append(
+                f"{r.task}: the total cumulative gain is {_fmt(100 * r.total_delta, 1)} points, too small for "
+                "E_Δ to mean a depth (the embedding already decodes most of it)."
+            )
+    if "converged" in s and not s["converged"].astype(bool).all():
+        out.append(
+            "Some probes stopped at max_epochs before converging ("
+            + ", ".join(s[~s["converged"].astype(bool)]["task"])
+            + "): raise --max-epochs before reading these numbers."
+        )
     first, last = s.iloc[0], s.iloc[-1]
     if len(s) > 1:
         gap = last.expected_layer_delta - first.expected_layer_delta
@@ -337,8 +374,9 @@ FIGURES = [
     (
         "Which depth encodes which property",
         [
+            ("probes_overview.png", "All tasks on one depth axis: E_Δ with its 95% interval and E_s"),
             ("probes_tenney.png", "Tenney-style summary: cumulative gain Δ per depth, E_Δ and E_s marked"),
-            ("probes_accuracy.png", "Probe accuracy and selectivity per site"),
+            ("probes_accuracy.png", "Probe accuracy (majority baseline dotted) and selectivity in points per site"),
         ],
     ),
     (
@@ -391,22 +429,7 @@ def render_report(out_dir: str | Path) -> Path:
     sections: list[tuple[str, list[str], pd.DataFrame | None, list[tuple[str, str]]]] = []
     table = None
     if summary is not None and len(summary):
-        cols = [
-            c
-            for c in [
-                "task",
-                "expected_layer_delta",
-                "expected_layer_mix",
-                "best_label",
-                "best_accuracy",
-                "n_train",
-                "n_test",
-            ]
-            if c in summary.columns
-        ]
-        table = summary[cols].copy()
-        table["relative_depth_delta"] = table["expected_layer_delta"] / L
-        table = table.sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
+        table = probe_table(summary, L).sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
     findings = {
         FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
         FIGURES[1][0]: lens_findings(lens_by_site, L),
@@ -422,6 +445,15 @@ def render_report(out_dir: str | Path) -> Path:
         f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
         f"Probe data: `{Path(str(meta.get('train', '?'))).name}` → `{Path(str(meta.get('test', '?'))).name}`. "
         f"Depth is in blocks: embedding 0, after block l's attention l + 0.5, after its MLP l + 1."
+    )
+    if "gguf" in str(meta.get("model", "")).lower() or meta.get("model") == "smollm2-135m":  # the default model
+        intro += (
+            " The default model's weights are a Q4_1 GGUF file, dequantised to float32 (so they differ slightly "
+            "from the original checkpoint)."
+        )
+    intro += (
+        " Probes are trained to convergence (max_epochs is only a cap), with one L2 penalty per task chosen on "
+        "held-out data; E_Δ intervals are 95% bootstraps over test examples."
     )
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."

@@ -9,17 +9,20 @@ Public API
 ----------
 ``run_probes(model, tasks, train, test, dev=None, *, config=ProbeConfig(), extraction=ExtractionConfig(),
 data=DataConfig(), progress=True, **overrides) -> ProbeResults``
-    ``overrides``: any field of the three configuration objects by name (``epochs=6``,
+    ``overrides``: any field of the three configuration objects by name (``max_epochs=60``,
     ``pooling="mean"``, ``max_train_sentences=200``); an unknown name is an ``InputError``.
     ``.by_site`` columns: task, site, label, layer, sublayer, depth, accuracy, macro_f1,
-    control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test
-    (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
+    control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test,
+    majority_accuracy, converged, epochs (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
     ``.summary`` columns: task, expected_layer_delta (+ _lo/_hi: 95% bootstrap interval over test
     examples), expected_layer_mix, best_label,
     best_accuracy, n_train, n_test, mix_accuracy, best_site, best_depth, best_macro_f1,
     best_selectivity, max_selectivity, n_layers, relative_depth_delta, relative_depth_mix,
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,
-    n_skipped_train, n_skipped_test, kind, probe, pooling, precision, n_overlap_dropped, context.
+    n_skipped_train, n_skipped_test, kind, probe, pooling, precision, n_overlap_dropped, context,
+    total_delta, total_delta_se, expected_layer_delta_meaningful, expected_layer_delta_note (why
+    not), l2, l2_chosen_on, l2_heldout_accuracy, converged, hit_max_epochs, n_not_converged,
+    epochs_sites, epochs_cumulative, max_epochs, solver.
     ``.mixing`` columns: task, site, label, layer, sublayer, depth, mix_weight,
     cumulative_score, cumulative_macro_f1, delta, gamma.
 ``ProbeConfig``, ``ExtractionConfig``, ``DataConfig``: the settings and their (only) defaults.
@@ -36,7 +39,8 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
 Modules, one job each: ``config`` (settings), ``conllu_io`` / ``tasks`` / ``spans`` (data),
 ``activations`` (the span store), ``extraction`` (corpora to stores), ``encoding`` (labels and
 features of a task), ``features`` (the feature container), ``classifiers`` (the probe model),
-``training`` (fit and predict), ``metrics``, ``cpu`` (precision rule, threads), ``mixing``
+``training`` (fit to convergence and predict), ``solvers`` (batched L-BFGS), ``metrics``,
+``cpu`` (precision rule, threads), ``mixing``
 (Tenney's summaries), ``mdl``, ``fitting`` (one task's probes), ``summaries`` (table rows),
 ``run`` (``run_probes``), ``words`` (``word_features`` for your own probes).
 

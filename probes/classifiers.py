@@ -13,9 +13,15 @@ objective with ``C = 1 / (2 * l2 * n_train)``. Training: :mod:`depthscope.probes
 Bfloat16 features (:mod:`depthscope.probes.cpu`) make the products bf16 with float32
 parameters, logits and losses.
 
-``DEFAULT_L2`` and ``compute_dtype`` are kept here for scripts that import them from this
-module; their homes are :class:`~depthscope.probes.config.ProbeConfig` and
-:mod:`depthscope.probes.cpu`.
+``DEFAULT_L2`` (1e-3) is the penalty of a probe built by hand; runs choose theirs per task on
+held-out data (:class:`~depthscope.probes.config.ProbeConfig` ``l2="auto"``).
+``compute_dtype`` is kept here for scripts that import it; its home is :mod:`depthscope.probes.cpu`.
+
+Scalar mixes: a unit reads ``sum_s softmax(a)_s x_s`` with ``gamma`` fixed at 1. Tenney's
+trainable scale ``gamma`` is left out on purpose: with a penalty on the classifier's weights and
+none on ``gamma``, growing ``gamma`` while shrinking the weights lowers the objective without
+end, so a probe trained to convergence would have no optimum (features are standardised, so
+no scale is needed). ``gamma`` stays a buffer of ones for the tables.
 """
 
 from __future__ import annotations
@@ -29,8 +35,15 @@ from .config import PROBES, ProbeConfig
 from .cpu import compute_dtype  # noqa: F401  (kept importable from here)
 
 _DEFAULTS = ProbeConfig()
-DEFAULT_L2 = _DEFAULTS.l2
+DEFAULT_L2 = 1e-3
 DEFAULT_HIDDEN = _DEFAULTS.hidden
+
+
+def numeric_l2(l2) -> float:
+    """``l2`` as a number; ``"auto"`` / ``"dev"`` (a per-task choice, made by
+    :func:`~depthscope.probes.fitting.choose_l2`) mean :data:`DEFAULT_L2` for a building block
+    used on its own."""
+    return DEFAULT_L2 if isinstance(l2, str) else float(l2)
 
 
 class BatchedProbe(nn.Module):
@@ -75,7 +88,7 @@ class BatchedProbe(nn.Module):
         if mix_mask is not None:
             self.register_buffer("mix_mask", mix_mask.bool())
             self.mix_logits = nn.Parameter(torch.zeros(U, n_sites))
-            self.gamma = nn.Parameter(torch.ones(U))
+            self.register_buffer("gamma", torch.ones(U))  # fixed: see the module docstring
         else:
             self.mix_mask = None
         self.attn_pool = attn_pool
@@ -144,9 +157,13 @@ class BatchedProbe(nn.Module):
             self.W1.grad.addcmul_(self.W1, g, value=2.0)
             self.W2.grad.addcmul_(self.W2, g, value=2.0)
 
-    def penalty(self) -> torch.Tensor:
+    def penalty_per_unit(self) -> torch.Tensor:
+        """The L2 term of each unit ``[U]`` (summed over its heads)."""
         if self.kind == "linear":
-            w2 = self.W.reshape(self.U, -1, self.G, self.C).pow(2).sum((0, 1, 3))
+            w2 = self.W.reshape(self.U, -1, self.G, self.C).pow(2).sum((1, 3))  # [U, G]
         else:
-            w2 = self.W1.pow(2).sum((0, 2, 3)) + self.W2.pow(2).sum((0, 2, 3))
-        return (self.l2 * w2).sum()
+            w2 = self.W1.pow(2).sum((2, 3)) + self.W2.pow(2).sum((2, 3))
+        return (w2 * self.l2).sum(1)
+
+    def penalty(self) -> torch.Tensor:
+        return self.penalty_per_unit().sum()

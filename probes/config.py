@@ -3,9 +3,10 @@
 =====================  ========================================================================
 object                 holds
 =====================  ========================================================================
-``ProbeConfig``        the classifier and its training: kind, L2 (or ``"dev"``), epochs, steps,
-                       step size, batch, hidden units, control task, cumulative scoring, MDL,
-                       seed, compute precision
+``ProbeConfig``        the classifier and its training: kind, L2 (or ``"auto"``: per task on
+                       held-out data), solver, convergence tolerances, the epoch cap, Adam's
+                       steps/step size/batch, hidden units, control task, cumulative scoring,
+                       MDL, seed, compute precision
 ``ExtractionConfig``   how activations are taken: pooling, sites, context, store folder and
                        dtype, batch and passage lengths, BOS, memory for resident features
 ``DataConfig``         what data is used: sentence caps per split, train/test overlap, coref
@@ -19,7 +20,8 @@ They follow scikit-learn's estimator conventions: hyper-parameters only, stored 
 work and no validation in ``__init__``; ``validate()`` checks them when a run starts.
 ``run_probes``, ``depthscope probe``, ``depthscope run``, sweeps and the probe job read these
 defaults (the command-line options take theirs from here), so every entry point runs the
-same protocol. One default for training: 12 epochs (``depthscope run`` trained 6 before).
+same protocol. Probes are trained to convergence (``max_epochs`` is only a cap that warns), so
+the answer does not depend on how long training runs (it did with a fixed 12 or 6 epochs).
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ CONTEXTS = ("sentence", "document")
 OVERLAP = ("drop", "keep", "error")
 PRECISIONS = ("auto", "float32", "bfloat16")
 STORE_DTYPES = ("float16", "float32")
-#: the penalties ``l2="dev"`` chooses from (per site, by dev accuracy)
-L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2)
+SOLVERS = ("auto", "lbfgs", "adam")
+#: the penalties ``l2="auto"`` chooses from, per task, by held-out accuracy (mean over sites):
+#: half-decades around 1e-3, the value EWT dev picked at most sites for upos on the default model
+#: (weaker penalties, 1e-4 and below, leave near-separable problems that take hundreds of passes
+#: to converge, for no held-out gain there)
+L2_GRID = (3e-4, 1e-3, 3e-3)
 
 
 def _error(msg: str) -> Exception:
@@ -79,12 +85,17 @@ class ProbeConfig:
     """The probe and its training (one protocol for every entry point).
 
     ``probe``: ``linear`` (softmax regression) or ``mlp`` (one hidden ReLU layer of ``hidden``
-    units). ``l2``: the penalty on mean cross-entropy (1e-3, i.e. scikit-learn
-    ``C = 1 / (2e-3 * n_train)``: the value EWT dev picked at most sites for upos on the default
-    model, 2000 train sentences, grid ``L2_GRID``), or ``"dev"`` to pick it per site from
-    ``L2_GRID`` by dev accuracy (needs a dev split; ties go to the strongest L2). ``epochs``:
-    passes over train, at least ``min_steps`` optimiser steps; ``lr``: Adam's step size
-    (cosine-decayed); ``batch_size`` None: :func:`~depthscope.probes.training.auto_batch`.
+    units). ``l2``: the penalty on mean cross-entropy (scikit-learn ``C = 1 / (2 * l2 *
+    n_train)``), or ``"auto"``: one value per task from ``L2_GRID``, the one with the best
+    held-out accuracy averaged over sites (on the dev split when there is one, else over
+    ``l2_folds`` folds of train; ties go to the strongest L2); the per-site probes, the control
+    task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
+    requires a dev split. ``solver``: ``lbfgs`` (full batch, linear probes over resident
+    features), ``adam`` (minibatch) or ``auto`` (L-BFGS where it applies). Training stops when
+    every probe has converged (largest gradient entry <= ``gtol``, or relative objective change
+    <= ``tol`` twice in a row; :mod:`depthscope.probes.training`), or at ``max_epochs`` passes
+    over train, with a warning and ``converged = False`` in the tables. ``lr``, ``min_steps``,
+    ``batch_size`` (None: :func:`~depthscope.probes.training.auto_batch`): the Adam solver's.
     ``control``: train Hewitt & Liang's control task beside (selectivity); ``cumulative``:
     Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``mdl``: online codelengths
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
@@ -92,8 +103,12 @@ class ProbeConfig:
     """
 
     probe: str = "linear"
-    l2: float | str = 1e-3
-    epochs: int = 12
+    l2: float | str = "auto"
+    l2_folds: int = 2
+    solver: str = "auto"
+    max_epochs: int = 200
+    tol: float = 1e-5
+    gtol: float = 5e-4
     min_steps: int = 100
     lr: float = 1e-2
     batch_size: int | None = None
@@ -107,23 +122,23 @@ class ProbeConfig:
     def validate(self) -> ProbeConfig:
         _choice("probe", self.probe, PROBES)
         _choice("precision", self.precision, PRECISIONS)
-        if not (
-            self.l2 == "dev"
-            or (
-                isinstance(self.l2, (int, float))
-                and not isinstance(self.l2, bool)
-                and math.isfinite(self.l2)
-                and self.l2 >= 0
-            )
-        ):
-            raise _error(f"l2 must be a finite non-negative number or 'dev', got {self.l2!r}")
-        for name in ("epochs", "hidden"):
+        _choice("solver", self.solver, SOLVERS)
+        numeric = isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
+        if not (self.l2 in ("auto", "dev") or (numeric and math.isfinite(self.l2) and self.l2 >= 0)):
+            raise _error(f"l2 must be a finite non-negative number, 'auto' or 'dev', got {self.l2!r}")
+        for name in ("max_epochs", "hidden"):
             check_number(name, getattr(self, name))
-        _positive("lr", self.lr)
+        check_number("l2_folds", self.l2_folds, minimum=2)
+        for name in ("lr", "tol", "gtol"):
+            _positive(name, getattr(self, name))
         check_number("batch_size", self.batch_size, allow_none=True)
         check_number("seed", self.seed, minimum=0)
         if not isinstance(self.min_steps, int) or self.min_steps < 0:
             raise _error(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
+        if not isinstance(self.l2_folds, int) or self.l2_folds < 2:
+            raise _error(f"l2_folds must be an integer >= 2, got {self.l2_folds!r}")
+        if not isinstance(self.max_epochs, int):
+            raise _error(f"max_epochs must be a positive integer, got {self.max_epochs!r}")
         return self
 
 

@@ -6,6 +6,7 @@
 ``.standardise_like(train)``       other splits reuse train's statistics
 ``.make_resident(dtype=...)``      standardised features in RAM ``[S, N, n_spans * D]``
 ``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers)
+``.subset(idx)``                   the examples ``idx`` (resident rows copied, not re-read)
 =================================  ==============================================================
 
 Features are standardised per site and dimension with the train split's mean and standard
@@ -130,6 +131,20 @@ class Features:
                     X[:, a : a + len(idx), k * D : (k + 1) * D] = x
         self.resident = X
         return True
+
+    def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> Features:
+        """The examples ``idx`` with this split's standardisation: resident rows are copied from
+        memory (same dtype), else the subset is made resident from the store when it fits."""
+        idx = np.asarray(idx, dtype=np.int64)
+        sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len)
+        if self.resident is None:
+            sub.make_resident(max_bytes=max_bytes, seed=seed)
+            return sub
+        pos = np.empty(len(self), dtype=np.int64)
+        pos[self.order] = np.arange(len(self))  # example -> row of the resident tensor
+        sub.resident = self.resident.index_select(1, torch.from_numpy(pos[idx]))
+        sub.order = np.arange(len(idx))
+        return sub
 
     def _gather(self, idx: np.ndarray):
         xs, ms = [], []

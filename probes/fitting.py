@@ -1,14 +1,22 @@
-"""Fitting one task's probes: per-site probes with control heads, cumulative mixes, MDL.
+"""Fitting one task's probes: the L2 penalty chosen on held-out data, per-site probes with control
+heads, cumulative mixes, MDL.
 
 =======================================  =======================================================
 ``fit_task(td, frame, n_layers, config,  the task's ``by_site`` rows, its summary row and its
 pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulative scoring)
-``fit_sites(td, config, progress=)``     per-site probes: the task's labels and its control
-                                         labels as heads of one batched fit (x the L2 grid with
-                                         ``l2="dev"``), scored on test: a :class:`SiteFit`
-``pick_l2(acc_dev)``                     per site, the grid column with the best dev accuracy
+``choose_l2(td, config)``                one L2 for the task: a :class:`L2Choice` (the grid
+                                         value with the best held-out accuracy, mean over sites)
+``fit_sites(td, config, l2, progress=)`` per-site probes: the task's labels and its control
+                                         labels as two heads of one batched fit, scored on test:
+                                         a :class:`SiteFit`
 ``train_kwargs(config)``                 the training settings the building blocks take
 =======================================  =======================================================
+
+The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
+the one whose probes have the best held-out accuracy averaged over all sites (dev split when
+given, else ``l2_folds`` folds of train; ties to the strongest penalty); the per-site probes,
+their control task, the cumulative prefix mixes, the scalar mix and MDL all use it, and every
+probe is trained to convergence (:mod:`depthscope.probes.training`).
 """
 
 from __future__ import annotations
@@ -24,44 +32,103 @@ from .encoding import TaskData
 from .metrics import accuracy, macro_f1
 from .mixing import fit_cumulative
 from .summaries import cumulative_summary, mixing_rows, site_rows, summary_row
-from .training import predict, train_probe
+from .training import TrainLog, predict, train_probe
 
 
 def train_kwargs(cfg: ProbeConfig) -> dict:
     """The settings ``train_probe``-based building blocks take, from ``cfg``."""
-    return dict(epochs=cfg.epochs, min_steps=cfg.min_steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
+    return dict(
+        max_epochs=cfg.max_epochs,
+        tol=cfg.tol,
+        gtol=cfg.gtol,
+        solver=cfg.solver,
+        min_steps=cfg.min_steps,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+    )
 
 
-def pick_l2(acc_dev: torch.Tensor) -> torch.Tensor:
-    """Per site, the L2 strength (column of ``acc_dev [S, len(L2_GRID)]``, grid ascending)
-    with the best dev accuracy; ties go to the strongest L2, the simplest probe."""
-    n = acc_dev.shape[1]
-    return (n - 1) - acc_dev.flip(1).argmax(1)
+def pick_l2(acc: np.ndarray, grid=L2_GRID) -> int:
+    """Index of the grid value (ascending) with the best mean held-out accuracy ``acc
+    [len(grid)]``; ties (within 1e-9) go to the strongest L2, the simplest probe."""
+    acc = np.asarray(acc, dtype=np.float64)
+    return int(np.flatnonzero(acc >= acc.max() - 1e-9)[-1])
+
+
+@dataclass
+class L2Choice:
+    """The task's penalty ``l2``, how it was chosen (``on``: ``given``, ``dev`` or ``k folds of
+    train``) and the held-out accuracy (mean over sites) of each grid value (empty if given)."""
+
+    l2: float
+    on: str
+    heldout: dict
+
+
+def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, progress: bool) -> np.ndarray:
+    """Mean-over-sites accuracy on ``held`` of probes trained on ``train``, one per grid value."""
+    grid = list(L2_GRID)
+    p = BatchedProbe(
+        n_sites=train.n_sites,
+        d=train.d,
+        n_spans=train.n_spans,
+        n_classes=td.n_classes,
+        n_heads=len(grid),
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        attn_pool=train.tokens,
+        l2=grid,
+        seed=cfg.seed,
+    )
+    y_heads = np.repeat(np.asarray(y_train)[:, None], len(grid), 1)
+    train_probe(p, train, torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} L2 grid", **train_kwargs(cfg))
+    pred, _ = predict(p, held)
+    yh = torch.from_numpy(np.asarray(y_held))
+    return np.array([float(accuracy(pred[:, :, k], yh).mean()) for k in range(len(grid))])
+
+
+def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, progress: bool = False) -> L2Choice:
+    """The task's L2 penalty (see the module docstring)."""
+    if cfg.l2 not in ("auto", "dev"):
+        return L2Choice(float(cfg.l2), "given", {})
+    feats = td.feats
+    if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
+        acc = _grid_accuracy(td, cfg, feats["train"], td.y["train"], feats["dev"], td.y["dev"], progress)
+        on = "dev"
+    else:
+        k = cfg.l2_folds
+        n = len(feats["train"])
+        fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
+        acc = np.zeros(len(L2_GRID))
+        for i in range(k):
+            tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
+            ftr = feats["train"].subset(tr, max_bytes=resident_bytes, seed=cfg.seed)
+            fho = feats["train"].subset(ho, max_bytes=resident_bytes, seed=cfg.seed)
+            acc += _grid_accuracy(td, cfg, ftr, td.y["train"][tr], fho, td.y["train"][ho], progress) / k
+            del ftr, fho
+        on = f"{k} folds of train"
+    best = pick_l2(acc)
+    return L2Choice(float(L2_GRID[best]), on, {float(v): float(a) for v, a in zip(L2_GRID, acc)})
 
 
 @dataclass
 class SiteFit:
-    """Per-site predictions of the chosen heads: test ``[S, N]``, train ``[S, N]``, control
-    test ``[S, N]`` (None without control) and the L2 each site's real head used ``[S]``."""
+    """Per-site predictions: test ``[S, N]``, train ``[S, N]``, control test ``[S, N]`` (None
+    without control), the L2 used, and the training log (convergence per site)."""
 
     test: torch.Tensor
     train: torch.Tensor
     control_test: torch.Tensor | None
-    l2: np.ndarray
+    l2: float
+    log: TrainLog
 
 
-def _pick(pred_dev, y_dev, offset: int, nl: int) -> torch.Tensor:
-    acc = torch.stack([accuracy(pred_dev[:, :, offset + k], torch.from_numpy(y_dev)) for k in range(nl)], 1)
-    return pick_l2(acc) + offset
-
-
-def fit_sites(td: TaskData, cfg: ProbeConfig, *, progress: bool = False) -> SiteFit:
+def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
     feats = td.feats
     S = feats["train"].n_sites
-    l2_values = list(L2_GRID) if cfg.l2 == "dev" else [float(cfg.l2)]
-    nl = len(l2_values)
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
-    y_heads = np.stack([ys for ys in label_sets for _ in l2_values], 1)  # heads: label set x L2
+    y_heads = np.stack(label_sets, 1)
     p = BatchedProbe(
         n_sites=S,
         d=feats["train"].d,
@@ -71,26 +138,15 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, *, progress: bool = False) -> Site
         kind=cfg.probe,
         hidden=cfg.hidden,
         attn_pool=feats["train"].tokens,
-        l2=l2_values * len(label_sets),
+        l2=l2,
         seed=cfg.seed,
     )
-    train_probe(
+    log = train_probe(
         p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
     )
     pred_te, _ = predict(p, feats["test"])
     pred_tr, _ = predict(p, feats["train"])
-    if cfg.l2 == "dev":
-        pred_dev, _ = predict(p, feats["dev"])
-        pick_real = _pick(pred_dev, td.y["dev"], 0, nl)
-        pick_ctrl = _pick(pred_dev, td.ctrl["dev"], nl, nl) if cfg.control else None
-    else:
-        pick_real = torch.zeros(S, dtype=torch.long)
-        pick_ctrl = torch.full((S,), nl, dtype=torch.long) if cfg.control else None
-    ar = torch.arange(S)
-    ctrl_te = pred_te[ar, :, pick_ctrl] if cfg.control else None
-    return SiteFit(
-        pred_te[ar, :, pick_real], pred_tr[ar, :, pick_real], ctrl_te, np.asarray(l2_values)[pick_real.numpy()]
-    )
+    return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], pred_te[:, :, 1] if cfg.control else None, l2, log)
 
 
 def fit_task(
@@ -106,7 +162,9 @@ def fit_task(
 ) -> dict:
     """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`)."""
     task, feats, y = td.task, td.feats, td.y
-    fit = fit_sites(td, cfg, progress=progress)
+    choice = choose_l2(td, cfg, resident_bytes=resident_bytes, progress=progress)
+    cfg = replace(cfg, l2=choice.l2)
+    fit = fit_sites(td, cfg, choice.l2, progress=progress)
     yte = torch.from_numpy(y["test"])
     acc = accuracy(fit.test, yte).numpy()
     scores = {
@@ -120,10 +178,11 @@ def fit_task(
         "train_accuracy": accuracy(fit.train, torch.from_numpy(y["train"])).numpy(),
     }
     df = site_rows(task, frame, td, scores, fit.l2, probe=cfg.probe, pooling=pooling)
+    df["converged"] = fit.log.converged
+    df["epochs"] = fit.log.epochs
 
-    cum_summ, mix_df = cumulative_summary(None, None, cfg.seed), None
+    cum_summ, mix_df, cum = cumulative_summary(None, None, cfg.seed), None, None
     if cfg.cumulative and feats["train"].n_sites >= 2:
-        # the mixes use the median of the sites' penalties (= l2 unless l2="dev")
         cum = fit_cumulative(
             feats["train"],
             y["train"],
@@ -131,7 +190,7 @@ def fit_task(
             y["test"],
             n_classes=td.n_classes,
             n_eval_classes=td.n_eval_classes,
-            config=replace(cfg, l2=float(np.median(fit.l2))),
+            config=cfg,
             progress=progress,
             desc=f"{task} cumulative",
         )
@@ -139,6 +198,7 @@ def fit_task(
         cum_summ = cumulative_summary(depths, cum, cfg.seed)
         mix_df = mixing_rows(task, frame, cum)
     summ = summary_row(task, df, td, n_layers, cum_summ, probe=cfg.probe, pooling=pooling, control=cfg.control)
+    summ.update(_training_summary(cfg, choice, fit.log, cum.log if cum is not None else None))
     resident = feats["train"].resident  # what the products computed in (float32 when streamed)
     summ["precision"] = str(resident.dtype).replace("torch.", "") if resident is not None else "float32"
     if cfg.mdl:
@@ -148,7 +208,7 @@ def fit_task(
             feats["train"],
             y["train"],
             n_classes=td.n_classes,
-            config=replace(cfg, l2=float(np.median(fit.l2))),
+            config=cfg,
             max_bytes=resident_bytes,
             dtype=dtype,
             progress=progress,
@@ -159,3 +219,20 @@ def fit_task(
     for f in feats.values():
         f.resident = None
     return {"by_site": df, "summary": summ, "mixing": mix_df}
+
+
+def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: TrainLog | None) -> dict:
+    """The summary's training columns: the penalty and how it was chosen, convergence, passes."""
+    logs = [sites] + ([cum] if cum is not None else [])
+    return {
+        "l2": choice.l2,
+        "l2_chosen_on": choice.on,
+        "l2_heldout_accuracy": "; ".join(f"{k:g}: {v:.4f}" for k, v in choice.heldout.items()),
+        "converged": all(lg.all_converged for lg in logs),
+        "hit_max_epochs": any(lg.hit_cap for lg in logs),
+        "n_not_converged": int(sum((~lg.converged).sum() for lg in logs)),
+        "epochs_sites": sites.epochs,
+        "epochs_cumulative": cum.epochs if cum is not None else np.nan,
+        "max_epochs": cfg.max_epochs,
+        "solver": sites.solver,
+    }

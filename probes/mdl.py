@@ -8,9 +8,12 @@ codelength is the total in bits; the uniform codelength is ``N * log2 K``; compr
 uniform / online (higher = the property is easier to extract from that site).
 
 Every block's probe is trained for all sites at once (one batched fit per block, ten in
-all), from scratch, for a fixed number of epochs but at least ``min_steps`` optimiser steps
-(the first blocks hold a handful of examples); the L2 penalty keeps those small fits from
-overconfident codes.
+all), from scratch, to convergence like every probe (the Adam solver takes at least
+``min_steps`` steps: the first blocks hold a handful of examples); the task's L2 penalty keeps
+those small fits from overconfident codes. The penalty is on the mean cross-entropy, so a block
+of ``t`` examples gets ``l2 * n / t``: the same prior on the weights (relative to the summed
+cross-entropy) in every block, as the full-data probe has; without it, converged probes on
+the first, tiny blocks overfit and their codes cost more than the uniform code.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe
+from .classifiers import BatchedProbe, numeric_l2
 from .config import ProbeConfig, override
 from .features import Features
 from .training import predict, train_probe
@@ -72,9 +75,10 @@ def online_codelength(
     **overrides,
 ) -> MDLResult:
     """Online codelength per site of labels ``y`` (class indices < n_classes), in bits.
-    ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, epochs, lr,
-    batch, hidden units and seed; MDL keeps its own floor of ``min_steps`` steps per block
-    (the first blocks hold a handful of examples). ``dtype``: the precision of the resident
+    ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, solver,
+    tolerances, the epoch cap, lr, batch, hidden units and seed; MDL keeps its own floor of
+    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``dtype``:
+    the precision of the resident
     blocks (None: the CPU rule)."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     seed, batch_size = cfg.seed, cfg.batch_size
@@ -104,18 +108,21 @@ def online_codelength(
             kind=cfg.probe,
             hidden=cfg.hidden,
             attn_pool=feats.tokens,
-            l2=float(cfg.l2),
+            l2=numeric_l2(cfg.l2) * n / t0,
             seed=seed,
         )
         train_probe(
             probe,
             ftr,
             torch.from_numpy(y[tr_idx])[:, None],
-            epochs=cfg.epochs,
+            max_epochs=cfg.max_epochs,
+            tol=cfg.tol,
+            gtol=cfg.gtol,
+            solver=cfg.solver,
             lr=cfg.lr,
-            batch_size=None if batch_size is None else min(batch_size, max(8, t0)),
-            min_steps=min_steps,
             seed=seed,
+            min_steps=min_steps,
+            batch_size=None if batch_size is None else min(batch_size, max(8, t0)),
         )
         _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
         bits += b[:, :, 0].double().sum(1).numpy()

@@ -7,7 +7,7 @@ Cumulative scoring: probe ``P(s)`` reads a scalar mix of sites ``0..s``;
 ``Delta(s) = score(P(s)) - score(P(s-1))`` is what site ``s`` adds, and the *expected layer*
 of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)``.
 
-Both are fitted in ONE batched training: the units of a :class:`BatchedProbe` are the
+Both are fitted in ONE batched training, to convergence: the units of a :class:`BatchedProbe` are the
 ``S`` prefix mixes (a lower-triangular ``[S, S]`` mask on the mixing logits); the last unit
 reads every site, so its weights are the scalar mix that gives ``E_s``. Depth is in block
 units (embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so the numbers compare with Tenney's
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe
+from .classifiers import BatchedProbe, numeric_l2
 from .config import ProbeConfig, override
 from .features import Features
 from .metrics import accuracy, macro_f1
@@ -93,6 +93,7 @@ class CumulativeFit:
     weights: np.ndarray  # [S, S] mixing weights of P(s) (row s: sites 0..s)
     gamma: np.ndarray  # [S]
     correct: np.ndarray = None  # [S, N] bool: P(s) right on test example n (for intervals)
+    log: object = None  # the TrainLog of the fit (convergence per prefix)
 
     @property
     def delta(self) -> np.ndarray:
@@ -118,7 +119,8 @@ def fit_cumulative(
     **overrides,
 ) -> CumulativeFit:
     """All prefix mixes ``P(0) .. P(S-1)`` trained together; scored on ``test``. ``config``
-    (None: the defaults) sets kind, l2, epochs, steps, lr, batch, hidden units and seed;
+    (None: the defaults) sets kind, l2, solver, tolerances, the
+    epoch cap, Adam's settings, hidden units and seed;
     ``overrides`` any of its fields by name."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     S = train.n_sites
@@ -133,14 +135,17 @@ def fit_cumulative(
         hidden=cfg.hidden,
         mix_mask=mask,
         attn_pool=train.tokens,
-        l2=float(cfg.l2),
+        l2=numeric_l2(cfg.l2),
         seed=cfg.seed,
     )
-    train_probe(
+    log = train_probe(
         probe,
         train,
         torch.as_tensor(y_train)[:, None],
-        epochs=cfg.epochs,
+        max_epochs=cfg.max_epochs,
+        tol=cfg.tol,
+        gtol=cfg.gtol,
+        solver=cfg.solver,
         min_steps=cfg.min_steps,
         lr=cfg.lr,
         batch_size=cfg.batch_size,
@@ -157,5 +162,5 @@ def fit_cumulative(
         gamma = probe.gamma.detach().numpy()
     correct = (preds[:, :, 0] == yt[None]).numpy()
     return CumulativeFit(
-        acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64), correct
+        acc.astype(np.float64), f1.astype(np.float64), w.astype(np.float64), gamma.astype(np.float64), correct, log
     )

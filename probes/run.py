@@ -3,14 +3,14 @@
 >>> from depthscope.probes import ProbeConfig, run_probes, sample_data
 >>> paths = sample_data()
 >>> res = run_probes(None, ["upos", "deprel"], paths["ewt_train"], paths["ewt_test"])
->>> res = run_probes(None, "upos", paths["ewt_train"], paths["ewt_test"], config=ProbeConfig(epochs=6))
->>> res = run_probes(None, "upos", paths["ewt_train"], paths["ewt_test"], epochs=6, pooling="mean")
+>>> res = run_probes(None, "upos", paths["ewt_train"], paths["ewt_test"], config=ProbeConfig(max_epochs=60))
+>>> res = run_probes(None, "upos", paths["ewt_train"], paths["ewt_test"], max_epochs=60, pooling="mean")
 >>> res.by_site.columns   # task, site, label, layer, sublayer, depth, accuracy, macro_f1, ...
 >>> res.summary           # task, expected_layer_delta, expected_layer_mix, best_label, ...
 
 Settings come in three configuration objects (:mod:`depthscope.probes.config`): ``config``
 (:class:`ProbeConfig`), ``extraction`` (:class:`ExtractionConfig`) and ``data``
-(:class:`DataConfig`); loose keyword settings (``epochs=6``, ``pooling="mean"``) override
+(:class:`DataConfig`); loose keyword settings (``max_epochs=60``, ``pooling="mean"``) override
 their fields, and a name no config has is an :class:`InputError`. Writing the tables and
 figures is the probe job's (``depthscope.analyses.jobs.probe``), not this package's.
 

@@ -2,7 +2,8 @@
 
 ===========================================  ================================================
 ``site_rows(task, frame, td, scores, l2)``   ``by_site`` rows of one task (shared site columns)
-``cumulative_summary(depths, cum, seed)``    E_Delta with its bootstrap interval, E_s, gains
+``cumulative_summary(depths, cum, seed)``    E_Delta with its bootstrap interval, E_s, gains,
+                                             and whether the total gain makes E_Delta meaningful
 ``mixing_rows(task, frame, cum)``            ``mixing`` rows: mix weight, cumulative score, Delta
 ``summary_row(task, by_site, td, ...)``      the task's ``summary`` row
 ``tables(by_site, summary, mixing)``         the three DataFrames, columns in reading order
@@ -15,6 +16,11 @@ import numpy as np
 import pandas as pd
 
 from .mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
+
+#: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (accuracy)
+#: and at least ``GAIN_SE`` standard errors of that gain over test examples
+MIN_GAIN = 0.02
+GAIN_SE = 3.0
 
 BY_SITE_FIRST = [
     "task",
@@ -55,26 +61,53 @@ def site_rows(task: str, frame: pd.DataFrame, td, scores: dict, l2, *, probe: st
     df["pooling"] = pooling
     df["n_train"] = len(td.examples["train"])
     df["n_test"] = len(td.examples["test"])
+    df["majority_accuracy"] = td.majority_accuracy
     return df
 
 
 def cumulative_summary(depths, cum, seed: int) -> dict:
-    """Summary values of a cumulative fit (all NaN when ``cum`` is None)."""
+    """Summary values of a cumulative fit (all NaN when ``cum`` is None).
+
+    The interval (``expected_layer_delta_lo/_hi``) is a 95% bootstrap over test examples. It
+    stands for training randomness too: every probe is trained to convergence from zero
+    weights, so the fit is a function of the data and the penalty, not of the seed (the seed
+    only draws the control labels and the folds that choose the penalty); the stability test
+    and ``docs/tenney_comparison.md`` measure the residual shift (seed, doubled ``max_epochs``).
+    ``expected_layer_delta_meaningful`` is False when the total gain is below ``MIN_GAIN`` or
+    ``GAIN_SE`` standard errors (the note says why)."""
     if cum is None:
         keys = [
             "expected_layer_delta",
             "expected_layer_delta_lo",
             "expected_layer_delta_hi",
             "total_delta",
+            "total_delta_se",
             "expected_layer_mix",
         ]
-        return {k: np.nan for k in keys}
+        out = {k: np.nan for k in keys}
+        out.update(expected_layer_delta_meaningful=False, expected_layer_delta_note="no cumulative scoring")
+        return out
     lo, hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
+    gain = float(cum.accuracy[-1] - cum.accuracy[0])
+    diff = cum.correct[-1].astype(np.float64) - cum.correct[0].astype(np.float64)  # paired, per test example
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    ok = bool(gain >= MIN_GAIN and gain >= GAIN_SE * se)
+    note = (
+        ""
+        if ok
+        else (
+            f"total gain {gain:.3f} (SE {se:.3f}) is below max({MIN_GAIN}, {GAIN_SE:g} SE): "
+            "the embedding already decodes the property, E_Delta is not a meaningful depth"
+        )
+    )
     return {
         "expected_layer_delta": expected_layer_delta(depths, cum.accuracy),
         "expected_layer_delta_lo": lo,
         "expected_layer_delta_hi": hi,
-        "total_delta": float(cum.accuracy[-1] - cum.accuracy[0]),
+        "total_delta": gain,
+        "total_delta_se": se,
+        "expected_layer_delta_meaningful": ok,
+        "expected_layer_delta_note": note,
         "expected_layer_mix": expected_layer_mix(depths, cum.mix_weights),
         "mix_accuracy": float(cum.accuracy[-1]),
     }

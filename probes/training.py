@@ -1,21 +1,40 @@
-"""Fitting and applying a BatchedProbe: the minibatch training loop and batched prediction.
+"""Fitting and applying a BatchedProbe: training to the optimum of its objective, and batched prediction.
 
-==============================  ===============================================================
-``train_probe(probe, feats, y)`` Adam, cosine-decayed step size, fixed epochs but at least
-                                ``min_steps`` steps; returns the objective per epoch
-``predict(probe, feats, y)``    predicted classes ``[U, N, G]`` (and code lengths given ``y``)
-``auto_batch(n, epochs)``       the minibatch size when none is given
-==============================  ===============================================================
+================================  =============================================================
+``train_probe(probe, feats, y)``  fit to convergence (``max_epochs`` a cap that warns); returns a
+                                  :class:`TrainLog`
+``predict(probe, feats, y)``      predicted classes ``[U, N, G]`` (and code lengths given ``y``)
+``objective(probe, feats, y)``    the regularised objective per unit ``[U]`` (mean cross-entropy
+                                  summed over heads + the L2 term), full batch
+``auto_batch(n, epochs)``         the minibatch size of the Adam solver when none is given
+================================  =============================================================
 
-Training starts from zero weights (linear) or a seeded init (MLP) and is deterministic for a
-given seed. Because the loss is a sum of per-unit, per-head losses and Adam is
-per-coordinate, training units and heads together equals training them apart. Defaults are
-those of :class:`~depthscope.probes.config.ProbeConfig`.
+Two solvers, one stopping rule (:mod:`depthscope.probes.solvers`: a unit has converged when its
+largest gradient entry is at most ``gtol`` and its objective's relative decrease is at most
+``tol`` twice in a row):
+
+* ``lbfgs`` (linear probes and scalar mixes over resident features; ``solver="auto"``):
+  full-batch L-BFGS with per-unit memory, step and stopping, from zero weights, so the result
+  is the optimum of the regularised objective (convex for per-site probes) and does not depend
+  on the seed. One objective-and-gradient evaluation is one pass over train: ``max_epochs``
+  caps the passes.
+* ``adam`` (MLP probes, attention pooling, streamed features): minibatch Adam whose step size
+  halves whenever an epoch's objective stops falling by ``tol``-relative steps; a unit has
+  converged when its epoch objective changed by at most ``tol`` (relative) twice in a row and
+  the step size has been halved at least three times; ``max_epochs`` caps the epochs (and
+  ``min_steps`` floors the steps, for tiny training sets).
+
+A run that stops at the cap before every unit has converged logs a warning and says so in its
+:class:`TrainLog` (the probe tables carry it as ``converged`` / ``epochs``). Because the loss is
+a sum of per-unit, per-head losses, training units and heads together equals training them
+apart. Defaults are those of :class:`~depthscope.probes.config.ProbeConfig`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,22 +44,54 @@ from .classifiers import BatchedProbe
 from .config import ProbeConfig
 from .cpu import step_work, threads_for
 from .features import Features
+from .solvers import lbfgs
 
+log = logging.getLogger("depthscope.probes")
 _DEFAULTS = ProbeConfig()
-#: auto_batch aims at this many optimiser steps: Adam needs steps, not epochs, to reach the
-#: L2-regularised optimum (EWT upos, 4640 words x 12 epochs: batch 512 = 120 steps ended 35%
-#: above scikit-learn's objective, batch 128 = 480 steps within 10%, for 1.4x the time)
+#: auto_batch aims at this many Adam steps per ``ADAM_EPOCHS_HINT`` epochs
 TARGET_STEPS = 500
+ADAM_EPOCHS_HINT = 12
+#: memory for one full-batch chunk's activations (logits, mixed features)
+CHUNK_BYTES = 2.5e8
 
 
-def auto_batch(n: int, epochs: int, batch_size: int | None = None) -> int:
+@dataclass
+class TrainLog:
+    """What a training run did: ``solver``; ``epochs`` (passes over train); ``converged [U]``
+    (bool per unit); ``objective [U]`` (final regularised objective per unit); ``grad_max [U]``
+    (largest gradient entry, L-BFGS; NaN for Adam); ``hit_cap`` (stopped by ``max_epochs``
+    with some unit not converged); ``history`` (summed objective per pass)."""
+
+    solver: str
+    epochs: int
+    converged: np.ndarray
+    objective: np.ndarray
+    grad_max: np.ndarray
+    hit_cap: bool
+    history: list = field(default_factory=list)
+
+    @property
+    def all_converged(self) -> bool:
+        return bool(np.all(self.converged))
+
+
+def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: int | None = None) -> int:
     """``batch_size`` if given, else the batch (between 128 and 512, a multiple of 32) that
-    gives about ``TARGET_STEPS`` steps over ``epochs`` epochs of ``n`` examples: large
-    batches (cheap steps) for large data, small batches (more steps) for small data."""
+    gives about ``TARGET_STEPS`` steps over ``epochs`` epochs of ``n`` examples."""
     if batch_size is not None:
         return int(batch_size)
     b = n * max(epochs, 1) / TARGET_STEPS
     return int(min(512, max(128, round(b / 32) * 32)))
+
+
+def pick_solver(probe: BatchedProbe, feats: Features, solver: str = "auto") -> str:
+    """``lbfgs`` for linear probes over resident features, ``adam`` otherwise (``solver``
+    other than ``auto`` is taken as given; L-BFGS needs resident features)."""
+    if solver == "auto":
+        return "lbfgs" if probe.kind == "linear" and feats.resident is not None else "adam"
+    if solver == "lbfgs" and feats.resident is None:
+        raise ValueError("the lbfgs solver needs resident features (Features.make_resident)")
+    return solver
 
 
 def train_probe(
@@ -48,76 +99,224 @@ def train_probe(
     feats: Features,
     y: torch.Tensor,
     *,
-    epochs: int = _DEFAULTS.epochs,
+    max_epochs: int = _DEFAULTS.max_epochs,
+    tol: float = _DEFAULTS.tol,
+    gtol: float = _DEFAULTS.gtol,
+    solver: str = _DEFAULTS.solver,
     batch_size: int | None = _DEFAULTS.batch_size,
     lr: float = _DEFAULTS.lr,
     min_steps: int = _DEFAULTS.min_steps,
     seed: int = 0,
     progress: bool = False,
     desc: str = "probe",
-) -> list:
-    """Fit ``probe`` on ``feats`` with labels ``y [N, G]`` (class indices); returns losses.
-    ``batch_size`` None picks :func:`auto_batch`.
-
-    The number of epochs grows so that at least ``min_steps`` optimiser steps are taken
-    (small training sets, e.g. the first MDL blocks).
-    """
+) -> TrainLog:
+    """Fit ``probe`` on ``feats`` with labels ``y [N, G]`` (class indices) to convergence;
+    see the module docstring. Returns a :class:`TrainLog`; warns when ``max_epochs`` stops it."""
     n = len(feats)
     if n == 0:
         raise ValueError("no training examples")
     y = torch.as_tensor(y, dtype=torch.long)
     if y.dim() == 1:
         y = y[:, None]
-    batch_size = auto_batch(n, epochs, batch_size)
-    steps_per_epoch = math.ceil(n / batch_size)
-    epochs = max(epochs, math.ceil(min_steps / steps_per_epoch))
-    total = epochs * steps_per_epoch
-    mix_params = [p for name, p in probe.named_parameters() if name in ("mix_logits", "gamma", "att")]
-    main = [p for name, p in probe.named_parameters() if name not in ("mix_logits", "gamma", "att")]
-    groups = [{"params": main, "lr": lr}]
-    if mix_params:
-        groups.append({"params": mix_params, "lr": lr * 3})
-    opt = _adam(groups)
-    base = [g["lr"] for g in opt.param_groups]
-    rng = np.random.default_rng(seed)
-    losses = []
+    solver = pick_solver(probe, feats, solver)
     bar = None
     if progress:
         from depthscope.hooks.progress import progress_bar
 
-        bar = progress_bar(total, desc=desc, unit="step")
+        bar = progress_bar(max_epochs, desc=desc, unit="pass")
     probe.train()
-    with threads_for(step_work(probe, feats, batch_size)):
-        losses = _train_loop(probe, feats, y, opt, base, rng, epochs, total, batch_size, bar)
+    if solver == "lbfgs":
+        out = _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar)
+    else:
+        out = _train_adam(probe, feats, y, max_epochs, tol, lr, min_steps, batch_size, seed, bar)
     if bar is not None:
         bar.close()
     probe.eval()
-    return losses
+    if out.hit_cap:
+        log.warning(
+            "%s: %d of %d probes had not converged when max_epochs=%d stopped training (%s); raise max_epochs",
+            desc,
+            int((~out.converged).sum()),
+            len(out.converged),
+            max_epochs,
+            solver,
+        )
+    return out
 
 
-def _train_loop(probe, feats, y, opt, base, rng, epochs, total, batch_size, bar) -> list:
-    n, step, losses = len(feats), 0, []
-    for _ in range(epochs):
-        run = 0.0
-        for idx, (x, m) in feats.batches(batch_size, rng):
+def _params(probe: BatchedProbe) -> list:
+    return [p for p in probe.parameters() if p.requires_grad]
+
+
+def _chunk(probe: BatchedProbe, feats: Features) -> int:
+    width = probe.G * probe.C + (feats.n_spans * feats.d if probe.mix_mask is not None else 0)
+    return int(max(64, min(len(feats), CHUNK_BYTES // (4 * probe.U * max(width, 1)))))
+
+
+def objective(probe: BatchedProbe, feats: Features, y: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """The regularised objective per unit ``[U]`` (float64): mean cross-entropy over
+    ``feats`` summed over heads, plus the L2 term; with ``grad`` its gradient is left in the
+    parameters' ``.grad`` (one full pass, in chunks)."""
+    y = torch.as_tensor(y, dtype=torch.long)
+    if y.dim() == 1:
+        y = y[:, None]
+    n = len(feats)
+    total = torch.zeros(probe.U, dtype=torch.float64)
+    if grad:
+        for p in _params(probe):
+            p.grad = None
+    with torch.set_grad_enabled(grad):
+        for idx, (x, m) in feats.batches(_chunk(probe, feats)):
             logits = probe(x, m)  # [U, B, G, C]
             U, B, G, C = logits.shape
-            target = y[idx].unsqueeze(0).expand(U, B, G)
-            loss = F.cross_entropy(logits.reshape(-1, C), target.reshape(-1), reduction="sum") / B
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            probe.add_penalty_grad_()  # the L2 term's gradient, added in place
-            scale = 0.5 * (1 + math.cos(math.pi * step / total))
-            for g_, b_ in zip(opt.param_groups, base):
-                g_["lr"] = b_ * scale
-            opt.step()
-            step += 1
-            run += float(loss.detach()) * B
+            target = y[torch.from_numpy(np.asarray(idx, dtype=np.int64))].unsqueeze(0).expand(U, B, G)
+            ce = F.cross_entropy(logits.reshape(-1, C), target.reshape(-1), reduction="none").view(U, B * G)
+            per_unit = ce.sum(1) / n
+            if grad:
+                per_unit.sum().backward()
+            total += per_unit.detach().double()
+    if grad:
+        for p in _params(probe):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        probe.add_penalty_grad_()
+    with torch.no_grad():
+        return total + probe.penalty_per_unit().double()
+
+
+def _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
+    params = _params(probe)
+    U = probe.U
+    sizes = [p[0].numel() for p in params]
+
+    def flat(ts):
+        return torch.cat([t.reshape(U, -1) for t in ts], 1)
+
+    def fg(x):
+        with torch.no_grad():
+            for p, part in zip(params, torch.split(x, sizes, 1)):
+                p.copy_(part.view_as(p))
+        f = objective(probe, feats, y, grad=True)
+        return f, flat([p.grad for p in params]).clone()
+
+    def tick(_evals):
+        if bar is not None:
+            bar.update(1)
+
+    with threads_for(step_work(probe, feats, len(feats))):
+        M = _preconditioner(probe, feats, [n for n, p in probe.named_parameters() if p.requires_grad], sizes)
+        sol = lbfgs(
+            fg, flat([p.detach() for p in params]), max_evals=max_epochs, ftol=tol, gtol=gtol, precond=M, on_eval=tick
+        )
+        with torch.no_grad():
+            for p, part in zip(params, torch.split(sol.x, sizes, 1)):
+                p.copy_(part.view_as(p))
+    conv = sol.converged.numpy()
+    return TrainLog(
+        "lbfgs",
+        sol.evals,
+        conv,
+        sol.f.numpy(),
+        sol.grad_max.numpy(),
+        hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
+        history=sol.history,
+    )
+
+
+@torch.no_grad()
+def _preconditioner(probe: BatchedProbe, feats: Features, names: list, sizes: list):
+    """``M(q)``: the inverse of ``Sigma_u + 8 * min(l2) * I`` on each unit's weight columns
+    (``Sigma_u = X_u^T X_u / n``, the features' second moments; for a mix unit, those of its
+    prefix's mean), identity on biases and mixing logits. The softmax loss's Hessian is about
+    ``p(1 - p) Sigma_u`` (at most ``Sigma / 4``) plus ``2 * l2 * I``, so ``M`` removes the
+    correlation between residual-stream dimensions that makes plain L-BFGS crawl (hundreds of
+    passes on EWT upos instead of tens). One extra pass over the features, F x F per unit."""
+    U, n = probe.U, len(feats)
+    Fd = feats.n_spans * feats.d
+    gram = torch.zeros(U, Fd, Fd)
+    mix = probe.mix_mask
+    for _, (x, _m) in feats.batches(_chunk(probe, feats)):
+        x = x.float()
+        if mix is not None:
+            w = mix.float() / mix.float().sum(1, keepdim=True)  # uniform weights over each prefix
+            x = (w @ x.reshape(x.shape[0], -1)).reshape(U, -1, Fd)
+        gram.baddbmm_(x.transpose(1, 2), x)
+    lam = 8.0 * float(probe.l2.min().clamp_min(1e-6))
+    gram.div_(n).diagonal(dim1=1, dim2=2).add_(lam)
+    chol = torch.linalg.cholesky(gram)
+    wi = names.index("W")
+    start = sum(sizes[:wi])
+
+    def M(q):
+        out = q.clone()
+        w = q[:, start : start + sizes[wi]].reshape(U, Fd, -1)
+        out[:, start : start + sizes[wi]] = torch.cholesky_solve(w, chol).reshape(U, -1)
+        return out
+
+    return M
+
+
+def _train_adam(probe, feats, y, max_epochs, tol, lr, min_steps, batch_size, seed, bar) -> TrainLog:
+    """Minibatch Adam with step-halving on plateaus (see the module docstring)."""
+    n = len(feats)
+    batch_size = auto_batch(n, ADAM_EPOCHS_HINT, batch_size)
+    steps_per_epoch = math.ceil(n / batch_size)
+    min_epochs = math.ceil(min_steps / steps_per_epoch)
+    max_epochs = max(max_epochs, min_epochs)
+    mix = [p for name, p in probe.named_parameters() if name in ("mix_logits", "att") and p.requires_grad]
+    main = [p for name, p in probe.named_parameters() if name not in ("mix_logits", "att") and p.requires_grad]
+    groups = [{"params": main, "lr": lr}] + ([{"params": mix, "lr": lr * 3}] if mix else [])
+    opt = _adam(groups)
+    rng = np.random.default_rng(seed)
+    prev = None
+    small = np.zeros(probe.U, dtype=int)
+    halvings, best, history, epoch = 0, None, [], 0
+    with threads_for(step_work(probe, feats, batch_size)):
+        while epoch < max_epochs:
+            per_unit = _adam_epoch(probe, feats, y, opt, rng, batch_size)
+            epoch += 1
             if bar is not None:
                 bar.update(1)
-        with torch.no_grad():
-            losses.append(run / n + float(probe.penalty()))  # mean data loss + the penalty at epoch end
-    return losses
+            history.append(float(per_unit.sum()))
+            if prev is not None:
+                rel = np.abs(prev - per_unit) / np.maximum(np.abs(per_unit), 1e-12)
+                small = np.where(rel <= tol, small + 1, 0)
+            if best is not None and history[-1] > best * (1 - tol):
+                halvings += 1
+                for g_ in opt.param_groups:
+                    g_["lr"] *= 0.5
+            best = history[-1] if best is None else min(best, history[-1])
+            prev = per_unit
+            if epoch >= min_epochs and halvings >= 3 and bool((small >= 2).all()):
+                break
+    conv = (small >= 2) & (halvings >= 3)
+    return TrainLog(
+        "adam",
+        epoch,
+        conv,
+        prev,
+        np.full(probe.U, np.nan),
+        hit_cap=bool(not conv.all() and epoch >= max_epochs),
+        history=history,
+    )
+
+
+def _adam_epoch(probe, feats, y, opt, rng, batch_size) -> np.ndarray:
+    """One epoch of minibatch steps; returns each unit's mean objective over the epoch."""
+    n = len(feats)
+    run = torch.zeros(probe.U, dtype=torch.float64)
+    for idx, (x, m) in feats.batches(batch_size, rng):
+        logits = probe(x, m)  # [U, B, G, C]
+        U, B, G, C = logits.shape
+        target = y[idx].unsqueeze(0).expand(U, B, G)
+        ce = F.cross_entropy(logits.reshape(-1, C), target.reshape(-1), reduction="none").view(U, B * G).sum(1) / B
+        opt.zero_grad(set_to_none=True)
+        ce.sum().backward()
+        probe.add_penalty_grad_()  # the L2 term's gradient, added in place
+        opt.step()
+        run += ce.detach().double() * (B / n)
+    with torch.no_grad():
+        return (run + probe.penalty_per_unit().double()).numpy()
 
 
 def _adam(groups) -> torch.optim.Optimizer:

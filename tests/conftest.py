@@ -41,8 +41,8 @@ TINY_PHRASES = [
     "The capital of France is Paris. The capital of Italy is Rome.",
     "Hello world, this is a longer second sentence with more words.",
     "The cat sat on the mat. The dog sat on the log. A bird flew over the house and sang.",
-    "When Mary and John went to the store, John gave a drink to Mary. Then Mary gave a book to John.",
 ]
+TINY_NAMES = (" Mary", " John")  # single tokens, as in the real tokenizer (the IOI tests need them)
 TINY_SPECIALS = {"unk_token": "<|endoftext|>", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
 
@@ -61,7 +61,7 @@ def make_tiny_tokenizer(vocab_size: int = 1024):
     """A byte-level BPE (any text encodes, offsets map back to characters) trained in-process,
     shaped like SmolLM2's: BOS ``<|im_start|>``, EOS = pad ``<|im_end|>``, no special token added
     by the tokenizer itself, right padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -75,6 +75,8 @@ def make_tiny_tokenizer(vocab_size: int = 1024):
         show_progress=False,
     )
     tok.train_from_iterator(tiny_training_text(), trainer=trainer)
+    # the IOI names as whole tokens (added after training, so every other text tokenizes as before)
+    tok.add_tokens([AddedToken(name, normalized=False) for name in TINY_NAMES])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=TINY_SPECIALS["eos_token"], **TINY_SPECIALS)
     fast.padding_side = "right"
     fast.model_max_length = 256

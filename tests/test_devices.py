@@ -123,7 +123,7 @@ def test_patching_and_probes_in_half_precision(folder, dtype):
         t, f = (m.tokenizer(x, add_special_tokens=False)["input_ids"][0] for x in (" cat", " dog"))
         p = activation_patching(m, "The cat sat on the mat and the", "The dog sat on the mat and the", (t, f))
         r = run_probes(m, ["upos"], s["ewt_train"], s["ewt_test"], progress=False, max_train_sentences=40,
-                       max_test_sentences=20, epochs=2, pooling="mean")  # fmt: skip
+                       max_test_sentences=20, max_epochs=5, pooling="mean")  # fmt: skip
         out[dt] = (p["metric"].to_numpy(), r.by_site["accuracy"].to_numpy())
     assert out[dtype][0].dtype.kind == "f" and np.isfinite(out[dtype][0]).all()
     np.testing.assert_allclose(out[dtype][0], out[torch.float32][0], atol=0.01)

@@ -17,7 +17,7 @@ from depthscope.hooks.errors import InputError
 
 UD = os.path.join(os.path.dirname(__file__), "fixtures", "ud")
 EWT_TRAIN, EWT_TEST = os.path.join(UD, "ewt_tiny_train.conllu"), os.path.join(UD, "ewt_tiny_test.conllu")
-FAST = dict(epochs=1, min_steps=5, control=False, cumulative=False, progress=False)
+FAST = dict(max_epochs=5, control=False, cumulative=False, progress=False)
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_cli_prints_the_announcement(tiny_factory, tiny_tokenizer, tmp_path):
     m.hf_model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     args = ["probe", "--task", "upos", "--train", EWT_TRAIN, "--test", EWT_TEST, "--model", str(folder)]
-    args += ["--max-train-sentences", "3", "--max-test-sentences", "20", "--epochs", "1", "--no-plots"]
+    args += ["--max-train-sentences", "3", "--max-test-sentences", "20", "--max-epochs", "5", "--no-plots"]
     args += ["--store", str(tmp_path / "st"), "--out", str(tmp_path / "out")]
     code = "import sys; from depthscope.analyses.cli import main; sys.argv = sys.argv[1:]; main()"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEPTHSCOPE_PROGRESS": "0"}

@@ -39,7 +39,7 @@ OPTIONS = list(numeric_options())
 
 def test_the_options_are_found():
     ids = {(c, f) for c, f, *_ in (o.values for o in OPTIONS)}
-    assert {("lens", "--window"), ("lens", "--threads"), ("probe", "--epochs"), ("lens-train", "--lr")} <= ids
+    assert {("lens", "--window"), ("lens", "--threads"), ("probe", "--max-epochs"), ("lens-train", "--lr")} <= ids
     assert len(ids) >= 25
 
 

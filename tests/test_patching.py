@@ -330,7 +330,7 @@ def test_prefix_reuse_computes_only_from_the_patched_position(tiny_factory):
         n_full = sum(seen)
     finally:
         h.remove()
-    T, rows = 14, model.n_sites + 1
+    T, rows = len(model.tokenize(CLEAN)[0][0]), model.n_sites + 1  # the prompt's tokens
     assert n_full == T + rows * T  # the clean run, then every row in full
     assert n_fast == T + (T - 1) + rows  # the clean run, the shared prefix, one position per row
     np.testing.assert_allclose(fast["metric"], full["metric"], rtol=0, atol=1e-6)
@@ -344,12 +344,15 @@ def test_prefix_reuse_computes_only_from_the_patched_position(tiny_factory):
 
 def test_fraction_recovered_fixed_points(tiny_llama):
     each = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), positions="each")
-    first_diff = 9  # ' John' / ' Mary' as the giver
+    ids_c, ids_x = tiny_llama.tokenize(CLEAN)[0][0], tiny_llama.tokenize(CORRUPTED)[0][0]
+    first_diff = int((ids_c != ids_x).nonzero()[0])  # ' John' / ' Mary' as the giver
+    assert (ids_c != ids_x).sum() == 1
     assert (each["token"] != each["clean_token"]).sum() == tiny_llama.n_sites
     assert set(each.loc[each["token"] != each["clean_token"], "position"]) == {first_diff}
     # causal model: before the first differing token clean == corrupted, so patching changes nothing
     before = each[each["position"] < first_diff]
-    assert len(before) == first_diff * tiny_llama.n_sites and (before["fraction_recovered"].abs() < 1e-6).all()
+    # (float noise of the batched rows over the tiny model's small clean-corrupted gap: ~1e-5)
+    assert len(before) == first_diff * tiny_llama.n_sites and (before["fraction_recovered"].abs() < 1e-4).all()
     every = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), positions="all")
     last = every[every["label"] == tiny_llama.labels[-1]]["fraction_recovered"]
     assert float(last.iloc[0]) == pytest.approx(1.0, abs=1e-5)

@@ -41,7 +41,8 @@ def test_run_command_and_report_share_the_defaults():
     from depthscope.analyses.report import ReportConfig
 
     d = command_defaults("run")
-    assert d["epochs"] == ProbeConfig().epochs == 12  # one protocol: the report trains as long as `probe`
+    assert d["max_epochs"] == ProbeConfig().max_epochs  # one protocol: the report trains as `probe` does
+    assert "epochs" not in d and "epochs" not in command_defaults("probe")  # renamed: max_epochs is a cap
     assert d["seed"] == ProbeConfig().seed == command_defaults("probe")["seed"]
     assert d["max_train_sentences"] == DataConfig().max_train_sentences
     assert d["max_test_sentences"] == DataConfig().max_test_sentences
@@ -62,20 +63,25 @@ def test_every_probe_and_run_option_has_help():
 
 def test_building_blocks_default_to_the_config():
     from depthscope.probes import BatchedProbe, fit_cumulative, online_codelength, train_probe
+    from depthscope.probes.classifiers import numeric_l2
 
     cfg = ProbeConfig()
     tp = inspect.signature(train_probe).parameters
-    assert (tp["epochs"].default, tp["lr"].default, tp["min_steps"].default, tp["batch_size"].default) == (
-        cfg.epochs,
-        cfg.lr,
-        cfg.min_steps,
-        cfg.batch_size,
-    )
+    assert (
+        tp["max_epochs"].default,
+        tp["tol"].default,
+        tp["gtol"].default,
+        tp["solver"].default,
+        tp["lr"].default,
+        tp["min_steps"].default,
+        tp["batch_size"].default,
+    ) == (cfg.max_epochs, cfg.tol, cfg.gtol, cfg.solver, cfg.lr, cfg.min_steps, cfg.batch_size)
     for fn in (fit_cumulative, online_codelength):  # settings come in a ProbeConfig, no defaults of their own
         params = inspect.signature(fn).parameters
-        assert "config" in params and not {"epochs", "l2", "lr", "hidden", "kind"} & set(params)
+        assert "config" in params and not {"epochs", "max_epochs", "l2", "lr", "hidden", "kind"} & set(params)
     bp = inspect.signature(BatchedProbe.__init__).parameters
-    assert (bp["l2"].default, bp["hidden"].default) == (cfg.l2, cfg.hidden)
+    # a probe built by hand has a number; runs choose theirs per task ("auto")
+    assert cfg.l2 == "auto" and (bp["l2"].default, bp["hidden"].default) == (numeric_l2(cfg.l2), cfg.hidden)
 
 
 def test_init_does_no_work_and_validate_checks():
@@ -85,7 +91,9 @@ def test_init_does_no_work_and_validate_checks():
         (bad, "probe"),
         (ProbeConfig(precision="half"), "precision"),
         (ProbeConfig(l2="cv"), "l2"),
-        (ProbeConfig(epochs=0), "epochs"),
+        (ProbeConfig(max_epochs=0), "max_epochs"),
+        (ProbeConfig(solver="sgd"), "solver"),
+        (ProbeConfig(l2_folds=1), "l2_folds"),
         (ExtractionConfig(pooling="max"), "pooling"),
         (ExtractionConfig(store_dtype="int8"), "store_dtype"),
         (ExtractionConfig(context="page"), "context"),
@@ -95,16 +103,20 @@ def test_init_does_no_work_and_validate_checks():
         with pytest.raises(InputError, match=match):
             c.validate()
     assert ProbeConfig(l2="dev").validate().l2 == "dev"
+    assert ProbeConfig(l2="auto").validate().l2 == "auto"
 
 
 def test_overrides_apply_by_field_and_unknown_names_are_rejected():
-    cfg, ext, dat = resolve_configs(ProbeConfig(epochs=6, seed=3), None, None, pooling="mean", max_train_sentences=50)
-    assert (cfg.epochs, cfg.seed, ext.pooling, dat.max_train_sentences) == (6, 3, "mean", 50)
+    cfg, ext, dat = resolve_configs(
+        ProbeConfig(max_epochs=6, seed=3), None, None, pooling="mean", max_train_sentences=50
+    )
+    assert (cfg.max_epochs, cfg.seed, ext.pooling, dat.max_train_sentences) == (6, 3, "mean", 50)
     assert ext.store_dtype == ExtractionConfig().store_dtype and dat.overlap == DataConfig().overlap
-    cfg, _, _ = resolve_configs(ProbeConfig(epochs=6), epochs=3)  # a loose setting wins over the object
-    assert cfg.epochs == 3
+    cfg, _, _ = resolve_configs(ProbeConfig(max_epochs=6), max_epochs=3)  # a loose setting wins over the object
+    assert cfg.max_epochs == 3
     # rejected before any model is loaded or file read (model None would load the default model)
-    with pytest.raises(InputError, match=r"unknown probe setting\(s\) epochz; valid: probe, l2, epochs"):
+    want = r"unknown probe setting\(s\) epochz; valid: probe, l2, l2_folds, solver, max_epochs"
+    with pytest.raises(InputError, match=want):
         run_probes(None, "upos", EWT_TRAIN, EWT_TEST, epochz=3)
     with pytest.raises(InputError, match="dtype"):
         run_probes(None, "upos", EWT_TRAIN, EWT_TEST, dtype="float32")  # renamed: store_dtype
@@ -123,7 +135,7 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
         "upos",
         EWT_TRAIN,
         EWT_TEST,
-        config=ProbeConfig(epochs=1, min_steps=5, cumulative=False),
+        config=ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False),
         extraction=ExtractionConfig(store_dir=str(tmp_path)),
         progress=False,
     )
@@ -135,7 +147,7 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
         "upos",
         EWT_TRAIN,
         EWT_TEST,
-        config=ProbeConfig(epochs=1, min_steps=5, precision="bfloat16"),
+        config=ProbeConfig(max_epochs=5, l2=1e-3, precision="bfloat16"),
         store_dir=str(tmp_path),
         progress=False,
     )

@@ -107,7 +107,7 @@ def test_probes_on_a_sharded_store(folder, tmp_path, engine):
     from depthscope.probes import run_probes, sample_data
 
     s = sample_data()
-    kw = dict(progress=False, max_train_sentences=40, max_test_sentences=20, epochs=2, store_dtype="float32")
+    kw = dict(progress=False, max_train_sentences=40, max_test_sentences=20, max_epochs=5, store_dtype="float32")
     one = run_probes(str(folder), ["upos"], s["ewt_train"], s["ewt_test"], store_dir=str(tmp_path / "a"), **kw)
     sh = run_probes(str(folder), ["upos"], s["ewt_train"], s["ewt_test"], store_dir=str(tmp_path / "b"), shards=3,
                     engine=engine, workers=2, **kw)  # fmt: skip

@@ -22,11 +22,11 @@ def job_config(o: dict):
     from depthscope.hooks.errors import InputError
 
     try:
-        l2 = o["l2"] if o["l2"] == "dev" else float(o["l2"])
+        l2 = o["l2"] if o["l2"] in ("auto", "dev") else float(o["l2"])
     except ValueError:
-        raise InputError(f"--l2 must be a number or 'dev', got {o['l2']!r}") from None
-    if l2 != "dev" and not (math.isfinite(l2) and l2 >= 0):
-        raise InputError(f"--l2 must be a finite number >= 0 (0: no penalty) or 'dev', got {o['l2']!r}")
+        raise InputError(f"--l2 must be a number, 'auto' or 'dev', got {o['l2']!r}") from None
+    if l2 not in ("dev", "auto") and not (math.isfinite(l2) and l2 >= 0):
+        raise InputError(f"--l2 must be a finite number >= 0 (0: no penalty), 'auto' or 'dev', got {o['l2']!r}")
     return ProbeJobConfig(
         tasks=[t.strip() for t in o["task"].split(",") if t.strip()] if o["task"] else None,
         train=o["train"],
@@ -34,7 +34,12 @@ def job_config(o: dict):
         dev=o["dev"],
         plots=o["plots"],
         probe=ProbeConfig(
-            probe=o["probe_kind"], l2=l2, epochs=o["epochs"], mdl=o["mdl"], seed=o["seed"], precision=o["precision"]
+            probe=o["probe_kind"],
+            l2=l2,
+            max_epochs=o["max_epochs"],
+            mdl=o["mdl"],
+            seed=o["seed"],
+            precision=o["precision"],
         ),
         extraction=ExtractionConfig(
             pooling=o["pooling"],
@@ -57,25 +62,49 @@ def job_config(o: dict):
 
 
 def print_summary(summary) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("task", "n_train", "n_test", "best site", "best acc", "max selectivity", "E_Delta [95%]", "E_s")
+    table = Table(
+        "task",
+        "n_train",
+        "n_test",
+        "best site",
+        "best acc",
+        "max sel. (pts)",
+        "E_Delta [95%]",
+        "E_s",
+        "L2",
+        "converged",
+    )
     for col in table.columns:
         col.no_wrap = True
     for r in summary.itertuples():
         lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
+        e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]"
+        e += "" if r.expected_layer_delta_meaningful else " (gain too small)"
+        conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
         table.add_row(
             r.task,
             str(r.n_train),
             str(r.n_test),
             str(r.best_label),
             f"{r.best_accuracy:.3f}",
-            f"{r.max_selectivity:.3f}",
-            f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]",
+            f"{100 * r.max_selectivity:.1f}",
+            e,
             f"{r.expected_layer_mix:.2f}",
+            f"{r.l2:g}",
+            conv,
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # logs: no 80-column squeeze
+    for r in summary.itertuples():
+        if not r.converged:
+            Console(stderr=True).print(
+                f"[yellow]warning:[/] {r.task}: {r.n_not_converged} probe(s) stopped at "
+                f"--max-epochs {r.max_epochs} before converging; raise --max-epochs"
+            )
 
 
 def register(app: typer.Typer) -> None:
@@ -97,7 +126,7 @@ def register(app: typer.Typer) -> None:
             None, "--test", help="Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample."
         ),
         dev: Path | None = typer.Option(
-            None, "--dev", help="Dev file, used to pick the L2 penalty per site (with --l2 dev)."
+            None, "--dev", help="Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."
         ),
         model: str | None = ModelOpt,
         device: str = DeviceOpt,
@@ -131,10 +160,16 @@ def register(app: typer.Typer) -> None:
         l2: str = typer.Option(
             str(_P.l2),
             "--l2",
-            help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n); 0: none), or 'dev' to choose per site "
-            "on --dev.",
+            help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n); 0: none), or 'auto': one per task from "
+            "the grid 3e-4, 1e-3, 3e-3 by held-out accuracy (on --dev when given, else on folds of train).",
         ),
-        epochs: int = typer.Option(_P.epochs, "--epochs", min=1, help="Training epochs of every probe."),
+        max_epochs: int = typer.Option(
+            _P.max_epochs,
+            "--max-epochs",
+            min=1,
+            help="Cap on passes over train: probes train until they converge; "
+            "hitting the cap warns and is recorded (converged=False).",
+        ),
         precision: str = typer.Option(
             _P.precision,
             "--precision",

@@ -48,8 +48,11 @@ def register(app: typer.Typer) -> None:
         max_test_sentences: int | None = typer.Option(
             _D.max_test_sentences, "--max-test-sentences", min=1, help="Cap probe test data at N sentences."
         ),
-        epochs: int = typer.Option(
-            _P.epochs, "--epochs", min=1, help="Training epochs of every probe (the same default as depthscope probe)."
+        max_epochs: int = typer.Option(
+            _P.max_epochs,
+            "--max-epochs",
+            min=1,
+            help="Cap on passes over train for every probe (they train to convergence; as in depthscope probe).",
         ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
@@ -73,7 +76,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"no such file: {f}")
         _check_out(out, model, files, force)
         probe, data_cfg = (
-            ProbeConfig(epochs=epochs, seed=seed).validate(),
+            ProbeConfig(max_epochs=max_epochs, seed=seed).validate(),
             DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences).validate(),
         )
         prepare_out(out, "run", None, force)

@@ -7,8 +7,8 @@
                                    defaults) and whether to draw figures
 ``run_probe_job(model, config,     runs :func:`depthscope.probes.run_probes` and writes
 out, progress=)``                  ``probes_by_site``, ``probes_summary``, ``probes_mixing``
-                                   (Parquet + CSV) and ``probes_accuracy.png``,
-                                   ``probes_tenney.png`` through ``out``; a :class:`JobResult`
+                                   (Parquet + CSV) and ``probes_overview.png``,
+                                   ``probes_accuracy.png``, ``probes_tenney.png`` through ``out``; a :class:`JobResult`
 ``write_outputs(results, out,      the writing half: the three tables and two figures of a
 plots=)``                          :class:`~depthscope.probes.ProbeResults` (the only writer)
 ``resolve_inputs(config)``         the tasks and files a config means
@@ -32,7 +32,7 @@ from .base import JobResult, Output
 DEFAULT_TASKS = ("upos", "deprel", "feats:Number")
 ENTITY_TASKS = ("entity", "coref")
 TABLES = ("probes_by_site", "probes_summary", "probes_mixing")
-FIGURES = ("probes_accuracy", "probes_tenney")
+FIGURES = ("probes_overview", "probes_accuracy", "probes_tenney")
 
 
 @dataclass
@@ -97,12 +97,13 @@ def resolve_inputs(config: ProbeJobConfig) -> tuple:
 def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
     """Write ``results``' tables (:data:`TABLES`) and, with ``plots``, figures (:data:`FIGURES`)
     through ``out``; returns the tables by name."""
-    from ..plots.probes import plot_probe_curves, plot_tenney
+    from ..plots.probes import plot_overview, plot_probe_curves, plot_tenney
 
     tables = dict(zip(TABLES, (results.by_site, results.summary, results.mixing)))
     for name, df in tables.items():
         out.table(df, name)
     if plots:
+        out.figure(plot_overview, results.summary, name="probes_overview")
         out.figure(plot_probe_curves, results.by_site, name="probes_accuracy")
         out.figure(plot_tenney, results.summary, results.mixing, name="probes_tenney")
     return tables

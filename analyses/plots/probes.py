@@ -1,13 +1,17 @@
 """Figures of the probing suite, drawn from its tables only.
 
+``plot_overview(summary, path)``
+    the all-tasks panel: E_Delta with its 95% interval and E_s per task on one shared depth
+    axis (the report's first figure).
 ``plot_probe_curves(by_site, path)``
-    one row per task: test accuracy (solid) and control-task accuracy (dashed) against depth,
-    and selectivity (accuracy - control accuracy) against depth; sites coloured by sublayer.
+    one row per task: test accuracy with 95% binomial error bars, control-task accuracy
+    (dashed) and the majority-class baseline (dotted) on a full 0-1 axis, and selectivity in
+    points; sites coloured by sublayer; one legend for the figure.
     ``by_site`` is ``ProbeResults.by_site`` (columns task, site, label, layer, sublayer, depth,
     accuracy, control_accuracy, selectivity).
 ``plot_tenney(summary, mixing, path)``
-    Tenney et al. (2019)'s figure: per task (stacked in pipeline order) the cumulative-scoring
-    gains Delta per depth as bars (coloured by sublayer), the scalar-mix weights as a line, and
+    Tenney et al. (2019)'s figure: per task (stacked in pipeline order, one shared y scale) the
+    cumulative-scoring gains Delta per depth as bars (coloured by sublayer), the scalar-mix weights as a line, and
     the expected layers E_Delta (solid) and E_s (dashed) marked. ``summary`` is
     ``ProbeResults.summary`` (task, expected_layer_delta, expected_layer_mix), ``mixing`` is
     ``ProbeResults.mixing`` (task, site, sublayer, depth, delta, mix_weight).
@@ -24,7 +28,7 @@ import pandas as pd
 
 from depthscope.probes.tasks import pipeline_rank
 
-from .style import SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, lineplot_by_sublayer, plt, savefig
+from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, plt, savefig
 
 
 def _task_order(tasks) -> list:
@@ -35,26 +39,128 @@ def _n_layers(df: pd.DataFrame) -> int:
     return int(np.ceil(df["depth"].max())) if len(df) else 0
 
 
+def _binomial_se(p, n):
+    return np.sqrt(np.clip(p * (1 - p), 0, None) / np.maximum(n, 1))
+
+
+def plot_overview(summary: pd.DataFrame, path) -> Path:
+    """All tasks on one shared depth axis: E_Delta with its 95% interval (filled circle; hollow
+    when the total gain is too small for E_Delta to mean a depth) and E_s (diamond), one row
+    per task in pipeline order, values written at the right edge so labels never collide."""
+    tasks = _task_order(summary["task"]) if summary is not None and len(summary) else []
+    L = int(summary["n_layers"].max()) if len(tasks) and "n_layers" in summary else 0
+    fig, ax = plt.subplots(figsize=(8, 0.55 * max(1, len(tasks)) + 1.4))
+    s = summary.set_index("task") if len(tasks) else pd.DataFrame()
+    for i, task in enumerate(tasks):
+        r = s.loc[task]
+        y = len(tasks) - 1 - i
+        e, lo, hi = (
+            float(r.get(c, np.nan))
+            for c in ("expected_layer_delta", "expected_layer_delta_lo", "expected_layer_delta_hi")
+        )
+        es = float(r.get("expected_layer_mix", np.nan))
+        ok = bool(r.get("expected_layer_delta_meaningful", True))
+        if np.isfinite(lo) and np.isfinite(hi):
+            ax.plot([lo, hi], [y, y], color="#6a3d9a", lw=2.2, solid_capstyle="butt", zorder=2)
+        if np.isfinite(e):
+            ax.plot([e], [y], "o", ms=8, color="#6a3d9a", mfc="#6a3d9a" if ok else "white", mew=1.8, zorder=3)
+        if np.isfinite(es):
+            ax.plot([es], [y], "D", ms=6, color="#2ca02c", mfc="none", mew=1.6, zorder=3)
+        text = f"$E_\\Delta$ {e:.2f} [{lo:.1f}, {hi:.1f}]   $E_s$ {es:.2f}" + ("" if ok else "  (gain too small)")
+        ax.text(1.01, y, text, transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=8.5)
+    ax.set_yticks(range(len(tasks)))
+    ax.set_yticklabels(list(reversed(tasks)))
+    ax.set_ylim(-0.6, len(tasks) - 0.4)
+    depth_axis(ax, L)
+    handles = [
+        plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, lw=2.2),
+        plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, mfc="white", lw=0),
+        plt.Line2D([], [], color="#2ca02c", marker="D", ms=6, mfc="none", lw=0),
+    ]
+    ax.legend(
+        handles,
+        [
+            "$E_\\Delta$ (cumulative scoring) and 95% interval",
+            "$E_\\Delta$ where the gain is too small",
+            "$E_s$ (scalar mix)",
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
+        ncol=3,
+        frameon=False,
+        fontsize=8,
+    )
+    ax.set_title("Which depth encodes which property: expected layer per task", fontsize=10)
+    fig.tight_layout()
+    savefig(fig, path)
+    return Path(path)
+
+
 def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
-    """Accuracy / control accuracy and selectivity against depth, one row per task."""
+    """Per task: test accuracy with binomial error bars, control-task accuracy (dashed) and
+    the majority-class baseline (dotted) against depth (full 0-1 range), and selectivity in
+    points; one legend for the figure."""
     tasks = _task_order(by_site["task"])
     n = max(1, len(tasks))
-    fig, axes = plt.subplots(n, 2, figsize=(11, 3.1 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 2.8 * n + 0.6), squeeze=False, sharex=True)
     L = _n_layers(by_site)
     for row, task in zip(axes, tasks):
         d = by_site[by_site["task"] == task].sort_values("depth")
         ax = row[0]
-        lineplot_by_sublayer(ax, d, "accuracy", ylabel="accuracy", n_layers=L)
+        ax.plot(d["depth"], d["accuracy"], color="#999999", lw=1, zorder=1)
+        for sub in SUBLAYER_ORDER:
+            part = d[d["sublayer"] == sub]
+            if len(part):
+                err = _binomial_se(part["accuracy"].to_numpy(), part["n_test"].to_numpy() if "n_test" in part else 1)
+                ax.errorbar(
+                    part["depth"],
+                    part["accuracy"],
+                    yerr=1.96 * err,
+                    fmt=SUBLAYER_MARKERS[sub],
+                    ms=4,
+                    color=SUBLAYER_PALETTE[sub],
+                    elinewidth=0.8,
+                    capsize=0,
+                    zorder=2,
+                )
         if "control_accuracy" in d and d["control_accuracy"].notna().any():
-            ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2, label="control task")
-            ax.legend(title="site", frameon=False, fontsize=8)
-        ax.set_title(f"{task}: test accuracy (dashed: control task)")
+            ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2)
+        if "majority_accuracy" in d and d["majority_accuracy"].notna().any():
+            ax.axhline(float(d["majority_accuracy"].iloc[0]), ls=":", color="black", lw=1.0)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(f"{task}\naccuracy")
         ax = row[1]
         if "selectivity" in d and d["selectivity"].notna().any():
-            lineplot_by_sublayer(ax, d, "selectivity", ylabel="selectivity", n_layers=L)
+            ax.plot(d["depth"], 100 * d["selectivity"], color="#999999", lw=1, zorder=1)
+            for sub in SUBLAYER_ORDER:
+                part = d[d["sublayer"] == sub]
+                if len(part):
+                    ax.scatter(
+                        part["depth"],
+                        100 * part["selectivity"],
+                        s=18,
+                        marker=SUBLAYER_MARKERS[sub],
+                        color=SUBLAYER_PALETTE[sub],
+                        zorder=2,
+                    )
             ax.axhline(0, color="black", lw=0.6)
-        ax.set_title(f"{task}: selectivity (accuracy - control)")
-    fig.tight_layout()
+        ax.set_ylabel(f"{task}\nselectivity (points)")
+    for ax in axes[-1]:
+        depth_axis(ax, L)
+    axes[0, 0].set_title("test accuracy (bars: 95% binomial interval)", fontsize=10)
+    axes[0, 1].set_title("selectivity = accuracy - control accuracy", fontsize=10)
+    handles = [plt.Line2D([], [], color=SUBLAYER_PALETTE[s], marker=SUBLAYER_MARKERS[s], lw=0) for s in SUBLAYER_ORDER]
+    handles += [plt.Line2D([], [], color="#7f7f7f", ls="--"), plt.Line2D([], [], color="black", ls=":")]
+    fig.legend(
+        handles,
+        [f"{s} site" for s in SUBLAYER_ORDER] + ["control task", "majority class"],
+        loc="lower center",
+        ncol=5,
+        frameon=False,
+        fontsize=9,
+        bbox_to_anchor=(0.5, -0.01),
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     savefig(fig, path)
     return Path(path)
 
@@ -71,7 +177,7 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         return Path(path)
     tasks = _task_order(mixing["task"])
     n = max(1, len(tasks))
-    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), sharex=True, sharey=True, squeeze=False)
     L = _n_layers(mixing)
     summ = summary.set_index("task") if summary is not None and len(summary) else pd.DataFrame()
     for ax, task in zip(axes[:, 0], tasks):
@@ -80,7 +186,7 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         colors = [SUBLAYER_PALETTE.get(s, "#555555") for s in d["sublayer"]]
         ax.bar(d["depth"], d["delta"], width=0.42, color=colors, alpha=0.9, zorder=2)
         ax.axhline(0, color="black", lw=0.5)
-        ax.set_ylabel(f"{task}\nDelta acc", fontsize=9)
+        ax.set_ylabel(f"{task}\n$\\Delta$ acc.", fontsize=9)
         ax2 = ax.twinx()
         dm = mixing[mixing["task"] == task].sort_values("depth")
         ax2.plot(dm["depth"], dm["mix_weight"], color="#2ca02c", lw=1.2, marker=".", ms=3, zorder=3)
@@ -94,8 +200,8 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
                 ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
         if task in summ.index:
             marks = [
-                ("expected_layer_delta", "E_Delta", "#9467bd", "-", 2.0, 1.0),
-                ("expected_layer_mix", "E_s", "#2ca02c", "--", 1.5, 0.78),
+                ("expected_layer_delta", "$E_\\Delta$", "#9467bd", "-", 2.0, 1.0),
+                ("expected_layer_mix", "$E_s$", "#2ca02c", "--", 1.5, 0.97),
             ]
             for col, name, color, ls, lw, ypos in marks:
                 e = float(summ.loc[task, col]) if col in summ.columns else float("nan")
@@ -104,28 +210,33 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
                 shown = min(max(e, -0.4), L + 0.4)
                 off = " (off scale)" if shown != e else ""
                 ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
-                ha = "right" if shown > 0.8 * L else "left"
+                # E_Delta's label on the side away from E_s, so the two never overlap
+                other = float(
+                    summ.loc[task, "expected_layer_mix" if col == "expected_layer_delta" else "expected_layer_delta"]
+                )
+                right = shown >= other if np.isfinite(other) else shown < 0.8 * L
                 ax.text(
                     shown,
                     ypos,
-                    f" {name}={e:.2f}{off} ",
+                    f" {name} = {e:.2f}{off} ",
                     transform=ax.get_xaxis_transform(),
                     va="top",
-                    ha=ha,
+                    ha="left" if right else "right",
                     fontsize=8,
                     color=color,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5),
                 )
     depth_axis(axes[-1, 0], L)
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
-    labels = [f"Delta at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
+    labels = [f"$\\Delta$ at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
     handles += [
         plt.Line2D([], [], color="#2ca02c", marker=".", lw=1.2),
         plt.Line2D([], [], color="#9467bd", lw=2),
         plt.Line2D([], [], color="#2ca02c", lw=1.5, ls="--"),
     ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
-    labels += ["scalar mix weight s", "E_Delta (cumulative)", "E_s (scalar mix)", "E_Delta 95% bootstrap interval"]
-    fig.legend(handles, labels, loc="upper center", ncol=6, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    labels += ["scalar mix weight $s$", "$E_\\Delta$ (cumulative)", "$E_s$ (scalar mix)", "$E_\\Delta$ 95% interval"]
+    fig.legend(handles, labels, loc="upper center", ncol=4, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.02))
     fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1.04, fontsize=11)
     fig.tight_layout()
     savefig(fig, path)
