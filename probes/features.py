@@ -7,6 +7,7 @@
 ``.make_resident(dtype=...)``      standardised features in RAM ``[S, N, n_spans * D]``
 ``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers)
 ``.subset(idx)``                   the examples ``idx`` (resident rows copied, not re-read)
+``.with_sites(sites)``             resident features of some sites only
 =================================  ==============================================================
 
 Features are standardised per site and dimension with the train split's mean and standard
@@ -45,6 +46,7 @@ class Features:
     max_len: int = 1
     resident: torch.Tensor | None = None  # [S, N, n_spans * D], rows in ``order``
     order: np.ndarray | None = None
+    sites: np.ndarray | None = None  # a subset of the store's sites (resident features only)
 
     def __len__(self) -> int:
         return len(self.span_ids)
@@ -55,7 +57,7 @@ class Features:
 
     @property
     def n_sites(self) -> int:
-        return self.store.n_sites
+        return self.store.n_sites if self.sites is None else len(self.sites)
 
     @property
     def d(self) -> int:
@@ -136,7 +138,7 @@ class Features:
         """The examples ``idx`` with this split's standardisation: resident rows are copied from
         memory (same dtype), else the subset is made resident from the store when it fits."""
         idx = np.asarray(idx, dtype=np.int64)
-        sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len)
+        sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len, sites=self.sites)
         if self.resident is None:
             sub.make_resident(max_bytes=max_bytes, seed=seed)
             return sub
@@ -144,6 +146,15 @@ class Features:
         pos[self.order] = np.arange(len(self))  # example -> row of the resident tensor
         sub.resident = self.resident.index_select(1, torch.from_numpy(pos[idx]))
         sub.order = np.arange(len(idx))
+        return sub
+
+    def with_sites(self, sites) -> Features:
+        """These examples at the store's sites ``sites`` only (resident features: a copy of those rows)."""
+        if self.resident is None:
+            raise ValueError("with_sites needs resident features")
+        sites = np.asarray(sites, dtype=np.int64)
+        sub = Features(self.store, self.span_ids, self.mean, self.std, self.max_len, order=self.order, sites=sites)
+        sub.resident = self.resident.index_select(0, torch.from_numpy(sites))
         return sub
 
     def _gather(self, idx: np.ndarray):

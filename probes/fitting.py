@@ -13,10 +13,10 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 =======================================  =======================================================
 
 The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
-the one whose probes have the best held-out accuracy averaged over all sites (dev split when
-given, else ``l2_folds`` folds of train; ties to the strongest penalty); the per-site probes,
-their control task, the cumulative prefix mixes, the scalar mix and MDL all use it, and every
-probe is trained to convergence (:mod:`depthscope.probes.training`).
+the one whose probes have the best held-out accuracy averaged over ``L2_SITES`` evenly spaced
+sites (dev split when given, else ``l2_folds`` folds of train; ties to the strongest penalty);
+the per-site probes, their control task, the cumulative probes, the scalar mix and MDL all use
+it, and every probe is trained to convergence (:mod:`depthscope.probes.training`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from .classifiers import BatchedProbe
-from .config import L2_GRID, ProbeConfig
+from .config import L2_GRID, L2_SITES, ProbeConfig
 from .encoding import TaskData
 from .metrics import accuracy, macro_f1
 from .mixing import fit_cumulative
 from .summaries import cumulative_summary, mixing_rows, site_rows, summary_row
-from .training import TrainLog, predict, train_probe
+from .training import TrainLog, log_probs, predict, train_probe
 
 
 def train_kwargs(cfg: ProbeConfig) -> dict:
@@ -66,9 +66,19 @@ class L2Choice:
     heldout: dict
 
 
+def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
+    """The sites the penalty is chosen on: ``k`` evenly spaced, first and last included (all
+    when there are at most ``k``)."""
+    return np.unique(np.round(np.linspace(0, n_sites - 1, min(k, n_sites))).astype(np.int64))
+
+
 def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, progress: bool) -> np.ndarray:
-    """Mean-over-sites accuracy on ``held`` of probes trained on ``train``, one per grid value."""
+    """Mean-over-sites accuracy on ``held`` of probes trained on ``train``, one per grid value
+    (on the sites of :func:`l2_sites` when the features are resident)."""
     grid = list(L2_GRID)
+    if train.resident is not None and held.resident is not None:
+        sites = l2_sites(train.n_sites)
+        train, held = train.with_sites(sites), held.with_sites(sites)
     p = BatchedProbe(
         n_sites=train.n_sites,
         d=train.d,
@@ -122,6 +132,7 @@ class SiteFit:
     control_test: torch.Tensor | None
     l2: float
     log: TrainLog
+    test_log_probs: torch.Tensor | None = None  # [S, N, C] of the real head
 
 
 def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
@@ -144,9 +155,11 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = Fal
     log = train_probe(
         p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
     )
-    pred_te, _ = predict(p, feats["test"])
+    lp_te = log_probs(p, feats["test"])  # [S, N, G, C]
+    pred_te = lp_te.argmax(-1)
     pred_tr, _ = predict(p, feats["train"])
-    return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], pred_te[:, :, 1] if cfg.control else None, l2, log)
+    ctrl = pred_te[:, :, 1] if cfg.control else None
+    return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], ctrl, l2, log, lp_te[:, :, 0].contiguous())
 
 
 def fit_task(
@@ -191,6 +204,7 @@ def fit_task(
             n_classes=td.n_classes,
             n_eval_classes=td.n_eval_classes,
             config=cfg,
+            test_log_probs=fit.test_log_probs,
             progress=progress,
             desc=f"{task} cumulative",
         )
@@ -198,7 +212,11 @@ def fit_task(
         cum_summ = cumulative_summary(depths, cum, cfg.seed)
         mix_df = mixing_rows(task, frame, cum)
     summ = summary_row(task, df, td, n_layers, cum_summ, probe=cfg.probe, pooling=pooling, control=cfg.control)
-    summ.update(_training_summary(cfg, choice, fit.log, cum.log if cum is not None else None))
+    summ.update(
+        _training_summary(
+            cfg, choice, fit.log, cum.log if cum is not None else None, cum.mix_log if cum is not None else None
+        )
+    )
     resident = feats["train"].resident  # what the products computed in (float32 when streamed)
     summ["precision"] = str(resident.dtype).replace("torch.", "") if resident is not None else "float32"
     if cfg.mdl:
@@ -221,9 +239,11 @@ def fit_task(
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 
-def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: TrainLog | None) -> dict:
+def _training_summary(
+    cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: TrainLog | None, cum_mix: TrainLog | None
+) -> dict:
     """The summary's training columns: the penalty and how it was chosen, convergence, passes."""
-    logs = [sites] + ([cum] if cum is not None else [])
+    logs = [lg for lg in (sites, cum, cum_mix) if lg is not None]
     return {
         "l2": choice.l2,
         "l2_chosen_on": choice.on,
@@ -233,6 +253,7 @@ def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: 
         "n_not_converged": int(sum((~lg.converged).sum() for lg in logs)),
         "epochs_sites": sites.epochs,
         "epochs_cumulative": cum.epochs if cum is not None else np.nan,
+        "epochs_mix": cum_mix.epochs if cum_mix is not None else np.nan,
         "max_epochs": cfg.max_epochs,
         "solver": sites.solver,
     }

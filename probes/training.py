@@ -4,6 +4,7 @@
 ``train_probe(probe, feats, y)``  fit to convergence (``max_epochs`` a cap that warns); returns a
                                   :class:`TrainLog`
 ``predict(probe, feats, y)``      predicted classes ``[U, N, G]`` (and code lengths given ``y``)
+``log_probs(probe, feats)``         log-probabilities of every class ``[U, N, G, C]``
 ``objective(probe, feats, y)``    the regularised objective per unit ``[U]`` (mean cross-entropy
                                   summed over heads + the L2 term), full batch
 ``auto_batch(n, epochs)``         the minibatch size of the Adam solver when none is given
@@ -326,6 +327,17 @@ def _adam(groups) -> torch.optim.Optimizer:
         return torch.optim.Adam(groups, fused=True)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.Adam(groups, foreach=True)
+
+
+@torch.no_grad()
+def log_probs(probe: BatchedProbe, feats: Features, *, batch_size: int = 1024) -> torch.Tensor:
+    """Log-probabilities ``[U, N, G, C]`` of every class, examples in ``feats``' order."""
+    probe.eval()
+    out = torch.empty(probe.U, len(feats), probe.G, probe.C)
+    with threads_for(step_work(probe, feats, batch_size)):
+        for idx, (x, m) in feats.batches(batch_size):
+            out[:, torch.from_numpy(np.asarray(idx, dtype=np.int64))] = torch.log_softmax(probe(x, m), -1)
+    return out
 
 
 @torch.no_grad()

@@ -254,14 +254,15 @@ def test_cumulative_mix_finds_the_informative_site():
     ftr = features(x[:2000])
     fte = features(x[2000:], ftr)
     cum = fit_cumulative(ftr, y[:2000], fte, y[2000:], n_classes=3, n_eval_classes=3)
-    assert cum.log.all_converged and cum.log.solver == "lbfgs"
+    assert cum.log.all_converged and cum.mix_log.all_converged
     assert np.allclose(cum.gamma, 1)  # no trainable scale: the converged objective has an optimum
     assert cum.accuracy[0] < 0.45 and cum.accuracy[1] < 0.45
     assert cum.accuracy[2] > 0.85 and cum.accuracy[3] > 0.85
     depths = [0, 0.5, 1.0, 1.5]
     assert expected_layer_delta(depths, cum.accuracy) == pytest.approx(1.0, abs=0.1)
     assert cum.mix_weights.argmax() == 2 and cum.mix_weights[2] > 0.5
-    assert np.allclose(cum.weights.sum(1), 1) and np.allclose(np.triu(cum.weights, 1), 0)
+    assert np.allclose(np.triu(cum.weights, 1), 0)  # P(s) reads sites 0..s only
+    assert np.abs(cum.weights[2:, 2]).min() > 0.5  # every prefix from 2 on leans on site 2
     # the bootstrap interval: the jump at site 2 is clear, so it is tight around depth 1
     assert np.allclose(cum.correct.mean(1), cum.accuracy)
     lo, hi = expected_layer_delta_interval(depths, cum.correct)
@@ -293,3 +294,39 @@ def test_mdl_online_codelength_on_toys():
     assert res.uniform_bits == pytest.approx(n * 2.0)
     assert res.compression[0] > 5.0
     assert 0.85 < res.compression[1] < 1.05  # noise cannot be compressed (small overhead allowed)
+
+
+def test_stacking_is_the_optimum_and_never_worse_with_more_sites():
+    """The cumulative probes' stacking weights solve their convex problem (scipy's L-BFGS-B on
+    one prefix reaches the same objective to 1e-6), and the train objective of P(s) never rises
+    with s (a longer prefix can always give its new site weight 0)."""
+    import torch
+    from scipy.optimize import minimize
+
+    from depthscope.probes.mixing import STACK_L2, stack
+
+    rng = np.random.default_rng(1)
+    S, n, C = 5, 400, 4
+    y = rng.integers(0, C, n)
+    z = torch.log_softmax(
+        torch.from_numpy(rng.normal(size=(S, n, C))).float()
+        + torch.linspace(0, 2, S)[:, None, None] * torch.nn.functional.one_hot(torch.from_numpy(y), C),
+        -1,
+    )
+    w, b, log = stack(z, y)
+    assert log.all_converged
+    f = log.objective
+    assert np.all(np.diff(f) <= 1e-6)
+
+    u = 3
+    zz = z[: u + 1].double().numpy()
+
+    def obj(p):
+        wv, bv = p[: u + 1], p[u + 1 :]
+        logits = np.einsum("t,tnc->nc", wv, zz) + bv
+        m = logits.max(1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(logits - m).sum(1))
+        return float((lse - logits[np.arange(n), y]).mean() + STACK_L2 * (wv**2).sum())
+
+    ref = minimize(obj, np.r_[np.eye(u + 1)[u], np.zeros(C)], method="L-BFGS-B", options={"ftol": 1e-14, "gtol": 1e-10})
+    assert f[u] == pytest.approx(ref.fun, rel=1e-6, abs=1e-7)
