@@ -79,23 +79,29 @@ def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held,
     if train.resident is not None and held.resident is not None:
         sites = l2_sites(train.n_sites)
         train, held = train.with_sites(sites), held.with_sites(sites)
-    p = BatchedProbe(
-        n_sites=train.n_sites,
-        d=train.d,
-        n_spans=train.n_spans,
-        n_classes=td.n_classes,
-        n_heads=len(grid),
-        kind=cfg.probe,
-        hidden=cfg.hidden,
-        attn_pool=train.tokens,
-        l2=grid,
-        seed=cfg.seed,
-    )
-    y_heads = np.repeat(np.asarray(y_train)[:, None], len(grid), 1)
-    train_probe(p, train, torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} L2 grid", **train_kwargs(cfg))
-    pred, _ = predict(p, held)
     yh = torch.from_numpy(np.asarray(y_held))
-    return np.array([float(accuracy(pred[:, :, k], yh).mean()) for k in range(len(grid))])
+    yt = torch.as_tensor(np.asarray(y_train))[:, None]
+    acc, prev = {}, None
+    for v in sorted(grid, reverse=True):  # a regularisation path: each fit starts from the stronger one's optimum
+        p = BatchedProbe(
+            n_sites=train.n_sites,
+            d=train.d,
+            n_spans=train.n_spans,
+            n_classes=td.n_classes,
+            kind=cfg.probe,
+            hidden=cfg.hidden,
+            attn_pool=train.tokens,
+            l2=v,
+            seed=cfg.seed,
+        )
+        if prev is not None:
+            p.load_state_dict(prev.state_dict())
+            p.l2.fill_(v)
+        train_probe(p, train, yt, progress=progress, desc=f"{td.task} L2 {v:g}", **train_kwargs(cfg))
+        pred, _ = predict(p, held)
+        acc[v] = float(accuracy(pred[:, :, 0], yh).mean())
+        prev = p
+    return np.array([acc[v] for v in grid])
 
 
 def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, progress: bool = False) -> L2Choice:
