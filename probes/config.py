@@ -44,7 +44,7 @@ SOLVERS = ("auto", "lbfgs", "adam")
 #: half-decades around 1e-3, the value EWT dev picked at most sites for upos on the default model
 #: (weaker penalties, 1e-4 and below, leave near-separable problems that take hundreds of passes
 #: to converge, for no held-out gain there)
-L2_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+L2_GRID = (3e-3, 1e-2, 3e-2, 1e-1)
 #: the penalty is chosen on this many evenly spaced sites (first and last included)
 L2_SITES = 16
 

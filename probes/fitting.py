@@ -139,6 +139,7 @@ class SiteFit:
     l2: float
     log: TrainLog
     test_log_probs: torch.Tensor | None = None  # [S, N, C] of the real head
+    state: dict | None = None  # the real head's probes (a one-head state dict)
 
 
 def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
@@ -165,7 +166,19 @@ def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = Fal
     pred_te = lp_te.argmax(-1)
     pred_tr, _ = predict(p, feats["train"])
     ctrl = pred_te[:, :, 1] if cfg.control else None
-    return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], ctrl, l2, log, lp_te[:, :, 0].contiguous())
+    return SiteFit(pred_te[:, :, 0], pred_tr[:, :, 0], ctrl, l2, log, lp_te[:, :, 0].contiguous(), _head(p, 0))
+
+
+def _head(p: BatchedProbe, g: int) -> dict | None:
+    """Head ``g`` of a linear probe as the state dict of a one-head probe (None for MLPs)."""
+    if p.kind != "linear":
+        return None
+    C = p.C
+    st = {k: v.clone() for k, v in p.state_dict().items()}
+    st["W"] = st["W"][:, :, g * C : (g + 1) * C].clone()
+    st["b"] = st["b"][:, :, g * C : (g + 1) * C].clone()
+    st["l2"] = st["l2"][g : g + 1].clone()
+    return st
 
 
 def fit_task(
@@ -211,6 +224,7 @@ def fit_task(
             n_eval_classes=td.n_eval_classes,
             config=cfg,
             test_log_probs=fit.test_log_probs,
+            init=fit.state,
             progress=progress,
             desc=f"{task} cumulative",
         )

@@ -129,10 +129,11 @@ class CumulativeFit:
 
 
 def out_of_fold(
-    train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, folds: int = CROSS_FOLDS
+    train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, folds: int = CROSS_FOLDS, init: dict | None = None
 ) -> torch.Tensor:
     """Log-probabilities ``[S, N, C]`` of each train example under per-site probes (penalty
-    ``cfg.l2``) trained on the other folds (seeded by ``cfg.seed``)."""
+    ``cfg.l2``) trained on the other folds (seeded by ``cfg.seed``); ``init``: a state dict to
+    start each fold's probes from (the full-train probes: near each fold's optimum, so few passes)."""
     n, S = len(train), train.n_sites
     fold = np.random.default_rng([cfg.seed, 1729]).permutation(n) % folds
     out = torch.empty(S, n, n_classes)
@@ -151,6 +152,8 @@ def out_of_fold(
             hidden=cfg.hidden,
             attn_pool=train.tokens,
         )
+        if init is not None:
+            p.load_state_dict(init)
         train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **_train_settings(cfg), desc=f"fold {k + 1}/{folds}")
         out[:, torch.from_numpy(ho)] = log_probs(p, fho)[:, :, 0]
         del ftr, fho
@@ -238,6 +241,7 @@ def fit_cumulative(
     n_eval_classes: int,
     config: ProbeConfig | None = None,
     test_log_probs: torch.Tensor | None = None,
+    init: dict | None = None,
     progress: bool = False,
     desc: str = "cumulative",
     **overrides,
@@ -246,7 +250,8 @@ def fit_cumulative(
     and the all-sites scalar mix; scored on ``test``. ``config`` (None: the defaults) sets the
     penalty and training of the per-site probes (linear); ``test_log_probs [S, N_test, C]``:
     the full-train per-site probes' log-probabilities on test when already computed (else
-    fitted here); ``overrides`` any config field by name."""
+    fitted here), with ``init`` their state dict (one head) to warm-start the fold probes;
+    ``overrides`` any config field by name."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     S = train.n_sites
     yt = torch.as_tensor(np.asarray(y_test))
@@ -264,7 +269,8 @@ def fit_cumulative(
         )
         train_probe(p, train, torch.as_tensor(np.asarray(y_train))[:, None], desc=desc, **_train_settings(cfg))
         test_log_probs = log_probs(p, test)[:, :, 0]
-    z_train = out_of_fold(train, y_train, n_classes=n_classes, cfg=cfg)
+        init = p.state_dict()
+    z_train = out_of_fold(train, y_train, n_classes=n_classes, cfg=cfg, init=init)
     w, b, log = stack(z_train, y_train)
     with torch.no_grad():
         preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]
