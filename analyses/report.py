@@ -453,7 +453,8 @@ def render_report(out_dir: str | Path) -> Path:
         )
     intro += (
         " Probes are trained to convergence (max_epochs is only a cap), with one L2 penalty per task chosen on "
-        "held-out data; E_Δ intervals are 95% bootstraps over test examples."
+        "held-out data; cumulative scoring stacks the converged per-site probes (a convex fit on out-of-fold "
+        "predictions), so E_Δ does not depend on the optimiser; E_Δ intervals are 95% bootstraps over test examples."
     )
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."

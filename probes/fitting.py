@@ -256,6 +256,7 @@ def fit_task(
         df["mdl_compression"] = res.compression
     for f in feats.values():
         f.resident = None
+        f._gram = None
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 

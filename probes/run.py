@@ -18,8 +18,9 @@ Flow: corpora (CoNLL-U or jiant JSONL, capped by whole documents) -> task exampl
 each split and context mode, the union of all tasks' spans -> ONE batched extraction into an
 on-disk store (reused on re-runs; :mod:`.extraction`) -> per task: labels encoded and
 features standardised (:mod:`.encoding`), per-site probes with the task's labels and its
-control labels as two heads of one batched fit, then the cumulative prefix mixes (one more
-batched fit) giving Delta, E_Delta and the scalar-mix E_s (:mod:`.fitting`) -> tables
+control labels as two heads of one batched fit, then cumulative scoring (the per-site probes
+stacked on out-of-fold predictions, a convex fit) giving Delta and E_Delta, and the all-sites
+scalar mix giving E_s (:mod:`.fitting`, :mod:`.mixing`) -> tables
 (:mod:`.summaries`).
 
 Documented handling of bad input

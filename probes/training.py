@@ -234,24 +234,31 @@ def _preconditioner(probe: BatchedProbe, feats: Features, names: list, sizes: li
     passes on EWT upos instead of tens). One extra pass over the features, F x F per unit."""
     U, n = probe.U, len(feats)
     Fd = feats.n_spans * feats.d
-    gram = torch.zeros(U, Fd, Fd)
     mix = probe.mix_mask
-    for _, (x, _m) in feats.batches(_chunk(probe, feats)):
-        x = x.float()
-        if mix is not None:
-            w = mix.float() / mix.float().sum(1, keepdim=True)  # uniform weights over each prefix
-            x = (w @ x.reshape(x.shape[0], -1)).reshape(U, -1, Fd)
-        gram.baddbmm_(x.transpose(1, 2), x)
+    gram = getattr(feats, "_gram", None) if mix is None else None  # per-site second moments, reused across fits
+    if gram is None:
+        gram = torch.zeros(U, Fd, Fd)
+        for _, (x, _m) in feats.batches(_chunk(probe, feats)):
+            x = x.float()
+            if mix is not None:
+                w = mix.float() / mix.float().sum(1, keepdim=True)  # uniform weights over each prefix
+                x = (w @ x.reshape(x.shape[0], -1)).reshape(U, -1, Fd)
+            gram.baddbmm_(x.transpose(1, 2), x)
+        gram.div_(n)
+        if mix is None:
+            feats._gram = gram
     lam = 8.0 * float(probe.l2.min().clamp_min(1e-6))
-    gram.div_(n).diagonal(dim1=1, dim2=2).add_(lam)
-    chol = torch.linalg.cholesky(gram)
+    reg = gram.clone()
+    reg.diagonal(dim1=1, dim2=2).add_(lam)
+    inv = torch.cholesky_inverse(torch.linalg.cholesky(reg))  # applied as one batched GEMM per call
+    del reg
     wi = names.index("W")
     start = sum(sizes[:wi])
 
     def M(q):
         out = q.clone()
         w = q[:, start : start + sizes[wi]].reshape(U, Fd, -1)
-        out[:, start : start + sizes[wi]] = torch.cholesky_solve(w, chol).reshape(U, -1)
+        out[:, start : start + sizes[wi]] = torch.bmm(inv, w).reshape(U, -1)
         return out
 
     return M
