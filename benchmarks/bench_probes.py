@@ -5,9 +5,7 @@ and extraction memory against corpus size. UD English EWT train/test sentences, 
 * end to end: ``run_probes(model, "upos", train, test)`` into a fresh store (extraction, site
   probes with control task, scalar mixes, metrics) against the decoder body over the same
   sentences (BOS + tokens, length-sorted batches of <= 2048 tokens);
-* fit: ``BatchedProbe`` + ``train_probe`` + ``predict`` on all 61 sites at once against
-  ``LogisticRegression(C=1/(2*l2*n), max_iter=100)`` fitted and evaluated on every site, looped,
-  on the same standardised float32 features; and the largest per-site accuracy gap (points);
+* (the fit against scikit-learn, both to convergence, is :mod:`benchmarks.bench_probe_fit`);
 * extraction memory: how much the peak resident memory of ``prepare_task`` (above a bare
   forward's over the same sentences in the same batches) grows from one corpus to a 3x larger
   one, over how much the features it returns (store on disk + resident copy) grow: 1.0 is flat
@@ -113,62 +111,6 @@ def _end_to_end(model, train, test, settings: Settings) -> Row:
     )
 
 
-def _fit(model, train, test, settings: Settings) -> list[Row]:
-    import torch
-    from sklearn.linear_model import LogisticRegression
-
-    from depthscope.probes import BatchedProbe, accuracy, predict, prepare_task, train_probe
-    from depthscope.probes.classifiers import DEFAULT_L2
-
-    with tempfile.TemporaryDirectory() as store:
-        td = prepare_task(model, "upos", train, test, store_dir=store, progress=False)
-    ftr, fte = td.feats["train"], td.feats["test"]
-    ytr, yte = td.y["train"], td.y["test"]
-    S, D, C, n = ftr.n_sites, ftr.d, td.n_classes, len(ytr)
-    if ftr.resident is None or ftr.resident.dtype != torch.float32:
-        raise RuntimeError(f"expected resident float32 features, got {getattr(ftr.resident, 'dtype', None)}")
-    Xtr = ftr.resident[:, np.argsort(ftr.order)].numpy()  # the same standardised values, example order
-    Xte = fte.resident[:, np.argsort(fte.order)].numpy()
-    acc = {}
-
-    def ours():
-        p = BatchedProbe(n_sites=S, d=D, n_spans=1, n_classes=C, l2=DEFAULT_L2)
-        train_probe(p, ftr, torch.from_numpy(ytr))
-        preds, _ = predict(p, fte)
-        acc["ours"] = accuracy(preds[:, :, 0], torch.from_numpy(yte)).numpy()
-
-    def sklearn():
-        out = []
-        for s in range(S):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                clf = LogisticRegression(C=1 / (2 * DEFAULT_L2 * n), max_iter=100).fit(Xtr[s], ytr)
-            out.append(float((clf.predict(Xte[s]) == yte).mean()))
-        acc["sklearn"] = np.array(out)
-
-    t = interleave({"ours": ours, "sklearn": sklearn}, settings)
-    gap = np.abs(acc["ours"] - acc["sklearn"]) * 100
-    shape = f"{S} sites, {n} train / {len(yte)} test words, {C} classes, d {D}, l2 {DEFAULT_L2:g}, float32"
-    return [
-        Row(
-            "probe fit speed-up over scikit-learn (all sites)",
-            f"{t['ours'].median:.2f} s ({t['ours'].spread})",
-            f"{t['sklearn'].median:.2f} s ({t['sklearn'].spread})",
-            1 / t["ours"].ratio_to(t["sklearn"]),
-            ">= 10",
-            shape + "; ratio = sklearn / depthscope",
-        ),
-        Row(
-            "probe accuracy gap to scikit-learn, max over sites (points)",
-            f"mean acc {acc['ours'].mean():.4f}",
-            f"mean acc {acc['sklearn'].mean():.4f}",
-            float(gap.max()),
-            "<= 1",
-            f"worst site {int(gap.argmax())}; mean gap {gap.mean():.2f} pt",
-        ),
-    ]
-
-
 def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes") -> dict:
     """(subprocess) Peak resident memory of ``prepare_task`` (extraction into a fresh store in
     batches of <= ``batch_tokens`` tokens, standardised resident features) above the warm model,
@@ -246,7 +188,7 @@ def run(settings: Settings) -> list[Row]:
     train_n, test_n = _sizes(settings.quick)
     model = float32_model()
     train, test = _corpora(train_n, test_n)
-    rows = [_end_to_end(model, train, test, settings)] + _fit(model, train, test, settings)
+    rows = [_end_to_end(model, train, test, settings)]
     rows.append(_memory(settings, train_n, test_n))
     for r in rows:
         r.bench = NAME
