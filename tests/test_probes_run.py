@@ -334,30 +334,3 @@ def test_real_model_agrees_with_sklearn_on_hf_hidden_states(default_model, tmp_p
         ref = (clf.predict((xte[layer] - mu) / sd) == yte).mean()
         assert abs(ours[f"{layer}.mlp"] - ref) < 0.04, (layer, ours, ref)
         assert ref > 0.6
-
-
-@pytest.mark.slow
-def test_expected_layer_is_stable_to_seed_and_epoch_cap(default_model, tmp_path):
-    """Issue 13: on the bundled EWT sample (its first 80 / 40 sentences, the same data in every
-    run) with the real default model, doubling max_epochs or changing the seed moves E_Delta by
-    at most 0.25 block for upos and deprel: probes are trained to convergence and cumulative
-    scoring is convex, so the answer is the data's, not the optimiser's."""
-    from depthscope.probes import ProbeConfig, read_conllu, sample_data
-
-    p = sample_data()
-    train, test = read_conllu(p["ewt_train"], max_sentences=80), read_conllu(p["ewt_test"], max_sentences=40)
-    kw = dict(store_dir=tmp_path, progress=False)
-    base = ProbeConfig(control=False)
-    runs = {
-        name: run_probes(default_model, "upos,deprel", train, test, config=cfg, **kw).summary
-        for name, cfg in [
-            ("base", base),
-            ("cap x2", ProbeConfig(control=False, max_epochs=2 * base.max_epochs)),
-            ("seed 1", ProbeConfig(control=False, seed=1)),
-        ]
-    }
-    e0 = runs["base"].set_index("task")["expected_layer_delta"]
-    assert runs["base"]["converged"].all(), runs["base"][["task", "n_not_converged"]]
-    for name, summ in runs.items():
-        shift = (summ.set_index("task")["expected_layer_delta"] - e0).abs()
-        assert (shift <= 0.25).all(), (name, shift.to_dict())
