@@ -9,7 +9,6 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 ``fit_sites(td, config, l2, progress=)`` per-site probes: the task's labels and its control
                                          labels as two heads of one batched fit, scored on test:
                                          a :class:`SiteFit`
-``train_kwargs(config)``                 the training settings the building blocks take
 =======================================  =======================================================
 
 The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
@@ -32,21 +31,7 @@ from .encoding import TaskData
 from .metrics import accuracy, macro_f1
 from .mixing import fit_cumulative
 from .summaries import cumulative_summary, mixing_rows, site_rows, summary_row
-from .training import TrainLog, log_probs, predict, train_probe
-
-
-def train_kwargs(cfg: ProbeConfig) -> dict:
-    """The settings ``train_probe``-based building blocks take, from ``cfg``."""
-    return dict(
-        max_epochs=cfg.max_epochs,
-        tol=cfg.tol,
-        gtol=cfg.gtol,
-        solver=cfg.solver,
-        min_steps=cfg.min_steps,
-        lr=cfg.lr,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-    )
+from .training import TrainLog, log_probs, predict, train_kwargs, train_probe
 
 
 def pick_l2(acc: np.ndarray, grid=L2_GRID) -> int:

@@ -36,7 +36,7 @@ from .config import ProbeConfig, override
 from .features import Features
 from .metrics import accuracy, macro_f1
 from .solvers import lbfgs
-from .training import TrainLog, log_probs, train_probe
+from .training import TrainLog, log_probs, train_kwargs, train_probe
 
 #: folds of train for the out-of-fold predictions the stacking weights are fitted on
 CROSS_FOLDS = 2
@@ -128,6 +128,21 @@ class CumulativeFit:
         return np.ones(len(self.accuracy))
 
 
+def site_probe(train: Features, n_classes: int, cfg: ProbeConfig) -> BatchedProbe:
+    """One probe per site of ``train`` (one head), with ``cfg``'s kind and penalty."""
+    return BatchedProbe(
+        n_sites=train.n_sites,
+        d=train.d,
+        n_spans=train.n_spans,
+        n_classes=n_classes,
+        l2=numeric_l2(cfg.l2),
+        seed=cfg.seed,
+        kind=cfg.probe,
+        hidden=cfg.hidden,
+        attn_pool=train.tokens,
+    )
+
+
 def out_of_fold(
     train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, folds: int = CROSS_FOLDS, init: dict | None = None
 ) -> torch.Tensor:
@@ -141,20 +156,10 @@ def out_of_fold(
     for k in range(folds):
         tr, ho = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
         ftr, fho = train.subset(tr, seed=cfg.seed), train.subset(ho, seed=cfg.seed)
-        p = BatchedProbe(
-            n_sites=S,
-            d=train.d,
-            n_spans=train.n_spans,
-            n_classes=n_classes,
-            l2=numeric_l2(cfg.l2),
-            seed=cfg.seed,
-            kind=cfg.probe,
-            hidden=cfg.hidden,
-            attn_pool=train.tokens,
-        )
+        p = site_probe(train, n_classes, cfg)
         if init is not None:
             p.load_state_dict(init)
-        train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **_train_settings(cfg), desc=f"fold {k + 1}/{folds}")
+        train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **train_kwargs(cfg), desc=f"fold {k + 1}/{folds}")
         out[:, torch.from_numpy(ho)] = log_probs(p, fho)[:, :, 0]
         del ftr, fho
     return out
@@ -191,19 +196,6 @@ def apply_stack(w: torch.Tensor, b: torch.Tensor, z: torch.Tensor) -> torch.Tens
     return (w @ z.reshape(S, n * C)).view(S, n, C) + b[:, None]
 
 
-def _train_settings(cfg: ProbeConfig) -> dict:
-    return dict(
-        max_epochs=cfg.max_epochs,
-        tol=cfg.tol,
-        gtol=cfg.gtol,
-        solver=cfg.solver,
-        min_steps=cfg.min_steps,
-        lr=cfg.lr,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-    )
-
-
 def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, progress: bool = False, desc="mix"):
     """Tenney's scalar mix over all sites, trained jointly with its probe: ``(weights [S], TrainLog)``."""
     S = train.n_sites
@@ -225,7 +217,7 @@ def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, pr
         torch.as_tensor(np.asarray(y_train))[:, None],
         progress=progress,
         desc=desc,
-        **_train_settings(cfg),
+        **train_kwargs(cfg),
     )
     with torch.no_grad():
         return probe.mix_weights()[0].double().numpy(), log
@@ -253,21 +245,10 @@ def fit_cumulative(
     fitted here), with ``init`` their state dict (one head) to warm-start the fold probes;
     ``overrides`` any config field by name."""
     (cfg,) = override([config or ProbeConfig()], overrides)
-    S = train.n_sites
     yt = torch.as_tensor(np.asarray(y_test))
     if test_log_probs is None:
-        p = BatchedProbe(
-            n_sites=S,
-            d=train.d,
-            n_spans=train.n_spans,
-            n_classes=n_classes,
-            l2=numeric_l2(cfg.l2),
-            seed=cfg.seed,
-            kind=cfg.probe,
-            hidden=cfg.hidden,
-            attn_pool=train.tokens,
-        )
-        train_probe(p, train, torch.as_tensor(np.asarray(y_train))[:, None], desc=desc, **_train_settings(cfg))
+        p = site_probe(train, n_classes, cfg)
+        train_probe(p, train, torch.as_tensor(np.asarray(y_train))[:, None], desc=desc, **train_kwargs(cfg))
         test_log_probs = log_probs(p, test)[:, :, 0]
         init = p.state_dict()
     z_train = out_of_fold(train, y_train, n_classes=n_classes, cfg=cfg, init=init)

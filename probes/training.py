@@ -8,6 +8,7 @@
 ``objective(probe, feats, y)``    the regularised objective per unit ``[U]`` (mean cross-entropy
                                   summed over heads + the L2 term), full batch
 ``auto_batch(n, epochs)``         the minibatch size of the Adam solver when none is given
+``train_kwargs(config)``          the training settings of a ProbeConfig, as train_probe's keywords
 ================================  =============================================================
 
 Two solvers, one stopping rule (:mod:`depthscope.probes.solvers`: a unit has converged when its
@@ -74,6 +75,20 @@ class TrainLog:
     @property
     def all_converged(self) -> bool:
         return bool(np.all(self.converged))
+
+
+def train_kwargs(cfg: ProbeConfig) -> dict:
+    """The settings ``train_probe``-based building blocks take, from ``cfg``."""
+    return dict(
+        max_epochs=cfg.max_epochs,
+        tol=cfg.tol,
+        gtol=cfg.gtol,
+        solver=cfg.solver,
+        min_steps=cfg.min_steps,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+    )
 
 
 def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: int | None = None) -> int:
