@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe
+from .classifiers import BatchedProbe, site_probe
 from .config import L2_GRID, L2_SITES, ProbeConfig
 from .encoding import TaskData
 from .metrics import accuracy, macro_f1
@@ -68,17 +68,7 @@ def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held,
     yt = torch.as_tensor(np.asarray(y_train))[:, None]
     acc, prev = {}, None
     for v in sorted(grid, reverse=True):  # a regularisation path: each fit starts from the stronger one's optimum
-        p = BatchedProbe(
-            n_sites=train.n_sites,
-            d=train.d,
-            n_spans=train.n_spans,
-            n_classes=td.n_classes,
-            kind=cfg.probe,
-            hidden=cfg.hidden,
-            attn_pool=train.tokens,
-            l2=v,
-            seed=cfg.seed,
-        )
+        p = site_probe(train, td.n_classes, cfg, l2=v)
         if prev is not None:
             p.load_state_dict(prev.state_dict())
             p.l2.fill_(v)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .classifiers import BatchedProbe, numeric_l2
+from .classifiers import BatchedProbe, numeric_l2, site_probe
 from .config import ProbeConfig, override
 from .features import Features
 from .metrics import accuracy, macro_f1
@@ -126,21 +126,6 @@ class CumulativeFit:
     def gamma(self) -> np.ndarray:
         """The scalar mix's scale (fixed at 1)."""
         return np.ones(len(self.accuracy))
-
-
-def site_probe(train: Features, n_classes: int, cfg: ProbeConfig) -> BatchedProbe:
-    """One probe per site of ``train`` (one head), with ``cfg``'s kind and penalty."""
-    return BatchedProbe(
-        n_sites=train.n_sites,
-        d=train.d,
-        n_spans=train.n_spans,
-        n_classes=n_classes,
-        l2=numeric_l2(cfg.l2),
-        seed=cfg.seed,
-        kind=cfg.probe,
-        hidden=cfg.hidden,
-        attn_pool=train.tokens,
-    )
 
 
 def out_of_fold(
