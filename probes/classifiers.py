@@ -145,6 +145,13 @@ class BatchedProbe(nn.Module):
         out = torch.einsum("ugbh,ughc->ugbc", h, self.W2.to(dt)).float() + self.b2
         return out.permute(0, 2, 1, 3)
 
+    def unit_logits(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Logits ``[b - a, B, G, C]`` of units ``a .. b-1`` of a per-site linear probe from
+        resident features ``x [S, B, F]`` (one batched product over those units only)."""
+        dt = x.dtype
+        out = torch.baddbmm(self.b[a:b].to(dt), x[a:b], self.W[a:b].to(dt))
+        return out.float().reshape(b - a, x.shape[1], self.G, self.C)
+
     @torch.no_grad()
     def add_penalty_grad_(self) -> None:
         """Add the gradient of :meth:`penalty` to the weights' ``.grad`` in place (one fused

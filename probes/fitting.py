@@ -186,7 +186,7 @@ def fit_task(
     }
     df = site_rows(task, frame, td, scores, fit.l2, probe=cfg.probe, pooling=pooling)
     df["converged"] = fit.log.converged
-    df["epochs"] = fit.log.epochs
+    df["epochs"] = fit.log.unit_epochs if fit.log.unit_epochs is not None else fit.log.epochs
 
     cum_summ, mix_df, cum = cumulative_summary(None, None, cfg.seed), None, None
     if cfg.cumulative and feats["train"].n_sites >= 2:

@@ -3,6 +3,9 @@
 ==========================================  =========================================================
 ``lbfgs(fg, x0, max_evals=, ftol=, gtol=)``  minimise ``U`` objectives ``f_u(x_u)`` given ``fg(x) ->
                                             (f [U], grad [U, P])``; a :class:`Solved`
+``newton(fg, hess, x0, max_iters=, ...)``    the same for small problems whose Hessian ``[U, P, P]``
+                                            is cheap: damped Newton steps with the same line search
+                                            and stopping rule (converges in a few iterations)
 ``Solved``                                  the point, objectives, gradient norms, which units
                                             converged, and the number of evaluations (passes)
 ==========================================  =========================================================
@@ -38,8 +41,9 @@ MAX_BACKTRACKS = 12
 @dataclass
 class Solved:
     """``x [U, P]``, ``f [U]`` (float64), ``grad_max [U]`` (largest absolute gradient entry),
-    ``converged [U]`` (bool), ``evals`` (objective-and-gradient evaluations) and ``history``
-    (the summed objective after each evaluation)."""
+    ``converged [U]`` (bool), ``evals`` (objective-and-gradient evaluations), ``history``
+    (the summed objective after each evaluation) and ``unit_evals [U]`` (the evaluations after
+    which each unit stopped; ``evals`` for units still going at the cap)."""
 
     x: torch.Tensor
     f: torch.Tensor
@@ -47,6 +51,7 @@ class Solved:
     converged: torch.Tensor
     evals: int
     history: list
+    unit_evals: torch.Tensor | None = None
 
 
 def _two_loop(g, S, Y, R, h0, M):
@@ -75,17 +80,27 @@ def lbfgs(
     memory: int = 10,
     precond: Callable | None = None,
     on_eval: Callable | None = None,
+    partial: bool = False,
 ) -> Solved:
     """Minimise ``U`` independent objectives from ``x0 [U, P]``; see the module docstring.
     ``fg(x)`` returns ``(f [U], grad [U, P])``; ``precond(q)`` (optional) applies a fixed
     symmetric positive definite approximation of each unit's inverse Hessian to ``q [U, P]``
     (preconditioned L-BFGS: it only changes the path, not the optimum); ``on_eval(evals)`` is
-    called after each evaluation."""
+    called after each evaluation. ``partial``: ``fg`` is called as ``fg(x, active)`` with
+    ``active [U]`` the units whose values are needed (units that have stopped, or that already
+    passed the current line search, are not); it may return anything for the others."""
     M = precond if precond is not None else (lambda q: q)
     x = x0.detach().clone()
-    f, g = fg(x)
-    evals, history = 1, [float(f.sum())]
     U = x.shape[0]
+    if partial:
+        evaluate = fg
+    else:
+
+        def evaluate(x, _active):
+            return fg(x)
+
+    f, g = evaluate(x, torch.ones(U, dtype=torch.bool))
+    evals, history = 1, [float(f.sum())]
     S, Y, R = [], [], []
 
     def first_step(g):
@@ -96,6 +111,7 @@ def lbfgs(
     fails = torch.zeros(U, dtype=torch.long)
     converged = torch.zeros(U, dtype=torch.bool)
     done = converged.clone()
+    at = torch.zeros(U, dtype=torch.long)
     while not bool(done.all()) and evals < max_evals:
         d = _two_loop(g, S, Y, R, h0, M)
         gd = (g * d).sum(1)
@@ -104,15 +120,19 @@ def lbfgs(
             d[uphill] = -M(g)[uphill] * h0[uphill, None]
             gd = (g * d).sum(1)
         t = torch.where(done, torch.zeros(U), torch.ones(U))
+        need = ~done  # the units whose trial point still has to be evaluated
+        xn, fn, gn = x.clone(), f.clone(), g.clone()
         for _ in range(MAX_BACKTRACKS):
-            xn = x + t[:, None] * d
-            fn, gn = fg(xn)
+            xt = x + t[:, None] * d
+            ft, gt = evaluate(xt, need)
+            xn[need], fn[need], gn[need] = xt[need], ft[need], gt[need]
             evals += 1
             if on_eval is not None:
                 on_eval(evals)
             ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
             if bool(ok.all()) or evals >= max_evals:
                 break
+            need = ~ok
             t = torch.where(ok, t, t * 0.5)
         fails = torch.where(ok, torch.zeros_like(fails), fails + 1)
         keep = ~ok  # failed line search: stay put, forget the curvature memory of that unit
@@ -135,5 +155,80 @@ def lbfgs(
         history.append(float(f.sum()))
         newly = ~done & (g.abs().amax(1) <= gtol) & ((small >= 2) | (fails >= 1))
         converged |= newly
-        done |= newly | (fails >= 2)
-    return Solved(x, f, g.abs().amax(1), converged, evals, history)
+        stop = ~done & (newly | (fails >= 2))
+        at[stop] = evals
+        done |= stop
+    at[~done] = evals
+    return Solved(x, f, g.abs().amax(1), converged, evals, history, at)
+
+
+def newton(
+    fg: Callable,
+    hess: Callable,
+    x0: torch.Tensor,
+    *,
+    max_iters: int,
+    ftol: float = 1e-6,
+    gtol: float = 1e-4,
+    damping: float = 1e-8,
+) -> Solved:
+    """Minimise ``U`` independent convex objectives from ``x0 [U, P]`` by Newton's method:
+    ``fg(x) -> (f [U], grad [U, P])`` (float64), ``hess(x) -> [U, P, P]`` (any float type: it
+    only sets the direction, the line search and the stopping rule use ``fg``). Each iteration
+    solves ``(H + damping * I) d = -g`` per unit (more damping where the Cholesky factorisation
+    fails), then backtracks from step 1 until Armijo's condition holds; convergence and freezing
+    of units as in :func:`lbfgs`. ``evals`` counts Hessians (iterations), ``history`` the
+    summed objective after each."""
+    x = x0.detach().clone().double()
+    f, g = fg(x)
+    U, P = x.shape
+    eye = torch.eye(P, dtype=torch.float64)
+    history, iters = [float(f.sum())], 0
+    small = torch.zeros(U, dtype=torch.long)
+    fails = torch.zeros(U, dtype=torch.long)
+    converged = torch.zeros(U, dtype=torch.bool)
+    done = converged.clone()
+    at = torch.zeros(U, dtype=torch.long)
+    while not bool(done.all()) and iters < max_iters:
+        H = hess(x).double()
+        iters += 1
+        d = torch.zeros_like(x)
+        mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [U]
+        todo = ~done
+        for _ in range(12):  # raise the damping where H + mu I is not numerically positive definite
+            L, info = torch.linalg.cholesky_ex(H[todo] + mu[todo, None, None] * eye)
+            ok = info == 0
+            idx = torch.nonzero(todo)[:, 0]
+            if bool(ok.any()):
+                d[idx[ok]] = -torch.cholesky_solve(g[idx[ok], :, None], L[ok])[..., 0]
+            todo = todo.clone()
+            todo[idx[ok]] = False
+            if not bool(todo.any()):
+                break
+            mu = torch.where(todo, mu * 100.0, mu)
+        gd = (g * d).sum(1)
+        t = torch.where(done | (gd >= 0), torch.zeros(U, dtype=torch.float64), torch.ones(U, dtype=torch.float64))
+        for _ in range(MAX_BACKTRACKS):
+            xn = x + t[:, None] * d
+            fn, gn = fg(xn)
+            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
+            if bool(ok.all()):
+                break
+            t = torch.where(ok, t, t * 0.5)
+        moved = ok & (t > 0)
+        fails = torch.where(moved | done, torch.zeros_like(fails), fails + 1)
+        xn = torch.where(moved[:, None], xn, x)
+        fn = torch.where(moved, fn, f)
+        gn = torch.where(moved[:, None], gn, g)
+        rel = (f - fn) / fn.abs().clamp_min(1e-12)
+        small = torch.where(moved & (rel <= ftol), small + 1, torch.where(moved, torch.zeros_like(small), small))
+        x, f, g = xn, fn, gn
+        history.append(float(f.sum()))
+        gmax = g.abs().amax(1)
+        newly = ~done & (gmax <= gtol) & ((small >= 2) | (fails >= 1))
+        converged |= newly
+        stop = ~done & (newly | (fails >= 2))
+        at[stop] = iters
+        done |= stop
+    at[~done] = iters
+    return Solved(x, f, g.abs().amax(1), converged, iters, history, at)

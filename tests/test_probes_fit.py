@@ -3,6 +3,8 @@ Tenney summaries' arithmetic, and MDL on toys."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -330,3 +332,56 @@ def test_stacking_is_the_optimum_and_never_worse_with_more_sites():
 
     ref = minimize(obj, np.r_[np.eye(u + 1)[u], np.zeros(C)], method="L-BFGS-B", options={"ftol": 1e-14, "gtol": 1e-10})
     assert f[u] == pytest.approx(ref.fun, rel=1e-6, abs=1e-7)
+
+
+def test_stacking_hessian_is_the_exact_hessian():
+    """The Newton steps of the stacking use ``_stack_hessian``: it equals autograd's Hessian of
+    the stacking objective for every prefix (masked sites: identity rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthscope.probes.mixing import _stack_hessian
+
+    g = torch.Generator().manual_seed(0)
+    S, n, C, l2 = 3, 50, 4, 1e-2
+    z = torch.log_softmax(torch.randn(S, n, C, generator=g, dtype=torch.float64), -1)
+    y = torch.randint(0, C, (n,), generator=g)
+    x = torch.randn(S, S + C, generator=g, dtype=torch.float64) * 0.5
+    H = _stack_hessian(z, x, l2)
+    for s in range(S):
+
+        def f(v, s=s):
+            w, b = v[: s + 1], v[S:]
+            logits = torch.einsum("t,tnc->nc", w, z[: s + 1]) + b
+            return F.cross_entropy(logits, y) + l2 * (w * w).sum()
+
+        keep = list(range(s + 1)) + list(range(S, S + C))
+        ref = torch.autograd.functional.hessian(f, x[s])[keep][:, keep]
+        assert torch.allclose(H[s][keep][:, keep].double(), ref, atol=1e-5)
+        masked = [t for t in range(S) if t > s]
+        assert torch.equal(H[s][masked][:, masked], torch.eye(len(masked)))
+
+
+def _all_units(objective, *a, units=None, **k):
+    return objective(*a, **k)
+
+
+def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
+    """L-BFGS evaluates only the units still going (and, in a line search, only those whose
+    step is not yet accepted); the fit equals the one that evaluates every unit at every pass,
+    and the per-unit pass counts differ between sites (so the skipping is exercised)."""
+    from depthscope.probes import training
+
+    x, y = synthetic(1500, S=6, D=12)
+    f = features(x)
+    fits = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(training, "objective", functools.partial(_all_units, training.objective))
+        p = BatchedProbe(n_sites=6, d=12, n_spans=1, n_classes=4, l2=1e-3)
+        log = train_probe(p, f, torch.from_numpy(y))
+        fits.append((p.W.detach().clone(), log))
+    (w1, l1), (w2, l2_) = fits
+    assert l1.all_converged and l1.epochs == l2_.epochs
+    assert np.array_equal(l1.unit_epochs, l2_.unit_epochs) and len(set(l1.unit_epochs.tolist())) > 1
+    assert torch.allclose(w1, w2, atol=1e-6)
