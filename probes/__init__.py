@@ -61,6 +61,7 @@ _EXPORTS = {
     "extract_spans": "activations",
     "BatchedProbe": "classifiers",
     "L2_GRID": "config",
+    "L2_LADDER": "config",
     "DataConfig": "config",
     "ExtractionConfig": "config",
     "ProbeConfig": "config",
@@ -197,6 +198,7 @@ __all__ = [
     "online_codelength",
     "VOITA_FRACTIONS",
     "L2_GRID",
+    "L2_LADDER",
     "word_features",
     "WordFeatures",
 ]

@@ -45,6 +45,10 @@ SOLVERS = ("auto", "lbfgs", "adam")
 #: (weaker penalties, 1e-4 and below, leave near-separable problems that take hundreds of passes
 #: to converge, for no held-out gain there)
 L2_GRID = (3e-3, 1e-2, 3e-2, 1e-1)
+#: where the grid may grow: when the best held-out accuracy is at an end of the values tried,
+#: the next half-decade beyond it is tried too (one at a time, up to the ladder's ends), so the
+#: grid's ends do not decide the penalty
+L2_LADDER = (1e-4, 3e-4, 1e-3) + L2_GRID + (3e-1, 1.0, 3.0)
 #: the penalty is chosen on this many evenly spaced sites (first and last included)
 L2_SITES = 16
 

@@ -13,7 +13,8 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 
 The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
 the one whose probes have the best held-out accuracy averaged over ``L2_SITES`` evenly spaced
-sites (dev split when given, else ``l2_folds`` folds of train; ties to the strongest penalty);
+sites (dev split when given, else ``l2_folds`` folds of train; ties to the strongest penalty),
+trying further half-decades of ``L2_LADDER`` while the best is at an end of the values tried;
 the per-site probes, their control task, the cumulative probes, the scalar mix and MDL all use
 it, and every probe is trained to convergence (:mod:`depthscope.probes.training`).
 """
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from .classifiers import BatchedProbe, site_probe
-from .config import L2_GRID, L2_SITES, ProbeConfig
+from .config import L2_GRID, L2_LADDER, L2_SITES, ProbeConfig
 from .encoding import TaskData
 from .metrics import accuracy, macro_f1
 from .mixing import fit_cumulative
@@ -57,50 +58,79 @@ def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n_sites - 1, min(k, n_sites))).astype(np.int64))
 
 
-def _grid_accuracy(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, progress: bool) -> np.ndarray:
-    """Mean-over-sites accuracy on ``held`` of probes trained on ``train``, one per grid value
-    (on the sites of :func:`l2_sites` when the features are resident)."""
-    grid = list(L2_GRID)
-    if train.resident is not None and held.resident is not None:
-        sites = l2_sites(train.n_sites)
-        train, held = train.with_sites(sites), held.with_sites(sites)
+def _path(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, values, start, progress: bool):
+    """Held-out accuracy (mean over sites) of probes trained on ``train`` at each penalty of
+    ``values``, in that order, each fit warm-started from the previous optimum (``start``: a
+    state dict to begin from, or None). Returns ``({value: accuracy}, {value: state dict})``."""
     yh = torch.from_numpy(np.asarray(y_held))
     yt = torch.as_tensor(np.asarray(y_train))[:, None]
-    acc, prev = {}, None
-    for v in sorted(grid, reverse=True):  # a regularisation path: each fit starts from the stronger one's optimum
+    acc, states, prev = {}, {}, start
+    for v in values:
         p = site_probe(train, td.n_classes, cfg, l2=v)
         if prev is not None:
-            p.load_state_dict(prev.state_dict())
+            p.load_state_dict(prev)
             p.l2.fill_(v)
         train_probe(p, train, yt, progress=progress, desc=f"{td.task} L2 {v:g}", **train_kwargs(cfg))
         pred, _ = predict(p, held)
         acc[v] = float(accuracy(pred[:, :, 0], yh).mean())
-        prev = p
-    return np.array([acc[v] for v in grid])
+        states[v] = prev = {k: t.clone() for k, t in p.state_dict().items()}
+    return acc, states
+
+
+def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
+    """The held-out splits the penalty is chosen on: ``(on, [(train, y_train, held, y_held)])``
+    (dev, else ``l2_folds`` folds of train), on the sites of :func:`l2_sites` when resident."""
+    feats = td.feats
+    train = feats["train"]
+    sites = l2_sites(train.n_sites)
+
+    def narrow(f):
+        return f.with_sites(sites) if f.resident is not None and f.sites is None else f
+
+    if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
+        return "dev", [(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
+    k, n = cfg.l2_folds, len(train)
+    fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
+    base = narrow(train)
+    out = []
+    for i in range(k):
+        tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
+        ftr = narrow(base.subset(tr, max_bytes=resident_bytes, seed=cfg.seed))
+        fho = narrow(base.subset(ho, max_bytes=resident_bytes, seed=cfg.seed))
+        out.append((ftr, td.y["train"][tr], fho, td.y["train"][ho]))
+    return f"{k} folds of train", out
 
 
 def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, progress: bool = False) -> L2Choice:
-    """The task's L2 penalty (see the module docstring)."""
+    """The task's L2 penalty (see the module docstring): ``L2_GRID`` as a regularisation path
+    (strongest first), then, while the best mean held-out accuracy is at an end of the values
+    tried, the next ``L2_LADDER`` value beyond that end (warm-started from the end's optimum)."""
     if cfg.l2 not in ("auto", "dev"):
         return L2Choice(float(cfg.l2), "given", {})
-    feats = td.feats
-    if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
-        acc = _grid_accuracy(td, cfg, feats["train"], td.y["train"], feats["dev"], td.y["dev"], progress)
-        on = "dev"
-    else:
-        k = cfg.l2_folds
-        n = len(feats["train"])
-        fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
-        acc = np.zeros(len(L2_GRID))
-        for i in range(k):
-            tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
-            ftr = feats["train"].subset(tr, max_bytes=resident_bytes, seed=cfg.seed)
-            fho = feats["train"].subset(ho, max_bytes=resident_bytes, seed=cfg.seed)
-            acc += _grid_accuracy(td, cfg, ftr, td.y["train"][tr], fho, td.y["train"][ho], progress) / k
-            del ftr, fho
-        on = f"{k} folds of train"
-    best = pick_l2(acc)
-    return L2Choice(float(L2_GRID[best]), on, {float(v): float(a) for v, a in zip(L2_GRID, acc)})
+    on, splits = _splits(td, cfg, resident_bytes)
+    acc: dict = {}
+    states: list = [{} for _ in splits]
+
+    def run(values, start_at):
+        for i, (tr, ytr, ho, yho) in enumerate(splits):
+            a, st = _path(td, cfg, tr, ytr, ho, yho, values, states[i].get(start_at), progress)
+            states[i].update(st)
+            for v, x in a.items():
+                acc[v] = acc.get(v, 0.0) + x / len(splits)
+
+    run(sorted(L2_GRID, reverse=True), None)
+    ladder = sorted(L2_LADDER)
+    while True:
+        tried = sorted(acc)
+        best = tried[pick_l2([acc[v] for v in tried])]
+        i = ladder.index(best) if best in ladder else -1
+        if best == tried[-1] and 0 <= i < len(ladder) - 1:
+            run([ladder[i + 1]], best)
+        elif best == tried[0] and i > 0:
+            run([ladder[i - 1]], best)
+        else:
+            break
+    return L2Choice(float(best), on, {float(v): float(acc[v]) for v in sorted(acc)})
 
 
 @dataclass

@@ -385,3 +385,33 @@ def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
     assert l1.all_converged and l1.epochs == l2_.epochs
     assert np.array_equal(l1.unit_epochs, l2_.unit_epochs) and len(set(l1.unit_epochs.tolist())) > 1
     assert torch.allclose(w1, w2, atol=1e-6)
+
+
+@pytest.mark.parametrize("peak, chosen", [(0.3, 0.3), (1e-5, 1e-4), (0.02, 0.03)])
+def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak, chosen):
+    """choose_l2 starts from L2_GRID and, while the best held-out accuracy is at an end of the
+    values tried, tries the next L2_LADDER value beyond it (stopping at the ladder's ends), each
+    warm-started from that end's optimum; inside the grid nothing is added."""
+    from depthscope.probes import L2_GRID, L2_LADDER, fitting
+    from depthscope.probes.config import ProbeConfig
+
+    calls = []
+
+    def fake_path(td, cfg, tr, ytr, ho, yho, values, start, progress):
+        calls.append((list(values), start))
+        acc = {v: -abs(np.log10(v) - np.log10(peak)) for v in values}
+        return acc, {v: {"at": v} for v in values}
+
+    monkeypatch.setattr(fitting, "_path", fake_path)
+    monkeypatch.setattr(fitting, "_splits", lambda td, cfg, rb: ("dev", [(None, None, None, None)]))
+    choice = fitting.choose_l2(None, ProbeConfig())
+    assert choice.l2 == chosen and choice.on == "dev"
+    assert calls[0] == (sorted(L2_GRID, reverse=True), None)
+    tried = sorted(choice.heldout)
+    assert set(L2_GRID) <= set(tried) <= set(L2_LADDER)
+    if chosen in L2_GRID and chosen not in (min(L2_GRID), max(L2_GRID)):
+        assert len(calls) == 1  # an interior best: the grid alone
+    else:
+        for values, start in calls[1:]:  # one step beyond an end, from that end's optimum
+            assert len(values) == 1 and start is not None
+        assert chosen == min(tried) or chosen < max(tried)  # the peak is bracketed unless at the ladder's end

@@ -219,13 +219,13 @@ def test_sites_subset_and_l2_from_dev(tiny_llama, tmp_path):
     assert (bs["mdl_uniform_bits"] == bs["n_train"] * np.log2(res.summary["n_classes"].iloc[0])).all()
     assert np.allclose(bs["mdl_compression"], bs["mdl_uniform_bits"] / bs["mdl_online_bits"])
     assert (bs["mdl_compression"] > 1).all()  # the embedding of a random model still names the word
-    from depthscope.probes import L2_GRID
+    from depthscope.probes import L2_GRID, L2_LADDER
 
-    assert res.by_site["l2"].nunique() == 1 and res.by_site["l2"].iloc[0] in L2_GRID  # one penalty per task
+    assert res.by_site["l2"].nunique() == 1 and res.by_site["l2"].iloc[0] in L2_LADDER  # one penalty per task
     s = res.summary.iloc[0]
     assert s["l2_chosen_on"] == "dev" and s["l2"] == res.by_site["l2"].iloc[0]
     acc = dict(kv.split(": ") for kv in s["l2_heldout_accuracy"].split("; "))
-    assert len(acc) == len(L2_GRID) and float(acc[f"{s['l2']:g}"]) == max(map(float, acc.values()))
+    assert {f"{v:g}" for v in L2_GRID} <= set(acc) and float(acc[f"{s['l2']:g}"]) == max(map(float, acc.values()))
     assert res.by_site["depth"].tolist() == [0.0, 1.5, 3.0]
 
 
