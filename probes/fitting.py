@@ -13,8 +13,9 @@ pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulativ
 
 The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
 the one whose probes have the best held-out accuracy averaged over ``L2_SITES`` evenly spaced
-sites (dev split when given, else ``l2_folds`` folds of train; ties to the strongest penalty),
-trying further half-decades of ``L2_LADDER`` while the best is at an end of the values tried;
+sites (dev split when given, else ``l2_folds`` folds of train), trying further half-decades of
+``L2_LADDER`` while the best is at an end of the values tried, and taking the strongest value
+within one standard error of the best (the one-standard-error rule);
 the per-site probes, their control task, the cumulative probes, the scalar mix and MDL all use
 it, and every probe is trained to convergence (:mod:`depthscope.probes.training`).
 """
@@ -35,11 +36,18 @@ from .summaries import cumulative_summary, mixing_rows, site_rows, summary_row
 from .training import TrainLog, log_probs, predict, train_kwargs, train_probe
 
 
-def pick_l2(acc: np.ndarray, grid=L2_GRID) -> int:
-    """Index of the grid value (ascending) with the best mean held-out accuracy ``acc
-    [len(grid)]``; ties (within 1e-9) go to the strongest L2, the simplest probe."""
+def pick_l2(acc: np.ndarray, n_heldout: int | None = None) -> int:
+    """Index of the penalty (values ascending) to use, from the mean held-out accuracy ``acc``
+    of each: the strongest penalty whose accuracy is within one standard error of the best
+    (the one-standard-error rule of cross-validation, as glmnet's ``lambda.1se``; the standard
+    error ``sqrt(a (1 - a) / n_heldout)`` at the best accuracy ``a``), so a difference the
+    held-out sample cannot resolve does not buy a weaker penalty (and the hundreds of passes a
+    near-separable probe needs). ``n_heldout`` None: the best value itself (ties, within 1e-9,
+    to the strongest)."""
     acc = np.asarray(acc, dtype=np.float64)
-    return int(np.flatnonzero(acc >= acc.max() - 1e-9)[-1])
+    best = acc.max()
+    se = float(np.sqrt(best * (1 - best) / n_heldout)) if n_heldout else 0.0
+    return int(np.flatnonzero(acc >= best - se - 1e-9)[-1])
 
 
 @dataclass
@@ -104,7 +112,9 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
 def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, progress: bool = False) -> L2Choice:
     """The task's L2 penalty (see the module docstring): ``L2_GRID`` as a regularisation path
     (strongest first), then, while the best mean held-out accuracy is at an end of the values
-    tried, the next ``L2_LADDER`` value beyond that end (warm-started from the end's optimum)."""
+    tried, the next ``L2_LADDER`` value beyond that end (warm-started from the end's optimum);
+    of the values tried, the strongest within one standard error of the best
+    (:func:`pick_l2`)."""
     if cfg.l2 not in ("auto", "dev"):
         return L2Choice(float(cfg.l2), "given", {})
     on, splits = _splits(td, cfg, resident_bytes)
@@ -120,17 +130,19 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
 
     run(sorted(L2_GRID, reverse=True), None)
     ladder = sorted(L2_LADDER)
-    while True:
+    while True:  # grow the values tried while the most accurate one is at an end
         tried = sorted(acc)
-        best = tried[pick_l2([acc[v] for v in tried])]
-        i = ladder.index(best) if best in ladder else -1
-        if best == tried[-1] and 0 <= i < len(ladder) - 1:
-            run([ladder[i + 1]], best)
-        elif best == tried[0] and i > 0:
-            run([ladder[i - 1]], best)
+        top = tried[pick_l2([acc[v] for v in tried])]
+        i = ladder.index(top) if top in ladder else -1
+        if top == tried[-1] and 0 <= i < len(ladder) - 1:
+            run([ladder[i + 1]], top)
+        elif top == tried[0] and i > 0:
+            run([ladder[i - 1]], top)
         else:
             break
-    return L2Choice(float(best), on, {float(v): float(acc[v]) for v in sorted(acc)})
+    n_held = sum(len(split[3]) for split in splits)
+    chosen = tried[pick_l2([acc[v] for v in tried], n_held)]
+    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried})
 
 
 @dataclass

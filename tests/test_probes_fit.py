@@ -399,11 +399,12 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
 
     def fake_path(td, cfg, tr, ytr, ho, yho, values, start, progress):
         calls.append((list(values), start))
-        acc = {v: -abs(np.log10(v) - np.log10(peak)) for v in values}
+        acc = {v: 0.9 - 0.05 * abs(np.log10(v) - np.log10(peak)) for v in values}
         return acc, {v: {"at": v} for v in values}
 
     monkeypatch.setattr(fitting, "_path", fake_path)
-    monkeypatch.setattr(fitting, "_splits", lambda td, cfg, rb: ("dev", [(None, None, None, None)]))
+    held = range(10**9)  # so large a held-out set that the one-SE rule picks the best itself
+    monkeypatch.setattr(fitting, "_splits", lambda td, cfg, rb: ("dev", [(None, None, None, held)]))
     choice = fitting.choose_l2(None, ProbeConfig())
     assert choice.l2 == chosen and choice.on == "dev"
     assert calls[0] == (sorted(L2_GRID, reverse=True), None)
@@ -415,3 +416,14 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
         for values, start in calls[1:]:  # one step beyond an end, from that end's optimum
             assert len(values) == 1 and start is not None
         assert chosen == min(tried) or chosen < max(tried)  # the peak is bracketed unless at the ladder's end
+
+
+def test_l2_choice_takes_the_strongest_penalty_within_one_standard_error():
+    """pick_l2 (values ascending): the strongest penalty whose held-out accuracy is within one
+    standard error of the best; with an unresolvable difference the stronger one wins."""
+    from depthscope.probes.fitting import pick_l2
+
+    acc = [0.80, 0.805, 0.795]  # se at 0.805: 0.0125 with 1000 held-out examples, 0.0004 with 1e6
+    assert pick_l2(acc, 1000) == 2
+    assert pick_l2(acc, 10**6) == 1
+    assert pick_l2(acc) == 1 and pick_l2([0.8, 0.8, 0.7]) == 1  # no n: the best, ties to the stronger
