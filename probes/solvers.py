@@ -54,6 +54,35 @@ class Solved:
     unit_evals: torch.Tensor | None = None
 
 
+class _Stopping:
+    """The stopping state of ``U`` units, shared by :func:`lbfgs` and :func:`newton` (the rule
+    in the module docstring): ``done`` units are frozen, ``converged`` ones passed the test,
+    ``at`` holds the evaluation count at which each unit stopped."""
+
+    def __init__(self, U: int):
+        self.small = torch.zeros(U, dtype=torch.long)  # consecutive small relative decreases
+        self.fails = torch.zeros(U, dtype=torch.long)  # consecutive failed line searches
+        self.converged = torch.zeros(U, dtype=torch.bool)
+        self.done = torch.zeros(U, dtype=torch.bool)
+        self.at = torch.zeros(U, dtype=torch.long)
+
+    def update(self, accepted, f_prev, f, g, *, ftol: float, gtol: float, count: int) -> None:
+        """After one iteration: ``accepted [U]`` (the line search found a decrease, or the unit
+        is frozen), objectives before and after, the gradient, the evaluation count."""
+        rel = (f_prev - f) / f.abs().clamp_min(1e-12)
+        self.fails = torch.where(accepted, torch.zeros_like(self.fails), self.fails + 1)
+        self.small = torch.where(accepted & (rel <= ftol), self.small + 1, torch.zeros_like(self.small))
+        newly = ~self.done & (g.abs().amax(1) <= gtol) & ((self.small >= 2) | (self.fails >= 1))
+        self.converged |= newly
+        stop = ~self.done & (newly | (self.fails >= 2))
+        self.at[stop] = count
+        self.done |= stop
+
+    def solved(self, x, f, g, count: int, history: list) -> Solved:
+        at = torch.where(self.done, self.at, torch.full_like(self.at, count))
+        return Solved(x, f, g.abs().amax(1), self.converged, count, history, at)
+
+
 def _two_loop(g, S, Y, R, h0, M):
     """The L-BFGS direction ``-H g`` per unit (pairs with ``rho = 0`` are skipped for that unit),
     with ``h0 * M`` as the initial inverse Hessian."""
@@ -107,11 +136,8 @@ def lbfgs(
         return (1.0 / M(g).abs().sum(1).clamp_min(1e-12)).clamp(max=1.0)
 
     h0 = first_step(g)  # first step length, per unit
-    small = torch.zeros(U, dtype=torch.long)
-    fails = torch.zeros(U, dtype=torch.long)
-    converged = torch.zeros(U, dtype=torch.bool)
-    done = converged.clone()
-    at = torch.zeros(U, dtype=torch.long)
+    st = _Stopping(U)
+    done = st.done
     while not bool(done.all()) and evals < max_evals:
         d = _two_loop(g, S, Y, R, h0, M)
         gd = (g * d).sum(1)
@@ -134,7 +160,6 @@ def lbfgs(
                 break
             need = ~ok
             t = torch.where(ok, t, t * 0.5)
-        fails = torch.where(ok, torch.zeros_like(fails), fails + 1)
         keep = ~ok  # failed line search: stay put, forget the curvature memory of that unit
         if bool(keep.any()):
             xn[keep], fn[keep], gn[keep] = x[keep], f[keep], g[keep]
@@ -149,17 +174,11 @@ def lbfgs(
         h0 = torch.where(valid, sy / yy.clamp_min(1e-30), h0)
         if len(S) > memory:
             S.pop(0), Y.pop(0), R.pop(0)
-        rel = (f - fn) / fn.abs().clamp_min(1e-12)
-        small = torch.where(ok & (rel <= ftol), small + 1, torch.zeros_like(small))
+        st.update(ok, f, fn, gn, ftol=ftol, gtol=gtol, count=evals)
+        done = st.done
         x, f, g = xn, fn, gn
         history.append(float(f.sum()))
-        newly = ~done & (g.abs().amax(1) <= gtol) & ((small >= 2) | (fails >= 1))
-        converged |= newly
-        stop = ~done & (newly | (fails >= 2))
-        at[stop] = evals
-        done |= stop
-    at[~done] = evals
-    return Solved(x, f, g.abs().amax(1), converged, evals, history, at)
+    return st.solved(x, f, g, evals, history)
 
 
 def newton(
@@ -184,11 +203,8 @@ def newton(
     U, P = x.shape
     eye = torch.eye(P, dtype=torch.float64)
     history, iters = [float(f.sum())], 0
-    small = torch.zeros(U, dtype=torch.long)
-    fails = torch.zeros(U, dtype=torch.long)
-    converged = torch.zeros(U, dtype=torch.bool)
-    done = converged.clone()
-    at = torch.zeros(U, dtype=torch.long)
+    st = _Stopping(U)
+    done = st.done
     while not bool(done.all()) and iters < max_iters:
         H = hess(x).double()
         iters += 1
@@ -216,19 +232,11 @@ def newton(
                 break
             t = torch.where(ok, t, t * 0.5)
         moved = ok & (t > 0)
-        fails = torch.where(moved | done, torch.zeros_like(fails), fails + 1)
         xn = torch.where(moved[:, None], xn, x)
         fn = torch.where(moved, fn, f)
         gn = torch.where(moved[:, None], gn, g)
-        rel = (f - fn) / fn.abs().clamp_min(1e-12)
-        small = torch.where(moved & (rel <= ftol), small + 1, torch.where(moved, torch.zeros_like(small), small))
+        st.update(moved | done, f, fn, gn, ftol=ftol, gtol=gtol, count=iters)
+        done = st.done
         x, f, g = xn, fn, gn
         history.append(float(f.sum()))
-        gmax = g.abs().amax(1)
-        newly = ~done & (gmax <= gtol) & ((small >= 2) | (fails >= 1))
-        converged |= newly
-        stop = ~done & (newly | (fails >= 2))
-        at[stop] = iters
-        done |= stop
-    at[~done] = iters
-    return Solved(x, f, g.abs().amax(1), converged, iters, history, at)
+    return st.solved(x, f, g, iters, history)
