@@ -336,32 +336,10 @@ def test_real_model_agrees_with_sklearn_on_hf_hidden_states(default_model, tmp_p
         assert ref > 0.6
 
 
-@pytest.mark.slow
-def test_expected_layer_is_stable_across_seeds_on_the_sample(default_model, tmp_path):
-    """Issue 13's stability goal, on the bundled EWT sample with the real model: changing the
-    seed (which redraws the folds the L2 penalty and the cumulative probes are fitted on, and the
-    control labels) moves E_Delta by at most 0.25 block for upos and deprel; every probe has
-    converged before the epoch cap, so a larger cap cannot change the result (the fits are
-    deterministic and stop at convergence: test_cap_beyond_convergence_changes_nothing)."""
-    from depthscope.probes import sample_data
-
-    p = sample_data()
-    runs = [
-        run_probes(
-            default_model, "upos,deprel", p["ewt_train"], p["ewt_test"], seed=seed, store_dir=tmp_path, progress=False
-        ).summary.set_index("task")
-        for seed in (0, 1)
-    ]
-    for task in ("upos", "deprel"):
-        e = [r.loc[task, "expected_layer_delta"] for r in runs]
-        assert abs(e[0] - e[1]) <= 0.25, (task, e)
-        assert all(r.loc[task, "expected_layer_delta_meaningful"] for r in runs)
-        assert all(r.loc[task, "converged"] and not r.loc[task, "hit_max_epochs"] for r in runs), task
-
-
 def test_cap_beyond_convergence_changes_nothing(tiny_llama, tmp_path):
     """Probes stop at convergence, not at the cap: once every fit has converged, doubling
-    max_epochs gives the same tables (the fits are deterministic)."""
+    max_epochs gives the same tables (the fits are deterministic). This is why the GUM runs
+    report no cap shift where every probe converged."""
     out = [
         run_probes(tiny_llama, "upos", EWT_TRAIN, EWT_TEST, store_dir=tmp_path, progress=False, max_epochs=cap)
         for cap in (300, 600)
