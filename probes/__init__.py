@@ -21,7 +21,8 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,
     n_skipped_train, n_skipped_test, kind, probe, pooling, precision, n_overlap_dropped, context,
     total_delta, total_delta_se, expected_layer_delta_meaningful, expected_layer_delta_note (why
-    not), l2, l2_chosen_on, l2_heldout_accuracy, converged, hit_max_epochs, n_not_converged,
+    not), l2, l2_chosen_on, l2_heldout_accuracy, l2_search_not_converged (probes of the penalty
+    search left at the cap), converged, hit_max_epochs, n_not_converged,
     epochs_sites, epochs_cumulative (the stacking's passes), epochs_mix, max_epochs, solver.
     ``.mixing`` columns: task, site, label, layer, sublayer, depth, mix_weight,
     cumulative_score, cumulative_macro_f1, delta, gamma.

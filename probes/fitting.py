@@ -53,11 +53,13 @@ def pick_l2(acc: np.ndarray, n_heldout: int | None = None) -> int:
 @dataclass
 class L2Choice:
     """The task's penalty ``l2``, how it was chosen (``on``: ``given``, ``dev`` or ``k folds of
-    train``) and the held-out accuracy (mean over sites) of each grid value (empty if given)."""
+    train``), the held-out accuracy (mean over sites) of each value tried (empty if given) and
+    how many of the search's probes stopped at the epoch cap before converging."""
 
     l2: float
     on: str
     heldout: dict
+    not_converged: int = 0  # probes of the penalty search that stopped at the cap (all values, splits)
 
 
 def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
@@ -69,20 +71,22 @@ def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
 def _path(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, values, start, progress: bool):
     """Held-out accuracy (mean over sites) of probes trained on ``train`` at each penalty of
     ``values``, in that order, each fit warm-started from the previous optimum (``start``: a
-    state dict to begin from, or None). Returns ``({value: accuracy}, {value: state dict})``."""
+    state dict to begin from, or None). Returns ``({value: accuracy}, {value: state dict},
+    probes that stopped at the cap unconverged)``."""
     yh = torch.from_numpy(np.asarray(y_held))
     yt = torch.as_tensor(np.asarray(y_train))[:, None]
-    acc, states, prev = {}, {}, start
+    acc, states, prev, stuck = {}, {}, start, 0
     for v in values:
         p = site_probe(train, td.n_classes, cfg, l2=v)
         if prev is not None:
             p.load_state_dict(prev)
             p.l2.fill_(v)
-        train_probe(p, train, yt, progress=progress, desc=f"{td.task} L2 {v:g}", **train_kwargs(cfg))
+        lg = train_probe(p, train, yt, progress=progress, desc=f"{td.task} L2 {v:g}", **train_kwargs(cfg))
+        stuck += int((~lg.converged).sum())
         pred, _ = predict(p, held)
         acc[v] = float(accuracy(pred[:, :, 0], yh).mean())
         states[v] = prev = {k: t.clone() for k, t in p.state_dict().items()}
-    return acc, states
+    return acc, states, stuck
 
 
 def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
@@ -120,11 +124,13 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
     on, splits = _splits(td, cfg, resident_bytes)
     acc: dict = {}
     states: list = [{} for _ in splits]
+    stuck = [0]
 
     def run(values, start_at):
         for i, (tr, ytr, ho, yho) in enumerate(splits):
-            a, st = _path(td, cfg, tr, ytr, ho, yho, values, states[i].get(start_at), progress)
+            a, st, n = _path(td, cfg, tr, ytr, ho, yho, values, states[i].get(start_at), progress)
             states[i].update(st)
+            stuck[0] += n
             for v, x in a.items():
                 acc[v] = acc.get(v, 0.0) + x / len(splits)
 
@@ -142,7 +148,7 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
             break
     n_held = sum(len(split[3]) for split in splits)
     chosen = tried[pick_l2([acc[v] for v in tried], n_held)]
-    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried})
+    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck[0])
 
 
 @dataclass
@@ -286,6 +292,7 @@ def _training_summary(
         "l2": choice.l2,
         "l2_chosen_on": choice.on,
         "l2_heldout_accuracy": "; ".join(f"{k:g}: {v:.4f}" for k, v in choice.heldout.items()),
+        "l2_search_not_converged": choice.not_converged,
         "converged": all(lg.all_converged for lg in logs),
         "hit_max_epochs": any(lg.hit_cap for lg in logs),
         "n_not_converged": int(sum((~lg.converged).sum() for lg in logs)),

@@ -400,13 +400,13 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
     def fake_path(td, cfg, tr, ytr, ho, yho, values, start, progress):
         calls.append((list(values), start))
         acc = {v: 0.9 - 0.05 * abs(np.log10(v) - np.log10(peak)) for v in values}
-        return acc, {v: {"at": v} for v in values}
+        return acc, {v: {"at": v} for v in values}, 1
 
     monkeypatch.setattr(fitting, "_path", fake_path)
     held = range(10**9)  # so large a held-out set that the one-SE rule picks the best itself
     monkeypatch.setattr(fitting, "_splits", lambda td, cfg, rb: ("dev", [(None, None, None, held)]))
     choice = fitting.choose_l2(None, ProbeConfig())
-    assert choice.l2 == chosen and choice.on == "dev"
+    assert choice.l2 == chosen and choice.on == "dev" and choice.not_converged == len(calls)
     assert calls[0] == (sorted(L2_GRID, reverse=True), None)
     tried = sorted(choice.heldout)
     assert set(L2_GRID) <= set(tried) <= set(L2_LADDER)
