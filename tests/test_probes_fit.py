@@ -427,3 +427,21 @@ def test_l2_choice_takes_the_strongest_penalty_within_one_standard_error():
     assert pick_l2(acc, 1000) == 2
     assert pick_l2(acc, 10**6) == 1
     assert pick_l2(acc) == 1 and pick_l2([0.8, 0.8, 0.7]) == 1  # no n: the best, ties to the stronger
+
+
+def test_penalty_search_counts_probes_left_at_the_cap():
+    """The penalty search's fits report their probes that stopped at the epoch cap (the summary's
+    l2_search_not_converged): all of them at a 2-pass cap, none at the default cap."""
+    from types import SimpleNamespace
+
+    from depthscope.probes import fitting
+    from depthscope.probes.config import ProbeConfig
+
+    x, y = synthetic(600, S=3, D=8)
+    xt, yt = synthetic(200, S=3, D=8, seed=1)
+    tr = features(x)
+    ho = features(xt, tr)
+    td = SimpleNamespace(task="toy", n_classes=4)
+    for cap, stuck in ((2, 3 * 2), (ProbeConfig().max_epochs, 0)):
+        acc, states, n = fitting._path(td, ProbeConfig(max_epochs=cap), tr, y, ho, yt, [0.1, 0.01], None, False)
+        assert n == stuck and set(acc) == set(states) == {0.1, 0.01}
