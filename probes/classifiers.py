@@ -176,14 +176,15 @@ class BatchedProbe(nn.Module):
         return self.penalty_per_unit().sum()
 
 
-def site_probe(feats, n_classes: int, cfg: ProbeConfig, *, l2=None) -> BatchedProbe:
-    """One probe per site of ``feats`` (one head) with ``cfg``'s kind, hidden units and seed;
-    penalty ``l2`` (None: ``cfg.l2`` as a number)."""
+def site_probe(feats, n_classes: int, cfg: ProbeConfig, *, l2=None, n_heads: int = 1) -> BatchedProbe:
+    """One probe per site of ``feats`` (``n_heads`` label sets) with ``cfg``'s kind, hidden units
+    and seed; penalty ``l2`` (None: ``cfg.l2`` as a number)."""
     return BatchedProbe(
         n_sites=feats.n_sites,
         d=feats.d,
         n_spans=feats.n_spans,
         n_classes=n_classes,
+        n_heads=n_heads,
         l2=numeric_l2(cfg.l2) if l2 is None else l2,
         seed=cfg.seed,
         kind=cfg.probe,

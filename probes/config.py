@@ -93,9 +93,10 @@ class ProbeConfig:
     ``probe``: ``linear`` (softmax regression) or ``mlp`` (one hidden ReLU layer of ``hidden``
     units). ``l2``: the penalty on mean cross-entropy (scikit-learn ``C = 1 / (2 * l2 *
     n_train)``), or ``"auto"``: one value per task from ``L2_GRID`` (grown along ``L2_LADDER``
-    while the best is at an end of the values tried), the one with the best held-out accuracy
-    averaged over sites (on the dev split when there is one, else over ``l2_folds`` folds of
-    train; ties go to the strongest L2); the per-site probes, the control
+    while the best is at an end of the values tried): the strongest value whose held-out
+    accuracy, averaged over sites (on the dev split when there is one, else over ``l2_folds``
+    folds of train), is within one standard error of the best (the one-standard-error rule);
+    the per-site probes, the control
     task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
     requires a dev split. ``solver``: ``lbfgs`` (full batch, linear probes over resident
     features), ``adam`` (minibatch) or ``auto`` (L-BFGS where it applies). Training stops when

@@ -124,13 +124,14 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
     on, splits = _splits(td, cfg, resident_bytes)
     acc: dict = {}
     states: list = [{} for _ in splits]
-    stuck = [0]
+    stuck = 0
 
     def run(values, start_at):
+        nonlocal stuck
         for i, (tr, ytr, ho, yho) in enumerate(splits):
             a, st, n = _path(td, cfg, tr, ytr, ho, yho, values, states[i].get(start_at), progress)
             states[i].update(st)
-            stuck[0] += n
+            stuck += n
             for v, x in a.items():
                 acc[v] = acc.get(v, 0.0) + x / len(splits)
 
@@ -148,7 +149,7 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
             break
     n_held = sum(len(split[3]) for split in splits)
     chosen = tried[pick_l2([acc[v] for v in tried], n_held)]
-    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck[0])
+    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck)
 
 
 @dataclass
@@ -167,21 +168,9 @@ class SiteFit:
 
 def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
     feats = td.feats
-    S = feats["train"].n_sites
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
     y_heads = np.stack(label_sets, 1)
-    p = BatchedProbe(
-        n_sites=S,
-        d=feats["train"].d,
-        n_spans=feats["train"].n_spans,
-        n_classes=td.n_classes,
-        n_heads=y_heads.shape[1],
-        kind=cfg.probe,
-        hidden=cfg.hidden,
-        attn_pool=feats["train"].tokens,
-        l2=l2,
-        seed=cfg.seed,
-    )
+    p = site_probe(feats["train"], td.n_classes, cfg, l2=l2, n_heads=y_heads.shape[1])
     log = train_probe(
         p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
     )

@@ -152,7 +152,7 @@ def out_of_fold(
     return out
 
 
-def stack(z_train: torch.Tensor, y_train, *, l2: float = STACK_L2, max_evals: int = STACK_MAX_ITERS, tol=1e-7):
+def stack(z_train: torch.Tensor, y_train, *, l2: float = STACK_L2, max_iters: int = STACK_MAX_ITERS, tol=1e-7):
     """Stacking weights of every prefix: ``(w [S, S] lower-triangular, b [S, C], TrainLog)``
     minimising ``mean CE(sum_{t<=s} w_st z_t + b_s) + l2 * ||w_s||^2`` for each ``s``, from
     ``w_s = e_s`` (``P(s)`` starts as site ``s``'s own probe). ``z_train [S, N, C]``.
@@ -177,7 +177,7 @@ def stack(z_train: torch.Tensor, y_train, *, l2: float = STACK_L2, max_evals: in
         return f.detach().double(), g
 
     x0 = torch.cat([torch.eye(S), torch.zeros(S, C)], 1).double()
-    sol = newton(fg, lambda x: _stack_hessian(z_train, x, l2), x0, max_iters=max_evals, ftol=tol, gtol=1e-4)
+    sol = newton(fg, lambda x: _stack_hessian(z_train, x, l2), x0, max_iters=max_iters, ftol=tol, gtol=1e-4)
     conv = sol.converged.numpy()
     log = TrainLog("newton", sol.evals, conv, sol.f.numpy(), sol.grad_max.numpy(), bool(not conv.all()), sol.history)
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log
