@@ -105,7 +105,10 @@ class ProbeConfig:
     over train, with a warning and ``converged = False`` in the tables. ``lr``, ``min_steps``,
     ``batch_size`` (None: :func:`~depthscope.probes.training.auto_batch`): the Adam solver's.
     ``control``: train Hewitt & Liang's control task beside (selectivity); ``cumulative``:
-    Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``mdl``: online codelengths
+    Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``stack_draws``: how many fold
+    draws the cumulative probes are stacked on, their test accuracies averaged (each draw
+    refits the per-site probes on each fold: more draws, less of the draw's noise in E_Delta);
+    ``mdl``: online codelengths
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
     feature products compute in (``auto``: see :func:`~depthscope.probes.cpu.resolve_precision`).
     """
@@ -123,6 +126,7 @@ class ProbeConfig:
     hidden: int = 256
     control: bool = True
     cumulative: bool = True
+    stack_draws: int = 8
     mdl: bool = False
     seed: int = 0
     precision: str = "auto"
@@ -137,6 +141,7 @@ class ProbeConfig:
         for name in ("max_epochs", "hidden"):
             check_number(name, getattr(self, name))
         check_number("l2_folds", self.l2_folds, minimum=2)
+        check_number("stack_draws", self.stack_draws)
         for name in ("lr", "tol", "gtol"):
             _positive(name, getattr(self, name))
         check_number("batch_size", self.batch_size, allow_none=True)

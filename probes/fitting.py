@@ -289,5 +289,6 @@ def _training_summary(
         "epochs_cumulative": cum.epochs if cum is not None else np.nan,
         "epochs_mix": cum_mix.epochs if cum_mix is not None else np.nan,
         "max_epochs": cfg.max_epochs,
+        "stack_draws": cfg.stack_draws if cum is not None else np.nan,
         "solver": sites.solver,
     }

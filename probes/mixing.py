@@ -16,9 +16,15 @@ small ridge ``STACK_L2`` on ``w``. Why: the prefix-mix objective is not convex i
 weights, and on EWT upos (default model, 300 sentences) its E_Delta moved between 3.1 and 6.3
 blocks as training went from 10 to 160 full passes, still not converged; the stacked
 ``P(s)`` is the unique optimum of a convex problem: the epoch cap no longer moves E_Delta once
-every probe has converged, and what remains is the fold draw's estimation noise (on GUM, up to
-0.58 block for the default decoder's upos, at most 0.15 for its other tasks;
-``docs/tenney_comparison.md``). It keeps Tenney's question
+every probe has converged. What remains is the fold draw: which train examples the fold
+probes leave out moves the stacking weights a little, and the test accuracy of the late
+prefixes (each flip of one test word) a little more; E_Delta weighs those late accuracies by
+their depth, so one draw's E_Delta is noisy (on GUM dev, default decoder, upos: standard
+deviation 0.29 block over six draws at ``STACK_L2 = 1e-4``, 0.15 at ``1e-2``, with heavy
+tails). The stacking is therefore repeated on
+``ProbeConfig.stack_draws`` fold draws (default 8) and the accuracy of ``P(s)`` is the mean
+over draws, and the interval resamples the draws with the test examples (the shift left between
+seeds: ``docs/tenney_comparison.md``). It keeps Tenney's question
 (how much better can the property be predicted once site ``s`` is available) and scores on
 test like every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp``
 l + 1), so the numbers compare with Tenney's layer numbers; relative depth = E / n_layers.
@@ -42,8 +48,9 @@ from .training import TrainLog, log_probs, train_kwargs, train_probe
 
 #: folds of train for the out-of-fold predictions the stacking weights are fitted on
 CROSS_FOLDS = 2
-#: ridge on the stacking weights (adjacent sites' predictions are nearly collinear)
-STACK_L2 = 1e-4
+#: ridge on the stacking weights: adjacent sites' predictions are nearly collinear, and the ridge spreads
+#: the weight among them (GUM upos, default decoder: one draw's E_Delta sd 0.29 block at 1e-4, 0.15 at 1e-2)
+STACK_L2 = 1e-2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
 
@@ -77,25 +84,32 @@ def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> flo
 def expected_layer_delta_interval(
     depths: Sequence[float], correct, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
 ) -> tuple:
-    """A bootstrap interval for ``E_Delta`` over the test examples: ``correct [S, N]`` says
-    whether prefix probe ``P(s)`` got example ``n`` right; each resample reweights the
-    examples (Poisson(1) weights, all prefixes at once as one matrix product) and recomputes
-    the cumulative accuracies and ``E_Delta``. Returns ``(low, high)``; NaN when undefined.
+    """A bootstrap interval for ``E_Delta``: ``correct [S, N]`` says whether prefix probe
+    ``P(s)`` got test example ``n`` right, ``correct [R, S, N]`` the same for each of ``R`` fold
+    draws (the point estimate then uses their mean accuracy). Each resample reweights the test
+    examples (Poisson(1) weights, all prefixes at once as one matrix product) and, with draws,
+    resamples the draws too (with replacement: a two-level bootstrap), then recomputes the
+    cumulative accuracies and ``E_Delta``. Returns ``(low, high)``; NaN when undefined.
 
-    It measures how much ``E_Delta`` depends on which test examples were drawn, not the
-    variation from retraining: when the total gain ``sum Delta`` is small against the noise
-    of the individual ``Delta(s)``, the interval is wide and ``E_Delta`` should not be read
-    as a depth."""
-    c = torch.as_tensor(np.asarray(correct), dtype=torch.float32)  # [S, N]
-    S, N = c.shape
+    It covers which test examples were drawn and, with ``R > 1``, the fold draws' spread (the
+    training randomness left once every probe is converged); when the total gain ``sum Delta``
+    is small against the noise of the individual ``Delta(s)``, the interval is wide and
+    ``E_Delta`` should not be read as a depth."""
+    c = torch.as_tensor(np.asarray(correct), dtype=torch.float32)
+    if c.dim() == 2:
+        c = c[None]
+    R, S, N = c.shape
     if N == 0 or S < 2:
         return float("nan"), float("nan")
-    g = torch.Generator().manual_seed(seed)
+    g, g_draws = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
     vals = []
     for a in range(0, n_boot, 250):
         k = min(250, n_boot - a)
         w = torch.poisson(torch.ones(k, N), generator=g)  # [k, N]
-        acc = (c @ w.T) / w.sum(1).clamp_min(1)  # [S, k] cumulative accuracies per resample
+        pick = torch.randint(R, (k, R), generator=g_draws)
+        m = torch.zeros(k, R).scatter_add_(1, pick, torch.ones(pick.shape)) / pick.shape[1]  # [k, R] draw weights
+        hits = torch.einsum("kr,rsk->sk", m, c @ w.T)  # [S, k] weighted correct counts, draws mixed
+        acc = hits / w.sum(1).clamp_min(1)  # [S, k] cumulative accuracies per resample
         vals.append(expected_layer_delta(depths, acc.double().numpy()))
     v = np.concatenate(vals)
     v = v[np.isfinite(v)]
@@ -107,13 +121,18 @@ def expected_layer_delta_interval(
 
 @dataclass
 class CumulativeFit:
-    accuracy: np.ndarray  # [S] test accuracy of P(s)
-    macro_f1: np.ndarray  # [S]
-    weights: np.ndarray  # [S, S] stacking weights of P(s) (row s: sites 0..s; zeros above)
+    accuracy: np.ndarray  # [S] test accuracy of P(s), mean over the fold draws
+    macro_f1: np.ndarray  # [S] mean over the fold draws
+    weights: np.ndarray  # [S, S] stacking weights of P(s), mean over the draws (row s: sites 0..s; zeros above)
     mix: np.ndarray  # [S] the all-sites scalar mix's weights (E_s)
-    correct: np.ndarray = None  # [S, N] bool: P(s) right on test example n (for intervals)
-    log: object = None  # TrainLog of the stacking (convergence per prefix)
+    correct: np.ndarray = None  # [R, S, N] bool: P(s) of fold draw r right on test example n (for intervals)
+    log: object = None  # TrainLog of the stacking (convergence per prefix, all draws)
     mix_log: object = None  # TrainLog of the scalar mix
+
+    @property
+    def correct_mean(self) -> np.ndarray:
+        """``[S, N]``: the fraction of fold draws whose ``P(s)`` got test example ``n`` right."""
+        return np.asarray(self.correct, dtype=np.float64).mean(0)
 
     @property
     def delta(self) -> np.ndarray:
@@ -131,13 +150,22 @@ class CumulativeFit:
 
 
 def out_of_fold(
-    train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, folds: int = CROSS_FOLDS, init: dict | None = None
+    train: Features,
+    y_train,
+    *,
+    n_classes: int,
+    cfg: ProbeConfig,
+    folds: int = CROSS_FOLDS,
+    init: dict | None = None,
+    draw: int = 0,
+    desc: str = "",
 ) -> torch.Tensor:
     """Log-probabilities ``[S, N, C]`` of each train example under per-site probes (penalty
-    ``cfg.l2``) trained on the other folds (seeded by ``cfg.seed``); ``init``: a state dict to
-    start each fold's probes from (the full-train probes: near each fold's optimum, so few passes)."""
+    ``cfg.l2``) trained on the other folds; the folds are fold draw ``draw`` of ``cfg.seed``;
+    ``init``: a state dict to start each fold's probes from (the full-train probes: near each
+    fold's optimum, so few passes)."""
     n, S = len(train), train.n_sites
-    fold = np.random.default_rng([cfg.seed, 1729]).permutation(n) % folds
+    fold = np.random.default_rng([cfg.seed, 1729, draw]).permutation(n) % folds
     out = torch.empty(S, n, n_classes)
     y = np.asarray(y_train)
     for k in range(folds):
@@ -146,16 +174,25 @@ def out_of_fold(
         p = site_probe(train, n_classes, cfg)
         if init is not None:
             p.load_state_dict(init)
-        train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **train_kwargs(cfg), desc=f"fold {k + 1}/{folds}")
+        train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **train_kwargs(cfg), desc=f"{desc}fold {k + 1}/{folds}")
         out[:, torch.from_numpy(ho)] = log_probs(p, fho)[:, :, 0]
         del ftr, fho
     return out
 
 
-def stack(z_train: torch.Tensor, y_train, *, l2: float = STACK_L2, max_iters: int = STACK_MAX_ITERS, tol=1e-7):
+def stack(
+    z_train: torch.Tensor,
+    y_train,
+    *,
+    l2: float = STACK_L2,
+    max_iters: int = STACK_MAX_ITERS,
+    tol=1e-7,
+    init: tuple | None = None,
+):
     """Stacking weights of every prefix: ``(w [S, S] lower-triangular, b [S, C], TrainLog)``
     minimising ``mean CE(sum_{t<=s} w_st z_t + b_s) + l2 * ||w_s||^2`` for each ``s``, from
-    ``w_s = e_s`` (``P(s)`` starts as site ``s``'s own probe). ``z_train [S, N, C]``.
+    ``w_s = e_s`` (``P(s)`` starts as site ``s``'s own probe), or from ``init = (w, b)`` (another
+    fold draw's solution: near this one's, so fewer iterations). ``z_train [S, N, C]``.
 
     Each prefix is a small convex problem (at most ``S + C`` parameters), solved by Newton's
     method (:func:`~depthscope.probes.solvers.newton`) with the exact Hessian
@@ -176,7 +213,8 @@ def stack(z_train: torch.Tensor, y_train, *, l2: float = STACK_L2, max_iters: in
         (g,) = torch.autograd.grad(f.sum(), x)
         return f.detach().double(), g
 
-    x0 = torch.cat([torch.eye(S), torch.zeros(S, C)], 1).double()
+    w0, b0 = init if init is not None else (torch.eye(S), torch.zeros(S, C))
+    x0 = torch.cat([w0, b0], 1).double()
     sol = newton(fg, lambda x: _stack_hessian(z_train, x, l2), x0, max_iters=max_iters, ftol=tol, gtol=1e-4)
     conv = sol.converged.numpy()
     log = TrainLog("newton", sol.evals, conv, sol.f.numpy(), sol.grad_max.numpy(), bool(not conv.all()), sol.history)
@@ -264,7 +302,9 @@ def fit_cumulative(
     penalty and training of the per-site probes (linear); ``test_log_probs [S, N_test, C]``:
     the full-train per-site probes' log-probabilities on test when already computed (else
     fitted here), with ``init`` their state dict (one head) to warm-start the fold probes;
-    ``overrides`` any config field by name."""
+    ``overrides`` any config field by name. The stacking runs on ``cfg.stack_draws`` fold draws
+    (each draw's Newton solve starting from the previous draw's weights); accuracies, F1 and
+    weights are means over the draws, ``correct`` keeps each draw's."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     yt = torch.as_tensor(np.asarray(y_test))
     if test_log_probs is None:
@@ -272,20 +312,46 @@ def fit_cumulative(
         train_probe(p, train, torch.as_tensor(np.asarray(y_train))[:, None], desc=desc, **train_kwargs(cfg))
         test_log_probs = log_probs(p, test)[:, :, 0]
         init = p.state_dict()
-    z_train = out_of_fold(train, y_train, n_classes=n_classes, cfg=cfg, init=init)
-    w, b, log = stack(z_train, y_train)
-    with torch.no_grad():
-        preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]
-    acc = accuracy(preds, yt).numpy()
-    f1 = macro_f1(preds, yt, n_eval_classes).numpy()
+    R = cfg.stack_draws
+    acc, f1, ws, correct, logs, prev = [], [], [], [], [], None
+    for r in range(R):
+        z_train = out_of_fold(
+            train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
+        )
+        w, b, lg = stack(z_train, y_train, init=prev)
+        prev = (w, b)
+        with torch.no_grad():
+            preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]
+        acc.append(accuracy(preds, yt).numpy())
+        f1.append(macro_f1(preds, yt, n_eval_classes).numpy())
+        ws.append(w.detach().double().numpy())
+        correct.append((preds == yt[None]).numpy())
+        logs.append(lg)
+        del z_train
     mix, mix_log = scalar_mix(train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix")
-    correct = (preds == yt[None]).numpy()
     return CumulativeFit(
-        acc.astype(np.float64),
-        f1.astype(np.float64),
-        w.detach().double().numpy(),
+        np.mean(acc, 0, dtype=np.float64),
+        np.mean(f1, 0, dtype=np.float64),
+        np.mean(ws, 0),
         mix,
-        correct,
-        log,
+        np.stack(correct),
+        _merge_logs(logs),
         mix_log,
+    )
+
+
+def _merge_logs(logs: list) -> TrainLog:
+    """One TrainLog for the stacking of every fold draw: a prefix converged when it did in every
+    draw; ``epochs``: the most iterations a draw took; objectives and gradients of the last draw."""
+    last = logs[-1]
+    conv = np.logical_and.reduce([lg.converged for lg in logs])
+    history = [h for lg in logs for h in lg.history]
+    return TrainLog(
+        last.solver,
+        max(lg.epochs for lg in logs),
+        conv,
+        last.objective,
+        last.grad_max,
+        any(lg.hit_cap for lg in logs),
+        history,
     )

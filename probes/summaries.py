@@ -68,11 +68,12 @@ def site_rows(task: str, frame: pd.DataFrame, td, scores: dict, l2, *, probe: st
 def cumulative_summary(depths, cum, seed: int) -> dict:
     """Summary values of a cumulative fit (all NaN when ``cum`` is None).
 
-    The interval (``expected_layer_delta_lo/_hi``) is a 95% bootstrap over test examples. It
-    stands for training randomness too: every probe is trained to convergence from zero
-    weights, so the fit is a function of the data and the penalty, not of the seed (the seed
-    only draws the control labels and the folds that choose the penalty); the stability test
-    and ``docs/tenney_comparison.md`` measure the residual shift (seed, doubled ``max_epochs``).
+    The interval (``expected_layer_delta_lo/_hi``) is a 95% two-level bootstrap over test
+    examples and the fold draws the cumulative probes are stacked on. It covers training
+    randomness: every probe is trained to convergence from zero weights, so what the seed
+    still changes is the control labels, the folds that choose the penalty and the stacking's
+    fold draws (whose spread the bootstrap resamples); the stability test and
+    ``docs/tenney_comparison.md`` measure the residual shift (seed, doubled ``max_epochs``).
     ``expected_layer_delta_meaningful`` is False when the total gain is below ``MIN_GAIN`` or
     ``GAIN_SE`` standard errors (the note says why)."""
     if cum is None:
@@ -89,7 +90,8 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         return out
     lo, hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
     gain = float(cum.accuracy[-1] - cum.accuracy[0])
-    diff = cum.correct[-1].astype(np.float64) - cum.correct[0].astype(np.float64)  # paired, per test example
+    hits = cum.correct_mean  # [S, N] fraction of fold draws right
+    diff = hits[-1] - hits[0]  # paired, per test example
     se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
     ok = bool(gain >= MIN_GAIN and gain >= GAIN_SE * se)
     note = (

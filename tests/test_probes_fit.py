@@ -266,7 +266,8 @@ def test_cumulative_mix_finds_the_informative_site():
     assert np.allclose(np.triu(cum.weights, 1), 0)  # P(s) reads sites 0..s only
     assert np.abs(cum.weights[2:, 2]).min() > 0.5  # every prefix from 2 on leans on site 2
     # the bootstrap interval: the jump at site 2 is clear, so it is tight around depth 1
-    assert np.allclose(cum.correct.mean(1), cum.accuracy)
+    assert cum.correct.shape == (8, 4, 1000)  # the default 8 fold draws, each scored on test
+    assert np.allclose(cum.correct.mean((0, 2)), cum.accuracy)
     lo, hi = expected_layer_delta_interval(depths, cum.correct)
     assert lo <= expected_layer_delta(depths, cum.accuracy) <= hi and 0.8 < lo and hi < 1.2
 
@@ -282,6 +283,25 @@ def test_expected_layer_delta_interval_widens_with_noise():
     lo, hi = expected_layer_delta_interval(depths, noisy, seed=1)
     assert hi - lo > 1.0
     assert np.isnan(expected_layer_delta_interval(depths, correct[:, :0])[0])
+
+
+def test_expected_layer_delta_interval_resamples_fold_draws():
+    """With fold draws ``[R, S, N]``: identical draws give the one-draw interval exactly; draws
+    that disagree widen it beyond the test-sample interval of their mean, and it covers each
+    draw's own E_Delta."""
+    depths = [0, 1, 2]
+    rng = np.random.default_rng(0)
+    one = rng.random((3, 400)) < np.array([[0.3], [0.6], [0.7]])
+    same = expected_layer_delta_interval(depths, np.stack([one] * 5))
+    assert same == pytest.approx(expected_layer_delta_interval(depths, one), rel=1e-6)  # float32 sums
+    # draws differ in where the gain comes: site 1 (E = 1) or site 2 (E = 2)
+    early = rng.random((3, 400)) < np.array([[0.3], [0.7], [0.7]])
+    late = rng.random((3, 400)) < np.array([[0.3], [0.3], [0.7]])
+    draws = np.stack([early, late] * 3)
+    lo, hi = expected_layer_delta_interval(depths, draws)
+    mean_only = expected_layer_delta_interval(depths, draws.mean(0))
+    assert hi - lo > 1.5 * (mean_only[1] - mean_only[0])
+    assert lo <= expected_layer_delta(depths, draws.mean((0, 2))) <= hi
 
 
 def test_mdl_online_codelength_on_toys():
