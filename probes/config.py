@@ -126,7 +126,7 @@ class ProbeConfig:
     hidden: int = 256
     control: bool = True
     cumulative: bool = True
-    stack_draws: int = 8
+    stack_draws: int = 2
     mdl: bool = False
     seed: int = 0
     precision: str = "auto"

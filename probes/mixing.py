@@ -19,12 +19,13 @@ blocks as training went from 10 to 160 full passes, still not converged; the sta
 every probe has converged. What remains is the fold draw: which train examples the fold
 probes leave out moves the stacking weights a little, and the test accuracy of the late
 prefixes (each flip of one test word) a little more; E_Delta weighs those late accuracies by
-their depth, so one draw's E_Delta is noisy (on GUM dev, default decoder, upos: standard
-deviation 0.29 block over six draws at ``STACK_L2 = 1e-4``, 0.15 at ``1e-2``, with heavy
-tails). The stacking is therefore repeated on
-``ProbeConfig.stack_draws`` fold draws (default 8) and the accuracy of ``P(s)`` is the mean
-over draws, and the interval resamples the draws with the test examples (the shift left between
-seeds: ``docs/tenney_comparison.md``). It keeps Tenney's question
+their depth, so one draw's E_Delta is noisy (on GUM dev, default decoder, upos: a standard
+deviation of about 0.4 block from draw to draw at ``STACK_L2 = 1e-4``, about 0.34 at ``1e-2``,
+heavy-tailed). The stacking is therefore repeated on ``ProbeConfig.stack_draws`` fold draws
+(default 2: each draw refits every per-site probe on each fold, and a draw costs about as much
+as the per-site fit), the accuracy of ``P(s)`` is the mean over draws, and the interval
+resamples the draws with the test examples, so it covers the draws' spread; the shift left
+between seeds is in ``docs/tenney_comparison.md``. It keeps Tenney's question
 (how much better can the property be predicted once site ``s`` is available) and scores on
 test like every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp``
 l + 1), so the numbers compare with Tenney's layer numbers; relative depth = E / n_layers.
@@ -49,7 +50,7 @@ from .training import TrainLog, log_probs, train_kwargs, train_probe
 #: folds of train for the out-of-fold predictions the stacking weights are fitted on
 CROSS_FOLDS = 2
 #: ridge on the stacking weights: adjacent sites' predictions are nearly collinear, and the ridge spreads
-#: the weight among them (GUM upos, default decoder: one draw's E_Delta sd 0.29 block at 1e-4, 0.15 at 1e-2)
+#: the weight among them (GUM upos, default decoder, six fold draws: E_Delta sd 0.29 block at 1e-4, 0.15 at 1e-2)
 STACK_L2 = 1e-2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50

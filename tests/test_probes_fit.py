@@ -266,7 +266,7 @@ def test_cumulative_mix_finds_the_informative_site():
     assert np.allclose(np.triu(cum.weights, 1), 0)  # P(s) reads sites 0..s only
     assert np.abs(cum.weights[2:, 2]).min() > 0.5  # every prefix from 2 on leans on site 2
     # the bootstrap interval: the jump at site 2 is clear, so it is tight around depth 1
-    assert cum.correct.shape == (8, 4, 1000)  # the default 8 fold draws, each scored on test
+    assert cum.correct.shape == (2, 4, 1000)  # the default 2 fold draws, each scored on test
     assert np.allclose(cum.correct.mean((0, 2)), cum.accuracy)
     lo, hi = expected_layer_delta_interval(depths, cum.correct)
     assert lo <= expected_layer_delta(depths, cum.accuracy) <= hi and 0.8 < lo and hi < 1.2
