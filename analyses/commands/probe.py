@@ -37,6 +37,7 @@ def job_config(o: dict):
             probe=o["probe_kind"],
             l2=l2,
             max_epochs=o["max_epochs"],
+            stack_draws=o["stack_draws"],
             mdl=o["mdl"],
             seed=o["seed"],
             precision=o["precision"],
@@ -170,6 +171,13 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Cap on passes over train: probes train until they converge; "
             "hitting the cap warns and is recorded (converged=False).",
+        ),
+        stack_draws: int = typer.Option(
+            _P.stack_draws,
+            "--stack-draws",
+            min=1,
+            help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
+            "the interval resamples them. Each draw refits every site probe on each fold.",
         ),
         precision: str = typer.Option(
             _P.precision,
