@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from .classifiers import BatchedProbe, numeric_l2, site_probe
 from .config import ProbeConfig, override
 from .features import Features
-from .metrics import accuracy, macro_f1
+from .metrics import macro_f1
 from .solvers import newton
 from .training import TrainLog, log_probs, train_kwargs, train_probe
 
@@ -314,7 +314,7 @@ def fit_cumulative(
         test_log_probs = log_probs(p, test)[:, :, 0]
         init = p.state_dict()
     R = cfg.stack_draws
-    acc, f1, ws, correct, logs, prev = [], [], [], [], [], None
+    f1, ws, correct, logs, prev = [], [], [], [], None
     for r in range(R):
         z_train = out_of_fold(
             train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
@@ -323,19 +323,19 @@ def fit_cumulative(
         prev = (w, b)
         with torch.no_grad():
             preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]
-        acc.append(accuracy(preds, yt).numpy())
         f1.append(macro_f1(preds, yt, n_eval_classes).numpy())
         ws.append(w.detach().double().numpy())
         correct.append((preds == yt[None]).numpy())
         logs.append(lg)
         del z_train
     mix, mix_log = scalar_mix(train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix")
+    correct = np.stack(correct)  # [R, S, N]
     return CumulativeFit(
-        np.mean(acc, 0, dtype=np.float64),
+        correct.mean((0, 2), dtype=np.float64),  # accuracy of P(s), mean over the draws
         np.mean(f1, 0, dtype=np.float64),
         np.mean(ws, 0),
         mix,
-        np.stack(correct),
+        correct,
         _merge_logs(logs),
         mix_log,
     )
