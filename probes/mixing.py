@@ -11,7 +11,7 @@ of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)
 ``P(s)`` here is a *convex* cumulative probe, not Tenney's jointly trained prefix mix: it
 combines the converged per-site probes of sites ``0..s``, ``logits = sum_{t<=s} w_t log p_t(y|x)
 + b`` (stacking; Wolpert 1992), with ``w, b`` fitted on out-of-fold predictions of train
-(``CROSS_FOLDS`` folds: the per-site probes are refitted without the fold they predict) and a
+(``CROSS_FOLDS`` folds: the per-site probes are refitted without the fold they predict) and
 a ridge ``STACK_L2`` on ``w``. Why: the prefix-mix objective is not convex in the mixing
 weights, and on EWT upos (default model, 300 sentences) its E_Delta moved between 3.1 and 6.3
 blocks as training went from 10 to 160 full passes, still not converged; the stacked
