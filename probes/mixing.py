@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .classifiers import BatchedProbe, numeric_l2, site_probe
 from .config import ProbeConfig, override
@@ -205,14 +204,16 @@ def stack(
     y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
     zflat = z_train.reshape(S, n * C).double()  # float64: cheap here, and no float32 floor on the tolerance
 
-    def fg(x):
-        x = x.detach().requires_grad_(True)
+    def fg(x):  # analytic gradient: one [S, S] x [S, N C] product each way
         w, b = x[:, :S] * mask, x[:, S:]
         logits = (w @ zflat).view(S, n, C) + b[:, None]
-        ce = F.cross_entropy(logits.reshape(-1, C), y.repeat(S), reduction="none").view(S, n).mean(1)
-        f = ce + l2 * (w * w).sum(1)
-        (g,) = torch.autograd.grad(f.sum(), x)
-        return f.detach().double(), g
+        logp = torch.log_softmax(logits, -1)
+        f = -logp.gather(2, y.expand(S, n)[..., None]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
+        r = logp.exp_()
+        r.scatter_add_(2, y.expand(S, n)[..., None], torch.full((S, n, 1), -1.0, dtype=r.dtype))
+        r /= n  # d mean CE / d logits
+        gw = (r.view(S, n * C) @ zflat.T) * mask + 2.0 * l2 * w
+        return f, torch.cat([gw, r.sum(1)], 1)
 
     w0, b0 = init if init is not None else (torch.eye(S), torch.zeros(S, C))
     x0 = torch.cat([w0, b0], 1).double()
@@ -223,30 +224,41 @@ def stack(
 
 
 @torch.no_grad()
-def _stack_hessian(z: torch.Tensor, x: torch.Tensor, l2: float) -> torch.Tensor:
+def _stack_hessian(z: torch.Tensor, x: torch.Tensor, l2: float, *, chunk: int = 2048) -> torch.Tensor:
     """The stacking objective's Hessian for every prefix ``[S, S + C, S + C]`` at ``x [S, S + C]``
     (weights, then biases). With ``p`` the prefix's softmax and ``m_t = sum_c p_c z_tc`` per
     example: ``H_ww[t, t'] = mean(sum_c p_c z_tc z_t'c - m_t m_t') + 2 l2 [t = t']``,
     ``H_wb[t, c] = mean(p_c (z_tc - m_t))``, ``H_bb = mean(diag(p) - p p^T)``; rows and columns of
-    the sites a prefix cannot use are the identity. Float32 products (it only steers the step)."""
+    the sites a prefix cannot use are the identity. Float32 products (it only steers the step),
+    summed over chunks of ``chunk`` examples: every prefix's softmax in one product, the
+    ``m``, ``H_wb`` and ``H_bb`` terms as batched products over all prefixes, and the
+    ``sum_c p_c z_tc z_t'c`` term one product per prefix over its own sites only."""
     S, n, C = z.shape
     z = z.float()
+    mask = torch.tril(torch.ones(S, S))
+    w, b = x[:, :S].float() * mask, x[:, S:].float()
+    hww, hwb, hbb = torch.zeros(S, S, S), torch.zeros(S, S, C), torch.zeros(S, C, C)
+    for a in range(0, n, chunk):
+        zc = z[:, a : a + chunk]  # [T, B, C]
+        B = zc.shape[1]
+        p = torch.softmax((w @ zc.reshape(S, B * C)).view(S, B, C) + b[:, None], -1)  # [S, B, C]
+        m = torch.bmm(p.transpose(0, 1), zc.permute(1, 2, 0)).permute(1, 2, 0)  # [S, T, B]: m[s, t] = sum_c p_s z_t
+        hww -= torch.bmm(m, m.transpose(1, 2))
+        hwb += torch.bmm(p.permute(2, 0, 1), zc.permute(2, 1, 0)).permute(1, 2, 0) - torch.bmm(m, p)
+        hbb += torch.diag_embed(p.sum(1)) - torch.bmm(p.transpose(1, 2), p)
+        ps = p.sqrt()
+        for s in range(S):
+            zp = (zc[: s + 1] * ps[s]).reshape(s + 1, B * C)
+            hww[s, : s + 1, : s + 1] += zp @ zp.T
+    hww /= n
+    hww.diagonal(dim1=1, dim2=2).add_(2.0 * l2)
+    keep = mask.bool()  # [s, t]: site t usable by prefix s
+    pair = keep[:, :, None] & keep[:, None, :]
     H = torch.zeros(S, S + C, S + C)
-    H[:, :S, :S] = torch.eye(S)
-    for s in range(S):
-        w, b = x[s, : s + 1].float(), x[s, S:].float()
-        zs = z[: s + 1]  # [s+1, n, C]
-        p = torch.softmax(torch.einsum("t,tnc->nc", w, zs) + b, -1)  # [n, C]
-        m = torch.einsum("tnc,nc->tn", zs, p)  # [s+1, n]
-        zp = (zs * p.sqrt()).reshape(s + 1, n * C)
-        hww = (zp @ zp.T - m @ m.T) / n
-        hww.diagonal().add_(2.0 * l2)
-        hwb = torch.einsum("tnc,nc->tc", zs - m[..., None], p) / n
-        hbb = torch.diag(p.mean(0)) - p.T @ p / n
-        H[s, : s + 1, : s + 1] = hww
-        H[s, : s + 1, S:] = hwb
-        H[s, S:, : s + 1] = hwb.T
-        H[s, S:, S:] = hbb
+    H[:, :S, :S] = torch.where(pair, hww, torch.eye(S).expand(S, S, S))
+    H[:, :S, S:] = hwb / n * keep[..., None]
+    H[:, S:, :S] = H[:, :S, S:].transpose(1, 2)
+    H[:, S:, S:] = hbb / n
     return H
 
 
