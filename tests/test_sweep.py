@@ -152,3 +152,32 @@ def test_sweep_plots(series, tmp_path):
     assert p.stat().st_size > 5000 and q.stat().st_size > 5000
     with pytest.raises(KeyError):
         plot_checkpoint_heatmap(df, "nope", tmp_path / "x.png")
+
+
+def test_sweep_cli_probe_takes_the_probe_protocol(series, tmp_path):
+    """``depthscope sweep --analysis probe`` takes the probe options of ``depthscope probe``
+    (cap, fold draws, seed) and they reach every checkpoint's run; options of another analysis
+    are refused, not ignored."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from depthscope.analyses.cli import app
+
+    ud = os.path.join(os.path.dirname(__file__), "fixtures", "ud")
+    out = tmp_path / "sweep"
+    args = ["sweep", str(series / "step0"), str(series / "step60"), "--analysis", "probe", "--task", "upos"]
+    args += ["--train", os.path.join(ud, "ewt_tiny_train.conllu"), "--test", os.path.join(ud, "ewt_tiny_test.conllu")]
+    args += ["--max-train-sentences", "20", "--max-epochs", "7", "--stack-draws", "1", "--seed", "3", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    summ = pd.read_parquet(out / "sweep_summary.parquet")
+    assert len(summ) == 2
+    assert (summ["max_epochs"] == 7).all() and (summ["stack_draws"] == 1).all() and (summ["seed"] == 3).all()
+    for bad, flag in (
+        (["--analysis", "lens", "--seed", "3"], "--seed"),
+        (["--analysis", "probe", "--max-docs", "5"], "--max-docs"),
+    ):
+        r = CliRunner().invoke(app, ["sweep", str(series / "step0"), *bad, "--out", str(tmp_path / "x")])
+        assert r.exit_code == 2 and flag in r.output and "only apply to" in r.output and "Traceback" not in r.output
+        assert not (tmp_path / "x").exists()  # refused before any output

@@ -54,6 +54,12 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Cap on passes over train for every probe (they train to convergence; as in depthscope probe).",
         ),
+        stack_draws: int = typer.Option(
+            _P.stack_draws,
+            "--stack-draws",
+            min=1,
+            help="Fold draws the cumulative probes (E_Delta) are stacked on (as in depthscope probe).",
+        ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens."),
@@ -76,7 +82,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"no such file: {f}")
         _check_out(out, model, files, force)
         probe, data_cfg = (
-            ProbeConfig(max_epochs=max_epochs, seed=seed).validate(),
+            ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, seed=seed).validate(),
             DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences).validate(),
         )
         prepare_out(out, "run", None, force)

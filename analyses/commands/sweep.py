@@ -6,10 +6,12 @@ from pathlib import Path
 
 import typer
 
-from ..jobs.sweep import SweepJobConfig
-from .common import DeviceOpt, DtypeOpt
+from depthscope.probes.config import ProbeConfig
 
-_S = SweepJobConfig()
+from ..jobs.sweep import SweepJobConfig
+from .common import DeviceOpt, DtypeOpt, SeedOpt
+
+_S, _P = SweepJobConfig(), ProbeConfig()
 
 
 def register(app: typer.Typer) -> None:
@@ -45,6 +47,13 @@ def register(app: typer.Typer) -> None:
         max_test_sentences: int | None = typer.Option(
             None, "--max-test-sentences", min=1, help="Cap probe test data at N sentences (probe)."
         ),
+        max_epochs: int = typer.Option(
+            _P.max_epochs, "--max-epochs", min=1, help="Cap on passes over train for every probe (probe)."
+        ),
+        stack_draws: int = typer.Option(
+            _P.stack_draws, "--stack-draws", min=1, help="Fold draws of the cumulative probes, E_Delta (probe)."
+        ),
+        seed: int = SeedOpt,
         metric: str | None = typer.Option(
             None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
         ),
@@ -96,10 +105,25 @@ def register(app: typer.Typer) -> None:
             test=test,
             max_train_sentences=max_train_sentences,
             max_test_sentences=max_test_sentences,
+            probe=ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, seed=seed),
             metric=metric,
             allow_mixed=allow_mixed,
             overwrite=overwrite,
         ).validate()
+        _one_analysis_options(
+            analysis,
+            probe={
+                "--task": task != ",".join(_S.tasks),
+                "--train": train is not None,
+                "--test": test is not None,
+                "--max-train-sentences": max_train_sentences is not None,
+                "--max-test-sentences": max_test_sentences is not None,
+                "--max-epochs": max_epochs != _P.max_epochs,
+                "--stack-draws": stack_draws != _P.stack_draws,
+                "--seed": seed != _P.seed,
+            },
+            text={"--text": text is not None, "--max-docs": max_docs != _S.max_docs},
+        )
         if engine not in ("local", "ray"):
             raise typer.BadParameter(f"--engine must be local or ray, not {engine!r}")
         if engine == "local" and (address is not None or gpus_per_task):
@@ -149,3 +173,11 @@ def register(app: typer.Typer) -> None:
         docs = read_documents(text) if text else sample_texts()
         paths = train_tiny_series(out, docs, tok, steps=steps, save_every=save_every)
         typer.echo("\n".join(str(p) for p in paths))
+
+
+def _one_analysis_options(analysis: str, *, probe: dict, text: dict) -> None:
+    """Refuse options of the other analyses (``{flag: given}``): none is silently ignored."""
+    wrong = [f for f, given in (text if analysis == "probe" else probe).items() if given]
+    if wrong and analysis in ("lens", "norms", "probe"):
+        needs = "--analysis lens or norms" if analysis == "probe" else "--analysis probe"
+        raise typer.BadParameter(f"{', '.join(wrong)} only apply to {needs} (this sweep runs {analysis})")

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from depthscope.probes.config import ProbeConfig
 
 from .base import JobResult
 
@@ -23,8 +25,9 @@ DEFAULT_METRIC = {"lens": "kl_to_final", "norms": "stream_norm", "probe": "accur
 class SweepJobConfig:
     """``analysis`` (lens, norms or probe) on every checkpoint. lens/norms read ``text`` (a file, one
     document per line; default the bundled EWT sample's text), at most ``max_docs`` documents;
-    probe reads ``train``/``test`` (default the bundled EWT sample) for ``tasks``. ``metric``: the
-    column drawn across checkpoints (default per analysis, ``DEFAULT_METRIC``)."""
+    probe reads ``train``/``test`` (default the bundled EWT sample) for ``tasks``, with ``probe``
+    (the :class:`ProbeConfig` of ``depthscope probe`` / ``run_probes``: the same protocol and
+    defaults). ``metric``: the column drawn across checkpoints (default per analysis, ``DEFAULT_METRIC``)."""
 
     analysis: str = "lens"
     text: Path | None = None
@@ -34,6 +37,7 @@ class SweepJobConfig:
     test: Path | None = None
     max_train_sentences: int | None = None
     max_test_sentences: int | None = None
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     metric: str | None = None
     allow_mixed: bool = False
     overwrite: bool = False
@@ -47,6 +51,7 @@ class SweepJobConfig:
         check_number("max_docs", self.max_docs)
         check_number("max_train_sentences", self.max_train_sentences, allow_none=True)
         check_number("max_test_sentences", self.max_test_sentences, allow_none=True)
+        self.probe.validate()
         return self
 
 
@@ -71,6 +76,7 @@ def sweep_inputs(config: SweepJobConfig) -> dict:
         test=str(config.test or sample["ewt_test"]),
         max_train_sentences=config.max_train_sentences,
         max_test_sentences=config.max_test_sentences,
+        config=config.probe,
     )
 
 
