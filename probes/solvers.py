@@ -117,8 +117,22 @@ def lbfgs(
     (preconditioned L-BFGS: it only changes the path, not the optimum); ``on_eval(evals)`` is
     called after each evaluation. ``partial``: ``fg`` is called as ``fg(x, active)`` with
     ``active [U]`` the units whose values are needed (units that have stopped, or that already
-    passed the current line search, are not); it may return anything for the others."""
-    M = precond if precond is not None else (lambda q: q)
+    passed the current line search, are not); it may return anything for the others; and
+    ``precond(q, active)`` is given the units still going (it may return the others as given:
+    a stopped unit's direction is never used)."""
+    state = {"done": None}
+    if precond is None:
+
+        def M(q):
+            return q
+
+    elif partial:
+
+        def M(q):
+            return precond(q) if state["done"] is None else precond(q, ~state["done"])
+
+    else:
+        M = precond
     x = x0.detach().clone()
     U = x.shape[0]
     if partial:
@@ -138,6 +152,7 @@ def lbfgs(
     h0 = first_step(g)  # first step length, per unit
     st = _Stopping(U)
     done = st.done
+    state["done"] = done
     while not bool(done.all()) and evals < max_evals:
         d = _two_loop(g, S, Y, R, h0, M)
         gd = (g * d).sum(1)
@@ -175,7 +190,7 @@ def lbfgs(
         if len(S) > memory:
             S.pop(0), Y.pop(0), R.pop(0)
         st.update(ok, f, fn, gn, ftol=ftol, gtol=gtol, count=evals)
-        done = st.done
+        done = state["done"] = st.done
         x, f, g = xn, fn, gn
         history.append(float(f.sum()))
     return st.solved(x, f, g, evals, history)

@@ -347,21 +347,25 @@ def _preconditioner(probe: BatchedProbe, feats: Features, names: list, sizes: li
             cls["b"] = torch.linalg.inv(A + 1e-3 * eye)
         return cls["W"], cls["b"]
 
-    def M(q):
+    def M(q, units=None):
+        """``units`` (bool ``[U]``, optional): only these units' rows are needed (the others are
+        returned as given); each unit's result is the same either way."""
         out = q.clone()
+        idx = slice(None) if units is None or bool(units.all()) else torch.nonzero(units)[:, 0]
         a, k = start[wi], sizes[wi]
-        v = torch.bmm(inv, q[:, a : a + k].reshape(U, Fd, G * C))
+        qs = q[idx]
+        v = torch.bmm(inv[idx], qs[:, a : a + k].reshape(-1, Fd, G * C))
         ci = class_inverses()
         if ci is not None:
-            v = torch.einsum("ufgc,ugcd->ufgd", v.view(U, Fd, G, C), ci[0])
+            v = torch.einsum("ufgc,ugcd->ufgd", v.view(-1, Fd, G, C), ci[0][idx])
             if bi is not None:
                 a2, k2 = start[bi], sizes[bi]
-                qb = q[:, a2 : a2 + k2].view(U, G, C)
-                out[:, a2 : a2 + k2] = torch.einsum("ugc,ugcd->ugd", qb, ci[1]).reshape(U, -1)
-        out[:, a : a + k] = v.reshape(U, -1)
+                qb = qs[:, a2 : a2 + k2].view(-1, G, C)
+                out[idx, a2 : a2 + k2] = torch.einsum("ugc,ugcd->ugd", qb, ci[1][idx]).reshape(qb.shape[0], -1)
+        out[idx, a : a + k] = v.reshape(v.shape[0], -1)
         if "mix_logits" in names:
             a3, k3 = start[names.index("mix_logits")], sizes[names.index("mix_logits")]
-            out[:, a3 : a3 + k3] *= MIX_LOGIT_STEP
+            out[idx, a3 : a3 + k3] *= MIX_LOGIT_STEP
         return out
 
     return M

@@ -386,10 +386,16 @@ def _all_units(objective, *a, units=None, **k):
     return objective(*a, **k)
 
 
+def _full_preconditioner(make, *a, **k):
+    M = make(*a, **k)
+    return lambda q, units=None: M(q)
+
+
 def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
     """L-BFGS evaluates only the units still going (and, in a line search, only those whose
-    step is not yet accepted); the fit equals the one that evaluates every unit at every pass,
-    and the per-unit pass counts differ between sites (so the skipping is exercised)."""
+    step is not yet accepted) and preconditions only the units still going; the fit equals the
+    one that evaluates and preconditions every unit at every pass, and the per-unit pass counts
+    differ between sites (so the skipping is exercised)."""
     from depthscope.probes import training
 
     x, y = synthetic(1500, S=6, D=12)
@@ -398,6 +404,9 @@ def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
     for skip in (True, False):
         if not skip:
             monkeypatch.setattr(training, "objective", functools.partial(_all_units, training.objective))
+            monkeypatch.setattr(
+                training, "_preconditioner", functools.partial(_full_preconditioner, training._preconditioner)
+            )
         p = BatchedProbe(n_sites=6, d=12, n_spans=1, n_classes=4, l2=1e-3)
         log = train_probe(p, f, torch.from_numpy(y))
         fits.append((p.W.detach().clone(), log))
