@@ -143,29 +143,32 @@ def memory_arm(train_n: int, test_n: int, batch_tokens: int, arm: str = "probes"
     return {"extra": m["extra"], "features": on_disk + resident, "store": on_disk, "resident": resident, "words": words}
 
 
+#: subprocesses per arm and size of the memory figure (the median is used: a single peak moves by ~10 MB)
+MEMORY_REPEATS = 3
+
+
 def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
     bt = _memory_batch_tokens(settings.quick)
-    small, large = [
-        peak_memory(
-            "bench_probes",
-            "memory_arm",
-            settings.threads,
-            train_n=k * train_n // 3,
-            test_n=max(1, k * test_n // 3),
-            batch_tokens=bt,
-        )
-        for k in (1, 3)
-    ]
+
+    def arm(k: int, name: str) -> dict:
+        """The median-``extra`` of ``MEMORY_REPEATS`` fresh subprocesses (the others' fields are equal)."""
+        got = [
+            peak_memory(
+                "bench_probes",
+                "memory_arm",
+                settings.threads,
+                train_n=k * train_n // 3,
+                test_n=max(1, k * test_n // 3),
+                batch_tokens=bt,
+                arm=name,
+            )
+            for _ in range(MEMORY_REPEATS)
+        ]
+        return sorted(got, key=lambda m: m["extra"])[len(got) // 2]
+
+    small, large = arm(1, "probes"), arm(3, "probes")
     for m, k in ((small, 1), (large, 3)):
-        m["bare"] = peak_memory(
-            "bench_probes",
-            "memory_arm",
-            settings.threads,
-            train_n=k * train_n // 3,
-            test_n=max(1, k * test_n // 3),
-            batch_tokens=bt,
-            arm="bare",
-        )["extra"]
+        m["bare"] = arm(k, "bare")["extra"]
 
     def own(m):  # the extraction's peak above a bare forward over the same batches
         return m["extra"] - m["bare"]
@@ -180,7 +183,7 @@ def _memory(settings: Settings, train_n: int, test_n: int) -> Row:
         "peak resident memory of prepare_task above a bare forward's peak over the same batches "
         f"({mb(small['bare']):.1f} / {mb(large['bare']):.1f} MB), against the growth of the features it returns "
         f"(float16 store on disk, memory-mapped, + resident float32 copy); 1.0 = flat beyond the features; "
-        f"extraction batches of <= {bt} tokens; fresh subprocess per arm and size",
+        f"extraction batches of <= {bt} tokens; median of {MEMORY_REPEATS} fresh subprocesses per arm and size",
     )
 
 
