@@ -204,14 +204,16 @@ def stack(
     y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
     zflat = z_train.reshape(S, n * C).double()  # float64: cheap here, and no float32 floor on the tolerance
 
+    target = y.expand(S, n)[..., None]  # [S, N, 1]
+    minus_one = torch.full((S, n, 1), -1.0, dtype=torch.float64)
+
     def fg(x):  # analytic gradient: one [S, S] x [S, N C] product each way
         w, b = x[:, :S] * mask, x[:, S:]
         logits = (w @ zflat).view(S, n, C) + b[:, None]
         logp = torch.log_softmax(logits, -1)
-        f = -logp.gather(2, y.expand(S, n)[..., None]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
-        r = logp.exp_()
-        r.scatter_add_(2, y.expand(S, n)[..., None], torch.full((S, n, 1), -1.0, dtype=r.dtype))
-        r /= n  # d mean CE / d logits
+        f = -logp.gather(2, target).squeeze(2).mean(1) + l2 * (w * w).sum(1)
+        r = logp.exp_().scatter_add_(2, target, minus_one)
+        r /= n  # d mean CE / d logits: (softmax - onehot) / N
         gw = (r.view(S, n * C) @ zflat.T) * mask + 2.0 * l2 * w
         return f, torch.cat([gw, r.sum(1)], 1)
 

@@ -120,21 +120,21 @@ def lbfgs(
     passed the current line search, are not); it may return anything for the others; and
     ``precond(q, active)`` is given the units still going (it may return the others as given:
     a stopped unit's direction is never used)."""
-    state = {"done": None}
+    x = x0.detach().clone()
+    U = x.shape[0]
+    st = _Stopping(U)
     if precond is None:
 
         def M(q):
             return q
 
-    elif partial:
+    elif partial:  # st.done is updated in place: the preconditioner sees the units still going
 
         def M(q):
-            return precond(q) if state["done"] is None else precond(q, ~state["done"])
+            return precond(q, ~st.done)
 
     else:
         M = precond
-    x = x0.detach().clone()
-    U = x.shape[0]
     if partial:
         evaluate = fg
     else:
@@ -150,9 +150,7 @@ def lbfgs(
         return (1.0 / M(g).abs().sum(1).clamp_min(1e-12)).clamp(max=1.0)
 
     h0 = first_step(g)  # first step length, per unit
-    st = _Stopping(U)
     done = st.done
-    state["done"] = done
     while not bool(done.all()) and evals < max_evals:
         d = _two_loop(g, S, Y, R, h0, M)
         gd = (g * d).sum(1)
@@ -190,7 +188,7 @@ def lbfgs(
         if len(S) > memory:
             S.pop(0), Y.pop(0), R.pop(0)
         st.update(ok, f, fn, gn, ftol=ftol, gtol=gtol, count=evals)
-        done = state["done"] = st.done
+        done = st.done
         x, f, g = xn, fn, gn
         history.append(float(f.sum()))
     return st.solved(x, f, g, evals, history)

@@ -349,23 +349,25 @@ def _preconditioner(probe: BatchedProbe, feats: Features, names: list, sizes: li
 
     def M(q, units=None):
         """``units`` (bool ``[U]``, optional): only these units' rows are needed (the others are
-        returned as given); each unit's result is the same either way."""
+        returned as given; each unit's result is the same either way), computed as contiguous
+        runs of units (views of the factors, as :func:`objective` does: no gather of the
+        ``[U, F, F]`` inverses)."""
         out = q.clone()
-        idx = slice(None) if units is None or bool(units.all()) else torch.nonzero(units)[:, 0]
-        a, k = start[wi], sizes[wi]
-        qs = q[idx]
-        v = torch.bmm(inv[idx], qs[:, a : a + k].reshape(-1, Fd, G * C))
-        ci = class_inverses()
-        if ci is not None:
-            v = torch.einsum("ufgc,ugcd->ufgd", v.view(-1, Fd, G, C), ci[0][idx])
-            if bi is not None:
-                a2, k2 = start[bi], sizes[bi]
-                qb = qs[:, a2 : a2 + k2].view(-1, G, C)
-                out[idx, a2 : a2 + k2] = torch.einsum("ugc,ugcd->ugd", qb, ci[1][idx]).reshape(qb.shape[0], -1)
-        out[idx, a : a + k] = v.reshape(v.shape[0], -1)
-        if "mix_logits" in names:
-            a3, k3 = start[names.index("mix_logits")], sizes[names.index("mix_logits")]
-            out[idx, a3 : a3 + k3] *= MIX_LOGIT_STEP
+        for u0, u1 in [(0, U)] if units is None else _runs(units):
+            qs = q[u0:u1]
+            a, k = start[wi], sizes[wi]
+            v = torch.bmm(inv[u0:u1], qs[:, a : a + k].reshape(-1, Fd, G * C))
+            ci = class_inverses()
+            if ci is not None:
+                v = torch.einsum("ufgc,ugcd->ufgd", v.view(-1, Fd, G, C), ci[0][u0:u1])
+                if bi is not None:
+                    a2, k2 = start[bi], sizes[bi]
+                    qb = qs[:, a2 : a2 + k2].view(-1, G, C)
+                    out[u0:u1, a2 : a2 + k2] = torch.einsum("ugc,ugcd->ugd", qb, ci[1][u0:u1]).reshape(u1 - u0, -1)
+            out[u0:u1, a : a + k] = v.reshape(u1 - u0, -1)
+            if "mix_logits" in names:
+                a3, k3 = start[names.index("mix_logits")], sizes[names.index("mix_logits")]
+                out[u0:u1, a3 : a3 + k3] *= MIX_LOGIT_STEP
         return out
 
     return M

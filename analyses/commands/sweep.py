@@ -178,6 +178,6 @@ def register(app: typer.Typer) -> None:
 def _one_analysis_options(analysis: str, *, probe: dict, text: dict) -> None:
     """Refuse options of the other analyses (``{flag: given}``): none is silently ignored."""
     wrong = [f for f, given in (text if analysis == "probe" else probe).items() if given]
-    if wrong and analysis in ("lens", "norms", "probe"):
+    if wrong:
         needs = "--analysis lens or norms" if analysis == "probe" else "--analysis probe"
         raise typer.BadParameter(f"{', '.join(wrong)} only apply to {needs} (this sweep runs {analysis})")
