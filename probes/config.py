@@ -108,6 +108,8 @@ class ProbeConfig:
     Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``stack_draws``: how many fold
     draws the cumulative probes are stacked on, their test accuracies averaged (each draw
     refits the per-site probes on each fold: more draws, less of the draw's noise in E_Delta);
+    ``stack_folds``: the folds of train each draw's out-of-fold predictions come from (more
+    folds: fold probes nearer the full-train ones, less noise per draw, one more refit each);
     ``mdl``: online codelengths
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
     feature products compute in (``auto``: see :func:`~depthscope.probes.cpu.resolve_precision`).
@@ -127,6 +129,7 @@ class ProbeConfig:
     control: bool = True
     cumulative: bool = True
     stack_draws: int = 2
+    stack_folds: int = 2
     mdl: bool = False
     seed: int = 0
     precision: str = "auto"
@@ -142,6 +145,7 @@ class ProbeConfig:
             check_number(name, getattr(self, name))
         check_number("l2_folds", self.l2_folds, minimum=2)
         check_number("stack_draws", self.stack_draws)
+        check_number("stack_folds", self.stack_folds, minimum=2)
         for name in ("lr", "tol", "gtol"):
             _positive(name, getattr(self, name))
         check_number("batch_size", self.batch_size, allow_none=True)

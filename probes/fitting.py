@@ -290,6 +290,7 @@ def _training_summary(
         "epochs_mix": cum_mix.epochs if cum_mix is not None else np.nan,
         "max_epochs": cfg.max_epochs,
         "stack_draws": cfg.stack_draws if cum is not None else np.nan,
+        "stack_folds": cfg.stack_folds if cum is not None else np.nan,
         "seed": cfg.seed,
         "solver": sites.solver,
     }

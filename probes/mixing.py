@@ -11,8 +11,8 @@ of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)
 ``P(s)`` here is a *convex* cumulative probe, not Tenney's jointly trained prefix mix: it
 combines the converged per-site probes of sites ``0..s``, ``logits = sum_{t<=s} w_t log p_t(y|x)
 + b`` (stacking; Wolpert 1992), with ``w, b`` fitted on out-of-fold predictions of train
-(``CROSS_FOLDS`` folds: the per-site probes are refitted without the fold they predict) and
-a ridge ``STACK_L2`` on ``w``. Why: the prefix-mix objective is not convex in the mixing
+(``ProbeConfig.stack_folds`` folds, default 2: the per-site probes are refitted without the
+fold they predict) and a ridge ``STACK_L2`` on ``w``. Why: the prefix-mix objective is not convex in the mixing
 weights, and on EWT upos (default model, 300 sentences) its E_Delta moved between 3.1 and 6.3
 blocks as training went from 10 to 160 full passes, still not converged; the stacked
 ``P(s)`` is the unique optimum of a convex problem: the epoch cap no longer moves E_Delta once
@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from depthscope.hooks.errors import InputError
+
 from .classifiers import BatchedProbe, numeric_l2, site_probe
 from .config import ProbeConfig, override
 from .features import Features
@@ -46,8 +48,6 @@ from .metrics import macro_f1
 from .solvers import newton
 from .training import TrainLog, log_probs, train_kwargs, train_probe
 
-#: folds of train for the out-of-fold predictions the stacking weights are fitted on
-CROSS_FOLDS = 2
 #: ridge on the stacking weights: adjacent sites' predictions are nearly collinear, and the ridge spreads
 #: the weight among them (GUM upos, default decoder, six fold draws: E_Delta sd 0.29 block at 1e-4, 0.15 at 1e-2)
 STACK_L2 = 1e-2
@@ -155,16 +155,20 @@ def out_of_fold(
     *,
     n_classes: int,
     cfg: ProbeConfig,
-    folds: int = CROSS_FOLDS,
+    folds: int | None = None,
     init: dict | None = None,
     draw: int = 0,
     desc: str = "",
 ) -> torch.Tensor:
     """Log-probabilities ``[S, N, C]`` of each train example under per-site probes (penalty
-    ``cfg.l2``) trained on the other folds; the folds are fold draw ``draw`` of ``cfg.seed``;
+    ``cfg.l2``) trained on the other ``folds`` folds (None: ``cfg.stack_folds``); the folds are
+    fold draw ``draw`` of ``cfg.seed``;
     ``init``: a state dict to start each fold's probes from (the full-train probes: near each
     fold's optimum, so few passes)."""
     n, S = len(train), train.n_sites
+    folds = cfg.stack_folds if folds is None else folds
+    if n < folds:
+        raise InputError(f"stack_folds={folds} needs at least {folds} train examples, got {n}")
     fold = np.random.default_rng([cfg.seed, 1729, draw]).permutation(n) % folds
     out = torch.empty(S, n, n_classes)
     y = np.asarray(y_train)

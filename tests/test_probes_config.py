@@ -94,6 +94,7 @@ def test_init_does_no_work_and_validate_checks():
         (ProbeConfig(max_epochs=0), "max_epochs"),
         (ProbeConfig(solver="sgd"), "solver"),
         (ProbeConfig(l2_folds=1), "l2_folds"),
+        (ProbeConfig(stack_folds=1), "stack_folds"),
         (ExtractionConfig(pooling="max"), "pooling"),
         (ExtractionConfig(store_dtype="int8"), "store_dtype"),
         (ExtractionConfig(context="page"), "context"),

@@ -272,6 +272,39 @@ def test_cumulative_mix_finds_the_informative_site():
     assert lo <= expected_layer_delta(depths, cum.accuracy) <= hi and 0.8 < lo and hi < 1.2
 
 
+def test_out_of_fold_uses_the_configured_folds(monkeypatch):
+    """``stack_folds`` sets how many fold probes predict train out of fold: each example is
+    predicted by a probe that never saw it (its fold's), and fewer examples than folds is an
+    input error, not an empty fold."""
+    from depthscope.hooks.errors import InputError
+    from depthscope.probes import ProbeConfig, mixing
+
+    x, y = synthetic(300, S=2, D=8, C=3)
+    f = features(x)
+    seen = []
+    real = mixing.train_probe
+
+    def spy(p, feats, yy, **kw):
+        seen.append(len(feats))
+        return real(p, feats, yy, **kw)
+
+    monkeypatch.setattr(mixing, "train_probe", spy)
+    cfg = ProbeConfig(l2=1e-2, stack_folds=3)
+    z = mixing.out_of_fold(f, y, n_classes=3, cfg=cfg)
+    assert len(seen) == 3 and sum(seen) == 2 * 300  # three fold probes, each on two thirds of train
+    assert z.shape == (2, 300, 3) and torch.isfinite(z).all()
+    assert torch.allclose(z.exp().sum(-1), torch.ones(2, 300))
+    fold = np.random.default_rng([cfg.seed, 1729, 0]).permutation(300) % 3
+    for k in range(3):  # the fold probe that predicts fold k never trained on it: refit it and compare
+        ftr = f.subset(np.flatnonzero(fold != k))
+        p = mixing.site_probe(f, 3, cfg)
+        real(p, ftr, torch.as_tensor(y[fold != k])[:, None], **mixing.train_kwargs(cfg))
+        ho = np.flatnonzero(fold == k)
+        assert torch.allclose(mixing.log_probs(p, f.subset(ho))[:, :, 0], z[:, torch.from_numpy(ho)], atol=1e-5)
+    with pytest.raises(InputError, match="stack_folds=5"):
+        mixing.out_of_fold(features(x[:4]), y[:4], n_classes=3, cfg=ProbeConfig(stack_folds=5))
+
+
 def test_expected_layer_delta_interval_widens_with_noise():
     """Exact values on a hand-built case, and a wide interval when the gains are noise."""
     depths = [0, 1, 2]

@@ -260,6 +260,8 @@ def test_cli_probe(tiny_factory, tiny_tokenizer, tmp_path):
             "5",
             "--stack-draws",
             "3",
+            "--stack-folds",
+            "3",
             "--store",
             str(tmp_path / "st"),
             "--no-plots",
@@ -272,7 +274,7 @@ def test_cli_probe(tiny_factory, tiny_tokenizer, tmp_path):
     summ = pd.read_parquet(out / "probes_summary.parquet")
     assert set(by_site["task"]) == {"upos", "deprel"} and len(by_site) == 2 * 3
     assert summ["n_train"].iloc[0] == read_conllu(EWT_TRAIN, max_sentences=20).n_words
-    assert (summ["stack_draws"] == 3).all()  # the option reaches the cumulative probes
+    assert (summ["stack_draws"] == 3).all() and (summ["stack_folds"] == 3).all()  # they reach the cumulative probes
     r = runner.invoke(
         app,
         [

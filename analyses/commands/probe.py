@@ -38,6 +38,7 @@ def job_config(o: dict):
             l2=l2,
             max_epochs=o["max_epochs"],
             stack_draws=o["stack_draws"],
+            stack_folds=o["stack_folds"],
             mdl=o["mdl"],
             seed=o["seed"],
             precision=o["precision"],
@@ -178,6 +179,13 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
             "the interval resamples them. Each draw refits every site probe on each fold.",
+        ),
+        stack_folds: int = typer.Option(
+            _P.stack_folds,
+            "--stack-folds",
+            min=2,
+            help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
+            "per draw in E_Delta, one more refit of every site probe each).",
         ),
         precision: str = typer.Option(
             _P.precision,

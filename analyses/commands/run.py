@@ -60,6 +60,12 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Fold draws the cumulative probes (E_Delta) are stacked on (as in depthscope probe).",
         ),
+        stack_folds: int = typer.Option(
+            _P.stack_folds,
+            "--stack-folds",
+            min=2,
+            help="Folds of train behind each fold draw of the cumulative probes (as in depthscope probe).",
+        ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens."),
@@ -82,7 +88,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"no such file: {f}")
         _check_out(out, model, files, force)
         probe, data_cfg = (
-            ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, seed=seed).validate(),
+            ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, stack_folds=stack_folds, seed=seed).validate(),
             DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences).validate(),
         )
         prepare_out(out, "run", None, force)

@@ -53,6 +53,9 @@ def register(app: typer.Typer) -> None:
         stack_draws: int = typer.Option(
             _P.stack_draws, "--stack-draws", min=1, help="Fold draws of the cumulative probes, E_Delta (probe)."
         ),
+        stack_folds: int = typer.Option(
+            _P.stack_folds, "--stack-folds", min=2, help="Folds of train behind each fold draw, E_Delta (probe)."
+        ),
         seed: int = SeedOpt,
         metric: str | None = typer.Option(
             None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
@@ -105,7 +108,7 @@ def register(app: typer.Typer) -> None:
             test=test,
             max_train_sentences=max_train_sentences,
             max_test_sentences=max_test_sentences,
-            probe=ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, seed=seed),
+            probe=ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, stack_folds=stack_folds, seed=seed),
             metric=metric,
             allow_mixed=allow_mixed,
             overwrite=overwrite,
@@ -120,6 +123,7 @@ def register(app: typer.Typer) -> None:
                 "--max-test-sentences": max_test_sentences is not None,
                 "--max-epochs": max_epochs != _P.max_epochs,
                 "--stack-draws": stack_draws != _P.stack_draws,
+                "--stack-folds": stack_folds != _P.stack_folds,
                 "--seed": seed != _P.seed,
             },
             text={"--text": text is not None, "--max-docs": max_docs != _S.max_docs},
