@@ -8,16 +8,19 @@ draws and the control labels. The epoch cap is not varied here: a converged run 
 a larger cap (``tests/test_probes_run.py::test_cap_beyond_convergence_changes_nothing``), and
 the table says whether every probe converged.
 
-``--stack`` lists stacking settings ``FOLDSxDRAWS`` (``stack_folds`` x ``stack_draws``; the
-default protocol is ``2x2``) to compare: more folds make each fold probe nearer the full-train
-probe (less noise per draw), more draws average draws; both cost out-of-fold refits. The
-activation store is reused across runs (``--store``), so only the first run extracts.
+``--stack`` lists stacking settings ``FOLDSxDRAWS[@L2]`` (``stack_folds`` x ``stack_draws``, and
+``stack_l2`` when given; the default protocol is ``2x2@0.01``) to compare: more folds make each
+fold probe nearer the full-train probe (less noise per draw), more draws average draws; both
+cost out-of-fold refits. The ridge on the stacking weights is free (the stacking is refitted,
+not the probes) but moves E_Delta: a stronger one spreads the weight of every prefix over more
+sites. The activation store is reused across runs (``--store``), so only the first run extracts.
 
-    python -m benchmarks.bench_stability [--tasks upos,deprel] [--seeds 0,1,2] [--stack 2x2,5x1]
+    python -m benchmarks.bench_stability [--tasks upos,deprel] [--seeds 0,1,2] [--stack 2x2,5x1,5x1@0.1]
 
 Long: one upos run of the default protocol takes about 3 minutes on 2 cores, deprel about 12.
-Prints one row per task, stacking setting and seed (E_Delta, its interval, convergence, the
-penalty, seconds), then the shift per task and setting; ``--csv`` writes the rows.
+Prints one row per task, stacking setting and seed (E_Delta, its interval, the accuracy of the
+all-sites cumulative probe, convergence, the penalty, seconds), then the shift per task and
+setting; ``--csv`` writes the rows.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def run(tasks, seeds, stacks, store: str, threads: int | None = None) -> pd.Data
         torch.set_num_threads(threads)
     data = sample_data()
     rows = []
-    for folds, draws in stacks:
+    for folds, draws, l2 in stacks:
         for seed in seeds:
             t0 = time.perf_counter()
             res = run_probes(
@@ -51,17 +54,21 @@ def run(tasks, seeds, stacks, store: str, threads: int | None = None) -> pd.Data
                 seed=seed,
                 stack_folds=folds,
                 stack_draws=draws,
+                **({} if l2 is None else {"stack_l2": l2}),
             )
             secs = time.perf_counter() - t0
+            mix = res.mixing
             for _, s in res.summary.iterrows():
+                last = mix[mix["task"] == s["task"]]["cumulative_score"].iloc[-1]
                 rows.append(
                     {
                         "task": s["task"],
-                        "stack": f"{folds}x{draws}",
+                        "stack": f"{folds}x{draws}@{s['stack_l2']:g}",
                         "seed": seed,
                         "expected_layer_delta": s["expected_layer_delta"],
                         "lo": s["expected_layer_delta_lo"],
                         "hi": s["expected_layer_delta_hi"],
+                        "all_sites_accuracy": round(float(last), 4),
                         "converged": bool(s["converged"]),
                         "l2": s["l2"],
                         "seconds_run": round(secs, 1),
@@ -80,8 +87,9 @@ def shifts(df: pd.DataFrame) -> pd.DataFrame:
 def _pairs(text: str) -> list:
     out = []
     for part in text.split(","):
+        part, _, l2 = part.partition("@")
         folds, draws = part.lower().split("x")
-        out.append((int(folds), int(draws)))
+        out.append((int(folds), int(draws), float(l2) if l2 else None))
     return out
 
 
@@ -89,7 +97,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_stability", description=__doc__)
     ap.add_argument("--tasks", default="upos")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--stack", default="2x2", help="FOLDSxDRAWS settings, comma-separated (default protocol 2x2)")
+    ap.add_argument(
+        "--stack", default="2x2", help="FOLDSxDRAWS[@L2] settings, comma-separated (default protocol 2x2@0.01)"
+    )
     ap.add_argument("--store", default=".depthscope-stability-store", help="activation store, reused across runs")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--csv", default=None)

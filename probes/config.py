@@ -110,6 +110,10 @@ class ProbeConfig:
     refits the per-site probes on each fold: more draws, less of the draw's noise in E_Delta);
     ``stack_folds``: the folds of train each draw's out-of-fold predictions come from (more
     folds: fold probes nearer the full-train ones, less noise per draw, one more refit each);
+    ``stack_l2``: the ridge on the cumulative probes' stacking weights (adjacent sites'
+    predictions are nearly collinear; a stronger ridge spreads weight over more sites and, on
+    the bundled sample, raises both the last prefix's accuracy and E_Delta: see
+    ``docs/tenney_comparison.md``, Stability);
     ``mdl``: online codelengths
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
     feature products compute in (``auto``: see :func:`~depthscope.probes.cpu.resolve_precision`).
@@ -130,6 +134,7 @@ class ProbeConfig:
     cumulative: bool = True
     stack_draws: int = 2
     stack_folds: int = 2
+    stack_l2: float = 1e-2
     mdl: bool = False
     seed: int = 0
     precision: str = "auto"
@@ -146,6 +151,7 @@ class ProbeConfig:
         check_number("l2_folds", self.l2_folds, minimum=2)
         check_number("stack_draws", self.stack_draws)
         check_number("stack_folds", self.stack_folds, minimum=2)
+        _positive("stack_l2", self.stack_l2)
         for name in ("lr", "tol", "gtol"):
             _positive(name, getattr(self, name))
         check_number("batch_size", self.batch_size, allow_none=True)

@@ -291,6 +291,7 @@ def _training_summary(
         "max_epochs": cfg.max_epochs,
         "stack_draws": cfg.stack_draws if cum is not None else np.nan,
         "stack_folds": cfg.stack_folds if cum is not None else np.nan,
+        "stack_l2": cfg.stack_l2 if cum is not None else np.nan,
         "seed": cfg.seed,
         "solver": sites.solver,
     }

@@ -12,23 +12,27 @@ of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)
 combines the converged per-site probes of sites ``0..s``, ``logits = sum_{t<=s} w_t log p_t(y|x)
 + b`` (stacking; Wolpert 1992), with ``w, b`` fitted on out-of-fold predictions of train
 (``ProbeConfig.stack_folds`` folds, default 2: the per-site probes are refitted without the
-fold they predict) and a ridge ``STACK_L2`` on ``w``. Why: the prefix-mix objective is not convex in the mixing
-weights, and on EWT upos (default model, 300 sentences) its E_Delta moved between 3.1 and 6.3
-blocks as training went from 10 to 160 full passes, still not converged; the stacked
-``P(s)`` is the unique optimum of a convex problem: the epoch cap no longer moves E_Delta once
-every probe has converged. What remains is the fold draw: which train examples the fold
-probes leave out moves the stacking weights a little, and the test accuracy of the late
-prefixes (each flip of one test word) a little more; E_Delta weighs those late accuracies by
-their depth, so one draw's E_Delta is noisy (on GUM dev, default decoder, upos: a standard
-deviation of about 0.4 block from draw to draw at ``STACK_L2 = 1e-4``, about 0.34 at ``1e-2``,
-heavy-tailed). The stacking is therefore repeated on ``ProbeConfig.stack_draws`` fold draws
-(default 2: each draw refits every per-site probe on each fold, and a draw costs about as much
-as the per-site fit), the accuracy of ``P(s)`` is the mean over draws, and the interval
-resamples the draws with the test examples, so it covers the draws' spread; the shift left
-between seeds is in ``docs/tenney_comparison.md``. It keeps Tenney's question
-(how much better can the property be predicted once site ``s`` is available) and scores on
-test like every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp``
-l + 1), so the numbers compare with Tenney's layer numbers; relative depth = E / n_layers.
+fold they predict) and a ridge ``ProbeConfig.stack_l2`` (default ``STACK_L2``) on ``w``. Why:
+the prefix-mix objective is not convex in the mixing weights, and on EWT upos (default model,
+300 sentences) its E_Delta moved between 3.1 and 6.3 blocks as training went from 10 to 160
+full passes, still not converged; the stacked ``P(s)`` is the unique optimum of a convex
+problem: the epoch cap no longer moves E_Delta once every probe has converged. What remains is
+the fold draw: which train examples the fold probes leave out moves the stacking weights a
+little, and the test accuracy of the late prefixes (each flip of one test word) a little more;
+E_Delta weighs those late accuracies by their depth, and the last prefix's accuracy is also the
+total gain that normalises it, so one draw's E_Delta is noisy (on GUM dev, default decoder,
+upos: a standard deviation of about 0.4 block from draw to draw at ``STACK_L2 = 1e-4``, about
+0.34 at ``1e-2``, heavy-tailed). The stacking is therefore repeated on
+``ProbeConfig.stack_draws`` fold draws (default 2: each draw refits every per-site probe on
+each fold, and a draw costs about as much as the per-site fit), the accuracy of ``P(s)`` is the
+mean over draws, and the interval resamples the draws with the test examples, so it covers the
+draws' spread. The stacking ridge is a setting, not a fitted value: a stronger ridge spreads
+each prefix's weight over more sites, which raises the late prefixes' accuracy and E_Delta, and
+cross-validation on train's out-of-fold predictions cannot tell the values apart (the
+measurements are in ``docs/tenney_comparison.md``, Stability). It keeps Tenney's question (how
+much better can the property be predicted once site ``s`` is available) and scores on test like
+every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so
+the numbers compare with Tenney's layer numbers; relative depth = E / n_layers.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ from .metrics import macro_f1
 from .solvers import newton
 from .training import TrainLog, log_probs, train_kwargs, train_probe
 
-#: ridge on the stacking weights: adjacent sites' predictions are nearly collinear, and the ridge spreads
-#: the weight among them (GUM upos, default decoder, six fold draws: E_Delta sd 0.29 block at 1e-4, 0.15 at 1e-2)
-STACK_L2 = 1e-2
+#: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
+#: collinear, and the ridge spreads the weight among them (GUM upos, default decoder, six fold draws: E_Delta sd
+#: 0.29 block at 1e-4, 0.15 at 1e-2)
+STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
 
@@ -337,7 +342,7 @@ def fit_cumulative(
         z_train = out_of_fold(
             train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
         )
-        w, b, lg = stack(z_train, y_train, init=prev)
+        w, b, lg = stack(z_train, y_train, l2=cfg.stack_l2, init=prev)
         prev = (w, b)
         with torch.no_grad():
             preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]

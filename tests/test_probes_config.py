@@ -95,6 +95,8 @@ def test_init_does_no_work_and_validate_checks():
         (ProbeConfig(solver="sgd"), "solver"),
         (ProbeConfig(l2_folds=1), "l2_folds"),
         (ProbeConfig(stack_folds=1), "stack_folds"),
+        (ProbeConfig(stack_l2=0), "stack_l2"),
+        (ProbeConfig(stack_l2=float("nan")), "stack_l2"),
         (ExtractionConfig(pooling="max"), "pooling"),
         (ExtractionConfig(store_dtype="int8"), "store_dtype"),
         (ExtractionConfig(context="page"), "context"),

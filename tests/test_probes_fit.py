@@ -305,6 +305,32 @@ def test_out_of_fold_uses_the_configured_folds(monkeypatch):
         mixing.out_of_fold(features(x[:4]), y[:4], n_classes=3, cfg=ProbeConfig(stack_folds=5))
 
 
+def test_stack_l2_is_the_stacking_ridge(monkeypatch):
+    """``ProbeConfig.stack_l2`` is the ridge every fold draw's stacking is solved with (not the
+    module default), and a stronger ridge gives smaller stacking weights."""
+    from depthscope.probes import ProbeConfig, mixing
+
+    x, y = synthetic(400, S=3, D=8, C=3)
+    ftr = features(x[:300])
+    fte = features(x[300:], ftr)
+    used = []
+    real = mixing.stack
+
+    def spy(z, yy, **kw):
+        used.append(kw["l2"])
+        return real(z, yy, **kw)
+
+    monkeypatch.setattr(mixing, "stack", spy)
+    norms = {}
+    for ridge in (1e-3, 1.0):
+        cfg = ProbeConfig(l2=1e-2, stack_l2=ridge, stack_draws=2, control=False)
+        cum = mixing.fit_cumulative(ftr, y[:300], fte, y[300:], n_classes=3, n_eval_classes=3, config=cfg)
+        assert cum.log.all_converged
+        norms[ridge] = np.abs(cum.weights).sum()
+    assert used == [1e-3, 1e-3, 1.0, 1.0]
+    assert norms[1.0] < 0.5 * norms[1e-3]
+
+
 def test_expected_layer_delta_interval_widens_with_noise():
     """Exact values on a hand-built case, and a wide interval when the gains are noise."""
     depths = [0, 1, 2]

@@ -262,6 +262,8 @@ def test_cli_probe(tiny_factory, tiny_tokenizer, tmp_path):
             "3",
             "--stack-folds",
             "3",
+            "--stack-l2",
+            "0.1",
             "--store",
             str(tmp_path / "st"),
             "--no-plots",
@@ -275,6 +277,7 @@ def test_cli_probe(tiny_factory, tiny_tokenizer, tmp_path):
     assert set(by_site["task"]) == {"upos", "deprel"} and len(by_site) == 2 * 3
     assert summ["n_train"].iloc[0] == read_conllu(EWT_TRAIN, max_sentences=20).n_words
     assert (summ["stack_draws"] == 3).all() and (summ["stack_folds"] == 3).all()  # they reach the cumulative probes
+    assert (summ["stack_l2"] == 0.1).all()
     r = runner.invoke(
         app,
         [

@@ -169,16 +169,17 @@ def test_sweep_cli_probe_takes_the_probe_protocol(series, tmp_path):
     args = ["sweep", str(series / "step0"), str(series / "step60"), "--analysis", "probe", "--task", "upos"]
     args += ["--train", os.path.join(ud, "ewt_tiny_train.conllu"), "--test", os.path.join(ud, "ewt_tiny_test.conllu")]
     args += ["--max-train-sentences", "20", "--max-epochs", "7", "--stack-draws", "1", "--stack-folds", "3"]
-    args += ["--seed", "3", "--out", str(out)]
+    args += ["--stack-l2", "0.05", "--seed", "3", "--out", str(out)]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     summ = pd.read_parquet(out / "sweep_summary.parquet")
     assert len(summ) == 2
     assert (summ["max_epochs"] == 7).all() and (summ["stack_draws"] == 1).all() and (summ["seed"] == 3).all()
-    assert (summ["stack_folds"] == 3).all()
+    assert (summ["stack_folds"] == 3).all() and (summ["stack_l2"] == 0.05).all()
     for bad, flag in (
         (["--analysis", "lens", "--seed", "3"], "--seed"),
         (["--analysis", "norms", "--stack-folds", "3"], "--stack-folds"),
+        (["--analysis", "lens", "--stack-l2", "0.1"], "--stack-l2"),
         (["--analysis", "probe", "--max-docs", "5"], "--max-docs"),
     ):
         r = CliRunner().invoke(app, ["sweep", str(series / "step0"), *bad, "--out", str(tmp_path / "x")])

@@ -39,6 +39,7 @@ def job_config(o: dict):
             max_epochs=o["max_epochs"],
             stack_draws=o["stack_draws"],
             stack_folds=o["stack_folds"],
+            stack_l2=o["stack_l2"],
             mdl=o["mdl"],
             seed=o["seed"],
             precision=o["precision"],
@@ -186,6 +187,12 @@ def register(app: typer.Typer) -> None:
             min=2,
             help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
             "per draw in E_Delta, one more refit of every site probe each).",
+        ),
+        stack_l2: float = typer.Option(
+            _P.stack_l2,
+            "--stack-l2",
+            help="Ridge on the cumulative probes' stacking weights (stronger: weight spread over more sites; "
+            "E_Delta depends on it, see docs/tenney_comparison.md).",
         ),
         precision: str = typer.Option(
             _P.precision,

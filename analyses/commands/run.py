@@ -66,6 +66,11 @@ def register(app: typer.Typer) -> None:
             min=2,
             help="Folds of train behind each fold draw of the cumulative probes (as in depthscope probe).",
         ),
+        stack_l2: float = typer.Option(
+            _P.stack_l2,
+            "--stack-l2",
+            help="Ridge on the cumulative probes' stacking weights (as in depthscope probe).",
+        ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens."),
@@ -88,7 +93,9 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"no such file: {f}")
         _check_out(out, model, files, force)
         probe, data_cfg = (
-            ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, stack_folds=stack_folds, seed=seed).validate(),
+            ProbeConfig(
+                max_epochs=max_epochs, stack_draws=stack_draws, stack_folds=stack_folds, stack_l2=stack_l2, seed=seed
+            ).validate(),
             DataConfig(max_train_sentences=max_train_sentences, max_test_sentences=max_test_sentences).validate(),
         )
         prepare_out(out, "run", None, force)

@@ -56,6 +56,11 @@ def register(app: typer.Typer) -> None:
         stack_folds: int = typer.Option(
             _P.stack_folds, "--stack-folds", min=2, help="Folds of train behind each fold draw, E_Delta (probe)."
         ),
+        stack_l2: float = typer.Option(
+            _P.stack_l2,
+            "--stack-l2",
+            help="Ridge on the cumulative probes' stacking weights, E_Delta (probe).",
+        ),
         seed: int = SeedOpt,
         metric: str | None = typer.Option(
             None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
@@ -108,7 +113,13 @@ def register(app: typer.Typer) -> None:
             test=test,
             max_train_sentences=max_train_sentences,
             max_test_sentences=max_test_sentences,
-            probe=ProbeConfig(max_epochs=max_epochs, stack_draws=stack_draws, stack_folds=stack_folds, seed=seed),
+            probe=ProbeConfig(
+                max_epochs=max_epochs,
+                stack_draws=stack_draws,
+                stack_folds=stack_folds,
+                stack_l2=stack_l2,
+                seed=seed,
+            ),
             metric=metric,
             allow_mixed=allow_mixed,
             overwrite=overwrite,
@@ -124,6 +135,7 @@ def register(app: typer.Typer) -> None:
                 "--max-epochs": max_epochs != _P.max_epochs,
                 "--stack-draws": stack_draws != _P.stack_draws,
                 "--stack-folds": stack_folds != _P.stack_folds,
+                "--stack-l2": stack_l2 != _P.stack_l2,
                 "--seed": seed != _P.seed,
             },
             text={"--text": text is not None, "--max-docs": max_docs != _S.max_docs},
