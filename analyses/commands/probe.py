@@ -191,8 +191,8 @@ def register(app: typer.Typer) -> None:
         stack_l2: float = typer.Option(
             _P.stack_l2,
             "--stack-l2",
-            help="Ridge on the cumulative probes' stacking weights (stronger: weight spread over more sites; "
-            "E_Delta depends on it, see docs/tenney_comparison.md).",
+            help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (stronger: weight spread "
+            "over more sites; E_Delta depends on it, see docs/tenney_comparison.md).",
         ),
         precision: str = typer.Option(
             _P.precision,

@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         stack_l2: float = typer.Option(
             _P.stack_l2,
             "--stack-l2",
-            help="Ridge on the cumulative probes' stacking weights (as in depthscope probe).",
+            help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (as in depthscope probe).",
         ),
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
