@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from depthscope.probes.config import ProbeConfig
+
 ModelOpt = typer.Option(
     None, "--model", "-m", help="Model spec: a folder, a .gguf, a cached hub id, or 'default' (SmolLM2-135M)."
 )
@@ -55,6 +57,8 @@ def load(model: str | None, device: str = "cpu", dtype: str = "float32"):
     return load_model(model, device=device, dtype=dtype)
 
 
+_PROBE = ProbeConfig()
+
 ThreadsOpt = typer.Option(
     None,
     "--threads",
@@ -62,6 +66,27 @@ ThreadsOpt = typer.Option(
     help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
 )
 SeedOpt = typer.Option(0, "--seed", min=0, help="Seed for sampling, control tasks and training (an integer >= 0).")
+# the cumulative probes' stacking (E_Delta), the same options on probe, run and sweep
+StackDrawsOpt = typer.Option(
+    _PROBE.stack_draws,
+    "--stack-draws",
+    min=1,
+    help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
+    "the interval resamples them. Each draw refits every site probe on each fold.",
+)
+StackFoldsOpt = typer.Option(
+    _PROBE.stack_folds,
+    "--stack-folds",
+    min=2,
+    help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
+    "per draw in E_Delta, one more refit of every site probe each).",
+)
+StackL2Opt = typer.Option(
+    _PROBE.stack_l2,
+    "--stack-l2",
+    help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (stronger: weight spread "
+    "over more sites; E_Delta depends on it, see docs/tenney_comparison.md).",
+)
 
 
 def positive(value: float | None):

@@ -9,7 +9,20 @@ import typer
 
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
+from .common import (
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    ModelOpt,
+    OutOpt,
+    SeedOpt,
+    StackDrawsOpt,
+    StackFoldsOpt,
+    StackL2Opt,
+    ThreadsOpt,
+    prepare_out,
+    set_threads,
+)
 
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -174,26 +187,9 @@ def register(app: typer.Typer) -> None:
             help="Cap on passes over train: probes train until they converge; "
             "hitting the cap warns and is recorded (converged=False).",
         ),
-        stack_draws: int = typer.Option(
-            _P.stack_draws,
-            "--stack-draws",
-            min=1,
-            help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
-            "the interval resamples them. Each draw refits every site probe on each fold.",
-        ),
-        stack_folds: int = typer.Option(
-            _P.stack_folds,
-            "--stack-folds",
-            min=2,
-            help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
-            "per draw in E_Delta, one more refit of every site probe each).",
-        ),
-        stack_l2: float = typer.Option(
-            _P.stack_l2,
-            "--stack-l2",
-            help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (stronger: weight spread "
-            "over more sites; E_Delta depends on it, see docs/tenney_comparison.md).",
-        ),
+        stack_draws: int = StackDrawsOpt,
+        stack_folds: int = StackFoldsOpt,
+        stack_l2: float = StackL2Opt,
         precision: str = typer.Option(
             _P.precision,
             "--precision",

@@ -8,7 +8,19 @@ import typer
 
 from depthscope.probes.config import DataConfig, ProbeConfig
 
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, SeedOpt, ThreadsOpt, prepare_out, set_threads
+from .common import (
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    ModelOpt,
+    SeedOpt,
+    StackDrawsOpt,
+    StackFoldsOpt,
+    StackL2Opt,
+    ThreadsOpt,
+    prepare_out,
+    set_threads,
+)
 
 _P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -54,23 +66,9 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Cap on passes over train for every probe (they train to convergence; as in depthscope probe).",
         ),
-        stack_draws: int = typer.Option(
-            _P.stack_draws,
-            "--stack-draws",
-            min=1,
-            help="Fold draws the cumulative probes (E_Delta) are stacked on (as in depthscope probe).",
-        ),
-        stack_folds: int = typer.Option(
-            _P.stack_folds,
-            "--stack-folds",
-            min=2,
-            help="Folds of train behind each fold draw of the cumulative probes (as in depthscope probe).",
-        ),
-        stack_l2: float = typer.Option(
-            _P.stack_l2,
-            "--stack-l2",
-            help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (as in depthscope probe).",
-        ),
+        stack_draws: int = StackDrawsOpt,
+        stack_folds: int = StackFoldsOpt,
+        stack_l2: float = StackL2Opt,
         seed: int = SeedOpt,
         threads: int | None = ThreadsOpt,
         lens_tokens: int = typer.Option(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens."),

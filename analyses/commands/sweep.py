@@ -9,7 +9,7 @@ import typer
 from depthscope.probes.config import ProbeConfig
 
 from ..jobs.sweep import SweepJobConfig
-from .common import DeviceOpt, DtypeOpt, SeedOpt
+from .common import DeviceOpt, DtypeOpt, SeedOpt, StackDrawsOpt, StackFoldsOpt, StackL2Opt
 
 _S, _P = SweepJobConfig(), ProbeConfig()
 
@@ -50,17 +50,9 @@ def register(app: typer.Typer) -> None:
         max_epochs: int = typer.Option(
             _P.max_epochs, "--max-epochs", min=1, help="Cap on passes over train for every probe (probe)."
         ),
-        stack_draws: int = typer.Option(
-            _P.stack_draws, "--stack-draws", min=1, help="Fold draws of the cumulative probes, E_Delta (probe)."
-        ),
-        stack_folds: int = typer.Option(
-            _P.stack_folds, "--stack-folds", min=2, help="Folds of train behind each fold draw, E_Delta (probe)."
-        ),
-        stack_l2: float = typer.Option(
-            _P.stack_l2,
-            "--stack-l2",
-            help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights, E_Delta (probe).",
-        ),
+        stack_draws: int = StackDrawsOpt,
+        stack_folds: int = StackFoldsOpt,
+        stack_l2: float = StackL2Opt,
         seed: int = SeedOpt,
         metric: str | None = typer.Option(
             None, "--metric", help="Metric for the checkpoint x depth heatmap (default per analysis)."
