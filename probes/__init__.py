@@ -15,8 +15,9 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     control_accuracy, selectivity, train_accuracy, l2, probe, pooling, n_train, n_test,
     majority_accuracy, converged, epochs (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
     ``.summary`` columns: task, expected_layer_delta (+ _lo/_hi: 95% bootstrap interval over test
-    examples), expected_layer_mix, best_label,
-    best_accuracy, n_train, n_test, mix_accuracy, best_site, best_depth, best_macro_f1,
+    examples and fold draws; from the soft accuracy, the mean probability of the gold label),
+    expected_layer_delta_hard (+ _lo/_hi: the same from the argmax accuracy), expected_layer_mix, best_label,
+    best_accuracy, n_train, n_test, mix_accuracy, mix_soft_accuracy, best_site, best_depth, best_macro_f1,
     best_selectivity, max_selectivity, n_layers, relative_depth_delta, relative_depth_mix,
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,
     n_skipped_train, n_skipped_test, kind, probe, pooling, precision, n_overlap_dropped, context,
@@ -25,7 +26,8 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     search left at the cap), converged, hit_max_epochs, n_not_converged,
     epochs_sites, epochs_cumulative (the stacking's passes), epochs_mix, max_epochs, solver.
     ``.mixing`` columns: task, site, label, layer, sublayer, depth, mix_weight,
-    cumulative_score, cumulative_macro_f1, delta, gamma.
+    cumulative_score (soft accuracy), cumulative_accuracy, cumulative_macro_f1, delta (of the
+    cumulative_score), gamma.
 ``ProbeConfig``, ``ExtractionConfig``, ``DataConfig``: the settings and their (only) defaults.
 ``prepare_task(...) -> TaskData``: one task's labels and standardised features, no fitting.
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,

@@ -8,6 +8,18 @@ Cumulative scoring (``E_Delta``): ``P(s)`` predicts from sites ``0..s``;
 ``Delta(s) = score(P(s)) - score(P(s-1))`` is what site ``s`` adds, and the *expected layer*
 of the gains is ``E_Delta = sum_{s>=1} depth(s) * Delta(s) / sum_{s>=1} Delta(s)``.
 
+The score is the *soft accuracy*: the mean probability ``P(s)`` gives the gold label on test
+(the expected accuracy of a label drawn from the probe's prediction). Tenney scored the argmax
+(accuracy, F1); that hard score is kept beside it (``CumulativeFit.accuracy``, the summary's
+``expected_layer_delta_hard``) but is not the headline, because E_Delta sums the gap between
+each late prefix and the last one over every late site (``E_Delta = sum_{s<S-1} (1 - g(s))``
+in sites, ``g`` the fraction of the total gain prefix ``s`` reaches), so a few test words
+flipping between two nearly equal prefixes moves it by a large fraction of a block. On the
+bundled EWT sample (upos, default model; six 5-fold draws, stacking ridge 1e-4 .. 1) one draw's
+hard E_Delta had a standard deviation of 0.10-0.33 block and its mean moved from 3.1 to 4.4
+blocks with the ridge; the soft E_Delta had 0.01-0.04 and moved between 3.41 and 3.52
+(``docs/tenney_comparison.md``, Stability).
+
 ``P(s)`` here is a *convex* cumulative probe, not Tenney's jointly trained prefix mix: it
 combines the converged per-site probes of sites ``0..s``, ``logits = sum_{t<=s} w_t log p_t(y|x)
 + b`` (stacking; Wolpert 1992), with ``w, b`` fitted on out-of-fold predictions of train
@@ -24,11 +36,12 @@ total gain that normalises it, so one draw's E_Delta is noisy (on GUM dev, defau
 upos: a standard deviation of about 0.4 block from draw to draw at ``STACK_L2 = 1e-4``, about
 0.34 at ``1e-2``, heavy-tailed). The stacking is therefore repeated on
 ``ProbeConfig.stack_draws`` fold draws (default 2: each draw refits every per-site probe on
-each fold, and a draw costs about as much as the per-site fit), the accuracy of ``P(s)`` is the
-mean over draws, and the interval resamples the draws with the test examples, so it covers the
+each fold, and a draw costs about as much as the per-site fit), the scores of ``P(s)`` are
+means over draws, and the interval resamples the draws with the test examples, so it covers the
 draws' spread. The stacking ridge is a setting, not a fitted value: a stronger ridge spreads
-each prefix's weight over more sites, which raises the late prefixes' accuracy and E_Delta, and
-cross-validation on train's out-of-fold predictions cannot tell the values apart (the
+each prefix's weight over more sites, which raises the late prefixes' hard accuracy and the hard
+E_Delta (the soft one barely moves), and cross-validation on train's out-of-fold predictions
+cannot tell the values apart (the
 measurements are in ``docs/tenney_comparison.md``, Stability). It keeps Tenney's question (how
 much better can the property be predicted once site ``s`` is available) and scores on test like
 every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so
@@ -89,9 +102,10 @@ def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> flo
 def expected_layer_delta_interval(
     depths: Sequence[float], correct, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
 ) -> tuple:
-    """A bootstrap interval for ``E_Delta``: ``correct [S, N]`` says whether prefix probe
-    ``P(s)`` got test example ``n`` right, ``correct [R, S, N]`` the same for each of ``R`` fold
-    draws (the point estimate then uses their mean accuracy). Each resample reweights the test
+    """A bootstrap interval for ``E_Delta``: ``correct [S, N]`` is prefix probe ``P(s)``'s score
+    on test example ``n`` (1/0: right or not; or the soft score, the probability of the gold
+    label), ``correct [R, S, N]`` the same for each of ``R`` fold draws (the point estimate then
+    uses their mean). Each resample reweights the test
     examples (Poisson(1) weights, all prefixes at once as one matrix product) and, with draws,
     resamples the draws too (with replacement: a two-level bootstrap), then recomputes the
     cumulative accuracies and ``E_Delta``. Returns ``(low, high)``; NaN when undefined.
@@ -126,13 +140,14 @@ def expected_layer_delta_interval(
 
 @dataclass
 class CumulativeFit:
-    accuracy: np.ndarray  # [S] test accuracy of P(s), mean over the fold draws
+    accuracy: np.ndarray  # [S] test accuracy of P(s) (argmax right), mean over the fold draws
     macro_f1: np.ndarray  # [S] mean over the fold draws
     weights: np.ndarray  # [S, S] stacking weights of P(s), mean over the draws (row s: sites 0..s; zeros above)
     mix: np.ndarray  # [S] the all-sites scalar mix's weights (E_s)
     correct: np.ndarray = None  # [R, S, N] bool: P(s) of fold draw r right on test example n (for intervals)
     log: object = None  # TrainLog of the stacking (convergence per prefix, all draws)
     mix_log: object = None  # TrainLog of the scalar mix
+    soft: np.ndarray = None  # [R, S, N] float32: the probability P(s) of fold draw r gives test example n's label
 
     @property
     def correct_mean(self) -> np.ndarray:
@@ -140,8 +155,26 @@ class CumulativeFit:
         return np.asarray(self.correct, dtype=np.float64).mean(0)
 
     @property
+    def soft_accuracy(self) -> np.ndarray:
+        """``[S]``: the soft accuracy of ``P(s)`` (mean probability of the gold label), mean over
+        the fold draws; the accuracy when no probabilities were kept."""
+        if self.soft is None:
+            return self.accuracy
+        return np.asarray(self.soft, dtype=np.float64).mean((0, 2))
+
+    @property
+    def score(self) -> np.ndarray:
+        """``[S]``: the cumulative score E_Delta is computed from: the soft accuracy (module docstring)."""
+        return self.soft_accuracy
+
+    @property
+    def score_draws(self) -> np.ndarray:
+        """``[R, S, N]``: each fold draw's per-example score (for the interval)."""
+        return self.correct if self.soft is None else self.soft
+
+    @property
     def delta(self) -> np.ndarray:
-        return deltas(self.accuracy)
+        return deltas(self.score)
 
     @property
     def mix_weights(self) -> np.ndarray:
@@ -152,6 +185,15 @@ class CumulativeFit:
     def gamma(self) -> np.ndarray:
         """The scalar mix's scale (fixed at 1)."""
         return np.ones(len(self.accuracy))
+
+
+def gold_probability(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[..., N]``: the softmax probability of label ``y [N]`` under ``logits [..., N, C]``; 0 for
+    a label the probe has no class for (``y >= C``: seen only in test)."""
+    C = logits.shape[-1]
+    lp = torch.log_softmax(logits.double(), -1)
+    idx = y.clamp(max=C - 1).expand(lp.shape[:-1])[..., None]
+    return torch.where(y < C, lp.gather(-1, idx).squeeze(-1).exp(), 0.0).float()
 
 
 def out_of_fold(
@@ -328,7 +370,7 @@ def fit_cumulative(
     fitted here), with ``init`` their state dict (one head) to warm-start the fold probes;
     ``overrides`` any config field by name. The stacking runs on ``cfg.stack_draws`` fold draws
     (each draw's Newton solve starting from the previous draw's weights); accuracies, F1 and
-    weights are means over the draws, ``correct`` keeps each draw's."""
+    weights are means over the draws, ``correct`` and ``soft`` keep each draw's."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     yt = torch.as_tensor(np.asarray(y_test))
     if test_log_probs is None:
@@ -337,7 +379,7 @@ def fit_cumulative(
         test_log_probs = log_probs(p, test)[:, :, 0]
         init = p.state_dict()
     R = cfg.stack_draws
-    f1, ws, correct, logs, prev = [], [], [], [], None
+    f1, ws, correct, soft, logs, prev = [], [], [], [], [], None
     for r in range(R):
         z_train = out_of_fold(
             train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
@@ -345,7 +387,9 @@ def fit_cumulative(
         w, b, lg = stack(z_train, y_train, l2=cfg.stack_l2, init=prev)
         prev = (w, b)
         with torch.no_grad():
-            preds = apply_stack(w, b, test_log_probs).argmax(-1)  # [S, N]
+            logits = apply_stack(w, b, test_log_probs)  # [S, N, C]
+            preds = logits.argmax(-1)
+            soft.append(gold_probability(logits, yt).numpy())
         f1.append(macro_f1(preds, yt, n_eval_classes).numpy())
         ws.append(w.detach().double().numpy())
         correct.append((preds == yt[None]).numpy())
@@ -361,6 +405,7 @@ def fit_cumulative(
         correct,
         _merge_logs(logs),
         mix_log,
+        np.stack(soft),
     )
 
 

@@ -17,7 +17,7 @@ import pandas as pd
 
 from .mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
 
-#: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (accuracy)
+#: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (soft accuracy)
 #: and at least ``GAIN_SE`` standard errors of that gain over test examples
 MIN_GAIN = 0.02
 GAIN_SE = 3.0
@@ -75,7 +75,9 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     fold draws (whose spread the bootstrap resamples); the stability test and
     ``docs/tenney_comparison.md`` measure the residual shift (seed, doubled ``max_epochs``).
     ``expected_layer_delta_meaningful`` is False when the total gain is below ``MIN_GAIN`` or
-    ``GAIN_SE`` standard errors (the note says why)."""
+    ``GAIN_SE`` standard errors (the note says why). E_Delta, its interval and the gain are in
+    the soft accuracy (:mod:`~depthscope.probes.mixing`); ``expected_layer_delta_hard`` (with
+    ``_lo/_hi``) is the same from the argmax accuracy, Tenney's score."""
     if cum is None:
         keys = [
             "expected_layer_delta",
@@ -84,14 +86,19 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
             "total_delta",
             "total_delta_se",
             "expected_layer_mix",
+            "expected_layer_delta_hard",
+            "expected_layer_delta_hard_lo",
+            "expected_layer_delta_hard_hi",
         ]
         out = {k: np.nan for k in keys}
         out.update(expected_layer_delta_meaningful=False, expected_layer_delta_note="no cumulative scoring")
         return out
-    lo, hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
-    gain = float(cum.accuracy[-1] - cum.accuracy[0])
-    hits = cum.correct_mean  # [S, N] fraction of fold draws right
-    diff = hits[-1] - hits[0]  # paired, per test example
+    lo, hi = expected_layer_delta_interval(depths, cum.score_draws, seed=seed)
+    hard_lo, hard_hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
+    score = cum.score
+    gain = float(score[-1] - score[0])
+    per_example = np.asarray(cum.score_draws, dtype=np.float64).mean(0)  # [S, N], mean over the fold draws
+    diff = per_example[-1] - per_example[0]  # paired, per test example
     se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
     ok = bool(gain >= MIN_GAIN and gain >= GAIN_SE * se)
     note = (
@@ -103,7 +110,7 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         )
     )
     return {
-        "expected_layer_delta": expected_layer_delta(depths, cum.accuracy),
+        "expected_layer_delta": expected_layer_delta(depths, score),
         "expected_layer_delta_lo": lo,
         "expected_layer_delta_hi": hi,
         "total_delta": gain,
@@ -111,7 +118,11 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         "expected_layer_delta_meaningful": ok,
         "expected_layer_delta_note": note,
         "expected_layer_mix": expected_layer_mix(depths, cum.mix_weights),
+        "expected_layer_delta_hard": expected_layer_delta(depths, cum.accuracy),
+        "expected_layer_delta_hard_lo": hard_lo,
+        "expected_layer_delta_hard_hi": hard_hi,
         "mix_accuracy": float(cum.accuracy[-1]),
+        "mix_soft_accuracy": float(score[-1]),
     }
 
 
@@ -119,7 +130,8 @@ def mixing_rows(task: str, frame: pd.DataFrame, cum) -> pd.DataFrame:
     df = frame.copy()
     df.insert(0, "task", task)
     df["mix_weight"] = cum.mix_weights
-    df["cumulative_score"] = cum.accuracy
+    df["cumulative_score"] = cum.score
+    df["cumulative_accuracy"] = cum.accuracy
     df["cumulative_macro_f1"] = cum.macro_f1
     df["delta"] = cum.delta
     df["gamma"] = cum.gamma

@@ -24,6 +24,7 @@ from depthscope.probes import (
 )
 from depthscope.probes.activations import SpanStore
 from depthscope.probes.mdl import block_ends
+from depthscope.probes.summaries import cumulative_summary
 
 
 def synthetic(n, S=4, D=16, C=4, seed=0):
@@ -270,6 +271,33 @@ def test_cumulative_mix_finds_the_informative_site():
     assert np.allclose(cum.correct.mean((0, 2)), cum.accuracy)
     lo, hi = expected_layer_delta_interval(depths, cum.correct)
     assert lo <= expected_layer_delta(depths, cum.accuracy) <= hi and 0.8 < lo and hi < 1.2
+    # the soft score (E_Delta's): each draw's probability of the gold label, recomputed by hand
+    assert cum.soft.shape == (2, 4, 1000) and cum.soft.dtype == np.float32
+    assert ((cum.soft >= 0) & (cum.soft <= 1)).all()
+    assert np.allclose(cum.score, cum.soft.mean((0, 2))) and np.allclose(cum.delta, np.diff(cum.score, prepend=0))
+    assert (cum.soft_accuracy[:2] < 0.4).all() and (cum.soft_accuracy[2:] > 0.8).all()
+    assert expected_layer_delta(depths, cum.score) == pytest.approx(1.0, abs=0.05)
+    summ = cumulative_summary(depths, cum, seed=0)
+    assert summ["expected_layer_delta"] == expected_layer_delta(depths, cum.soft_accuracy)
+    assert summ["expected_layer_delta_hard"] == expected_layer_delta(depths, cum.accuracy)
+    assert summ["total_delta"] == pytest.approx(cum.soft_accuracy[-1] - cum.soft_accuracy[0])
+    for k in ("expected_layer_delta", "expected_layer_delta_hard"):
+        assert summ[f"{k}_lo"] <= summ[k] <= summ[f"{k}_hi"]
+
+
+def test_gold_probability_against_softmax():
+    """The soft score is softmax(logits)[y]; a test label the probe has no class for scores 0."""
+    from depthscope.probes.mixing import gold_probability
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 4, generator=g) * 5
+    y = torch.tensor([0, 3, 1, 2, 4])  # 4: unseen in train (no class)
+    p = gold_probability(logits, y)
+    ref = torch.softmax(logits.double(), -1)
+    assert p.shape == (3, 5) and p.dtype == torch.float32
+    for i, c in enumerate(y.tolist()[:4]):
+        assert torch.allclose(p[:, i].double(), ref[:, i, c], atol=1e-7)
+    assert (p[:, 4] == 0).all()
 
 
 def test_out_of_fold_uses_the_configured_folds(monkeypatch):

@@ -186,7 +186,7 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         colors = [SUBLAYER_PALETTE.get(s, "#555555") for s in d["sublayer"]]
         ax.bar(d["depth"], d["delta"], width=0.42, color=colors, alpha=0.9, zorder=2)
         ax.axhline(0, color="black", lw=0.5)
-        ax.set_ylabel(f"{task}\n$\\Delta$ acc.", fontsize=9)
+        ax.set_ylabel(f"{task}\n$\\Delta$ soft acc.", fontsize=9)
         ax2 = ax.twinx()
         dm = mixing[mixing["task"] == task].sort_values("depth")
         ax2.plot(dm["depth"], dm["mix_weight"], color="#2ca02c", lw=1.2, marker=".", ms=3, zorder=3)
