@@ -66,7 +66,7 @@ from .solvers import newton
 from .training import TrainLog, log_probs, train_kwargs, train_probe
 
 #: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
-#: collinear, and the ridge spreads the weight among them (GUM upos, default decoder, six fold draws: E_Delta sd
+#: collinear, and the ridge spreads the weight among them (GUM upos, default decoder, six fold draws: argmax E_Delta sd
 #: 0.29 block at 1e-4, 0.15 at 1e-2)
 STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
