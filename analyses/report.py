@@ -217,6 +217,11 @@ def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     return t.reset_index(drop=True)
 
 
+#: blocks by which the argmax-accuracy E_Delta must differ from the soft one (and lie outside its interval) for the
+#: report to say so
+SCORES_DISAGREE = 1.0
+
+
 def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) -> list[str]:
     out = []
     if summary is None or not len(summary):
@@ -249,6 +254,20 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
             out.append(
                 f"{r.task}: the total cumulative gain is {_fmt(100 * r.total_delta, 1)} points, too small for "
                 "E_Δ to mean a depth (the embedding already decodes most of it)."
+            )
+    if {"expected_layer_delta_hard", "expected_layer_delta_lo", "expected_layer_delta_hi"} <= set(s.columns):
+        for r in s.itertuples():
+            soft, hard = r.expected_layer_delta, r.expected_layer_delta_hard
+            if not (np.isfinite(soft) and np.isfinite(hard)) or abs(hard - soft) < SCORES_DISAGREE:
+                continue
+            if r.expected_layer_delta_lo <= hard <= r.expected_layer_delta_hi:
+                continue
+            when = "earlier" if hard < soft else "later"
+            why = " (later sites make the probe surer without changing many of its decisions)" if hard < soft else ""
+            out.append(
+                f"{r.task}: scored on the argmax accuracy (Tenney's score), E_Δ is {_fmt(hard)} blocks against "
+                f"{_fmt(soft)} on the soft accuracy: the decisions are settled {when} than the probability of the "
+                f"gold label{why}."
             )
     if "converged" in s and not s["converged"].astype(bool).all():
         out.append(

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
-from depthscope.analyses.report import ReportConfig, lens_findings, render_report, run_report
+from depthscope.analyses.report import ReportConfig, lens_findings, probe_findings, render_report, run_report
 from depthscope.probes import DataConfig, ProbeConfig
 
 
@@ -65,6 +65,32 @@ def test_report_text_is_computed_from_the_tables(report_dir):
     lens.to_parquet(report_dir / "lens_by_site.parquet", index=False)
     render_report(report_dir)
     assert "KL = 123.46 nats" in (report_dir / "report.md").read_text()
+
+
+def test_probe_findings_say_when_the_two_scores_disagree():
+    """The report says when Tenney's argmax E_Delta lies more than a block from the soft one and
+    outside its interval (GUM coref on the decoder: 1.94 against 5.56), and not otherwise."""
+    summ = pd.DataFrame(
+        {
+            "task": ["coref", "upos"],
+            "expected_layer_delta": [5.56, 3.33],
+            "expected_layer_delta_lo": [5.2, 3.0],
+            "expected_layer_delta_hi": [6.0, 3.6],
+            "expected_layer_delta_hard": [1.94, 3.06],
+        }
+    )
+    by_site = pd.DataFrame(
+        {"task": ["coref", "upos"], "site": [0, 0], "label": ["embed"] * 2, "depth": [0.0] * 2, "accuracy": [0.7, 0.9]}
+    )
+    text = " ".join(probe_findings(summ, by_site, 30))
+    assert "coref: scored on the argmax accuracy (Tenney's score), E_Δ is 1.94 blocks against 5.56" in text
+    assert "settled earlier" in text and "upos: scored on the argmax" not in text
+    summ.loc[1, "expected_layer_delta_hard"] = 5.0  # later, and outside [3.0, 3.6]
+    text = " ".join(probe_findings(summ, by_site, 30))
+    assert "upos: scored on the argmax accuracy (Tenney's score), E_Δ is 5.00 blocks against 3.33" in text
+    assert "settled later" in text
+    summ.loc[0, "expected_layer_delta_lo"] = 1.0  # inside the interval: nothing to say
+    assert "coref: scored" not in " ".join(probe_findings(summ, by_site, 30))
 
 
 def test_lens_findings_values():
