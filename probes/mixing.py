@@ -150,27 +150,25 @@ class CumulativeFit:
     soft: np.ndarray = None  # [R, S, N] float32: the probability P(s) of fold draw r gives test example n's label
 
     @property
-    def correct_mean(self) -> np.ndarray:
-        """``[S, N]``: the fraction of fold draws whose ``P(s)`` got test example ``n`` right."""
-        return np.asarray(self.correct, dtype=np.float64).mean(0)
+    def score_draws(self) -> np.ndarray:
+        """``[R, S, N]``: each fold draw's per-example score E_Delta is computed from: the soft
+        score (module docstring), or 1/0 right when no probabilities were kept."""
+        return self.correct if self.soft is None else self.soft
 
     @property
-    def soft_accuracy(self) -> np.ndarray:
-        """``[S]``: the soft accuracy of ``P(s)`` (mean probability of the gold label), mean over
-        the fold draws; the accuracy when no probabilities were kept."""
-        if self.soft is None:
-            return self.accuracy
-        return np.asarray(self.soft, dtype=np.float64).mean((0, 2))
+    def score_mean(self) -> np.ndarray:
+        """``[S, N]``: the per-example score of ``P(s)``, mean over the fold draws."""
+        return np.asarray(self.score_draws, dtype=np.float64).mean(0)
 
     @property
     def score(self) -> np.ndarray:
-        """``[S]``: the cumulative score E_Delta is computed from: the soft accuracy (module docstring)."""
-        return self.soft_accuracy
+        """``[S]``: the cumulative score of ``P(s)`` (the soft accuracy), mean over the fold draws."""
+        return self.score_mean.mean(1)
 
     @property
-    def score_draws(self) -> np.ndarray:
-        """``[R, S, N]``: each fold draw's per-example score (for the interval)."""
-        return self.correct if self.soft is None else self.soft
+    def soft_accuracy(self) -> np.ndarray:
+        """``[S]``: the mean probability ``P(s)`` gives the gold label (= :attr:`score`)."""
+        return self.score
 
     @property
     def delta(self) -> np.ndarray:

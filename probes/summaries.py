@@ -97,7 +97,7 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     hard_lo, hard_hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
     score = cum.score
     gain = float(score[-1] - score[0])
-    per_example = np.asarray(cum.score_draws, dtype=np.float64).mean(0)  # [S, N], mean over the fold draws
+    per_example = cum.score_mean  # [S, N], mean over the fold draws
     diff = per_example[-1] - per_example[0]  # paired, per test example
     se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
     ok = bool(gain >= MIN_GAIN and gain >= GAIN_SE * se)
