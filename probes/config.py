@@ -39,7 +39,7 @@ CONTEXTS = ("sentence", "document")
 OVERLAP = ("drop", "keep", "error")
 PRECISIONS = ("auto", "float32", "bfloat16")
 STORE_DTYPES = ("float16", "float32")
-SOLVERS = ("auto", "lbfgs", "adam")
+SOLVERS = ("auto", "subspace", "lbfgs", "adam")
 #: the penalties ``l2="auto"`` chooses from, per task, by held-out accuracy (mean over sites):
 #: half-decades around 1e-3, the value EWT dev picked at most sites for upos on the default model
 #: (weaker penalties, 1e-4 and below, leave near-separable problems that take hundreds of passes
@@ -98,8 +98,10 @@ class ProbeConfig:
     folds of train), is within one standard error of the best (the one-standard-error rule);
     the per-site probes, the control
     task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
-    requires a dev split. ``solver``: ``lbfgs`` (full batch, linear probes over resident
-    features), ``adam`` (minibatch) or ``auto`` (L-BFGS where it applies). Training stops when
+    requires a dev split. ``solver``: ``subspace`` (full batch, per-site linear probes
+    over resident features: :mod:`depthscope.probes.subspace`), ``lbfgs`` (full batch, any linear
+    probe over resident features; scalar mixes), ``adam`` (minibatch) or ``auto`` (the first of
+    these that applies). Training stops when
     every probe has converged (largest gradient entry <= ``gtol``, or relative objective change
     <= ``tol`` twice in a row; :mod:`depthscope.probes.training`), or at ``max_epochs`` passes
     over train, with a warning and ``converged = False`` in the tables. ``lr``, ``min_steps``,

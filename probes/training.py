@@ -11,15 +11,18 @@
 ``train_kwargs(config)``          the training settings of a ProbeConfig, as train_probe's keywords
 ================================  =============================================================
 
-Two solvers, one stopping rule (:mod:`depthscope.probes.solvers`: a unit has converged when its
-largest gradient entry is at most ``gtol`` and its objective's relative decrease is at most
+Three solvers, one stopping rule (:mod:`depthscope.probes.solvers`: a unit has converged when
+its largest gradient entry is at most ``gtol`` and its objective's relative decrease is at most
 ``tol`` twice in a row):
 
-* ``lbfgs`` (linear probes and scalar mixes over resident features; ``solver="auto"``):
-  full-batch L-BFGS with per-unit memory, step and stopping, from zero weights, so the result
-  is the optimum of the regularised objective (convex for per-site probes) and does not depend
-  on the seed. One objective-and-gradient evaluation is one pass over train: ``max_epochs``
-  caps the passes.
+* ``subspace`` (per-site linear probes over resident features; ``solver="auto"``): full batch,
+  one product each way per pass and an exact small Newton step in a subspace
+  (:mod:`depthscope.probes.subspace`), from the probe's weights (zero, or a warm start), so the
+  result is the optimum of the regularised objective (convex) and does not depend on the seed.
+* ``lbfgs`` (scalar mixes over resident features; ``solver="auto"``; per-site probes on
+  request): full-batch L-BFGS with per-unit memory, step and stopping, K-FAC preconditioned.
+  For both, one objective-and-gradient evaluation is one pass over train: ``max_epochs`` caps
+  the passes.
 * ``adam`` (MLP probes, attention pooling, streamed features): minibatch Adam whose step size
   halves whenever an epoch's objective stops falling by ``tol``-relative steps; a unit has
   converged when its epoch objective changed by at most ``tol`` (relative) twice in a row and
@@ -47,6 +50,7 @@ from .config import ProbeConfig
 from .cpu import step_work, threads_for
 from .features import Features
 from .solvers import lbfgs
+from .subspace import fit_softmax
 
 log = logging.getLogger("depthscope.probes")
 _DEFAULTS = ProbeConfig()
@@ -105,12 +109,19 @@ def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: int | None = 
 
 
 def pick_solver(probe: BatchedProbe, feats: Features, solver: str = "auto") -> str:
-    """``lbfgs`` for linear probes over resident features, ``adam`` otherwise (``solver``
-    other than ``auto`` is taken as given; L-BFGS needs resident features)."""
+    """``subspace`` for per-site linear probes over resident features, ``lbfgs`` for linear
+    scalar mixes over resident features, ``adam`` otherwise (``solver`` other than ``auto`` is
+    taken as given where it applies: the full-batch solvers need resident features, ``subspace``
+    a per-site linear probe)."""
+    per_site = probe.kind == "linear" and probe.mix_mask is None and not probe.attn_pool
     if solver == "auto":
-        return "lbfgs" if probe.kind == "linear" and feats.resident is not None else "adam"
-    if solver == "lbfgs" and feats.resident is None:
-        raise ValueError("the lbfgs solver needs resident features (Features.make_resident)")
+        if probe.kind == "linear" and feats.resident is not None:
+            return "subspace" if per_site else "lbfgs"
+        return "adam"
+    if solver in ("lbfgs", "subspace") and feats.resident is None:
+        raise ValueError(f"the {solver} solver needs resident features (Features.make_resident)")
+    if solver == "subspace" and not per_site:
+        raise ValueError("the subspace solver fits per-site linear probes (no scalar mix, no attention pooling)")
     return solver
 
 
@@ -145,7 +156,9 @@ def train_probe(
 
         bar = progress_bar(max_epochs, desc=desc, unit="pass")
     probe.train()
-    if solver == "lbfgs":
+    if solver == "subspace":
+        out = _train_subspace(probe, feats, y, max_epochs, tol, gtol, bar)
+    elif solver == "lbfgs":
         out = _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar)
     else:
         out = _train_adam(probe, feats, y, max_epochs, tol, lr, min_steps, batch_size, seed, bar)
@@ -243,6 +256,42 @@ def _runs(units: torch.Tensor) -> list:
         else:
             runs.append([i, i + 1])
     return [tuple(r) for r in runs]
+
+
+def _train_subspace(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
+    """Per-site linear probes: :func:`depthscope.probes.subspace.fit_softmax` on the resident
+    features (labels put in their row order), from the probe's current weights."""
+    y_rows = y[torch.from_numpy(np.asarray(feats.order, dtype=np.int64))]
+
+    def tick():
+        if bar is not None:
+            bar.update(1)
+
+    with threads_for(step_work(probe, feats, len(feats))):
+        sol = fit_softmax(
+            feats.resident,
+            y_rows,
+            probe.W.data,
+            probe.b.data,
+            probe.l2,
+            probe.C,
+            max_passes=max_epochs,
+            ftol=tol,
+            gtol=gtol,
+            on_pass=tick,
+        )
+    conv = sol.converged.numpy()
+    f = objective(probe, feats, y)  # a fresh evaluation (one forward pass), as the other solvers report
+    return TrainLog(
+        "subspace",
+        sol.evals,
+        conv,
+        f.numpy(),
+        sol.grad_max.numpy(),
+        hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
+        history=sol.history,
+        unit_epochs=sol.unit_evals.numpy(),
+    )
 
 
 def _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:

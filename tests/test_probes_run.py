@@ -101,7 +101,7 @@ def test_run_probes_tiny_end_to_end(tiny_llama, tmp_path):
     assert (0 <= s["expected_layer_mix"]).all() and (s["expected_layer_mix"] <= tiny_llama.n_layers).all()
     # trained to convergence, one penalty per task chosen on folds of train (no dev given)
     assert s["converged"].all() and not s["hit_max_epochs"].any() and bs["converged"].all()
-    assert (s["epochs_sites"] < 200).all() and (s["solver"] == "lbfgs").all()
+    assert (s["epochs_sites"] < 200).all() and (s["solver"] == "subspace").all()
     assert (s["l2_chosen_on"] == "2 folds of train").all()
     assert all(bs[bs.task == t]["l2"].eq(s.loc[t, "l2"]).all() for t in s.index)
     n_words = read_conllu(EWT_TRAIN).n_words

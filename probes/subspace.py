@@ -1,0 +1,366 @@
+"""Subspace Newton for per-site linear softmax probes: one product each way per pass, an exact small Newton step.
+
+=============================================  ====================================================
+``fit_softmax(X, y, W, b, l2, n_classes, ...)``  minimise each unit's regularised softmax objective
+                                               from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
+                                               a :class:`~depthscope.probes.solvers.Solved`
+``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
+=============================================  ====================================================
+
+The objective of a linear probe (per unit and head ``g``: mean cross-entropy of the logits
+``Z = X W_g + b_g`` plus ``l2_g ||W_g||^2``) is a function of the logits plus a quadratic, so a
+step restricted to a few directions costs no pass over the features once their logit images are
+known: ``Z(theta) = Z + sum_j alpha_j (X V_j) + beta``. Each iteration (one *pass*) therefore
+does two products and nothing else of size ``n x F``:
+
+1. the gradient ``X^T (softmax(Z) - Y) / n + 2 l2 W`` (also the stopping test);
+2. the logit image ``X d`` of the new direction ``d = -gradient``;
+
+then takes one damped Newton step, with Armijo backtracking, on the objective restricted to the
+subspace spanned by the new direction, the last ``memory`` steps (whose logit images are kept)
+and the bias directions (one per class, so the unpenalised biases are re-optimised every pass;
+the most frequent class's bias is held, since one shift of all biases changes nothing). That
+small problem costs ``O(n C (C + J))``, no product. This is the sequential subspace optimisation
+of Narkiss and Zibulevsky (2005); with the previous step in the subspace it behaves like a
+nonlinear conjugate gradient with a Newton line search in several dimensions at once. On the
+benchmark's EWT upos features (default model, 8 sites, 3000 words, ``l2 = 1e-2``) it needs about
+25 passes per site where the K-FAC preconditioned L-BFGS of :mod:`depthscope.probes.solvers`
+needs 36, and no feature second moments (``python -m benchmarks.bench_probe_fit``). A curvature
+preconditioner (the features' Gram, or one weighted by the softmax curvature) made it slower on
+those features in an ad-hoc check: the penalty dominates the Hessian in most directions.
+
+Numerics: the logits are carried along in float32 and updated from the directions' images
+(never as a difference of logits, which would lose a small step's digits), recomputed from the
+weights every ``REFRESH`` passes; nearly dependent directions (``MIN_CORR_EIG``) drop the memory
+for that step. A class absent from the labels (its bias' optimum is ``-inf``) descends until its
+mean probability is ``ABSENT_TOL * gtol`` and stays there, so how far a solver goes does not set
+the code length MDL gives such a label. A head whose gradient already passes ``gtol`` may find no
+decrease (float32's precision floor); a failed search of a head above it forgets the memory
+(as L-BFGS does) and, twice in a row, stops the unit, reported as not converged.
+
+Units (sites) are independent problems solved side by side (batched products); a unit that
+has stopped (the rule of :mod:`depthscope.probes.solvers`: largest gradient entry ``<= gtol``
+and relative decrease ``<= ftol`` twice in a row) is frozen, and the others go on in contiguous
+runs of units (views of the features, no gather). Units are taken in blocks sized so that the
+solver's state (logits, softmax, directions and their images: about ``5 + 2 memory`` copies of
+``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The objectives returned are those of
+the logits carried along (:func:`~depthscope.probes.training.train_probe` reports a fresh
+evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .solvers import ARMIJO, MAX_BACKTRACKS, Solved, _Stopping
+
+#: memory for one block of units' solver state (logits, directions, their images)
+STATE_BYTES = 1.0e9
+#: a class absent from the labels stops descending when its mean probability is this times gtol
+ABSENT_TOL = 0.01
+#: the smallest eigenvalue of the directions' correlation matrix below which the memory is dropped
+MIN_CORR_EIG = 1e-4
+#: the logits are recomputed from the weights every this many passes (float32 drift)
+REFRESH = 20
+#: Newton steps per pass in the subspace (a second one gained no pass on the benchmark's features)
+INNER = 1
+
+
+def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = 1) -> list:
+    """``(start, stop)`` ranges of units solved one after another so that a block's state fits
+    ``STATE_BYTES``."""
+    per_unit = 4.0 * ((5 + 2 * memory) * n * G * C + (3 + memory) * F * G * C)
+    size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
+    return [(a, min(U, a + size)) for a in range(0, U, size)]
+
+
+def _runs(mask: torch.Tensor) -> list:
+    idx = torch.nonzero(mask)[:, 0].tolist()
+    runs: list = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [tuple(r) for r in runs]
+
+
+@torch.no_grad()
+def fit_softmax(
+    X: torch.Tensor,
+    y: torch.Tensor,
+    W: torch.Tensor,
+    b: torch.Tensor,
+    l2: torch.Tensor,
+    n_classes: int,
+    *,
+    max_passes: int,
+    ftol: float,
+    gtol: float,
+    memory: int = 1,
+    on_pass: Callable | None = None,
+) -> Solved:
+    """Fit ``U`` linear softmax probes over features ``X [U, n, F]`` (any float type: the two
+    products run in it, everything else in float32/float64) with labels ``y [n, G]`` (class
+    indices, rows aligned with ``X``), ``G`` heads of ``n_classes`` classes with penalties
+    ``l2 [G]``; ``W [U, F, G*C]`` and ``b [U, 1, G*C]`` are the start and receive the result.
+    Returns a :class:`Solved` whose ``x`` is None (the result is in ``W``, ``b``), ``evals`` the
+    passes of the longest block and ``unit_evals`` each unit's; ``on_pass()`` after each pass."""
+    U, n, F = X.shape
+    G, C = y.shape[1], n_classes
+    blocks = unit_blocks(U, n, F, G, C, memory)
+    f = torch.zeros(U, dtype=torch.float64)
+    gmax = torch.zeros(U, dtype=torch.float64)
+    conv = torch.zeros(U, dtype=torch.bool)
+    at = torch.zeros(U, dtype=torch.long)
+    history: list = []
+    evals = 0
+    for a, z in blocks:
+        sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory).run(max_passes, ftol, gtol, on_pass)
+        f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
+        evals = max(evals, sol.evals)
+        history = _add_padded(history, sol.history)
+    return Solved(None, f, gmax, conv, evals, history, at)
+
+
+def _add_padded(a: list, b: list) -> list:
+    """Elementwise sum of two objective histories, the shorter held at its last value."""
+    if not a:
+        return list(b)
+    k = max(len(a), len(b))
+    a, b = a + a[-1:] * (k - len(a)), b + b[-1:] * (k - len(b))
+    return [x + y for x, y in zip(a, b)]
+
+
+class _Block:
+    """The solver's state for a block of ``u`` units (see the module docstring). Logits are kept
+    example-major ``[u, n, G*C]`` (the gradient's product reads them); directions, their logit
+    images and bias parts head-major ``[u, G, J, ...]`` (slot 0 the new direction, then the
+    memory, newest first), so the small problems of all units and heads are batched products."""
+
+    def __init__(self, X, y, W, b, l2, C, memory):
+        self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
+        u, n, F = X.shape
+        G = y.shape[1]
+        self.u, self.n, self.F, self.G, self.C, self.m = u, n, F, G, C, memory
+        self.dt = X.dtype if X.dtype != torch.float16 else torch.float32  # no half products on CPU
+        self.yi = y.view(1, n, G, 1)
+        self.yT = y.T.contiguous()  # [G, n]
+        # the logits are invariant to one shift of all of a head's biases: the most frequent
+        # class's bias is held fixed (its direction left out of the subspace)
+        counts = torch.stack([torch.bincount(y[:, g], minlength=C) for g in range(G)])  # [G, C]
+        self.free_b = torch.ones(G, C, dtype=torch.bool)
+        self.free_b[torch.arange(G), counts.argmax(1)] = False
+        self.absent = counts == 0  # [G, C]: their biases' optimum is -inf (see step)
+        self.gtol = 0.0
+        self.l2 = l2.float()
+        self.l2col = l2.float().repeat_interleave(C)  # [G*C]
+        self.Z = torch.baddbmm(b.to(self.dt), X.to(self.dt), W.to(self.dt)).float()  # [u, n, G*C]
+        J = 1 + memory
+        self.VW = torch.zeros(u, G, J, F, C)
+        self.VZ = torch.zeros(u, G, J, n, C)
+        self.Vb = torch.zeros(u, G, J, C)
+        self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
+        self.f = torch.zeros(u, dtype=torch.float64)
+        self.gW = torch.zeros(u, F, G * C)
+        self.gb = torch.zeros(u, G * C)
+        self.P = torch.zeros(u, n, G * C)
+        self.phi = torch.zeros(u, G, dtype=torch.float64)
+
+    def _X(self, s: slice) -> torch.Tensor:
+        return self.X[s] if self.X.dtype == self.dt else self.X[s].to(self.dt)
+
+    # --- one product each way -------------------------------------------------------------
+    def gradient(self, s: slice) -> None:
+        """Objective and gradient of units ``s`` at their logits (one product)."""
+        u = s.stop - s.start
+        n, G, C = self.n, self.G, self.C
+        Z = self.Z[s].view(u, n, G, C)
+        lse = torch.logsumexp(Z, -1)
+        ce = (lse - Z.gather(-1, self.yi.expand(u, n, G, 1)).squeeze(-1)).double().sum(1) / n  # [u, G]
+        W = self.W[s]
+        pen = self.l2.double() * W.view(u, -1, G, C).double().pow(2).sum((1, 3))
+        self.phi[s] = ce + pen
+        self.f[s] = (ce + pen).sum(1)
+        P = torch.exp(Z - lse[..., None])
+        self.P[s] = P.view(u, n, G * C)  # the softmax, reused by the step's first Newton iteration
+        R = P
+        R.scatter_add_(-1, self.yi.expand(u, n, G, 1), torch.full((u, n, G, 1), -1.0))
+        R = R.view(u, n, G * C).div_(n)
+        gW = torch.bmm(R.transpose(1, 2).to(self.dt), self._X(s)).float().transpose(1, 2)  # (R^T X)^T: faster
+        self.gW[s] = gW.addcmul(W, self.l2col, value=2.0)
+        self.gb[s] = R.sum(1)
+
+    def refresh(self, s: slice) -> None:
+        """Recompute the logits of units ``s`` from their weights (one product): the logits
+        carried along accumulate float32 rounding."""
+        Wt = self.W[s].transpose(1, 2).contiguous().to(self.dt)
+        Zt = torch.bmm(Wt, self._X(s).transpose(1, 2)).float()  # [u, G*C, n]
+        self.Z[s] = Zt.transpose(1, 2) + self.b[s]
+
+    def direction(self, s: slice) -> None:
+        """The new direction (minus the gradient) and its logit image (one product)."""
+        u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
+        d = -self.gW[s]
+        self.VW[s, :, 0] = d.view(u, F, G, C).permute(0, 2, 1, 3)
+        img = torch.bmm(d.transpose(1, 2).contiguous().to(self.dt), self._X(s).transpose(1, 2)).float()  # (X d)^T
+        self.VZ[s, :, 0] = img.view(u, G, C, n).transpose(2, 3)
+        self.Vb[s, :, 0] = 0.0
+
+    # --- the small problem ------------------------------------------------------------------
+    def step(self, s: slice) -> torch.Tensor:
+        """Minimise over the subspace of units ``s`` and move there; returns which units found a
+        decrease (``[u]``; False: a line search along a Newton direction failed, the precision
+        floor)."""
+        u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
+        J, B = 1 + self.m, u * G
+        VW = self.VW[s].view(B, J, F * C)
+        VZ = self.VZ[s].view(B, J, n, C)
+        VZf = VZ.view(B, J, n * C)
+        Vb = self.Vb[s].view(B, J, C)
+        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F * C)
+        gram = torch.bmm(VW, VW.transpose(1, 2)).double()  # per unit and head: <V_j, V_k>
+        wv = torch.bmm(VW, Wh[:, :, None])[..., 0].double()
+        ww = Wh.double().pow(2).sum(1)
+        l2 = self.l2.double().repeat(u)  # [B]
+        Z0 = self.Z[s].view(u, n, G, C).permute(0, 2, 1, 3).reshape(B, n, C)
+        yb = self.yT.repeat(u, 1)[..., None]  # [B, n, 1]
+        used = (torch.arange(J)[None, :] <= self.steps[s][:, None]).repeat_interleave(G, 0)  # [B, J]
+        # nearly dependent directions would be combined with large cancelling coefficients (and the
+        # logits carried along would drift from X W + b): then the memory is left out of this step
+        norm = gram.diagonal(dim1=1, dim2=2).clamp_min(1e-300).sqrt()
+        corr = gram / (norm[:, :, None] * norm[:, None, :])
+        both = used[:, :, None] & used[:, None, :]
+        corr = torch.where(both, corr, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~used).double())
+        used = used & ~(torch.linalg.eigvalsh(corr)[:, :1] < MIN_CORR_EIG)
+        used[:, 0] = True
+        # a class absent from the labels: its bias descends until its gradient (the class's mean
+        # probability, and its share of the objective) is ABSENT_TOL * gtol, then stays (its
+        # optimum is -inf: how far a solver goes would set the code length of such a label)
+        done_b = self.absent.repeat(u, 1) & (self.gb[s].view(B, C).abs() <= ABSENT_TOL * self.gtol)
+        keep = torch.cat([self.free_b.repeat(u, 1) & ~done_b, used], 1)  # [B, C + J]
+        pair = keep[:, :, None] & keep[:, None, :]
+        free = (~keep).double()
+        beta = torch.zeros(B, C, dtype=torch.float64)
+        alpha = torch.zeros(B, J, dtype=torch.float64)
+
+        def delta(be, al):  # the logits' change: from the images, never as a difference of logits
+            return be[:, None, :].float() + torch.bmm(al[:, None, :].float(), VZf).view(B, n, C)
+
+        def value(Za, al):
+            ce = (torch.logsumexp(Za, -1) - Za.gather(-1, yb)[..., 0]).double().sum(1) / n
+            quad = ww + 2 * (wv * al).sum(1) + (al[:, None, :] @ gram @ al[:, :, None])[:, 0, 0]
+            return ce + l2 * quad
+
+        Za = Z0
+        phi = self.phi[s].reshape(B)  # at alpha = beta = 0: the gradient's evaluation
+        failed = torch.zeros(B, dtype=torch.bool)
+        for inner in range(INNER):
+            if inner == 0:
+                P = self.P[s].view(u, n, G, C).permute(0, 2, 1, 3).reshape(B, n, C).contiguous()
+            else:
+                P = torch.softmax(Za, -1)
+            R = P.clone(memory_format=torch.contiguous_format)
+            R.scatter_add_(-1, yb, torch.full((B, n, 1), -1.0))
+            g_b = R.sum(1).double() / n
+            g_a = torch.bmm(VZf, R.view(B, n * C, 1))[..., 0].double() / n + 2 * l2[:, None] * (
+                wv + (gram @ alpha[:, :, None])[..., 0]
+            )
+            Q = P[:, None] * VZ  # [B, J, n, C]
+            mv = Q.sum(-1)  # p . v_j per example [B, J, n]
+            Pt = P.transpose(1, 2)
+            H = torch.empty(B, C + J, C + J, dtype=torch.float64)
+            H[:, :C, :C] = torch.diag_embed(P.sum(1)) - torch.bmm(Pt, P)
+            hba = Q.sum(2).transpose(1, 2) - torch.bmm(Pt, mv.transpose(1, 2))
+            H[:, :C, C:] = hba
+            H[:, C:, :C] = hba.transpose(1, 2)
+            H[:, C:, C:] = torch.bmm(Q.view(B, J, n * C), VZf.transpose(1, 2)) - torch.bmm(mv, mv.transpose(1, 2))
+            H /= n
+            H[:, C:, C:] += 2 * l2[:, None, None] * gram
+            grad = torch.cat([g_b, g_a], 1) * keep
+            H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
+            diag = H.diagonal(dim1=1, dim2=2).abs()
+            floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
+            damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
+            d = torch.zeros_like(grad)
+            todo = torch.ones(B, dtype=torch.bool)
+            for _k in range(8):  # raise the damping where the factorisation fails
+                L, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
+                ok = (info == 0) & todo
+                d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], L)[..., 0], d)
+                todo &= ~ok
+                if not bool(todo.any()):
+                    break
+                damp = torch.where(todo[:, None], damp * 100.0, damp)
+            d = d * keep
+            gd = (grad * d).sum(1)
+            t = (gd < 0).double()
+            for _k in range(MAX_BACKTRACKS):
+                Dt = delta(beta + t[:, None] * d[:, :C], alpha + t[:, None] * d[:, C:])
+                Zt = Z0 + Dt
+                pt = value(Zt, alpha + t[:, None] * d[:, C:])
+                ok = (pt <= phi + ARMIJO * t * gd) | (t == 0)
+                if bool(ok.all()):
+                    break
+                t = torch.where(ok, t, t * 0.5)
+            if inner == 0:  # no decrease along a Newton direction: that head is at its precision floor
+                failed = ~ok & (gd < 0)
+            last = t
+            t = torch.where(ok, t, torch.zeros_like(t))  # a failed search: that head stays put
+            beta, alpha = beta + t[:, None] * d[:, :C], alpha + t[:, None] * d[:, C:]
+            if bool((t == last).all()):
+                sZ, Za, phi = Dt, Zt, pt
+            else:
+                sZ = delta(beta, alpha)
+                Za = Z0 + sZ
+                phi = value(Za, alpha)
+        # move, and the step becomes the newest memory direction
+        a32 = alpha.float()[:, None, :]
+        sW = torch.bmm(a32, VW)[:, 0]  # [B, F*C]
+        sb = beta.float() + torch.bmm(a32, Vb)[:, 0]  # [B, C]
+        self.W[s] += sW.view(u, G, F, C).permute(0, 2, 1, 3).reshape(u, F, G * C)
+        self.b[s] += sb.view(u, 1, G * C)
+        self.Z[s] = Za.view(u, G, n, C).permute(0, 2, 1, 3).reshape(u, n, G * C)
+        # a head whose gradient already passes gtol may sit at float32's precision floor (no
+        # decrease to be found): only a failure of a head still above it counts
+        g_head = torch.maximum(self.gW[s].view(u, F, G, C).abs().amax((1, 3)), self.gb[s].view(u, G, C).abs().amax(2))
+        ok = ~(failed.view(u, G) & (g_head > self.gtol)).any(1)
+        if self.m > 0:  # the step replaces the oldest memory slot (the subspace has no order)
+            ui = torch.arange(s.start, s.stop)
+            k = 1 + self.steps[s] % self.m
+            self.VW[ui, :, k] = sW.view(u, G, F, C)
+            self.VZ[ui, :, k] = sZ.view(u, G, n, C)
+            self.Vb[ui, :, k] = sb.view(u, G, C)
+        # a failed search (at float32's precision floor) forgets the memory, as L-BFGS does: the
+        # next pass searches along the gradient and the biases alone
+        self.steps[s] = torch.where(ok, self.steps[s] + 1, torch.zeros_like(self.steps[s]))
+        return ok
+
+    def run(self, max_passes: int, ftol: float, gtol: float, on_pass) -> Solved:
+        u = self.u
+        self.gtol = gtol
+        st = _Stopping(u)
+        self.gradient(slice(0, u))
+        passes, history = 1, [float(self.f.sum())]
+        if on_pass is not None:
+            on_pass()
+        grad = torch.cat([self.gW.reshape(u, -1), self.gb], 1)
+        while not bool(st.done.all()) and passes < max_passes:
+            f_prev = self.f.clone()
+            moved = torch.ones(u, dtype=torch.bool)
+            for a, z in _runs(~st.done):
+                s = slice(a, z)
+                if passes % REFRESH == 0:
+                    self.refresh(s)
+                self.direction(s)
+                moved[s] = self.step(s)
+                self.gradient(s)
+            passes += 1
+            if on_pass is not None:
+                on_pass()
+            grad = torch.cat([self.gW.reshape(u, -1), self.gb], 1)
+            st.update(moved | st.done, f_prev, self.f, grad, ftol=ftol, gtol=gtol, count=passes)
+            history.append(float(self.f.sum()))
+        return st.solved(None, self.f, grad, passes, history)
