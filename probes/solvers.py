@@ -8,6 +8,7 @@
                                             and stopping rule (converges in a few iterations)
 ``Solved``                                  the point, objectives, gradient norms, which units
                                             converged, and the number of evaluations (passes)
+``unit_runs(units)``                        contiguous runs of the units still going
 ==========================================  =========================================================
 
 Why batched: a probe per site (and per scalar-mix prefix) is a separate problem, but evaluating
@@ -81,6 +82,19 @@ class _Stopping:
     def solved(self, x, f, g, count: int, history: list) -> Solved:
         at = torch.where(self.done, self.at, torch.full_like(self.at, count))
         return Solved(x, f, g.abs().amax(1), self.converged, count, history, at)
+
+
+def unit_runs(units: torch.Tensor) -> list:
+    """Contiguous ``(start, stop)`` runs of the True entries of ``units [U]`` (units still going,
+    evaluated as views of contiguous blocks instead of gathered)."""
+    idx = torch.nonzero(units)[:, 0].tolist()
+    runs: list = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [tuple(r) for r in runs]
 
 
 def _two_loop(g, S, Y, R, h0, M):

@@ -55,6 +55,7 @@ from collections.abc import Callable
 import torch
 
 from .solvers import ARMIJO, MAX_BACKTRACKS, Solved, _Stopping
+from .solvers import unit_runs as _runs
 
 #: memory for one block of units' solver state (logits, directions, their images)
 STATE_BYTES = 1.0e9
@@ -74,17 +75,6 @@ def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = 1) -> list
     per_unit = 4.0 * ((5 + 2 * memory) * n * G * C + (3 + memory) * F * G * C)
     size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
-
-
-def _runs(mask: torch.Tensor) -> list:
-    idx = torch.nonzero(mask)[:, 0].tolist()
-    runs: list = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return [tuple(r) for r in runs]
 
 
 @torch.no_grad()

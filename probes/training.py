@@ -50,6 +50,7 @@ from .config import ProbeConfig
 from .cpu import step_work, threads_for
 from .features import Features
 from .solvers import lbfgs
+from .solvers import unit_runs as _runs
 from .subspace import fit_softmax
 
 log = logging.getLogger("depthscope.probes")
@@ -244,18 +245,6 @@ def objective(
         probe.add_penalty_grad_()
     with torch.no_grad():
         return total + probe.penalty_per_unit().double()
-
-
-def _runs(units: torch.Tensor) -> list:
-    """Contiguous ``(start, stop)`` runs of the True entries of ``units [U]``."""
-    idx = torch.nonzero(units)[:, 0].tolist()
-    runs = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return [tuple(r) for r in runs]
 
 
 def _train_subspace(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
