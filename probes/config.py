@@ -99,9 +99,10 @@ class ProbeConfig:
     the per-site probes, the control
     task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
     requires a dev split. ``solver``: ``subspace`` (full batch, per-site linear probes
-    over resident features: :mod:`depthscope.probes.subspace`), ``lbfgs`` (full batch, any linear
-    probe over resident features; scalar mixes), ``adam`` (minibatch) or ``auto`` (the first of
-    these that applies). Training stops when
+    over resident features: :mod:`depthscope.probes.subspace`; the scalar mixes, which it does not
+    fit, by L-BFGS), ``lbfgs`` (full batch, every linear probe over resident features, the
+    previous default), ``adam`` (minibatch) or ``auto`` (``subspace``, or ``adam`` where features
+    are not resident or the probe is an MLP); the two full-batch solvers need ``probe="linear"``. Training stops when
     every probe has converged (largest gradient entry <= ``gtol``, or relative objective change
     <= ``tol`` twice in a row; :mod:`depthscope.probes.training`), or at ``max_epochs`` passes
     over train, with a warning and ``converged = False`` in the tables. ``lr``, ``min_steps``,
@@ -145,6 +146,10 @@ class ProbeConfig:
         _choice("probe", self.probe, PROBES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("solver", self.solver, SOLVERS)
+        if self.solver in ("subspace", "lbfgs") and self.probe != "linear":
+            raise _error(
+                f"solver {self.solver!r} fits linear probes; probe={self.probe!r} trains with 'adam' (or 'auto')"
+            )
         numeric = isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
         if not (self.l2 in ("auto", "dev") or (numeric and math.isfinite(self.l2) and self.l2 >= 0)):
             raise _error(f"l2 must be a finite non-negative number, 'auto' or 'dev', got {self.l2!r}")

@@ -112,8 +112,8 @@ def auto_batch(n: int, epochs: int = ADAM_EPOCHS_HINT, batch_size: int | None = 
 def pick_solver(probe: BatchedProbe, feats: Features, solver: str = "auto") -> str:
     """``subspace`` for per-site linear probes over resident features, ``lbfgs`` for linear
     scalar mixes over resident features, ``adam`` otherwise (``solver`` other than ``auto`` is
-    taken as given where it applies: the full-batch solvers need resident features, ``subspace``
-    a per-site linear probe)."""
+    taken as given where it applies: the full-batch solvers need resident features; ``subspace``
+    fits per-site linear probes and leaves scalar mixes to ``lbfgs``)."""
     per_site = probe.kind == "linear" and probe.mix_mask is None and not probe.attn_pool
     if solver == "auto":
         if probe.kind == "linear" and feats.resident is not None:
@@ -122,7 +122,9 @@ def pick_solver(probe: BatchedProbe, feats: Features, solver: str = "auto") -> s
     if solver in ("lbfgs", "subspace") and feats.resident is None:
         raise ValueError(f"the {solver} solver needs resident features (Features.make_resident)")
     if solver == "subspace" and not per_site:
-        raise ValueError("the subspace solver fits per-site linear probes (no scalar mix, no attention pooling)")
+        if probe.kind == "linear" and not probe.attn_pool:
+            return "lbfgs"  # a scalar mix: the subspace solver's runs take L-BFGS for them (ProbeConfig)
+        raise ValueError("the subspace solver fits per-site linear probes (no attention pooling, no MLP)")
     return solver
 
 

@@ -93,6 +93,8 @@ def test_init_does_no_work_and_validate_checks():
         (ProbeConfig(l2="cv"), "l2"),
         (ProbeConfig(max_epochs=0), "max_epochs"),
         (ProbeConfig(solver="sgd"), "solver"),
+        (ProbeConfig(probe="mlp", solver="subspace"), "fits linear probes"),
+        (ProbeConfig(probe="mlp", solver="lbfgs"), "fits linear probes"),
         (ProbeConfig(l2_folds=1), "l2_folds"),
         (ProbeConfig(stack_folds=1), "stack_folds"),
         (ProbeConfig(stack_l2=0), "stack_l2"),

@@ -168,6 +168,26 @@ def test_subspace_solver_blocks_give_the_same_fit(monkeypatch):
     assert (out[0][2] == out[1][2]).all()
 
 
+def test_solver_choice():
+    """auto: the subspace solver for per-site linear probes, L-BFGS for scalar mixes, Adam for
+    streamed features; an explicit subspace run leaves its mixes to L-BFGS; MLPs refuse both."""
+    from depthscope.probes.training import pick_solver
+
+    x, _ = synthetic(200, S=3)
+    f, streamed = features(x), features(x, resident=False)
+    site = BatchedProbe(n_sites=3, d=16, n_spans=1, n_classes=4)
+    mix = BatchedProbe(n_sites=3, d=16, n_spans=1, n_classes=4, mix_mask=torch.ones(2, 3, dtype=torch.bool))
+    mlp = BatchedProbe(n_sites=3, d=16, n_spans=1, n_classes=4, kind="mlp")
+    assert [pick_solver(p, f) for p in (site, mix, mlp)] == ["subspace", "lbfgs", "adam"]
+    assert pick_solver(site, streamed) == "adam"
+    assert [pick_solver(p, f, "subspace") for p in (site, mix)] == ["subspace", "lbfgs"]
+    assert pick_solver(site, f, "lbfgs") == "lbfgs"
+    with pytest.raises(ValueError, match="per-site linear"):
+        pick_solver(mlp, f, "subspace")
+    with pytest.raises(ValueError, match="resident"):
+        pick_solver(site, streamed, "subspace")
+
+
 def test_max_epochs_is_a_cap_that_warns(caplog):
     x, y = synthetic(1000, S=2)
     f = features(x)
