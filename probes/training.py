@@ -81,6 +81,22 @@ class TrainLog:
     history: list = field(default_factory=list)
     unit_epochs: np.ndarray | None = None  # [U] passes after which each unit stopped (L-BFGS)
 
+    @classmethod
+    def from_solved(cls, solver: str, sol, max_epochs: int, objective=None) -> TrainLog:
+        """The log of a full-batch run (a :class:`~depthscope.probes.solvers.Solved`); ``objective``
+        replaces the solver's own values."""
+        conv = sol.converged.numpy()
+        return cls(
+            solver,
+            sol.evals,
+            conv,
+            (sol.f if objective is None else objective).numpy(),
+            sol.grad_max.numpy(),
+            hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
+            history=sol.history,
+            unit_epochs=sol.unit_evals.numpy(),
+        )
+
     @property
     def all_converged(self) -> bool:
         return bool(np.all(self.converged))
@@ -271,18 +287,8 @@ def _train_subspace(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
             gtol=gtol,
             on_pass=tick,
         )
-    conv = sol.converged.numpy()
-    f = objective(probe, feats, y)  # a fresh evaluation (one forward pass), as the other solvers report
-    return TrainLog(
-        "subspace",
-        sol.evals,
-        conv,
-        f.numpy(),
-        sol.grad_max.numpy(),
-        hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
-        history=sol.history,
-        unit_epochs=sol.unit_evals.numpy(),
-    )
+    f = objective(probe, feats, y)  # a fresh evaluation (one forward pass), not the carried logits'
+    return TrainLog.from_solved("subspace", sol, max_epochs, objective=f)
 
 
 def _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
@@ -320,17 +326,7 @@ def _train_lbfgs(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
         with torch.no_grad():
             for p, part in zip(params, torch.split(sol.x, sizes, 1)):
                 p.copy_(part.view_as(p))
-    conv = sol.converged.numpy()
-    return TrainLog(
-        "lbfgs",
-        sol.evals,
-        conv,
-        sol.f.numpy(),
-        sol.grad_max.numpy(),
-        hit_cap=bool(not conv.all() and sol.evals >= max_epochs),
-        history=sol.history,
-        unit_epochs=sol.unit_evals.numpy(),
-    )
+    return TrainLog.from_solved("lbfgs", sol, max_epochs)
 
 
 @torch.no_grad()
