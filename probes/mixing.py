@@ -268,45 +268,52 @@ def stack(
 
     w0, b0 = init if init is not None else (torch.eye(S), torch.zeros(S, C))
     x0 = torch.cat([w0, b0], 1).double()
-    sol = newton(fg, lambda x: _stack_hessian(z_train, x, l2), x0, max_iters=max_iters, ftol=tol, gtol=1e-4)
+    sol = newton(
+        fg, lambda x, units: _stack_hessian(z_train, x, l2, units=units), x0, max_iters=max_iters, ftol=tol, gtol=1e-4
+    )
     conv = sol.converged.numpy()
     log = TrainLog("newton", sol.evals, conv, sol.f.numpy(), sol.grad_max.numpy(), bool(not conv.all()), sol.history)
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log
 
 
 @torch.no_grad()
-def _stack_hessian(z: torch.Tensor, x: torch.Tensor, l2: float, *, chunk: int = 2048) -> torch.Tensor:
-    """The stacking objective's Hessian for every prefix ``[S, S + C, S + C]`` at ``x [S, S + C]``
-    (weights, then biases). With ``p`` the prefix's softmax and ``m_t = sum_c p_c z_tc`` per
-    example: ``H_ww[t, t'] = mean(sum_c p_c z_tc z_t'c - m_t m_t') + 2 l2 [t = t']``,
+def _stack_hessian(
+    z: torch.Tensor, x: torch.Tensor, l2: float, *, units: torch.Tensor | None = None, chunk: int = 2048
+) -> torch.Tensor:
+    """The stacking objective's Hessian for the prefixes ``units`` (indices; None: all)
+    ``[len(units), S + C, S + C]`` at ``x [S, S + C]`` (weights, then biases). With ``p`` the
+    prefix's softmax and ``m_t = sum_c p_c z_tc`` per example:
+    ``H_ww[t, t'] = mean(sum_c p_c z_tc z_t'c - m_t m_t') + 2 l2 [t = t']``,
     ``H_wb[t, c] = mean(p_c (z_tc - m_t))``, ``H_bb = mean(diag(p) - p p^T)``; rows and columns of
     the sites a prefix cannot use are the identity. Float32 products (it only steers the step),
-    summed over chunks of ``chunk`` examples: every prefix's softmax in one product, the
-    ``m``, ``H_wb`` and ``H_bb`` terms as batched products over all prefixes, and the
+    summed over chunks of ``chunk`` examples: the prefixes' softmax in one product, the
+    ``m``, ``H_wb`` and ``H_bb`` terms as batched products over the prefixes, and the
     ``sum_c p_c z_tc z_t'c`` term one product per prefix over its own sites only."""
     S, n, C = z.shape
+    units = torch.arange(S) if units is None else torch.as_tensor(units, dtype=torch.long)
+    U = len(units)
     z = z.float()
-    mask = torch.tril(torch.ones(S, S))
-    w, b = x[:, :S].float() * mask, x[:, S:].float()
-    hww, hwb, hbb = torch.zeros(S, S, S), torch.zeros(S, S, C), torch.zeros(S, C, C)
+    mask = torch.tril(torch.ones(S, S))[units]  # [U, S]: site t usable by prefix units[i]
+    w, b = x[units, :S].float() * mask, x[units, S:].float()
+    hww, hwb, hbb = torch.zeros(U, S, S), torch.zeros(U, S, C), torch.zeros(U, C, C)
     for a in range(0, n, chunk):
         zc = z[:, a : a + chunk]  # [T, B, C]
         B = zc.shape[1]
-        p = torch.softmax((w @ zc.reshape(S, B * C)).view(S, B, C) + b[:, None], -1)  # [S, B, C]
-        m = torch.bmm(p.transpose(0, 1), zc.permute(1, 2, 0)).permute(1, 2, 0)  # [S, T, B]: m[s, t] = sum_c p_s z_t
+        p = torch.softmax((w @ zc.reshape(S, B * C)).view(U, B, C) + b[:, None], -1)  # [U, B, C]
+        m = torch.bmm(p.transpose(0, 1), zc.permute(1, 2, 0)).permute(1, 2, 0)  # [U, T, B]: m[i, t] = sum_c p_i z_t
         hww -= torch.bmm(m, m.transpose(1, 2))
         hwb += torch.bmm(p.permute(2, 0, 1), zc.permute(2, 1, 0)).permute(1, 2, 0) - torch.bmm(m, p)
         hbb += torch.diag_embed(p.sum(1)) - torch.bmm(p.transpose(1, 2), p)
         ps = p.sqrt()
-        for s in range(S):
-            zp = (zc[: s + 1] * ps[s]).reshape(s + 1, B * C)
-            hww[s, : s + 1, : s + 1] += zp @ zp.T
+        for i, s in enumerate(units.tolist()):
+            zp = (zc[: s + 1] * ps[i]).reshape(s + 1, B * C)
+            hww[i, : s + 1, : s + 1] += zp @ zp.T
     hww /= n
     hww.diagonal(dim1=1, dim2=2).add_(2.0 * l2)
-    keep = mask.bool()  # [s, t]: site t usable by prefix s
+    keep = mask.bool()  # [i, t]: site t usable by prefix units[i]
     pair = keep[:, :, None] & keep[:, None, :]
-    H = torch.zeros(S, S + C, S + C)
-    H[:, :S, :S] = torch.where(pair, hww, torch.eye(S).expand(S, S, S))
+    H = torch.zeros(U, S + C, S + C)
+    H[:, :S, :S] = torch.where(pair, hww, torch.eye(S).expand(U, S, S))
     H[:, :S, S:] = hwb / n * keep[..., None]
     H[:, S:, :S] = H[:, :S, S:].transpose(1, 2)
     H[:, S:, S:] = hbb / n

@@ -219,7 +219,8 @@ def newton(
     damping: float = 1e-8,
 ) -> Solved:
     """Minimise ``U`` independent convex objectives from ``x0 [U, P]`` by Newton's method:
-    ``fg(x) -> (f [U], grad [U, P])`` (float64), ``hess(x) -> [U, P, P]`` (any float type: it
+    ``fg(x) -> (f [U], grad [U, P])`` (float64), ``hess(x, units) -> [len(units), P, P]`` the
+    Hessians of the units still going (``units``: their indices, ascending; any float type: it
     only sets the direction, the line search and the stopping rule use ``fg``). Each iteration
     solves ``(H + damping * I) d = -g`` per unit (more damping where the Cholesky factorisation
     fails), then backtracks from step 1 until Armijo's condition holds; convergence and freezing
@@ -233,11 +234,12 @@ def newton(
     st = _Stopping(U)
     done = st.done
     while not bool(done.all()) and iters < max_iters:
-        H = hess(x).double()
+        todo = ~done
+        H = torch.zeros(U, P, P, dtype=torch.float64)
+        H[todo] = hess(x, torch.nonzero(todo)[:, 0]).double()  # a converged unit's is never read
         iters += 1
         d = torch.zeros_like(x)
         mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [U]
-        todo = ~done
         for _ in range(12):  # raise the damping where H + mu I is not numerically positive definite
             L, info = torch.linalg.cholesky_ex(H[todo] + mu[todo, None, None] * eye)
             ok = info == 0

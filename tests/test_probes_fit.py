@@ -553,6 +553,9 @@ def test_stacking_hessian_is_the_exact_hessian():
         assert torch.allclose(H[s][keep][:, keep].double(), ref, atol=1e-5)
         masked = [t for t in range(S) if t > s]
         assert torch.equal(H[s][masked][:, masked], torch.eye(len(masked)))
+    # the Newton loop asks only for the prefixes still going: the same rows
+    some = torch.tensor([0, 2])
+    assert torch.allclose(_stack_hessian(z, x, l2, units=some), H[some], atol=1e-6)
 
 
 def _all_units(objective, *a, units=None, **k):
