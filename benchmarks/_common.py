@@ -199,11 +199,18 @@ def measure_peak(fn: Callable[[], object]) -> dict:
     }
 
 
-def peak_memory(module: str, func: str, threads: int, **kwargs) -> dict:
-    """Run ``benchmarks.<module>.<func>(**kwargs)`` in a fresh subprocess; it returns a dict with
-    ``extra`` (peak bytes above the start of the measured call) and anything else it records."""
+#: glibc's mmap threshold fixed at its default (128 KiB), which turns its dynamic threshold off:
+#: a freed large temporary goes back to the OS instead of staying in the heap, so a peak counts
+#: live memory only (with the dynamic threshold, whether a block was retained varies run to run)
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def peak_memory(module: str, func: str, threads: int, env: dict | None = None, **kwargs) -> dict:
+    """Run ``benchmarks.<module>.<func>(**kwargs)`` in a fresh subprocess (``env``: extra
+    environment, e.g. :data:`LIVE_MEMORY_ENV`); it returns a dict with ``extra`` (peak bytes
+    above the start of the measured call) and anything else it records."""
     cmd = [sys.executable, "-m", "benchmarks._common", module, func, json.dumps({"threads": threads, **kwargs})]
-    env = {**os.environ, **ENV, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"memory subprocess {module}.{func} failed:\n{proc.stderr[-3000:]}")
