@@ -27,6 +27,7 @@ and the per-site differences.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -109,37 +110,32 @@ def objective_np(W, b, X, y):
     return float(-logp[np.arange(len(y)), y].mean() + L2 * (W.astype(np.float64) ** 2).sum())
 
 
-def compare(probe, clfs, Xtr, ytr, Xte, yte, n_classes):
-    """Per-site (accuracy difference in points, relative objective difference)."""
+def sk_weights(clf, d: int, n_classes: int) -> tuple:
+    """A scikit-learn fit as ``(W [d, C], b [C])`` over all classes: its classes are the labels
+    present in train, the others get the weight 0 and the bias -1e9."""
+    W, b = np.zeros((d, n_classes)), np.full(n_classes, -1e9)
+    W[:, clf.classes_], b[clf.classes_] = clf.coef_.T, clf.intercept_
+    return W, b
+
+
+def compare(probe, clfs, Xtr, ytr, Xte, yte, n_classes) -> list:
+    """Per site: ``acc`` (accuracy difference in points), ``obj`` (relative objective
+    difference), ``f_opt`` (the lower of the two objectives: the optimum's best estimate) and
+    ``acc_ref`` (scikit-learn's test accuracy)."""
     out = []
     for s, clf in enumerate(clfs):
         W = probe.W.detach()[s].numpy()
         b = probe.b.detach()[s, 0].numpy()
-        # sklearn's classes are the labels present in train; map them to columns
-        Wr = np.zeros_like(W)
-        br = np.full(n_classes, -1e9, dtype=np.float64)
-        Wr[:, clf.classes_] = clf.coef_.T
-        br[clf.classes_] = clf.intercept_
+        Wr, br = sk_weights(clf, W.shape[0], n_classes)
         X, Xt = Xtr[s].numpy(), Xte[s].numpy()
         f_ours, f_ref = objective_np(W, b, X, ytr), objective_np(Wr, br, X, ytr)
-        acc_ours = float(((Xt @ W + b).argmax(1) == yte).mean())
-        acc_ref = float((clf.predict(Xt) == yte).mean())
-        out.append((100 * (acc_ours - acc_ref), (f_ours - f_ref) / f_ref))
+        acc_ours, acc_ref = _accuracy(W, b, Xt, yte), _accuracy(Wr, br, Xt, yte)
+        out.append(
+            dict(
+                acc=100 * (acc_ours - acc_ref), obj=(f_ours - f_ref) / f_ref, f_opt=min(f_ours, f_ref), acc_ref=acc_ref
+            )
+        )
     return out
-
-
-def optimum(probe, clfs, Xtr, ytr, Xte, yte, n_classes) -> tuple:
-    """Per site: the lower of the two fits' objectives (the optimum's best estimate) and
-    scikit-learn's test accuracy (the reference of the accuracy contract)."""
-    f_opt, acc = [], []
-    for s, clf in enumerate(clfs):
-        Wr, br = np.zeros((Xtr.shape[2], n_classes)), np.full(n_classes, -1e9)
-        Wr[:, clf.classes_], br[clf.classes_] = clf.coef_.T, clf.intercept_
-        X = Xtr[s].numpy()
-        ours = objective_np(probe.W.detach()[s].numpy(), probe.b.detach()[s, 0].numpy(), X, ytr)
-        f_opt.append(min(ours, objective_np(Wr, br, X, ytr)))
-        acc.append(_accuracy(Wr, br, Xte[s].numpy(), yte))
-    return f_opt, acc
 
 
 def _accuracy(W, b, Xte, yte) -> float:
@@ -190,12 +186,12 @@ def to_target(Xtr, ytr, Xte, yte, n_classes, f_opt, acc_opt, k_max, target: floa
     except _Reached:
         pass
 
-    def sk(s, k):
+    @functools.cache
+    def sk(s, k):  # (relative objective gap, accuracy gap) of scikit-learn's k-th iterate
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             clf = LogisticRegression(C=1 / (2 * L2 * n), tol=1e-12, max_iter=k).fit(X[s], ytr)
-        Wr, br = np.zeros((F, C)), np.full(C, -1e9)
-        Wr[:, clf.classes_], br[clf.classes_] = clf.coef_.T, clf.intercept_
+        Wr, br = sk_weights(clf, F, C)
         return (objective_np(Wr, br, X[s], ytr) - f_opt[s]) / f_opt[s], abs(_accuracy(Wr, br, Xe[s], yte) - acc_opt[s])
 
     theirs = []
@@ -240,18 +236,18 @@ def run(quick: bool = True, threads: int = 1, rounds: int = 5, verbose: bool = F
             t_def.append(clock() - t)
         floor = pass_floor(Xtr, C)
     diffs = compare(probe, clfs, Xtr, ytr, Xte, yte, C)
-    f_opt, acc_opt = optimum(probe, clfs, Xtr, ytr, Xte, yte, C)
+    f_opt, acc_opt = [d["f_opt"] for d in diffs], [d["acc_ref"] for d in diffs]
     with _pin(threads):
         k_ours, k_ref = to_target(Xtr, ytr, Xte, yte, C, f_opt, acc_opt, [c.n_iter_[0] for c in clfs])
-    gap_def = max(abs(d[1]) for d in compare(probe, clfs_def, Xtr, ytr, Xte, yte, C))
+    gap_def = max(abs(d["obj"]) for d in compare(probe, clfs_def, Xtr, ytr, Xte, yte, C))
     if verbose:
         print(f"depthscope: {log.epochs} passes, converged {int(log.converged.sum())}/{len(log.converged)}")
         print("site  acc diff (points)  objective rel diff")
-        for s, (da, do) in enumerate(diffs):
-            print(f"{s:4d}  {da:+17.2f}  {do:+.2e}")
+        for s, d in enumerate(diffs):
+            print(f"{s:4d}  {d['acc']:+17.2f}  {d['obj']:+.2e}")
     ours, ref, ref_def, lb = (statistics.median(t) for t in (t_ours, t_ref, t_def, t_lb))
-    acc_max = max(abs(d[0]) for d in diffs)
-    obj_max = max(abs(d[1]) for d in diffs)
+    acc_max = max(abs(d["acc"]) for d in diffs)
+    obj_max = max(abs(d["obj"]) for d in diffs)
     S = Xtr.shape[0]
     passes = float(np.mean(log.unit_epochs))  # per site (a converged site stops being evaluated)
     iters = float(np.mean([c.n_iter_[0] for c in clfs]))  # scikit-learn: about one evaluation per iteration

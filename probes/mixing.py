@@ -271,8 +271,7 @@ def stack(
     sol = newton(
         fg, lambda x, units: _stack_hessian(z_train, x, l2, units=units), x0, max_iters=max_iters, ftol=tol, gtol=1e-4
     )
-    conv = sol.converged.numpy()
-    log = TrainLog("newton", sol.evals, conv, sol.f.numpy(), sol.grad_max.numpy(), bool(not conv.all()), sol.history)
+    log = TrainLog.from_solved("newton", sol, max_iters)  # newton stops early only when every prefix converged
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log
 
 

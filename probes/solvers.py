@@ -234,18 +234,19 @@ def newton(
     st = _Stopping(U)
     done = st.done
     while not bool(done.all()) and iters < max_iters:
-        todo = ~done
-        H = torch.zeros(U, P, P, dtype=torch.float64)
-        H[todo] = hess(x, torch.nonzero(todo)[:, 0]).double()  # a converged unit's is never read
+        act = torch.nonzero(~done)[:, 0]  # the units still going: only their Hessians are computed
+        H = hess(x, act).double()  # [A, P, P]
         iters += 1
         d = torch.zeros_like(x)
-        mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [U]
+        mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [A]
+        todo = torch.ones(len(act), dtype=torch.bool)
         for _ in range(12):  # raise the damping where H + mu I is not numerically positive definite
             L, info = torch.linalg.cholesky_ex(H[todo] + mu[todo, None, None] * eye)
             ok = info == 0
             idx = torch.nonzero(todo)[:, 0]
             if bool(ok.any()):
-                d[idx[ok]] = -torch.cholesky_solve(g[idx[ok], :, None], L[ok])[..., 0]
+                units = act[idx[ok]]
+                d[units] = -torch.cholesky_solve(g[units, :, None], L[ok])[..., 0]
             todo = todo.clone()
             todo[idx[ok]] = False
             if not bool(todo.any()):
