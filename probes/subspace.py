@@ -10,29 +10,35 @@
 The objective of a linear probe (per unit and head ``g``: mean cross-entropy of the logits
 ``Z = X W_g + b_g`` plus ``l2_g ||W_g||^2``) is a function of the logits plus a quadratic, so a
 step restricted to a few directions costs no pass over the features once their logit images are
-known: ``Z(theta) = Z + sum_j alpha_j (X V_j) + beta``. Each iteration (one *pass*) therefore
-does two products and nothing else of size ``n x F``:
+known. Each iteration (one *pass*) therefore does two products and nothing else of size
+``n x F``:
 
 1. the gradient ``X^T (softmax(Z) - Y) / n + 2 l2 W`` (also the stopping test);
 2. the logit image ``X d`` of the new direction ``d = -gradient``;
 
-then takes one damped Newton step, with Armijo backtracking, on the objective restricted to the
-subspace spanned by the new direction, the last ``memory`` steps (whose logit images are kept)
-and the bias directions (one per class, so the unpenalised biases are re-optimised every pass;
-the most frequent class's bias is held, since one shift of all biases changes nothing). That
-small problem costs ``O(n C (C + J))``, no product. This is the sequential subspace optimisation
-of Narkiss and Zibulevsky (2005); with the previous step in the subspace it behaves like a
-nonlinear conjugate gradient with a Newton line search in several dimensions at once. On the
-benchmark's EWT upos features (default model, 8 sites, 3000 words, ``l2 = 1e-2``) it needs about
-25 passes per site where the K-FAC preconditioned L-BFGS of :mod:`depthscope.probes.solvers`
-needs 36, and no feature second moments (``python -m benchmarks.bench_probe_fit``). A curvature
+then takes one damped Newton step, with Armijo backtracking, on the objective restricted to a
+subspace *per class*: class ``c``'s column of the weights moves along the ``c`` columns of the
+new direction and of the last ``memory`` steps, each with its own coefficient, and its bias
+moves too (the most frequent class's bias is held, since one shift of all biases changes
+nothing). A column's logit image is one row of its direction's image, so the subspace has
+``C (2 + memory)`` coordinates and still needs no product:
+``Z_c(theta) = Z_c + beta_c + sum_j alpha_jc (X V_j)_c``. Its Newton system (the softmax's
+curvature along the coordinates' images, coupled across classes) costs ``O(n (C K)^2)`` for
+``K = 2 + memory``, a small fraction of a product at ``memory = 2``. This is the sequential
+subspace optimisation of Narkiss and Zibulevsky (2005) with the subspace split by class: one
+coefficient per direction (the previous version of this solver) ignores that the classes'
+curvatures differ by orders of magnitude (a rare class's softmax is flat where a frequent one's
+is steep), and the split removes most of that ill-conditioning. On the benchmark's EWT upos
+features (default model, 8 sites, 3000 words, ``l2 = 1e-2``) it needs about 20 passes per site
+where one shared coefficient per direction needed 25.6 and the K-FAC preconditioned L-BFGS of
+:mod:`depthscope.probes.solvers` 36 (``python -m benchmarks.bench_probe_fit``). A curvature
 preconditioner (the features' Gram, or one weighted by the softmax curvature) made it slower on
 those features in an ad-hoc check: the penalty dominates the Hessian in most directions.
 
 Numerics: the logits are carried along in float32 and updated from the directions' images
 (never as a difference of logits, which would lose a small step's digits), recomputed from the
-weights every ``REFRESH`` passes; nearly dependent directions (``MIN_CORR_EIG``) drop the memory
-for that step. A class absent from the labels (its bias' optimum is ``-inf``) descends until its
+weights every ``REFRESH`` passes; nearly dependent columns (``MIN_CORR_EIG``) drop that class's
+memory for that step. A class absent from the labels (its bias' optimum is ``-inf``) descends until its
 mean probability is ``ABSENT_TOL * gtol`` and stays there, so how far a solver goes does not set
 the code length MDL gives such a label. A head whose gradient already passes ``gtol`` may find no
 decrease (float32's precision floor); a failed search of a head above it forgets the memory
@@ -42,10 +48,10 @@ Units (sites) are independent problems solved side by side (batched products); a
 has stopped (the rule of :mod:`depthscope.probes.solvers`: largest gradient entry ``<= gtol``
 and relative decrease ``<= ftol`` twice in a row) is frozen, and the others go on in contiguous
 runs of units (views of the features, no gather). Units are taken in blocks sized so that the
-solver's state (logits, softmax, directions and their images: about ``5 + 2 memory`` copies of
-``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The objectives returned are those of
-the logits carried along (:func:`~depthscope.probes.training.train_probe` reports a fresh
-evaluation).
+solver's state (logits, softmax, directions, their images and the Newton system's products:
+about ``8 + 3 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
+objectives returned are those of the logits carried along
+(:func:`~depthscope.probes.training.train_probe` reports a fresh evaluation).
 """
 
 from __future__ import annotations
@@ -65,14 +71,15 @@ ABSENT_TOL = 0.01
 MIN_CORR_EIG = 1e-4
 #: the logits are recomputed from the weights every this many passes (float32 drift)
 REFRESH = 20
-#: Newton steps per pass in the subspace (a second one gained no pass on the benchmark's features)
-INNER = 1
+#: the past steps kept in the subspace (1: 22.3 passes per site on the benchmark's features,
+#: 2: 20.3, 3: 19.1; the Newton system grows as ``(2 + MEMORY)^2``, and 2 was the fastest)
+MEMORY = 2
 
 
-def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = 1) -> list:
+def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
     """``(start, stop)`` ranges of units solved one after another so that a block's state fits
     ``STATE_BYTES``."""
-    per_unit = 4.0 * ((5 + 2 * memory) * n * G * C + (3 + memory) * F * G * C)
+    per_unit = 4.0 * ((8 + 3 * memory) * n * G * C + (3 + memory) * F * G * C)
     size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
@@ -89,7 +96,7 @@ def fit_softmax(
     max_passes: int,
     ftol: float,
     gtol: float,
-    memory: int = 1,
+    memory: int = MEMORY,
     on_pass: Callable | None = None,
 ) -> Solved:
     """Fit ``U`` linear softmax probes over features ``X [U, n, F]`` (any float type: the two
@@ -125,11 +132,12 @@ def _add_padded(a: list, b: list) -> list:
 
 
 class _Block:
-    """The solver's state for a block of ``u`` units (see the module docstring). Logits are kept
-    example-major ``[u, n, G*C]`` (the gradient's product reads them); directions, their logit
-    images and bias parts head-major ``[u, G, J, ...]`` (slot 0 the new direction, slots 1..m the
+    """The solver's state for a block of ``u`` units (see the module docstring), class-major:
+    logits, softmax and directions' images ``[u, G, (J,) C, n]`` (the products give them in
+    this layout, and the softmax and the small problem's sums over examples run along
+    contiguous rows); directions ``[u, G, J, F, C]`` (slot 0 the new direction, slots 1..m the
     memory, a ring: each step overwrites the oldest), so the small problems of all units and heads
-    are batched products."""
+    are batched."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
@@ -137,8 +145,7 @@ class _Block:
         G = y.shape[1]
         self.u, self.n, self.F, self.G, self.C, self.m = u, n, F, G, C, memory
         self.dt = X.dtype if X.dtype != torch.float16 else torch.float32  # no half products on CPU
-        self.yi = y.view(1, n, G, 1)
-        self.yT = y.T.contiguous()  # [G, n]
+        self.yg = y.T.contiguous().view(1, G, 1, n)  # labels, class-major
         # the logits are invariant to one shift of all of a head's biases: the most frequent
         # class's bias is held fixed (its direction left out of the subspace)
         counts = torch.stack([torch.bincount(y[:, g], minlength=C) for g in range(G)])  # [G, C]
@@ -148,17 +155,17 @@ class _Block:
         self.gtol = gtol
         self.l2 = l2.float()
         self.l2col = l2.float().repeat_interleave(C)  # [G*C]
-        self.Z = torch.baddbmm(b.to(self.dt), X.to(self.dt), W.to(self.dt)).float()  # [u, n, G*C]
         J = 1 + memory
+        self.Z = torch.zeros(u, G, C, n)
+        self.refresh(slice(0, u))
         self.VW = torch.zeros(u, G, J, F, C)
-        self.VZ = torch.zeros(u, G, J, n, C)
-        self.Vb = torch.zeros(u, G, J, C)
+        self.VZ = torch.zeros(u, G, J, C, n)
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
         self.f = torch.zeros(u, dtype=torch.float64)
         self.gW = torch.zeros(u, F, G * C)
         self.gb = torch.zeros(u, G * C)
         self.g_head = torch.zeros(u, G)  # largest gradient entry per unit and head (the stopping test's)
-        self.P = torch.zeros(u, n, G * C)
+        self.P = torch.zeros(u, G, C, n)
         self.phi = torch.zeros(u, G, dtype=torch.float64)
 
     def _X(self, s: slice) -> torch.Tensor:
@@ -169,28 +176,30 @@ class _Block:
         """Objective and gradient of units ``s`` at their logits (one product)."""
         u = s.stop - s.start
         n, G, C = self.n, self.G, self.C
-        logp = torch.log_softmax(self.Z[s].view(u, n, G, C), -1)  # (faster than logsumexp over few classes)
-        ce = -logp.gather(-1, self.yi.expand(u, n, G, 1)).squeeze(-1).double().sum(1) / n  # [u, G]
+        yi = self.yg.expand(u, G, 1, n)
+        logp = torch.log_softmax(self.Z[s], 2)
+        ce = -logp.gather(2, yi)[:, :, 0].double().sum(-1) / n  # [u, G]
         W = self.W[s]
         pen = self.l2.double() * W.view(u, -1, G, C).double().pow(2).sum((1, 3))
         self.phi[s] = ce + pen
         self.f[s] = (ce + pen).sum(1)
         P = logp.exp_()
-        self.P[s] = P.view(u, n, G * C)  # the softmax, reused by the step's first Newton iteration
+        self.P[s] = P  # the softmax, reused by the step's first Newton iteration
         R = P
-        R.scatter_add_(-1, self.yi.expand(u, n, G, 1), torch.full((u, n, G, 1), -1.0))
-        R = R.view(u, n, G * C).div_(n)
-        gW = torch.bmm(R.transpose(1, 2).to(self.dt), self._X(s)).float().transpose(1, 2)  # (R^T X)^T: faster
+        R.scatter_add_(2, yi, torch.full((u, G, 1, n), -1.0))
+        R = R.view(u, G * C, n).div_(n)
+        gW = torch.bmm(R.to(self.dt), self._X(s)).float().transpose(1, 2)  # (R^T X)^T: faster
         self.gW[s] = gW = gW.addcmul(W, self.l2col, value=2.0)
-        self.gb[s] = gb = R.sum(1)
+        self.gb[s] = gb = R.sum(-1)
         self.g_head[s] = torch.maximum(gW.abs().view(u, -1, G, C).amax((1, 3)), gb.abs().view(u, G, C).amax(2))
 
     def refresh(self, s: slice) -> None:
         """Recompute the logits of units ``s`` from their weights (one product): the logits
         carried along accumulate float32 rounding."""
+        u = s.stop - s.start
         Wt = self.W[s].transpose(1, 2).contiguous().to(self.dt)
-        Zt = torch.bmm(Wt, self._X(s).transpose(1, 2)).float()  # [u, G*C, n]
-        self.Z[s] = Zt.transpose(1, 2) + self.b[s]
+        Zt = torch.baddbmm(self.b[s].transpose(1, 2).to(self.dt), Wt, self._X(s).transpose(1, 2)).float()
+        self.Z[s] = Zt.view(u, self.G, self.C, self.n)
 
     def direction(self, s: slice) -> None:
         """The new direction (minus the gradient) and its logit image (one product)."""
@@ -198,123 +207,115 @@ class _Block:
         d = -self.gW[s]
         self.VW[s, :, 0] = d.view(u, F, G, C).permute(0, 2, 1, 3)
         img = torch.bmm(d.transpose(1, 2).contiguous().to(self.dt), self._X(s).transpose(1, 2)).float()  # (X d)^T
-        self.VZ[s, :, 0] = img.view(u, G, C, n).transpose(2, 3)
-        self.Vb[s, :, 0] = 0.0
+        self.VZ[s, :, 0] = img.view(u, G, C, n)
 
     # --- the small problem ------------------------------------------------------------------
     def step(self, s: slice) -> torch.Tensor:
         """Minimise over the subspace of units ``s`` and move there; returns which units found a
         decrease (``[u]``; False: a line search along a Newton direction failed, the precision
-        floor)."""
+        floor). Coordinates ``theta [B, K, C]`` per unit and head: row 0 the classes' biases,
+        row ``1 + j`` the coefficients of direction ``j``'s class columns (a column's logit
+        image is that class's row of the direction's image)."""
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         J, B = 1 + self.m, u * G
-        VW = self.VW[s].view(B, J, F * C)
-        VZ = self.VZ[s].view(B, J, n, C)
-        VZf = VZ.view(B, J, n * C)
-        Vb = self.Vb[s].view(B, J, C)
-        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F * C)
-        gram = torch.bmm(VW, VW.transpose(1, 2)).double()  # per unit and head: <V_j, V_k>
-        wv = torch.bmm(VW, Wh[:, :, None])[..., 0].double()
-        ww = Wh.double().pow(2).sum(1)
+        K = 1 + J
+        VW = self.VW[s].view(B, J, F, C)
+        VZ = self.VZ[s].view(B, J, C, n)
+        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F, C)
+        # per unit, head and class column: <V_j, V_k> and <W, V_j>
+        gram = (VW[:, :, None] * VW[:, None]).sum(3).permute(0, 3, 1, 2).double()  # [B, C, J, J]
+        wv = (Wh[:, None] * VW).sum(2).transpose(1, 2).double()  # [B, C, J]
+        ww = Wh.double().pow(2).sum((1, 2))
         l2 = self.l2.double().repeat(u)  # [B]
-        Z0 = self.Z[s].view(u, n, G, C).permute(0, 2, 1, 3).reshape(B, n, C)
-        yb = self.yT.repeat(u, 1)[..., None]  # [B, n, 1]
+        Z0 = self.Z[s].view(B, C, n)
+        yb = self.yg.expand(u, G, 1, n).reshape(B, 1, n)
         used = (torch.arange(J)[None, :] <= self.steps[s][:, None]).repeat_interleave(G, 0)  # [B, J]
-        # nearly dependent directions would be combined with large cancelling coefficients (and the
-        # logits carried along would drift from X W + b): then the memory is left out of this step
-        norm = gram.diagonal(dim1=1, dim2=2).clamp_min(1e-300).sqrt()
-        corr = gram / (norm[:, :, None] * norm[:, None, :])
-        both = used[:, :, None] & used[:, None, :]
+        used = used[:, None, :].expand(B, C, J)
+        # nearly dependent columns would be combined with large cancelling coefficients (and the
+        # logits carried along would drift from X W + b): then that class's memory is left out
+        norm = gram.diagonal(dim1=2, dim2=3).clamp_min(1e-300).sqrt()
+        corr = gram / (norm[..., :, None] * norm[..., None, :])
+        both = used[..., :, None] & used[..., None, :]
         corr = torch.where(both, corr, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~used).double())
-        used = used & ~(torch.linalg.eigvalsh(corr)[:, :1] < MIN_CORR_EIG)
-        used[:, 0] = True
+        used = used & ~(torch.linalg.eigvalsh(corr)[..., :1] < MIN_CORR_EIG)
+        used[..., 0] = True
         # a class absent from the labels: its bias descends until its gradient (the class's mean
         # probability, and its share of the objective) is ABSENT_TOL * gtol, then stays (its
         # optimum is -inf: how far a solver goes would set the code length of such a label)
         done_b = self.absent.repeat(u, 1) & (self.gb[s].view(B, C).abs() <= ABSENT_TOL * self.gtol)
-        keep = torch.cat([self.free_b.repeat(u, 1) & ~done_b, used], 1)  # [B, C + J]
+        keep = torch.cat([(self.free_b.repeat(u, 1) & ~done_b)[:, None], used.transpose(1, 2)], 1).view(B, K * C)
         pair = keep[:, :, None] & keep[:, None, :]
         free = (~keep).double()
-        beta = torch.zeros(B, C, dtype=torch.float64)
-        alpha = torch.zeros(B, J, dtype=torch.float64)
 
-        def delta(be, al):  # the logits' change: from the images, never as a difference of logits
-            return be[:, None, :].float() + torch.bmm(al[:, None, :].float(), VZf).view(B, n, C)
+        def images(al):  # the weight part's logit change: from the images, never as a difference of logits
+            return (VZ * al.float()[..., None]).sum(1)
 
         def value(Za, al):
-            ce = -torch.log_softmax(Za, -1).gather(-1, yb)[..., 0].double().sum(1) / n
-            quad = ww + 2 * (wv * al).sum(1) + (al[:, None, :] @ gram @ al[:, :, None])[:, 0, 0]
+            ce = -torch.log_softmax(Za, 1).gather(1, yb)[:, 0].double().sum(1) / n
+            al = al.transpose(1, 2)  # [B, C, J]
+            quad = ww + 2 * (wv * al).sum((1, 2)) + (al[..., None, :] @ gram @ al[..., :, None]).sum((1, 2, 3))
             return ce + l2 * quad
 
-        Za = Z0
-        phi = self.phi[s].reshape(B)  # at alpha = beta = 0: the gradient's evaluation
-        failed = torch.zeros(B, dtype=torch.bool)
-        for inner in range(INNER):
-            if inner == 0:
-                P = self.P[s].view(u, n, G, C).permute(0, 2, 1, 3).reshape(B, n, C).contiguous()
-            else:
-                P = torch.softmax(Za, -1)
-            R = P.clone(memory_format=torch.contiguous_format)
-            R.scatter_add_(-1, yb, torch.full((B, n, 1), -1.0))
-            g_b = R.sum(1).double() / n
-            g_a = torch.bmm(VZf, R.view(B, n * C, 1))[..., 0].double() / n + 2 * l2[:, None] * (
-                wv + (gram @ alpha[:, :, None])[..., 0]
-            )
-            Q = P[:, None] * VZ  # [B, J, n, C]
-            mv = Q.sum(-1)  # p . v_j per example [B, J, n]
-            Pt = P.transpose(1, 2)
-            H = torch.empty(B, C + J, C + J, dtype=torch.float64)
-            H[:, :C, :C] = torch.diag_embed(P.sum(1)) - torch.bmm(Pt, P)
-            hba = Q.sum(2).transpose(1, 2) - torch.bmm(Pt, mv.transpose(1, 2))
-            H[:, :C, C:] = hba
-            H[:, C:, :C] = hba.transpose(1, 2)
-            H[:, C:, C:] = torch.bmm(Q.view(B, J, n * C), VZf.transpose(1, 2)) - torch.bmm(mv, mv.transpose(1, 2))
-            H /= n
-            H[:, C:, C:] += 2 * l2[:, None, None] * gram
-            grad = torch.cat([g_b, g_a], 1) * keep
-            H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
-            diag = H.diagonal(dim1=1, dim2=2).abs()
-            floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
-            damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
-            d = torch.zeros_like(grad)
-            todo = torch.ones(B, dtype=torch.bool)
-            for _k in range(8):  # raise the damping where the factorisation fails
-                L, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
-                ok = (info == 0) & todo
-                d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], L)[..., 0], d)
-                todo &= ~ok
-                if not bool(todo.any()):
-                    break
-                damp = torch.where(todo[:, None], damp * 100.0, damp)
-            d = d * keep
-            gd = (grad * d).sum(1)
-            t = (gd < 0).double()
-            for _k in range(MAX_BACKTRACKS):
-                Dt = delta(beta + t[:, None] * d[:, :C], alpha + t[:, None] * d[:, C:])
-                Zt = Z0 + Dt
-                pt = value(Zt, alpha + t[:, None] * d[:, C:])
-                ok = (pt <= phi + ARMIJO * t * gd) | (t == 0)
-                if bool(ok.all()):
-                    break
-                t = torch.where(ok, t, t * 0.5)
-            if inner == 0:  # no decrease along a Newton direction: that head is at its precision floor
-                failed = ~ok & (gd < 0)
-            last = t
-            t = torch.where(ok, t, torch.zeros_like(t))  # a failed search: that head stays put
-            beta, alpha = beta + t[:, None] * d[:, :C], alpha + t[:, None] * d[:, C:]
-            if bool((t == last).all()):
-                sZ, Za, phi = Dt, Zt, pt
-            else:
-                sZ = delta(beta, alpha)
-                Za = Z0 + sZ
-                phi = value(Za, alpha)
-        # move, and the step becomes the newest memory direction
-        a32 = alpha.float()[:, None, :]
-        sW = torch.bmm(a32, VW)[:, 0]  # [B, F*C]
-        sb = beta.float() + torch.bmm(a32, Vb)[:, 0]  # [B, C]
+        # the gradient at theta = 0 is the full gradient's: the biases', and each direction
+        # column's inner product with its class's column of the weights' gradient
+        gWh = self.gW[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F, C)
+        grad = torch.cat([self.gb[s].view(B, 1, C), (gWh[:, None] * VW).sum(2)], 1).double()
+        # the Newton system's matrix: softmax curvature along the coordinates' logit images
+        P = self.P[s].view(B, C, n)  # at theta = 0: the gradient's softmax
+        M = torch.cat([P[:, None], P[:, None] * VZ], 1)  # [B, K, C, n]: P times each coordinate's image
+        Mf = M.view(B, K * C, n)
+        H = -torch.bmm(Mf, Mf.transpose(1, 2)).double()  # [B, K*C, K*C]
+        Hd = H.view(B, K, C, K, C).diagonal(dim1=2, dim2=4)  # [B, K, K, C]: the class-diagonal blocks
+        Ms = M.sum(-1).double()  # sum_i p a_k (the bias coordinate's image is 1)
+        Hd[:, 0] += Ms
+        Hd[:, 1:, 0] += Ms[:, 1:]
+        for j in range(J):
+            for k in range(j, J):
+                h = (M[:, 1 + j] * VZ[:, k]).sum(-1).double() + 2 * n * l2[:, None] * gram[:, :, j, k]
+                Hd[:, 1 + j, 1 + k] += h
+                if k != j:
+                    Hd[:, 1 + k, 1 + j] += h
+        H /= n
+        grad = grad.view(B, K * C) * keep
+        H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
+        diag = H.diagonal(dim1=1, dim2=2).abs()
+        floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
+        damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
+        d = torch.zeros_like(grad)
+        todo = torch.ones(B, dtype=torch.bool)
+        for _k in range(8):  # raise the damping where the factorisation fails
+            L, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
+            ok = (info == 0) & todo
+            d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], L)[..., 0], d)
+            todo &= ~ok
+            if not bool(todo.any()):
+                break
+            damp = torch.where(todo[:, None], damp * 100.0, damp)
+        d = d * keep
+        gd = (grad * d).sum(1)
+        d = d.view(B, K, C)
+        phi = self.phi[s].reshape(B)  # at theta = 0: the gradient's evaluation
+        t = (gd < 0).double()
+        for _k in range(MAX_BACKTRACKS):  # Armijo backtracking along the Newton direction
+            theta = t[:, None, None] * d
+            sZ = images(theta[:, 1:])
+            Za = Z0 + sZ + theta[:, 0, :, None].float()
+            ok = (value(Za, theta[:, 1:]) <= phi + ARMIJO * t * gd) | (t == 0)
+            if bool(ok.all()):
+                break
+            t = torch.where(ok, t, t * 0.5)
+        # no decrease along a Newton direction: that head is at its precision floor, and stays put
+        failed = ~ok & (gd < 0)
+        if bool(failed.any()):
+            theta = torch.where(failed[:, None, None], torch.zeros((), dtype=torch.float64), theta)
+            sZ = torch.where(failed[:, None, None], torch.zeros(()), sZ)
+            Za = torch.where(failed[:, None, None], Z0, Za)
+        # move, and the step (its weight part) becomes the newest memory direction
+        al = theta[:, 1:].float()  # [B, J, C]
+        sW = (VW * al[:, :, None, :]).sum(1)  # [B, F, C]
         self.W[s] += sW.view(u, G, F, C).permute(0, 2, 1, 3).reshape(u, F, G * C)
-        self.b[s] += sb.view(u, 1, G * C)
-        self.Z[s] = Za.view(u, G, n, C).permute(0, 2, 1, 3).reshape(u, n, G * C)
+        self.b[s] += theta[:, 0].float().reshape(u, 1, G * C)
+        self.Z[s] = Za.view(u, G, C, n)
         # a head whose gradient already passes gtol may sit at float32's precision floor (no
         # decrease to be found): only a failure of a head still above it counts
         ok = ~(failed.view(u, G) & (self.g_head[s] > self.gtol)).any(1)
@@ -322,8 +323,7 @@ class _Block:
             ui = torch.arange(s.start, s.stop)
             k = 1 + self.steps[s] % self.m
             self.VW[ui, :, k] = sW.view(u, G, F, C)
-            self.VZ[ui, :, k] = sZ.view(u, G, n, C)
-            self.Vb[ui, :, k] = sb.view(u, G, C)
+            self.VZ[ui, :, k] = sZ.view(u, G, C, n)  # its image
         # a failed search (at float32's precision floor) forgets the memory, as L-BFGS does: the
         # next pass searches along the gradient and the biases alone
         self.steps[s] = torch.where(ok, self.steps[s] + 1, torch.zeros_like(self.steps[s]))
