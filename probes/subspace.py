@@ -135,9 +135,9 @@ class _Block:
     """The solver's state for a block of ``u`` units (see the module docstring), class-major:
     logits, softmax and directions' images ``[u, G, (J,) C, n]`` (the products give them in
     this layout, and the softmax and the small problem's sums over examples run along
-    contiguous rows); directions ``[u, G, J, F, C]`` (slot 0 the new direction, slots 1..m the
-    memory, a ring: each step overwrites the oldest), so the small problems of all units and heads
-    are batched."""
+    contiguous rows); directions ``[u, G, C, J, F]`` (per class, its columns of the directions:
+    slot 0 the new direction, slots 1..m the memory, a ring: each step overwrites the oldest), so
+    the small problems of all units, heads and classes are batched products."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
@@ -158,7 +158,7 @@ class _Block:
         J = 1 + memory
         self.Z = torch.zeros(u, G, C, n)
         self.refresh(slice(0, u))
-        self.VW = torch.zeros(u, G, J, F, C)
+        self.VW = torch.zeros(u, G, C, J, F)  # class-major: per class, its columns of the directions
         self.VZ = torch.zeros(u, G, J, C, n)
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
         self.f = torch.zeros(u, dtype=torch.float64)
@@ -167,6 +167,7 @@ class _Block:
         self.g_head = torch.zeros(u, G)  # largest gradient entry per unit and head (the stopping test's)
         self.P = torch.zeros(u, G, C, n)
         self.phi = torch.zeros(u, G, dtype=torch.float64)
+        self.wsq = torch.zeros(u, G, dtype=torch.float64)  # ||W_g||^2 per unit and head
 
     def _X(self, s: slice) -> torch.Tensor:
         return self.X[s] if self.X.dtype == self.dt else self.X[s].to(self.dt)
@@ -180,7 +181,8 @@ class _Block:
         logp = torch.log_softmax(self.Z[s], 2)
         ce = -logp.gather(2, yi)[:, :, 0].double().sum(-1) / n  # [u, G]
         W = self.W[s]
-        pen = self.l2.double() * W.view(u, -1, G, C).double().pow(2).sum((1, 3))
+        self.wsq[s] = wsq = W.view(u, -1, G, C).double().pow(2).sum((1, 3))
+        pen = self.l2.double() * wsq
         self.phi[s] = ce + pen
         self.f[s] = (ce + pen).sum(1)
         P = logp.exp_()
@@ -205,7 +207,7 @@ class _Block:
         """The new direction (minus the gradient) and its logit image (one product)."""
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         d = -self.gW[s]
-        self.VW[s, :, 0] = d.view(u, F, G, C).permute(0, 2, 1, 3)
+        self.VW[s, :, :, 0] = d.view(u, F, G, C).permute(0, 2, 3, 1)
         img = torch.bmm(d.transpose(1, 2).contiguous().to(self.dt), self._X(s).transpose(1, 2)).float()  # (X d)^T
         self.VZ[s, :, 0] = img.view(u, G, C, n)
 
@@ -219,13 +221,19 @@ class _Block:
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         J, B = 1 + self.m, u * G
         K = 1 + J
-        VW = self.VW[s].view(B, J, F, C)
+        VW = self.VW[s].view(B, C, J, F)
         VZ = self.VZ[s].view(B, J, C, n)
-        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F, C)
-        # per unit, head and class column: <V_j, V_k> and <W, V_j>
-        gram = (VW[:, :, None] * VW[:, None]).sum(3).permute(0, 3, 1, 2).double()  # [B, C, J, J]
-        wv = (Wh[:, None] * VW).sum(2).transpose(1, 2).double()  # [B, C, J]
-        ww = Wh.double().pow(2).sum((1, 2))
+        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 3, 1).reshape(B, C, F)
+        # per unit, head and class column, in one batched product: <V_j, V_k>, <W, V_j> and the
+        # gradient's <dW, V_j> (at theta = 0 the subspace's gradient is the full gradient's)
+        gWh = self.gW[s].view(u, F, G, C).permute(0, 2, 3, 1).reshape(B, C, F)
+        ip = torch.bmm(
+            VW.view(B * C, J, F),
+            torch.cat([VW, Wh[:, :, None], gWh[:, :, None]], 2).view(B * C, J + 2, F).transpose(1, 2),
+        )
+        ip = ip.view(B, C, J, J + 2).double()
+        gram, wv = ip[..., :J], ip[..., J]  # [B, C, J, J], [B, C, J]
+        ww = self.wsq[s].view(B)
         l2 = self.l2.double().repeat(u)  # [B]
         Z0 = self.Z[s].view(B, C, n)
         yb = self.yg.expand(u, G, 1, n).reshape(B, 1, n)
@@ -237,7 +245,8 @@ class _Block:
         corr = gram / (norm[..., :, None] * norm[..., None, :])
         both = used[..., :, None] & used[..., None, :]
         corr = torch.where(both, corr, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~used).double())
-        used = used & ~(torch.linalg.eigvalsh(corr)[..., :1] < MIN_CORR_EIG)
+        eye = torch.eye(J, dtype=torch.float64)  # not positive definite after the shift: an eigenvalue below it
+        used = used & (torch.linalg.cholesky_ex(corr - MIN_CORR_EIG * eye)[1] == 0)[..., None]
         used[..., 0] = True
         # a class absent from the labels: its bias descends until its gradient (the class's mean
         # probability, and its share of the objective) is ABSENT_TOL * gtol, then stays (its
@@ -256,10 +265,7 @@ class _Block:
             quad = ww + 2 * (wv * al).sum((1, 2)) + (al[..., None, :] @ gram @ al[..., :, None]).sum((1, 2, 3))
             return ce + l2 * quad
 
-        # the gradient at theta = 0 is the full gradient's: the biases', and each direction
-        # column's inner product with its class's column of the weights' gradient
-        gWh = self.gW[s].view(u, F, G, C).permute(0, 2, 1, 3).reshape(B, F, C)
-        grad = torch.cat([self.gb[s].view(B, 1, C), (gWh[:, None] * VW).sum(2)], 1).double()
+        grad = torch.cat([self.gb[s].view(B, 1, C).double(), ip[..., J + 1].transpose(1, 2)], 1)  # [B, K, C]
         # the Newton system's matrix: softmax curvature along the coordinates' logit images
         P = self.P[s].view(B, C, n)  # at theta = 0: the gradient's softmax
         M = torch.cat([P[:, None], P[:, None] * VZ], 1)  # [B, K, C, n]: P times each coordinate's image
@@ -311,9 +317,9 @@ class _Block:
             sZ = torch.where(failed[:, None, None], torch.zeros(()), sZ)
             Za = torch.where(failed[:, None, None], Z0, Za)
         # move, and the step (its weight part) becomes the newest memory direction
-        al = theta[:, 1:].float()  # [B, J, C]
-        sW = (VW * al[:, :, None, :]).sum(1)  # [B, F, C]
-        self.W[s] += sW.view(u, G, F, C).permute(0, 2, 1, 3).reshape(u, F, G * C)
+        al = theta[:, 1:].transpose(1, 2).float()  # [B, C, J]
+        sW = (al[:, :, None, :] @ VW)[:, :, 0]  # [B, C, F]
+        self.W[s] += sW.view(u, G, C, F).permute(0, 3, 1, 2).reshape(u, F, G * C)
         self.b[s] += theta[:, 0].float().reshape(u, 1, G * C)
         self.Z[s] = Za.view(u, G, C, n)
         # a head whose gradient already passes gtol may sit at float32's precision floor (no
@@ -322,7 +328,7 @@ class _Block:
         if self.m > 0:  # the step replaces the oldest memory slot (the subspace has no order)
             ui = torch.arange(s.start, s.stop)
             k = 1 + self.steps[s] % self.m
-            self.VW[ui, :, k] = sW.view(u, G, F, C)
+            self.VW[ui, :, :, k] = sW.view(u, G, C, F)
             self.VZ[ui, :, k] = sZ.view(u, G, C, n)  # its image
         # a failed search (at float32's precision floor) forgets the memory, as L-BFGS does: the
         # next pass searches along the gradient and the biases alone
