@@ -5,6 +5,7 @@
                                                from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
                                                a :class:`~depthscope.probes.solvers.Solved`
 ``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
+``newton_system(P, VZ, gram, l2)``             the per-class subspace's Hessian (the Newton step's)
 =============================================  ====================================================
 
 The objective of a linear probe (per unit and head ``g``: mean cross-entropy of the logits
@@ -129,6 +130,32 @@ def _add_padded(a: list, b: list) -> list:
     k = max(len(a), len(b))
     a, b = a + a[-1:] * (k - len(a)), b + b[-1:] * (k - len(b))
     return [x + y for x, y in zip(a, b)]
+
+
+def newton_system(P: torch.Tensor, VZ: torch.Tensor, gram: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """The Hessian, at ``theta = 0``, of the objective restricted to the per-class subspace:
+    softmax ``P [B, C, n]`` at the current logits, the directions' logit images
+    ``VZ [B, J, C, n]``, their per-class Gram ``gram [B, C, J, J]`` and the penalties
+    ``l2 [B]``; coordinates ``(k, c)`` row-major (``k = 0`` class ``c``'s bias, ``k = 1 + j``
+    the coefficient of direction ``j``'s column ``c``). Returns ``[B, K C, K C]`` float64 for
+    ``K = 1 + J``: ``(1/n) sum_i A_i^T (diag(p_i) - p_i p_i^T) A_i`` plus ``2 l2`` times the
+    Gram on the coefficients' class-diagonal blocks."""
+    B, J, C, n = VZ.shape
+    K = 1 + J
+    M = torch.cat([P[:, None], P[:, None] * VZ], 1)  # [B, K, C, n]: P times each coordinate's image
+    Mf = M.view(B, K * C, n)
+    H = -torch.bmm(Mf, Mf.transpose(1, 2)).double()  # [B, K*C, K*C]
+    Hd = H.view(B, K, C, K, C).diagonal(dim1=2, dim2=4)  # [B, K, K, C]: the class-diagonal blocks
+    Ms = M.sum(-1).double()  # sum_i p a_k (the bias coordinate's image is 1)
+    Hd[:, 0] += Ms
+    Hd[:, 1:, 0] += Ms[:, 1:]
+    for j in range(J):
+        for k in range(j, J):
+            h = (M[:, 1 + j] * VZ[:, k]).sum(-1).double() + 2 * n * l2[:, None] * gram[:, :, j, k]
+            Hd[:, 1 + j, 1 + k] += h
+            if k != j:
+                Hd[:, 1 + k, 1 + j] += h
+    return H.div_(n)
 
 
 class _Block:
@@ -266,22 +293,7 @@ class _Block:
             return ce + l2 * quad
 
         grad = torch.cat([self.gb[s].view(B, 1, C).double(), ip[..., J + 1].transpose(1, 2)], 1)  # [B, K, C]
-        # the Newton system's matrix: softmax curvature along the coordinates' logit images
-        P = self.P[s].view(B, C, n)  # at theta = 0: the gradient's softmax
-        M = torch.cat([P[:, None], P[:, None] * VZ], 1)  # [B, K, C, n]: P times each coordinate's image
-        Mf = M.view(B, K * C, n)
-        H = -torch.bmm(Mf, Mf.transpose(1, 2)).double()  # [B, K*C, K*C]
-        Hd = H.view(B, K, C, K, C).diagonal(dim1=2, dim2=4)  # [B, K, K, C]: the class-diagonal blocks
-        Ms = M.sum(-1).double()  # sum_i p a_k (the bias coordinate's image is 1)
-        Hd[:, 0] += Ms
-        Hd[:, 1:, 0] += Ms[:, 1:]
-        for j in range(J):
-            for k in range(j, J):
-                h = (M[:, 1 + j] * VZ[:, k]).sum(-1).double() + 2 * n * l2[:, None] * gram[:, :, j, k]
-                Hd[:, 1 + j, 1 + k] += h
-                if k != j:
-                    Hd[:, 1 + k, 1 + j] += h
-        H /= n
+        H = newton_system(self.P[s].view(B, C, n), VZ, gram, l2)  # at theta = 0: the gradient's softmax
         grad = grad.view(B, K * C) * keep
         H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
         diag = H.diagonal(dim1=1, dim2=2).abs()

@@ -650,3 +650,34 @@ def test_penalty_search_counts_probes_left_at_the_cap():
     for cap, stuck in ((2, 3 * 2), (ProbeConfig().max_epochs, 0)):
         acc, states, n = fitting._path(td, ProbeConfig(max_epochs=cap), tr, y, ho, yt, [0.1, 0.01], None, False)
         assert n == stuck and set(acc) == set(states) == {0.1, 0.01}
+
+
+def test_subspace_newton_system_is_the_exact_hessian():
+    """The subspace solver's Newton step uses ``newton_system``: it equals autograd's Hessian of
+    the objective restricted to the per-class subspace (biases, and one coefficient per class
+    column of each direction), penalties included."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthscope.probes.subspace import newton_system
+
+    g = torch.Generator().manual_seed(0)
+    B, J, C, n, D = 2, 2, 4, 30, 5
+    l2 = torch.tensor([0.01, 0.3], dtype=torch.float64)
+    Z0 = torch.randn(B, C, n, generator=g)
+    VZ = torch.randn(B, J, C, n, generator=g)
+    VW = torch.randn(B, C, J, D, generator=g, dtype=torch.float64)
+    W = torch.randn(B, C, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (n,), generator=g)
+    H = newton_system(torch.softmax(Z0, 1), VZ, VW @ VW.transpose(2, 3), l2)
+    assert H.shape == (B, (1 + J) * C, (1 + J) * C) and H.dtype == torch.float64
+    for b in range(B):
+
+        def f(theta, b=b):
+            beta, alpha = theta.view(1 + J, C)[0], theta.view(1 + J, C)[1:]  # [C], [J, C]
+            Z = Z0[b].double() + beta[:, None] + (alpha[..., None] * VZ[b].double()).sum(0)
+            Wt = W[b] + (alpha.T[..., None] * VW[b]).sum(1)
+            return F.cross_entropy(Z.T, y) + l2[b] * (Wt * Wt).sum()
+
+        ref = torch.autograd.functional.hessian(f, torch.zeros((1 + J) * C, dtype=torch.float64))
+        assert torch.allclose(H[b], ref, atol=1e-5), (H[b] - ref).abs().max()
