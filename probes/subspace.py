@@ -210,8 +210,8 @@ class _Block:
         W = self.W[s]
         self.wsq[s] = wsq = W.view(u, -1, G, C).double().pow(2).sum((1, 3))
         pen = self.l2.double() * wsq
-        self.phi[s] = ce + pen
-        self.f[s] = (ce + pen).sum(1)
+        self.phi[s] = phi = ce + pen
+        self.f[s] = phi.sum(1)
         P = logp.exp_()
         self.P[s] = P  # the softmax, reused by the step's first Newton iteration
         R = P
