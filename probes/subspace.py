@@ -5,7 +5,7 @@
                                                from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
                                                a :class:`~depthscope.probes.solvers.Solved`
 ``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
-``newton_system(P, VZ, gram, l2)``             the per-class subspace's Hessian (the Newton step's)
+``newton_system(P, A, gram, l2)``              the per-class subspace's Hessian (the Newton step's)
 =============================================  ====================================================
 
 The objective of a linear probe (per unit and head ``g``: mean cross-entropy of the logits
@@ -50,7 +50,7 @@ has stopped (the rule of :mod:`depthscope.probes.solvers`: largest gradient entr
 and relative decrease ``<= ftol`` twice in a row) is frozen, and the others go on in contiguous
 runs of units (views of the features, no gather). Units are taken in blocks sized so that the
 solver's state (logits, softmax, directions, their images and the Newton system's products:
-about ``8 + 3 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
+about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
 objectives returned are those of the logits carried along
 (:func:`~depthscope.probes.training.train_probe` reports a fresh evaluation).
 """
@@ -80,7 +80,7 @@ MEMORY = 2
 def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
     """``(start, stop)`` ranges of units solved one after another so that a block's state fits
     ``STATE_BYTES``."""
-    per_unit = 4.0 * ((8 + 3 * memory) * n * G * C + (3 + memory) * F * G * C)
+    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (3 + memory) * F * G * C)
     size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
@@ -132,39 +132,36 @@ def _add_padded(a: list, b: list) -> list:
     return [x + y for x, y in zip(a, b)]
 
 
-def newton_system(P: torch.Tensor, VZ: torch.Tensor, gram: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+def newton_system(P: torch.Tensor, A: torch.Tensor, gram: torch.Tensor, l2: torch.Tensor, work=None) -> torch.Tensor:
     """The Hessian, at ``theta = 0``, of the objective restricted to the per-class subspace:
-    softmax ``P [B, C, n]`` at the current logits, the directions' logit images
-    ``VZ [B, J, C, n]``, their per-class Gram ``gram [B, C, J, J]`` and the penalties
-    ``l2 [B]``; coordinates ``(k, c)`` row-major (``k = 0`` class ``c``'s bias, ``k = 1 + j``
-    the coefficient of direction ``j``'s column ``c``). Returns ``[B, K C, K C]`` float64 for
-    ``K = 1 + J``: ``(1/n) sum_i A_i^T (diag(p_i) - p_i p_i^T) A_i`` plus ``2 l2`` times the
-    Gram on the coefficients' class-diagonal blocks."""
-    B, J, C, n = VZ.shape
-    K = 1 + J
-    M = torch.cat([P[:, None], P[:, None] * VZ], 1)  # [B, K, C, n]: P times each coordinate's image
-    Mf = M.view(B, K * C, n)
-    H = -torch.bmm(Mf, Mf.transpose(1, 2)).double()  # [B, K*C, K*C]
-    Hd = H.view(B, K, C, K, C).diagonal(dim1=2, dim2=4)  # [B, K, K, C]: the class-diagonal blocks
-    Ms = M.sum(-1).double()  # sum_i p a_k (the bias coordinate's image is 1)
-    Hd[:, 0] += Ms
-    Hd[:, 1:, 0] += Ms[:, 1:]
-    for j in range(J):
-        for k in range(j, J):
-            h = (M[:, 1 + j] * VZ[:, k]).sum(-1).double() + 2 * n * l2[:, None] * gram[:, :, j, k]
-            Hd[:, 1 + j, 1 + k] += h
-            if k != j:
-                Hd[:, 1 + k, 1 + j] += h
+    softmax ``P [B, C, n]`` at the current logits; ``A [B, C, K, n]`` per class the logit images of
+    its ``K = 1 + J`` coordinates (``k = 0`` its bias: ones; ``k = 1 + j`` the coefficient of
+    direction ``j``'s column ``c``, whose image is row ``c`` of ``X V_j``); the directions'
+    per-class Gram ``gram [B, C, J, J]`` and the penalties ``l2 [B]``. Returns ``[B, C K, C K]``
+    float64, coordinates ``(c, k)`` row-major: ``(1/n) sum_i A_i^T (diag(p_i) - p_i p_i^T) A_i``
+    plus ``2 l2`` times the Gram on the coefficients of each class's diagonal block. ``work``
+    (``[B, C, K, n]``, optional) receives ``P A``: no allocation of that size."""
+    B, C, K, n = A.shape
+    M = torch.mul(P[:, :, None], A, out=work)  # [B, C, K, n]: p times each coordinate's image
+    Mf = M.view(B, C * K, n)
+    H = torch.bmm(Mf, Mf.transpose(1, 2)).double().neg_()  # - sum_i (p a)(p a)^T, all classes coupled
+    # the diag(p) part, per class: sum_i p a_k a_k' (a_0 = 1: the bias rows), plus the penalty
+    D = torch.bmm(M.view(B * C, K, n), A.view(B * C, K, n).transpose(1, 2)).double().view(B, C, K, K)
+    D[:, :, 1:, 1:] += 2 * n * l2[:, None, None, None] * gram
+    H.view(B, C, K, C, K).diagonal(dim1=1, dim2=3).add_(D.permute(0, 2, 3, 1))  # [B, K, K, C]
     return H.div_(n)
 
 
 class _Block:
     """The solver's state for a block of ``u`` units (see the module docstring), class-major:
-    logits, softmax and directions' images ``[u, G, (J,) C, n]`` (the products give them in
-    this layout, and the softmax and the small problem's sums over examples run along
-    contiguous rows); directions ``[u, G, C, J, F]`` (per class, its columns of the directions:
-    slot 0 the new direction, slots 1..m the memory, a ring: each step overwrites the oldest), so
-    the small problems of all units, heads and classes are batched products."""
+    logits and softmax ``[u, G, C, n]``; per class the logit images of its subspace's
+    coordinates ``A [u, G, C, K, n]`` (slot 0 ones, the biases'; slot 1 the new direction's
+    column; slots 2.. the memory's), so the Newton system, the trial logits and the memory
+    update are batched products over contiguous rows; directions ``[u, G, C, J, F]`` (per
+    class, its columns of the directions: slot 0 the new direction, slots 1..m the memory, a
+    ring: each step overwrites the oldest). Every array of size ``n`` is allocated here once:
+    a pass allocates nothing that large (large blocks would be mapped and zeroed by the C
+    allocator anew at each allocation)."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
@@ -182,11 +179,15 @@ class _Block:
         self.gtol = gtol
         self.l2 = l2.float()
         self.l2col = l2.float().repeat_interleave(C)  # [G*C]
-        J = 1 + memory
-        self.Z = torch.zeros(u, G, C, n)
-        self.refresh(slice(0, u))
+        J, K = 1 + memory, 2 + memory
+        self.Z = torch.empty(u, G, C, n)
+        if bool(W.any()):
+            self.refresh(slice(0, u))
+        else:  # from zero weights the logits are the biases (the product would add zeros)
+            self.Z.copy_(b.view(u, G, C, 1).expand(u, G, C, n))
         self.VW = torch.zeros(u, G, C, J, F)  # class-major: per class, its columns of the directions
-        self.VZ = torch.zeros(u, G, J, C, n)
+        self.A = torch.zeros(u, G, C, K, n)
+        self.A[:, :, :, 0] = 1.0
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
         self.f = torch.zeros(u, dtype=torch.float64)
         self.gW = torch.zeros(u, F, G * C)
@@ -195,6 +196,11 @@ class _Block:
         self.P = torch.zeros(u, G, C, n)
         self.phi = torch.zeros(u, G, dtype=torch.float64)
         self.wsq = torch.zeros(u, G, dtype=torch.float64)  # ||W_g||^2 per unit and head
+        # workspace: the residual (also the new direction's image), the trial logits, the trial
+        # step's image, and P A (also the trial's log-softmax)
+        self.R, self.T, self.S = (torch.empty(u, G, C, n) for _ in range(3))
+        self.M = torch.empty(u, G, C, K, n)
+        self.minus = torch.full((u, G, 1, n), -1.0 / n)
 
     def _X(self, s: slice) -> torch.Tensor:
         return self.X[s] if self.X.dtype == self.dt else self.X[s].to(self.dt)
@@ -205,18 +211,18 @@ class _Block:
         u = s.stop - s.start
         n, G, C = self.n, self.G, self.C
         yi = self.yg.expand(u, G, 1, n)
-        logp = torch.log_softmax(self.Z[s], 2)
+        R = self.R[s]
+        logp = torch.ops.aten._log_softmax.out(self.Z[s], 2, False, out=R)
         ce = -logp.gather(2, yi)[:, :, 0].double().sum(-1) / n  # [u, G]
         W = self.W[s]
         self.wsq[s] = wsq = W.view(u, -1, G, C).double().pow(2).sum((1, 3))
         pen = self.l2.double() * wsq
         self.phi[s] = phi = ce + pen
         self.f[s] = phi.sum(1)
-        P = logp.exp_()
-        self.P[s] = P  # the softmax, reused by the step's first Newton iteration
-        R = P
-        R.scatter_add_(2, yi, torch.full((u, G, 1, n), -1.0))
-        R = R.view(u, G * C, n).div_(n)
+        P = torch.exp(logp, out=self.P[s])  # the softmax, for the step's Newton system
+        R = torch.div(P, n, out=R)
+        R.scatter_add_(2, yi, self.minus[:u])  # (P - Y) / n
+        R = R.view(u, G * C, n)
         gW = torch.bmm(R.to(self.dt), self._X(s)).float().transpose(1, 2)  # (R^T X)^T: faster
         self.gW[s] = gW = gW.addcmul(W, self.l2col, value=2.0)
         self.gb[s] = gb = R.sum(-1)
@@ -235,21 +241,25 @@ class _Block:
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         d = -self.gW[s]
         self.VW[s, :, :, 0] = d.view(u, F, G, C).permute(0, 2, 3, 1)
-        img = torch.bmm(d.transpose(1, 2).contiguous().to(self.dt), self._X(s).transpose(1, 2)).float()  # (X d)^T
-        self.VZ[s, :, 0] = img.view(u, G, C, n)
+        dt = d.transpose(1, 2).contiguous().to(self.dt)
+        if self.dt == torch.float32:  # (X d)^T, into the workspace
+            img = torch.bmm(dt, self._X(s).transpose(1, 2), out=self.R[s].view(u, G * C, n))
+        else:
+            img = torch.bmm(dt, self._X(s).transpose(1, 2)).float()
+        self.A[s, :, :, 1] = img.view(u, G, C, n)
 
     # --- the small problem ------------------------------------------------------------------
     def step(self, s: slice) -> torch.Tensor:
         """Minimise over the subspace of units ``s`` and move there; returns which units found a
         decrease (``[u]``; False: a line search along a Newton direction failed, the precision
-        floor). Coordinates ``theta [B, K, C]`` per unit and head: row 0 the classes' biases,
-        row ``1 + j`` the coefficients of direction ``j``'s class columns (a column's logit
-        image is that class's row of the direction's image)."""
+        floor). Coordinates ``theta [B, C, K]`` per unit and head: per class, its bias
+        (``k = 0``) and the coefficients of the directions' class columns (``k = 1 + j``, whose
+        logit images are the rows ``A[:, c, k]``)."""
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         J, B = 1 + self.m, u * G
         K = 1 + J
         VW = self.VW[s].view(B, C, J, F)
-        VZ = self.VZ[s].view(B, J, C, n)
+        A = self.A[s].view(B, C, K, n)
         Wh = self.W[s].view(u, F, G, C).permute(0, 2, 3, 1).reshape(B, C, F)
         # per unit, head and class column, in one batched product: <V_j, V_k>, <W, V_j> and the
         # gradient's <dW, V_j> (at theta = 0 the subspace's gradient is the full gradient's)
@@ -279,22 +289,27 @@ class _Block:
         # probability, and its share of the objective) is ABSENT_TOL * gtol, then stays (its
         # optimum is -inf: how far a solver goes would set the code length of such a label)
         done_b = self.absent.repeat(u, 1) & (self.gb[s].view(B, C).abs() <= ABSENT_TOL * self.gtol)
-        keep = torch.cat([(self.free_b.repeat(u, 1) & ~done_b)[:, None], used.transpose(1, 2)], 1).view(B, K * C)
+        keep = torch.cat([(self.free_b.repeat(u, 1) & ~done_b)[:, :, None], used], 2).view(B, C * K)
         pair = keep[:, :, None] & keep[:, None, :]
         free = (~keep).double()
+        S = self.S[s].view(B * C, 1, n)  # the trial step's weight part, its logit image
+        T = self.T[s].view(B, C, n)  # the trial logits
+        L = self.M[s].view(-1)[: B * C * n].view(B, C, n)  # their log-softmax (after the system)
 
-        def images(al):  # the weight part's logit change: from the images, never as a difference of logits
-            return (VZ * al.float()[..., None]).sum(1)
+        def trial(theta):  # from the images, never as a difference of logits
+            torch.bmm(theta[:, :, 1:].float().reshape(B * C, 1, J), A[:, :, 1:].reshape(B * C, J, n), out=S)
+            return torch.add(Z0, S.view(B, C, n), out=T).add_(theta[:, :, :1].float())
 
         def value(Za, al):
-            ce = -torch.log_softmax(Za, 1).gather(1, yb)[:, 0].double().sum(1) / n
-            al = al.transpose(1, 2)  # [B, C, J]
+            logp = torch.ops.aten._log_softmax.out(Za, 1, False, out=L)
+            ce = -logp.gather(1, yb)[:, 0].double().sum(1) / n
             quad = ww + 2 * (wv * al).sum((1, 2)) + (al[..., None, :] @ gram @ al[..., :, None]).sum((1, 2, 3))
             return ce + l2 * quad
 
-        grad = torch.cat([self.gb[s].view(B, 1, C).double(), ip[..., J + 1].transpose(1, 2)], 1)  # [B, K, C]
-        H = newton_system(self.P[s].view(B, C, n), VZ, gram, l2)  # at theta = 0: the gradient's softmax
-        grad = grad.view(B, K * C) * keep
+        grad = torch.cat([self.gb[s].view(B, C, 1).double(), ip[..., J + 1]], 2)  # [B, C, K]
+        # at theta = 0: the gradient's softmax
+        H = newton_system(self.P[s].view(B, C, n), A, gram, l2, work=self.M[s].view(B, C, K, n))
+        grad = grad.view(B, C * K) * keep
         H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
         diag = H.diagonal(dim1=1, dim2=2).abs()
         floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
@@ -302,23 +317,22 @@ class _Block:
         d = torch.zeros_like(grad)
         todo = torch.ones(B, dtype=torch.bool)
         for _k in range(8):  # raise the damping where the factorisation fails
-            L, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
+            Lh, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
             ok = (info == 0) & todo
-            d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], L)[..., 0], d)
+            d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], Lh)[..., 0], d)
             todo &= ~ok
             if not bool(todo.any()):
                 break
             damp = torch.where(todo[:, None], damp * 100.0, damp)
         d = d * keep
         gd = (grad * d).sum(1)
-        d = d.view(B, K, C)
+        d = d.view(B, C, K)
         phi = self.phi[s].reshape(B)  # at theta = 0: the gradient's evaluation
         t = (gd < 0).double()
         for _k in range(MAX_BACKTRACKS):  # Armijo backtracking along the Newton direction
             theta = t[:, None, None] * d
-            sZ = images(theta[:, 1:])
-            Za = Z0 + sZ + theta[:, 0, :, None].float()
-            ok = (value(Za, theta[:, 1:]) <= phi + ARMIJO * t * gd) | (t == 0)
+            Za = trial(theta)
+            ok = (value(Za, theta[:, :, 1:]) <= phi + ARMIJO * t * gd) | (t == 0)
             if bool(ok.all()):
                 break
             t = torch.where(ok, t, t * 0.5)
@@ -326,14 +340,17 @@ class _Block:
         failed = ~ok & (gd < 0)
         if bool(failed.any()):
             theta = torch.where(failed[:, None, None], torch.zeros((), dtype=torch.float64), theta)
-            sZ = torch.where(failed[:, None, None], torch.zeros(()), sZ)
-            Za = torch.where(failed[:, None, None], Z0, Za)
+            S.view(B, C, n)[failed] = 0.0
+            Za[failed] = Z0[failed]
         # move, and the step (its weight part) becomes the newest memory direction
-        al = theta[:, 1:].transpose(1, 2).float()  # [B, C, J]
+        al = theta[:, :, 1:].float()  # [B, C, J]
         sW = (al[:, :, None, :] @ VW)[:, :, 0]  # [B, C, F]
         self.W[s] += sW.view(u, G, C, F).permute(0, 3, 1, 2).reshape(u, F, G * C)
-        self.b[s] += theta[:, 0].float().reshape(u, 1, G * C)
-        self.Z[s] = Za.view(u, G, C, n)
+        self.b[s] += theta[:, :, 0].float().reshape(u, 1, G * C)
+        if s.start == 0 and s.stop == self.u:  # the trial logits become the logits: no copy
+            self.Z, self.T = self.T, self.Z
+        else:
+            self.Z[s] = Za.view(u, G, C, n)
         # a head whose gradient already passes gtol may sit at float32's precision floor (no
         # decrease to be found): only a failure of a head still above it counts
         ok = ~(failed.view(u, G) & (self.g_head[s] > self.gtol)).any(1)
@@ -341,7 +358,7 @@ class _Block:
             ui = torch.arange(s.start, s.stop)
             k = 1 + self.steps[s] % self.m
             self.VW[ui, :, :, k] = sW.view(u, G, C, F)
-            self.VZ[ui, :, k] = sZ.view(u, G, C, n)  # its image
+            self.A[ui, :, :, 1 + k] = S.view(u, G, C, n)  # its image
         # a failed search (at float32's precision floor) forgets the memory, as L-BFGS does: the
         # next pass searches along the gradient and the biases alone
         self.steps[s] = torch.where(ok, self.steps[s] + 1, torch.zeros_like(self.steps[s]))

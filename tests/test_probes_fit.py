@@ -669,12 +669,13 @@ def test_subspace_newton_system_is_the_exact_hessian():
     VW = torch.randn(B, C, J, D, generator=g, dtype=torch.float64)
     W = torch.randn(B, C, D, generator=g, dtype=torch.float64)
     y = torch.randint(0, C, (n,), generator=g)
-    H = newton_system(torch.softmax(Z0, 1), VZ, VW @ VW.transpose(2, 3), l2)
+    A = torch.cat([torch.ones(B, 1, C, n), VZ], 1).transpose(1, 2).contiguous()  # [B, C, 1 + J, n]
+    H = newton_system(torch.softmax(Z0, 1), A, VW @ VW.transpose(2, 3), l2)
     assert H.shape == (B, (1 + J) * C, (1 + J) * C) and H.dtype == torch.float64
     for b in range(B):
 
         def f(theta, b=b):
-            beta, alpha = theta.view(1 + J, C)[0], theta.view(1 + J, C)[1:]  # [C], [J, C]
+            beta, alpha = theta.view(C, 1 + J)[:, 0], theta.view(C, 1 + J)[:, 1:].T  # [C], [J, C]
             Z = Z0[b].double() + beta[:, None] + (alpha[..., None] * VZ[b].double()).sum(0)
             Wt = W[b] + (alpha.T[..., None] * VW[b]).sum(1)
             return F.cross_entropy(Z.T, y) + l2[b] * (Wt * Wt).sum()
