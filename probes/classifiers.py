@@ -117,6 +117,8 @@ class BatchedProbe(nn.Module):
             if self.mix_mask is None:
                 return x
             w = (self.mix_weights() * self.gamma[:, None]).to(x.dtype)
+            if x.stride(1) == 1 and Fd > 1:  # feature-major (resident features): a view when B is all of them
+                return (w @ x.transpose(1, 2).reshape(S, Fd * B)).reshape(self.U, Fd, B).transpose(1, 2)
             return (w @ x.reshape(S, B * Fd)).reshape(self.U, B, Fd)
         B, n, L, S, D = x.shape
         if self.mix_mask is not None:

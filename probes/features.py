@@ -33,9 +33,13 @@ class Features:
     """Examples' span rows in a store: ``span_ids[i, k]`` is span ``k`` of example ``i``.
 
     After :meth:`fit_standardiser` (train) or :meth:`standardise_like` (other splits),
-    :meth:`make_resident` copies the standardised, pooled features into memory in site-major
-    layout ``[S, N, n_spans * D]`` (``dtype``, or bfloat16 if only that fits), in
-    a seeded shuffled order, so a minibatch is a contiguous slice fed straight to ``bmm``.
+    :meth:`make_resident` copies the standardised, pooled features into memory, site-major:
+    ``resident [S, N, n_spans * D]`` (``dtype``, or bfloat16 if only that fits), in a seeded
+    shuffled order, so a minibatch is a slice fed straight to ``bmm``. In memory each site's
+    features are stored feature-major (``resident`` is the transposed view of a contiguous
+    ``[S, F, N]`` tensor): both products of a full-batch linear probe's pass, ``X W`` and
+    ``X^T G``, are faster with the examples innermost (on this project's 2-core CPU with MKL,
+    8024 x 576 features and 17 columns: 3.8 and 3.5 ms against 4.5 and 3.6 ms per site).
     Without it (attention pooling, or too large), minibatches are gathered from the store.
     """
 
@@ -118,7 +122,7 @@ class Features:
         if need * dt.itemsize > max_bytes:
             return False
         self.order = np.random.default_rng(seed).permutation(N)
-        X = torch.empty(S, N, F_, dtype=dt)
+        XT = torch.empty(S, F_, N, dtype=dt)  # feature-major in memory (see the class docstring)
         st = self.store
         D = self.d
         chunk = chunk or _rows_per_chunk(S * D)
@@ -130,8 +134,8 @@ class Features:
                     x = torch.from_numpy(np.asarray(st.feats[rows])).float().permute(1, 0, 2)  # [S, B, D]
                     if self.mean is not None:
                         x = (x - self.mean[:, None]) / self.std[:, None]
-                    X[:, a : a + len(idx), k * D : (k + 1) * D] = x
-        self.resident = X
+                    XT[:, k * D : (k + 1) * D, a : a + len(idx)] = x.transpose(1, 2)
+        self.resident = XT.transpose(1, 2)
         return True
 
     def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> Features:
@@ -144,7 +148,7 @@ class Features:
             return sub
         pos = np.empty(len(self), dtype=np.int64)
         pos[self.order] = np.arange(len(self))  # example -> row of the resident tensor
-        sub.resident = self.resident.index_select(1, torch.from_numpy(pos[idx]))
+        sub.resident = _take(self.resident, 1, torch.from_numpy(pos[idx]))
         sub.order = np.arange(len(idx))
         return sub
 
@@ -154,7 +158,7 @@ class Features:
             raise ValueError("with_sites needs resident features")
         sites = np.asarray(sites, dtype=np.int64)
         sub = Features(self.store, self.span_ids, self.mean, self.std, self.max_len, order=self.order, sites=sites)
-        sub.resident = self.resident.index_select(0, torch.from_numpy(sites))
+        sub.resident = _take(self.resident, 0, torch.from_numpy(sites))
         return sub
 
     def _gather(self, idx: np.ndarray):
@@ -191,6 +195,14 @@ class Features:
             for a in starts:
                 idx = np.sort(perm[a : a + batch_size])
                 yield idx, self._gather(idx)
+
+
+def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``X.index_select(dim, idx)`` for resident features ``[S, N, F]`` (``dim`` 0: sites, 1:
+    examples), keeping a feature-major layout feature-major."""
+    if X.stride(1) == 1 and X.shape[2] > 1:
+        return X.transpose(1, 2).index_select(2 * dim, idx).transpose(1, 2)
+    return X.index_select(dim, idx)
 
 
 CHUNK_BYTES = 8 * 2**20  # float32 rows per chunk when reading the store: small temporaries, flat memory

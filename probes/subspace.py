@@ -80,7 +80,7 @@ MEMORY = 2
 def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
     """``(start, stop)`` ranges of units solved one after another so that a block's state fits
     ``STATE_BYTES``."""
-    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (3 + memory) * F * G * C)
+    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C)
     size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
@@ -157,11 +157,12 @@ class _Block:
     logits and softmax ``[u, G, C, n]``; per class the logit images of its subspace's
     coordinates ``A [u, G, C, K, n]`` (slot 0 ones, the biases'; slot 1 the new direction's
     column; slots 2.. the memory's), so the Newton system, the trial logits and the memory
-    update are batched products over contiguous rows; directions ``[u, G, C, J, F]`` (per
+    update are batched products over contiguous rows; directions ``[u, G, C, J + 1, F]`` (per
     class, its columns of the directions: slot 0 the new direction, slots 1..m the memory, a
-    ring: each step overwrites the oldest). Every array of size ``n`` is allocated here once:
-    a pass allocates nothing that large (large blocks would be mapped and zeroed by the C
-    allocator anew at each allocation)."""
+    ring: each step overwrites the oldest; slot J a copy of the weights, for their inner
+    products). Every array of size ``n`` is allocated here once: a pass allocates nothing that
+    large (large blocks would be mapped and zeroed by the C allocator anew at each allocation;
+    on the benchmark's 61 sites x 8024 words that cost a third of the fit)."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
@@ -185,7 +186,8 @@ class _Block:
             self.refresh(slice(0, u))
         else:  # from zero weights the logits are the biases (the product would add zeros)
             self.Z.copy_(b.view(u, G, C, 1).expand(u, G, C, n))
-        self.VW = torch.zeros(u, G, C, J, F)  # class-major: per class, its columns of the directions
+        # class-major: per class, its columns of the directions, and (slot J) of the weights
+        self.VW = torch.zeros(u, G, C, J + 1, F)
         self.A = torch.zeros(u, G, C, K, n)
         self.A[:, :, :, 0] = 1.0
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
@@ -258,17 +260,15 @@ class _Block:
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         J, B = 1 + self.m, u * G
         K = 1 + J
-        VW = self.VW[s].view(B, C, J, F)
+        self.VW[s, :, :, J] = self.W[s].view(u, F, G, C).permute(0, 2, 3, 1)  # the weights, class-major
+        VWx = self.VW[s].view(B, C, J + 1, F)
+        VW = VWx[:, :, :J]  # [B, C, J, F]
         A = self.A[s].view(B, C, K, n)
-        Wh = self.W[s].view(u, F, G, C).permute(0, 2, 3, 1).reshape(B, C, F)
-        # per unit, head and class column, in one batched product: <V_j, V_k>, <W, V_j> and the
-        # gradient's <dW, V_j> (at theta = 0 the subspace's gradient is the full gradient's)
-        gWh = self.gW[s].view(u, F, G, C).permute(0, 2, 3, 1).reshape(B, C, F)
-        ip = torch.bmm(
-            VW.view(B * C, J, F),
-            torch.cat([VW, Wh[:, :, None], gWh[:, :, None]], 2).view(B * C, J + 2, F).transpose(1, 2),
-        )
-        ip = ip.view(B, C, J, J + 2).double()
+        # per unit, head and class column, in one batched product: <V_j, V_k> and <W, V_j>; the
+        # gradient's <dW, V_j> (at theta = 0 the subspace's gradient is the full gradient's) is
+        # -<V_0, V_j>, the new direction being minus the gradient
+        ip = torch.bmm(VW.reshape(B * C, J, F), VWx.view(B * C, J + 1, F).transpose(1, 2))
+        ip = ip.view(B, C, J, J + 1).double()
         gram, wv = ip[..., :J], ip[..., J]  # [B, C, J, J], [B, C, J]
         ww = self.wsq[s].view(B)
         l2 = self.l2.double().repeat(u)  # [B]
@@ -306,7 +306,7 @@ class _Block:
             quad = ww + 2 * (wv * al).sum((1, 2)) + (al[..., None, :] @ gram @ al[..., :, None]).sum((1, 2, 3))
             return ce + l2 * quad
 
-        grad = torch.cat([self.gb[s].view(B, C, 1).double(), ip[..., J + 1]], 2)  # [B, C, K]
+        grad = torch.cat([self.gb[s].view(B, C, 1).double(), -gram[:, :, 0]], 2)  # [B, C, K]
         # at theta = 0: the gradient's softmax
         H = newton_system(self.P[s].view(B, C, n), A, gram, l2, work=self.M[s].view(B, C, K, n))
         grad = grad.view(B, C * K) * keep
