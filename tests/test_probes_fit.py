@@ -54,6 +54,23 @@ def features(x, train=None, resident=True):
     return f
 
 
+def test_resident_features_are_feature_major_and_subsets_keep_it():
+    """Resident features are the ``[S, N, F]`` view of a feature-major tensor (the examples
+    innermost: both products of a linear probe's pass are faster); subsets and site selections
+    keep that layout and hold exactly the standardised rows the store gives."""
+    x, _ = synthetic(50, S=3, D=8)
+    f = features(x)
+    X = f.resident
+    assert X.shape == (3, 50, 8) and X.stride(1) == 1 and X.transpose(1, 2).is_contiguous()
+    ref = (torch.from_numpy(x).permute(1, 0, 2)[:, f.order] - f.mean[:, None]) / f.std[:, None]
+    assert torch.equal(X, ref)
+    idx = np.array([4, 0, 17, 33])
+    sub = f.subset(idx)
+    assert sub.resident.stride(1) == 1 and torch.equal(sub.resident, ref[:, np.argsort(f.order)[idx]])
+    two = f.with_sites([0, 2])
+    assert two.resident.stride(1) == 1 and torch.equal(two.resident, ref[[0, 2]])
+
+
 @pytest.mark.parametrize("resident", [True, False])
 def test_batched_linear_probe_matches_sklearn_per_site(resident):
     from sklearn.linear_model import LogisticRegression
@@ -682,3 +699,5 @@ def test_subspace_newton_system_is_the_exact_hessian():
 
         ref = torch.autograd.functional.hessian(f, torch.zeros((1 + J) * C, dtype=torch.float64))
         assert torch.allclose(H[b], ref, atol=1e-5), (H[b] - ref).abs().max()
+    work = torch.full((B, C, 1 + J, n), float("nan"))  # the caller's workspace: overwritten, same system
+    assert torch.equal(newton_system(torch.softmax(Z0, 1), A, VW @ VW.transpose(2, 3), l2, work=work), H)
