@@ -132,8 +132,8 @@ class Features:
                 for k in range(self.n_spans):
                     rows = st.row_start[self.span_ids[idx, k]]
                     x = torch.from_numpy(np.asarray(st.feats[rows])).float().permute(1, 0, 2)  # [S, B, D]
-                    if self.mean is not None:
-                        x = (x - self.mean[:, None]) / self.std[:, None]
+                    if self.mean is not None:  # in place (a gathered copy): one chunk of temporaries
+                        x.sub_(self.mean[:, None]).div_(self.std[:, None])
                     XT[:, k * D : (k + 1) * D, a : a + len(idx)] = x.transpose(1, 2)
         self.resident = XT.transpose(1, 2)
         return True
