@@ -93,6 +93,7 @@ def fit_sklearn(Xs: list, ytr, tol: float = 1e-6):
 
 
 def sklearn_arrays(X) -> list:
+    """One C-contiguous float32 array per site: scikit-learn's own layout of the same values."""
     return [np.ascontiguousarray(X[s].numpy()) for s in range(X.shape[0])]
 
 

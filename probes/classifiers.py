@@ -33,6 +33,7 @@ from torch import nn
 
 from .config import PROBES, ProbeConfig
 from .cpu import compute_dtype  # noqa: F401  (kept importable from here)
+from .features import feature_major
 
 _DEFAULTS = ProbeConfig()
 DEFAULT_L2 = 1e-3
@@ -117,7 +118,7 @@ class BatchedProbe(nn.Module):
             if self.mix_mask is None:
                 return x
             w = (self.mix_weights() * self.gamma[:, None]).to(x.dtype)
-            if x.stride(1) == 1 and Fd > 1:  # feature-major (resident features): a view when B is all of them
+            if feature_major(x):  # resident features: a view when B is all of them
                 return (w @ x.transpose(1, 2).reshape(S, Fd * B)).reshape(self.U, Fd, B).transpose(1, 2)
             return (w @ x.reshape(S, B * Fd)).reshape(self.U, B, Fd)
         B, n, L, S, D = x.shape
