@@ -35,7 +35,8 @@ class Features:
     After :meth:`fit_standardiser` (train) or :meth:`standardise_like` (other splits),
     :meth:`make_resident` copies the standardised, pooled features into memory, site-major:
     ``resident [S, N, n_spans * D]`` (``dtype``, or bfloat16 if only that fits), in a seeded
-    shuffled order, so a minibatch is a slice fed straight to ``bmm``. In memory each site's
+    shuffled order (``order[r]``: the example in row ``r``), so a minibatch is a slice fed
+    straight to ``bmm`` and any contiguous part of the rows is a random sample. In memory each site's
     features are stored feature-major (``resident`` is the transposed view of a contiguous
     ``[S, F, N]`` tensor, :func:`feature_major`): both products of a full-batch linear probe's
     pass, ``X W`` and ``X^T G``, are faster with the examples innermost (``bench_probe_fit`` on
@@ -140,7 +141,10 @@ class Features:
 
     def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> Features:
         """The examples ``idx`` with this split's standardisation: resident rows are copied from
-        memory (same dtype), else the subset is made resident from the store when it fits."""
+        memory (same dtype), in a ``seed``-shuffled order like every resident tensor (the probe
+        solver forms its curvature from a contiguous part of the rows:
+        :func:`~depthscope.probes.subspace.hessian_rows`), else the subset is made resident from
+        the store when it fits."""
         idx = np.asarray(idx, dtype=np.int64)
         sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len, sites=self.sites)
         if self.resident is None:
@@ -148,8 +152,8 @@ class Features:
             return sub
         pos = np.empty(len(self), dtype=np.int64)
         pos[self.order] = np.arange(len(self))  # example -> row of the resident tensor
-        sub.resident = _take(self.resident, 1, torch.from_numpy(pos[idx]))
-        sub.order = np.arange(len(idx))
+        sub.order = np.random.default_rng(seed).permutation(len(idx))
+        sub.resident = _take(self.resident, 1, torch.from_numpy(pos[idx[sub.order]]))
         return sub
 
     def with_sites(self, sites) -> Features:

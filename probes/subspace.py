@@ -72,9 +72,25 @@ ABSENT_TOL = 0.01
 MIN_CORR_EIG = 1e-4
 #: the logits are recomputed from the weights every this many passes (float32 drift)
 REFRESH = 20
+#: the Newton system is formed from this many rows at least: from ``n // HESSIAN_ROWS`` equal
+#: contiguous parts of the rows, a different one each pass (on the benchmark's 61 sites x 8024
+#: shuffled words, halves: 2% more passes, a tenth less time; at 3000 words halves or thirds
+#: cost more passes than they save)
+HESSIAN_ROWS = 4000
 #: the past steps kept in the subspace (1: 22.3 passes per site on the benchmark's features,
 #: 2: 20.3, 3: 19.1; the Newton system grows as ``(2 + MEMORY)^2``, and 2 was the fastest)
 MEMORY = 2
+
+
+def hessian_rows(n: int, count: int) -> slice:
+    """The rows the Newton system of pass ``count`` is formed from: part ``count mod k`` of
+    ``k = max(1, n // HESSIAN_ROWS)`` equal contiguous parts (all rows while ``n < 2 HESSIAN_ROWS``).
+    A sample only if the rows are in random order: depthscope's resident features are (in a
+    sorted order the steps are worse, never wrong: the gradient and the line search use all rows)."""
+    k = max(1, n // HESSIAN_ROWS)
+    h = n // k
+    j = count % k
+    return slice(j * h, (j + 1) * h if j < k - 1 else n)
 
 
 def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
@@ -190,6 +206,8 @@ class _Block:
         self.VW = torch.zeros(u, G, C, J + 1, F)
         self.A = torch.zeros(u, G, C, K, n)
         self.A[:, :, :, 0] = 1.0
+        self.logp_of = None  # the units whose logits' log-softmax the workspace M holds (step)
+        self.count = 0  # passes made (the Newton system's rows: hessian_rows)
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
         self.f = torch.zeros(u, dtype=torch.float64)
         self.gW = torch.zeros(u, F, G * C)
@@ -211,10 +229,14 @@ class _Block:
     def gradient(self, s: slice) -> None:
         """Objective and gradient of units ``s`` at their logits (one product)."""
         u = s.stop - s.start
-        n, G, C = self.n, self.G, self.C
+        n, F, G, C = self.n, self.F, self.G, self.C
         yi = self.yg.expand(u, G, 1, n)
         R = self.R[s]
-        logp = torch.ops.aten._log_softmax.out(self.Z[s], 2, False, out=R)
+        if self.logp_of == (s.start, s.stop):  # the accepted trial's, computed by the line search
+            logp = self.M[s].view(-1)[: u * G * C * n].view(u, G, C, n)
+        else:
+            logp = torch.ops.aten._log_softmax.out(self.Z[s], 2, False, out=R)
+        self.logp_of = None
         ce = -logp.gather(2, yi)[:, :, 0].double().sum(-1) / n  # [u, G]
         W = self.W[s]
         self.wsq[s] = wsq = W.view(u, -1, G, C).double().pow(2).sum((1, 3))
@@ -224,10 +246,19 @@ class _Block:
         P = torch.exp(logp, out=self.P[s])  # the softmax, for the step's Newton system
         R = torch.div(P, n, out=R)
         R.scatter_add_(2, yi, self.minus[:u])  # (P - Y) / n
-        R = R.view(u, G * C, n)
-        gW = torch.bmm(R.to(self.dt), self._X(s)).float().transpose(1, 2)  # (R^T X)^T: faster
+        # the product over each head's first C - 1 classes only: a row of P - Y sums to zero, so
+        # the last class's column of X^T (P - Y) is minus the sum of the others' (one column less
+        # is a tenth of a product at 17 classes)
+        Rk = R[:, :, : C - 1]
+        if G > 1:  # the heads' rows are not one matrix: copied into the trial buffer (free here)
+            Rk = self.T[s].view(-1)[: u * G * (C - 1) * n].view(u, G, C - 1, n).copy_(Rk)
+        gk = torch.bmm(Rk.reshape(u, G * (C - 1), n).to(self.dt), self._X(s)).float()  # (R^T X)^T: faster
+        gt = torch.empty(u, G, C, F)
+        gt[:, :, : C - 1] = gk.view(u, G, C - 1, F)
+        torch.sum(gk.view(u, G, C - 1, F), 2, out=gt[:, :, C - 1]).neg_()
+        gW = gt.view(u, G * C, F).transpose(1, 2)
         self.gW[s] = gW = gW.addcmul(W, self.l2col, value=2.0)
-        self.gb[s] = gb = R.sum(-1)
+        self.gb[s] = gb = R.view(u, G * C, n).sum(-1)
         self.g_head[s] = torch.maximum(gW.abs().view(u, -1, G, C).amax((1, 3)), gb.abs().view(u, G, C).amax(2))
 
     def refresh(self, s: slice) -> None:
@@ -242,13 +273,23 @@ class _Block:
         """The new direction (minus the gradient) and its logit image (one product)."""
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         d = -self.gW[s]
-        self.VW[s, :, :, 0] = d.view(u, F, G, C).permute(0, 2, 3, 1)
-        dt = d.transpose(1, 2).contiguous().to(self.dt)
+        dc = d.view(u, F, G, C).permute(0, 2, 3, 1)  # [u, G, C, F]
+        self.VW[s, :, :, 0] = dc
+        # the image of each head's first C - 1 columns (one product); the last column is minus
+        # the sum of the others and of 2 l2 W (the gradient's columns of X^T (P - Y) sum to
+        # zero): its image is minus theirs and 2 l2 sum_c X W_c, the logits less the biases
+        dt = dc[:, :, : C - 1].reshape(u, G * (C - 1), F).to(self.dt)
         if self.dt == torch.float32:  # (X d)^T, into the workspace
-            img = torch.bmm(dt, self._X(s).transpose(1, 2), out=self.R[s].view(u, G * C, n))
+            out = self.R[s].view(-1)[: u * G * (C - 1) * n].view(u, G * (C - 1), n)
+            img = torch.bmm(dt, self._X(s).transpose(1, 2), out=out)
         else:
             img = torch.bmm(dt, self._X(s).transpose(1, 2)).float()
-        self.A[s, :, :, 1] = img.view(u, G, C, n)
+        img = img.view(u, G, C - 1, n)
+        A1 = self.A[s, :, :, 1]  # [u, G, C, n]
+        A1[:, :, : C - 1] = img
+        xw = self.Z[s].sum(2).sub_(self.b[s].view(u, G, C).sum(2, keepdim=True))  # sum_c X W_c [u, G, n]
+        last = torch.sum(img, 2, out=A1[:, :, C - 1])
+        last.add_(xw.mul_(self.l2.view(1, G, 1) * 2.0)).neg_()
 
     # --- the small problem ------------------------------------------------------------------
     def step(self, s: slice) -> torch.Tensor:
@@ -296,19 +337,24 @@ class _Block:
         T = self.T[s].view(B, C, n)  # the trial logits
         L = self.M[s].view(-1)[: B * C * n].view(B, C, n)  # their log-softmax (after the system)
 
-        def trial(theta):  # from the images, never as a difference of logits
-            torch.bmm(theta[:, :, 1:].float().reshape(B * C, 1, J), A[:, :, 1:].reshape(B * C, J, n), out=S)
-            return torch.add(Z0, S.view(B, C, n), out=T).add_(theta[:, :, :1].float())
-
-        def value(Za, al):
-            logp = torch.ops.aten._log_softmax.out(Za, 1, False, out=L)
-            ce = -logp.gather(1, yb)[:, 0].double().sum(1) / n
-            quad = ww + 2 * (wv * al).sum((1, 2)) + (al[..., None, :] @ gram @ al[..., :, None]).sum((1, 2, 3))
-            return ce + l2 * quad
+        def value(theta, a, z):  # rows a:z of the trial logits (into T) and their objective
+            # the logits from the images, never as a difference of logits
+            th, Sr = theta[a:z], S[a * C : z * C]
+            torch.bmm(th[:, :, 1:].float().reshape(-1, 1, J), A[a:z, :, 1:].reshape(-1, J, n), out=Sr)
+            Za = torch.add(Z0[a:z], Sr.view(-1, C, n), out=T[a:z]).add_(th[:, :, :1].float())
+            logp = torch.ops.aten._log_softmax.out(Za, 1, False, out=L[a:z])
+            ce = -logp.gather(1, yb[a:z])[:, 0].double().sum(1) / n
+            al, gr = th[:, :, 1:], gram[a:z]
+            quad = ww[a:z] + 2 * (wv[a:z] * al).sum((1, 2)) + (al[..., None, :] @ gr @ al[..., :, None]).sum((1, 2, 3))
+            return ce + l2[a:z] * quad
 
         grad = torch.cat([self.gb[s].view(B, C, 1).double(), -gram[:, :, 0]], 2)  # [B, C, K]
-        # at theta = 0: the gradient's softmax
-        H = newton_system(self.P[s].view(B, C, n), A, gram, l2, work=self.M[s].view(B, C, K, n))
+        # at theta = 0: the gradient's softmax; the curvature from a part of the rows (a sample:
+        # see hessian_rows), the gradient from all
+        r = hessian_rows(n, self.count)
+        h = r.stop - r.start
+        work = self.M[s].view(-1)[: B * C * K * h].view(B, C, K, h)
+        H = newton_system(self.P[s].view(B, C, n)[..., r], A[..., r], gram, l2, work=work)
         grad = grad.view(B, C * K) * keep
         H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
         diag = H.diagonal(dim1=1, dim2=2).abs()
@@ -329,19 +375,25 @@ class _Block:
         d = d.view(B, C, K)
         phi = self.phi[s].reshape(B)  # at theta = 0: the gradient's evaluation
         t = (gd < 0).double()
+        val = torch.empty(B, dtype=torch.float64)
+        todo = torch.ones(B, dtype=torch.bool)  # the rows whose step changed (all, then the failed)
         for _k in range(MAX_BACKTRACKS):  # Armijo backtracking along the Newton direction
             theta = t[:, None, None] * d
-            Za = trial(theta)
-            ok = (value(Za, theta[:, :, 1:]) <= phi + ARMIJO * t * gd) | (t == 0)
+            for a, z in _runs(todo):
+                val[a:z] = value(theta, a, z)
+            ok = (val <= phi + ARMIJO * t * gd) | (t == 0)
             if bool(ok.all()):
                 break
             t = torch.where(ok, t, t * 0.5)
+            todo = ~ok
         # no decrease along a Newton direction: that head is at its precision floor, and stays put
         failed = ~ok & (gd < 0)
         if bool(failed.any()):
             theta = torch.where(failed[:, None, None], torch.zeros((), dtype=torch.float64), theta)
             S.view(B, C, n)[failed] = 0.0
-            Za[failed] = Z0[failed]
+            T[failed] = Z0[failed]
+            L[failed] = torch.log_softmax(Z0[failed], 1)
+        self.logp_of = (s.start, s.stop)  # L: the new logits' log-softmax, for the gradient
         # move, and the step (its weight part) becomes the newest memory direction
         al = theta[:, :, 1:].float()  # [B, C, J]
         sW = (al[:, :, None, :] @ VW)[:, :, 0]  # [B, C, F]
@@ -350,7 +402,7 @@ class _Block:
         if s.start == 0 and s.stop == self.u:  # the trial logits become the logits: no copy
             self.Z, self.T = self.T, self.Z
         else:
-            self.Z[s] = Za.view(u, G, C, n)
+            self.Z[s] = T.view(u, G, C, n)
         # a head whose gradient already passes gtol may sit at float32's precision floor (no
         # decrease to be found): only a failure of a head still above it counts
         ok = ~(failed.view(u, G) & (self.g_head[s] > self.gtol)).any(1)
@@ -382,6 +434,7 @@ class _Block:
                 moved[s] = self.step(s)
                 self.gradient(s)
             passes += 1
+            self.count += 1
             if on_pass is not None:
                 on_pass()
             # the stopping rule reads the largest gradient entry only: the per-head maxima stand in

@@ -66,7 +66,8 @@ def test_resident_features_are_feature_major_and_subsets_keep_it():
     assert torch.equal(X, ref)
     idx = np.array([4, 0, 17, 33])
     sub = f.subset(idx)
-    assert sub.resident.stride(1) == 1 and torch.equal(sub.resident, ref[:, np.argsort(f.order)[idx]])
+    assert sorted(sub.order) == [0, 1, 2, 3]  # rows shuffled (hessian_rows samples a contiguous part)
+    assert sub.resident.stride(1) == 1 and torch.equal(sub.resident, ref[:, np.argsort(f.order)[idx[sub.order]]])
     two = f.with_sites([0, 2])
     assert two.resident.stride(1) == 1 and torch.equal(two.resident, ref[[0, 2]])
 
@@ -701,3 +702,43 @@ def test_subspace_newton_system_is_the_exact_hessian():
         assert torch.allclose(H[b], ref, atol=1e-5), (H[b] - ref).abs().max()
     work = torch.full((B, C, 1 + J, n), float("nan"))  # the caller's workspace: overwritten, same system
     assert torch.equal(newton_system(torch.softmax(Z0, 1), A, VW @ VW.transpose(2, 3), l2, work=work), H)
+
+
+def test_subspace_gradient_and_direction_image_with_one_product_column_less():
+    """The solver's products skip each head's last class (its column is minus the sum of the
+    others'): the gradient still equals autograd's, and the new direction's logit image equals
+    ``X d``, with two heads of different penalties and weights that do not sum to zero."""
+    import torch.nn.functional as F
+
+    from depthscope.probes.subspace import _Block
+
+    g = torch.Generator().manual_seed(0)
+    u, n, D, G, C = 2, 40, 6, 2, 5
+    X = torch.randn(u, D, n, generator=g).transpose(1, 2)  # feature-major, as resident features
+    y = torch.randint(0, C, (n, G), generator=g)
+    W, b = torch.randn(u, D, G * C, generator=g), torch.randn(u, 1, G * C, generator=g)
+    l2 = torch.tensor([0.01, 0.3])
+    blk = _Block(X, y, W.clone(), b.clone(), l2, C, 2, 1e-4)
+    blk.gradient(slice(0, u))
+    blk.direction(slice(0, u))
+    Wd = W.double().requires_grad_(True)
+    Z = (X.double() @ Wd + b.double()).view(u, n, G, C)
+    f = sum(F.cross_entropy(Z[k, :, h], y[:, h]) for k in range(u) for h in range(G))
+    f = f + (l2.double().repeat_interleave(C) * Wd.pow(2).sum(1)).sum()
+    (gref,) = torch.autograd.grad(f, Wd)
+    assert torch.allclose(blk.gW.double(), gref, atol=1e-5), (blk.gW - gref).abs().max()
+    img = (X.double() @ -blk.gW.double()).view(u, n, G, C).permute(0, 2, 3, 1)  # [u, G, C, n]
+    assert torch.allclose(blk.A[:, :, :, 1].double(), img, atol=1e-4), (blk.A[:, :, :, 1] - img).abs().max()
+
+
+def test_hessian_rows_cycle_through_equal_parts():
+    """The Newton system's rows: all of them below ``2 HESSIAN_ROWS``; above, contiguous parts
+    that cover every row once per cycle (the last one takes the remainder)."""
+    from depthscope.probes.subspace import HESSIAN_ROWS, hessian_rows
+
+    assert hessian_rows(2 * HESSIAN_ROWS - 1, 5) == slice(0, 2 * HESSIAN_ROWS - 1)
+    n = 3 * HESSIAN_ROWS + 7
+    parts = [hessian_rows(n, c) for c in range(3)]
+    assert [p.stop - p.start for p in parts] == [n // 3, n // 3, n - 2 * (n // 3)]
+    assert parts[0].start == 0 and parts[2].stop == n and all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert hessian_rows(n, 3) == parts[0]
