@@ -6,6 +6,7 @@
                                                a :class:`~depthscope.probes.solvers.Solved`
 ``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
 ``newton_system(P, A, gram, l2)``              the per-class subspace's Hessian (the Newton step's)
+``hessian_rows(n, count)``                     the rows pass ``count`` forms that Hessian from
 =============================================  ====================================================
 
 The objective of a linear probe (per unit and head ``g``: mean cross-entropy of the logits
@@ -17,6 +18,11 @@ known. Each iteration (one *pass*) therefore does two products and nothing else 
 1. the gradient ``X^T (softmax(Z) - Y) / n + 2 l2 W`` (also the stopping test);
 2. the logit image ``X d`` of the new direction ``d = -gradient``;
 
+both over ``C - 1`` columns per head: a row of ``softmax(Z) - Y`` sums to zero, so the last
+class's column of ``X^T (softmax(Z) - Y)`` is minus the sum of the others', and the image of
+the last column of ``d`` is minus the others' images and ``2 l2 sum_c X W_c`` (the logits less
+the biases). At 17 classes a product with 16 columns costs 9% less;
+
 then takes one damped Newton step, with Armijo backtracking, on the objective restricted to a
 subspace *per class*: class ``c``'s column of the weights moves along the ``c`` columns of the
 new direction and of the last ``memory`` steps, each with its own coefficient, and its bias
@@ -25,7 +31,11 @@ nothing). A column's logit image is one row of its direction's image, so the sub
 ``C (2 + memory)`` coordinates and still needs no product:
 ``Z_c(theta) = Z_c + beta_c + sum_j alpha_jc (X V_j)_c``. Its Newton system (the softmax's
 curvature along the coordinates' images, coupled across classes) costs ``O(n (C K)^2)`` for
-``K = 2 + memory``, a small fraction of a product at ``memory = 2``. This is the sequential
+``K = 2 + memory``, a small fraction of a product at ``memory = 2``; above ``2 HESSIAN_ROWS``
+examples it is formed from a contiguous part of the rows, a different part each pass (a
+subsampled Newton step, as in Byrd et al. 2011: the gradient and the line search use every row,
+so a sample only changes the step's quality; the rows must be in random order to be a sample,
+as depthscope's resident features are). This is the sequential
 subspace optimisation of Narkiss and Zibulevsky (2005) with the subspace split by class: one
 coefficient per direction (the previous version of this solver) ignores that the classes'
 curvatures differ by orders of magnitude (a rare class's softmax is flat where a frequent one's
@@ -38,7 +48,9 @@ those features in an ad-hoc check: the penalty dominates the Hessian in most dir
 
 Numerics: the logits are carried along in float32 and updated from the directions' images
 (never as a difference of logits, which would lose a small step's digits), recomputed from the
-weights every ``REFRESH`` passes; nearly dependent columns (``MIN_CORR_EIG``) drop that class's
+weights every ``REFRESH`` passes (the last class's image reads them, so it shares their drift
+until then); the line search re-evaluates only the units whose trial failed, and the accepted
+trial's log-softmax is the next gradient's; nearly dependent columns (``MIN_CORR_EIG``) drop that class's
 memory for that step. A class absent from the labels (its bias' optimum is ``-inf``) descends until its
 mean probability is ``ABSENT_TOL * gtol`` and stays there, so how far a solver goes does not set
 the code length MDL gives such a label. A head whose gradient already passes ``gtol`` may find no
