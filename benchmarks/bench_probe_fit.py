@@ -53,9 +53,10 @@ def load(quick: bool):
     S = tr.n_sites
     sites = np.linspace(0, S - 1, 8).round().astype(int) if quick else np.arange(S)
     keep = np.random.default_rng(0).permutation(len(ytr))[:3000] if quick else np.arange(len(ytr))
-    Xtr = _rows(tr.resident, sites, keep)  # rows in the resident (shuffled) order, as depthscope fits them
+    rows = np.sort(np.argsort(tr.order)[keep])  # those examples' rows, in the resident (shuffled) order
+    Xtr = _rows(tr.resident, sites, rows)
     Xte = _rows(te.resident, sites, np.arange(len(yte)))
-    return Xtr, ytr[tr.order[keep]], Xte, yte[te.order], td.n_classes
+    return Xtr, ytr[tr.order[rows]], Xte, yte[te.order], td.n_classes
 
 
 def _rows(X, sites, rows):

@@ -89,6 +89,9 @@ REFRESH = 20
 #: shuffled words, halves: 2% more passes, a tenth less time; at 3000 words halves or thirds
 #: cost more passes than they save)
 HESSIAN_ROWS = 4000
+#: a backtracking step re-evaluates the failed units if they form at most this many contiguous
+#: runs, else all units (the same values for those that passed)
+MAX_RUNS = 4
 #: the past steps kept in the subspace (1: 22.3 passes per site on the benchmark's features,
 #: 2: 20.3, 3: 19.1; the Newton system grows as ``(2 + MEMORY)^2``, and 2 was the fastest)
 MEMORY = 2
@@ -391,7 +394,8 @@ class _Block:
         todo = torch.ones(B, dtype=torch.bool)  # the rows whose step changed (all, then the failed)
         for _k in range(MAX_BACKTRACKS):  # Armijo backtracking along the Newton direction
             theta = t[:, None, None] * d
-            for a, z in _runs(todo):
+            runs = _runs(todo)  # few runs of failed rows, else all rows (small calls cost more)
+            for a, z in runs if len(runs) <= MAX_RUNS else [(0, B)]:
                 val[a:z] = value(theta, a, z)
             ok = (val <= phi + ARMIJO * t * gd) | (t == 0)
             if bool(ok.all()):
