@@ -92,6 +92,9 @@ HESSIAN_ROWS = 4000
 #: a backtracking step re-evaluates the failed units if they form at most this many contiguous
 #: runs, else all units (the same values for those that passed)
 MAX_RUNS = 4
+#: the products skip each head's last class above this many features x examples (on tiny
+#: problems the extra small operations cost more than the column saves)
+SKIP_LAST_MIN = 2**20
 #: the past steps kept in the subspace (1: 22.3 passes per site on the benchmark's features,
 #: 2: 20.3, 3: 19.1; the Newton system grows as ``(2 + MEMORY)^2``, and 2 was the fastest)
 MEMORY = 2
@@ -221,6 +224,8 @@ class _Block:
         self.VW = torch.zeros(u, G, C, J + 1, F)
         self.A = torch.zeros(u, G, C, K, n)
         self.A[:, :, :, 0] = 1.0
+        # the products' columns per head: C - 1 where a product is large enough to gain from it
+        self.k = C - 1 if n * F >= SKIP_LAST_MIN and C > 1 else C
         self.logp_of = None  # the units whose logits' log-softmax the workspace M holds (step)
         self.count = 0  # passes made (the Newton system's rows: hessian_rows)
         self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
@@ -264,14 +269,17 @@ class _Block:
         # the product over each head's first C - 1 classes only: a row of P - Y sums to zero, so
         # the last class's column of X^T (P - Y) is minus the sum of the others' (one column less
         # is a tenth of a product at 17 classes)
-        Rk = R[:, :, : C - 1]
-        if G > 1:  # the heads' rows are not one matrix: copied into the trial buffer (free here)
-            Rk = self.T[s].view(-1)[: u * G * (C - 1) * n].view(u, G, C - 1, n).copy_(Rk)
-        gk = torch.bmm(Rk.reshape(u, G * (C - 1), n).to(self.dt), self._X(s)).float()  # (R^T X)^T: faster
-        gt = torch.empty(u, G, C, F)
-        gt[:, :, : C - 1] = gk.view(u, G, C - 1, F)
-        torch.sum(gk.view(u, G, C - 1, F), 2, out=gt[:, :, C - 1]).neg_()
-        gW = gt.view(u, G * C, F).transpose(1, 2)
+        k = self.k
+        Rk = R[:, :, :k]
+        if G > 1 and k < C:  # the heads' rows are not one matrix: copied into the trial buffer (free here)
+            Rk = self.T[s].view(-1)[: u * G * k * n].view(u, G, k, n).copy_(Rk)
+        gk = torch.bmm(Rk.reshape(u, G * k, n).to(self.dt), self._X(s)).float()  # (R^T X)^T: faster
+        if k < C:
+            gt = torch.empty(u, G, C, F)
+            gt[:, :, :k] = gk.view(u, G, k, F)
+            torch.sum(gk.view(u, G, k, F), 2, out=gt[:, :, k]).neg_()
+            gk = gt
+        gW = gk.view(u, G * C, F).transpose(1, 2)
         self.gW[s] = gW = gW.addcmul(W, self.l2col, value=2.0)
         self.gb[s] = gb = R.view(u, G * C, n).sum(-1)
         self.g_head[s] = torch.maximum(gW.abs().view(u, -1, G, C).amax((1, 3)), gb.abs().view(u, G, C).amax(2))
@@ -293,15 +301,18 @@ class _Block:
         # the image of each head's first C - 1 columns (one product); the last column is minus
         # the sum of the others and of 2 l2 W (the gradient's columns of X^T (P - Y) sum to
         # zero): its image is minus theirs and 2 l2 sum_c X W_c, the logits less the biases
-        dt = dc[:, :, : C - 1].reshape(u, G * (C - 1), F).to(self.dt)
+        k = self.k
+        dt = dc[:, :, :k].reshape(u, G * k, F).to(self.dt)
         if self.dt == torch.float32:  # (X d)^T, into the workspace
-            out = self.R[s].view(-1)[: u * G * (C - 1) * n].view(u, G * (C - 1), n)
+            out = self.R[s].view(-1)[: u * G * k * n].view(u, G * k, n)
             img = torch.bmm(dt, self._X(s).transpose(1, 2), out=out)
         else:
             img = torch.bmm(dt, self._X(s).transpose(1, 2)).float()
-        img = img.view(u, G, C - 1, n)
+        img = img.view(u, G, k, n)
         A1 = self.A[s, :, :, 1]  # [u, G, C, n]
-        A1[:, :, : C - 1] = img
+        A1[:, :, :k] = img
+        if k == C:
+            return
         xw = self.Z[s].sum(2).sub_(self.b[s].view(u, G, C).sum(2, keepdim=True))  # sum_c X W_c [u, G, n]
         last = torch.sum(img, 2, out=A1[:, :, C - 1])
         last.add_(xw.mul_(self.l2.view(1, G, 1) * 2.0)).neg_()

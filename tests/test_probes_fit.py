@@ -704,13 +704,18 @@ def test_subspace_newton_system_is_the_exact_hessian():
     assert torch.equal(newton_system(torch.softmax(Z0, 1), A, VW @ VW.transpose(2, 3), l2, work=work), H)
 
 
-def test_subspace_gradient_and_direction_image_with_one_product_column_less():
+@pytest.mark.parametrize("skip", [True, False])
+def test_subspace_gradient_and_direction_image_with_one_product_column_less(skip, monkeypatch):
     """The solver's products skip each head's last class (its column is minus the sum of the
-    others'): the gradient still equals autograd's, and the new direction's logit image equals
-    ``X d``, with two heads of different penalties and weights that do not sum to zero."""
+    others') on large problems: the gradient equals autograd's either way, and the new
+    direction's logit image equals ``X d``, with two heads of different penalties and weights
+    that do not sum to zero."""
     import torch.nn.functional as F
 
+    from depthscope.probes import subspace
     from depthscope.probes.subspace import _Block
+
+    monkeypatch.setattr(subspace, "SKIP_LAST_MIN", 0 if skip else 10**9)
 
     g = torch.Generator().manual_seed(0)
     u, n, D, G, C = 2, 40, 6, 2, 5
@@ -719,6 +724,7 @@ def test_subspace_gradient_and_direction_image_with_one_product_column_less():
     W, b = torch.randn(u, D, G * C, generator=g), torch.randn(u, 1, G * C, generator=g)
     l2 = torch.tensor([0.01, 0.3])
     blk = _Block(X, y, W.clone(), b.clone(), l2, C, 2, 1e-4)
+    assert blk.k == (C - 1 if skip else C)
     blk.gradient(slice(0, u))
     blk.direction(slice(0, u))
     Wd = W.double().requires_grad_(True)
