@@ -86,7 +86,7 @@ MIN_CORR_EIG = 1e-4
 REFRESH = 20
 #: the Newton system is formed from this many rows at least: from ``n // HESSIAN_ROWS`` equal
 #: contiguous parts of the rows, a different one each pass (on the benchmark's 61 sites x 8024
-#: shuffled words, halves: 2% more passes, a tenth less time; at 3000 words halves or thirds
+#: shuffled words, halves: 1.3% more passes, a tenth less time; at 3000 words halves or thirds
 #: cost more passes than they save)
 HESSIAN_ROWS = 4000
 #: a backtracking step re-evaluates the failed units if they form at most this many contiguous
@@ -313,7 +313,8 @@ class _Block:
         A1[:, :, :k] = img
         if k == C:
             return
-        xw = self.Z[s].sum(2).sub_(self.b[s].view(u, G, C).sum(2, keepdim=True))  # sum_c X W_c [u, G, n]
+        # sum_c X W_c [u, G, n], into the trial step's buffer (free here: the step's image is in A)
+        xw = torch.sum(self.Z[s], 2, out=self.S[s][:, :, 0]).sub_(self.b[s].view(u, G, C).sum(2, keepdim=True))
         last = torch.sum(img, 2, out=A1[:, :, C - 1])
         last.add_(xw.mul_(self.l2.view(1, G, 1) * 2.0)).neg_()
 
