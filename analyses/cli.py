@@ -27,6 +27,27 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool):
+    """``--version``: the installed distribution's version, then exit."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"depthscope {version('depthscope')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("depthscope (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the installed version and exit."
+    ),
+) -> None:
+    """Which depth of a transformer encodes which property, and how the residual stream gets there."""
+
+
 def _finite(value):
     """Option callback: a float option is a finite number (``nan`` and ``inf`` parse as floats)."""
     if isinstance(value, float) and not math.isfinite(value):
