@@ -119,7 +119,9 @@ class ProbeConfig:
     ``docs/tenney_comparison.md``, Stability);
     ``mdl``: online codelengths
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
-    feature products compute in (``auto``: see :func:`~depthscope.probes.cpu.resolve_precision`).
+    resident features and their products are stored and computed in: ``float32`` (the default,
+    on every machine, so results never depend on the CPU), ``bfloat16``, or ``auto`` (bfloat16
+    where the CPU multiplies it natively: :func:`~depthscope.probes.cpu.resolve_precision`).
     """
 
     probe: str = "linear"
@@ -140,7 +142,7 @@ class ProbeConfig:
     stack_l2: float = 1e-2
     mdl: bool = False
     seed: int = 0
-    precision: str = "auto"
+    precision: str = "float32"
 
     def validate(self) -> ProbeConfig:
         _choice("probe", self.probe, PROBES)

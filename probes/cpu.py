@@ -1,4 +1,4 @@
-"""How probes use this CPU: the precision rule (decided from CPU flags, never by timing) and threads.
+"""How probes use this CPU: the opt-in precision rule (decided from CPU flags, never by timing) and threads.
 
 =========================  ====================================================================
 ``resolve_precision(p)``   ``"float32"`` / ``"bfloat16"`` -> that dtype; ``"auto"`` -> the rule
@@ -8,7 +8,9 @@
 ``step_work(probe, ...)``  the multiply-adds of one minibatch step (what ``threads_for`` reads)
 =========================  ====================================================================
 
-The rule for ``precision="auto"``:
+Probes store and multiply features in float32 by default (``ProbeConfig.precision``), on every
+machine, so the same data give the same numbers whatever the CPU. ``precision="auto"`` opts in
+to bfloat16 where it is fast, by this rule:
 
 1. ``DEPTHSCOPE_PROBE_DTYPE`` (``float32`` or ``bfloat16``) when set;
 2. else ``bfloat16`` when the CPU multiplies bf16 natively: ``/proc/cpuinfo`` lists
@@ -17,8 +19,8 @@ The rule for ``precision="auto"``:
    at equal accuracy (benchmarks/bench_probes.py);
 3. else ``float32``: on anything uncertain (no ``/proc/cpuinfo``, other flags, AVX2 only).
 
-The same machine therefore always computes in the same precision (a timing race, used before,
-picked different ones minutes apart), and the summary records it (``precision``). Only the
+The rule reads CPU flags, never a timing, so one machine always resolves ``auto`` the same way,
+and the summary records the precision used (``precision``). Only the
 feature matrices and their products are bf16; standardisation happens in float32 first and
 parameters, optimiser state, logits and losses stay float32.
 """

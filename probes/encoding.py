@@ -84,7 +84,7 @@ def _encode_labels(data: dict, classes: list) -> dict:
 
 def encode_task(task, ex_by_split, ext_by_split, *, seed: int = 0, resident_bytes: float = 4e9, dtype=None) -> TaskData:
     """Covered examples, encoded labels, control labels and features of one task (``dtype``:
-    the resident features' precision, None: the CPU rule)."""
+    the resident features' precision, None: float32)."""
     data, skipped = _covered(task, ex_by_split, ext_by_split)
     classes = sorted(set(data["train"][0].labels.tolist()))
     if len(classes) < 2:

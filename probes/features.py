@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .activations import SpanStore
-from .cpu import compute_dtype, threads_for
+from .cpu import threads_for
 
 
 @dataclass
@@ -110,14 +110,14 @@ class Features:
     def make_resident(self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int | None = None, dtype=None) -> bool:
         """Standardised features in memory, site-major; False if they do not fit (or attn).
 
-        ``dtype`` None picks :func:`~depthscope.probes.cpu.compute_dtype` (the CPU-flag rule),
-        then a 2-byte type if float32 does not fit in ``max_bytes``. Standardisation is done in
+        ``dtype`` None means float32 (callers pass ``ProbeConfig.precision`` resolved), then a
+        2-byte type if float32 does not fit in ``max_bytes`` (recorded as the summary's ``precision``). Standardisation is done in
         float32 before any rounding."""
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
         need = N * S * F_
-        dt = compute_dtype() if dtype is None else dtype
+        dt = torch.float32 if dtype is None else dtype
         if need * dt.itemsize > max_bytes:
             dt = torch.bfloat16 if dt == torch.float32 else dt
         if need * dt.itemsize > max_bytes:

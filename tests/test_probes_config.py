@@ -132,8 +132,6 @@ def test_overrides_apply_by_field_and_unknown_names_are_rejected():
 
 
 def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_path):
-    from depthscope.probes import resolve_precision
-
     m = tiny_factory("llama", n_layers=1, d_model=32)
     res = run_probes(
         m,
@@ -144,7 +142,7 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
         extraction=ExtractionConfig(store_dir=str(tmp_path)),
         progress=False,
     )
-    want = str(resolve_precision("auto")).replace("torch.", "")
+    want = "float32"  # the default on every machine, whatever the CPU's flags
     assert (res.summary["precision"] == want).all() and res.info["precision"] == want
     assert res.summary["expected_layer_delta"].isna().all()  # cumulative=False was honoured
     res_bf = run_probes(
@@ -178,3 +176,29 @@ def test_probes_never_import_analyses():
     from depthscope.probes import ProbeResults
 
     assert not hasattr(ProbeResults, "write")  # writing tables and figures is the job's
+
+
+def test_default_precision_does_not_depend_on_the_cpu(tiny_factory, tmp_path, monkeypatch):
+    """On a CPU that reports native bf16 (faked here), the default config still stores and fits
+    features in float32 and gives the same numbers as on any other machine; only an explicit
+    ``precision="auto"`` follows the CPU rule."""
+    import torch
+
+    from depthscope.probes import cpu
+
+    m = tiny_factory("llama", n_layers=1, d_model=32)
+    cfg = ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False, control=False)
+
+    def run(config):
+        return run_probes(m, "upos", EWT_TRAIN, EWT_TEST, config=config, store_dir=str(tmp_path), progress=False)
+
+    monkeypatch.delenv(cpu.ENV, raising=False)
+    plain = run(cfg).by_site
+    monkeypatch.setattr(cpu, "precision_rule", lambda *a, **k: (torch.bfloat16, "faked native bf16"))
+    faked = run(cfg)
+    assert (faked.summary["precision"] == "float32").all()
+    pd_cols = ["site", "accuracy"]
+    assert faked.by_site[pd_cols].equals(plain[pd_cols])
+    assert run(ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False, control=False, precision="auto")).summary[
+        "precision"
+    ].iloc[0] == "bfloat16"

@@ -195,8 +195,8 @@ def register(app: typer.Typer) -> None:
         precision: str = typer.Option(
             _P.precision,
             "--precision",
-            help="Feature precision: auto (bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu), "
-            "float32 or bfloat16.",
+            help="Feature precision: float32 (the default on every machine), bfloat16, or auto "
+            "(bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu).",
         ),
         mdl: bool = typer.Option(
             _P.mdl, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."
