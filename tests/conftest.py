@@ -24,6 +24,32 @@ import matplotlib
 matplotlib.use("Agg")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def _isolate_cache() -> None:
+    """The test session's own depthscope cache (activation stores, locks), so tests never meet
+    the stores or locks of a ``make report`` or another test run on the same machine. Only the
+    converted default model (``models/``, digest-checked and written atomically) is shared with
+    the user's cache, so the 135M model is not dequantised again for every session."""
+    import tempfile
+
+    from depthscope.hooks.loading import cache_dir
+
+    user = cache_dir()
+    own = tempfile.mkdtemp(prefix="depthscope-test-cache-")
+    (user / "models").mkdir(parents=True, exist_ok=True)
+    os.symlink(user / "models", os.path.join(own, "models"))
+    os.environ["DEPTHSCOPE_CACHE"] = own
+
+
+_isolate_cache()
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path, monkeypatch):
+    """Every test runs in its own empty working directory: default output folders
+    (``depthscope-out``, ``depthscope-report``) and relative paths never land in the checkout."""
+    monkeypatch.chdir(tmp_path)
 REAL_MODEL_FIXTURES = {"default_model", "tokenizer"}
 
 
