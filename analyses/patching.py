@@ -50,6 +50,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.hooks.arch import cache_keyword, returned_cache
 from depthscope.hooks.errors import InputError
 from depthscope.hooks.sites import SITE_COLUMNS, parse_site, site_frame
 
@@ -376,7 +377,7 @@ def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int):
     if start <= 0 or not model.is_decoder:
         return None
     out = model.hf_model(input_ids=ids[:, :start], use_cache=True)
-    past = getattr(out, "past_key_values", None)
+    past = returned_cache(out)
     if past is None or not hasattr(past, "batch_repeat_interleave"):
         return None
     past.batch_repeat_interleave(n_rows)
@@ -396,7 +397,10 @@ def _patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict],
     mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
     with Attached(model, [], normalise_hooks(make_hooks(start), model.n_layers)):
         out = model.hf_model(
-            input_ids=ids[:, start:].expand(n_rows, -1), past_key_values=past, attention_mask=mask, use_cache=True
+            input_ids=ids[:, start:].expand(n_rows, -1),
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_keyword(model.hf_model): past},
         )
     return out.logits
 

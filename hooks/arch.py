@@ -32,6 +32,7 @@ from ``ArchSpec.o_proj``, and the value vectors from one of the ``VALUE_LAYOUTS`
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -417,3 +418,22 @@ def value_hook(arch: ResolvedArch, layer: int, store: dict, name: str = "model")
         store[layer] = read(out, H, n_kv)
 
     return module.register_forward_hook(hook)
+
+
+def cache_keyword(hf_model: nn.Module) -> str:
+    """The forward keyword that takes a key/value cache: ``cache`` in recent transformers
+    (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    try:
+        params = inspect.signature(hf_model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: the long-standing name
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output):
+    """The key/value cache a forward returned (``output.cache`` or, before, ``past_key_values``), or None."""
+    for name in ("cache", "past_key_values"):
+        value = output.get(name) if hasattr(output, "get") else getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
