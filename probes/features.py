@@ -111,8 +111,8 @@ class Features:
         """Standardised features in memory, site-major; False if they do not fit (or attn).
 
         ``dtype`` None means float32 (callers pass ``ProbeConfig.precision`` resolved), then a
-        2-byte type if float32 does not fit in ``max_bytes`` (recorded as the summary's ``precision``). Standardisation is done in
-        float32 before any rounding."""
+        2-byte type if float32 does not fit in ``max_bytes`` (recorded as the summary's
+        ``precision``). Standardisation is done in float32 before any rounding."""
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
