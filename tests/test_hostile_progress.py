@@ -1,5 +1,6 @@
-"""Class 4 of issue 15: long work shows progress (a bar with an ETA on a terminal, nothing in logs
-or CI) and inputs large in one dimension are handled in linear time or refused with a stated bound."""
+"""Class 4 of issue 15: long work shows progress (a bar with an ETA on a terminal, plain lines in logs
+and CI: tests/test_progress_log.py, nothing with DEPTHSCOPE_PROGRESS=0) and inputs large in one
+dimension are handled in linear time or refused with a stated bound."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_bars_only_on_a_terminal(monkeypatch, env, tty, shown):
 LONG = " ".join(["The capital of France is Paris. The cat sat on the mat."] * 150)  # one long line
 
 
-def test_lens_shows_a_bar_with_eta_on_a_terminal_and_nothing_in_logs(tiny_factory, tmp_path, monkeypatch, capfd):
+def test_lens_shows_a_bar_with_eta_on_a_terminal_and_nothing_when_off(tiny_factory, tmp_path, monkeypatch, capfd):
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.lens import LensConfig, lens_job
 

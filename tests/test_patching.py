@@ -4,6 +4,7 @@ fixed points, attribution against exact patching on IOI, the metric helpers, the
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -579,18 +580,83 @@ def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
     )
     assert code == 0, se
     for name in (
-        "patching.parquet",
-        "patching.csv",
+        "patching_by_site.parquet",
+        "patching_by_site.csv",
+        "patching_by_head.parquet",
+        "patching_by_head.csv",
         "patching_sites.png",
         "patching_heads.png",
         "patching_attribution.png",
     ):
         assert (out / name).is_file() and f"wrote {out / name}" in so, name
-    df = pd.read_parquet(out / "patching.parquet")
-    assert list(df.columns) == PATCH_COLUMNS and set(df["method"]) == {"activation", "attribution"}
-    assert len(df) == 2 * (7 + 3 * 4) * 14
-    assert pd.read_csv(out / "patching.csv")["metric"].to_numpy() == pytest.approx(df["metric"].to_numpy())
+    sites = pd.read_parquet(out / "patching_by_site.parquet")
+    heads = pd.read_parquet(out / "patching_by_head.parquet")
+    for df in (sites, heads):
+        assert list(df.columns) == PATCH_COLUMNS and set(df["method"]) == {"activation", "attribution"}
+    assert len(sites) == 2 * 7 * 14 and sites["head"].isna().all()
+    assert len(heads) == 2 * 3 * 4 * 14 and heads["head"].notna().all()
+    assert pd.read_csv(out / "patching_by_site.csv")["metric"].to_numpy() == pytest.approx(sites["metric"].to_numpy())
     assert "Traceback" not in se and "Spearman" in so
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_fast(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama folder with the tiny tokenizer (no real model needed)."""
+    from conftest import make_tiny
+
+    d = tmp_path_factory.mktemp("tiny_llama_patch_fast")
+    make_tiny("llama", vocab_size=len(tiny_tokenizer)).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def test_cli_default_writes_the_site_and_head_tables_and_heatmaps(
+    tiny_dir_fast, tiny_tokenizer, tmp_path, monkeypatch, capsys
+):
+    """The README's command (no --sites, no --positions): every residual site at each position
+    and every head at the last position, two tables and two heatmaps, each file announced."""
+    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
+    out = tmp_path / "ioi"
+    args = ["patch", "--clean", CLEAN, "--corrupted", CORRUPTED, "--target", " Mary", "--foil", " John"]
+    code, so, se = run_cli([*args, "--out", out, "--model", tiny_dir_fast, "--threads", "1"], monkeypatch, capsys)
+    assert code == 0, se
+    written = [ln[len("wrote ") :] for ln in so.splitlines() if ln.startswith("wrote ")]
+    files = {"patching_by_site.parquet", "patching_by_site.csv", "patching_sites.png"}
+    files |= {"patching_by_head.parquet", "patching_by_head.csv", "patching_heads.png", "patching_attribution.png"}
+    assert files <= {p.rsplit("/", 1)[-1] for p in written}
+    for p in written:
+        assert os.path.isfile(p), p
+    sites = pd.read_parquet(out / "patching_by_site.parquet")
+    heads = pd.read_parquet(out / "patching_by_head.parquet")
+    n_pos = len(tiny_tokenizer(CLEAN)["input_ids"])
+    assert sorted(sites["position"].unique()) == list(range(n_pos))
+    exact = sites[sites["method"] == "activation"]
+    assert len(exact) == 7 * n_pos and exact["head"].isna().all() and set(exact["kind"]) == {"resid"}
+    h = heads[heads["method"] == "activation"]
+    assert len(h) == 3 * 4 and (h["position"] == n_pos - 1).all() and set(h["kind"]) == {"heads"}
+    assert "Spearman" in so and "Traceback" not in se
+    # the help says what is written
+    from typer.testing import CliRunner
+
+    from depthscope.analyses.cli import app
+
+    help_text = CliRunner().invoke(app, ["patch", "--help"], env={"COLUMNS": "200"}).output
+    for name in ("patching_by_site", "patching_sites.png", "patching_by_head", "patching_heads.png"):
+        assert name in help_text
+
+
+def test_explicit_sites_and_prompts_of_different_lengths(tiny_llama):
+    """--sites keeps to the points named (no heads table); by default prompts of different token
+    lengths patch the residual sites at the last position, with a note."""
+    from depthscope.analyses.jobs import Output
+    from depthscope.analyses.jobs.patch import PatchConfig, patch_job
+
+    res = patch_job(tiny_llama, PatchConfig(sites="resid", plots=False), Output(None))
+    assert list(res.tables) == ["patching_by_site"] and res.summary["positions"] == {"sites": "last"}
+    res = patch_job(tiny_llama, PatchConfig(corrupted=LONGER, attribution=False, plots=False), Output(None))
+    assert res.summary["positions"] == {"sites": "last", "heads": "last"}
+    assert "same token length" in res.summary["notes"]
+    assert len(res.tables["patching_by_head"]) == 3 * 4
 
 
 def test_cli_rejects_bad_input_without_traceback(tiny_dir, tmp_path, monkeypatch, capsys):

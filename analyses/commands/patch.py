@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -30,20 +31,22 @@ def register(app: typer.Typer) -> None:
         foil: str = typer.Option(
             _D.foil or "",
             "--foil",
-            help="Contrast token: the metric is logit[target] - logit[foil] at the last token; '' for the "
-            "log-probability of the target.",
+            help="Contrast token: the metric is the target's logit minus the foil's at the last token; '' for "
+            "the log-probability of the target.",
         ),
-        positions: str = typer.Option(
+        positions: str | None = typer.Option(
             _D.positions,
             "--positions",
             help="Token positions to patch: last (the last token), all (every position at once) or each "
-            "(one patch per position; prompts of the same token length).",
+            "(one patch per position; prompts of the same token length). Default: each for the residual "
+            "sites (last when the prompts differ in token length) and last for the heads; last with --sites.",
         ),
         sites: str | None = typer.Option(
             _D.sites,
             "--sites",
             help="Comma-separated hook points or group words (e.g. 'embed,10.attn,23.heads' or "
-            "'resid,attn_out,mlp_out,heads,z'); default: every residual site.",
+            "'resid,attn_out,mlp_out,heads,z'). Default: every residual site and every attention head "
+            "('resid,heads'), as in the README's IOI example.",
         ),
         attribution: bool = typer.Option(
             _D.attribution,
@@ -69,12 +72,25 @@ def register(app: typer.Typer) -> None:
     ):
         """Which activations carry the difference between a clean and a corrupted prompt.
 
-        Copies the CLEAN run's activation at each hook point (and position) into the CORRUPTED
-        run, many patches per forward pass, and writes to OUT the table patching (Parquet + CSV;
-        one row per patch and method, with the fraction of the clean-vs-corrupted metric gap each
-        patch recovers) and the figures patching_sites.png (hook point x position),
-        patching_heads.png (layer x head, when per-head points are patched) and
-        patching_attribution.png (attribution vs exact).
+        Copies the CLEAN run's activation at each hook point (and position, and
+        head) into the CORRUPTED run, many patches per forward pass, and measures
+        the fraction of the clean-vs-corrupted metric gap each patch recovers.
+
+        By default it patches every residual site at each position and every
+        attention head at the last position (the README's IOI example), and
+        writes to OUT:
+
+          patching_by_site.parquet/.csv  residual sites x positions, both methods
+          patching_sites.png             heatmap: hook point x position
+          patching_by_head.parquet/.csv  layers x heads, both methods
+          patching_heads.png             heatmap: layer x head
+          patching_attribution.png       attribution estimate vs exact patching
+
+        With --sites, the points named are patched at --positions (default:
+        last): points patched whole (residual sites, attn_out, mlp_out) go to
+        patching_by_site, per-head points (heads, z) to patching_by_head; a table
+        and its heatmap are written when they have rows. --no-attribution leaves
+        out the estimate, --no-plots the figures.
         """
         from rich.console import Console
         from rich.table import Table
@@ -101,15 +117,18 @@ def register(app: typer.Typer) -> None:
         console.print(repr(m))
         result = patch_job(m, config, Output(out))
         s = result.summary
-        t = Table("quantity", "value", title=f"patching {m.name}: {s['metric']} ({s['positions']} positions)")
+        t = Table("quantity", "value", title=f"patching {m.name}: {s['metric']}")
         t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f}")
-        t.add_row("patches", str(s["n_patches"]))
-        for where, frac in s["top"]:
-            t.add_row(where, f"{frac:+.3f} recovered")
-        if s.get("spearman_attribution_vs_exact") is not None:
-            t.add_row("attribution vs exact (Spearman)", f"{s['spearman_attribution_vs_exact']:.3f}")
+        positions = ", ".join(f"{part} at {where}" for part, where in s["positions"].items())
+        t.add_row("patches", f"{s['n_patches']} ({positions})")
+        for rows in s["top"].values():
+            for where, frac in rows:
+                t.add_row(where, f"{frac:+.3f} recovered")
+        for part, rho in (s.get("spearman_attribution_vs_exact") or {}).items():
+            if rho is not None:
+                t.add_row(f"attribution vs exact, {part} (Spearman)", f"{rho:.3f}")
         if s["notes"]:
             t.add_row("note", s["notes"])
-        Console().print(t)
+        Console(width=None if sys.stdout.isatty() else 160).print(t)  # logs: no 80-column squeeze
         for p in result.files:
-            print(f"wrote {p}")
+            typer.echo(f"wrote {p}")

@@ -10,7 +10,7 @@ returns a :class:`JobResult`.
 |---|---|---|---|
 | ``jobs.lens`` | logit / tuned lens at every site | ``lens_*`` | ``LensConfig`` |
 | ``jobs.norms`` | contribution norms, positions, DLA, heads | ``norms_*``, ``dla``, ``head_writes`` | ``NormsConfig`` |
-| ``jobs.patch`` | activation + attribution patching | ``patching`` | ``PatchConfig`` |
+| ``jobs.patch`` | activation + attribution patching | ``patching_by_site``, ``patching_by_head`` | ``PatchConfig`` |
 | ``jobs.probe`` | Tenney-style probing | ``probes_*`` | ``ProbeJobConfig`` (tasks, files, probe configs) |
 
 Commands stay thin: parse options, build the configuration, call the job, print its summary.

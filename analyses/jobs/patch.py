@@ -1,13 +1,20 @@
-"""The patching job: activation (and attribution) patching of one prompt pair, its table and figures.
+"""The patching job: activation (and attribution) patching of one prompt pair, its tables and figures.
 
 =========================  ======================================================================
 :class:`PatchConfig`       settings of :func:`patch_job` (its defaults are the only defaults: the
                            ``depthscope patch`` options read them); default: the IOI example
-:func:`patch_job`          table ``patching`` (both methods, ``method`` column); figures
-                           ``patching_sites`` (hook point x position), ``patching_heads`` (layer x
-                           head, when per-head points are patched), ``patching_attribution``
-                           (attribution vs exact, when both are computed)
+:func:`patch_job`          tables ``patching_by_site`` (points patched whole: residual sites,
+                           ``attn_out``, ``mlp_out``) and ``patching_by_head`` (per-head points:
+                           ``heads``, ``z``), each with both methods (``method`` column) and each
+                           written when it has rows; figures ``patching_sites`` (hook point x
+                           position), ``patching_heads`` (layer x head) and
+                           ``patching_attribution`` (attribution vs exact, every patch)
 =========================  ======================================================================
+
+What is patched by default (``sites=None``) is the IOI analysis of the README: every residual
+site at each position (the last position only when the two prompts differ in token length) and
+every attention head at the last position: one table and one heatmap each. Explicit ``sites``
+are patched at ``positions`` (default ``last``), and their rows are split between the two tables.
 """
 
 from __future__ import annotations
@@ -19,21 +26,27 @@ from .base import JobResult, Output
 IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
 IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 
+#: table name per part: points patched whole, and per-head points
+TABLES = {"sites": "patching_by_site", "heads": "patching_by_head"}
+#: figure name per part
+FIGURES = {"sites": "patching_sites", "heads": "patching_heads"}
+
 
 @dataclass
 class PatchConfig:
     """What :func:`patch_job` computes: the prompt pair, the metric ``logit[target] -
     logit[foil]`` at the last token (``foil`` None: ``logprob[target]``), the hook points
-    (comma-separated names or group words, None: every residual site), the positions mode
-    (``last`` | ``all`` | ``each``), whether to add the attribution estimate, the tokens per
-    forward and the figures."""
+    (comma-separated names or group words; None: every residual site and every head, see the
+    module doc), the positions mode (``last`` | ``all`` | ``each``; None: ``each`` for the
+    residual sites and ``last`` for the heads by default, ``last`` for explicit ``sites``),
+    whether to add the attribution estimate, the tokens per forward and the figures."""
 
     clean: str = IOI_CLEAN
     corrupted: str = IOI_CORRUPTED
     target: str = " Mary"
     foil: str | None = " John"
     sites: str | None = None
-    positions: str = "last"
+    positions: str | None = None
     attribution: bool = True
     batch_tokens: int = 2048
     plots: bool = True
@@ -44,20 +57,39 @@ class PatchConfig:
         from depthscope.probes.config import check_number
 
         check_number("batch_tokens", self.batch_tokens)
-        if self.positions not in ("last", "all", "each"):
+        if self.positions is not None and self.positions not in ("last", "all", "each"):
             raise InputError(f"positions must be one of last, all, each, got {self.positions!r}")
         if not self.clean or not self.corrupted:
             raise InputError("the clean and the corrupted prompt must not be empty")
+        if self.sites is not None and not str(self.sites).strip(" ,"):
+            raise InputError("sites is empty: name hook points or group words, or leave it out for the default")
         return self
 
 
+def _plan(model, config: PatchConfig) -> tuple[list[tuple[str, str | None]], str]:
+    """The activation_patching calls to make, as (sites, positions) pairs, and a note on what the
+    default chose (empty when nothing to say)."""
+    if config.sites is not None:
+        return [(config.sites, config.positions or "last")], ""
+    if config.positions is not None:
+        return [("resid", config.positions), ("heads", config.positions)], ""
+    n_clean = int(model.tokenize([config.clean])[0].shape[1])
+    n_corrupted = int(model.tokenize([config.corrupted])[0].shape[1])
+    if n_clean == n_corrupted:
+        return [("resid", "each"), ("heads", "last")], ""
+    note = (
+        f"the prompts have {n_clean} and {n_corrupted} tokens: residual sites patched at the last position "
+        f"only (each position needs prompts of the same token length)"
+    )
+    return [("resid", "last"), ("heads", "last")], note
+
+
 def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
-    """Patch the clean prompt's activations into the corrupted run at every hook point; writes the
-    table and figures named in the module doc. Summary: the metric, its clean and corrupted values,
-    the number of patches, the five points that recover most, and (with attribution) the Spearman
-    rank correlation of the estimate with exact patching."""
+    """Patch the clean prompt's activations into the corrupted run; writes the tables and figures
+    named in the module doc. Summary: the metric, its clean and corrupted values, the number of
+    patches, the five patches that recover most in each table, and (with attribution) the
+    Spearman rank correlation of the estimate with exact patching in each table."""
     import pandas as pd
-    from scipy.stats import spearmanr
 
     from depthscope.analyses.patching import activation_patching, attribution_patching, logit_diff, logprob
     from depthscope.analyses.plots import patching as plots
@@ -65,39 +97,83 @@ def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
     config.validate()
     metric = logit_diff(config.target, config.foil) if config.foil is not None else logprob(config.target)
     args = (model, config.clean, config.corrupted, metric)
-    kw = dict(sites=config.sites, positions=config.positions)
-    exact = activation_patching(*args, batch_tokens=config.batch_tokens, **kw)
-    parts = [exact]
-    if config.attribution:
-        parts.append(attribution_patching(*args, **kw))
-    table = pd.concat(parts, ignore_index=True)
-    table.attrs.update(exact.attrs)
-    out.table(table, "patching")
-    top = exact.reindex(exact["fraction_recovered"].abs().sort_values(ascending=False).index).head(5)
+    calls, note = _plan(model, config)
+    exact, estimate = [], []
+    for sites, positions in calls:
+        exact.append(activation_patching(*args, sites=sites, positions=positions, batch_tokens=config.batch_tokens))
+        if config.attribution:
+            estimate.append(attribution_patching(*args, sites=sites, positions=positions))
+    attrs = dict(exact[0].attrs)
+    attrs["positions"] = ", ".join(dict.fromkeys(e.attrs["positions"] for e in exact))
+    everything = pd.concat(exact + estimate, ignore_index=True)
+    everything.attrs.update(attrs)
+    exact_rows = everything["method"] == "activation"
+    per_head = everything["head"].notna()
+    parts = {"sites": ~per_head, "heads": per_head}
+    tables = {}
+    for part, rows in parts.items():
+        if rows.any():
+            t = everything[rows].reset_index(drop=True)
+            t.attrs.update(attrs)
+            tables[TABLES[part]] = t
+            out.table(t, TABLES[part])
+    first = exact[0]
     summary = {
         "model": str(model.name),
-        "metric": exact.attrs["metric"],
-        "positions": config.positions,
-        "clean_metric": float(exact["clean_metric"].iloc[0]),
-        "corrupted_metric": float(exact["corrupted_metric"].iloc[0]),
-        "n_patches": int(len(exact)),
-        "top": [[_where(r), float(r.fraction_recovered)] for r in top.itertuples()],
-        "notes": exact.attrs.get("notes", ""),
+        "metric": attrs["metric"],
+        "positions": {part: _positions(everything[rows & exact_rows]) for part, rows in parts.items() if rows.any()},
+        "clean_metric": float(first["clean_metric"].iloc[0]),
+        "corrupted_metric": float(first["corrupted_metric"].iloc[0]),
+        "n_patches": int(exact_rows.sum()),
+        "top": {
+            part: [[_where(r), float(r.fraction_recovered)] for r in _top(everything[rows & exact_rows], 5)]
+            for part, rows in parts.items()
+            if rows.any()
+        },
+        "notes": "; ".join(n for n in (note, attrs.get("notes", "")) if n),
     }
     if config.attribution:
-        est = parts[1]["fraction_recovered"].to_numpy()
-        ok = pd.notna(est) & pd.notna(exact["fraction_recovered"].to_numpy())
-        summary["spearman_attribution_vs_exact"] = (
-            float(spearmanr(exact["fraction_recovered"][ok], est[ok]).statistic) if ok.sum() > 2 else None
-        )
+        summary["spearman_attribution_vs_exact"] = {
+            part: _spearman(everything[rows]) for part, rows in parts.items() if rows.any()
+        }
     if config.plots:
-        if exact["head"].isna().any():
-            out.figure(plots.plot_patching_sites, table, name="patching_sites")
-        if exact["head"].notna().any():
-            out.figure(plots.plot_patching_heads, table, name="patching_heads")
-        if config.attribution and summary["spearman_attribution_vs_exact"] is not None:
-            out.figure(plots.plot_attribution_vs_exact, table, name="patching_attribution")
-    return JobResult(tables={"patching": table}, summary=summary, files=list(out.written))
+        if parts["sites"].any():
+            out.figure(plots.plot_patching_sites, tables[TABLES["sites"]], name=FIGURES["sites"])
+        if parts["heads"].any():
+            out.figure(plots.plot_patching_heads, tables[TABLES["heads"]], name=FIGURES["heads"])
+        rhos = summary.get("spearman_attribution_vs_exact") or {}
+        if any(r is not None for r in rhos.values()):
+            out.figure(plots.plot_attribution_vs_exact, everything, name="patching_attribution")
+    return JobResult(tables=tables, summary=summary, files=list(out.written))
+
+
+def _positions(df) -> str:
+    """'each (14)', 'last' or 'all' for the rows of one table."""
+    if df["position"].isna().all():
+        return "all"
+    n = int(df["position"].nunique())
+    return "last" if n == 1 else f"each ({n})"
+
+
+def _top(df, k: int):
+    """The ``k`` rows with the largest |fraction recovered| (NaN last)."""
+    return df.reindex(df["fraction_recovered"].abs().sort_values(ascending=False).index).head(k).itertuples()
+
+
+def _spearman(df) -> float | None:
+    """Rank correlation of the attribution estimate with exact patching over the same patches
+    (None with fewer than 3 patches where both are defined)."""
+    import pandas as pd
+    from scipy.stats import spearmanr
+
+    keys = ["point", "head", "position"]
+    a = df[df["method"] == "activation"].set_index(keys)["fraction_recovered"]
+    b = df[df["method"] == "attribution"].set_index(keys)["fraction_recovered"]
+    both = pd.concat({"exact": a, "estimate": b}, axis=1, join="inner").dropna()
+    if len(both) < 3:
+        return None
+    rho = float(spearmanr(both["exact"], both["estimate"]).statistic)
+    return rho if rho == rho else None  # constant columns give NaN
 
 
 def _where(r) -> str:

@@ -6,7 +6,9 @@
 | ``plot_patching_heads`` | layer x head heatmap for per-head points (``l.heads`` / ``l.z``), one panel per kind |
 | ``plot_attribution_vs_exact`` | attribution estimate against exact patching, one dot per patch |
 
-Each takes a table (the ``patching`` table, possibly holding both methods) and a path, draws
+Each takes a table (one of :func:`~depthscope.analyses.patching.activation_patching` or
+:func:`~depthscope.analyses.patching.attribution_patching`, or the job's ``patching_by_site`` /
+``patching_by_head``, which hold both methods) and a path, draws
 one figure in the shared style and returns the path. Colours are diverging and centred at 0
 (red: the patch restores the clean behaviour, blue: it pushes the other way).
 """
@@ -145,8 +147,13 @@ def plot_patching_heads(
     ]
     lim = _limit(np.concatenate([g.to_numpy(float).ravel() for g in grids]))
     n_layers, n_heads = max(g.shape[0] for g in grids), max(g.shape[1] for g in grids)
+    # constrained layout keeps the three-line suptitle clear of the panel titles on short grids
     fig, axes = plt.subplots(
-        1, len(kinds), figsize=(len(kinds) * (2.5 + 0.45 * n_heads), 1.8 + 0.22 * n_layers), squeeze=False
+        1,
+        len(kinds),
+        figsize=(max(5.5, len(kinds) * (2.5 + 0.45 * n_heads)), 2.4 + 0.22 * n_layers),
+        squeeze=False,
+        layout="constrained",
     )
     for ax, kind, grid in zip(axes[0], kinds, grids):
         sns.heatmap(
