@@ -1,7 +1,8 @@
 """Text in, token batches out: the streaming input of every dataset-level analysis.
 
 ``read_documents`` reads plain text (one document per line, or the whole file as one
-document) with clear errors for empty or undecodable files. ``token_batches`` turns documents
+document), or the sentences of a CoNLL-U file (its ``# text =`` lines, so the bundled UD samples
+serve as text too), with clear errors for empty or undecodable files. ``token_batches`` turns documents
 (or a LongTensor) into padded batches of at most ``window`` tokens, splitting documents longer
 than the context into consecutive windows, so a corpus of any length streams through in
 bounded memory.
@@ -17,9 +18,12 @@ import torch
 
 from depthscope.hooks.errors import InputError
 
+CONLLU_TEXT = "# text = "
+
 
 def read_documents(path: str | Path, *, per_line: bool = True, encoding: str = "utf-8") -> list[str]:
-    """Documents of a plain-text file: one per non-blank line, or the whole file as one."""
+    """Documents of a text file: one per non-blank line, or the whole file as one. A ``.conllu``
+    file contributes the text of its sentences (``# text = ...``) as the lines."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such text file: {path}")
@@ -31,7 +35,11 @@ def read_documents(path: str | Path, *, per_line: bool = True, encoding: str = "
         raise InputError(
             f"{path}: bytes that are not valid {encoding} at line {line} (byte {e.start}); re-encode the file as UTF-8"
         ) from None
-    docs = [ln.strip() for ln in text.splitlines()] if per_line else [text.strip()]
+    lines = text.splitlines()
+    if path.suffix.lower() == ".conllu":
+        lines = [ln[len(CONLLU_TEXT) :] for ln in lines if ln.startswith(CONLLU_TEXT)]
+        text = "\n".join(lines)
+    docs = [ln.strip() for ln in lines] if per_line else [text.strip()]
     docs = [d for d in docs if d]
     if not docs:
         raise InputError(f"{path} holds no text")

@@ -18,7 +18,8 @@ TextOpt = typer.Option(
     ...,
     "--text",
     "-t",
-    help="Plain-text file (UTF-8): one document per non-blank line, or the whole file as one (--whole-file).",
+    help="Plain-text file (UTF-8): one document per non-blank line, or the whole file as one (--whole-file); "
+    "a .conllu file gives its sentences (e.g. $(depthscope data ewt_test)).",
 )
 ForceOpt = typer.Option(False, "--force", help="Write into an output folder that holds another run.")
 
