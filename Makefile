@@ -3,7 +3,7 @@ VENV ?= .venv
 OUT ?= depthscope-report
 PYTEST_ARGS ?=
 
-.PHONY: setup report test test-fast lint bench clean
+.PHONY: setup report test test-fast lint check-wheel docs bench clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -11,9 +11,18 @@ setup:
 report: setup
 	$(VENV)/bin/depthscope run --out $(OUT)
 
-# the README's test command (and CI's, .ci/run): lint, then the whole suite
-test: lint
+# the README's test command (and CI's, .ci/run): lint, the wheel installed in a fresh venv, then
+# the whole suite (the docs build and every code block of README, docs and examples/ included)
+test: lint check-wheel
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# build sdist + wheel, install the wheel (not editable) in a fresh venv, use it from outside the checkout
+check-wheel: setup
+	bash scripts/check_wheel.sh
+
+# the docs site into site/ (mkdocs serve for a live preview)
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
 
 # the fast tier: everything that does not load the real default model (under a minute)
 test-fast: setup
