@@ -431,7 +431,8 @@ def cache_keyword(hf_model: nn.Module) -> str:
 
 
 def returned_cache(output):
-    """The key/value cache a forward returned (``output.cache`` or, before, ``past_key_values``), or None."""
+    """The key/value cache a forward returned (``output.cache``, or ``past_key_values`` in older
+    transformers), or None."""
     for name in ("cache", "past_key_values"):
         value = output.get(name) if hasattr(output, "get") else getattr(output, name, None)
         if value is not None:

@@ -5,8 +5,7 @@ users opt in).
 the OS. PyTorch on CPU allocates every intermediate with ``malloc``; blocks above glibc's
 mmap threshold (at most 32 MB by default) are mapped fresh and page-faulted on every use, so
 a probe training step over ``[sites x batch x d_model]`` features or a forward over a long
-batch pays for zeroing new pages each time. Measured on the default model (EWT, 300
-sentences, 61 sites): site probes 6.4 s -> 3.6 s, cumulative scoring 8.0 s -> 5.5 s.
+batch pays for zeroing new pages each time; on probe fitting that is a large share of the time.
 """
 
 from __future__ import annotations

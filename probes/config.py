@@ -100,8 +100,8 @@ class ProbeConfig:
     task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
     requires a dev split. ``solver``: ``subspace`` (full batch, per-site linear probes
     over resident features: :mod:`depthscope.probes.subspace`; the scalar mixes, which it does not
-    fit, by L-BFGS), ``lbfgs`` (full batch, every linear probe over resident features, the
-    previous default), ``adam`` (minibatch) or ``auto`` (``subspace``, or ``adam`` where features
+    fit, by L-BFGS), ``lbfgs`` (full batch, every linear probe over resident features, K-FAC
+    preconditioned), ``adam`` (minibatch) or ``auto`` (``subspace``, or ``adam`` where features
     are not resident or the probe is an MLP); the two full-batch solvers need ``probe="linear"``. Training stops when
     every probe has converged (largest gradient entry <= ``gtol``, or relative objective change
     <= ``tol`` twice in a row; :mod:`depthscope.probes.training`), or at ``max_epochs`` passes

@@ -39,8 +39,8 @@ class Features:
     straight to ``bmm`` and any contiguous part of the rows is a random sample. In memory each site's
     features are stored feature-major (``resident`` is the transposed view of a contiguous
     ``[S, F, N]`` tensor, :func:`feature_major`): both products of a full-batch linear probe's
-    pass, ``X W`` and ``X^T G``, are faster with the examples innermost (``bench_probe_fit`` on
-    all 61 sites: 6.94 ms per site for the two, against 8.37 ms row-major).
+    pass, ``X W`` and ``X^T G``, are faster with the examples innermost (``bench_probe_fit``
+    measures the products' floor).
     Without it (attention pooling, or too large), minibatches are gathered from the store.
     """
 
@@ -213,7 +213,7 @@ def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
         XT = X.transpose(1, 2)  # [S, F, N]
         if dim == 0:
             return XT.index_select(0, idx).transpose(1, 2)
-        S, F_, N = XT.shape  # examples: a 2-D selection along rows (7x faster than along a 3-D tensor's last dim)
+        S, F_, N = XT.shape  # examples: a 2-D selection along rows (much faster than along a 3-D tensor's last dim)
         return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
     return X.index_select(dim, idx)
 

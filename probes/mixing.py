@@ -28,7 +28,7 @@ fold they predict) and a ridge ``ProbeConfig.stack_l2`` (default ``STACK_L2``) o
 the prefix-mix objective is not convex in the mixing weights, and on EWT upos (default model,
 300 sentences) its E_Delta moved between 3.1 and 6.3 blocks as training went from 10 to 160
 full passes, still not converged; the stacked ``P(s)`` is the unique optimum of a convex
-problem: the epoch cap no longer moves E_Delta once every probe has converged. What remains is
+problem: the epoch cap does not move E_Delta once every probe has converged. What remains is
 the fold draw: which train examples the fold probes leave out moves the stacking weights a
 little, and the test accuracy of the late prefixes (each flip of one test word) a little more;
 E_Delta weighs those late accuracies by their depth, and the last prefix's accuracy is also the

@@ -21,7 +21,7 @@ known. Each iteration (one *pass*) therefore does two products and nothing else 
 both over ``C - 1`` columns per head: a row of ``softmax(Z) - Y`` sums to zero, so the last
 class's column of ``X^T (softmax(Z) - Y)`` is minus the sum of the others', and the image of
 the last column of ``d`` is minus the others' images and ``2 l2 sum_c X W_c`` (the logits less
-the biases). At 17 classes a product with 16 columns costs 9% less;
+the biases);
 
 then takes one damped Newton step, with Armijo backtracking, on the objective restricted to a
 subspace *per class*: class ``c``'s column of the weights moves along the ``c`` columns of the
@@ -37,14 +37,12 @@ subsampled Newton step, as in Byrd et al. 2011: the gradient and the line search
 so a sample only changes the step's quality; the rows must be in random order to be a sample,
 as depthscope's resident features are). This is the sequential
 subspace optimisation of Narkiss and Zibulevsky (2005) with the subspace split by class: one
-coefficient per direction (the previous version of this solver) ignores that the classes'
-curvatures differ by orders of magnitude (a rare class's softmax is flat where a frequent one's
-is steep), and the split removes most of that ill-conditioning. On the benchmark's EWT upos
-features (default model, 8 sites, 3000 words, ``l2 = 1e-2``) it needs about 20 passes per site
-where one shared coefficient per direction needed 25.6 and the K-FAC preconditioned L-BFGS of
-:mod:`depthscope.probes.solvers` 36 (``python -m benchmarks.bench_probe_fit``). A curvature
-preconditioner (the features' Gram, or one weighted by the softmax curvature) made it slower on
-those features in an ad-hoc check: the penalty dominates the Hessian in most directions.
+coefficient per direction would ignore that the classes' curvatures differ by orders of
+magnitude (a rare class's softmax is flat where a frequent one's is steep), and the split
+removes most of that ill-conditioning. No curvature preconditioner is used: with the penalty
+dominating the Hessian in most directions, it does not pay for itself on probing features.
+``python -m benchmarks.bench_probe_fit`` compares passes and time with scikit-learn and with the
+L-BFGS solver of :mod:`depthscope.probes.solvers` (figures in ``docs/benchmarks.md``).
 
 Numerics: the logits are carried along in float32 and updated from the directions' images
 (never as a difference of logits, which would lose a small step's digits), recomputed from the
@@ -85,9 +83,8 @@ MIN_CORR_EIG = 1e-4
 #: the logits are recomputed from the weights every this many passes (float32 drift)
 REFRESH = 20
 #: the Newton system is formed from this many rows at least: from ``n // HESSIAN_ROWS`` equal
-#: contiguous parts of the rows, a different one each pass (on the benchmark's 61 sites x 8024
-#: shuffled words, halves: 1.3% more passes, a tenth less time; at 3000 words halves or thirds
-#: cost more passes than they save)
+#: contiguous parts of the rows, a different one each pass (a sample costs a few more passes and
+#: saves more in each; below twice this many rows the extra passes cost more than they save)
 HESSIAN_ROWS = 4000
 #: a backtracking step re-evaluates the failed units if they form at most this many contiguous
 #: runs, else all units (the same values for those that passed)
@@ -95,8 +92,8 @@ MAX_RUNS = 4
 #: the products skip each head's last class above this many features x examples (on tiny
 #: problems the extra small operations cost more than the column saves)
 SKIP_LAST_MIN = 2**20
-#: the past steps kept in the subspace (1: 22.3 passes per site on the benchmark's features,
-#: 2: 20.3, 3: 19.1; the Newton system grows as ``(2 + MEMORY)^2``, and 2 was the fastest)
+#: the past steps kept in the subspace: more steps mean fewer passes but a Newton system that
+#: grows as ``(2 + MEMORY)^2``; 2 is the fastest on probing features (bench_probe_fit)
 MEMORY = 2
 
 
@@ -195,8 +192,8 @@ class _Block:
     class, its columns of the directions: slot 0 the new direction, slots 1..m the memory, a
     ring: each step overwrites the oldest; slot J a copy of the weights, for their inner
     products). Every array of size ``n`` is allocated here once: a pass allocates nothing that
-    large (large blocks would be mapped and zeroed by the C allocator anew at each allocation;
-    on the benchmark's 61 sites x 8024 words that cost a third of the fit)."""
+    large (large blocks would be mapped and zeroed by the C allocator anew at each allocation,
+    a large share of the fit's time)."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
