@@ -211,7 +211,7 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
     ``weight`` (``a^h_ij``), ``value_norm`` (``||f_h(x_j)|| = ||W_O^h v^h_j||``) and
     ``norm_weighted`` (``a^h_ij ||f_h(x_j)||``), plus the shared site columns of ``l.attn``.
     The heads' outputs rebuilt from these weights and values are checked against the output
-    projection's input (and the heads' sum against the module's output) on every call.
+    projection's input (and the heads' sum against the projection's output) on every call.
     """
     if not isinstance(text, str) or not text:
         raise InputError("norm_weighted_attention takes one non-empty text")
@@ -222,9 +222,11 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
         raise InputError(f"layers must be in 0..{L - 1}")
     ids, mask = model.tokenize([text])
     values: dict = {}
+    proj: dict = {}
     handles = [value_hook(model.arch, l, values, name=str(model.name)) for l in layers]
-    try:  # patterns, head outputs and writes as the model computes them (exact, any attention kernel)
-        run = model.run(ids, mask=mask, cache=[f"{l}.{k}" for l in layers for k in ("pattern", "z", "attn_out")])
+    try:  # patterns, head outputs and projections as the model computes them (exact, any attention kernel)
+        with _capture_out_proj_inputs(spec, proj):
+            run = model.run(ids, mask=mask, cache=[f"{l}.{k}" for l in layers for k in ("pattern", "z")])
     finally:
         for h in handles:
             h.remove()
@@ -248,7 +250,9 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
             raise UnsupportedArchitecture(
                 f"layer {l}: attention weights x values do not rebuild the heads' outputs (relative error {err:.1e})"
             )
-        _check_heads_sum(spec, l, zt, run[f"{l}.attn_out"][0])
+        # against the output projection's own output: in sandwich-norm families (OLMo-2, Gemma-2)
+        # ``l.attn_out`` is taken after the post-attention norm, which is not a sum over heads
+        _check_heads_sum(spec, l, zt, proj["out"][l][0])
         vn = _head_norms(v.reshape(1, P, -1), spec.gram[l], H)[0]  # [P(j), H]
         w = a[:, qi, kj].T.numpy()  # [pairs, H]
         vnj = vn[kj].numpy()

@@ -185,3 +185,22 @@ def test_sweep_cli_probe_takes_the_probe_protocol(series, tmp_path):
         r = CliRunner().invoke(app, ["sweep", str(series / "step0"), *bad, "--out", str(tmp_path / "x")])
         assert r.exit_code == 2 and flag in r.output and "only apply to" in r.output and "Traceback" not in r.output
         assert not (tmp_path / "x").exists()  # refused before any output
+
+
+def test_norms_sweep_plots_the_tokens_after_the_first(series, tmp_path, monkeypatch):
+    """The norms table has a row per (site, positions); the heatmap across checkpoints draws the
+    ``rest`` rows only, so the attention sink at position 0 is not averaged into it."""
+    from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
+    from depthscope.analyses.plots import sweep as sweep_plots
+
+    drawn = []
+    real = sweep_plots.plot_checkpoint_heatmap
+    monkeypatch.setattr(
+        sweep_plots, "plot_checkpoint_heatmap", lambda df, *a, **k: drawn.append(df) or real(df, *a, **k)
+    )
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(TEXT[:2]), encoding="utf-8")
+    cks = discover_checkpoints(checkpoint_dir=series)
+    res = sweep_job(cks, SweepJobConfig(analysis="norms", text=text, max_docs=2), tmp_path / "out")
+    assert set(res.tables["by_site"]["positions"]) == {"rest", "first"}
+    assert len(drawn) == 1 and set(drawn[0]["positions"]) == {"rest"}

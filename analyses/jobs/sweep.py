@@ -113,6 +113,8 @@ def sweep_job(checkpoints, config: SweepJobConfig, out: Path, *, load=None, engi
                 path = out / "sweep_expected_layer.png"
                 files.append(sweep_plots.plot_metric_over_training(summ, "expected_layer_delta", path))
         else:
+            if "positions" in by_site.columns:  # norms: the tokens after the first (position 0 is a sink)
+                by_site = by_site[by_site["positions"] == "rest"]
             files.append(sweep_plots.plot_checkpoint_heatmap(by_site, m, out / f"sweep_{m}.png"))
             files.append(sweep_plots.plot_final_site_over_training(by_site, m, out / f"sweep_{m}_lines.png"))
     summary = {"done": list(result.done), "skipped": list(result.skipped), "failed": dict(result.failed)}
