@@ -163,6 +163,9 @@ def test_depthscope_lines_name_real_commands_and_options():
         known = {o for p in group.commands[name].params for o in (*p.opts, *p.secondary_opts)}
         used = {w.split("=")[0] for w in words[2:] if w.startswith("-")}
         assert used <= known, f"{where}: `depthscope {name}` has no option {sorted(used - known)}: {' '.join(words)}"
+        required = [p.opts for p in group.commands[name].params if p.required and p.opts[0].startswith("-")]
+        missing = [o[0] for o in required if not set(o) & used]
+        assert not missing, f"{where}: `depthscope {name}` needs {missing}: {' '.join(words)}"
 
 
 def test_files_read_by_shell_lines_ship_or_are_written_first():
