@@ -33,6 +33,11 @@ sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logit
 and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default), never by
 the corpus length.
 
+Uncertainty: every mean comes with a 95% interval that treats each document as one cluster
+(tokens of a text are correlated, so a per-token standard error would be too narrow); the
+clusters' sums come from the same per-position metrics, no extra pass
+(:mod:`depthscope.analyses.intervals`).
+
 Position 0 of every window: included by default (``first_position=True``), because the issue's
 metrics are over all real positions. Without a BOS token (SmolLM2's tokenizer adds none) position
 0 is the first word and its prediction is nearly unconditional; its stream is also the
@@ -52,6 +57,7 @@ import torch
 from depthscope.hooks.errors import InputError
 from depthscope.hooks.sites import site_frame
 
+from .intervals import ClusterSums, interval_columns, pick_clusters
 from .lenses import Lens, LogitLens
 
 __all__ = ["logit_lens", "logit_lens_tokens", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
@@ -61,8 +67,8 @@ LOGIT_LENS = LogitLens()
 
 #: memory for the two reused float32 ``[rows, vocab]`` decode buffers when ``token_chunk`` is not
 #: given: rows = 400 MB / (2 x 4 B x vocab), i.e. ~1000 rows (16 tokens x 61 sites) for SmolLM2's
-#: 49k vocabulary. Larger chunks run the unembedding matmul closer to its peak (benchmark, decode
-#: + metrics vs the bare matmuls: ~1.45x at 8 tokens per chunk, ~1.2-1.3x at 16).
+#: 49k vocabulary. Larger chunks keep the unembedding matmul nearer its peak speed; the bound keeps
+#: the buffers' memory fixed whatever the vocabulary.
 DEFAULT_BUFFER_MB = 400
 
 METRICS = [
@@ -75,6 +81,16 @@ METRICS = [
     "target_log_rank",
 ]
 _ALL_POSITIONS = {"kl_to_final", "entropy", "top1_agreement"}  # the others need a next token
+#: the range of each metric's mean (its 95% interval is cut to it)
+_BOUNDS = {
+    "kl_to_final": (0.0, None),
+    "cross_entropy": (0.0, None),
+    "entropy": (0.0, None),
+    "top1_agreement": (0.0, 1.0),
+    "top1_accuracy": (0.0, 1.0),
+    "target_rank": (0.0, None),
+    "target_log_rank": (0.0, None),
+}
 
 
 # ----------------------------------------------------------------------------- batching
@@ -327,21 +343,54 @@ def _iter_chunks(
 # ----------------------------------------------------------------------------- dataset level
 @dataclass
 class _Sums:
+    """Per-site running sums (and sums of squares) of every metric over positions, and per
+    window (each a cluster: :mod:`depthscope.analyses.intervals`) its sums and counts, which
+    give the documents' sums too."""
+
     n_sites: int
     s: dict = field(default_factory=dict)
     ss: dict = field(default_factory=dict)
     n_all: int = 0
     n_next: int = 0
+    docs: ClusterSums = field(default_factory=ClusterSums)
+    windows: ClusterSums = field(default_factory=ClusterSums)
 
-    def add(self, name: str, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        v = v.double()
-        if valid is not None:
-            v = v[valid]
-        if name not in self.s:
-            self.s[name] = torch.zeros(self.n_sites, dtype=torch.float64)
-            self.ss[name] = torch.zeros(self.n_sites, dtype=torch.float64)
-        self.s[name] += v.sum(0).cpu()
-        self.ss[name] += (v * v).sum(0).cpu()
+    def add_chunk(self, batch: _Batch, bi: torch.Tensor, values: dict[str, tuple[torch.Tensor, torch.Tensor | None]]):
+        """One chunk's per-position metrics ``values[name] = (v [c, S], valid [c] or None)``;
+        ``bi``: the batch row of each position. Every sum is formed where the metrics are (on
+        the model's device) into fixed shapes and comes back in one transfer."""
+        names = list(values)
+        M, S, B = len(names), self.n_sites, batch.ids.shape[0]
+        v0 = values[names[0]][0]
+        dev, f64 = v0.device, torch.float64
+        ones = torch.ones(len(bi), dtype=f64, device=dev)
+        vs, ws = [], []
+        for name in names:
+            v, valid = values[name]
+            v = v.to(f64)
+            if valid is not None:  # positions without a next token count in no sum
+                v = torch.where(valid[:, None], v, torch.zeros((), dtype=f64, device=dev))
+            vs.append(v)
+            ws.append(ones if valid is None else valid.to(f64))
+        V, W = torch.stack(vs), torch.stack(ws + [ones])  # [M, c, S], [M + 1, c] (the last: positions)
+        idx = bi.to(dev)
+        rows_v = torch.zeros(M, B, S, dtype=f64, device=dev).index_add_(1, idx, V)
+        rows_w = torch.zeros(M + 1, B, dtype=f64, device=dev).index_add_(1, idx, W)
+        packed = torch.cat([V.sum(1).flatten(), (V * V).sum(1).flatten(), rows_v.flatten(), rows_w.flatten()]).cpu()
+        s, ss, rv, rw = packed.split([M * S, M * S, M * B * S, (M + 1) * B])
+        s, ss = s.view(M, S), ss.view(M, S)
+        rv, rw = rv.view(M, B, S).numpy(), rw.view(M + 1, B).numpy()
+        present = np.flatnonzero(rw[-1] > 0)  # batch rows with positions in this chunk
+        per_row = {}
+        for i, name in enumerate(names):
+            if name not in self.s:
+                self.s[name] = torch.zeros(S, dtype=f64)
+                self.ss[name] = torch.zeros(S, dtype=f64)
+            self.s[name] += s[i]
+            self.ss[name] += ss[i]
+            per_row[name] = (rv[i, present], np.repeat(rw[i, present, None], S, 1))
+        self.windows.add([(batch.doc_index[r], batch.window_index[r]) for r in present], per_row)
+        self.docs.add([batch.doc_index[r] for r in present], per_row)
 
     def mean_std(self, name: str, n: int):
         if n == 0:
@@ -385,7 +434,12 @@ def logit_lens(
     ``kl_to_final, cross_entropy, entropy, top1_agreement, top1_accuracy, target_rank,
     target_log_rank`` its mean over positions and ``<metric>_std`` (population std), then
     ``n_positions`` (positions used by kl/entropy/agreement) and ``n_next`` (positions with a
-    next token, used by cross_entropy/accuracy/rank). ``max_tokens`` stops after that many
+    next token, used by cross_entropy/accuracy/rank), ``n_docs`` and ``n_windows`` (documents
+    and windows holding at least one position: the intervals' clusters are the documents, or
+    the windows when there is a single document), and for each
+    metric ``<metric>_se`` (its mean's standard error, clustered by document) and
+    ``<metric>_lo``/``<metric>_hi`` (the 95% interval, Student t over the clusters, cut to the
+    metric's range; :mod:`depthscope.analyses.intervals`). ``max_tokens`` stops after that many
     positions (in input order). ``timings`` (a dict) receives the seconds
     spent in forward passes (``forward_s``) and in decoding + metrics (``decode_s``).
     ``progress``: a bar over positions (:mod:`depthscope.hooks.progress`), with an ETA when
@@ -400,7 +454,7 @@ def logit_lens(
     if max_tokens is not None and total is not None:
         total = min(total, max_tokens)
     bar = progress_bar(total, desc=f"{lens.kind} lens", unit="tok", enabled=progress)
-    for _batch, _rs, _bi, _ti, targets, _chosen, met in _iter_chunks(
+    for batch, _rs, bi, _ti, targets, _chosen, met in _iter_chunks(
         model,
         inputs,
         mask=mask,
@@ -417,14 +471,20 @@ def logit_lens(
         valid = targets >= 0
         acc.n_all += len(targets)
         acc.n_next += int(valid.sum())
-        acc.add("kl_to_final", met["kl_to_final"])
-        acc.add("entropy", met["entropy"])
-        acc.add("top1_agreement", met["top1_agreement"])
         rank = met["target_rank"]
-        acc.add("cross_entropy", -met["target_logprob"], valid)
-        acc.add("target_rank", rank, valid)
-        acc.add("target_log_rank", torch.log10(1.0 + rank.double()), valid)
-        acc.add("top1_accuracy", rank == 0, valid)
+        acc.add_chunk(
+            batch,
+            bi,
+            {
+                "kl_to_final": (met["kl_to_final"], None),
+                "cross_entropy": (-met["target_logprob"], valid),
+                "entropy": (met["entropy"], None),
+                "top1_agreement": (met["top1_agreement"], None),
+                "top1_accuracy": (rank == 0, valid),
+                "target_rank": (rank, valid),
+                "target_log_rank": (torch.log10(1.0 + rank.double()), valid),
+            },
+        )
         bar.update(len(targets))
     bar.close()
     if acc.n_all == 0:
@@ -438,7 +498,15 @@ def logit_lens(
         df[name + "_std"] = std
     df["n_positions"] = acc.n_all
     df["n_next"] = acc.n_next
-    return df
+    clusters = pick_clusters(acc.docs, acc.windows)
+    df["n_docs"] = acc.docs.n_clusters
+    df["n_windows"] = acc.windows.n_clusters
+    extra = {}
+    for name in METRICS:
+        se, g = clusters.se(name)
+        for suffix, col in interval_columns(df[name], se, g, _BOUNDS[name]).items():
+            extra[f"{name}_{suffix}"] = col
+    return pd.concat([df, pd.DataFrame(extra, index=df.index)], axis=1)
 
 
 # ----------------------------------------------------------------------------- per token

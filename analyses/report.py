@@ -9,10 +9,13 @@ UD English EWT sample unless told otherwise, and runs, in order:
 3. probes (upos, deprel, a morphological feature; entity and coref when GUM-style data with
    ``Entity=`` annotations is given),
 
-writes every table (Parquet + CSV, the shared tidy schema) and plot into ``out_dir``, and then
-``report.md`` and ``report.html`` (plots embedded) that answer "which depth encodes which
-property" with sentences computed from the tables. The report is drawn from the tables on disk
-only (``render_report(out_dir)`` redraws it without a model).
+writes every table (Parquet + CSV, the shared tidy schema) and plot (PNG and SVG) into
+``out_dir``, and then ``report.md`` and ``report.html`` that answer "which depth encodes which
+property" with sentences computed from the tables. Both open with a table of contents; the HTML
+embeds the SVG figures (and links both files), the markdown shows the PNGs. Lens and norms
+curves carry 95% intervals of each site's mean, clustered by document
+(:mod:`depthscope.analyses.intervals`), and the sentences quote them. The report is drawn from
+the tables on disk only (``render_report(out_dir)`` redraws it without a model).
 """
 
 from __future__ import annotations
@@ -301,6 +304,17 @@ def probe_findings(summary: pd.DataFrame, by_site: pd.DataFrame, n_layers: int) 
     return out
 
 
+def _ci(row, col: str, nd: int = 2, scale: float = 1.0) -> str:
+    """The text ``(95% interval [lo, hi])`` for ``row[col]`` (times ``scale``), empty when the
+    table has no interval for it."""
+    lo, hi = row.get(f"{col}_lo", float("nan")), row.get(f"{col}_hi", float("nan"))
+    try:
+        ok = np.isfinite(lo) and np.isfinite(hi)
+    except TypeError:
+        ok = False
+    return f" (95% interval [{_fmt(lo * scale, nd)}, {_fmt(hi * scale, nd)}])" if ok else ""
+
+
 def lens_findings(lens_by_site: pd.DataFrame | None, n_layers: int) -> list[str]:
     out = []
     if lens_by_site is None or not len(lens_by_site):
@@ -308,21 +322,24 @@ def lens_findings(lens_by_site: pd.DataFrame | None, n_layers: int) -> list[str]
     d = lens_by_site.sort_values("site")
     emb = d.iloc[0]
     out.append(
-        f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats, "
-        f"top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%."
+        f"Decoded directly, the embedding is far from the final prediction: KL = {_fmt(emb['kl_to_final'])} nats"
+        f"{_ci(emb, 'kl_to_final')}, top-1 agreement {_fmt(emb['top1_agreement'] * 100, 0)}%"
+        f"{_ci(emb, 'top1_agreement', 0, 100)}."
     )
     half = d[d["top1_agreement"] >= 0.5]
     if len(half):
         h = half.iloc[0]
         out.append(
             f"The lens first agrees with the model's own top-1 on half the tokens at {h['label']} "
-            f"(depth {h['depth']:g} of {n_layers})."
+            f"(depth {h['depth']:g} of {n_layers}; {_fmt(h['top1_agreement'] * 100, 0)}%"
+            f"{_ci(h, 'top1_agreement', 0, 100)})."
         )
     mid = d.iloc[len(d) // 2]
     out.append(
-        f"Half-way ({mid['label']}), KL to the final distribution is {_fmt(mid['kl_to_final'])} nats and the "
-        f"next-token cross-entropy {_fmt(mid['cross_entropy'])} nats, "
-        f"against {_fmt(d.iloc[-1]['cross_entropy'])} at the output."
+        f"Half-way ({mid['label']}), KL to the final distribution is {_fmt(mid['kl_to_final'])} nats"
+        f"{_ci(mid, 'kl_to_final')} and the next-token cross-entropy {_fmt(mid['cross_entropy'])} nats"
+        f"{_ci(mid, 'cross_entropy')}, against {_fmt(d.iloc[-1]['cross_entropy'])} at the output"
+        f"{_ci(d.iloc[-1], 'cross_entropy')}."
     )
     drops = d["kl_to_final"].diff(-1)  # how much KL falls from each site to the next
     if drops.notna().any():
@@ -354,8 +371,8 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
         if len(b0):
             line += f" to {_fmt(float(b0.iloc[0]))} after block 0"
         line += (
-            f" and {_fmt(f)} after the last block; a log-linear fit over the block outputs gives "
-            f"×{_fmt(fit['rate'], 3)} per block (R² {_fmt(fit['r2'])})."
+            f" and {_fmt(f)}{_ci(d.iloc[-1], 'stream_norm')} after the last block; a log-linear fit over the block "
+            f"outputs gives ×{_fmt(fit['rate'], 3)} per block (R² {_fmt(fit['r2'])})."
         )
         out.append(line)
     if "attn_share" in d.columns:
@@ -368,7 +385,8 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
     if len(upd):
         big = upd.loc[upd["relative_update"].idxmax()]
         out.append(
-            f"The largest write relative to the stream is {big['label']} (‖u‖/‖h‖ = {_fmt(big['relative_update'])})."
+            f"The largest write relative to the stream is {big['label']} (‖u‖/‖h‖ = {_fmt(big['relative_update'])}"
+            f"{_ci(big, 'relative_update')})."
         )
     if "cos_update_stream" in d.columns:
         erase = upd[upd["cos_update_stream"] < -0.2]
@@ -390,8 +408,10 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- rendering
+#: the report's sections: (anchor id, title, [(figure file, caption), ...])
 FIGURES = [
     (
+        "probes",
         "Which depth encodes which property",
         [
             ("probes_overview.png", "All tasks on one depth axis: E_Δ with its 95% interval and E_s"),
@@ -400,19 +420,21 @@ FIGURES = [
         ],
     ),
     (
+        "lens",
         "How the prediction forms: logit lens",
         [
-            ("lens_metrics.png", "Lens metrics against depth"),
+            ("lens_metrics.png", "Lens metrics against depth, with 95% intervals of each site's mean (bands)"),
             ("lens_top1_heatmap.png", "Top-1 token per position and site for the prompt"),
             ("lens_rank_trajectory.png", "Rank of each next token through depth"),
         ],
     ),
     (
+        "norms",
         "How the stream gets there: contribution norms",
         [
-            ("norms_stream_growth.png", "Stream norm against depth"),
-            ("norms_update_norms.png", "Attention and MLP write norms per layer"),
-            ("norms_relative_update.png", "Relative update and cosine to the stream"),
+            ("norms_stream_growth.png", "Stream norm against depth, with 95% intervals (bands)"),
+            ("norms_update_norms.png", "Attention and MLP write norms per layer, with 95% intervals"),
+            ("norms_relative_update.png", "Relative update and cosine to the stream, with 95% intervals (bands)"),
             ("norms_position_heatmap.png", "Stream norm per position and site"),
             ("norms_dla.png", "Direct logit attribution for the prompt"),
         ],
@@ -429,7 +451,11 @@ def _load(out: Path, name: str) -> pd.DataFrame | None:
 
 
 def render_report(out_dir: str | Path) -> Path:
-    """Write ``report.md`` and ``report.html`` from the tables and plots in ``out_dir``."""
+    """Write ``report.md`` and ``report.html`` from the tables and plots in ``out_dir``.
+
+    Both open with a table of contents (sections and figures). The HTML embeds each figure's
+    SVG (vector; the PNG when no SVG is there) and links both files; the markdown shows the PNG
+    and links the SVG."""
     from depthscope.probes.tasks import pipeline_rank
 
     out = Path(out_dir)
@@ -446,20 +472,52 @@ def render_report(out_dir: str | Path) -> Path:
                 break
     L = L or 1
 
-    sections: list[tuple[str, list[str], pd.DataFrame | None, list[tuple[str, str]]]] = []
     table = None
     if summary is not None and len(summary):
         table = probe_table(summary, L).sort_values("task", key=lambda s: s.map(pipeline_rank), kind="stable")
     findings = {
-        FIGURES[0][0]: probe_findings(summary, by_site, L) if by_site is not None else [],
-        FIGURES[1][0]: lens_findings(lens_by_site, L),
-        FIGURES[2][0]: norm_findings(norms, L),
+        "probes": probe_findings(summary, by_site, L) if by_site is not None else [],
+        "lens": lens_findings(lens_by_site, L),
+        "norms": norm_findings(norms, L),
     }
-    for title, figs in FIGURES:
-        present = [(f, cap) for f, cap in figs if (out / f).is_file()]
-        sections.append((title, findings[title], table if title == FIGURES[0][0] else None, present))
+    sections = [
+        _Section(key, title, findings[key], table if key == "probes" else None, _present(out, figs))
+        for key, title, figs in FIGURES
+    ]
 
     head = f"depthscope report: {meta.get('model', 'model')}"
+    intro = _intro(meta, lens_by_site, norms)
+    tables = sorted(p.name for p in out.glob("*.csv"))
+    tables_line = (
+        "All numbers above come from the tidy tables in this folder (Parquet and CSV): " + ", ".join(tables) + "."
+    )
+    atomic_text(out / "report.md", _markdown(head, intro, sections, tables_line))
+    path = out / "report.html"
+    atomic_text(path, _html(out, head, intro, sections, tables_line))
+    return path
+
+
+@dataclass
+class _Section:
+    key: str  # the anchor id
+    title: str
+    lines: list[str]
+    table: pd.DataFrame | None
+    figures: list[tuple[str, str]]  # (png file, caption)
+
+
+TABLES_ID = "tables"
+
+
+def _present(out: Path, figs) -> list[tuple[str, str]]:
+    return [(f, cap) for f, cap in figs if (out / f).is_file()]
+
+
+def _figure_id(png: str) -> str:
+    return "fig-" + Path(png).stem
+
+
+def _intro(meta: dict, lens_by_site: pd.DataFrame | None, norms: pd.DataFrame | None) -> str:
     intro = (
         f"Model `{meta.get('model', '?')}` ({meta.get('family', '?')}, {meta.get('n_layers', '?')} blocks, "
         f"d_model {meta.get('d_model', '?')}, {meta.get('n_sites', '?')} residual sites). "
@@ -478,50 +536,115 @@ def render_report(out_dir: str | Path) -> Path:
         "probability of the gold label: Tenney's argmax accuracy moves E_Δ with the fold draw and the stacking ridge, "
         "and is in the table beside it); E_Δ intervals are 95% bootstraps over test examples and fold draws."
     )
+    units = [(what, _clusters(df)) for what, df in (("lens", lens_by_site), ("norms", norms))]
+    units = [(what, u) for what, u in units if u is not None]
+    if units:
+        counts = "; ".join(f"{what}: {u}" for what, u in units)
+        intro += (
+            " Lens and norms curves show per-site means over tokens; their bands are 95% intervals of each mean "
+            "with documents as clusters (tokens of one text are correlated, so they are not counted as independent "
+            f"draws): mean ± t × the cluster-robust standard error ({counts})."
+        )
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."
+    return intro
 
-    md = [f"# {head}", "", intro, ""]
-    for title, lines, tab, figs in sections:
-        md += [f"## {title}", ""]
-        md += [f"- {ln}" for ln in lines] + ([""] if lines else [])
-        if tab is not None:
-            md += [_md_table(tab), ""]
-        md += [f"![{cap}]({f})" for f, cap in figs] + [""]
-    md += [
-        "## Tables",
-        "",
-        "All numbers above come from the tidy tables in this folder (Parquet and CSV): "
-        + ", ".join(sorted(p.name for p in out.glob("*.csv")))
-        + ".",
-    ]
-    atomic_text(out / "report.md", "\n".join(md))
 
-    h = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(head)}</title>",
-        "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "img{max-width:100%;border:1px solid #ddd;margin:.5em 0}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}"
-        "figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style></head><body>",
-        f"<h1>{html.escape(head)}</h1>",
-        f"<p>{_md_inline(intro)}</p>",
-    ]
-    for title, lines, tab, figs in sections:
-        h.append(f"<h2>{html.escape(title)}</h2>")
-        if lines:
-            h.append("<ul>" + "".join(f"<li>{html.escape(ln)}</li>" for ln in lines) + "</ul>")
-        if tab is not None:
-            h.append(tab.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0))
-        for f, cap in figs:
-            data = base64.b64encode((out / f).read_bytes()).decode()
-            h.append(
-                f"<figure><img alt='{html.escape(cap)}' src='data:image/png;base64,{data}'>"
-                f"<figcaption>{html.escape(cap)}</figcaption></figure>"
+def _clusters(df: pd.DataFrame | None) -> str | None:
+    """The clusters of ``df``'s intervals in words ("12 documents", or "4 windows of one
+    document" for a single text), or None when it has no interval columns."""
+    if df is None or not len(df) or "n_docs" not in df.columns:
+        return None
+    docs, windows = int(df["n_docs"].iloc[0]), int(df.get("n_windows", df["n_docs"]).iloc[0])
+    if docs == 1:
+        return f"{windows} windows of one document" if windows > 1 else "a single window, so no interval"
+    return f"{docs} documents"
+
+
+def _slug(title: str) -> str:
+    """The anchor a markdown renderer (GitHub's rule) gives a heading."""
+    s = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return s.replace(" ", "-")
+
+
+def _markdown(head: str, intro: str, sections: list[_Section], tables_line: str) -> str:
+    md = [f"# {head}", "", intro, "", "## Contents", ""]
+    for sec in sections:
+        md.append(f"1. [{sec.title}](#{_slug(sec.title)})")
+    md += [f"1. [Tables](#{_slug('Tables')})", ""]
+    for sec in sections:
+        md += [f"## {sec.title}", ""]
+        md += [f"- {ln}" for ln in sec.lines] + ([""] if sec.lines else [])
+        if sec.table is not None:
+            md += [_md_table(sec.table), ""]
+        for f, cap in sec.figures:
+            md += [f"![{cap}]({f})", "", f"*{cap}* ([SVG]({Path(f).with_suffix('.svg').name}))", ""]
+    md += ["## Tables", "", tables_line]
+    return "\n".join(md)
+
+
+CSS = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+    "img{max-width:100%;border:1px solid #ddd;margin:.5em 0;background:#fff}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccc;padding:.25em .5em;text-align:right}th{background:#f3f3f3}table{font-size:.85em}"
+    "figure{margin:1em 0}figcaption{color:#555;font-size:.9em}"
+    "nav#contents{background:#f7f7f7;border:1px solid #e3e3e3;padding:.4em 1.2em;margin:1.2em 0}"
+    "nav#contents h2{font-size:1.1em;margin:.4em 0}nav#contents ol{margin:.3em 0}"
+    "nav#contents ul{margin:.1em 0 .4em;font-size:.92em}nav#contents li{margin:.15em 0}"
+    "a{color:#1f5fa8}figcaption a{margin-left:.3em}div.wide{overflow-x:auto;margin:1em 0}"
+)
+
+
+def _html(out: Path, head: str, intro: str, sections: list[_Section], tables_line: str) -> str:
+    esc = html.escape
+    toc = ["<nav id='contents' aria-label='Contents'><h2>Contents</h2><ol>"]
+    for sec in sections:
+        toc.append(f"<li><a href='#{sec.key}'>{esc(sec.title)}</a>")
+        if sec.figures:
+            toc.append(
+                "<ul>"
+                + "".join(f"<li><a href='#{_figure_id(f)}'>{esc(cap)}</a></li>" for f, cap in sec.figures)
+                + "</ul>"
             )
+        toc.append("</li>")
+    toc.append(f"<li><a href='#{TABLES_ID}'>Tables</a></li></ol></nav>")
+    h = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(head)}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{esc(head)}</h1>",
+        f"<p>{_md_inline(intro)}</p>",
+        "".join(toc),
+    ]
+    for sec in sections:
+        h.append(f"<section id='{sec.key}'><h2>{esc(sec.title)}</h2>")
+        if sec.lines:
+            h.append("<ul>" + "".join(f"<li>{esc(ln)}</li>" for ln in sec.lines) + "</ul>")
+        if sec.table is not None:
+            table = sec.table.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0)
+            h.append(f"<div class='wide'>{table}</div>")
+        for f, cap in sec.figures:
+            h.append(_html_figure(out, f, cap))
+        h.append("</section>")
+    h.append(f"<section id='{TABLES_ID}'><h2>Tables</h2><p>{esc(tables_line)}</p></section>")
     h.append("</body></html>")
-    path = out / "report.html"
-    atomic_text(path, "\n".join(h))
-    return path
+    return "\n".join(h)
+
+
+def _html_figure(out: Path, png: str, cap: str) -> str:
+    """One figure: its SVG embedded (the PNG when there is no SVG), with links to both files."""
+    esc = html.escape
+    svg = Path(png).with_suffix(".svg").name
+    if (out / svg).is_file():
+        data, kind, main = base64.b64encode((out / svg).read_bytes()).decode(), "svg+xml", svg
+        links = f"<a href='{esc(svg)}'>SVG</a> <a href='{esc(png)}'>PNG</a>"
+    else:
+        data, kind, main = base64.b64encode((out / png).read_bytes()).decode(), "png", png
+        links = f"<a href='{esc(png)}'>PNG</a>"
+    return (
+        f"<figure id='{_figure_id(png)}'><a href='{esc(main)}'>"
+        f"<img alt='{esc(cap)}' src='data:image/{kind};base64,{data}'></a>"
+        f"<figcaption>{esc(cap)} {links}</figcaption></figure>"
+    )
 
 
 def _md_table(df: pd.DataFrame) -> str:

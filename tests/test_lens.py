@@ -215,6 +215,86 @@ def test_line_longer_than_context_is_split_into_windows(tiny_llama):
     assert (df["n_next"] == ids.shape[1] - 3).all()  # three windows, each ends without a target
 
 
+# ----------------------------------------------------------------------------- intervals
+def clustered_se(per_token: pd.DataFrame, value: str, cluster: str = "doc") -> pd.Series:
+    """Per site: the CR1 standard error of the mean of ``value`` over tokens, documents as
+    clusters, computed the plain way from a per-token table."""
+    out = {}
+    for site, d in per_token.groupby("site"):
+        g = d.groupby(cluster)[value].agg(["sum", "count"])
+        m = g["sum"].sum() / g["count"].sum()
+        G, N = len(g), g["count"].sum()
+        out[site] = np.sqrt(G / (G - 1) * ((g["sum"] - m * g["count"]) ** 2).sum() / N**2)
+    return pd.Series(out)
+
+
+def token_values(tk: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each metric's per-token values (and the positions it is defined at) from logit_lens_tokens."""
+    nxt = tk[tk["target_kind"] == "next"].copy()
+    nxt["cross_entropy"] = -nxt["target_logprob"]
+    nxt["top1_accuracy"] = (nxt["target_rank"] == 0).astype(float)
+    nxt["target_log_rank"] = np.log10(1 + nxt["target_rank"])
+    nxt["target_rank"] = nxt["target_rank"].astype(float)
+    allp = tk.assign(top1_agreement=tk["top1_agreement"].astype(float))
+    return {k: (allp if k in ("kl_to_final", "entropy", "top1_agreement") else nxt) for k in METRICS}
+
+
+def test_intervals_match_an_independent_clustered_se(tiny_llama):
+    """``<metric>_se`` is the document-clustered SE of the mean, recomputed here from the per-token
+    table; ``_lo``/``_hi`` are mean -+ t(0.975, G-1) SE, cut to the metric's range."""
+    from scipy.stats import t
+
+    docs = read_documents(SAMPLE)
+    kw = dict(window=16, batch_size=3)  # documents split into several windows each
+    df = logit_lens(tiny_llama, docs, **kw).set_index("site")
+    tk = logit_lens_tokens(tiny_llama, docs, k=1, **kw)
+    assert (df["n_docs"] == len(docs)).all() and (df["n_windows"] > len(docs)).all()
+    vals = token_values(tk)
+    for k in METRICS:
+        want = clustered_se(vals[k], k)
+        np.testing.assert_allclose(df[k + "_se"].to_numpy(), want.loc[df.index].to_numpy(), rtol=1e-4, atol=1e-9)
+        half = t.ppf(0.975, len(docs) - 1) * df[k + "_se"]
+        lo, hi = df[k] - half, df[k] + half
+        if k in ("top1_agreement", "top1_accuracy"):
+            lo, hi = lo.clip(lower=0), hi.clip(upper=1)
+        else:
+            lo = lo.clip(lower=0)
+        np.testing.assert_allclose(df[k + "_lo"], lo, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(df[k + "_hi"], hi, rtol=1e-12, atol=1e-12)
+        assert (df[k + "_lo"] <= df[k]).all() and (df[k] <= df[k + "_hi"]).all(), k
+    # windows as clusters differ from documents as clusters (the windows of a text are correlated)
+    win = clustered_se(vals["kl_to_final"].assign(w=lambda d: d["doc"] * 1000 + d["window"]), "kl_to_final", "w")
+    assert not np.allclose(win.loc[df.index].to_numpy(), df["kl_to_final_se"].to_numpy(), rtol=1e-3)
+
+
+def test_intervals_equal_documents_and_shrinking(tiny_llama):
+    """With documents of equal length the SE is the std of the documents' own means over sqrt(G)
+    (each document run on its own); repeating the corpus k times shrinks it by the exact CR1
+    factor; a single document falls back on its windows as clusters."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, tiny_llama.vocab_size, (6, 12))
+    df = logit_lens(tiny_llama, ids)
+    per_doc = pd.concat([logit_lens(tiny_llama, ids[i : i + 1]).assign(doc=i) for i in range(len(ids))])
+    for k in METRICS:
+        means = per_doc.pivot(index="site", columns="doc", values=k)
+        want = means.std(axis=1, ddof=1) / np.sqrt(len(ids))
+        np.testing.assert_allclose(df[k + "_se"].to_numpy(), want.to_numpy(), rtol=1e-5, atol=1e-9)
+    assert per_doc["n_docs"].eq(1).all()  # one document of one window: no interval
+    assert per_doc["kl_to_final_se"].isna().all() and per_doc["kl_to_final_lo"].isna().all()
+    G, rep = len(ids), 4
+    big = logit_lens(tiny_llama, ids.repeat(rep, 1))
+    factor = np.sqrt((rep * G / (rep * G - 1)) / (G / (G - 1)) / rep)
+    for k in METRICS:
+        np.testing.assert_allclose(big[k].to_numpy(), df[k].to_numpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(big[k + "_se"].to_numpy(), factor * df[k + "_se"].to_numpy(), rtol=1e-5)
+        some = df[k + "_se"] > 0
+        assert ((big[k + "_hi"] - big[k + "_lo"])[some] < (df[k + "_hi"] - df[k + "_lo"])[some]).all(), k
+    # one document cut into windows: the windows are the clusters (as if each were a document)
+    one = logit_lens(tiny_llama, ids.reshape(1, -1), window=12)
+    assert one["n_docs"].eq(1).all() and one["n_windows"].eq(G).all()
+    np.testing.assert_allclose(one["kl_to_final_se"], df["kl_to_final_se"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
 def test_last_site_identity_other_families(tiny_factory, family):
     m = tiny_factory(family)

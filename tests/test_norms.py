@@ -272,6 +272,77 @@ def test_windows_and_max_tokens(tiny_llama, docs):
     assert cut.groupby("positions")["n_tokens"].first().sum() == 50
 
 
+# ----------------------------------------------------------------------------- intervals
+def clustered_se(tokens: pd.DataFrame, value: str, cluster: str = "doc") -> float:
+    """The CR1 standard error of the mean of ``value`` over the tokens (NaN skipped), clusters
+    holding the value at least once, computed the plain way."""
+    g = tokens.groupby(cluster)[value].agg(["sum", "count"])
+    g = g[g["count"] > 0]
+    if len(g) < 2:
+        return np.nan
+    m, G, N = g["sum"].sum() / g["count"].sum(), len(g), g["count"].sum()
+    return float(np.sqrt(G / (G - 1) * ((g["sum"] - m * g["count"]) ** 2).sum() / N**2))
+
+
+BOUNDS = {"cos_update_stream": (-1, 1), "attn_share": (0, 1), "block_influence": (0, 2)}  # others: >= 0
+
+
+def test_intervals_match_an_independent_clustered_se(tiny_llama, docs):
+    """``<metric>_se`` per (site, positions) is the document-clustered SE recomputed from the
+    per-token table; ``_lo <= mean <= _hi`` with the t(0.975, G-1) half-width; more documents of
+    the same kind shrink it."""
+    from scipy.stats import t
+
+    texts = docs[:12]
+    kw = dict(window=12, batch_size=3)  # the documents split into windows: clusters != windows
+    df = contribution_norms(tiny_llama, texts, **kw)
+    pos = norms_by_position(tiny_llama, texts, max_tokens=None, **kw)
+    assert (df["n_docs"] == len(texts)).all() and (df["n_windows"] > len(texts)).all()
+    groups = {"rest": pos[pos["position"] >= 1], "first": pos[pos["position"] == 0]}
+    checked = 0
+    for r in df.itertuples():
+        tok = groups[r.positions]
+        tok = tok[tok["site"] == r.site]
+        for k in NORM_METRICS:
+            want = clustered_se(tok, k)
+            got = getattr(r, k + "_se")
+            if np.isnan(want):
+                assert np.isnan(got), (r.label, r.positions, k)
+                continue
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-12), (r.label, r.positions, k)
+            mean, lo, hi = getattr(r, k), getattr(r, k + "_lo"), getattr(r, k + "_hi")
+            G = tok.dropna(subset=[k])["doc"].nunique()
+            half = t.ppf(0.975, G - 1) * got
+            lo_b, hi_b = BOUNDS.get(k, (0, None))
+            assert lo == pytest.approx(max(mean - half, lo_b), rel=1e-12, abs=1e-15)
+            assert hi == pytest.approx(mean + half if hi_b is None else min(mean + half, hi_b), rel=1e-12, abs=1e-15)
+            assert lo <= mean <= hi
+            checked += 1
+    assert checked > 2 * tiny_llama.n_sites * 8
+    # the embedding has no update: NaN mean and NaN interval
+    emb = df[df["site"] == 0]
+    assert emb["update_norm"].isna().all() and emb["update_norm_lo"].isna().all()
+    # the same documents three times: the exact CR1 shrinkage
+    big = contribution_norms(tiny_llama, texts * 3, **kw)
+    G = len(texts)
+    factor = np.sqrt((3 * G / (3 * G - 1)) / (G / (G - 1)) / 3)
+    for k in ("stream_norm", "relative_update", "attn_share"):
+        np.testing.assert_allclose(big[k + "_se"], factor * df[k + "_se"], rtol=1e-6)
+        w_small, w_big = (df[k + "_hi"] - df[k + "_lo"]).dropna(), (big[k + "_hi"] - big[k + "_lo"]).dropna()
+        assert (w_big < w_small).all()
+
+
+def test_intervals_single_document_uses_windows(tiny_llama, docs):
+    """One document split into windows: the windows are the clusters, as if each were a document."""
+    ids = tiny_llama.tokenize(" ".join(docs[:4]))[0][:, :60]
+    one = contribution_norms(tiny_llama, ids, window=12)
+    split = contribution_norms(tiny_llama, ids.reshape(5, 12))
+    assert one["n_docs"].eq(1).all() and one["n_windows"].eq(5).all() and split["n_docs"].eq(5).all()
+    for k in NORM_METRICS:
+        np.testing.assert_allclose(one[k + "_se"], split[k + "_se"], rtol=1e-6)
+    assert one.loc[one["positions"] == "rest", "stream_norm_se"].gt(0).all()
+
+
 def _randomise_norms(hm, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -5,6 +5,9 @@ training run."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
@@ -21,8 +24,8 @@ def report_dir(tmp_path_factory, tiny_factory):
     out = tmp_path_factory.mktemp("report")
     model = tiny_factory("llama", n_layers=2)
     cfg = ReportConfig(
-        lens_tokens=200,
-        norms_tokens=300,
+        lens_tokens=800,  # three documents each: the means get intervals
+        norms_tokens=800,
         data=DataConfig(max_train_sentences=40, max_test_sentences=20),
         probe=ProbeConfig(max_epochs=20),
     )
@@ -50,7 +53,7 @@ def test_report_files_and_tables(report_dir):
     assert meta["n_layers"] == 2 and meta["seconds"]["total"] > 0
 
 
-def test_report_text_is_computed_from_the_tables(report_dir):
+def test_report_text_is_computed_from_the_tables(report_dir, tmp_path):
     md = (report_dir / "report.md").read_text()
     assert "## Which depth encodes which property" in md
     summ = pd.read_parquet(report_dir / "probes_summary.parquet")
@@ -58,13 +61,89 @@ def test_report_text_is_computed_from_the_tables(report_dir):
         e = "n/a" if np.isnan(t.expected_layer_delta) else f"{t.expected_layer_delta:.2f}"  # n/a: gain too small
         assert f"{t.task} (E_Δ = {e}, 95% interval " in md
     html = (report_dir / "report.html").read_text()
-    assert html.count("data:image/png;base64,") >= 5
-    # change a table, redraw: the text follows the numbers
-    lens = pd.read_parquet(report_dir / "lens_by_site.parquet")
+    assert html.count("data:image/svg+xml;base64,") >= 5  # the vector figures embedded
+    # change a table (in a copy of the folder), redraw: the text follows the numbers
+    copy = tmp_path / "copy"
+    shutil.copytree(report_dir, copy)
+    lens = pd.read_parquet(copy / "lens_by_site.parquet")
     lens.loc[0, "kl_to_final"] = 123.456
-    lens.to_parquet(report_dir / "lens_by_site.parquet", index=False)
-    render_report(report_dir)
-    assert "KL = 123.46 nats" in (report_dir / "report.md").read_text()
+    lens.to_parquet(copy / "lens_by_site.parquet", index=False)
+    render_report(copy)
+    assert "KL = 123.46 nats" in (copy / "report.md").read_text()
+
+
+class _Anchors(HTMLParser):
+    """Element ids, in-page links (``#...``) and file links of an HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.local, self.files, self.in_nav = set(), [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "nav":
+            self.in_nav = True
+        href = a.get("href")
+        if tag == "a" and href:
+            if href.startswith("#"):
+                self.local.append((href[1:], self.in_nav))
+            else:
+                self.files.append(href)
+
+    def handle_endtag(self, tag):
+        if tag == "nav":
+            self.in_nav = False
+
+
+def test_report_contents_and_vector_figures(report_dir):
+    """The HTML opens with a table of contents whose links all resolve to element ids (one per
+    section, one per figure); every PNG figure the report refers to has an SVG sibling that
+    parses as XML, and the HTML embeds and links it; the markdown has a contents list too."""
+    import xml.etree.ElementTree as ET
+
+    page = (report_dir / "report.html").read_text()
+    parsed = _Anchors()
+    parsed.feed(page)
+    toc = [a for a, in_nav in parsed.local if in_nav]
+    assert page.index("<nav id='contents'") < page.index("<section")  # at the top, before the sections
+    assert {"probes", "lens", "norms", "tables"} <= set(toc)
+    assert sum(a.startswith("fig-") for a in toc) >= 5
+    missing = [a for a, _ in parsed.local if a not in parsed.ids]
+    assert not missing, missing
+    md = (report_dir / "report.md").read_text()
+    pngs = set(re.findall(r"\]\(([\w.-]+\.png)\)", md)) | {f for f in parsed.files if f.endswith(".png")}
+    assert {"lens_metrics.png", "norms_stream_growth.png", "probes_overview.png"} <= pngs
+    for png in pngs:
+        svg = report_dir / png.replace(".png", ".svg")
+        assert (report_dir / png).is_file() and svg.is_file(), png
+        root = ET.parse(svg).getroot()
+        assert root.tag.endswith("svg"), png
+        assert svg.name in parsed.files and f"({svg.name})" in md, png
+        assert f"id='fig-{svg.stem}'" in page
+    # the markdown's contents list points at its headings (GitHub's anchors)
+    assert "## Contents" in md
+    assert "1. [How the prediction forms: logit lens](#how-the-prediction-forms-logit-lens)" in md
+    # the interval bands are drawn (filled areas in the vector figures)
+    for name in ("lens_metrics", "norms_stream_growth", "norms_relative_update"):
+        assert "PolyCollection" in (report_dir / f"{name}.svg").read_text(), name
+
+
+def test_report_intervals_in_tables_and_text(report_dir):
+    """The lens and norms tables carry per-site intervals around their means; the report quotes
+    them and says what the bands are."""
+    lens = pd.read_parquet(report_dir / "lens_by_site.parquet")
+    norms = pd.read_parquet(report_dir / "norms_by_site.parquet")
+    for df, cols in ((lens, ["kl_to_final", "cross_entropy", "top1_agreement"]), (norms, ["stream_norm"])):
+        for c in cols:
+            ok = df[c + "_se"].notna()
+            assert ok.any() and (df[c + "_lo"][ok] <= df[c][ok]).all() and (df[c][ok] <= df[c + "_hi"][ok]).all()
+    assert (lens["n_docs"] >= 2).all()
+    md = (report_dir / "report.md").read_text()
+    emb = lens.sort_values("site").iloc[0]
+    assert f"KL = {emb['kl_to_final']:.2f} nats (95% interval [{emb['kl_to_final_lo']:.2f}, " in md
+    assert f"lens: {int(lens['n_docs'].iloc[0])} documents; norms: {int(norms['n_docs'].iloc[0])} documents" in md
 
 
 def test_probe_findings_say_when_the_two_scores_disagree():

@@ -96,8 +96,8 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
 class Output:
     """An output folder: writes tables (Parquet + CSV) and figures atomically, once each.
 
-    ``out.table(df, "lens_by_site")``, ``out.figure(plot_fn, df, name="lens_metrics")`` and
-    ``out.json(summary, "norms_summary")``;
+    ``out.table(df, "lens_by_site")``, ``out.figure(plot_fn, df, name="lens_metrics")`` (PNG and
+    SVG) and ``out.json(summary, "norms_summary")``;
     ``out.written`` lists every file in the order written. Writing one name twice in one run is
     a bug (two writers) and raises. ``Output(None)`` computes without writing (Python users who
     only want the tables).
@@ -137,14 +137,40 @@ class Output:
         return path
 
     def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Path | None:
-        """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png``."""
+        """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png`` and, beside it,
+        ``<name>.svg`` (vector, for the HTML report and for print; the PNG serves markdown).
+        The plot functions pick the format from the path's suffix; the SVG keeps its text as
+        text (``svg.fonttype: none``), so it stays small and searchable. Returns the PNG's path."""
         self._claim(name)
         if self.folder is None:
             return None
         path = self.folder / f"{name}.png"
         plot(*args, path, **kwargs)
         self.written.append(path)
+        svg = path.with_suffix(".svg")
+        import matplotlib
+
+        with matplotlib.rc_context(svg_rc(name)):
+            plot(*args, svg, **kwargs)
+        self.written.append(svg)
         return path
+
+
+def svg_rc(name: str) -> dict:
+    """Matplotlib settings for an SVG figure: text kept as text, under the font the layout was
+    measured with named first (the style's list starts with Arial, which matplotlib may not
+    have; a viewer that has it would then draw text wider or narrower than laid out), and ids
+    salted with the figure's name (the same figure gives the same file)."""
+    import matplotlib
+    from matplotlib import font_manager
+
+    family = matplotlib.rcParams["font.family"]
+    used = font_manager.FontProperties(fname=font_manager.findfont(font_manager.FontProperties(family=family)))
+    key = f"font.{family[0]}" if family and family[0] in ("sans-serif", "serif", "monospace") else None
+    rc = {"svg.fonttype": "none", "svg.hashsalt": name}
+    if key is not None:
+        rc[key] = [used.get_name()] + [f for f in matplotlib.rcParams[key] if f != used.get_name()]
+    return rc
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 ==========================  =====================================================================
 :class:`LensConfig`         settings of :func:`lens_job` (its defaults are the only defaults)
-:func:`lens_job`            tables ``lens_by_site``, ``lens_tokens``; figures ``lens_metrics``,
-                            ``lens_top1_heatmap``, ``lens_rank_trajectory`` (``_tuned`` suffix
-                            for a tuned lens's token figures)
+:func:`lens_job`            tables ``lens_by_site``, ``lens_tokens``; figures (PNG and SVG)
+                            ``lens_metrics``, ``lens_top1_heatmap``, ``lens_rank_trajectory``
+                            (``_tuned`` suffix for a tuned lens's token figures)
 :class:`LensTrainConfig`    settings of :func:`lens_train_job`
 :func:`lens_train_job`      trains a tuned lens into a folder; table ``tuned_lens_eval`` (held-out
                             comparison with the logit lens)

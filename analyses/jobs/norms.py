@@ -4,7 +4,7 @@
 :class:`NormsConfig`        settings of :func:`norms_job` (its defaults are the only defaults)
 :func:`norms_job`           tables ``norms_by_site``, ``norms_by_position``, ``dla`` (decoders
                             with final norm -> unembedding), ``head_writes`` (``heads=True``);
-                            figures ``norms_stream_growth``, ``norms_update_norms``,
+                            figures (PNG and SVG) ``norms_stream_growth``, ``norms_update_norms``,
                             ``norms_relative_update``, ``norms_position_heatmap``, ``norms_dla``,
                             ``norms_head_writes``; ``norms_summary.json``
 ==========================  =====================================================================

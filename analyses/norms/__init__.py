@@ -50,6 +50,11 @@ mean norms. ``max_abs`` is a maximum, ``max_over_median`` is ``max_abs / median_
 largest activation over the *mean* per-token median magnitude, the "massive activation" ratio of
 Sun et al. 2024).
 
+Intervals. Beside each mean, ``<metric>_se``, ``<metric>_lo`` and ``<metric>_hi`` give its
+standard error and 95% interval with the documents as clusters (the tokens of one text are
+correlated; a single document's windows are the clusters instead), from per-window sums
+gathered in the same pass (:mod:`depthscope.analyses.intervals`).
+
 Undefined values. A per-token ratio whose denominator is exactly zero (a zero stream, e.g.
 ablated by a hook, or a zero update for the cosine) is undefined: it is skipped (never divided)
 and counted in ``n_undefined``; a mean with no defined token is NaN. NaN/inf activations are

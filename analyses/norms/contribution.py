@@ -9,7 +9,8 @@ import torch
 from depthscope.hooks.errors import InputError
 from depthscope.hooks.sites import site_frame
 
-from .metrics import NORM_METRICS, POSITION_GROUPS, chunked_metrics, readers, undefined_tokens
+from ..intervals import ClusterSums, interval_columns, pick_clusters
+from .metrics import METRIC_BOUNDS, NORM_METRICS, POSITION_GROUPS, chunked_metrics, readers, undefined_tokens
 from .streaming import (
     Inputs,
     check_has_blocks,
@@ -47,8 +48,12 @@ def contribution_norms(
     attn_share, effective_write, effective_relative, median_abs``), the massive-activation
     columns ``max_abs, max_abs_doc, max_abs_window, max_abs_position, max_abs_dim,
     max_abs_token_id, max_over_median`` (the location of the largest ``|h|``: document, window,
-    position in the window, dimension and token there) and ``n_undefined`` (tokens with a zero
-    denominator, see the module doc). ``attn_share`` of layer ``l`` is on both its rows.
+    position in the window, dimension and token there), ``n_undefined`` (tokens with a zero
+    denominator, see the module doc), ``n_docs`` and ``n_windows`` (documents and windows
+    read), and for every metric of :data:`NORM_METRICS` ``<metric>_se`` (the standard error of
+    its mean, clustered by document), ``<metric>_lo`` and ``<metric>_hi`` (the 95% interval,
+    Student t over the documents, or over the windows of a single document, cut to the metric's
+    range; :mod:`depthscope.analyses.intervals`). ``attn_share`` of layer ``l`` is on both its rows.
     ``df.attrs`` holds ``model``, ``layout`` and ``notes``.
     """
     check_has_blocks(model)
@@ -88,6 +93,8 @@ class _Totals:
         self.best = torch.full((S, G), -1.0, dtype=torch.float64)
         self.loc = torch.full((S, G, 5), -1, dtype=torch.long)  # doc, window, position, dim, token id
         self.seen = 0
+        # per window and per document: sums and counts for the intervals
+        self.docs, self.windows = ClusterSums(), ClusterSums()
 
     def add(self, m: dict, und: torch.Tensor, real: torch.Tensor, batch, input_ids: torch.Tensor) -> None:
         """One batch's per-token metrics ``m`` ([S, B, P] each), undefined-token flags and real-token mask."""
@@ -95,13 +102,21 @@ class _Totals:
         pos = torch.arange(P, device=real.device)
         groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0)  # [G, B, P]
         self.seen += int(real.sum())
+        rows = {}
         for k in NORM_METRICS:
             v = m[k]  # [S, B, P]
             ok = ~torch.isnan(v)
-            for g in range(len(POSITION_GROUPS)):
-                sel = ok & groups[g]
-                self.sums[k][:, g] += torch.where(sel, v, torch.zeros_like(v)).sum((1, 2)).cpu()
-                self.counts[k][:, g] += sel.sum((1, 2)).double().cpu()
+            # per batch row (window), then summed over rows: [S, G, B]
+            sums = torch.stack([torch.where(ok & gr, v, 0.0).sum(2) for gr in groups], 1).cpu()
+            counts = torch.stack([(ok & gr).sum(2) for gr in groups], 1).double().cpu()
+            self.sums[k] += sums.sum(2)
+            self.counts[k] += counts.sum(2)
+            rows[k] = (sums.permute(2, 0, 1).numpy(), counts.permute(2, 0, 1).numpy())  # [B, S, G]
+        keep = [b for b in range(B) if bool(real[b].any())]
+        if len(keep) < B:
+            rows = {k: (s[keep], n[keep]) for k, (s, n) in rows.items()}
+        self.windows.add([(batch.doc_index[b], batch.window_index[b]) for b in keep], rows)
+        self.docs.add([batch.doc_index[b] for b in keep], rows)
         for g in range(len(POSITION_GROUPS)):
             self.n_tok[:, g] += float(groups[g].sum())
             self.n_und[:, g] += (und & groups[g]).sum((1, 2)).double().cpu()
@@ -139,4 +154,17 @@ class _Totals:
             f["max_over_median"] = np.where(med > 0, mx / np.where(med > 0, med, 1.0), np.nan)
             f["n_undefined"] = self.n_und[:, g].numpy().astype(np.int64)
             frames.append(f)
-        return pd.concat(frames, ignore_index=True)
+        df = pd.concat(frames, ignore_index=True)
+        return pd.concat([df, self.intervals(df)], axis=1)
+
+    def intervals(self, df: pd.DataFrame) -> pd.DataFrame:
+        """``n_docs``, ``n_windows`` and per metric ``_se``, ``_lo``, ``_hi`` for the rows of ``df``
+        (site-major within each position group, as :meth:`frame` lays them out)."""
+        clusters = pick_clusters(self.docs, self.windows)
+        extra = {"n_docs": self.docs.n_clusters, "n_windows": self.windows.n_clusters}
+        for k in NORM_METRICS:
+            se, g = clusters.se(k)  # [S, G]
+            se, g = se.T.reshape(-1), g.T.reshape(-1)  # group-major, as the rows
+            for suffix, col in interval_columns(df[k].to_numpy(float), se, g, METRIC_BOUNDS[k]).items():
+                extra[f"{k}_{suffix}"] = col
+        return pd.DataFrame(extra, index=df.index)

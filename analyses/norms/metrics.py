@@ -38,6 +38,19 @@ _UPDATE_METRICS = [
     "effective_relative",
 ]
 POSITION_GROUPS = ("rest", "first")
+#: the range of each metric (its mean's 95% interval is cut to it)
+METRIC_BOUNDS = {
+    "stream_norm": (0.0, None),
+    "update_norm": (0.0, None),
+    "relative_update": (0.0, None),
+    "cos_update_stream": (-1.0, 1.0),
+    "growth": (0.0, None),
+    "block_influence": (0.0, 2.0),
+    "attn_share": (0.0, 1.0),
+    "effective_write": (0.0, None),
+    "effective_relative": (0.0, None),
+    "median_abs": (0.0, None),
+}
 
 
 @dataclass

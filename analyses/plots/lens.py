@@ -1,7 +1,8 @@
 """Logit-lens figures, drawn from the tables of :mod:`depthscope.analyses.lens` only.
 
 * :func:`plot_lens_metrics` -- every per-site metric against depth (attention and MLP sites
-  distinguished; logit and tuned lens distinguished when the table holds both).
+  distinguished; logit and tuned lens distinguished when the table holds both), with the 95%
+  interval of each site's mean as a band when the table has ``<metric>_lo``/``_hi`` columns.
 * :func:`plot_top1_heatmap` -- position x site grid of the lens's top-1 token, shaded by its
   probability, for one prompt (a ``logit_lens_tokens`` table).
 * :func:`plot_rank_trajectory` -- the rank of each next token through depth, one line per
@@ -13,12 +14,13 @@ from __future__ import annotations
 import math
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from . import style
 from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE
 
-__all__ = ["plot_lens_metrics", "plot_top1_heatmap", "plot_rank_trajectory", "show_token"]
+__all__ = ["plot_lens_metrics", "plot_top1_heatmap", "plot_rank_trajectory", "show_token", "interval_band"]
 
 METRIC_PANELS = [
     ("kl_to_final", "KL(final ‖ lens) [nats]", "symlog"),
@@ -29,6 +31,22 @@ METRIC_PANELS = [
     ("target_log_rank", "mean log$_{10}$(1 + rank of next token)", "linear"),
 ]
 _LENS_STYLE = {"logit": ("-", "#8c8c8c", True), "tuned": ("--", "#222222", False)}
+BAND_ALPHA = 0.25
+
+
+def interval_band(ax, d: pd.DataFrame, col: str, color, *, alpha: float = BAND_ALPHA, positive: bool = False) -> bool:
+    """Fill the 95% interval ``<col>_lo``..``<col>_hi`` of ``d`` (sorted by depth) behind its curve;
+    ``positive``: leave out intervals reaching 0 (a log axis cannot show them). Returns whether
+    anything was drawn."""
+    lo, hi = f"{col}_lo", f"{col}_hi"
+    if lo not in d.columns or hi not in d.columns:
+        return False
+    a, b = d[lo].to_numpy(float), d[hi].to_numpy(float)
+    ok = np.isfinite(a) & np.isfinite(b) & ((a > 0) if positive else True)
+    if not ok.any():
+        return False
+    ax.fill_between(d["depth"].to_numpy(float), a, b, where=ok, color=color, alpha=alpha, lw=0, zorder=0.5)
+    return True
 
 
 def show_token(tok, width: int = 12, *, space: str = "mark") -> str:
@@ -58,18 +76,21 @@ def _n_layers(df: pd.DataFrame) -> int:
 
 def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> None:
     """Six panels of per-site means against depth from a ``logit_lens`` table (or several
-    concatenated, told apart by their ``lens`` column: the plain and the tuned lens)."""
+    concatenated, told apart by their ``lens`` column: the plain and the tuned lens), each mean
+    with its 95% interval (clustered by document) as a band when the table has one."""
     lenses = list(dict.fromkeys(df["lens"])) if "lens" in df.columns else ["logit"]
     panels = [p for p in METRIC_PANELS if p[0] in df.columns]
     ncols = 3
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
     n_layers = _n_layers(df)
+    banded = False
     for ax, (col, ylabel, scale) in zip(axes.flat, panels):
         for lens in lenses:
             d = df[df["lens"] == lens] if "lens" in df.columns else df
             d = d.sort_values("depth")
             ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
+            banded |= interval_band(ax, d, col, color)
             ax.plot(d["depth"], d[col], ls=ls, color=color, lw=1.1, zorder=1)
             for sub in SUBLAYER_ORDER:
                 part = d[d["sublayer"] == sub]
@@ -117,6 +138,10 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
                     label=f"{lens} lens",
                 )
             )
+    if banded:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(color="#8c8c8c", alpha=BAND_ALPHA, lw=0, label=band_label(df)))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.02))
     if title is None:
         n = int(df["n_positions"].iloc[0]) if "n_positions" in df.columns else None
@@ -124,6 +149,14 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     style.savefig(fig, path)
+
+
+def band_label(df: pd.DataFrame) -> str:
+    """What the bands are: 95% intervals over documents (or the windows of a single document)."""
+    docs = int(df["n_docs"].iloc[0]) if "n_docs" in df.columns and len(df) else 0
+    if docs == 1 and "n_windows" in df.columns:
+        return f"95% interval ({int(df['n_windows'].iloc[0])} windows as clusters)"
+    return f"95% interval ({docs} documents as clusters)" if docs else "95% interval"
 
 
 def _one_window(tokens_df: pd.DataFrame, doc: int | None, window: int | None) -> pd.DataFrame:

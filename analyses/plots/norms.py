@@ -4,6 +4,11 @@ Every function takes a DataFrame and a path, draws one figure in the shared styl
 the path. ``df`` is a :func:`~depthscope.analyses.norms.contribution_norms` table (one row per
 ``(site, positions)``), ``pos_df`` a :func:`~depthscope.analyses.norms.norms_by_position` table,
 ``dla_df`` a :func:`~depthscope.analyses.norms.direct_logit_attribution` table.
+
+Curves of per-site means (stream norm, update norms, relative update, cosine, attention share)
+carry the 95% interval of each mean as a band or error bar when the table has the
+``<metric>_lo``/``<metric>_hi`` columns (documents as clusters,
+:mod:`depthscope.analyses.intervals`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from matplotlib.colors import LogNorm
 
 from depthscope.hooks.errors import InputError
 
+from .lens import BAND_ALPHA, band_label, interval_band
 from .style import (
     SUBLAYER_ORDER,
     SUBLAYER_PALETTE,
@@ -36,6 +42,26 @@ __all__ = [
 ]
 
 FIRST_STYLE = dict(color="#333333", lw=1.2, ls="--", marker=".", ms=4)
+REST_BAND = "#999999"  # the colour of lineplot_by_sublayer's line
+FIRST_BAND_ALPHA = 0.12
+
+
+def _bands(ax, rest, first, col: str, *, positive: bool = False) -> bool:
+    """The 95% intervals of ``col`` behind the rest-positions curve and the first-position one."""
+    drawn = interval_band(ax, rest.sort_values("depth"), col, REST_BAND, positive=positive)
+    if len(first):
+        f = first.sort_values("depth")
+        drawn |= interval_band(ax, f, col, FIRST_STYLE["color"], alpha=FIRST_BAND_ALPHA, positive=positive)
+    return drawn
+
+
+def _band_handle(ax, df, ncol: int = 1) -> None:
+    """Add the band to ``ax``'s legend (after the curves' own entries)."""
+    from matplotlib.patches import Patch
+
+    handles, labels = ax.get_legend_handles_labels()
+    patch = Patch(color=REST_BAND, alpha=BAND_ALPHA, lw=0)
+    ax.legend(handles + [patch], labels + [band_label(df)], frameon=False, fontsize=8, ncol=ncol)
 
 
 def _need(df: pd.DataFrame, cols, what: str) -> None:
@@ -70,7 +96,7 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
 
     Real tokens at positions >= 1 as markers coloured by sublayer; the first position (the
     attention sink) as a dashed line; the fit ``log ||h|| = a + b * depth`` over block
-    outputs as a dotted line labelled with ``exp(b)`` per block.
+    outputs as a dotted line labelled with ``exp(b)`` per block; 95% intervals as bands.
     """
     from depthscope.analyses.norms import fit_growth_rate
 
@@ -78,6 +104,7 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
     rest, first = _split(df)
     L = _n_layers(df)
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    banded = _bands(ax, rest, first, "stream_norm", positive=True)
     lineplot_by_sublayer(ax, rest, "stream_norm", ylabel="mean ||h|| (log scale)", n_layers=L)
     if len(first):
         f = first.sort_values("depth")
@@ -96,27 +123,40 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
             )
     ax.set_yscale("log")
     ax.legend(frameon=False, fontsize=8)
+    if banded:
+        _band_handle(ax, df)
     _title(ax, df, "Residual stream norm by depth")
     savefig(fig, path)
     return Path(path)
 
 
 def plot_update_norms(df: pd.DataFrame, path) -> Path:
-    """Attention vs MLP update norms side by side per layer, and the attention share per layer."""
+    """Attention vs MLP update norms side by side per layer (95% intervals as error bars), and
+    the attention share per layer (its interval as a band)."""
     _need(df, ["layer", "sublayer", "update_norm", "attn_share"], "plot_update_norms")
     rest, _ = _split(df)
     d = rest[rest["sublayer"].isin(["attn", "mlp"])]
     if not len(d):
         raise InputError("plot_update_norms: no attention/MLP rows")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    sns.barplot(
-        data=d, x="layer", y="update_norm", hue="sublayer", hue_order=["attn", "mlp"], palette=SUBLAYER_PALETTE, ax=ax1
-    )
+    layers = sorted(d["layer"].unique())
+    where = {layer: i for i, layer in enumerate(layers)}
+    has_ci = {"update_norm_lo", "update_norm_hi"} <= set(d.columns)
+    for sub, off in (("attn", -0.2), ("mlp", 0.2)):
+        part = d[d["sublayer"] == sub].sort_values("layer")
+        x = part["layer"].map(where).to_numpy(float) + off
+        y = part["update_norm"].to_numpy(float)
+        ax1.bar(x, y, width=0.4, color=SUBLAYER_PALETTE[sub], label=sub)
+        if has_ci:
+            err = np.stack([y - part["update_norm_lo"].to_numpy(float), part["update_norm_hi"].to_numpy(float) - y])
+            ok = np.isfinite(err).all(0)
+            ax1.errorbar(x[ok], y[ok], yerr=err[:, ok], fmt="none", ecolor="#222222", elinewidth=0.8, capsize=1.5)
     ax1.set_yscale("log")
     ax1.set_ylabel("mean ||u|| (log scale)")
     ax1.set_xlabel("")
-    ax1.legend(title="sublayer write", frameon=False)
+    ax1.legend(title="sublayer write" + (" (bars: 95% interval)" if has_ci else ""), frameon=False)
     share = d[d["sublayer"] == "attn"].sort_values("layer")
+    interval_band(ax2, share.assign(depth=np.arange(len(share), dtype=float)), "attn_share", SUBLAYER_PALETTE["attn"])
     ax2.plot(range(len(share)), share["attn_share"], color=SUBLAYER_PALETTE["attn"], marker="o", ms=4)
     mean = float(share["attn_share"].mean())
     ax2.axhline(0.5, color="#999999", lw=0.8)
@@ -129,18 +169,22 @@ def plot_update_norms(df: pd.DataFrame, path) -> Path:
     ax2.set_xticks(range(0, len(share), step))
     ax2.set_xticklabels([str(int(v)) for v in share["layer"].to_numpy()[::step]])
     _title(fig, df, "Sublayer writes per layer (positions >= 1)")
+    fig.tight_layout()
     savefig(fig, path)
     return Path(path)
 
 
 def plot_relative_update(df: pd.DataFrame, path) -> Path:
-    """Relative update ||u|| / ||h_prev|| (log) and cos(u, h_prev) against depth; the sink dashed."""
+    """Relative update ||u|| / ||h_prev|| (log) and cos(u, h_prev) against depth; the sink dashed;
+    95% intervals as bands."""
     _need(df, ["depth", "sublayer", "relative_update", "cos_update_stream"], "plot_relative_update")
     rest, first = _split(df)
     rest = rest[rest["sublayer"] != "embed"]
     first = first[first["sublayer"] != "embed"]
     L = _n_layers(df)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    banded = _bands(ax1, rest, first, "relative_update", positive=True)
+    banded |= _bands(ax2, rest, first, "cos_update_stream")
     lineplot_by_sublayer(ax1, rest, "relative_update", ylabel="||u|| / ||h_prev|| (log)", n_layers=L)
     lineplot_by_sublayer(ax2, rest, "cos_update_stream", ylabel="cos(u, h_prev)", n_layers=L)
     if len(first):
@@ -153,8 +197,11 @@ def plot_relative_update(df: pd.DataFrame, path) -> Path:
     ax2.set_ylim(-1, 1)
     for ax in (ax1, ax2):
         ax.legend(frameon=False, fontsize=8, ncol=4)
+    if banded:
+        _band_handle(ax1, df, ncol=5)
     ax1.set_xlabel("")
     _title(fig, df, "How much each sublayer writes, and in which direction")
+    fig.tight_layout()
     savefig(fig, path)
     return Path(path)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.transforms import ScaledTranslation
 
 from depthscope.probes.tasks import pipeline_rank
 
@@ -77,6 +78,9 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
         plt.Line2D([], [], color="#6a3d9a", marker="o", ms=7, mfc="white", lw=0),
         plt.Line2D([], [], color="#2ca02c", marker="D", ms=6, mfc="none", lw=0),
     ]
+    # below the tick labels and the axis label, a fixed distance (in inches) under the axes
+    # whatever their height (a single task makes them short)
+    below = ax.transAxes + ScaledTranslation(0, -0.5, fig.dpi_scale_trans)
     ax.legend(
         handles,
         [
@@ -85,7 +89,8 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
             "$E_s$ (scalar mix)",
         ],
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.22 - 0.3 / max(1, len(tasks))),
+        bbox_to_anchor=(0.5, 0),
+        bbox_transform=below,
         ncol=3,
         frameon=False,
         fontsize=8,
@@ -158,9 +163,9 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
         ncol=5,
         frameon=False,
         fontsize=9,
-        bbox_to_anchor=(0.5, -0.01),
+        bbox_to_anchor=(0.5, 0),
     )
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # a band of 0.35 inch for the legend
     savefig(fig, path)
     return Path(path)
 
@@ -177,7 +182,7 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         return Path(path)
     tasks = _task_order(mixing["task"])
     n = max(1, len(tasks))
-    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 1.1), sharex=True, sharey=True, squeeze=False)
     L = _n_layers(mixing)
     summ = summary.set_index("task") if summary is not None and len(summary) else pd.DataFrame()
     for ax, task in zip(axes[:, 0], tasks):
@@ -236,8 +241,19 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
     labels += ["scalar mix weight $s$", "$E_\\Delta$ (cumulative)", "$E_s$ (scalar mix)", "$E_\\Delta$ 95% interval"]
-    fig.legend(handles, labels, loc="upper center", ncol=4, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 1.02))
-    fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1.04, fontsize=11)
-    fig.tight_layout()
+    # title, then the two-row legend, in a band of fixed height (inches) above the panels
+    height = fig.get_figheight()
+    title_h, legend_h = 0.24, 0.2  # (tight_layout adds its own padding below)
+    fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1 - 0.04 / height, fontsize=11)
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        ncol=4,
+        frameon=False,
+        fontsize=8,
+        bbox_to_anchor=(0.5, 1 - title_h / height),
+    )
+    fig.tight_layout(rect=(0, 0, 1, 1 - (title_h + legend_h) / height))
     savefig(fig, path)
     return Path(path)
