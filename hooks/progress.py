@@ -126,14 +126,16 @@ class LogProgress:
     """What :func:`progress_bar` returns where bars are not drawn: the subset of ``tqdm``'s API
     depthscope uses (``update``, ``close``, ``set_postfix``, ``set_postfix_str``,
     ``set_description``, ``refresh``, ``write``, ``reset``, ``n``, ``total``, iteration, context
-    manager), writing plain lines to stderr: one ``grace`` seconds after the start (from a timer,
-    so a long first step is announced too), at most one every ``every`` seconds while
-    :meth:`update` is called, and one when closed. Work closed within ``grace`` seconds writes
+    manager), writing plain lines to stderr: one ``grace`` seconds after the start, then one
+    every ``every`` seconds (at an update, or from a timer thread when a step takes longer),
+    and one when closed. Work closed within ``grace`` seconds writes
     nothing: its enclosing stage reports it, and a log is not flooded by many short fits."""
 
     disable = False
     #: seconds a task runs before its first line (0: at once)
     grace = 2.0
+    #: a timer thread writes the start line and a line every ``every`` seconds without updates
+    heartbeat = True
 
     def __init__(
         self,
@@ -163,13 +165,25 @@ class LogProgress:
         self.start_t = self.last_t = _clock()
         self._lock = threading.Lock()
         self._announced = False
-        self._timer = None
+        self._stop = threading.Event()
         if self.grace <= 0:
             self._announce()
-        else:
-            self._timer = threading.Timer(self.grace, self._announce)
-            self._timer.daemon = True
-            self._timer.start()
+        if self.heartbeat:
+            threading.Thread(target=self._watch, daemon=True, name=f"progress {desc}").start()
+
+    def _watch(self) -> None:
+        """The timer: the start line after ``grace`` seconds, then a line whenever ``every``
+        seconds pass without one (a long step between two updates is not silent)."""
+        if self.grace > 0 and not self._stop.wait(self.grace):
+            self._announce()
+        while not self._stop.wait(max(self.every, 0.05)):
+            with self._lock:
+                now = _clock()
+                if self.closed or now - self.last_t < self.every:
+                    continue
+                self.last_t = now
+                self._announced = True
+            _emit(self._line(now))
 
     def _announce(self) -> None:
         """The first line (the start), once, unless the task is already closed."""
@@ -226,8 +240,7 @@ class LogProgress:
                 return
             self.closed = True
             announced = self._announced
-        if self._timer is not None:
-            self._timer.cancel()
+        self._stop.set()
         if announced:
             _emit(self._line(_clock(), end=True))
 

@@ -32,13 +32,30 @@ def log_mode(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(progress, "_clock", clock)
     monkeypatch.setattr(progress.LogProgress, "grace", 0)  # the start line at once (its own test below)
+    monkeypatch.setattr(progress.LogProgress, "heartbeat", False)  # the fake clock alone decides (timer: below)
     return clock
+
+
+def test_a_long_step_without_updates_still_writes_lines(log_mode, capsys, monkeypatch):
+    """The timer thread writes the start line after the grace and then a line every ``every``
+    seconds while no update comes (real clock, short intervals)."""
+    monkeypatch.setattr(progress, "_clock", time.monotonic)
+    monkeypatch.setattr(progress.LogProgress, "grace", 0.05)
+    monkeypatch.setattr(progress.LogProgress, "heartbeat", True)
+    monkeypatch.setenv("DEPTHSCOPE_PROGRESS_EVERY", "0.1")
+    bar = progress.progress_bar(3, desc="sweep", unit="ckpt")
+    time.sleep(0.6)
+    bar.close()
+    got = lines(capsys)
+    assert got[0] == "sweep: 0/3 ckpt (0%)" and got[-1].startswith("sweep: finished 0/3 ckpt in ")
+    assert 3 <= len(got) - 2 <= 7, got  # about one line per 0.1 s of the 0.55 s after the grace
 
 
 def test_work_shorter_than_the_grace_writes_nothing(log_mode, capsys, monkeypatch):
     """A task closed within ``grace`` seconds writes no line at all; one still running after it is
     announced by the timer, even before its first update, and then gets its end line."""
     monkeypatch.setattr(progress.LogProgress, "grace", 0.05)
+    monkeypatch.setattr(progress.LogProgress, "heartbeat", True)
     with progress.progress_bar(3, desc="short fit", unit="pass") as bar:
         bar.update(3)
     assert lines(capsys) == []
