@@ -230,3 +230,32 @@ def test_sweep_cli_lens_on_training_series(tmp_path, tokenizer):
     res2 = CliRunner().invoke(app, args)  # resume: nothing left to do
     assert res2.exit_code == 0 and "0 checkpoints done, 3 already finished" in res2.output
     assert len(pd.read_parquet(tmp_path / "sweep" / "sweep_by_site.parquet")) == 15
+
+
+def test_a_figure_is_drawn_once_for_its_png_and_svg(tmp_path):
+    """Output.figure saves the PNG and its SVG twin from one drawing (style.savefig writes both);
+    a plot function that saves some other way still gets its SVG from a second call."""
+    import xml.etree.ElementTree as ET
+
+    from depthscope.analyses.jobs import Output
+    from depthscope.analyses.plots.style import plt, savefig
+
+    calls = []
+
+    def plot(path):
+        calls.append(path)
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [1, 0])
+        savefig(fig, path)
+
+    def plain(path):
+        calls.append(path)
+        fig, ax = plt.subplots()
+        fig.savefig(path)
+        plt.close(fig)
+
+    out = Output(tmp_path)
+    png = out.figure(plot, name="one")
+    assert len(calls) == 1 and png.is_file() and ET.parse(png.with_suffix(".svg")).getroot().tag.endswith("svg")
+    out.figure(plain, name="two")
+    assert len(calls) == 3 and (tmp_path / "two.svg").is_file()

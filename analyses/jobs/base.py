@@ -144,14 +144,19 @@ class Output:
         self._claim(name)
         if self.folder is None:
             return None
-        path = self.folder / f"{name}.png"
-        plot(*args, path, **kwargs)
-        self.written.append(path)
-        svg = path.with_suffix(".svg")
-        import matplotlib
+        from depthscope.analyses.plots.style import svg_twin
 
-        with matplotlib.rc_context(svg_rc(name)):
-            plot(*args, svg, **kwargs)
+        path = self.folder / f"{name}.png"
+        svg = path.with_suffix(".svg")
+        svg.unlink(missing_ok=True)  # a stale twin must not pass for this figure's
+        with svg_twin(svg_rc(name)):  # savefig writes the SVG from the same figure
+            plot(*args, path, **kwargs)
+        self.written.append(path)
+        if not svg.exists():  # a plot function that does not save through style.savefig
+            import matplotlib
+
+            with matplotlib.rc_context(svg_rc(name)):
+                plot(*args, svg, **kwargs)
         self.written.append(svg)
         return path
 

@@ -3,6 +3,9 @@ depth on the x axis in block units (embed 0, after block l's attention l+0.5, af
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import matplotlib
 
 matplotlib.use("Agg")  # files, never windows
@@ -20,14 +23,34 @@ def setup() -> None:
     plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight"})
 
 
+#: matplotlib settings for an SVG twin of each PNG saved in this context (None: no twin);
+#: set by :meth:`depthscope.analyses.jobs.Output.figure` through :func:`svg_twin`
+_SVG_TWIN: contextvars.ContextVar = contextvars.ContextVar("svg_twin", default=None)
+
+
+@contextlib.contextmanager
+def svg_twin(rc: dict):
+    """Inside this context, :func:`savefig` writes each PNG's ``.svg`` twin from the same
+    figure (drawn once), under the matplotlib settings ``rc``."""
+    token = _SVG_TWIN.set(rc)
+    try:
+        yield
+    finally:
+        _SVG_TWIN.reset(token)
+
+
 def savefig(fig, path) -> None:
     from pathlib import Path
 
     from depthscope.hooks.files import atomic_write
 
     path = Path(path)
+    twin = _SVG_TWIN.get()
     try:  # whole or not at all, and a full disk is an OutputError naming the file
         atomic_write(path, lambda t: fig.savefig(t, format=path.suffix.lstrip(".") or "png"))
+        if twin is not None and path.suffix == ".png":
+            with matplotlib.rc_context(twin):
+                atomic_write(path.with_suffix(".svg"), lambda t: fig.savefig(t, format="svg"))
     finally:
         plt.close(fig)
 
