@@ -63,7 +63,13 @@ def train_tiny_series(
 
     def save(step: int):
         d = out / f"step{step}"
-        model.save_pretrained(d, safe_serialization=True)
+        bars = tf.utils.logging.is_progress_bar_enabled()
+        tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
+        try:
+            model.save_pretrained(d, safe_serialization=True)
+        finally:
+            if bars:
+                tf.utils.logging.enable_progress_bar()
         tokenizer.save_pretrained(d)
         saved.append(d)
 
