@@ -50,6 +50,8 @@ def _own_working_directory(tmp_path, monkeypatch):
     """Every test runs in its own empty working directory: default output folders
     (``depthscope-out``, ``depthscope-report``) and relative paths never land in the checkout."""
     monkeypatch.chdir(tmp_path)
+
+
 REAL_MODEL_FIXTURES = {"default_model", "tokenizer"}
 
 

@@ -199,6 +199,9 @@ def test_default_precision_does_not_depend_on_the_cpu(tiny_factory, tmp_path, mo
     assert (faked.summary["precision"] == "float32").all()
     pd_cols = ["site", "accuracy"]
     assert faked.by_site[pd_cols].equals(plain[pd_cols])
-    assert run(ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False, control=False, precision="auto")).summary[
-        "precision"
-    ].iloc[0] == "bfloat16"
+    assert (
+        run(ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False, control=False, precision="auto"))
+        .summary["precision"]
+        .iloc[0]
+        == "bfloat16"
+    )
