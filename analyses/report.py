@@ -147,15 +147,15 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     # 1. logit lens
     if model.unembed.decodes_stream:
         t = time.time()
-        say(f"logit lens over ~{cfg.lens_tokens} tokens at {model.n_sites} sites")
         lens_docs = _cap_texts(texts, model.tokenizer, cfg.lens_tokens)
+        say(f"logit lens over {len(lens_docs)} documents (at most {cfg.lens_tokens} tokens) at {model.n_sites} sites")
         lens_job(model, lens_docs, LensConfig(prompt=cfg.prompt), output)
         timings["lens"] = time.time() - t
 
     # 2. contribution norms
     t = time.time()
-    say(f"contribution norms over ~{cfg.norms_tokens} tokens")
     norms_docs = _cap_texts(texts, model.tokenizer, cfg.norms_tokens)
+    say(f"contribution norms over {len(norms_docs)} documents (at most {cfg.norms_tokens} tokens)")
     norms_job(model, norms_docs, NormsConfig(prompt=cfg.prompt, target=cfg.target), output)
     timings["norms"] = time.time() - t
 

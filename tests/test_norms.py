@@ -210,7 +210,7 @@ def test_per_token_identity_and_consistency(default_model, short_docs):
         want = pos[sel].groupby("site")[NORM_METRICS].mean()
         got = agg[agg["positions"] == g].set_index("site")[NORM_METRICS]
         np.testing.assert_allclose(got.to_numpy(float), want.to_numpy(float), rtol=1e-9, equal_nan=True)
-    assert (pos.groupby("sequence")["token"].first().index == range(len(texts))).all()
+    assert list(pos.groupby("sequence")["token"].first().index) == list(range(len(texts)))
     assert set(pos.columns) >= {"sequence", "doc", "position", "token", "site", "label", "depth", "max_abs_dim"}
 
 
