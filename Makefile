@@ -24,7 +24,7 @@ check-wheel: setup
 docs: setup
 	$(VENV)/bin/mkdocs build --strict
 
-# the fast tier: everything that does not load the real default model (under a minute)
+# the fast tier: everything that does not load the real default model (about 4 min on 2 quiet cores)
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
