@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from command_lines import check_options
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -160,12 +161,7 @@ def test_depthscope_lines_name_real_commands_and_options():
             r = runner.invoke(app, [name, "--help"])
             assert r.exit_code == 0, r.output
             helped.add(name)
-        known = {o for p in group.commands[name].params for o in (*p.opts, *p.secondary_opts)}
-        used = {w.split("=")[0] for w in words[2:] if w.startswith("-")}
-        assert used <= known, f"{where}: `depthscope {name}` has no option {sorted(used - known)}: {' '.join(words)}"
-        required = [p.opts for p in group.commands[name].params if p.required and p.opts[0].startswith("-")]
-        missing = [o[0] for o in required if not set(o) & used]
-        assert not missing, f"{where}: `depthscope {name}` needs {missing}: {' '.join(words)}"
+        check_options(group, words, where)
 
 
 def test_files_read_by_shell_lines_ship_or_are_written_first():

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from command_lines import check_options
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -86,12 +87,7 @@ def test_depthscope_command_lines_name_real_commands_and_options():
         assert name in group.commands, f"README runs `depthscope {name}`, which does not exist"
         r = runner.invoke(app, [name, "--help"])
         assert r.exit_code == 0, r.output
-        known = {o for p in group.commands[name].params for o in (*p.opts, *p.secondary_opts)}
-        used = {w.split("=")[0] for w in words[2:] if w.startswith("-")}
-        assert used <= known, f"`depthscope {name}` has no option {sorted(used - known)} (README: {' '.join(words)})"
-        required = [p.opts for p in group.commands[name].params if p.required and p.opts[0].startswith("-")]
-        missing = [o[0] for o in required if not set(o) & used]
-        assert not missing, f"`depthscope {name}` needs {missing} (README: {' '.join(words)})"
+        check_options(group, words, "README")
 
 
 def test_make_targets_exist():

@@ -1,0 +1,16 @@
+"""What the README and docs tests check of a ``depthscope`` command line in a shell block."""
+
+from __future__ import annotations
+
+
+def check_options(group, words: list[str], where: str) -> None:
+    """``words`` (``["depthscope", NAME, ...]``) uses only options that ``depthscope NAME`` has,
+    and gives each of its required options."""
+    name, line = words[1], " ".join(words)
+    params = group.commands[name].params
+    known = {o for p in params for o in (*p.opts, *p.secondary_opts)}
+    used = {w.split("=")[0] for w in words[2:] if w.startswith("-")}
+    assert used <= known, f"{where}: `depthscope {name}` has no option {sorted(used - known)}: {line}"
+    required = [p.opts for p in params if p.required and p.opts[0].startswith("-")]
+    missing = [o[0] for o in required if not set(o) & used]
+    assert not missing, f"{where}: `depthscope {name}` needs {missing}: {line}"
