@@ -62,16 +62,7 @@ def train_tiny_series(
     saved: list[Path] = []
 
     def save(step: int):
-        d = out / f"step{step}"
-        bars = tf.utils.logging.is_progress_bar_enabled()
-        tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
-        try:
-            model.save_pretrained(d, safe_serialization=True)
-        finally:
-            if bars:
-                tf.utils.logging.enable_progress_bar()
-        tokenizer.save_pretrained(d)
-        saved.append(d)
+        saved.append(_save_checkpoint(model, tokenizer, out / f"step{step}"))
 
     model.train()
     g = torch.Generator().manual_seed(seed)
@@ -92,3 +83,18 @@ def train_tiny_series(
             model.train()
     model.eval()
     return saved
+
+
+def _save_checkpoint(model, tokenizer, folder: Path) -> Path:
+    """A Hugging Face folder (safetensors, config, tokenizer), without transformers' per-save bar."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(folder)
+    return folder

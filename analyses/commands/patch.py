@@ -93,7 +93,6 @@ def register(app: typer.Typer) -> None:
         out the estimate, --no-plots the figures.
         """
         from rich.console import Console
-        from rich.table import Table
 
         from depthscope.analyses.jobs import Output
         from depthscope.analyses.jobs.patch import patch_job
@@ -116,19 +115,25 @@ def register(app: typer.Typer) -> None:
         m = load_model(model, device=device, dtype=dtype)
         console.print(repr(m))
         result = patch_job(m, config, Output(out))
-        s = result.summary
-        t = Table("quantity", "value", title=f"patching {m.name}: {s['metric']}")
-        t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f}")
-        positions = ", ".join(f"{part} at {where}" for part, where in s["positions"].items())
-        t.add_row("patches", f"{s['n_patches']} ({positions})")
-        for rows in s["top"].values():
-            for where, frac in rows:
-                t.add_row(where, f"{frac:+.3f} recovered")
-        for part, rho in (s.get("spearman_attribution_vs_exact") or {}).items():
-            if rho is not None:
-                t.add_row(f"attribution vs exact, {part} (Spearman)", f"{rho:.3f}")
-        if s["notes"]:
-            t.add_row("note", s["notes"])
-        Console(width=None if sys.stdout.isatty() else 160).print(t)  # logs: no 80-column squeeze
+        Console(width=None if sys.stdout.isatty() else 160).print(_summary_table(m.name, result.summary))
         for p in result.files:
             typer.echo(f"wrote {p}")
+
+
+def _summary_table(name, s: dict):
+    """The console table of a patch job's summary (logs get 160 columns: no 80-column squeeze)."""
+    from rich.table import Table
+
+    t = Table("quantity", "value", title=f"patching {name}: {s['metric']}")
+    t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f}")
+    positions = ", ".join(f"{part} at {where}" for part, where in s["positions"].items())
+    t.add_row("patches", f"{s['n_patches']} ({positions})")
+    for rows in s["top"].values():
+        for where, frac in rows:
+            t.add_row(where, f"{frac:+.3f} recovered")
+    for part, rho in (s.get("spearman_attribution_vs_exact") or {}).items():
+        if rho is not None:
+            t.add_row(f"attribution vs exact, {part} (Spearman)", f"{rho:.3f}")
+    if s["notes"]:
+        t.add_row("note", s["notes"])
+    return t

@@ -107,44 +107,44 @@ def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
     attrs["positions"] = ", ".join(dict.fromkeys(e.attrs["positions"] for e in exact))
     everything = pd.concat(exact + estimate, ignore_index=True)
     everything.attrs.update(attrs)
-    exact_rows = everything["method"] == "activation"
     per_head = everything["head"].notna()
-    parts = {"sites": ~per_head, "heads": per_head}
+    parts = {part: rows for part, rows in (("sites", ~per_head), ("heads", per_head)) if rows.any()}
     tables = {}
     for part, rows in parts.items():
-        if rows.any():
-            t = everything[rows].reset_index(drop=True)
-            t.attrs.update(attrs)
-            tables[TABLES[part]] = t
-            out.table(t, TABLES[part])
-    first = exact[0]
-    summary = {
-        "model": str(model.name),
-        "metric": attrs["metric"],
-        "positions": {part: _positions(everything[rows & exact_rows]) for part, rows in parts.items() if rows.any()},
-        "clean_metric": float(first["clean_metric"].iloc[0]),
-        "corrupted_metric": float(first["corrupted_metric"].iloc[0]),
-        "n_patches": int(exact_rows.sum()),
-        "top": {
-            part: [[_where(r), float(r.fraction_recovered)] for r in _top(everything[rows & exact_rows], 5)]
-            for part, rows in parts.items()
-            if rows.any()
-        },
-        "notes": "; ".join(n for n in (note, attrs.get("notes", "")) if n),
-    }
+        t = everything[rows].reset_index(drop=True)
+        t.attrs.update(attrs)
+        tables[TABLES[part]] = t
+        out.table(t, TABLES[part])
+    summary = _summary(model, everything, parts, "; ".join(n for n in (note, attrs.get("notes", "")) if n))
     if config.attribution:
-        summary["spearman_attribution_vs_exact"] = {
-            part: _spearman(everything[rows]) for part, rows in parts.items() if rows.any()
-        }
+        summary["spearman_attribution_vs_exact"] = {part: _spearman(everything[rows]) for part, rows in parts.items()}
     if config.plots:
-        if parts["sites"].any():
-            out.figure(plots.plot_patching_sites, tables[TABLES["sites"]], name=FIGURES["sites"])
-        if parts["heads"].any():
-            out.figure(plots.plot_patching_heads, tables[TABLES["heads"]], name=FIGURES["heads"])
+        for part in parts:
+            plot = plots.plot_patching_sites if part == "sites" else plots.plot_patching_heads
+            out.figure(plot, tables[TABLES[part]], name=FIGURES[part])
         rhos = summary.get("spearman_attribution_vs_exact") or {}
         if any(r is not None for r in rhos.values()):
             out.figure(plots.plot_attribution_vs_exact, everything, name="patching_attribution")
     return JobResult(tables=tables, summary=summary, files=list(out.written))
+
+
+def _summary(model, everything, parts: dict, notes: str) -> dict:
+    """The job's summary from the combined table; ``parts``: the non-empty tables' row masks."""
+    exact_rows = everything["method"] == "activation"
+    first = everything[exact_rows].iloc[0]
+    return {
+        "model": str(model.name),
+        "metric": everything.attrs["metric"],
+        "positions": {part: _positions(everything[rows & exact_rows]) for part, rows in parts.items()},
+        "clean_metric": float(first["clean_metric"]),
+        "corrupted_metric": float(first["corrupted_metric"]),
+        "n_patches": int(exact_rows.sum()),
+        "top": {
+            part: [[_where(r), float(r.fraction_recovered)] for r in _top(everything[rows & exact_rows], 5)]
+            for part, rows in parts.items()
+        },
+        "notes": notes,
+    }
 
 
 def _positions(df) -> str:
