@@ -78,9 +78,8 @@ def _guard(fn):
 
     @functools.wraps(fn)
     def command(*args, **kwargs):
-        from depthscope.hooks.errors import DepthscopeError, OutputError
-
-        from .commands.common import release_outputs
+        from depthscope.analyses.commands.common import release_outputs
+        from depthscope.common.errors import DepthscopeError, OutputError
 
         try:
             return fn(*args, **kwargs)
@@ -94,7 +93,7 @@ def _guard(fn):
 
 
 def _load_commands() -> None:
-    from . import commands
+    from depthscope.analyses import commands
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
@@ -109,10 +108,10 @@ _load_commands()
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from depthscope.hooks.errors import DepthscopeError
-    from depthscope.hooks.runtime import tune_allocator
+    from depthscope.common.errors import DepthscopeError
+    from depthscope.common.runtime import tune_allocator
 
-    tune_allocator()  # this process is ours: keep large blocks in the heap (see hooks/runtime.py)
+    tune_allocator()  # this process is ours: keep large blocks in the heap (see common/runtime.py)
     try:
         app()
     except DepthscopeError as e:

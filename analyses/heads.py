@@ -33,12 +33,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.norms.metrics import POSITION_GROUPS
+from depthscope.analyses.norms.streaming import norm_batches
+from depthscope.common.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.arch import linear_weight, value_hook
-from depthscope.hooks.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
-
-from .norms.metrics import POSITION_GROUPS
-from .norms.streaming import norm_batches
 
 __all__ = ["head_write_norms", "norm_weighted_attention"]
 

@@ -54,11 +54,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.errors import InputError
+from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
+from depthscope.analyses.lenses import Lens, LogitLens
+from depthscope.common.errors import InputError
 from depthscope.hooks.sites import site_frame
-
-from .intervals import ClusterSums, interval_columns, pick_clusters
-from .lenses import Lens, LogitLens
 
 __all__ = ["logit_lens", "logit_lens_tokens", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
 
@@ -442,10 +441,10 @@ def logit_lens(
     metric's range; :mod:`depthscope.analyses.intervals`). ``max_tokens`` stops after that many
     positions (in input order). ``timings`` (a dict) receives the seconds
     spent in forward passes (``forward_s``) and in decoding + metrics (``decode_s``).
-    ``progress``: a bar over positions (:mod:`depthscope.hooks.progress`), with an ETA when
+    ``progress``: a bar over positions (:mod:`depthscope.common.progress`), with an ETA when
     ``total`` (the number of positions, e.g. the documents' token count) is given.
     """
-    from depthscope.hooks.progress import progress_bar
+    from depthscope.common.progress import progress_bar
 
     lens.check(model)
     sites = lens.resolve_sites(model, sites)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from depthscope.hooks.digest import ALGORITHM, model_digest
-from depthscope.hooks.errors import CheckpointError, InputError
-from depthscope.hooks.files import atomic_text, atomic_write
+from depthscope.common.digest import ALGORITHM, model_digest
+from depthscope.common.errors import CheckpointError, InputError
+from depthscope.common.files import atomic_text, atomic_write
 from depthscope.hooks.sites import parse_sites, site_labels
 
 __all__ = ["Lens", "LogitLens", "TunedLens", "LensMismatchError", "model_info"]

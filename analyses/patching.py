@@ -29,7 +29,7 @@ residual sites (``embed``, ``l.attn``, ``l.mlp``; the default is all of them), `
 Positions: ``"last"`` patches the last token only (clean and corrupted may differ in length: their
 last tokens are aligned), ``"all"`` every position at once, ``"each"`` one row per position
 (``"all"`` and ``"each"`` need prompts of the same token length and raise
-:class:`~depthscope.hooks.errors.InputError` otherwise).
+:class:`~depthscope.common.errors.InputError` otherwise).
 
 Tables are long, one row per patch, with the shared site columns (for a hook point below the
 residual: the site its write lands in, e.g. ``5.heads`` -> site ``5.attn``) and
@@ -50,8 +50,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.common.errors import InputError
 from depthscope.hooks.arch import cache_keyword, returned_cache
-from depthscope.hooks.errors import InputError
 from depthscope.hooks.sites import SITE_COLUMNS, parse_site, site_frame
 
 __all__ = [
@@ -447,7 +447,7 @@ def activation_patching(
     first = [p.pos if (reuse and p.pos is not None) else 0 for p in patches]
     order = sorted(range(len(patches)), key=lambda i: -first[i])  # stable: forward order within a position
     values, corrupted_value = np.empty(len(patches)), None
-    from depthscope.hooks.progress import progress_bar
+    from depthscope.common.progress import progress_bar
 
     bar = progress_bar(len(patches), desc="patching", unit="patch")
     for rows, start in _plan([first[i] for i in order], n_pos, int(batch_tokens)):

@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from depthscope.hooks.files import atomic_text
+from depthscope.analyses.jobs.lens import DEFAULT_PROMPT
+from depthscope.analyses.tables import read_table
+from depthscope.common.files import atomic_text
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
-
-from .jobs.lens import DEFAULT_PROMPT
-from .tables import read_table
 
 DEFAULT_TARGET = " Paris"
 
@@ -100,12 +99,11 @@ def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
 def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progress: bool = True, model=None) -> Path:
     """Run every analysis and write tables, plots, ``report.md`` and ``report.html``; returns the
     path of ``report.html``."""
+    from depthscope.analyses.jobs import Output
+    from depthscope.analyses.jobs.lens import LensConfig, lens_job
+    from depthscope.analyses.jobs.norms import NormsConfig, norms_job
+    from depthscope.analyses.jobs.probe import ProbeJobConfig, resolve_inputs, run_probe_job
     from depthscope.hooks import load_model
-
-    from .jobs import Output
-    from .jobs.lens import LensConfig, lens_job
-    from .jobs.norms import NormsConfig, norms_job
-    from .jobs.probe import ProbeJobConfig, resolve_inputs, run_probe_job
 
     cfg = config or ReportConfig()
     out = Path(out_dir)
@@ -363,7 +361,7 @@ def norm_findings(norms: pd.DataFrame, n_layers: int) -> list[str]:
     d = d.sort_values("site")
     e, f = d.iloc[0]["stream_norm"], d.iloc[-1]["stream_norm"]
     if e > 0 and f > 0:
-        from .norms import fit_growth_rate
+        from depthscope.analyses.norms import fit_growth_rate
 
         fit = fit_growth_rate(norms)
         b0 = d[d["label"] == "0.mlp"]["stream_norm"]
@@ -456,7 +454,7 @@ def render_report(out_dir: str | Path) -> Path:
     Both open with a table of contents (sections and figures). The HTML embeds each figure's
     SVG (vector; the PNG when no SVG is there) and links both files; the markdown shows the PNG
     and links the SVG."""
-    from depthscope.probes.tasks import pipeline_rank
+    from depthscope.probes.corpora.tasks import pipeline_rank
 
     out = Path(out_dir)
     meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}

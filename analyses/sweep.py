@@ -39,10 +39,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.hooks.errors import DepthscopeError
-from depthscope.hooks.files import atomic_text, atomic_write
-
-from .tables import site_first, write_table
+from depthscope.analyses.tables import site_first, write_table
+from depthscope.common.errors import DepthscopeError
+from depthscope.common.files import atomic_text, atomic_write
 
 _STEP_PATTERNS = [
     re.compile(r"(?:^|[-_/])(?:global[-_]?)?step[-_]?(\d+)", re.I),
@@ -124,13 +123,13 @@ AnalysisFn = Callable[..., dict[str, pd.DataFrame]]
 
 
 def _lens(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
-    from .lens import logit_lens
+    from depthscope.analyses.lens import logit_lens
 
     return {"by_site": logit_lens(model, texts, **kw)}
 
 
 def _norms(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
-    from .norms import contribution_norms
+    from depthscope.analyses.norms import contribution_norms
 
     return {"by_site": contribution_norms(model, texts, **kw)}
 
@@ -256,7 +255,7 @@ def _tally(result: SweepResult, outcome: dict) -> None:
 
 
 def _progress(items, progress: bool, total: int, initial: int):
-    from depthscope.hooks.progress import track
+    from depthscope.common.progress import track
 
     return track(items, desc="sweep", unit="ckpt", enabled=progress, total=total - initial)
 
@@ -359,7 +358,7 @@ def _run_checkpoint(
     its ``failed`` record); returns ``{checkpoint, status, error, fingerprint}``. The unit of
     work of every engine: it runs in this process or in a Ray worker, and its files are written
     atomically, so a retried task replaces, never duplicates, a half-finished attempt."""
-    from depthscope.hooks.digest import ALGORITHM, model_digest
+    from depthscope.common.digest import ALGORITHM, model_digest
 
     t0 = time.time()
     fp = None
@@ -404,7 +403,7 @@ def _run_checkpoint(
 def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The combined tables of a sweep folder (finished checkpoints only), ordered by step, with a
     ``duplicate_of`` column: the earlier checkpoint whose weights have the same digest
-    (:func:`~depthscope.hooks.digest.model_digest`), else None."""
+    (:func:`~depthscope.common.digest.model_digest`), else None."""
     ck_dir = Path(out_dir) / "checkpoints"
     records = [json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")]
     finished = {r["checkpoint"]: r for r in records}

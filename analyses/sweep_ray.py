@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from depthscope.hooks.errors import DepthscopeError
-from depthscope.hooks.files import atomic_text
+from depthscope.common.errors import DepthscopeError
+from depthscope.common.files import atomic_text
 
 INSTALL_RAY = "pip install 'depthscope[ray]'  (or: pip install 'ray>=2.40')"
 
@@ -189,6 +189,6 @@ def _check_reachable(address: str, timeout: float) -> None:
 def _bar(progress: bool, total: int):
     if not progress:
         return None
-    from depthscope.hooks.progress import progress_bar
+    from depthscope.common.progress import progress_bar
 
     return progress_bar(total=total, desc="sweep (ray)", unit="ckpt")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.hooks.files import atomic_write
+from depthscope.common.files import atomic_write
 from depthscope.hooks.sites import SITE_COLUMNS
 
 SHARED_COLUMNS = SITE_COLUMNS  # site, label, layer, sublayer, depth (+ checkpoint, step in sweeps)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 
 CONLLU_TEXT = "# text = "
 

@@ -45,12 +45,11 @@ from pathlib import Path
 
 import torch
 
-from depthscope.hooks.errors import CheckpointError, InputError
+from depthscope.analyses.lens import lens_batches
+from depthscope.analyses.lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
+from depthscope.analyses.tuned_lens_config import TunedLensTraining
+from depthscope.common.errors import CheckpointError, InputError
 from depthscope.hooks.sites import parse_sites
-
-from .lens import lens_batches
-from .lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
-from .tuned_lens_config import TunedLensTraining
 
 __all__ = ["TunedLens", "TunedLensTraining", "train_tuned_lens", "LensMismatchError"]
 
@@ -172,7 +171,7 @@ def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_si
 
 
 def _bar(progress: bool, *, total=None, desc: str, unit: str = "it", **kw):
-    from depthscope.hooks.progress import progress_bar
+    from depthscope.common.progress import progress_bar
 
     return progress_bar(total, desc=desc, unit=unit, enabled=progress, **kw)
 

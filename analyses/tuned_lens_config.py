@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.probes.config import check_number
 
 

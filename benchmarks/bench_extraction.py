@@ -2,7 +2,7 @@
 
 Real default model (SmolLM2-135M), real text (distinct UD English EWT train sentences), every word a span,
 every residual site, float16 store. In a fresh subprocess per corpus size it extracts the store
-as shards of a fixed size (:func:`depthscope.probes.shards.extract_sharded`, 2 shards at 1x,
+as shards of a fixed size (:func:`depthscope.probes.store.shards.extract_sharded`, 2 shards at 1x,
 8 at 4x) and then reads every span's rows twice in batches of 256, as a probe's epochs do
 (``store.gather``), summing them. The peak resident memory of the subprocess (``ru_maxrss``)
 is compared: goal, peak(4x) / peak(1x) <= 1.10 (flat: a shard is written and closed before
@@ -31,8 +31,8 @@ CHILD = r"""
 import json, re, resource, sys, tempfile, time, shutil
 import numpy as np, torch
 from depthscope.hooks import load_model
-from depthscope.probes.shards import extract_sharded
-from depthscope.probes.spans import SpanTable, map_spans, tokenize_passages
+from depthscope.probes.store.shards import extract_sharded
+from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
 
 torch.set_num_threads(1)
 n, shards = int(sys.argv[1]), int(sys.argv[2])

@@ -2,7 +2,7 @@
 
 Features: the bundled UD EWT sample's upos task on the default model (the activation store is
 reused when present), standardised as depthscope does. depthscope fits every site side by side
-with its default solver (``subspace``: :mod:`depthscope.probes.subspace`) to its convergence
+with its default solver (``subspace``: :mod:`depthscope.probes.solvers.subspace`) to its convergence
 criterion; the baseline fits
 ``LogisticRegression(C = 1 / (2 * l2 * n), tol=1e-6, max_iter=1000)`` (lbfgs, multinomial) site
 by site on the same float32 matrices (depthscope's feature-major with its rows in the shuffled
@@ -67,7 +67,7 @@ def _rows(X, sites, rows):
 
 def fit_depthscope(Xtr, ytr, n_classes, solver: str = "auto"):
     from depthscope.probes import BatchedProbe
-    from depthscope.probes.training import train_probe
+    from depthscope.probes.solvers.training import train_probe
 
     f = _resident(Xtr)
     p = BatchedProbe(n_sites=Xtr.shape[0], d=Xtr.shape[2], n_spans=1, n_classes=n_classes, l2=L2)
@@ -172,7 +172,7 @@ def to_target(Xtr, ytr, Xte, yte, n_classes, f_opt, acc_opt, k_max, target: floa
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
-    from depthscope.probes.subspace import fit_softmax
+    from depthscope.probes.solvers.subspace import fit_softmax
 
     S, n, F = Xtr.shape
     C = n_classes

@@ -223,14 +223,14 @@ def validate(model, args):
     from sklearn.linear_model import LogisticRegression
 
     from depthscope.probes import read_conllu, run_probes
-    from depthscope.probes.classifiers import DEFAULT_L2
+    from depthscope.probes.solvers.classifiers import DEFAULT_L2
 
     train = read_conllu(UD / "en_ewt-ud-train.conllu", max_sentences=args.validate_train)
     test = read_conllu(UD / "en_ewt-ud-test.conllu", max_sentences=args.validate_test)
     t = time.perf_counter()
     res = run_probes(model, "upos", train, test, store_dir=args.store, bos=not args.no_bos, progress=False)
     print(f"run_probes: {time.perf_counter() - t:.0f} s", flush=True)
-    from depthscope.probes.spans import bos_id
+    from depthscope.probes.corpora.spans import bos_id
 
     prepend = None if args.no_bos else bos_id(model.tokenizer)
     bs = res.by_site.set_index("label")

@@ -1,7 +1,7 @@
 """MkDocs hook (``hooks:`` in mkdocs.yml) and griffe extension for the documentation site.
 
 * griffe cannot find ``depthscope.hooks`` by itself: the packages are installed from the folders
-  ``hooks/``, ``probes/`` and ``analyses/`` (a package-dir mapping), so no ``depthscope/`` folder
+  ``common/``, ``hooks/``, ``probes/`` and ``analyses/`` (a package-dir mapping), so no ``depthscope/`` folder
   exists to read the source from. :func:`on_config` builds one in a temporary folder
   (``depthscope/hooks`` -> ``<repo>/hooks``, ...: symbolic links, or copies where links are not
   allowed) and gives it to mkdocstrings as its search path. Nothing is imported: the API pages
@@ -28,7 +28,7 @@ from mkdocs.plugins import event_priority
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
-PACKAGES = ("hooks", "probes", "analyses")
+PACKAGES = ("common", "hooks", "probes", "analyses")
 
 _shim: Path | None = None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import (
+from depthscope.common.errors import (
     CheckpointError,
     ContextLengthError,
     DefaultModelMissing,
@@ -27,7 +27,7 @@ from .errors import (
     OutputError,
     UnsupportedArchitecture,
 )
-from .runtime import tune_allocator
+from depthscope.common.runtime import tune_allocator
 
 _EXPORTS = {
     "load_model": "loading",
@@ -43,9 +43,9 @@ _EXPORTS = {
     "site_frame": "sites",
     "site_from_index": "sites",
     "site_labels": "sites",
-    "model_digest": "digest",
     "Unembed": "unembed",
     "FrozenUnembed": "unembed",
+    "model_digest": "depthscope.common.digest",
     "Generation": "generate",
     "POINT_KINDS": "points",
     "Point": "points",
@@ -61,8 +61,6 @@ _SUBMODULES = {
     "arch",
     "attention",
     "devices",
-    "digest",
-    "files",
     "generate",
     "loading",
     "model",
@@ -115,10 +113,10 @@ __all__ = [
 def __getattr__(name: str):
     mod = _EXPORTS.get(name)
     if mod is None:
-        if name in _SUBMODULES:  # ``depthscope.hooks.arch`` without importing it first, as before
+        if name in _SUBMODULES:  # ``depthscope.hooks.arch`` without importing it first
             return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    value = getattr(importlib.import_module(mod if "." in mod else f"{__name__}.{mod}"), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import UnsupportedArchitecture
+from depthscope.common.errors import UnsupportedArchitecture
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:

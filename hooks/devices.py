@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from .errors import DepthscopeError
+from depthscope.common.errors import DepthscopeError
 
 DTYPES = {
     "float32": torch.float32,

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError, UnsupportedArchitecture
-from .points import parse_points
-from .run import PADDING_SIDES, Attached, Hooks, _State, normalise_hooks, position_ids
+from depthscope.common.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.points import parse_points
+from depthscope.hooks.run import PADDING_SIDES, Attached, Hooks, _State, normalise_hooks, position_ids
 
 
 @dataclass

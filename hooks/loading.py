@@ -32,9 +32,16 @@ from pathlib import Path
 
 import torch
 
-from .devices import check_dtype_on, check_fits, parameter_count, require_accelerate, resolve_device, resolve_dtype
-from .errors import CheckpointError, DefaultModelMissing, ModelSpecError
-from .model import HookedModel
+from depthscope.common.errors import CheckpointError, DefaultModelMissing, ModelSpecError
+from depthscope.hooks.devices import (
+    check_dtype_on,
+    check_fits,
+    parameter_count,
+    require_accelerate,
+    resolve_device,
+    resolve_dtype,
+)
+from depthscope.hooks.model import HookedModel
 
 log = logging.getLogger("depthscope")
 
@@ -327,7 +334,7 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             shutil.rmtree(target, ignore_errors=True)
     _check_gguf_header(path)
     log.info("converting %s (dequantising, ~20 s, once)", path.name)
-    from .progress import spinner
+    from depthscope.common.progress import spinner
 
     try:
         with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors (once, ~20 s)"):
@@ -362,9 +369,9 @@ def _check_gguf_header(path: Path) -> None:
 
 
 def _cache_intact(target: Path, gguf: Path) -> bool:
-    """True when the cached conversion in ``target`` matches its stamps (:mod:`depthscope.hooks.stamps`);
+    """True when the cached conversion in ``target`` matches its stamps (:mod:`depthscope.common.stamps`);
     a missing stamp or a changed file is warned about (the caller converts again)."""
-    from .stamps import verify_stamps
+    from depthscope.common.stamps import verify_stamps
 
     bad = verify_stamps(target)
     if bad == []:
@@ -375,7 +382,7 @@ def _cache_intact(target: Path, gguf: Path) -> bool:
 
 
 def _save_atomically(model, tok, target: Path) -> None:
-    from .stamps import write_stamps
+    from depthscope.common.stamps import write_stamps
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .arch import ResolvedArch, resolve
-from .errors import ContextLengthError, InputError, NonFiniteActivationError
-from .generate import Generation
-from .generate import generate as _generate
-from .run import Run, is_left_padded, position_ids
-from .run import run as _run
-from .sites import parse_site, parse_sites, site_frame, site_labels
-from .unembed import Unembed
+from depthscope.common.errors import ContextLengthError, InputError, NonFiniteActivationError
+from depthscope.hooks.arch import ResolvedArch, resolve
+from depthscope.hooks.generate import Generation
+from depthscope.hooks.generate import generate as _generate
+from depthscope.hooks.run import Run, is_left_padded, position_ids
+from depthscope.hooks.run import run as _run
+from depthscope.hooks.sites import parse_site, parse_sites, site_frame, site_labels
+from depthscope.hooks.unembed import Unembed
 
 Inputs = torch.Tensor | Sequence[str] | str
 HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]

@@ -42,7 +42,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .errors import InputError
+from depthscope.common.errors import InputError
 
 RESID_KINDS = ("embed", "attn", "mlp")
 SUB_KINDS = ("pattern", "z", "heads", "attn_out", "neurons", "mlp_out")

@@ -18,7 +18,7 @@ offers                 what
 =====================  =====================================================================
 
 Hook functions are called as ``fn(tensor, ctx)`` and return a replacement (same shape and dtype;
-anything else raises :class:`~depthscope.hooks.errors.InputError` naming the point and both
+anything else raises :class:`~depthscope.common.errors.InputError` naming the point and both
 shapes) or None. ``ctx`` is a :class:`HookContext`: a ``str`` equal to the canonical point name
 (so ``fn(stream, label)`` hooks written for ``model.hooks`` work unchanged) with ``.point``,
 ``.mask`` (bool ``[batch, keys]``, True at real tokens, the whole sequence so far),
@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import eager_patterns
-from .errors import InputError, UnsupportedArchitecture
-from .points import Point, parse_point, parse_points
+from depthscope.common.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.attention import eager_patterns
+from depthscope.hooks.points import Point, parse_point, parse_points
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
 Hooks = Mapping[str, HookFn | Sequence[HookFn]] | Iterable[tuple[str, HookFn]] | None

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .digest import digest_tensors
-from .errors import UnsupportedArchitecture
+from depthscope.common.digest import digest_tensors
+from depthscope.common.errors import UnsupportedArchitecture
 
 
 @dataclass
@@ -224,7 +224,7 @@ class Unembed:
         return NormParams.of(self.final_norm, self.d_model)
 
     def digest(self) -> str:
-        """Weight digest (:func:`depthscope.hooks.digest.digest_tensors`) of the final norm, the
+        """Weight digest (:func:`depthscope.common.digest.digest_tensors`) of the final norm, the
         unembedding and the post-processing constants."""
         named = []
         for what, mod in (("final_norm", self.final_norm), ("unembed", self.linear)):

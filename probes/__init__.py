@@ -39,13 +39,11 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
 ``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``, ``Features``, ``train_probe``,
 ``predict``, ``accuracy``, ``macro_f1``, ``resolve_precision``: the building blocks.
 
-Modules, one job each: ``config`` (settings), ``conllu_io`` / ``tasks`` / ``spans`` (data),
-``activations`` (the span store), ``extraction`` (corpora to stores), ``encoding`` (labels and
-features of a task), ``features`` (the feature container), ``classifiers`` (the probe model),
-``training`` (fit to convergence and predict), ``solvers`` (batched L-BFGS), ``metrics``,
-``cpu`` (precision rule, threads), ``mixing``
-(Tenney's summaries), ``mdl``, ``fitting`` (one task's probes), ``summaries`` (table rows),
-``run`` (``run_probes``), ``words`` (``word_features`` for your own probes).
+Rooms (sub-packages), lowest first: ``corpora`` (CoNLL-U and jiant readers, tasks, spans to
+tokens), ``store`` (activation extraction, shards, features, ``word_features``), ``solvers`` (the
+batched probe and the numerics that fit it). The science sits at the top: ``config`` (settings),
+``encoding`` (labels and features of a task), ``fitting`` (one task's probes), ``mixing`` (Tenney's
+summaries), ``mdl``, ``metrics``, ``summaries`` (table rows), ``run`` (``run_probes``).
 
 Tables and figures (``probes_by_site``, ``probes_summary``, ``probes_mixing``,
 ``probes_accuracy.png``, ``probes_tenney.png``) are written by the probe job,
@@ -59,25 +57,25 @@ import importlib
 from pathlib import Path
 
 _EXPORTS = {
-    "POOLINGS": "activations",
-    "SpanStore": "activations",
-    "extract_spans": "activations",
-    "BatchedProbe": "classifiers",
+    "POOLINGS": "store.activations",
+    "SpanStore": "store.activations",
+    "extract_spans": "store.activations",
+    "BatchedProbe": "solvers.classifiers",
     "L2_GRID": "config",
     "L2_LADDER": "config",
     "DataConfig": "config",
     "ExtractionConfig": "config",
     "ProbeConfig": "config",
-    "ConlluError": "conllu_io",
-    "Corpus": "conllu_io",
-    "Mention": "conllu_io",
-    "Sentence": "conllu_io",
-    "Word": "conllu_io",
-    "parse_conllu_text": "conllu_io",
-    "read_conllu": "conllu_io",
-    "resolve_precision": "cpu",
+    "ConlluError": "corpora.conllu",
+    "Corpus": "corpora.conllu",
+    "Mention": "corpora.conllu",
+    "Sentence": "corpora.conllu",
+    "Word": "corpora.conllu",
+    "parse_conllu_text": "corpora.conllu",
+    "read_conllu": "corpora.conllu",
+    "resolve_precision": "solvers.cpu",
     "TaskData": "encoding",
-    "Features": "features",
+    "Features": "store.features",
     "VOITA_FRACTIONS": "mdl",
     "online_codelength": "mdl",
     "accuracy": "metrics",
@@ -90,38 +88,32 @@ _EXPORTS = {
     "ProbeResults": "run",
     "prepare_task": "run",
     "run_probes": "run",
-    "PIPELINE_ORDER": "tasks",
-    "TaskExamples": "tasks",
-    "build_task": "tasks",
-    "control_labels": "tasks",
-    "load_corpus": "tasks",
-    "read_jiant": "tasks",
-    "predict": "training",
-    "train_probe": "training",
-    "WordFeatures": "words",
-    "word_features": "words",
+    "PIPELINE_ORDER": "corpora.tasks",
+    "TaskExamples": "corpora.tasks",
+    "build_task": "corpora.tasks",
+    "control_labels": "corpora.tasks",
+    "load_corpus": "corpora.tasks",
+    "read_jiant": "corpora.tasks",
+    "predict": "solvers.training",
+    "train_probe": "solvers.training",
+    "WordFeatures": "store.words",
+    "word_features": "store.words",
 }
 
 
 _SUBMODULES = {
-    "activations",
-    "classifiers",
     "config",
-    "conllu_io",
-    "cpu",
+    "corpora",
     "data",
     "encoding",
-    "extraction",
-    "features",
     "fitting",
     "mdl",
     "metrics",
     "mixing",
     "run",
-    "spans",
+    "solvers",
+    "store",
     "summaries",
-    "tasks",
-    "training",
 }
 
 

@@ -13,7 +13,7 @@ object                 holds
                        pair sampling
 ``override(configs,
 kw)``                  new configs with loose keyword settings applied; an unknown name is an
-                       :class:`~depthscope.hooks.errors.InputError` that lists the valid ones
+                       :class:`~depthscope.common.errors.InputError` that lists the valid ones
 =====================  ========================================================================
 
 They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given, no
@@ -54,7 +54,7 @@ L2_SITES = 16
 
 
 def _error(msg: str) -> Exception:
-    from depthscope.hooks.errors import InputError  # here, not at import: this module stays import-cheap
+    from depthscope.common.errors import InputError  # here, not at import: this module stays import-cheap
 
     return InputError(msg)
 
@@ -67,7 +67,7 @@ def _choice(name: str, value, allowed) -> None:
 def check_number(name: str, value, *, minimum: float = 1, integer: bool = True, allow_none: bool = False) -> None:
     """The one numeric check of every configuration: ``value`` is a finite number (an integer when
     ``integer``) of at least ``minimum`` (``minimum=0.0`` with ``integer=False``: greater than 0),
-    or None when ``allow_none``; else an :class:`~depthscope.hooks.errors.InputError` naming it."""
+    or None when ``allow_none``; else an :class:`~depthscope.common.errors.InputError` naming it."""
     if value is None and allow_none:
         return
     kinds = (int,) if integer else (int, float)
@@ -99,14 +99,14 @@ class ProbeConfig:
     the per-site probes, the control
     task, the cumulative and scalar mixes and MDL all use it. ``"dev"`` is the same, and
     requires a dev split. ``solver``: ``subspace`` (full batch, per-site linear probes
-    over resident features: :mod:`depthscope.probes.subspace`; the scalar mixes, which it does not
+    over resident features: :mod:`depthscope.probes.solvers.subspace`; the scalar mixes, which it does not
     fit, by L-BFGS), ``lbfgs`` (full batch, every linear probe over resident features, K-FAC
     preconditioned), ``adam`` (minibatch) or ``auto`` (``subspace``, or ``adam`` where features
     are not resident or the probe is an MLP); the two full-batch solvers need ``probe="linear"``. Training stops when
     every probe has converged (largest gradient entry <= ``gtol``, or relative objective change
-    <= ``tol`` twice in a row; :mod:`depthscope.probes.training`), or at ``max_epochs`` passes
+    <= ``tol`` twice in a row; :mod:`depthscope.probes.solvers.training`), or at ``max_epochs`` passes
     over train, with a warning and ``converged = False`` in the tables. ``lr``, ``min_steps``,
-    ``batch_size`` (None: :func:`~depthscope.probes.training.auto_batch`): the Adam solver's.
+    ``batch_size`` (None: :func:`~depthscope.probes.solvers.training.auto_batch`): the Adam solver's.
     ``control``: train Hewitt & Liang's control task beside (selectivity); ``cumulative``:
     Tenney's cumulative scoring and scalar mix (E_Delta, E_s); ``stack_draws``: how many fold
     draws the cumulative probes are stacked on, their test accuracies averaged (each draw
@@ -121,7 +121,7 @@ class ProbeConfig:
     (ten more fits). ``seed``: sampling, control labels and training. ``precision``: what the
     resident features and their products are stored and computed in: ``float32`` (the default,
     on every machine, so results never depend on the CPU), ``bfloat16``, or ``auto`` (bfloat16
-    where the CPU multiplies it natively: :func:`~depthscope.probes.cpu.resolve_precision`).
+    where the CPU multiplies it natively: :func:`~depthscope.probes.solvers.cpu.resolve_precision`).
     """
 
     probe: str = "linear"
@@ -253,7 +253,7 @@ def field_names(cls) -> list:
 def override(configs: Sequence, overrides: dict) -> list:
     """Copies of ``configs`` (dataclass instances) with each loose ``name=value`` of
     ``overrides`` applied to the config that has that field; an unknown name raises
-    :class:`~depthscope.hooks.errors.InputError` listing every valid one."""
+    :class:`~depthscope.common.errors.InputError` listing every valid one."""
     owner = {}
     for i, c in enumerate(configs):
         for n in field_names(type(c)):

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from depthscope.hooks.errors import InputError
-
-from .activations import ATTN_MAX_TOKENS
-from .extraction import span_ids
-from .features import Features
-from .tasks import control_labels
+from depthscope.common.errors import InputError
+from depthscope.probes.corpora.tasks import control_labels
+from depthscope.probes.store.activations import ATTN_MAX_TOKENS
+from depthscope.probes.store.extraction import span_ids
+from depthscope.probes.store.features import Features
 
 
 @dataclass

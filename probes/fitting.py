@@ -17,7 +17,7 @@ sites (dev split when given, else ``l2_folds`` folds of train), trying further h
 ``L2_LADDER`` while the best is at an end of the values tried, and taking the strongest value
 within one standard error of the best (the one-standard-error rule);
 the per-site probes, their control task, the cumulative probes, the scalar mix and MDL all use
-it, and every probe is trained to convergence (:mod:`depthscope.probes.training`).
+it, and every probe is trained to convergence (:mod:`depthscope.probes.solvers.training`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe, site_probe
-from .config import L2_GRID, L2_LADDER, L2_SITES, ProbeConfig
-from .encoding import TaskData
-from .metrics import accuracy, macro_f1
-from .mixing import fit_cumulative
-from .summaries import cumulative_summary, mixing_rows, site_rows, summary_row
-from .training import TrainLog, log_probs, predict, train_kwargs, train_probe
+from depthscope.probes.config import L2_GRID, L2_LADDER, L2_SITES, ProbeConfig
+from depthscope.probes.encoding import TaskData
+from depthscope.probes.metrics import accuracy, macro_f1
+from depthscope.probes.mixing import fit_cumulative
+from depthscope.probes.solvers.classifiers import BatchedProbe, site_probe
+from depthscope.probes.solvers.training import TrainLog, log_probs, predict, train_kwargs, train_probe
+from depthscope.probes.summaries import cumulative_summary, mixing_rows, site_rows, summary_row
 
 
 def pick_l2(acc: np.ndarray, n_heldout: int | None = None) -> int:
@@ -252,7 +252,7 @@ def fit_task(
     resident = feats["train"].resident  # what the products computed in (float32 when streamed)
     summ["precision"] = str(resident.dtype).replace("torch.", "") if resident is not None else "float32"
     if cfg.mdl:
-        from .mdl import online_codelength
+        from depthscope.probes.mdl import online_codelength
 
         res = online_codelength(
             feats["train"],

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .classifiers import BatchedProbe, numeric_l2
-from .config import ProbeConfig, override
-from .features import Features
-from .training import predict, train_probe
+from depthscope.probes.config import ProbeConfig, override
+from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2
+from depthscope.probes.solvers.training import predict, train_probe
+from depthscope.probes.store.features import Features
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -93,7 +93,7 @@ def online_codelength(
     blocks = list(zip(ends[:-1], ends[1:]))
     bar = None
     if progress:
-        from depthscope.hooks.progress import progress_bar
+        from depthscope.common.progress import progress_bar
 
         bar = progress_bar(len(blocks), desc="MDL blocks", unit="block")
     for t0, t1 in blocks:

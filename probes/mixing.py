@@ -56,14 +56,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from depthscope.hooks.errors import InputError
-
-from .classifiers import BatchedProbe, numeric_l2, site_probe
-from .config import ProbeConfig, override
-from .features import Features
-from .metrics import macro_f1
-from .solvers import newton
-from .training import TrainLog, log_probs, train_kwargs, train_probe
+from depthscope.common.errors import InputError
+from depthscope.probes.config import ProbeConfig, override
+from depthscope.probes.metrics import macro_f1
+from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2, site_probe
+from depthscope.probes.solvers.lbfgs import newton
+from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs, train_probe
+from depthscope.probes.store.features import Features
 
 #: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
 #: collinear, and the ridge spreads the weight among them (GUM upos, default decoder, six fold draws: argmax E_Delta sd
@@ -244,7 +243,7 @@ def stack(
     fold draw's solution: near this one's, so fewer iterations). ``z_train [S, N, C]``.
 
     Each prefix is a small convex problem (at most ``S + C`` parameters), solved by Newton's
-    method (:func:`~depthscope.probes.solvers.newton`) with the exact Hessian
+    method (:func:`~depthscope.probes.solvers.lbfgs.newton`) with the exact Hessian
     (:func:`_stack_hessian`): adjacent sites' predictions are nearly collinear, which left
     first-order L-BFGS unconverged after 500 passes on the 61 prefixes of the default model;
     Newton converges in about ten. The objective and gradient are float64."""

@@ -48,15 +48,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from depthscope.hooks.errors import InputError
-
-from .config import DataConfig, ExtractionConfig, ProbeConfig, override
-from .cpu import resolve_precision
-from .encoding import TaskData, encode_task
-from .extraction import load_and_extract
-from .fitting import fit_task
-from .summaries import tables
-from .tasks import pipeline_rank
+from depthscope.common.errors import InputError
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override
+from depthscope.probes.corpora.tasks import pipeline_rank
+from depthscope.probes.encoding import TaskData, encode_task
+from depthscope.probes.fitting import fit_task
+from depthscope.probes.solvers.cpu import resolve_precision
+from depthscope.probes.store.extraction import load_and_extract
+from depthscope.probes.summaries import tables
 
 log = logging.getLogger("depthscope.probes")
 

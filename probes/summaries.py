@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
+from depthscope.probes.mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
 
 #: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (soft accuracy)
 #: and at least ``GAIN_SE`` standard errors of that gain over test examples

@@ -394,7 +394,7 @@ def test_info_cli(default_model):
 
 
 def test_tune_allocator_is_idempotent_and_can_be_refused(monkeypatch):
-    import depthscope.hooks.runtime as rt
+    import depthscope.common.runtime as rt
 
     monkeypatch.setattr(rt, "_done", False)
     monkeypatch.setenv("DEPTHSCOPE_NO_MALLOPT", "1")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import depthscope.hooks.loading as loading
-from depthscope.hooks.stamps import STAMPS, verify_stamps, write_stamps
+from depthscope.common.stamps import STAMPS, verify_stamps, write_stamps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 
 UD = os.path.join(os.path.dirname(__file__), "fixtures", "ud")
 EWT_TRAIN, EWT_TEST = os.path.join(UD, "ewt_tiny_train.conllu"), os.path.join(UD, "ewt_tiny_test.conllu")
@@ -25,7 +25,7 @@ def no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model was loaded before the data were checked")
 
-    monkeypatch.setattr("depthscope.probes.extraction.resolve_model", boom)
+    monkeypatch.setattr("depthscope.probes.store.extraction.resolve_model", boom)
     monkeypatch.setattr("depthscope.hooks.load_model", boom)
 
 

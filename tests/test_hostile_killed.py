@@ -19,15 +19,15 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
-from depthscope.hooks.errors import OutputError
-from depthscope.hooks.files import FolderLock
+from depthscope.common.errors import OutputError
+from depthscope.common.files import FolderLock
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "lens", "ewt_sample.txt")
 EWT_TEST = os.path.join(os.path.dirname(__file__), "fixtures", "ud", "ewt_tiny_test.conllu")
 
 HOLD = """
 import sys, time
-from depthscope.hooks.files import FolderLock
+from depthscope.common.files import FolderLock
 FolderLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -72,8 +72,8 @@ def test_second_writer_of_one_out_is_refused_and_a_killed_one_leaves_no_lock(hol
 
 
 def _word_table(model):
-    from depthscope.probes.conllu_io import read_conllu
-    from depthscope.probes.spans import SpanTable, build_passages, map_spans, tokenize_passages
+    from depthscope.probes.corpora.conllu import read_conllu
+    from depthscope.probes.corpora.spans import SpanTable, build_passages, map_spans, tokenize_passages
 
     c = read_conllu(EWT_TEST, max_sentences=4)
     passages, _ = build_passages(c.sentences, "sentence")
@@ -84,7 +84,7 @@ def _word_table(model):
 
 
 def test_killed_extraction_temporaries_are_removed(tiny_factory, tmp_path):
-    from depthscope.probes.activations import extract_spans
+    from depthscope.probes.store.activations import extract_spans
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     tok, table = _word_table(m)
@@ -103,7 +103,7 @@ def test_killed_extraction_temporaries_are_removed(tiny_factory, tmp_path):
 def test_two_extractions_of_one_store_wait_and_reuse(tiny_factory, tmp_path, monkeypatch, caplog):
     """A process holds the key's lock; our extraction waits (saying so), and when the holder
     'finishes' (its complete store appears, then it dies) ours reuses the store, no forward pass."""
-    import depthscope.probes.activations as act
+    import depthscope.probes.store.activations as act
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     tok, table = _word_table(m)

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import _numeric, app
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 
 runner = CliRunner()
 

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
-from depthscope.hooks.errors import OutputError
-from depthscope.hooks.files import atomic_write
+from depthscope.common.errors import OutputError
+from depthscope.common.files import atomic_write
 
 TEXT = os.path.join(os.path.dirname(__file__), "fixtures", "lens", "ewt_sample.txt")
 runner = CliRunner()
@@ -70,7 +70,7 @@ def test_unwritable_out_is_refused_before_the_model_loads(command, tmp_path, mon
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_read_only_file_system_is_refused_before_the_model_loads(command, tmp_path, monkeypatch):
     """A read-only mount (as root, chmod does not stop writes: the probe file's creation is made to fail)."""
-    import depthscope.hooks.files as files
+    import depthscope.common.files as files
 
     _no_model(monkeypatch)
 
@@ -160,7 +160,7 @@ def test_cli_disk_full_exits_1_without_traceback_and_earlier_tables_stay_whole(
     m.hf_model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     out = tmp_path / "out"
-    import depthscope.hooks.files as files
+    import depthscope.common.files as files
 
     real, calls = files.atomic_write, []
 
@@ -187,9 +187,9 @@ def test_activation_store_on_a_full_disk_is_an_output_error_not_a_crash(tiny_fac
     reserved first, so a full disk is an OutputError naming the store, and nothing is left."""
     import numpy as np
 
-    from depthscope.probes.activations import extract_spans
-    from depthscope.probes.conllu_io import read_conllu
-    from depthscope.probes.spans import SpanTable, build_passages, map_spans, tokenize_passages
+    from depthscope.probes.corpora.conllu import read_conllu
+    from depthscope.probes.corpora.spans import SpanTable, build_passages, map_spans, tokenize_passages
+    from depthscope.probes.store.activations import extract_spans
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     c = read_conllu(os.path.join(os.path.dirname(__file__), "fixtures", "ud", "ewt_tiny_test.conllu"), max_sentences=3)

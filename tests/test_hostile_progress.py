@@ -9,7 +9,7 @@ import warnings
 import pandas as pd
 import pytest
 
-from depthscope.hooks import progress
+from depthscope.common import progress
 
 
 @pytest.mark.parametrize(

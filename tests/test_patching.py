@@ -21,7 +21,7 @@ from depthscope.analyses.patching import (
     logprob,
     prob,
 )
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

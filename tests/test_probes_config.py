@@ -10,7 +10,7 @@ import os
 import pytest
 import typer
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.probes import DataConfig, ExtractionConfig, ProbeConfig, run_probes
 from depthscope.probes.run import resolve_configs
 
@@ -63,7 +63,7 @@ def test_every_probe_and_run_option_has_help():
 
 def test_building_blocks_default_to_the_config():
     from depthscope.probes import BatchedProbe, fit_cumulative, online_codelength, train_probe
-    from depthscope.probes.classifiers import numeric_l2
+    from depthscope.probes.solvers.classifiers import numeric_l2
 
     cfg = ProbeConfig()
     tp = inspect.signature(train_probe).parameters
@@ -184,7 +184,7 @@ def test_default_precision_does_not_depend_on_the_cpu(tiny_factory, tmp_path, mo
     ``precision="auto"`` follows the CPU rule."""
     import torch
 
-    from depthscope.probes import cpu
+    from depthscope.probes.solvers import cpu
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     cfg = ProbeConfig(max_epochs=5, l2=1e-3, cumulative=False, control=False)

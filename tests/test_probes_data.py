@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.probes import (
     ConlluError,
     build_task,
@@ -19,7 +19,7 @@ from depthscope.probes import (
     read_jiant,
     sample_data,
 )
-from depthscope.probes.spans import SpanTable, build_passages, map_spans, span_tokens, tokenize_passages
+from depthscope.probes.corpora.spans import SpanTable, build_passages, map_spans, span_tokens, tokenize_passages
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -305,7 +305,7 @@ def test_document_passages_own_every_sentence_once(tokenizer):
 
 
 def test_bos_is_prepended_only_when_the_tokenizer_adds_none(tokenizer):
-    from depthscope.probes.spans import bos_id
+    from depthscope.probes.corpora.spans import bos_id
 
     b = bos_id(tokenizer)
     assert b == tokenizer.bos_token_id  # SmolLM2 adds no special token itself

@@ -22,8 +22,8 @@ from depthscope.probes import (
     predict,
     train_probe,
 )
-from depthscope.probes.activations import SpanStore
 from depthscope.probes.mdl import block_ends
+from depthscope.probes.store.activations import SpanStore
 from depthscope.probes.summaries import cumulative_summary
 
 
@@ -102,7 +102,7 @@ def test_converged_objective_matches_sklearn(l2):
     objective), one noisy, one with correlated dimensions."""
     from sklearn.linear_model import LogisticRegression
 
-    from depthscope.probes.training import objective
+    from depthscope.probes.solvers.training import objective
 
     x, y = synthetic(2000, S=3, D=24, C=5)
     x[:, 2] = x[:, 2] @ np.random.default_rng(7).normal(size=(24, 24)).astype(np.float32)  # correlated dims
@@ -136,8 +136,8 @@ def test_subspace_solver_reaches_the_lbfgs_and_sklearn_optimum():
     ABSENT_TOL * gtol (its probability is not driven to 0: MDL code lengths stay finite)."""
     from sklearn.linear_model import LogisticRegression
 
-    from depthscope.probes.subspace import ABSENT_TOL
-    from depthscope.probes.training import log_probs, objective
+    from depthscope.probes.solvers.subspace import ABSENT_TOL
+    from depthscope.probes.solvers.training import log_probs, objective
 
     f, y, l2 = _subspace_case()
     tight = dict(tol=1e-9, gtol=1e-5, max_epochs=3000)
@@ -172,7 +172,7 @@ def test_subspace_solver_reaches_the_lbfgs_and_sklearn_optimum():
 
 def test_subspace_solver_blocks_give_the_same_fit(monkeypatch):
     """Units solved in several blocks (a small state budget) fit exactly as in one block."""
-    from depthscope.probes import subspace
+    from depthscope.probes.solvers import subspace
 
     f, y, l2 = _subspace_case()
     out = []
@@ -189,7 +189,7 @@ def test_subspace_solver_blocks_give_the_same_fit(monkeypatch):
 def test_solver_choice():
     """auto: the subspace solver for per-site linear probes, L-BFGS for scalar mixes, Adam for
     streamed features; an explicit subspace run leaves its mixes to L-BFGS; MLPs refuse both."""
-    from depthscope.probes.training import pick_solver
+    from depthscope.probes.solvers.training import pick_solver
 
     x, _ = synthetic(200, S=3)
     f, streamed = features(x), features(x, resident=False)
@@ -223,7 +223,7 @@ def test_max_epochs_is_a_cap_that_warns(caplog):
 def test_bf16_features_agree_and_env_forces_a_type(monkeypatch):
     """bfloat16 features (chosen by the CPU-flag rule where bf16 is native) give the float32
     probe's predictions; DEPTHSCOPE_PROBE_DTYPE forces a type under "auto" and rejects others."""
-    from depthscope.probes.cpu import compute_dtype
+    from depthscope.probes.solvers.cpu import compute_dtype
 
     x, y = synthetic(2000, S=3)
     xt, yt = synthetic(600, S=3, seed=1)
@@ -251,8 +251,8 @@ def test_bf16_features_agree_and_env_forces_a_type(monkeypatch):
 def test_precision_rule_is_deterministic(monkeypatch):
     """ "auto" follows CPU flags, never a timing: bf16 only with native bf16 flags AND AVX512/AMX
     kernels; float32 on anything uncertain; explicit precisions and the env variable win."""
-    from depthscope.probes import cpu
-    from depthscope.probes.cpu import precision_rule, resolve_precision
+    from depthscope.probes.solvers import cpu
+    from depthscope.probes.solvers.cpu import precision_rule, resolve_precision
 
     assert precision_rule({"avx2", "avx512_bf16"}, "AVX512")[0] == torch.bfloat16
     assert precision_rule({"amx_bf16", "amx_tile"}, "AMX")[0] == torch.bfloat16
@@ -294,7 +294,7 @@ def test_heads_train_independently():
     x, y = synthetic(800, S=2)
     f = features(x)
     y2 = np.random.default_rng(5).integers(0, 4, len(y))
-    from depthscope.probes.training import objective
+    from depthscope.probes.solvers.training import objective
 
     tight = dict(tol=1e-8, gtol=1e-5, max_epochs=2000)
     both = BatchedProbe(n_sites=2, d=16, n_spans=1, n_classes=4, n_heads=2, l2=[1e-3, 1e-2])
@@ -408,7 +408,7 @@ def test_out_of_fold_uses_the_configured_folds(monkeypatch):
     """``stack_folds`` sets how many fold probes predict train out of fold: each example is
     predicted by a probe that never saw it (its fold's), and fewer examples than folds is an
     input error, not an empty fold."""
-    from depthscope.hooks.errors import InputError
+    from depthscope.common.errors import InputError
     from depthscope.probes import ProbeConfig, mixing
 
     x, y = synthetic(300, S=2, D=8, C=3)
@@ -590,7 +590,7 @@ def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
     step is not yet accepted) and preconditions only the units still going; the fit equals the
     one that evaluates and preconditions every unit at every pass, and the per-unit pass counts
     differ between sites (so the skipping is exercised)."""
-    from depthscope.probes import training
+    from depthscope.probes.solvers import training
 
     x, y = synthetic(1500, S=6, D=12)
     f = features(x)
@@ -677,7 +677,7 @@ def test_subspace_newton_system_is_the_exact_hessian():
     import torch
     import torch.nn.functional as F
 
-    from depthscope.probes.subspace import newton_system
+    from depthscope.probes.solvers.subspace import newton_system
 
     g = torch.Generator().manual_seed(0)
     B, J, C, n, D = 2, 2, 4, 30, 5
@@ -712,8 +712,8 @@ def test_subspace_gradient_and_direction_image_with_one_product_column_less(skip
     that do not sum to zero."""
     import torch.nn.functional as F
 
-    from depthscope.probes import subspace
-    from depthscope.probes.subspace import _Block
+    from depthscope.probes.solvers import subspace
+    from depthscope.probes.solvers.subspace import _Block
 
     monkeypatch.setattr(subspace, "SKIP_LAST_MIN", 0 if skip else 10**9)
 
@@ -740,7 +740,7 @@ def test_subspace_gradient_and_direction_image_with_one_product_column_less(skip
 def test_hessian_rows_cycle_through_equal_parts():
     """The Newton system's rows: all of them below ``2 HESSIAN_ROWS``; above, contiguous parts
     that cover every row once per cycle (the last one takes the remainder)."""
-    from depthscope.probes.subspace import HESSIAN_ROWS, hessian_rows
+    from depthscope.probes.solvers.subspace import HESSIAN_ROWS, hessian_rows
 
     assert hessian_rows(2 * HESSIAN_ROWS - 1, 5) == slice(0, 2 * HESSIAN_ROWS - 1)
     n = 3 * HESSIAN_ROWS + 7

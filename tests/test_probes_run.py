@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.probes import extract_spans, read_conllu, run_probes
-from depthscope.probes.spans import SpanTable, build_passages, map_spans, tokenize_passages
+from depthscope.probes.corpora.spans import SpanTable, build_passages, map_spans, tokenize_passages
 
 UD = os.path.join(os.path.dirname(__file__), "fixtures", "ud")
 EWT_TRAIN = os.path.join(UD, "ewt_tiny_train.conllu")

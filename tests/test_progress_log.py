@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from depthscope.hooks import progress
+from depthscope.common import progress
 
 
 class FakeClock:

@@ -12,9 +12,9 @@ import pytest
 from conftest import make_tiny
 
 from depthscope.hooks import load_model
-from depthscope.probes.activations import extract_spans
-from depthscope.probes.shards import ShardedFeats, extract_sharded
-from depthscope.probes.spans import SpanTable, map_spans, tokenize_passages
+from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
+from depthscope.probes.store.activations import extract_spans
+from depthscope.probes.store.shards import ShardedFeats, extract_sharded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXTS = [

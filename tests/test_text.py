@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from depthscope.analyses.text import read_documents
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.probes import sample_data
 
 

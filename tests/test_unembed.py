@@ -1,4 +1,4 @@
-"""The one decoding object (hooks/unembed.py), the one weight digest (hooks/digest.py) and the
+"""The one decoding object (hooks/unembed.py), the one weight digest (common/digest.py) and the
 lens objects (analyses/lenses.py): Unembed reproduces the Hugging Face model's own logits, the
 frozen-norm variant splits a logit exactly into per-site parts, LogitLens and an identity
 TunedLens give the same table, and every weight digest comes from one function."""
@@ -111,8 +111,8 @@ def test_logit_lens_and_identity_tuned_lens_give_the_same_table(tiny_llama):
 
 def test_one_digest_function(tiny_factory):
     import depthscope.analyses.lenses as lenses
-    import depthscope.probes.activations as activations
-    from depthscope.hooks import digest
+    import depthscope.probes.store.activations as activations
+    from depthscope.common import digest
 
     assert activations.model_digest is digest.model_digest and lenses.model_digest is digest.model_digest
     a, a2, b = tiny_factory("llama", seed=1), tiny_factory("llama", seed=1), tiny_factory("llama", seed=2)

@@ -30,7 +30,7 @@ _CLAIMS: list = []
 def prepare_out(out: Path, command: str, identity: dict | None = None, force: bool = False) -> None:
     """Check and claim ``out`` before any compute (:func:`~depthscope.analyses.jobs.base.prepare_output`);
     the claim is released when the command ends (:func:`release_outputs`, called by the CLI)."""
-    from ..jobs.base import prepare_output
+    from depthscope.analyses.jobs.base import prepare_output
 
     _CLAIMS.append(prepare_output(out, command, identity, force=force))
 

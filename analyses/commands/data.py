@@ -23,8 +23,8 @@ def samples() -> dict[str, Path]:
 
 def resolve(name: str) -> tuple[str, Path]:
     """(name, path) of one sample; ``ewt-train`` is read as ``ewt_train``. An unknown name is an
-    :class:`~depthscope.hooks.errors.InputError` listing the valid ones."""
-    from depthscope.hooks.errors import InputError
+    :class:`~depthscope.common.errors.InputError` listing the valid ones."""
+    from depthscope.common.errors import InputError
 
     found = samples()
     key = name.strip().lower().replace("-", "_")
@@ -65,8 +65,8 @@ def copy_samples(names: list[str], folder: Path, *, force: bool = False) -> list
     import filecmp
     import shutil
 
-    from depthscope.hooks.errors import OutputError
-    from depthscope.hooks.files import atomic_write, check_writable
+    from depthscope.common.errors import OutputError
+    from depthscope.common.files import atomic_write, check_writable
 
     try:
         check_writable(folder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import DeviceOpt, DtypeOpt, ModelOpt
+from depthscope.analyses.commands.common import DeviceOpt, DtypeOpt, ModelOpt
 
 
 def register(app: typer.Typer) -> None:

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import typer
 
-from ..jobs.lens import MAX_TOP_K, LensConfig, LensTrainConfig
-from ..tuned_lens_config import TunedLensTraining
-from .common import (
+from depthscope.analyses.commands.common import (
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
@@ -22,6 +20,8 @@ from .common import (
     prepare_out,
     set_threads,
 )
+from depthscope.analyses.jobs.lens import MAX_TOP_K, LensConfig, LensTrainConfig
+from depthscope.analyses.tuned_lens_config import TunedLensTraining
 
 _L, _T, _TT = LensConfig(), LensTrainConfig(), TunedLensTraining()
 
@@ -113,11 +113,10 @@ def lens(
     table, and plots (metrics vs depth, top-1 heatmap, rank trajectories), written to OUT."""
     from rich.console import Console
 
+    from depthscope.analyses.commands.common import load
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.lens import lens_job
     from depthscope.analyses.text import read_documents
-
-    from .common import load
 
     set_threads(threads)
     console = Console(stderr=True)
@@ -211,10 +210,9 @@ def lens_train(
     Then compare its KL to the final distribution with the plain logit lens on held-out text."""
     from rich.console import Console
 
+    from depthscope.analyses.commands.common import load
     from depthscope.analyses.jobs.lens import lens_train_job
     from depthscope.analyses.text import read_documents
-
-    from .common import load
 
     set_threads(threads)
     console = Console(stderr=True)

@@ -7,8 +7,18 @@ from pathlib import Path
 
 import typer
 
-from ..jobs.norms import NormsConfig
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, TextOpt, ThreadsOpt, prepare_out, set_threads
+from depthscope.analyses.commands.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    ModelOpt,
+    OutOpt,
+    TextOpt,
+    ThreadsOpt,
+    prepare_out,
+    set_threads,
+)
+from depthscope.analyses.jobs.norms import NormsConfig
 
 _N = NormsConfig()
 
@@ -103,11 +113,10 @@ def norms(
     """
     from rich.console import Console
 
+    from depthscope.analyses.commands.common import load
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.norms import norms_job
     from depthscope.analyses.text import read_documents
-
-    from .common import load
 
     set_threads(threads)
     console = Console(stderr=True)

@@ -7,9 +7,17 @@ from pathlib import Path
 
 import typer
 
+from depthscope.analyses.commands.common import (
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    ModelOpt,
+    OutOpt,
+    ThreadsOpt,
+    prepare_out,
+    set_threads,
+)
 from depthscope.analyses.jobs.patch import PatchConfig
-
-from .common import DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, OutOpt, ThreadsOpt, prepare_out, set_threads
 
 _D = PatchConfig()
 

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import typer
 
-from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
-
-from .common import (
+from depthscope.analyses.commands.common import (
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
@@ -23,6 +21,7 @@ from .common import (
     prepare_out,
     set_threads,
 )
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 _P, _E, _D = ProbeConfig(), ExtractionConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -32,7 +31,7 @@ def job_config(o: dict):
     import math
 
     from depthscope.analyses.jobs.probe import ProbeJobConfig
-    from depthscope.hooks.errors import InputError
+    from depthscope.common.errors import InputError
 
     try:
         l2 = o["l2"] if o["l2"] in ("auto", "dev") else float(o["l2"])
@@ -196,7 +195,7 @@ def register(app: typer.Typer) -> None:
             _P.precision,
             "--precision",
             help="Feature precision: float32 (the default on every machine), bfloat16, or auto "
-            "(bfloat16 only on CPUs with native bf16, see depthscope.probes.cpu).",
+            "(bfloat16 only on CPUs with native bf16, see depthscope.probes.solvers.cpu).",
         ),
         mdl: bool = typer.Option(
             _P.mdl, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."
@@ -243,7 +242,7 @@ def register(app: typer.Typer) -> None:
         set_threads(threads)
         cfg = job_config(dict(locals()))  # every option by its parameter name
         prepare_out(out, "probe", {"model": model or "default", "train": str(train), "test": str(test)}, force)
-        from .common import load
+        from depthscope.analyses.commands.common import load
 
         # the model loads (on --device, in --dtype) only once the data are read and checked
         loader = functools.partial(load, model, device, dtype)

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import typer
 
-from depthscope.probes.config import DataConfig, ProbeConfig
-
-from .common import (
+from depthscope.analyses.commands.common import (
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
@@ -21,6 +19,7 @@ from .common import (
     prepare_out,
     set_threads,
 )
+from depthscope.probes.config import DataConfig, ProbeConfig
 
 _P, _D = ProbeConfig(), DataConfig()  # the option defaults: the only defaults
 
@@ -122,7 +121,7 @@ def _check_out(out: Path, model, files, force: bool) -> None:
     of the same model and data."""
     import json
 
-    from depthscope.hooks.errors import InputError
+    from depthscope.common.errors import InputError
 
     run_json = out / "run.json"
     if out.exists() and not out.is_dir():

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import typer
 
+from depthscope.analyses.commands.common import DeviceOpt, DtypeOpt, SeedOpt, StackDrawsOpt, StackFoldsOpt, StackL2Opt
+from depthscope.analyses.jobs.sweep import SweepJobConfig
 from depthscope.probes.config import ProbeConfig
-
-from ..jobs.sweep import SweepJobConfig
-from .common import DeviceOpt, DtypeOpt, SeedOpt, StackDrawsOpt, StackFoldsOpt, StackL2Opt
 
 _S, _P = SweepJobConfig(), ProbeConfig()
 
@@ -89,12 +88,11 @@ def register(app: typer.Typer) -> None:
         """
         import functools
 
+        from depthscope.analyses.commands.common import prepare_out
         from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
         from depthscope.analyses.sweep import discover_checkpoints
         from depthscope.hooks import load_model
         from depthscope.hooks.devices import resolve_dtype
-
-        from .common import prepare_out
 
         cfg = SweepJobConfig(
             analysis=analysis,
@@ -169,12 +167,11 @@ def register(app: typer.Typer) -> None:
         text: Path | None = typer.Option(None, "--text", help="Training text (default: the bundled EWT sample)."),
     ):
         """Train a tiny Llama on text with the default tokenizer, saving a checkpoint series to sweep over."""
+        from depthscope.analyses.commands.common import prepare_out
         from depthscope.analyses.report import sample_texts
         from depthscope.analyses.text import read_documents
         from depthscope.hooks import load_model
         from depthscope.hooks.toy import train_tiny_series
-
-        from .common import prepare_out
 
         prepare_out(out, "toy-series", None)
         tok = load_model().tokenizer

@@ -16,6 +16,6 @@ returns a :class:`JobResult`.
 Commands stay thin: parse options, build the configuration, call the job, print its summary.
 """
 
-from .base import JobResult, Output
+from depthscope.analyses.jobs.base import JobResult, Output
 
 __all__ = ["JobResult", "Output"]

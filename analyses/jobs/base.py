@@ -51,7 +51,7 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     :class:`OutputClaim` holding its lock (release it when done; the CLI does so when the
     command ends).
 
-    Raises :class:`~depthscope.hooks.errors.OutputError` when ``out`` is an existing file, a place
+    Raises :class:`~depthscope.common.errors.OutputError` when ``out`` is an existing file, a place
     that cannot be written (read-only, no permission), a folder another process is writing
     (a lock file in it), or, unless ``force``: a folder holding another run of ``command`` (its
     recorded ``identity``, e.g. the model and data, differs) or a folder of a report or a sweep
@@ -59,8 +59,8 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     :data:`MARKER`."""
     import json
 
-    from depthscope.hooks.errors import OutputError
-    from depthscope.hooks.files import FolderLock, atomic_text, check_writable
+    from depthscope.common.errors import OutputError
+    from depthscope.common.files import FolderLock, atomic_text, check_writable
 
     created = not Path(out).exists()
     folder = check_writable(out)
@@ -114,7 +114,7 @@ class Output:
         self._names.add(name)
 
     def table(self, df: pd.DataFrame, name: str) -> list[Path]:
-        from ..tables import write_table
+        from depthscope.analyses.tables import write_table
 
         self._claim(name)
         if self.folder is None:
@@ -127,7 +127,7 @@ class Output:
         """Write ``obj`` as ``<folder>/<name>.json`` (indented, atomically)."""
         import json
 
-        from depthscope.hooks.files import atomic_text
+        from depthscope.common.files import atomic_text
 
         self._claim(name)
         if self.folder is None:

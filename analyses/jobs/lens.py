@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..tuned_lens_config import TunedLensTraining
-from .base import JobResult, Output
+from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.analyses.tuned_lens_config import TunedLensTraining
 
 DEFAULT_PROMPT = "The capital of France is"
 #: the most top tokens per position and site in ``lens_tokens`` (three columns each)
@@ -44,7 +44,7 @@ class LensConfig:
     def validate(self) -> LensConfig:
         """Check the settings (before the model loads); returns self. ``window`` is at least 2
         tokens (one position and its next token); ``top_k`` at most :data:`MAX_TOP_K`."""
-        from depthscope.hooks.errors import InputError
+        from depthscope.common.errors import InputError
         from depthscope.probes.config import check_number
 
         check_number("batch_size", self.batch_size)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import JobResult, Output
-from .lens import DEFAULT_PROMPT
+from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.analyses.jobs.lens import DEFAULT_PROMPT
 
 
 @dataclass
@@ -37,7 +37,7 @@ class NormsConfig:
 
     def validate(self) -> NormsConfig:
         """Check the settings (before the model loads); returns self."""
-        from depthscope.hooks.errors import InputError
+        from depthscope.common.errors import InputError
         from depthscope.probes.config import check_number
 
         check_number("batch_size", self.batch_size)

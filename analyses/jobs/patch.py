@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import JobResult, Output
+from depthscope.analyses.jobs.base import JobResult, Output
 
 IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
 IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -53,7 +53,7 @@ class PatchConfig:
 
     def validate(self) -> PatchConfig:
         """Check the settings (before the model loads); returns self."""
-        from depthscope.hooks.errors import InputError
+        from depthscope.common.errors import InputError
         from depthscope.probes.config import check_number
 
         check_number("batch_tokens", self.batch_tokens)

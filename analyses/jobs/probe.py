@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
-
-from .base import JobResult, Output
 
 DEFAULT_TASKS = ("upos", "deprel", "feats:Number")
 ENTITY_TASKS = ("entity", "coref")
@@ -52,7 +51,7 @@ class ProbeJobConfig:
 
     def validate(self) -> ProbeJobConfig:
         """Check the settings and that the data files exist (before the model loads); returns self."""
-        from depthscope.hooks.errors import InputError
+        from depthscope.common.errors import InputError
 
         self.probe.validate()
         self.extraction.validate()
@@ -97,7 +96,7 @@ def resolve_inputs(config: ProbeJobConfig) -> tuple:
 def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
     """Write ``results``' tables (:data:`TABLES`) and, with ``plots``, figures (:data:`FIGURES`)
     through ``out``; returns the tables by name."""
-    from ..plots.probes import plot_overview, plot_probe_curves, plot_tenney
+    from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
 
     tables = dict(zip(TABLES, (results.by_site, results.summary, results.mixing)))
     for name, df in tables.items():

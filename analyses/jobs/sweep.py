@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthscope.analyses.jobs.base import JobResult
 from depthscope.probes.config import ProbeConfig
-
-from .base import JobResult
 
 ANALYSES = ("lens", "norms", "probe")
 DEFAULT_METRIC = {"lens": "kl_to_final", "norms": "stream_norm", "probe": "accuracy"}
@@ -43,7 +42,7 @@ class SweepJobConfig:
     overwrite: bool = False
 
     def validate(self) -> SweepJobConfig:
-        from depthscope.hooks.errors import InputError
+        from depthscope.common.errors import InputError
         from depthscope.probes.config import check_number
 
         if self.analysis not in ANALYSES:

@@ -88,11 +88,11 @@ to ~3e-6 absolute; ``block_influence`` uses a cancellation-free form, so at the 
 
 from __future__ import annotations
 
-from .by_position import norms_by_position
-from .contribution import contribution_norms
-from .dla import direct_logit_attribution
-from .growth import fit_growth_rate, norms_summary
-from .metrics import NORM_METRICS, POSITION_GROUPS
+from depthscope.analyses.norms.by_position import norms_by_position
+from depthscope.analyses.norms.contribution import contribution_norms
+from depthscope.analyses.norms.dla import direct_logit_attribution
+from depthscope.analyses.norms.growth import fit_growth_rate, norms_summary
+from depthscope.analyses.norms.metrics import NORM_METRICS, POSITION_GROUPS
 
 __all__ = [
     "contribution_norms",

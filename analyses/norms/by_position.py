@@ -6,11 +6,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.errors import InputError
-from depthscope.hooks.sites import site_frame
-
-from .metrics import NORM_METRICS, chunked_metrics, readers
-from .streaming import (
+from depthscope.analyses.norms.metrics import NORM_METRICS, chunked_metrics, readers
+from depthscope.analyses.norms.streaming import (
     Inputs,
     check_has_blocks,
     check_norms_finite,
@@ -19,6 +16,8 @@ from .streaming import (
     stream_batch,
     table_attrs,
 )
+from depthscope.common.errors import InputError
+from depthscope.hooks.sites import site_frame
 
 
 def norms_by_position(

@@ -6,12 +6,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.errors import InputError
-from depthscope.hooks.sites import site_frame
-
-from ..intervals import ClusterSums, interval_columns, pick_clusters
-from .metrics import METRIC_BOUNDS, NORM_METRICS, POSITION_GROUPS, chunked_metrics, readers, undefined_tokens
-from .streaming import (
+from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
+from depthscope.analyses.norms.metrics import (
+    METRIC_BOUNDS,
+    NORM_METRICS,
+    POSITION_GROUPS,
+    chunked_metrics,
+    readers,
+    undefined_tokens,
+)
+from depthscope.analyses.norms.streaming import (
     Inputs,
     check_has_blocks,
     check_norms_finite,
@@ -20,6 +24,8 @@ from .streaming import (
     stream_batch,
     table_attrs,
 )
+from depthscope.common.errors import InputError
+from depthscope.hooks.sites import site_frame
 
 
 def contribution_norms(
@@ -59,7 +65,7 @@ def contribution_norms(
     check_has_blocks(model)
     totals = _Totals(model.n_sites)
     reader = None
-    from depthscope.hooks.progress import progress_bar
+    from depthscope.common.progress import progress_bar
 
     bar = progress_bar(max_tokens, desc="norms", unit="tok", enabled=progress)
     for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):

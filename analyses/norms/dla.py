@@ -6,10 +6,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.hooks.errors import InputError, UnsupportedArchitecture
+from depthscope.analyses.norms.streaming import Inputs, check_has_blocks
+from depthscope.common.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
-
-from .streaming import Inputs, check_has_blocks
 
 
 def _per_example(model, tokens, n: int, what: str) -> list[int] | None:

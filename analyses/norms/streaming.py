@@ -6,9 +6,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from depthscope.hooks.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
-
-from ..text import TokenBatch, token_batches
+from depthscope.analyses.text import TokenBatch, token_batches
+from depthscope.common.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 
 Inputs = torch.Tensor | Sequence[str] | str
 

@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from . import style
-from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE
+from depthscope.analyses.plots import style
+from depthscope.analyses.plots.style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE
 
 __all__ = ["plot_lens_metrics", "plot_top1_heatmap", "plot_rank_trajectory", "show_token", "interval_band"]
 

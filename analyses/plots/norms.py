@@ -19,10 +19,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 
-from depthscope.hooks.errors import InputError
-
-from .lens import BAND_ALPHA, band_label, interval_band
-from .style import (
+from depthscope.analyses.plots.lens import BAND_ALPHA, band_label, interval_band
+from depthscope.analyses.plots.style import (
     SUBLAYER_ORDER,
     SUBLAYER_PALETTE,
     depth_axis,
@@ -31,6 +29,7 @@ from .style import (
     savefig,
     sns,
 )
+from depthscope.common.errors import InputError
 
 __all__ = [
     "plot_stream_growth",

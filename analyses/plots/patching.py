@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from depthscope.hooks.errors import InputError
-
-from .style import plt, savefig, sns
+from depthscope.analyses.plots.style import plt, savefig, sns
+from depthscope.common.errors import InputError
 
 __all__ = ["plot_patching_sites", "plot_patching_heads", "plot_attribution_vs_exact"]
 

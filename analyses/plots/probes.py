@@ -27,9 +27,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.transforms import ScaledTranslation
 
-from depthscope.probes.tasks import pipeline_rank
-
-from .style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, plt, savefig
+from depthscope.analyses.plots.style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, plt, savefig
+from depthscope.probes.corpora.tasks import pipeline_rank
 
 
 def _task_order(tasks) -> list:

@@ -42,7 +42,7 @@ def svg_twin(rc: dict):
 def savefig(fig, path) -> None:
     from pathlib import Path
 
-    from depthscope.hooks.files import atomic_write
+    from depthscope.common.files import atomic_write
 
     path = Path(path)
     twin = _SVG_TWIN.get()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import style
-from .style import plt, savefig
+from depthscope.analyses.plots import style
+from depthscope.analyses.plots.style import plt, savefig
 
 
 def _order(df: pd.DataFrame) -> list[str]:

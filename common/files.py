@@ -11,7 +11,7 @@
 A reader sees the old file or the new one, never a part; a failed or interrupted write leaves
 no temporary file behind. Files are made readable by all (0644): tables and reports are shared.
 A full disk, a read-only file system or a missing permission is an
-:class:`~depthscope.hooks.errors.OutputError` that names the path (the CLI prints it, exit 1).
+:class:`~depthscope.common.errors.OutputError` that names the path (the CLI prints it, exit 1).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PLACE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 def is_place_error(e: BaseException) -> bool:
     """True for an OSError about the place written to (disk full, read-only, permission); pyarrow's
     and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
-    from .errors import OutputError
+    from depthscope.common.errors import OutputError
 
     if not isinstance(e, OSError) or isinstance(e, OutputError):  # an OutputError already names its path
         return False
@@ -44,9 +44,9 @@ def is_place_error(e: BaseException) -> bool:
 
 
 def output_error(path: PathLike, e: OSError, option: str = "--out"):
-    """The :class:`~depthscope.hooks.errors.OutputError` for an OSError ``e`` raised writing ``path``
+    """The :class:`~depthscope.common.errors.OutputError` for an OSError ``e`` raised writing ``path``
     (``option``: the command-line option that chooses the place)."""
-    from .errors import OutputError
+    from depthscope.common.errors import OutputError
 
     why = e.strerror or str(e)
     full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
@@ -56,7 +56,7 @@ def output_error(path: PathLike, e: OSError, option: str = "--out"):
 
 def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
     """Write ``path`` through ``write(tmp_path)`` and an atomic rename; returns ``path``. A full disk,
-    read-only place or missing permission raises :class:`~depthscope.hooks.errors.OutputError`
+    read-only place or missing permission raises :class:`~depthscope.common.errors.OutputError`
     naming ``path``; the file is then untouched (old content or absent) and no temporary is left."""
     path = Path(path)
     tmp = None
@@ -99,8 +99,8 @@ def preallocate(path: PathLike, n_bytes: int) -> Path:
 def check_writable(folder: PathLike) -> Path:
     """Create ``folder`` (and parents) and prove a file can be written there, before any compute:
     an existing file of that name, a read-only or unwritable place raise
-    :class:`~depthscope.hooks.errors.OutputError` naming it. Returns the folder."""
-    from .errors import OutputError
+    :class:`~depthscope.common.errors.OutputError` naming it. Returns the folder."""
+    from depthscope.common.errors import OutputError
 
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -121,7 +121,7 @@ def check_writable(folder: PathLike) -> Path:
 
 class FolderLock:
     """An exclusive lock on ``path`` (a lock file, created): ``acquire(wait=False)`` takes it or
-    raises :class:`~depthscope.hooks.errors.OutputError` saying which process holds it
+    raises :class:`~depthscope.common.errors.OutputError` saying which process holds it
     (``wait=True``: blocks until it is free, after ``on_wait()``). The lock is ``fcntl.flock`` on
     an open file, so the kernel drops it when its process dies: a killed run never leaves a
     stale lock. ``release()`` (or leaving a ``with`` block) frees it."""
@@ -145,7 +145,7 @@ class FolderLock:
             if not wait:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                from .errors import OutputError
+                from depthscope.common.errors import OutputError
 
                 raise OutputError(
                     f"another depthscope process (pid {holder}) is writing {self.what}; "

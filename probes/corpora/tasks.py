@@ -39,9 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from depthscope.hooks.errors import InputError
-
-from .conllu_io import Corpus, Sentence, Word, read_conllu
+from depthscope.common.errors import InputError
+from depthscope.probes.corpora.conllu import Corpus, Sentence, Word, read_conllu
 
 WORD_TASKS = ("upos", "xpos")
 PIPELINE_ORDER = ["upos", "xpos", "feats", "deprel", "entity", "coref"]

@@ -9,13 +9,13 @@ heads, never a Python loop over sites.
 
 Objective per unit and head: mean cross-entropy + ``l2 * ||W||^2`` (biases and mixing
 weights unpenalised); scikit-learn's ``LogisticRegression(C=...)`` minimises the same
-objective with ``C = 1 / (2 * l2 * n_train)``. Training: :mod:`depthscope.probes.training`.
-Bfloat16 features (:mod:`depthscope.probes.cpu`) make the products bf16 with float32
+objective with ``C = 1 / (2 * l2 * n_train)``. Training: :mod:`depthscope.probes.solvers.training`.
+Bfloat16 features (:mod:`depthscope.probes.solvers.cpu`) make the products bf16 with float32
 parameters, logits and losses.
 
 ``DEFAULT_L2`` (1e-3) is the penalty of a probe built by hand; runs choose theirs per task on
 held-out data (:class:`~depthscope.probes.config.ProbeConfig` ``l2="auto"``).
-``compute_dtype`` is kept here for scripts that import it; its home is :mod:`depthscope.probes.cpu`.
+``compute_dtype`` is kept here for scripts that import it; its home is :mod:`depthscope.probes.solvers.cpu`.
 
 Scalar mixes: a unit reads ``sum_s softmax(a)_s x_s`` with ``gamma`` fixed at 1. Tenney's
 trainable scale ``gamma`` is left out on purpose: with a penalty on the classifier's weights and
@@ -31,9 +31,9 @@ import math
 import torch
 from torch import nn
 
-from .config import PROBES, ProbeConfig
-from .cpu import compute_dtype  # noqa: F401  (kept importable from here)
-from .features import feature_major
+from depthscope.probes.config import PROBES, ProbeConfig
+from depthscope.probes.solvers.cpu import compute_dtype  # noqa: F401  (kept importable from here)
+from depthscope.probes.store.features import feature_major
 
 _DEFAULTS = ProbeConfig()
 DEFAULT_L2 = 1e-3

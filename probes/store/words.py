@@ -7,12 +7,12 @@
 >>> from sklearn.linear_model import LogisticRegression
 >>> LogisticRegression(max_iter=1000).fit(wf.features[1], wf.index["upos"])
 
-``sentences`` is a CoNLL-U path, a parsed :class:`~depthscope.probes.conllu_io.Corpus` (or a
+``sentences`` is a CoNLL-U path, a parsed :class:`~depthscope.probes.corpora.conllu.Corpus` (or a
 list of its :class:`Sentence` objects), or lists of words (joined by single spaces; the index
 then has no gold columns). Each sentence is one forward pass, exactly as the probes run it
-(:func:`~depthscope.probes.spans.build_passages` in sentence context, the BOS token prepended when
+(:func:`~depthscope.probes.corpora.spans.build_passages` in sentence context, the BOS token prepended when
 the tokenizer adds none, words mapped to subwords by character offsets, activations pooled over a
-word's subwords by :func:`~depthscope.probes.activations.extract_spans`, ``pooling`` ``"last"`` /
+word's subwords by :func:`~depthscope.probes.store.activations.extract_spans`, ``pooling`` ``"last"`` /
 ``"first"`` / ``"mean"``). Words that no subword covers or that truncation cut off are left out
 and counted in ``wf.n_skipped``. Features are float32 and raw unless ``standardize=True``
 (each site and dimension z-scored over the words). The activations pass through the probes'
@@ -28,13 +28,12 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.hooks.sites import parse_sites, site_frame
-
-from .activations import extract_spans
-from .conllu_io import Corpus, Sentence, Word
-from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
-from .tasks import load_corpus
+from depthscope.probes.corpora.conllu import Corpus, Sentence, Word
+from depthscope.probes.corpora.spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
+from depthscope.probes.corpora.tasks import load_corpus
+from depthscope.probes.store.activations import extract_spans
 
 GOLD_COLUMNS = ["upos", "xpos", "lemma", "feats", "head", "deprel"]
 

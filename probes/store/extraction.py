@@ -21,14 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 from depthscope.hooks.sites import parse_sites, site_frame
-
-from .activations import SpanStore, extract_spans
-from .config import DataConfig, ExtractionConfig
-from .conllu_io import Corpus
-from .spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
-from .tasks import TaskExamples, build_task, default_context, load_corpus
+from depthscope.probes.config import DataConfig, ExtractionConfig
+from depthscope.probes.corpora.conllu import Corpus
+from depthscope.probes.corpora.spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
+from depthscope.probes.corpora.tasks import TaskExamples, build_task, default_context, load_corpus
+from depthscope.probes.store.activations import SpanStore, extract_spans
 
 
 @dataclass
@@ -141,8 +140,7 @@ def _extract_sharded(model, tok, table, ext: ExtractionConfig, **kw):
     import types
 
     from depthscope.hooks.loading import cache_dir, load_model
-
-    from .shards import extract_sharded
+    from depthscope.probes.store.shards import extract_sharded
 
     store_dir = ext.store_dir or cache_dir() / "activations"
     engine, load = None, None

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .activations import SpanStore
-from .cpu import threads_for
+from depthscope.probes.solvers.cpu import threads_for
+from depthscope.probes.store.activations import SpanStore
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Features:
         """The examples ``idx`` with this split's standardisation: resident rows are copied from
         memory (same dtype), in a ``seed``-shuffled order like every resident tensor (the probe
         solver forms its curvature from a contiguous part of the rows:
-        :func:`~depthscope.probes.subspace.hessian_rows`), else the subset is made resident from
+        :func:`~depthscope.probes.solvers.subspace.hessian_rows`), else the subset is made resident from
         the store when it fits."""
         idx = np.asarray(idx, dtype=np.int64)
         sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len, sites=self.sites)

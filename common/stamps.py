@@ -39,7 +39,7 @@ def _stamp(path: Path, digest: str) -> dict:
 
 def write_stamps(folder) -> Path:
     """Hash every file of ``folder`` (not sub-folders) into ``folder/STAMPS``; returns its path."""
-    from .files import atomic_text
+    from depthscope.common.files import atomic_text
 
     folder = Path(folder)
     files = {p.name: _stamp(p, file_sha256(p)) for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMPS}
@@ -49,7 +49,7 @@ def write_stamps(folder) -> Path:
 def verify_stamps(folder) -> list[str] | None:
     """Names of the stamped files of ``folder`` that are missing or whose content changed; ``[]``
     when all match, ``None`` when the folder has no (readable) stamps."""
-    from .files import atomic_text
+    from depthscope.common.files import atomic_text
 
     folder = Path(folder)
     try:

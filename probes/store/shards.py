@@ -29,12 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from depthscope.hooks.digest import model_digest
-from depthscope.hooks.errors import InputError
-from depthscope.hooks.files import atomic_text
-
-from .activations import SpanStore, _open, _store_key, extract_spans
-from .spans import SpanTable, Tokenized
+from depthscope.common.digest import model_digest
+from depthscope.common.errors import InputError
+from depthscope.common.files import atomic_text
+from depthscope.probes.corpora.spans import SpanTable, Tokenized
+from depthscope.probes.store.activations import SpanStore, _open, _store_key, extract_spans
 
 
 class ShardedFeats:

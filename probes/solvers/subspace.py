@@ -3,7 +3,7 @@
 =============================================  ====================================================
 ``fit_softmax(X, y, W, b, l2, n_classes, ...)``  minimise each unit's regularised softmax objective
                                                from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
-                                               a :class:`~depthscope.probes.solvers.Solved`
+                                               a :class:`~depthscope.probes.solvers.lbfgs.Solved`
 ``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
 ``newton_system(P, A, gram, l2)``              the per-class subspace's Hessian (the Newton step's)
 ``hessian_rows(n, count)``                     the rows pass ``count`` forms that Hessian from
@@ -42,7 +42,7 @@ magnitude (a rare class's softmax is flat where a frequent one's is steep), and 
 removes most of that ill-conditioning. No curvature preconditioner is used: with the penalty
 dominating the Hessian in most directions, it does not pay for itself on probing features.
 ``python -m benchmarks.bench_probe_fit`` compares passes and time with scikit-learn and with the
-L-BFGS solver of :mod:`depthscope.probes.solvers` (figures in ``docs/benchmarks.md``).
+L-BFGS solver of :mod:`depthscope.probes.solvers.lbfgs` (figures in ``docs/benchmarks.md``).
 
 Numerics: the logits are carried along in float32 and updated from the directions' images
 (never as a difference of logits, which would lose a small step's digits), recomputed from the
@@ -56,13 +56,13 @@ decrease (float32's precision floor); a failed search of a head above it forgets
 (as L-BFGS does) and, twice in a row, stops the unit, reported as not converged.
 
 Units (sites) are independent problems solved side by side (batched products); a unit that
-has stopped (the rule of :mod:`depthscope.probes.solvers`: largest gradient entry ``<= gtol``
+has stopped (the rule of :mod:`depthscope.probes.solvers.lbfgs`: largest gradient entry ``<= gtol``
 and relative decrease ``<= ftol`` twice in a row) is frozen, and the others go on in contiguous
 runs of units (views of the features, no gather). Units are taken in blocks sized so that the
 solver's state (logits, softmax, directions, their images and the Newton system's products:
 about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
 objectives returned are those of the logits carried along
-(:func:`~depthscope.probes.training.train_probe` reports a fresh evaluation).
+(:func:`~depthscope.probes.solvers.training.train_probe` reports a fresh evaluation).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ from collections.abc import Callable
 
 import torch
 
-from .solvers import ARMIJO, MAX_BACKTRACKS, Solved, _Stopping
-from .solvers import unit_runs as _runs
+from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, _Stopping
+from depthscope.probes.solvers.lbfgs import unit_runs as _runs
 
 #: memory for one block of units' solver state (logits, directions, their images)
 STATE_BYTES = 1.0e9

@@ -2,7 +2,7 @@
 
 ``read_conllu(path)`` validates every line itself first (10 tab-separated columns, well-formed
 IDs and HEADs, consecutive word IDs) so a malformed file fails with ``file:line: what is
-wrong`` (an :class:`~depthscope.hooks.errors.InputError`), then parses each sentence with the
+wrong`` (an :class:`~depthscope.common.errors.InputError`), then parses each sentence with the
 ``conllu`` package.
 
 The sentence text is rebuilt from the surface tokens and their ``SpaceAfter=No`` marks (the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from depthscope.hooks.errors import InputError
+from depthscope.common.errors import InputError
 
 _ID_INT = re.compile(r"^[1-9]\d*$")
 _ID_RANGE = re.compile(r"^([1-9]\d*)-([1-9]\d*)$")

@@ -11,13 +11,13 @@
 ``train_kwargs(config)``          the training settings of a ProbeConfig, as train_probe's keywords
 ================================  =============================================================
 
-Three solvers, one stopping rule (:mod:`depthscope.probes.solvers`: a unit has converged when
+Three solvers, one stopping rule (:mod:`depthscope.probes.solvers.lbfgs`: a unit has converged when
 its largest gradient entry is at most ``gtol`` and its objective's relative decrease is at most
 ``tol`` twice in a row):
 
 * ``subspace`` (per-site linear probes over resident features; ``solver="auto"``): full batch,
   one product each way per pass and an exact small Newton step in a subspace
-  (:mod:`depthscope.probes.subspace`), from the probe's weights (zero, or a warm start), so the
+  (:mod:`depthscope.probes.solvers.subspace`), from the probe's weights (zero, or a warm start), so the
   result is the optimum of the regularised objective (convex) and does not depend on the seed.
 * ``lbfgs`` (scalar mixes over resident features; ``solver="auto"``; per-site probes on
   request): full-batch L-BFGS with per-unit memory, step and stopping, K-FAC preconditioned.
@@ -45,13 +45,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .classifiers import BatchedProbe
-from .config import ProbeConfig
-from .cpu import step_work, threads_for
-from .features import Features
-from .solvers import lbfgs
-from .solvers import unit_runs as _runs
-from .subspace import fit_softmax
+from depthscope.probes.config import ProbeConfig
+from depthscope.probes.solvers.classifiers import BatchedProbe
+from depthscope.probes.solvers.cpu import step_work, threads_for
+from depthscope.probes.solvers.lbfgs import lbfgs
+from depthscope.probes.solvers.lbfgs import unit_runs as _runs
+from depthscope.probes.solvers.subspace import fit_softmax
+from depthscope.probes.store.features import Features
 
 log = logging.getLogger("depthscope.probes")
 _DEFAULTS = ProbeConfig()
@@ -83,7 +83,7 @@ class TrainLog:
 
     @classmethod
     def from_solved(cls, solver: str, sol, max_epochs: int, objective=None) -> TrainLog:
-        """The log of a full-batch run (a :class:`~depthscope.probes.solvers.Solved`); ``objective``
+        """The log of a full-batch run (a :class:`~depthscope.probes.solvers.lbfgs.Solved`); ``objective``
         replaces the solver's own values."""
         conv = sol.converged.numpy()
         return cls(
@@ -171,7 +171,7 @@ def train_probe(
     solver = pick_solver(probe, feats, solver)
     bar = None
     if progress:
-        from depthscope.hooks.progress import progress_bar
+        from depthscope.common.progress import progress_bar
 
         bar = progress_bar(max_epochs, desc=desc, unit="pass")
     probe.train()
@@ -266,7 +266,7 @@ def objective(
 
 
 def _train_subspace(probe, feats, y, max_epochs, tol, gtol, bar) -> TrainLog:
-    """Per-site linear probes: :func:`depthscope.probes.subspace.fit_softmax` on the resident
+    """Per-site linear probes: :func:`depthscope.probes.solvers.subspace.fit_softmax` on the resident
     features (labels put in their row order), from the probe's current weights."""
     y_rows = y[torch.from_numpy(np.asarray(feats.order, dtype=np.int64))]
 

@@ -35,11 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthscope.hooks.digest import model_digest
-from depthscope.hooks.errors import InputError, NonFiniteActivationError
-
-from .config import POOLINGS
-from .spans import SpanTable, Tokenized
+from depthscope.common.digest import model_digest
+from depthscope.common.errors import InputError, NonFiniteActivationError
+from depthscope.probes.config import POOLINGS
+from depthscope.probes.corpora.spans import SpanTable, Tokenized
 
 ATTN_MAX_TOKENS = 16
 STORE_VERSION = 1
@@ -49,7 +48,7 @@ log = logging.getLogger("depthscope")
 def _claim(store_dir: Path, key: str):
     """Hold the extraction lock of ``key`` (waiting, with a message, while another process holds
     it) and remove temporary folders left by killed extractions; returns the lock."""
-    from depthscope.hooks.files import FolderLock
+    from depthscope.common.files import FolderLock
 
     lock = FolderLock(store_dir / f".{key}.lock", f"the activation store {store_dir / key}")
 
@@ -254,7 +253,7 @@ def extract_spans(
     tmp = store_dir / f".{key}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
-        from depthscope.hooks.files import preallocate
+        from depthscope.common.files import preallocate
 
         shape = (max(n_rows_total, 1), S, D)
         preallocate(tmp / "feats.bin", int(np.prod(shape)) * dtype.itemsize)  # a full disk fails here, not SIGBUS
@@ -264,7 +263,7 @@ def extract_spans(
         t0, n_tokens = time.perf_counter(), 0
         bar = None
         if progress:
-            from depthscope.hooks.progress import progress_bar
+            from depthscope.common.progress import progress_bar
 
             bar = progress_bar(int(run_len.sum()), desc=desc, unit="tok")
         for j, b in enumerate(batches):
@@ -340,7 +339,7 @@ def extract_spans(
         os.replace(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        from depthscope.hooks.files import is_place_error, output_error
+        from depthscope.common.files import is_place_error, output_error
 
         if is_place_error(e):
             raise output_error(path, e, "--store") from e

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from depthscope.hooks.errors import InputError
-
-from .config import CONTEXTS
+from depthscope.common.errors import InputError
+from depthscope.probes.config import CONTEXTS
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Tokenized:
 def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=None, max_tokens: int = 512) -> tuple:
     """Passages for a list of sentences and, per sentence, (passage index, char offset).
 
-    ``sentences`` are :class:`~depthscope.probes.conllu_io.Sentence` objects (``text``,
+    ``sentences`` are :class:`~depthscope.probes.corpora.conllu.Sentence` objects (``text``,
     ``doc_id``). Returns ``(passages, where)`` with ``where[i] = (passage, offset)`` for the
     passage owning sentence ``i``.
     """
