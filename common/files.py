@@ -17,11 +17,14 @@ A full disk, a read-only file system or a missing permission is an
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Union
+
+from depthscope.common.errors import OutputError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -33,8 +36,6 @@ PLACE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 def is_place_error(e: BaseException) -> bool:
     """True for an OSError about the place written to (disk full, read-only, permission); pyarrow's
     and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
-    from depthscope.common.errors import OutputError
-
     if not isinstance(e, OSError) or isinstance(e, OutputError):  # an OutputError already names its path
         return False
     if e.errno in PLACE_ERRNOS:
@@ -46,8 +47,6 @@ def is_place_error(e: BaseException) -> bool:
 def output_error(path: PathLike, e: OSError, option: str = "--out"):
     """The :class:`~depthscope.common.errors.OutputError` for an OSError ``e`` raised writing ``path``
     (``option``: the command-line option that chooses the place)."""
-    from depthscope.common.errors import OutputError
-
     why = e.strerror or str(e)
     full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
     hint = f"free some space or use another {option}" if full else f"use another {option}"
@@ -100,8 +99,6 @@ def check_writable(folder: PathLike) -> Path:
     """Create ``folder`` (and parents) and prove a file can be written there, before any compute:
     an existing file of that name, a read-only or unwritable place raise
     :class:`~depthscope.common.errors.OutputError` naming it. Returns the folder."""
-    from depthscope.common.errors import OutputError
-
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"--out {folder} is an existing file, not a folder; use another --out")
@@ -130,8 +127,6 @@ class FolderLock:
         self.path, self.what, self._fd = Path(path), what, None
 
     def acquire(self, wait: bool = False, on_wait: Callable[[], object] | None = None) -> FolderLock:
-        import fcntl
-
         if self._fd is not None:
             return self
         try:
@@ -145,8 +140,6 @@ class FolderLock:
             if not wait:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                from depthscope.common.errors import OutputError
-
                 raise OutputError(
                     f"another depthscope process (pid {holder}) is writing {self.what}; "
                     f"wait for it to finish or use another --out"

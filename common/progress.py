@@ -37,6 +37,9 @@ import sys
 import threading
 import time
 
+from rich.console import Console
+from tqdm.auto import tqdm
+
 __all__ = ["progress_bar", "track", "spinner", "bars_enabled", "log_enabled", "log_interval", "LogProgress"]
 
 #: seconds between two log lines of one task, unless ``$DEPTHSCOPE_PROGRESS_EVERY`` says otherwise
@@ -304,8 +307,6 @@ def progress_bar(total: int | float | None = None, *, desc: str, unit: str = "it
     ``total`` is known, gone when done) when :func:`bars_enabled`, log lines
     (:class:`LogProgress`) when :func:`log_enabled`; a silent ``tqdm`` when ``enabled`` is False
     or ``DEPTHSCOPE_PROGRESS=0``."""
-    from tqdm.auto import tqdm
-
     if enabled and bars_enabled():
         return tqdm(total=total, **_options(desc, unit, kw))
     if enabled and log_enabled():
@@ -315,8 +316,6 @@ def progress_bar(total: int | float | None = None, *, desc: str, unit: str = "it
 
 def track(iterable, *, desc: str, unit: str = "it", enabled: bool = True, total: int | None = None, **kw):
     """``iterable`` wrapped like :func:`progress_bar` (``total`` defaults to its ``len``)."""
-    from tqdm.auto import tqdm
-
     if enabled and bars_enabled():
         return tqdm(iterable, total=total, **_options(desc, unit, kw))
     if enabled and log_enabled():
@@ -354,8 +353,6 @@ def spinner(desc: str, enabled: bool = True):
     and the elapsed time (rich's status line); elsewhere the log lines of :func:`progress_bar`
     (start, every ``$DEPTHSCOPE_PROGRESS_EVERY`` seconds, end); nothing when off."""
     if enabled and bars_enabled():
-        from rich.console import Console
-
         return Console(stderr=True).status(desc)
     if enabled and log_enabled():
         return _log_spinner(desc, log_interval())

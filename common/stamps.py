@@ -20,6 +20,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from depthscope.common.files import atomic_text
+
 STAMPS = "depthscope-stamps.json"
 ALGORITHM = "sha256"
 
@@ -39,8 +41,6 @@ def _stamp(path: Path, digest: str) -> dict:
 
 def write_stamps(folder) -> Path:
     """Hash every file of ``folder`` (not sub-folders) into ``folder/STAMPS``; returns its path."""
-    from depthscope.common.files import atomic_text
-
     folder = Path(folder)
     files = {p.name: _stamp(p, file_sha256(p)) for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMPS}
     return atomic_text(folder / STAMPS, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1))
@@ -49,8 +49,6 @@ def write_stamps(folder) -> Path:
 def verify_stamps(folder) -> list[str] | None:
     """Names of the stamped files of ``folder`` that are missing or whose content changed; ``[]``
     when all match, ``None`` when the folder has no (readable) stamps."""
-    from depthscope.common.files import atomic_text
-
     folder = Path(folder)
     try:
         record = json.loads((folder / STAMPS).read_text())
