@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import numpy as np
+from scipy.stats import t as student_t
 
 __all__ = ["ClusterSums", "t_quantile", "interval_columns", "pick_clusters"]
 
@@ -70,10 +71,12 @@ class ClusterSums:
                     slot[name] = [np.array(s[i], dtype=np.float64), np.array(n[i], dtype=np.float64)]
 
     def close_all(self) -> None:
+        """Close every open cluster (at the end of the data: no later rows can join them)."""
         for k in sorted(self.open):
             self._close(k)
 
     def _close(self, key: Hashable) -> None:
+        """Fold cluster ``key``'s sums into the running totals (about each value's shift) and forget it."""
         slot = self.open.pop(key)
         self.last_closed = key
         self.n_clusters += 1
@@ -109,11 +112,9 @@ class ClusterSums:
 
 def t_quantile(df: np.ndarray, level: float = LEVEL) -> np.ndarray:
     """The two-sided ``level`` quantile of Student's t with ``df`` degrees of freedom (NaN below 1)."""
-    from scipy.stats import t
-
     df = np.asarray(df, dtype=float)
     with np.errstate(invalid="ignore"):
-        return np.where(df >= 1, t.ppf(0.5 + level / 2, np.maximum(df, 1)), np.nan)
+        return np.where(df >= 1, student_t.ppf(0.5 + level / 2, np.maximum(df, 1)), np.nan)
 
 
 def interval_columns(mean, se, n_clusters, bounds=(None, None)) -> dict[str, np.ndarray]:

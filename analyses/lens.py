@@ -49,6 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -56,8 +57,13 @@ import torch
 
 from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
 from depthscope.analyses.lenses import Lens, LogitLens
+from depthscope.analyses.text import TokenBatch, token_batches
 from depthscope.common.errors import InputError
+from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import site_frame
+
+if TYPE_CHECKING:  # annotations only
+    from depthscope.hooks.model import ResidualStream
 
 __all__ = ["logit_lens", "logit_lens_tokens", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
 
@@ -95,10 +101,23 @@ _BOUNDS = {
 # ----------------------------------------------------------------------------- batching
 @dataclass
 class _Batch:
+    """Padded windows of one forward: token ids, real-token mask, and each row's document and
+    window number."""
+
     ids: torch.Tensor
     mask: torch.Tensor
     doc_index: list
     window_index: list
+
+    def rows(self, start: int, stop: int, width: int | None = None) -> _Batch:
+        """Rows ``start:stop``, cut to the first ``width`` positions (None: all)."""
+        cols = slice(None) if width is None else slice(None, width)
+        return _Batch(
+            self.ids[start:stop, cols],
+            self.mask[start:stop, cols],
+            self.doc_index[start:stop],
+            self.window_index[start:stop],
+        )
 
 
 def lens_batches(
@@ -115,25 +134,28 @@ def lens_batches(
     if batch_size < 1:
         raise InputError("batch_size must be at least 1")
     for tb in _grouped_token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask):
-        n = tb.ids.shape[0]
-        lengths = tb.mask.sum(1)
-        start = 0
-        while start < n:
-            stop = start + 1
-            width = int(lengths[start])
-            while stop < n:
-                w2 = max(width, int(lengths[stop]))
-                if (stop - start + 1) * w2 > max_batch_tokens:
-                    break
-                width = w2
-                stop += 1
-            yield _Batch(
-                tb.ids[start:stop, :width],
-                tb.mask[start:stop, :width],
-                tb.doc_index[start:stop],
-                tb.window_index[start:stop],
-            )
-            start = stop
+        batch = _Batch(tb.ids, tb.mask, tb.doc_index, tb.window_index)
+        for start, stop, width in _row_splits(tb.mask.sum(1), max_batch_tokens):
+            yield batch.rows(start, stop, width)
+
+
+def _row_splits(lengths: torch.Tensor, max_batch_tokens: int) -> Iterator[tuple[int, int, int]]:
+    """Consecutive row ranges ``(start, stop, width)`` of a batch whose rows have ``lengths`` real
+    tokens: each range as long as its padded size (rows x widest row) stays within
+    ``max_batch_tokens``, and at least one row."""
+    n = len(lengths)
+    start = 0
+    while start < n:
+        stop = start + 1
+        width = int(lengths[start])
+        while stop < n:
+            wider = max(width, int(lengths[stop]))
+            if (stop - start + 1) * wider > max_batch_tokens:
+                break
+            width = wider
+            stop += 1
+        yield start, stop, width
+        start = stop
 
 
 #: documents tokenized at a time: token_batches tokenizes everything it is given up front, so
@@ -141,30 +163,36 @@ def lens_batches(
 DOC_GROUP = 1024
 
 
-def _grouped_token_batches(model, inputs, *, batch_size, window, mask):
-    from depthscope.analyses.text import TokenBatch, token_batches
-
+def _grouped_token_batches(model, inputs, *, batch_size, window, mask) -> Iterator[TokenBatch]:
+    """:func:`token_batches` over ``inputs``, ``DOC_GROUP`` documents at a time, with document
+    numbers counted over the whole list (empty strings dropped, as token_batches does)."""
     if isinstance(inputs, (str, torch.Tensor)) or len(inputs) <= DOC_GROUP:
         yield from token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask)
         return
     docs = list(inputs)
     if not any(docs):
         raise InputError("empty input: no texts given")
-    before, yielded = 0, False  # documents are numbered after dropping empty strings, as token_batches does
+    before, yielded = 0, False
     for start in range(0, len(docs), DOC_GROUP):
         group = [d for d in docs[start : start + DOC_GROUP] if d]
-        if not group:
-            continue
-        try:
-            for tb in token_batches(model, group, batch_size=batch_size, window=window):
-                yielded = True
-                yield TokenBatch(tb.ids, tb.mask, [before + i for i in tb.doc_index], tb.window_index)
-        except InputError as e:
-            if "tokenize to no tokens" not in str(e):
-                raise
+        for tb in _group_batches(model, group, batch_size=batch_size, window=window):
+            yielded = True
+            yield TokenBatch(tb.ids, tb.mask, [before + i for i in tb.doc_index], tb.window_index)
         before += len(group)
     if not yielded:
         raise InputError("empty input: the texts tokenize to no tokens")
+
+
+def _group_batches(model, group: list[str], *, batch_size: int, window: int | None) -> Iterator[TokenBatch]:
+    """The token batches of one group of documents; none when the group is empty or all its
+    documents tokenize to nothing (a later group may still hold tokens)."""
+    if not group:
+        return
+    try:
+        yield from token_batches(model, group, batch_size=batch_size, window=window)
+    except InputError as e:
+        if "tokenize to no tokens" not in str(e):
+            raise
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -278,65 +306,149 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
     return b_idx, t_idx, targets
 
 
-def _iter_chunks(
-    model,
-    inputs,
-    *,
-    mask,
-    sites,
-    lens,
-    batch_size,
-    window,
-    max_batch_tokens,
-    token_chunk,
-    first_position,
-    topk=0,
-    timings=None,
-    target_fn=None,
-    max_tokens=None,
-):
-    """Yield (batch, rs, b_idx, t_idx, targets, chosen targets, metrics) per chunk of positions."""
-    S = len(sites)
-    C = _token_chunk(token_chunk, S, model.vocab_size)
-    if max_tokens is not None and max_tokens < 1:
-        raise InputError("max_tokens must be at least 1")
-    dec = _Decoder(model, C * S)
-    t_fwd = t_dec = 0.0
-    used = 0
+# ----------------------------------------------------------------------------- streaming
+@dataclass(frozen=True)
+class _LensSettings:
+    """What one lens pass decodes and how it streams: the settings :func:`logit_lens` and
+    :func:`logit_lens_tokens` share, bundled once so every helper takes one object.
+
+    ``sites``: resolved site indices; ``topk``: how many top tokens per (position, site) to
+    keep (0: none, the dataset-level table needs no token ids). The other fields are the
+    public functions' arguments of the same names."""
+
+    lens: Lens
+    sites: list[int]
+    mask: torch.Tensor | None = None
+    batch_size: int = 8
+    window: int | None = None
+    max_batch_tokens: int = 1024
+    token_chunk: int | None = None
+    first_position: bool = True
+    max_tokens: int | None = None
+    topk: int = 0
+
+
+@dataclass
+class _Chunk:
+    """Up to ``token_chunk`` positions of one forward, decoded at every site.
+
+    ``rows``/``positions``: each position's batch row and index in its window; ``targets``: its
+    next token id (-1 where the window has none); ``chosen``: the token whose log-prob and rank
+    ``metrics`` hold; ``metrics``: :meth:`_Decoder.run`'s ``[c, S]`` tensors plus
+    ``final_top1_id`` ``[c]`` (the model's own top-1)."""
+
+    batch: _Batch
+    rs: ResidualStream
+    rows: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    chosen: torch.Tensor
+    metrics: dict
+
+
+class _Budget:
+    """The positions ``max_tokens`` still allows (None: no limit), spent in input order."""
+
+    def __init__(self, max_tokens: int | None):
+        if max_tokens is not None and max_tokens < 1:
+            raise InputError("max_tokens must be at least 1")
+        self.left = max_tokens
+
+    def exhausted(self) -> bool:
+        return self.left is not None and self.left <= 0
+
+    def trim(self, batch: _Batch, first_position: bool) -> _Batch:
+        """The windows of ``batch`` that can still contribute: a forward of the rest is wasted."""
+        if self.left is None:
+            return batch
+        per_row = batch.mask.sum(1) - (0 if first_position else 1)
+        keep = int((per_row.cumsum(0) < self.left).sum()) + 1
+        return batch.rows(0, keep)
+
+    def take(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-position tensors cut to the positions still allowed, which they then use up."""
+        if self.left is None:
+            return flat
+        flat = tuple(v[: self.left] for v in flat)
+        self.left -= len(flat[0])
+        return flat
+
+
+class _Clock:
+    """Seconds spent per phase (``forward_s``: forward passes; ``decode_s``: decoding and
+    metrics), added into a caller's ``timings`` dict at the end."""
+
+    def __init__(self):
+        self.spent = {"forward_s": 0.0, "decode_s": 0.0}
+        self.mark = time.perf_counter()
+
+    def start(self) -> None:
+        self.mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last mark to ``phase`` and set a new mark."""
+        now = time.perf_counter()
+        self.spent[phase] += now - self.mark
+        self.mark = now
+
+    def add_to(self, timings: dict | None) -> None:
+        if timings is not None:
+            for phase, seconds in self.spent.items():
+                timings[phase] = timings.get(phase, 0.0) + seconds
+
+
+def _forwards(model, inputs, settings: _LensSettings, clock: _Clock) -> Iterator[tuple]:
+    """One forward per :func:`lens_batches` batch (all sites at once): ``(batch, rs, (rows,
+    positions, targets))`` with the flat positions it contributes within ``max_tokens``."""
+    budget = _Budget(settings.max_tokens)
+    batches = lens_batches(
+        model,
+        inputs,
+        mask=settings.mask,
+        batch_size=settings.batch_size,
+        window=settings.window,
+        max_batch_tokens=settings.max_batch_tokens,
+    )
+    for batch in batches:
+        if budget.exhausted():
+            break
+        batch = budget.trim(batch, settings.first_position)
+        clock.start()
+        rs = model.residual_stream(batch.ids, mask=batch.mask, sites=settings.sites)
+        clock.lap("forward_s")
+        yield batch, rs, budget.take(*_positions(rs.input_ids, rs.mask, settings.first_position))
+
+
+def _iter_chunks(model, inputs, settings: _LensSettings, *, target_fn=None, timings=None) -> Iterator[_Chunk]:
+    """Every position of ``inputs`` decoded at every site, ``token_chunk`` positions at a time
+    (the decode buffers are sized once for a chunk). ``target_fn(targets, final_top)`` picks the
+    token measured at each position (default: the next token)."""
+    n_sites = len(settings.sites)
+    chunk = _token_chunk(settings.token_chunk, n_sites, model.vocab_size)
+    dec = _Decoder(model, chunk * n_sites)
+    clock = _Clock()
     with torch.inference_mode():
-        for batch in lens_batches(
-            model, inputs, mask=mask, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens
-        ):
-            if max_tokens is not None:
-                if used >= max_tokens:
-                    break
-                # forward only the windows that can still contribute
-                per_row = batch.mask.sum(1) - (0 if first_position else 1)
-                keep = int((per_row.cumsum(0) < (max_tokens - used)).sum()) + 1
-                batch = _Batch(batch.ids[:keep], batch.mask[:keep], batch.doc_index[:keep], batch.window_index[:keep])
-            t0 = time.perf_counter()
-            rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites)
-            t1 = time.perf_counter()
-            ids, m = rs.input_ids, rs.mask
-            b_all, t_all, tg_all = _positions(ids, m, first_position)
-            if max_tokens is not None:
-                b_all, t_all, tg_all = (v[: max_tokens - used] for v in (b_all, t_all, tg_all))
-                used += len(b_all)
-            for start in range(0, len(b_all), C):
-                bi, ti = b_all[start : start + C], t_all[start : start + C]
-                targets = tg_all[start : start + C]
-                p, neg_hp, final_top = dec.final(rs.logits[bi, ti])
-                chosen = targets if target_fn is None else target_fn(targets, final_top)
-                xs = rs.resid[:, bi, ti]  # [S, c, d]
-                xs = lens.translate(xs, sites).transpose(0, 1).contiguous()  # [c, S, d]
-                met = dec.run(xs, p, neg_hp, final_top, chosen.clamp(min=0), topk=topk)
-                met["final_top1_id"] = final_top
-                yield batch, rs, bi, ti, targets, chosen, met
-            t_dec += time.perf_counter() - t1
-            t_fwd += t1 - t0
-    if timings is not None:
-        timings["forward_s"] = timings.get("forward_s", 0.0) + t_fwd
-        timings["decode_s"] = timings.get("decode_s", 0.0) + t_dec
+        for batch, rs, (b_all, t_all, tg_all) in _forwards(model, inputs, settings, clock):
+            for start in range(0, len(b_all), chunk):
+                part = slice(start, start + chunk)
+                flat = (b_all[part], t_all[part], tg_all[part])
+                yield _decode_chunk(dec, settings, batch, rs, flat, target_fn)
+            clock.lap("decode_s")
+    clock.add_to(timings)
+
+
+def _decode_chunk(dec: _Decoder, settings: _LensSettings, batch: _Batch, rs, flat, target_fn) -> _Chunk:
+    """Decode positions ``flat = (rows, positions, targets)`` of the forward ``rs`` at every
+    site: the model's own logits there are the reference, each site's stream (translated by
+    the lens) is decoded against them."""
+    bi, ti, targets = flat
+    p, neg_hp, final_top = dec.final(rs.logits[bi, ti])
+    chosen = targets if target_fn is None else target_fn(targets, final_top)
+    xs = rs.resid[:, bi, ti]  # [S, c, d]
+    xs = settings.lens.translate(xs, settings.sites).transpose(0, 1).contiguous()  # [c, S, d]
+    met = dec.run(xs, p, neg_hp, final_top, chosen.clamp(min=0), topk=settings.topk)
+    met["final_top1_id"] = final_top
+    return _Chunk(batch, rs, bi, ti, targets, chosen, met)
 
 
 # ----------------------------------------------------------------------------- dataset level
@@ -435,61 +547,74 @@ def logit_lens(
     ``n_positions`` (positions used by kl/entropy/agreement) and ``n_next`` (positions with a
     next token, used by cross_entropy/accuracy/rank), ``n_docs`` and ``n_windows`` (documents
     and windows holding at least one position: the intervals' clusters are the documents, or
-    the windows when there is a single document), and for each
-    metric ``<metric>_se`` (its mean's standard error, clustered by document) and
-    ``<metric>_lo``/``<metric>_hi`` (the 95% interval, Student t over the clusters, cut to the
-    metric's range; :mod:`depthscope.analyses.intervals`). ``max_tokens`` stops after that many
-    positions (in input order). ``timings`` (a dict) receives the seconds
-    spent in forward passes (``forward_s``) and in decoding + metrics (``decode_s``).
+    the windows when there is a single document), and for each metric ``<metric>_se`` (its
+    mean's standard error, clustered by document) and ``<metric>_lo``/``<metric>_hi`` (the 95%
+    interval, Student t over the clusters, cut to the metric's range;
+    :mod:`depthscope.analyses.intervals`). ``max_tokens`` stops after that many positions (in
+    input order). ``timings`` (a dict) receives the seconds spent in forward passes
+    (``forward_s``) and in decoding + metrics (``decode_s``).
     ``progress``: a bar over positions (:mod:`depthscope.common.progress`), with an ETA when
     ``total`` (the number of positions, e.g. the documents' token count) is given.
     """
-    from depthscope.common.progress import progress_bar
-
     lens.check(model)
-    sites = lens.resolve_sites(model, sites)
-    S = len(sites)
-    acc = _Sums(S)
-    if max_tokens is not None and total is not None:
-        total = min(total, max_tokens)
-    bar = progress_bar(total, desc=f"{lens.kind} lens", unit="tok", enabled=progress)
-    for batch, _rs, bi, _ti, targets, _chosen, met in _iter_chunks(
-        model,
-        inputs,
-        mask=mask,
-        sites=sites,
+    settings = _LensSettings(
         lens=lens,
+        sites=lens.resolve_sites(model, sites),
+        mask=mask,
         batch_size=batch_size,
         window=window,
         max_batch_tokens=max_batch_tokens,
         token_chunk=token_chunk,
         first_position=first_position,
-        timings=timings,
         max_tokens=max_tokens,
-    ):
-        valid = targets >= 0
-        acc.n_all += len(targets)
-        acc.n_next += int(valid.sum())
-        rank = met["target_rank"]
-        acc.add_chunk(
-            batch,
-            bi,
-            {
-                "kl_to_final": (met["kl_to_final"], None),
-                "cross_entropy": (-met["target_logprob"], valid),
-                "entropy": (met["entropy"], None),
-                "top1_agreement": (met["top1_agreement"], None),
-                "top1_accuracy": (rank == 0, valid),
-                "target_rank": (rank, valid),
-                "target_log_rank": (torch.log10(1.0 + rank.double()), valid),
-            },
-        )
-        bar.update(len(targets))
+    )
+    bar = _position_bar(settings, total, enabled=progress)
+    acc = _accumulate(model, inputs, settings, bar=bar, timings=timings)
+    return _dataset_table(model, settings, acc)
+
+
+def _position_bar(settings: _LensSettings, total: int | None, *, enabled: bool):
+    """A progress bar over positions; its ``total`` (if known) capped by ``max_tokens``."""
+    if settings.max_tokens is not None and total is not None:
+        total = min(total, settings.max_tokens)
+    return progress_bar(total, desc=f"{settings.lens.kind} lens", unit="tok", enabled=enabled)
+
+
+def _position_metrics(chunk: _Chunk) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every dataset metric's per-(position, site) values in a chunk, each with the positions it
+    is defined at (None: all; else those with a next token), as :meth:`_Sums.add_chunk` takes them."""
+    met, valid = chunk.metrics, chunk.targets >= 0
+    rank = met["target_rank"]
+    return {
+        "kl_to_final": (met["kl_to_final"], None),
+        "cross_entropy": (-met["target_logprob"], valid),
+        "entropy": (met["entropy"], None),
+        "top1_agreement": (met["top1_agreement"], None),
+        "top1_accuracy": (rank == 0, valid),
+        "target_rank": (rank, valid),
+        "target_log_rank": (torch.log10(1.0 + rank.double()), valid),
+    }
+
+
+def _accumulate(model, inputs, settings: _LensSettings, *, bar, timings: dict | None) -> _Sums:
+    """Stream ``inputs`` through the lens into per-site sums, advancing ``bar`` by positions."""
+    acc = _Sums(len(settings.sites))
+    for chunk in _iter_chunks(model, inputs, settings, timings=timings):
+        acc.n_all += len(chunk.targets)
+        acc.n_next += int((chunk.targets >= 0).sum())
+        acc.add_chunk(chunk.batch, chunk.rows, _position_metrics(chunk))
+        bar.update(len(chunk.targets))
     bar.close()
     if acc.n_all == 0:
         raise InputError("no positions to decode (every window has a single token and first_position=False?)")
-    df = site_frame(sites, model.n_layers)
-    df["lens"] = lens.kind
+    return acc
+
+
+def _dataset_table(model, settings: _LensSettings, acc: _Sums) -> pd.DataFrame:
+    """The table of :func:`logit_lens` from the sums: site columns, each metric's mean and std,
+    the counts, and each mean's standard error and 95% interval."""
+    df = site_frame(settings.sites, model.n_layers)
+    df["lens"] = settings.lens.kind
     for name in METRICS:
         n = acc.n_all if name in _ALL_POSITIONS else acc.n_next
         mean, std = acc.mean_std(name, n)
@@ -497,22 +622,48 @@ def logit_lens(
         df[name + "_std"] = std
     df["n_positions"] = acc.n_all
     df["n_next"] = acc.n_next
-    clusters = pick_clusters(acc.docs, acc.windows)
+    clusters = pick_clusters(acc.docs, acc.windows)  # closes the open clusters: count after it
     df["n_docs"] = acc.docs.n_clusters
     df["n_windows"] = acc.windows.n_clusters
+    return pd.concat([df, _interval_frame(df, clusters)], axis=1)
+
+
+def _interval_frame(df: pd.DataFrame, clusters: ClusterSums) -> pd.DataFrame:
+    """``<metric>_se``, ``_lo`` and ``_hi`` of every metric's mean in ``df`` over ``clusters``
+    (documents, or the windows of a single document), as columns added at once."""
     extra = {}
     for name in METRICS:
         se, g = clusters.se(name)
         for suffix, col in interval_columns(df[name], se, g, _BOUNDS[name]).items():
             extra[f"{name}_{suffix}"] = col
-    return pd.concat([df, pd.DataFrame(extra, index=df.index)], axis=1)
+    return pd.DataFrame(extra, index=df.index)
 
 
 # ----------------------------------------------------------------------------- per token
 def _decode_token(tok, i: int) -> str:
+    """Token id ``i`` as text (its id as a string when the model has no tokenizer)."""
     if tok is None:
         return str(i)
     return tok.decode([int(i)])
+
+
+@dataclass(frozen=True)
+class _TargetChoice:
+    """The token whose log-prob and rank :func:`logit_lens_tokens` reports at each position: a
+    ``fixed`` id everywhere, or (None) the next token, the model's own top-1 where there is none."""
+
+    fixed: int | None
+
+    def __call__(self, targets: torch.Tensor, final_top: torch.Tensor) -> torch.Tensor:
+        if self.fixed is not None:
+            return torch.full_like(targets, self.fixed)
+        return torch.where(targets >= 0, targets, final_top)
+
+    def kinds(self, targets: torch.Tensor) -> list[str]:
+        """Which rule chose each position's target: ``fixed``, ``next`` or ``model_top1``."""
+        if self.fixed is not None:
+            return ["fixed"] * len(targets)
+        return ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
 
 
 def logit_lens_tokens(
@@ -548,78 +699,84 @@ def logit_lens_tokens(
     lens.check(model)
     if k < 1:
         raise InputError("k must be at least 1")
-    k = min(int(k), model.vocab_size)
-    sites = lens.resolve_sites(model, sites)
-    fixed = None if target is None else model.token_id(target, "target")
-
-    def target_fn(targets, final_top):
-        if fixed is not None:
-            return torch.full_like(targets, fixed)
-        return torch.where(targets >= 0, targets, final_top)
-
-    frames = []
-    sf = site_frame(sites, model.n_layers)
-    for batch, rs, bi, ti, targets, chosen, met in _iter_chunks(
-        model,
-        inputs,
-        mask=mask,
-        sites=sites,
+    settings = _LensSettings(
         lens=lens,
+        sites=lens.resolve_sites(model, sites),
+        mask=mask,
         batch_size=batch_size,
         window=window,
         max_batch_tokens=max_batch_tokens,
         token_chunk=token_chunk,
         first_position=first_position,
-        topk=k,
-        target_fn=target_fn,
         max_tokens=max_tokens,
-    ):
-        frames.append(_token_rows(model, lens, sf, k, fixed is not None, batch, rs, bi, ti, targets, chosen, met))
+        topk=min(int(k), model.vocab_size),
+    )
+    choice = _TargetChoice(None if target is None else model.token_id(target, "target"))
+    sf = site_frame(settings.sites, model.n_layers)
+    chunks = _iter_chunks(model, inputs, settings, target_fn=choice)
+    frames = [_token_rows(model.tokenizer, settings, sf, choice, chunk) for chunk in chunks]
     if not frames:
         raise InputError("no positions to decode")
     return pd.concat(frames, ignore_index=True)
 
 
-def _token_rows(model, lens, sf, k: int, fixed: bool, batch, rs, bi, ti, targets, chosen, met) -> pd.DataFrame:
-    """One chunk's rows of :func:`logit_lens_tokens`: (position, site) pairs, position-major.
-    (Many parameters: the chunk as :func:`_iter_chunks` yields it.)"""
-    S, tok = len(sf), model.tokenizer
-    c = len(bi)
+def _token_rows(tok, settings: _LensSettings, sf: pd.DataFrame, choice: _TargetChoice, chunk: _Chunk) -> pd.DataFrame:
+    """One chunk's rows of :func:`logit_lens_tokens`: (position, site) pairs, position-major."""
+    part = _position_columns(tok, sf, settings.lens.kind, choice, chunk)
+    for name, col in _site_metric_columns(chunk.metrics).items():
+        part[name] = col
+    top = _topk_columns(tok, chunk.metrics, settings.topk)
+    return pd.concat([part, pd.DataFrame(top, index=part.index)], axis=1)
+
+
+def _position_columns(tok, sf: pd.DataFrame, kind: str, choice: _TargetChoice, chunk: _Chunk) -> pd.DataFrame:
+    """The site columns, the lens ``kind``, and what each position reads, is followed by, and is
+    measured against, repeated over its sites."""
+    S, c = len(sf), len(chunk.rows)
     rep = lambda v: np.repeat(np.asarray(v), S)  # noqa: E731  per position -> per (position, site)
-    ids = rs.input_ids[bi, ti].cpu()
+    bi, targets, chosen = chunk.rows, chunk.targets, chunk.chosen
+    ids = chunk.rs.input_ids[bi, chunk.positions].cpu()
+    final_top = chunk.metrics["final_top1_id"].cpu()
     part = pd.DataFrame({col: np.tile(sf[col].to_numpy(), c) for col in sf.columns})
-    part["lens"] = lens.kind
-    part["doc"] = rep([batch.doc_index[int(b)] for b in bi])
-    part["window"] = rep([batch.window_index[int(b)] for b in bi])
-    part["position"] = rep(ti.cpu().numpy())
+    part["lens"] = kind
+    part["doc"] = rep([chunk.batch.doc_index[int(b)] for b in bi])
+    part["window"] = rep([chunk.batch.window_index[int(b)] for b in bi])
+    part["position"] = rep(chunk.positions.cpu().numpy())
     part["token_id"] = rep(ids.numpy())
     part["token"] = rep([_decode_token(tok, i) for i in ids.tolist()])
     part["next_id"] = rep(targets.cpu().numpy())
     part["next_token"] = rep([_decode_token(tok, i) if i >= 0 else "" for i in targets.tolist()])
-    ft = met["final_top1_id"].cpu()
-    part["final_top1_id"] = rep(ft.numpy())
-    part["final_top1_token"] = rep([_decode_token(tok, i) for i in ft.tolist()])
-    if fixed:
-        kinds = ["fixed"] * c
-    else:
-        kinds = ["next" if t >= 0 else "model_top1" for t in targets.tolist()]
-    part["target_kind"] = rep(kinds)
+    part["final_top1_id"] = rep(final_top.numpy())
+    part["final_top1_token"] = rep([_decode_token(tok, i) for i in final_top.tolist()])
+    part["target_kind"] = rep(choice.kinds(targets))
     part["target_id"] = rep(chosen.cpu().numpy())
     part["target_token"] = rep([_decode_token(tok, i) for i in chosen.tolist()])
+    return part
+
+
+def _site_metric_columns(met: dict) -> dict[str, np.ndarray]:
+    """The per-(position, site) metrics of a chunk as flat columns (position-major)."""
     lp = met["target_logprob"].reshape(-1).double().cpu().numpy()
-    part["target_logprob"] = lp
-    part["target_prob"] = np.exp(lp)
-    part["target_rank"] = met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64)
-    part["kl_to_final"] = met["kl_to_final"].reshape(-1).double().cpu().numpy()
-    part["entropy"] = met["entropy"].reshape(-1).double().cpu().numpy()
-    part["top1_agreement"] = met["top1_agreement"].reshape(-1).cpu().numpy()
+    return {
+        "target_logprob": lp,
+        "target_prob": np.exp(lp),
+        "target_rank": met["target_rank"].reshape(-1).cpu().numpy().astype(np.int64),
+        "kl_to_final": met["kl_to_final"].reshape(-1).double().cpu().numpy(),
+        "entropy": met["entropy"].reshape(-1).double().cpu().numpy(),
+        "top1_agreement": met["top1_agreement"].reshape(-1).cpu().numpy(),
+    }
+
+
+def _topk_columns(tok, met: dict, k: int) -> dict[str, np.ndarray]:
+    """``top{i}_id``, ``top{i}_token`` and ``top{i}_prob`` for i = 1..k, built together so the
+    frame gets them in one concat (not 3k column insertions)."""
     top_ids = met["topk_id"].reshape(-1, k).cpu().numpy()
     top_p = met["topk_logprob"].reshape(-1, k).double().exp().cpu().numpy()
     uniq, inverse = np.unique(top_ids, return_inverse=True)  # decode each distinct token once
     words = np.array([_decode_token(tok, int(t)) for t in uniq], dtype=object)[inverse.reshape(top_ids.shape)]
-    cols = {}  # all top-k columns at once (one concat, not 3k column insertions)
+    cols = {}
     for i in range(k):
         cols[f"top{i + 1}_id"] = top_ids[:, i].astype(np.int64)
         cols[f"top{i + 1}_token"] = words[:, i]
         cols[f"top{i + 1}_prob"] = top_p[:, i]
-    return pd.concat([part, pd.DataFrame(cols, index=part.index)], axis=1)
+    return cols

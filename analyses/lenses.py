@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from depthscope.common.digest import ALGORITHM, model_digest
 from depthscope.common.errors import CheckpointError, InputError
@@ -243,14 +244,11 @@ class TunedLens(Lens):
 
 def save_tensors(path: Path, tensors: dict) -> None:
     """Write ``tensors`` as safetensors atomically (CPU, contiguous)."""
-    from safetensors.torch import save_file
-
     atomic_write(path, lambda t: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(t)))
 
 
 def load_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
+    """The tensors of a safetensors file; a corrupt or truncated one is a CheckpointError."""
     try:
         return load_file(str(path))
     except Exception as e:  # corrupt or truncated file

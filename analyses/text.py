@@ -55,6 +55,7 @@ class TokenBatch:
 
 
 def _tokenize_docs(model, docs: Sequence[str]) -> list[list[int]]:
+    """Token ids of every document, with the tokenizer's own special tokens."""
     tok = model.tokenizer
     if tok is None:
         raise InputError("this model has no tokenizer: pass token ids")

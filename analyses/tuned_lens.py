@@ -16,18 +16,14 @@ Training is sized for a CPU:
 * every step then trains all sites' translators together on ``tokens_per_step`` of those
   tokens: one batched ``[sites, d, d]`` matmul for the translators and one
   ``[tokens * sites, d] @ [d, vocab]`` unembedding (in bfloat16 where the CPU has native
-  bfloat16 matmuls, ~3x faster than float32; evaluation with :func:`logit_lens` stays float32),
-  with the softmax-KL gradient written out by hand so no ``[rows, vocab]`` autograd graph is kept,
+  bfloat16 matmuls; evaluation with :func:`logit_lens` stays float32), with the softmax-KL
+  gradient written out by hand so no ``[rows, vocab]`` autograd graph is kept,
 * Adam with linear warm-up and decay over a bounded number of steps, a progress bar, and a
   checkpoint every ``checkpoint_every`` steps that ``resume=True`` continues from.
 
-On SmolLM2-135M (61 sites) a step takes ~0.5 s on one CPU thread: the default 250 steps x 8
-tokens train in ~3 minutes and cut the held-out KL(final || lens), averaged over sites, from
-12.5 to 3.3 nats on UD English EWT text (embedding site: 102 -> 7 nats).
-
 Bias parametrisation: ``b_s = rms_s * c_s`` with ``rms_s`` the stream's RMS at site ``s`` in the
-training cache, so one learning rate suits every depth although stream norms grow ~10x from
-the embedding to the last block. The saved ``bias`` is ``b_s`` itself.
+training cache, so one learning rate suits every depth although stream norms grow by an order
+of magnitude from the embedding to the last block. The saved ``bias`` is ``b_s`` itself.
 
 Saved as a folder: ``tuned_lens.safetensors`` (``weight [sites, d, d]``, ``bias [sites, d]``)
 and ``tuned_lens.json`` (sites, model fingerprint and weight digest, training record). Loading
@@ -40,27 +36,31 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from depthscope.analyses.lens import lens_batches
 from depthscope.analyses.lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
+from depthscope.analyses.text import read_documents
 from depthscope.analyses.tuned_lens_config import TunedLensTraining
 from depthscope.common.errors import CheckpointError, InputError
+from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import parse_sites
 
 __all__ = ["TunedLens", "TunedLensTraining", "train_tuned_lens", "LensMismatchError"]
 
 CKPT_FILE = "checkpoint.safetensors"
 CKPT_META = "checkpoint.json"
+#: the settings a resumed run must share with its checkpoint (the rest may change, e.g. ``steps``)
+RESUME_KEYS = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
 
 
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- the loss
 class _Buffers:
-    """Reused ``[rows, vocab]`` work buffers: fresh 100-200 MB allocations every step cost page
-    faults (a fifth of the step time on this CPU)."""
+    """Reused ``[rows, vocab]`` work buffers: a fresh allocation of that size every step would
+    cost page faults on each first touch."""
 
     def __init__(self):
         self._b: dict = {}
@@ -83,6 +83,7 @@ class _KLUnembed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, W, p, neg_hp, S: int, bufs=None):
+        """KL per (token, site); keeps q (in a reused buffer) for the backward."""
         bufs = bufs or _Buffers()
         C, V = p.shape
         R, dev = C * S, x.device
@@ -106,6 +107,7 @@ class _KLUnembed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        """The gradient with respect to ``x`` only: ``((q - p) * g) W``."""
         p, W = ctx.saved_tensors
         C, V = p.shape
         S = ctx.S
@@ -127,59 +129,198 @@ def _kl_generic(model, x, p, neg_hp, S):
     return neg_hp.unsqueeze(1) - (lq.view(C, S, V) * p.unsqueeze(1)).sum(-1)
 
 
-def _read_inputs(text, per_line: bool):
-    from depthscope.analyses.text import read_documents
+def _kl_and_grads(model, xs, final, tr: _Translators, Wm, bufs: _Buffers):
+    """KL(final || lens) per (token, site) for streams ``xs`` [S, C, d] and final streams [C, d],
+    and its mean's gradients with respect to the translators ``tr.A`` and ``tr.c``. ``Wm``: the
+    unembedding in the matmul dtype (plain linear unembeddings), else None (generic path)."""
+    S, C, d = xs.shape
+    with torch.no_grad():
+        lp = torch.log_softmax(model.decode(final).float(), -1)  # the model's own final distribution
+        p = lp.exp()
+        neg_hp = (p * lp).sum(-1)
+    with torch.enable_grad():
+        h = torch.baddbmm(xs + (tr.scale.unsqueeze(1) * tr.c).unsqueeze(1), xs, tr.A)  # [S, C, d]
+        x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
+        kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if Wm is not None else _kl_generic(model, x, p, neg_hp, S)
+        gA, gc = torch.autograd.grad(kl.mean(), [tr.A, tr.c])
+    return kl.detach(), gA, gc
 
+
+# ----------------------------------------------------------------------------- the data
+def _read_inputs(text, per_line: bool):
+    """Documents of a text file's path; lists of documents and token-id tensors as given."""
     if isinstance(text, (str, Path)):
         return read_documents(text, per_line=per_line)
     return text
 
 
-def _cache_streams(model, inputs, train_sites, *, cache_tokens, window, batch_size, max_batch_tokens, progress):
-    """Streams at ``train_sites`` and at the last site for the first ``cache_tokens`` real tokens."""
+def _cache_streams(model, inputs, train_sites: list[int], cfg: TunedLensTraining, progress: bool):
+    """Streams ``X`` [S, n, d] at ``train_sites`` and ``Fin`` [n, d] at the last site for the
+    first ``n = cfg.cache_tokens`` real tokens (fewer if the text is shorter), and a digest of
+    those tokens (a resumed run must train on the same ones)."""
     last = model.n_sites - 1
     sites = sorted(set(train_sites) | {last})
     pos = [sites.index(s) for s in train_sites]
-    X = torch.empty(len(train_sites), cache_tokens, model.d_model)  # filled in place: no concatenation copy
-    Fin = torch.empty(cache_tokens, model.d_model)
+    X = torch.empty(len(train_sites), cfg.cache_tokens, model.d_model)  # filled in place: no concatenation copy
+    Fin = torch.empty(cfg.cache_tokens, model.d_model)
     ids_seen = []
     n = 0
-    bar = _bar(progress, total=cache_tokens, desc="capturing streams", unit="tok")
+    bar = _bar(progress, total=cfg.cache_tokens, desc="capturing streams", unit="tok")
+    batches = lens_batches(
+        model, inputs, batch_size=cfg.batch_size, window=cfg.window, max_batch_tokens=cfg.max_batch_tokens
+    )
     with torch.inference_mode():
-        for batch in lens_batches(
-            model, inputs, batch_size=batch_size, window=window, max_batch_tokens=max_batch_tokens
-        ):
+        for batch in batches:
             rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites, return_logits=False)
             m = rs.mask
-            take = min(int(m.sum()), cache_tokens - n)
+            take = min(int(m.sum()), cfg.cache_tokens - n)
             x = rs.resid[:, m][:, :take]  # [S_all, take, d]
             X[:, n : n + take] = x[pos].cpu()
             Fin[n : n + take] = x[sites.index(last)].cpu()
             ids_seen.append(rs.input_ids[m][:take].cpu())
             n += take
             bar.update(take)
-            if n >= cache_tokens:
+            if n >= cfg.cache_tokens:
                 break
     bar.close()
     if n == 0:
         raise InputError("no tokens to train the tuned lens on")
-    ids = torch.cat(ids_seen)
-    digest = hashlib.sha1(ids.numpy().astype("int64").tobytes()).hexdigest()[:16]
-    if n < cache_tokens:
+    if n < cfg.cache_tokens:
         X, Fin = X[:, :n].clone(), Fin[:n].clone()
-    return X, Fin, digest
+    return X, Fin, _token_digest(torch.cat(ids_seen))
+
+
+def _token_digest(ids: torch.Tensor) -> str:
+    """A short digest of the cached token ids: what identifies the training text."""
+    return hashlib.sha1(ids.numpy().astype("int64").tobytes()).hexdigest()[:16]
+
+
+def _stream_rms(X: torch.Tensor) -> torch.Tensor:
+    """[S] the RMS of each site's cached streams (the bias scale), kept away from 0."""
+    if X.shape[0] == 0:
+        return torch.zeros(0)
+    return X.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6)
+
+
+class _TokenOrder:
+    """Token indices of each step: the cache drawn without replacement, one permutation per epoch."""
+
+    def __init__(self, n: int, per_step: int, seed: int):
+        self.n, self.per_step, self.seed = n, per_step, seed
+        self.perms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, step: int) -> torch.Tensor:
+        g = torch.arange(step * self.per_step, (step + 1) * self.per_step)
+        epoch, off = g // self.n, g % self.n
+        out_idx = torch.empty_like(g)
+        for e in epoch.unique().tolist():
+            if e not in self.perms:
+                self.perms.clear()
+                gen = torch.Generator().manual_seed(self.seed * 100003 + e)
+                self.perms[e] = torch.randperm(self.n, generator=gen)
+            sel = epoch == e
+            out_idx[sel] = self.perms[e][off[sel]]
+        return out_idx
 
 
 def _bar(progress: bool, *, total=None, desc: str, unit: str = "it", **kw):
-    from depthscope.common.progress import progress_bar
-
+    """A progress bar (:mod:`depthscope.common.progress`), silent unless ``progress``."""
     return progress_bar(total, desc=desc, unit=unit, enabled=progress, **kw)
 
 
+# ----------------------------------------------------------------------------- the optimiser
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """The learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps, then
+    linear decay to 0 at ``steps``."""
     w = min(1.0, (step + 1) / max(1, warmup))
     decay = 1.0 - step / max(1, steps)
     return lr * w * max(decay, 0.0)
+
+
+@dataclass(frozen=True)
+class _Adam:
+    """Adam's constants; :meth:`step` updates one parameter in place."""
+
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def step(self, P, G, m, v, lr: float, t: int) -> None:
+        """One update of ``P`` by gradient ``G`` (moments ``m``, ``v``; ``t`` steps done, this one included)."""
+        m.mul_(self.b1).add_(G, alpha=1 - self.b1)
+        v.mul_(self.b2).addcmul_(G, G, value=1 - self.b2)
+        step_lr = lr * math.sqrt(1 - self.b2**t) / (1 - self.b1**t)
+        P.addcdiv_(m, v.sqrt().add_(self.eps), value=-step_lr)
+
+
+ADAM = _Adam()
+
+
+@dataclass
+class _Translators:
+    """What training updates, for ``S`` trained sites: the matrices ``A`` [S, d, d] and bias
+    coefficients ``c`` [S, d] (the bias is ``scale * c``, ``scale`` [S] the streams' RMS), and
+    Adam's moments of both (``mA``, ``vA``, ``mc``, ``vc``)."""
+
+    A: torch.Tensor
+    c: torch.Tensor
+    scale: torch.Tensor
+    moments: dict
+
+    @classmethod
+    def identity(cls, scale: torch.Tensor, d: int, device) -> _Translators:
+        """Identity translators (``A = 0``, ``c = 0``) and zero moments."""
+        S = len(scale)
+        A = torch.zeros(S, d, d, device=device)
+        c = torch.zeros(S, d, device=device)
+        moments = {
+            "mA": torch.zeros_like(A),
+            "vA": torch.zeros_like(A),
+            "mc": torch.zeros_like(c),
+            "vc": torch.zeros_like(c),
+        }
+        return cls(A, c, scale.to(device), moments)
+
+    def trainable(self, on: bool) -> None:
+        self.A.requires_grad_(on)
+        self.c.requires_grad_(on)
+
+    def update(self, gA, gc, *, step: int, cfg: TunedLensTraining) -> None:
+        """One Adam step of ``A`` (at ``weight_lr``) and ``c`` (at ``lr``), both on the schedule."""
+        t = step + 1
+        with torch.no_grad():
+            for P, G, m, v, base in (
+                (self.A, gA, self.moments["mA"], self.moments["vA"], cfg.weight_lr),
+                (self.c, gc, self.moments["mc"], self.moments["vc"], cfg.lr),
+            ):
+                ADAM.step(P, G, m, v, _lr_at(step, cfg.steps, base, cfg.warmup), t)
+
+    def tensors(self) -> dict:
+        """Everything a checkpoint holds, by name."""
+        return {"A": self.A, "c": self.c, "scale": self.scale, **self.moments}
+
+    def restore(self, t: dict) -> None:
+        """Copy a checkpoint's translators and moments in place."""
+        with torch.no_grad():
+            self.A.copy_(t["A"])
+            self.c.copy_(t["c"])
+            for k, m in self.moments.items():
+                m.copy_(t[k])
+
+
+# ----------------------------------------------------------------------------- training
+@dataclass
+class _Run:
+    """The fixed context of one training run: the model, the sites (all, and those trained:
+    all but the last), the model's identity, the settings record (what the lens's ``training``
+    dict and the checkpoint hold) and the output folder (None: nothing written)."""
+
+    model: object
+    all_sites: list[int]
+    train_sites: list[int]
+    info: dict
+    settings: dict
+    out: Path | None
 
 
 def train_tuned_lens(
@@ -205,101 +346,51 @@ def train_tuned_lens(
     The returned lens's ``training`` dict records the settings and, per step, the mean training
     KL over sites (``loss``) -- evaluate on held-out text with ``logit_lens(..., lens=lens)``.
     """
+    cfg = _config(config, overrides)
+    model.unembed.check()
+    all_sites = parse_sites(cfg.sites, model.n_layers)
+    train_sites = [s for s in all_sites if s != model.n_sites - 1]
+    inputs = _read_inputs(text, per_line)
+    matmul_dtype = _matmul_dtype(model, cfg.matmul_dtype)
+    X, F, data_digest = _cache_streams(model, inputs, train_sites, cfg, progress)
+    settings = _settings_record(cfg, all_sites, train_sites, F.shape[0], matmul_dtype, data_digest)
+    run = _Run(model, all_sites, train_sites, model_info(model), settings, None if out is None else Path(out))
+    tr = _Translators.identity(_stream_rms(X), model.d_model, model.device)
+    start, history = 0, []
+    if run.out is not None and cfg.resume and (run.out / CKPT_META).is_file():
+        start, history = _resume(run, tr)
+    if not train_sites or start >= cfg.steps:
+        return _save(run, tr, history, max(start, 0) if train_sites else 0)
+    return _train(run, tr, (X, F), cfg, start=start, history=history, progress=progress)
+
+
+def _config(config: TunedLensTraining | None, overrides: dict) -> TunedLensTraining:
+    """``config`` (default: the defaults) with single fields overridden, validated; unknown
+    field names are refused."""
     known = {f.name for f in fields(TunedLensTraining)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise InputError(f"unknown tuned-lens setting(s) {unknown}; the settings are {sorted(known)}")
-    cfg = replace(config or TunedLensTraining(), **overrides).validate()
-    sites, steps, tokens_per_step, cache_tokens = cfg.sites, cfg.steps, cfg.tokens_per_step, cfg.cache_tokens
-    lr, weight_lr, warmup, seed = cfg.lr, cfg.weight_lr, cfg.warmup, cfg.seed
-    window, batch_size, max_batch_tokens = cfg.window, cfg.batch_size, cfg.max_batch_tokens
-    checkpoint_every, resume, matmul_dtype = cfg.checkpoint_every, cfg.resume, cfg.matmul_dtype
-    model.unembed.check()
-    all_sites = parse_sites(sites, model.n_layers)
-    last = model.n_sites - 1
-    train_sites = [s for s in all_sites if s != last]
-    d = model.d_model
-    inputs = _read_inputs(text, per_line)
+    return replace(config or TunedLensTraining(), **overrides).validate()
 
-    matmul_dtype = _matmul_dtype(model, matmul_dtype)
-    fast = model.unembed.is_plain_linear
-    X, F, data_digest = _cache_streams(
-        model,
-        inputs,
-        train_sites,
-        cache_tokens=cache_tokens,
-        window=window,
-        batch_size=batch_size,
-        max_batch_tokens=max_batch_tokens,
-        progress=progress,
-    )
-    N = F.shape[0]
-    S = len(train_sites)
-    scale = X.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6) if S else torch.zeros(0)  # [S] stream RMS
 
-    settings = {
+def _settings_record(cfg, all_sites, train_sites, n_cached: int, matmul_dtype: str, data_digest: str) -> dict:
+    """What the lens's ``training`` dict and the checkpoint record of the settings (a resumed
+    run must match the :data:`RESUME_KEYS` of it)."""
+    return {
         "sites": all_sites,
         "trained_sites": train_sites,
-        "steps": steps,
-        "tokens_per_step": tokens_per_step,
-        "cache_tokens": N,
-        "lr": lr,
-        "weight_lr": weight_lr,
-        "warmup": warmup,
-        "seed": seed,
+        "steps": cfg.steps,
+        "tokens_per_step": cfg.tokens_per_step,
+        "cache_tokens": n_cached,
+        "lr": cfg.lr,
+        "weight_lr": cfg.weight_lr,
+        "warmup": cfg.warmup,
+        "seed": cfg.seed,
         "matmul_dtype": matmul_dtype,
         "data_digest": data_digest,
-        "window": window,
+        "window": cfg.window,
     }
-    dev = model.device
-    scale = scale.to(dev)
-    A, c, state = _zero_translators(S, d, dev)
-    start, history = 0, []
-    out = Path(out) if out is not None else None
-    info = model_info(model)
-    if out is not None and resume and (out / CKPT_META).is_file():
-        start, history = _resume(out, info, settings, A, c, state)
-
-    Wm = model.unembed.matmul_weight(getattr(torch, matmul_dtype)) if fast else None
-
-    def finish(step_done: int) -> TunedLens:
-        return _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done)
-
-    if S == 0 or start >= steps:
-        return finish(max(start, 0) if S else 0)
-
-    order = _TokenOrder(N, tokens_per_step, seed)
-    bufs = _Buffers()
-    A.requires_grad_(True), c.requires_grad_(True)
-    bar = _bar(progress, total=steps, initial=start, desc="training tuned lens", unit="step")
-    t0 = time.perf_counter()
-    for step in range(start, steps):
-        idx = order(step)
-        kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), A, c, scale, Wm, bufs)
-        t = step + 1
-        with torch.no_grad():
-            for P, G, m, v, base in (
-                (A, gA, state["mA"], state["vA"], weight_lr),
-                (c, gc, state["mc"], state["vc"], lr),
-            ):
-                _adam(P, G, m, v, _lr_at(step, steps, base, warmup), t)
-        history.append(round(float(kl.detach().mean()), 5))
-        bar.update(1)
-        bar.set_postfix(kl=f"{history[-1]:.3f}")
-        if (t % checkpoint_every == 0 or t == steps) and out is not None:
-            finish(t)
-    bar.close()
-    settings["train_seconds"] = round(time.perf_counter() - t0, 1)
-    A.requires_grad_(False), c.requires_grad_(False)
-    return finish(steps)
-
-
-def _zero_translators(S: int, d: int, dev):
-    """Identity translators (``A = 0``, ``c = 0``) for ``S`` sites and zero Adam moments."""
-    A = torch.zeros(S, d, d, device=dev)
-    c = torch.zeros(S, d, device=dev)
-    state = {"mA": torch.zeros_like(A), "vA": torch.zeros_like(A), "mc": torch.zeros_like(c), "vc": torch.zeros_like(c)}
-    return A, c, state
 
 
 def _matmul_dtype(model, matmul_dtype: str) -> str:
@@ -313,98 +404,79 @@ def _matmul_dtype(model, matmul_dtype: str) -> str:
     return matmul_dtype
 
 
-class _TokenOrder:
-    """Token indices of each step: the cache drawn without replacement, one permutation per epoch."""
-
-    def __init__(self, n: int, per_step: int, seed: int):
-        self.n, self.per_step, self.seed = n, per_step, seed
-        self.perms: dict[int, torch.Tensor] = {}
-
-    def __call__(self, step: int) -> torch.Tensor:
-        g = torch.arange(step * self.per_step, (step + 1) * self.per_step)
-        epoch, off = g // self.n, g % self.n
-        out_idx = torch.empty_like(g)
-        for e in epoch.unique().tolist():
-            if e not in self.perms:
-                self.perms.clear()
-                gen = torch.Generator().manual_seed(self.seed * 100003 + e)
-                self.perms[e] = torch.randperm(self.n, generator=gen)
-            sel = epoch == e
-            out_idx[sel] = self.perms[e][off[sel]]
-        return out_idx
-
-
-def _kl_and_grads(model, xs, final, A, c, scale, Wm, bufs):
-    """KL(final || lens) per (token, site) for streams ``xs`` [S, C, d] and final streams [C, d],
-    and its mean's gradients with respect to the translators ``A`` and ``c``."""
-    S, C, d = xs.shape
-    with torch.no_grad():
-        lp = torch.log_softmax(model.decode(final).float(), -1)  # the model's own final distribution
-        p = lp.exp()
-        neg_hp = (p * lp).sum(-1)
-    with torch.enable_grad():
-        h = torch.baddbmm(xs + (scale.unsqueeze(1) * c).unsqueeze(1), xs, A)  # [S, C, d]
-        x = model.unembed.norm(h.transpose(0, 1).reshape(C * S, d))
-        kl = _KLUnembed.apply(x, Wm, p, neg_hp, S, bufs) if Wm is not None else _kl_generic(model, x, p, neg_hp, S)
-        gA, gc = torch.autograd.grad(kl.mean(), [A, c])
-    return kl.detach(), gA, gc
+def _train(run: _Run, tr: _Translators, cache, cfg: TunedLensTraining, *, start: int, history: list, progress: bool):
+    """Steps ``start..cfg.steps`` on the cached streams ``cache = (X, F)``, a checkpoint every
+    ``checkpoint_every`` steps (with an output folder); returns the trained lens."""
+    model, (X, F) = run.model, cache
+    dev = model.device
+    fast = model.unembed.is_plain_linear  # the hand-written KL gradient; else autograd through project
+    Wm = model.unembed.matmul_weight(getattr(torch, run.settings["matmul_dtype"])) if fast else None
+    order = _TokenOrder(F.shape[0], cfg.tokens_per_step, cfg.seed)
+    bufs = _Buffers()
+    tr.trainable(True)
+    bar = _bar(progress, total=cfg.steps, initial=start, desc="training tuned lens", unit="step")
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        idx = order(step)
+        kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), tr, Wm, bufs)
+        tr.update(gA, gc, step=step, cfg=cfg)
+        history.append(round(float(kl.detach().mean()), 5))
+        bar.update(1)
+        bar.set_postfix(kl=f"{history[-1]:.3f}")
+        t = step + 1
+        if (t % cfg.checkpoint_every == 0 or t == cfg.steps) and run.out is not None:
+            _save(run, tr, history, t)
+    bar.close()
+    run.settings["train_seconds"] = round(time.perf_counter() - t0, 1)
+    tr.trainable(False)
+    return _save(run, tr, history, cfg.steps)
 
 
-def _adam(P, G, m, v, lr: float, t: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> None:
-    """One Adam update of ``P`` in place (moments ``m``, ``v``; ``t`` steps done, this one included)."""
-    m.mul_(b1).add_(G, alpha=1 - b1)
-    v.mul_(b2).addcmul_(G, G, value=1 - b2)
-    step_lr = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
-    P.addcdiv_(m, v.sqrt().add_(eps), value=-step_lr)
-
-
-def _save(model, out, all_sites, train_sites, A, c, scale, state, info, settings, history, step_done) -> TunedLens:
-    """The lens after ``step_done`` steps; with ``out``, written there with a resumable checkpoint."""
-    lens = _assemble(
-        model, all_sites, train_sites, A, c, scale, info, {**settings, "steps_done": step_done, "loss": history}
-    )
-    if out is not None:
-        lens.save(out)
-        save_tensors(out / CKPT_FILE, {"A": A, "c": c, "scale": scale, **state})
-        write_json(out / CKPT_META, {"step": step_done, "settings": settings, "model": info, "loss": history})
+def _save(run: _Run, tr: _Translators, history: list, step_done: int) -> TunedLens:
+    """The lens after ``step_done`` steps; with an output folder, written there with a
+    resumable checkpoint."""
+    lens = _assemble(run, tr, {**run.settings, "steps_done": step_done, "loss": history})
+    if run.out is not None:
+        lens.save(run.out)
+        save_tensors(run.out / CKPT_FILE, tr.tensors())
+        meta = {"step": step_done, "settings": run.settings, "model": run.info, "loss": history}
+        write_json(run.out / CKPT_META, meta)
     return lens
 
 
-def _assemble(model, all_sites, train_sites, A, c, scale, info, training) -> TunedLens:
-    d = model.d_model
-    weight = torch.zeros(len(all_sites), d, d)
-    bias = torch.zeros(len(all_sites), d)
+def _assemble(run: _Run, tr: _Translators, training: dict) -> TunedLens:
+    """A :class:`TunedLens` over all sites: the trained translators, identity at the rest."""
+    d = run.model.d_model
+    weight = torch.zeros(len(run.all_sites), d, d)
+    bias = torch.zeros(len(run.all_sites), d)
     with torch.no_grad():
-        for i, s in enumerate(train_sites):
-            j = all_sites.index(s)
-            weight[j] = A[i]
-            bias[j] = scale[i] * c[i]
-    return TunedLens(all_sites, model.n_layers, weight, bias, info, training)
+        for i, s in enumerate(run.train_sites):
+            j = run.all_sites.index(s)
+            weight[j] = tr.A[i]
+            bias[j] = tr.scale[i] * tr.c[i]
+    return TunedLens(run.all_sites, run.model.n_layers, weight, bias, run.info, training)
 
 
-def _resume(out: Path, info: dict, settings: dict, A, c, state) -> tuple[int, list]:
+def _resume(run: _Run, tr: _Translators) -> tuple[int, list]:
+    """Load the checkpoint in ``run.out`` into ``tr``; returns the steps done and the loss
+    history. Refused for another model or other settings or training text."""
+    out = run.out
     try:
         meta = json.loads((out / CKPT_META).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{out / CKPT_META} is not valid JSON: {e}") from None
     old_model = meta.get("model", {})
-    if {k: v for k, v in old_model.items() if k != "name"} != {k: v for k, v in info.items() if k != "name"}:
+    if {k: v for k, v in old_model.items() if k != "name"} != {k: v for k, v in run.info.items() if k != "name"}:
         raise LensMismatchError(
             f"the checkpoint in {out} was trained for {old_model.get('name')!r} (another model or "
             f"weights); use another output folder or start afresh (--no-resume; resume=False)"
         )
-    old = meta.get("settings", {})
-    keys = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
-    diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in keys if old.get(k) != settings.get(k)]
+    old, new = meta.get("settings", {}), run.settings
+    diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in RESUME_KEYS if old.get(k) != new.get(k)]
     if diff:
         raise InputError(
             f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
             f"use the same settings, another output folder, or start afresh (--no-resume; resume=False)"
         )
-    t = load_tensors(out / CKPT_FILE)
-    with torch.no_grad():
-        A.copy_(t["A"])
-        c.copy_(t["c"])
-        for k in state:
-            state[k].copy_(t[k])
+    tr.restore(load_tensors(out / CKPT_FILE))
     return int(meta["step"]), list(meta.get("loss", []))

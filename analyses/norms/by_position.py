@@ -39,45 +39,50 @@ def norms_by_position(
     ``max_abs_dim``. Undefined ratios are NaN (module doc).
     """
     check_has_blocks(model)
-    S = model.n_sites
+    sf = site_frame(range(model.n_sites), model.n_layers)
     frames = []
-    seq = 0
     reader = None
-    sf = site_frame(range(S), model.n_layers)
-    tok = model.tokenizer
     for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
         rs = stream_batch(model, batch, hooks)
-        resid, real = rs.resid, rs.mask
-        if reader is None:
-            reader = readers(model, norm_sample(resid, real.to(resid.device)))
-        m = chunked_metrics(resid, reader)
-        check_norms_finite(model, m["stream_norm"], real)
-        real = real.cpu()
-        for b in range(real.shape[0]):
-            n = int(real[b].sum())
-            ids = rs.input_ids[b, :n].cpu()
-            f = pd.DataFrame(
-                {
-                    "sequence": seq,
-                    "doc": batch.doc_index[b],
-                    "window": batch.window_index[b],
-                    "position": np.tile(np.arange(n), S),
-                    "token_id": np.tile(ids.numpy(), S),
-                }
-            )
-            if tok is not None:
-                strs = [tok.decode([int(t)]) for t in ids]
-                f["token"] = np.tile(np.array(strs, dtype=object), S)
-            for c in sf.columns:
-                f[c] = np.repeat(sf[c].to_numpy(), n)
-            for k in NORM_METRICS + ["max_abs", "max_abs_dim"]:
-                f[k] = m[k][:, b, :n].cpu().numpy().reshape(-1)
-            frames.append(f)
-            seq += 1
+        if reader is None:  # which norm reads each write: found (and verified) on the first batch
+            reader = readers(model, norm_sample(rs.resid, rs.mask.to(rs.resid.device)))
+        m = chunked_metrics(rs.resid, reader)
+        check_norms_finite(model, m["stream_norm"], rs.mask)
+        for b in range(rs.mask.shape[0]):
+            frames.append(_sequence_frame(model.tokenizer, sf, m, batch, rs, b, len(frames)))
     if not frames:
         raise InputError("empty input: no real tokens to measure")
-    df = pd.concat(frames, ignore_index=True)
-    first = ["sequence", "doc", "window", "position", "token_id"] + (["token"] if "token" in df else [])
-    df = df[first + list(sf.columns) + [c for c in df.columns if c not in first and c not in sf.columns]]
+    df = _site_columns_after_token(pd.concat(frames, ignore_index=True), sf)
     df.attrs.update(table_attrs(model, reader))
     return df
+
+
+def _sequence_frame(tok, sf: pd.DataFrame, m: dict, batch, rs, b: int, seq: int) -> pd.DataFrame:
+    """The rows of batch row ``b`` (sequence number ``seq``): its real positions x all sites,
+    site-major, with the token and every per-token metric of ``m``."""
+    S = len(sf)
+    n = int(rs.mask[b].cpu().sum())
+    ids = rs.input_ids[b, :n].cpu()
+    f = pd.DataFrame(
+        {
+            "sequence": seq,
+            "doc": batch.doc_index[b],
+            "window": batch.window_index[b],
+            "position": np.tile(np.arange(n), S),
+            "token_id": np.tile(ids.numpy(), S),
+        }
+    )
+    if tok is not None:
+        strs = [tok.decode([int(t)]) for t in ids]
+        f["token"] = np.tile(np.array(strs, dtype=object), S)
+    for c in sf.columns:
+        f[c] = np.repeat(sf[c].to_numpy(), n)
+    for k in NORM_METRICS + ["max_abs", "max_abs_dim"]:
+        f[k] = m[k][:, b, :n].cpu().numpy().reshape(-1)
+    return f
+
+
+def _site_columns_after_token(df: pd.DataFrame, sf: pd.DataFrame) -> pd.DataFrame:
+    """Columns in table order: sequence and token columns, the site columns, then the metrics."""
+    first = ["sequence", "doc", "window", "position", "token_id"] + (["token"] if "token" in df else [])
+    return df[first + list(sf.columns) + [c for c in df.columns if c not in first and c not in sf.columns]]

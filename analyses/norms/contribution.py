@@ -25,6 +25,7 @@ from depthscope.analyses.norms.streaming import (
     table_attrs,
 )
 from depthscope.common.errors import InputError
+from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import site_frame
 
 
@@ -65,8 +66,6 @@ def contribution_norms(
     check_has_blocks(model)
     totals = _Totals(model.n_sites)
     reader = None
-    from depthscope.common.progress import progress_bar
-
     bar = progress_bar(max_tokens, desc="norms", unit="tok", enabled=progress)
     for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
         rs = stream_batch(model, batch, hooks)
@@ -140,6 +139,8 @@ class _Totals:
                 self.loc[:, g] = torch.where(better[:, None], new, self.loc[:, g])
 
     def frame(self, model) -> pd.DataFrame:
+        """The table: per position group and site the means, the largest activation and its
+        location, the undefined-token count, and each mean's interval."""
         frames = []
         nan = torch.tensor(float("nan"), dtype=torch.float64)
         sf = site_frame(range(model.n_sites), model.n_layers)

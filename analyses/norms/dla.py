@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pandas as pd
 import torch
@@ -10,8 +14,12 @@ from depthscope.analyses.norms.streaming import Inputs, check_has_blocks
 from depthscope.common.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.sites import site_frame
 
+if TYPE_CHECKING:  # annotations only
+    from depthscope.hooks.model import ResidualStream
+
 
 def _per_example(model, tokens, n: int, what: str) -> list[int] | None:
+    """Token ids of ``tokens`` (one for all ``n`` examples, or one per example); None for None."""
     if tokens is None:
         return None
     if isinstance(tokens, (str, int, np.integer)) or (isinstance(tokens, torch.Tensor) and tokens.numel() == 1):
@@ -56,85 +64,130 @@ def direct_logit_attribution(
     ``check`` the sum of the parts must equal ``logit`` (relative 1e-4 of the scale of the
     parts), else a RuntimeError names the example.
     """
+    _check_decoder(model)
+    examples = _examples(inputs)
+    request = _Request(
+        texts=examples.texts,
+        targets=_per_example(model, target_tokens, examples.n, "target"),
+        contrasts=_per_example(model, contrast_tokens, examples.n, "contrast"),
+        position=position,
+        check=check,
+    )
+    sf = site_frame(range(model.n_sites), model.n_layers)
+    rows = []
+    for start, rs in examples.forwards(model, mask, batch_size):
+        rows += [_example_rows(model, sf, rs, j, start + j, request) for j in range(rs.input_ids.shape[0])]
+    df = pd.concat(rows, ignore_index=True)
+    first = ["example", "text", "position", "token", "target", "target_id", "contrast", "contrast_id"]
+    df = df[first + list(sf.columns) + ["contribution", "logit"]]
+    df.attrs.update({"model": str(model.name), "what": "logit difference" if request.contrasts else "logit"})
+    return df
+
+
+def _check_decoder(model) -> None:
+    """Refuse models whose logits are not ``unembed(final_norm(stream))`` with a linear
+    unembedding (before any forward): the attribution would not sum to the logit."""
     check_has_blocks(model)
     if not model.unembed.decodes_stream:
         raise UnsupportedArchitecture(
             f"{model.name}: direct logit attribution needs a decoder whose logits are "
             f"unembed(final_norm(stream)); {model.arch.family} ({model.arch.layout}) is not"
         )
-    model.unembed.frozen(torch.zeros(model.d_model))  # refuses soft-capped logits before any forward
-    ids_all, texts, n = _examples(inputs)
-    targets = _per_example(model, target_tokens, n, "target")
-    contrasts = _per_example(model, contrast_tokens, n, "contrast")
-    sf = site_frame(range(model.n_sites), model.n_layers)
-    rows = []
-    for start in range(0, n, batch_size):
-        stop = min(n, start + batch_size)
-        if texts is None:
-            m = None if mask is None else mask.reshape(ids_all.shape)[start:stop]
-            rs = model.residual_stream(ids_all[start:stop], mask=m)
-        else:
-            rs = model.residual_stream(texts[start:stop])
-        lengths = rs.mask.sum(1)
-        for j in range(stop - start):
-            ex = start + j
-            L = int(lengths[j])
-            p = position if position >= 0 else L + position
-            if not 0 <= p < L:
-                raise InputError(f"position {position} outside example {ex}'s {L} tokens")
-            t = targets[ex] if targets is not None else int(rs.logits[j, p].argmax())
-            c = contrasts[ex] if contrasts is not None else None
-            lg = rs.logits[j, p].double()
-            logit = float(lg[t] - (lg[c] if c is not None else 0.0))
-            contrib, const = _attribute(model, rs.resid[:, j, p], t, c, logit if check else None, ex)
-            tok = model.tokenizer
-            info = {
-                "example": ex,
-                "text": texts[ex] if texts is not None else None,
-                "position": p,
-                "token": tok.decode([int(rs.input_ids[j, p])]) if tok is not None else None,
-                "target": tok.decode([t]) if tok is not None else str(t),
-                "target_id": t,
-                "contrast": (tok.decode([c]) if tok is not None else str(c)) if c is not None else None,
-                "contrast_id": c if c is not None else -1,
-                "logit": logit,
-            }
-            f = sf.copy()
-            f["contribution"] = contrib.cpu().numpy()
-            const_row = pd.DataFrame(
-                {
-                    "site": [-1],
-                    "label": ["const"],
-                    "layer": [-1],
-                    "sublayer": ["const"],
-                    "depth": [float("nan")],
-                    "contribution": [const],
-                }
-            )
-            f = pd.concat([f, const_row], ignore_index=True)
-            for k, v in info.items():
-                f[k] = v
-            rows.append(f)
-    df = pd.concat(rows, ignore_index=True)
-    first = ["example", "text", "position", "token", "target", "target_id", "contrast", "contrast_id"]
-    df = df[first + list(sf.columns) + ["contribution", "logit"]]
-    df.attrs.update({"model": str(model.name), "what": "logit difference" if contrasts else "logit"})
-    return df
+    model.unembed.frozen(torch.zeros(model.d_model))  # refuses soft-capped logits
 
 
-def _examples(inputs):
-    """(token ids or None, texts or None, number of examples) of DLA inputs."""
+@dataclass(frozen=True)
+class _Examples:
+    """DLA inputs as examples: token-id rows (``ids``) or prompts (``texts``), ``n`` of them."""
+
+    ids: torch.Tensor | None
+    texts: list[str] | None
+    n: int
+
+    def forwards(self, model, mask: torch.Tensor | None, batch_size: int) -> Iterator[tuple[int, ResidualStream]]:
+        """``(first example, stream)`` per batch of ``batch_size`` examples, all sites captured."""
+        for start in range(0, self.n, batch_size):
+            stop = min(self.n, start + batch_size)
+            if self.texts is None:
+                m = None if mask is None else mask.reshape(self.ids.shape)[start:stop]
+                yield start, model.residual_stream(self.ids[start:stop], mask=m)
+            else:
+                yield start, model.residual_stream(self.texts[start:stop])
+
+
+def _examples(inputs) -> _Examples:
+    """The examples of DLA inputs (one string, prompts, or token ids ``[n, pos]`` / ``[pos]``)."""
     if isinstance(inputs, str):
         inputs = [inputs]
     if isinstance(inputs, torch.Tensor):
         ids_all = inputs if inputs.dim() == 2 else inputs[None]
         if ids_all.numel() == 0:
             raise InputError("empty input: no tokens")
-        return ids_all, None, ids_all.shape[0]
+        return _Examples(ids_all, None, ids_all.shape[0])
     texts = list(inputs)
     if not texts or any((not isinstance(t, str)) or t == "" for t in texts):
         raise InputError("empty input: give non-empty prompts")
-    return None, texts, len(texts)
+    return _Examples(None, texts, len(texts))
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What to attribute for every example: its prompt (None for token ids), the target and
+    contrast token ids per example (None: the model's own top-1 / no contrast), the position
+    whose next-token logit is explained, and whether the parts must sum to the logit."""
+
+    texts: list[str] | None
+    targets: list[int] | None
+    contrasts: list[int] | None
+    position: int
+    check: bool
+
+
+def _example_rows(model, sf: pd.DataFrame, rs: ResidualStream, j: int, ex: int, request: _Request) -> pd.DataFrame:
+    """The rows of example ``ex`` (row ``j`` of the batch ``rs``): one per site and the constant."""
+    L = int(rs.mask[j].sum())
+    p = request.position if request.position >= 0 else L + request.position
+    if not 0 <= p < L:
+        raise InputError(f"position {request.position} outside example {ex}'s {L} tokens")
+    t = request.targets[ex] if request.targets is not None else int(rs.logits[j, p].argmax())
+    c = request.contrasts[ex] if request.contrasts is not None else None
+    lg = rs.logits[j, p].double()
+    logit = float(lg[t] - (lg[c] if c is not None else 0.0))
+    contrib, const = _attribute(model, rs.resid[:, j, p], t, c, logit if request.check else None, ex)
+    tok = model.tokenizer
+    info = {
+        "example": ex,
+        "text": request.texts[ex] if request.texts is not None else None,
+        "position": p,
+        "token": tok.decode([int(rs.input_ids[j, p])]) if tok is not None else None,
+        "target": tok.decode([t]) if tok is not None else str(t),
+        "target_id": t,
+        "contrast": (tok.decode([c]) if tok is not None else str(c)) if c is not None else None,
+        "contrast_id": c if c is not None else -1,
+        "logit": logit,
+    }
+    f = _parts_frame(sf, contrib.cpu().numpy(), const)
+    for k, v in info.items():
+        f[k] = v
+    return f
+
+
+def _parts_frame(sf: pd.DataFrame, contrib: np.ndarray, const: float) -> pd.DataFrame:
+    """The site columns with each site's ``contribution``, then the constant's row (``site=-1``,
+    ``label="const"``, ``layer=-1``, ``sublayer="const"``, ``depth`` NaN)."""
+    f = sf.copy()
+    f["contribution"] = contrib
+    const_row = pd.DataFrame(
+        {
+            "site": [-1],
+            "label": ["const"],
+            "layer": [-1],
+            "sublayer": ["const"],
+            "depth": [float("nan")],
+            "contribution": [const],
+        }
+    )
+    return pd.concat([f, const_row], ignore_index=True)
 
 
 def _attribute(model, h: torch.Tensor, t: int, c: int | None, logit: float | None, ex: int):

@@ -125,15 +125,10 @@ def token_metrics(resid: torch.Tensor, reader: Reader) -> dict[str, torch.Tensor
     """
     h = resid if resid.dtype in (torch.float32, torch.float64) else resid.float()
     f64 = torch.float64
-    dev = h.device
     hn = torch.linalg.vector_norm(h, dim=-1).to(f64)  # [S, b, P]
-    vmax, imax = h.max(-1)
-    vmin, imin = h.min(-1)
-    neg = -vmin > vmax
-    absmax = torch.where(neg, -vmin, vmax).to(f64)
-    argdim = torch.where(neg, imin, imax)
+    absmax, argdim = _abs_max(h)
     # one scratch buffer of the stream's size, reused: |h| (median), then u, then gain * u, ...
-    buf = torch.empty(h.shape, dtype=h.dtype, device=dev)
+    buf = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     torch.abs(h, out=buf)
     median = _lower_median(buf).to(f64)
     u = buf[:-1]
@@ -141,52 +136,72 @@ def token_metrics(resid: torch.Tensor, reader: Reader) -> dict[str, torch.Tensor
     un = torch.linalg.vector_norm(u, dim=-1).to(f64)
     dot = torch.einsum("sbpd,sbpd->sbp", u, h[:-1]).to(f64)  # <u_s, h_{s-1}>
     prev, cur = hn[:-1], hn[1:]
-    nan = torch.tensor(float("nan"), dtype=f64, device=dev)
-
-    def ratio(num, den, ok):
-        return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), nan)
-
     prev_ok = prev > 0
-    rel = ratio(un, prev, prev_ok)
-    growth = ratio(cur, prev, prev_ok)
-    cos_u = ratio(dot, un * prev, prev_ok & (un > 0)).clamp(-1, 1)
-    # block influence 1 - cos(a, b), a = h_{s-1}, b = a + u. Direct form (a.b)/(|a||b|) loses
-    # everything when |u| << |a|; with r = |u|/|a|, c = cos(u, a), g = |b|/|a| it equals
-    # r^2 (1 - c^2) / (g (g + 1 + r c)) (exact), used wherever a.b > 0 (then no cancellation).
-    hh = prev_ok & (cur > 0)
+    rel = _ratio(un, prev, prev_ok)
+    growth = _ratio(cur, prev, prev_ok)
+    cos_u = _ratio(dot, un * prev, prev_ok & (un > 0)).clamp(-1, 1)
+    bi = _block_influence(rel, growth, cos_u, prev_ok, cur > 0)
+    # norm-aware effective write: ||g * c(u)|| / sigma(h_r) with h_r the stream the reader reads
+    eff, eff_rel = _effective_write(h, u, hn, un, reader)
+    return {
+        "stream_norm": hn,
+        "update_norm": _pad_embed(un),
+        "relative_update": _pad_embed(rel),
+        "cos_update_stream": _pad_embed(cos_u),
+        "growth": _pad_embed(growth),
+        "block_influence": _pad_embed(bi),
+        "attn_share": _pad_embed(_attn_share(un)),
+        "effective_write": _pad_embed(eff),
+        "effective_relative": _pad_embed(eff_rel),
+        "median_abs": median,
+        "max_abs": absmax,
+        "max_abs_dim": argdim,
+    }
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``num / den`` where ``ok``, NaN elsewhere (a zero denominator is never divided by)."""
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=num.device)
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), nan)
+
+
+def _pad_embed(x: torch.Tensor) -> torch.Tensor:
+    """An update metric of sites 1.. with the embedding's row (NaN: it has no update) in front."""
+    return torch.cat([torch.full_like(x[:1], float("nan")), x], 0)
+
+
+def _abs_max(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest absolute coordinate of every stream (float64) and its dimension, from one max
+    and one min pass (no ``|h|`` copy)."""
+    vmax, imax = h.max(-1)
+    vmin, imin = h.min(-1)
+    neg = -vmin > vmax
+    return torch.where(neg, -vmin, vmax).to(torch.float64), torch.where(neg, imin, imax)
+
+
+def _block_influence(rel, growth, cos_u, prev_ok, cur_ok) -> torch.Tensor:
+    """``1 - cos(a, b)`` with ``a = h_{s-1}``, ``b = a + u``, from the per-token ratios ``rel``
+    (r = |u|/|a|), ``growth`` (g = |b|/|a|) and ``cos_u`` (c = cos(u, a)).
+
+    The direct form (a.b)/(|a||b|) loses everything when |u| << |a|; ``r^2 (1 - c^2) / (g (g + 1
+    + r c))`` equals it exactly and is used wherever a.b > 0 (then no cancellation); NaN where
+    ``a`` or ``b`` is zero."""
+    hh = prev_ok & cur_ok
     cos_u0 = torch.where(torch.isnan(cos_u), torch.zeros_like(cos_u), cos_u)
     rel0 = torch.where(prev_ok, rel, torch.zeros_like(rel))
     g0 = torch.where(prev_ok, growth, torch.ones_like(growth))
     ab = 1 + rel0 * cos_u0  # a.b / |a|^2
     stable = rel0 * rel0 * (1 - cos_u0 * cos_u0) / torch.where(hh & (ab > 0), g0 * (g0 + ab), torch.ones_like(g0))
     direct = 1 - ab / torch.where(hh, g0, torch.ones_like(g0))
-    bi = torch.where(hh, torch.where(ab > 0, stable, direct), nan)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rel.device)
+    return torch.where(hh, torch.where(ab > 0, stable, direct), nan)
 
-    # norm-aware effective write: ||g * c(u)|| / sigma(h_r) with h_r the stream the reader reads
-    eff, eff_rel = _effective_write(h, u, hn, un, reader, ratio)
 
-    # attention share per layer, on both sites of the layer
+def _attn_share(un: torch.Tensor) -> torch.Tensor:
+    """Per layer the attention write's share of the two writes' norms, on both its sites."""
     ua, um = un[0::2], un[1::2]  # attn sites 1, 3, ..; mlp sites 2, 4, ..  -> [L, b, P]
     tot = ua + um
-    share = ratio(ua, tot, tot > 0).repeat_interleave(2, dim=0)
-
-    def pad(x):  # the embed row: NaN
-        return torch.cat([torch.full_like(x[:1], float("nan")), x], 0)
-
-    return {
-        "stream_norm": hn,
-        "update_norm": pad(un),
-        "relative_update": pad(rel),
-        "cos_update_stream": pad(cos_u),
-        "growth": pad(growth),
-        "block_influence": pad(bi),
-        "attn_share": pad(share),
-        "effective_write": pad(eff),
-        "effective_relative": pad(eff_rel),
-        "median_abs": median,
-        "max_abs": absmax,
-        "max_abs_dim": argdim,
-    }
+    return _ratio(ua, tot, tot > 0).repeat_interleave(2, dim=0)
 
 
 def _lower_median(a: torch.Tensor) -> torch.Tensor:
@@ -222,7 +237,7 @@ def undefined_tokens(metrics: dict[str, torch.Tensor], reader: Reader) -> torch.
     return und
 
 
-def _effective_write(h: torch.Tensor, u: torch.Tensor, hn: torch.Tensor, un: torch.Tensor, reader: Reader, ratio):
+def _effective_write(h: torch.Tensor, u: torch.Tensor, hn: torch.Tensor, un: torch.Tensor, reader: Reader):
     """``effective_write`` and ``effective_relative`` [S-1, b, P]: the update ``u`` (overwritten:
     scratch) as the norm that next reads it sees it, against the stream that norm reads."""
     S, D, dev, f64 = h.shape[0], h.shape[-1], h.device, torch.float64
@@ -258,5 +273,5 @@ def _effective_write(h: torch.Tensor, u: torch.Tensor, hn: torch.Tensor, un: tor
         sigma = torch.sqrt(ms + reader.eps.to(dev)[:, None, None])
         v = valid[:, None, None]
         eff = torch.where(v, gu / sigma, nan)
-        eff_rel = ratio(gu, gh, v & (gh > 0))
+        eff_rel = _ratio(gu, gh, v & (gh > 0))
     return eff, eff_rel

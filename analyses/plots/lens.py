@@ -16,6 +16,8 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from depthscope.analyses.plots import style
 from depthscope.analyses.plots.style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE
@@ -30,7 +32,9 @@ METRIC_PANELS = [
     ("top1_accuracy", "top-1 accuracy (next token)", "linear"),
     ("target_log_rank", "mean log$_{10}$(1 + rank of next token)", "linear"),
 ]
+#: line style, colour and filled markers of each lens's curves (``_OTHER_LENS`` for other kinds)
 _LENS_STYLE = {"logit": ("-", "#8c8c8c", True), "tuned": ("--", "#222222", False)}
+_OTHER_LENS = ("-.", "#555555", True)
 BAND_ALPHA = 0.25
 
 
@@ -85,47 +89,71 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
     n_layers = _n_layers(df)
     banded = False
-    for ax, (col, ylabel, scale) in zip(axes.flat, panels):
-        for lens in lenses:
-            d = df[df["lens"] == lens] if "lens" in df.columns else df
-            d = d.sort_values("depth")
-            ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
-            banded |= interval_band(ax, d, col, color)
-            ax.plot(d["depth"], d[col], ls=ls, color=color, lw=1.1, zorder=1)
-            for sub in SUBLAYER_ORDER:
-                part = d[d["sublayer"] == sub]
-                if len(part):
-                    c = SUBLAYER_PALETTE[sub]
-                    ax.scatter(
-                        part["depth"],
-                        part[col],
-                        s=20,
-                        marker=SUBLAYER_MARKERS[sub],
-                        zorder=2,
-                        color=c if filled else "white",
-                        edgecolors=c,
-                        linewidths=1.0,
-                    )
-        ax.set_ylabel(ylabel)
-        style.depth_axis(ax, n_layers)
-        ax.set_xlabel("depth (blocks)")
-        if scale == "symlog":
-            ax.set_yscale("symlog", linthresh=1.0)
-            ax.set_ylim(bottom=0)
-        if col in ("top1_agreement", "top1_accuracy"):
-            ax.set_ylim(-0.03, 1.03)
+    for ax, panel in zip(axes.flat, panels):
+        banded |= _metric_panel(ax, df, lenses, panel, n_layers)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    # one legend: sublayer markers, and lens line styles when there are several
-    from matplotlib.lines import Line2D
+    handles = _metrics_legend(df, lenses, banded)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.02))
+    if title is None:
+        n = int(df["n_positions"].iloc[0]) if "n_positions" in df.columns else None
+        title = "Logit lens at every sublayer" + (f" (means over {n:,} positions)" if n else "")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    style.savefig(fig, path)
 
+
+def _metric_panel(ax, df: pd.DataFrame, lenses: list, panel: tuple, n_layers: int) -> bool:
+    """One metric's panel: per lens its band, its line through all sites and markers per
+    sublayer (hollow for the tuned lens); returns whether a band was drawn."""
+    col, ylabel, scale = panel
+    banded = False
+    for lens in lenses:
+        d = df[df["lens"] == lens] if "lens" in df.columns else df
+        d = d.sort_values("depth")
+        ls, color, filled = _LENS_STYLE.get(lens, _OTHER_LENS)
+        banded |= interval_band(ax, d, col, color)
+        ax.plot(d["depth"], d[col], ls=ls, color=color, lw=1.1, zorder=1)
+        _sublayer_markers(ax, d, col, filled)
+    ax.set_ylabel(ylabel)
+    style.depth_axis(ax, n_layers)
+    ax.set_xlabel("depth (blocks)")
+    if scale == "symlog":
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=0)
+    if col in ("top1_agreement", "top1_accuracy"):
+        ax.set_ylim(-0.03, 1.03)
+    return banded
+
+
+def _sublayer_markers(ax, d: pd.DataFrame, col: str, filled: bool) -> None:
+    """Markers of ``col`` at every site of ``d``, shaped and coloured by sublayer."""
+    for sub in SUBLAYER_ORDER:
+        part = d[d["sublayer"] == sub]
+        if len(part):
+            c = SUBLAYER_PALETTE[sub]
+            ax.scatter(
+                part["depth"],
+                part[col],
+                s=20,
+                marker=SUBLAYER_MARKERS[sub],
+                zorder=2,
+                color=c if filled else "white",
+                edgecolors=c,
+                linewidths=1.0,
+            )
+
+
+def _metrics_legend(df: pd.DataFrame, lenses: list, banded: bool) -> list:
+    """The figure's one legend: sublayer markers, the lenses' line styles when there are
+    several, and the band when one was drawn."""
     handles = [
         Line2D([], [], ls="", marker=SUBLAYER_MARKERS[s], color=SUBLAYER_PALETTE[s], label=lab)
         for s, lab in (("embed", "embedding"), ("attn", "after attention"), ("mlp", "after MLP"))
     ]
     if len(lenses) > 1:
         for lens in lenses:
-            ls, color, filled = _LENS_STYLE.get(lens, ("-.", "#555555", True))
+            ls, color, filled = _LENS_STYLE.get(lens, _OTHER_LENS)
             handles.append(
                 Line2D(
                     [],
@@ -139,16 +167,8 @@ def plot_lens_metrics(df: pd.DataFrame, path, *, title: str | None = None) -> No
                 )
             )
     if banded:
-        from matplotlib.patches import Patch
-
         handles.append(Patch(color="#8c8c8c", alpha=BAND_ALPHA, lw=0, label=band_label(df)))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, -0.02))
-    if title is None:
-        n = int(df["n_positions"].iloc[0]) if "n_positions" in df.columns else None
-        title = "Logit lens at every sublayer" + (f" (means over {n:,} positions)" if n else "")
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    style.savefig(fig, path)
+    return handles
 
 
 def band_label(df: pd.DataFrame) -> str:
@@ -160,6 +180,7 @@ def band_label(df: pd.DataFrame) -> str:
 
 
 def _one_window(tokens_df: pd.DataFrame, doc: int | None, window: int | None) -> pd.DataFrame:
+    """The rows of one window (default: the first document's first window)."""
     d = tokens_df
     if doc is None:
         doc = int(d["doc"].iloc[0])

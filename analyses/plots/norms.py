@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
+from matplotlib.patches import Patch
 
+from depthscope.analyses.norms.growth import fit_growth_rate
 from depthscope.analyses.plots.lens import BAND_ALPHA, band_label, interval_band
 from depthscope.analyses.plots.style import (
     SUBLAYER_ORDER,
@@ -56,8 +58,6 @@ def _bands(ax, rest, first, col: str, *, positive: bool = False) -> bool:
 
 def _band_handle(ax, df, ncol: int = 1) -> None:
     """Add the band to ``ax``'s legend (after the curves' own entries)."""
-    from matplotlib.patches import Patch
-
     handles, labels = ax.get_legend_handles_labels()
     patch = Patch(color=REST_BAND, alpha=BAND_ALPHA, lw=0)
     ax.legend(handles + [patch], labels + [band_label(df)], frameon=False, fontsize=8, ncol=ncol)
@@ -97,8 +97,6 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
     attention sink) as a dashed line; the fit ``log ||h|| = a + b * depth`` over block
     outputs as a dotted line labelled with ``exp(b)`` per block; 95% intervals as bands.
     """
-    from depthscope.analyses.norms import fit_growth_rate
-
     _need(df, ["depth", "sublayer", "stream_norm", "layer"], "plot_stream_growth")
     rest, first = _split(df)
     L = _n_layers(df)

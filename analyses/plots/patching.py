@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy.stats import spearmanr
 
 from depthscope.analyses.plots.style import plt, savefig, sns
 from depthscope.common.errors import InputError
@@ -37,6 +38,7 @@ def _need(df: pd.DataFrame, cols, what: str) -> None:
 
 
 def _one_method(df: pd.DataFrame, method: str | None, what: str) -> pd.DataFrame:
+    """The rows of one patching method (default: exact activation patching when present)."""
     if "method" not in df.columns:
         return df
     methods = list(dict.fromkeys(df["method"]))
@@ -48,11 +50,13 @@ def _one_method(df: pd.DataFrame, method: str | None, what: str) -> pd.DataFrame
 
 
 def _limit(vals: np.ndarray) -> float:
+    """The colour scale's half-range: the largest finite magnitude, at least 1."""
     ok = np.abs(vals[np.isfinite(vals)])
     return float(max(1.0, ok.max())) if len(ok) else 1.0
 
 
 def _position_label(r) -> str:
+    """A heatmap column label: the position and its token (clean -> corrupted when they differ)."""
     if pd.isna(r["position"]):
         return "all positions"
     tok, clean = r.get("token", ""), r.get("clean_token", "")
@@ -61,6 +65,7 @@ def _position_label(r) -> str:
 
 
 def _title(df: pd.DataFrame, text: str) -> str:
+    """``text``, then the clean and corrupted metric values and the model, one per line."""
     bits = [text]
     metric = df.attrs.get("metric")
     if metric is None and "clean_metric" in df.columns:
@@ -127,18 +132,7 @@ def plot_patching_heads(
     rows that patched every position at once are used as they are."""
     what = "plot_patching_heads"
     _need(df, ["layer", "head", "kind", "position", value], what)
-    d = _one_method(df, method, what)
-    d = d[d["head"].notna()]
-    if not len(d):
-        raise InputError(f"{what}: no per-head rows (patch '<layer>.heads' or '<layer>.z' points)")
-    if d["position"].notna().any():
-        pos = int(d["position"].max()) if position is None else int(position)
-        d = d[d["position"] == pos]
-        if not len(d):
-            raise InputError(f"{what}: no per-head rows at position {pos}")
-        where = f"position {pos}"
-    else:
-        where = "all positions"
+    d, where = _head_rows(_one_method(df, method, what), position, what)
     kinds = list(dict.fromkeys(d["kind"]))
     grids = [
         d[d["kind"] == k].pivot_table(index="layer", columns="head", values=value, aggfunc="first").sort_index()
@@ -175,11 +169,24 @@ def plot_patching_heads(
     return Path(path)
 
 
+def _head_rows(d: pd.DataFrame, position: int | None, what: str) -> tuple[pd.DataFrame, str]:
+    """The per-head rows to draw and where they patched: at ``position`` (default: the last
+    patched one) when positions were patched one at a time, else the all-positions rows."""
+    d = d[d["head"].notna()]
+    if not len(d):
+        raise InputError(f"{what}: no per-head rows (patch '<layer>.heads' or '<layer>.z' points)")
+    if not d["position"].notna().any():
+        return d, "all positions"
+    pos = int(d["position"].max()) if position is None else int(position)
+    d = d[d["position"] == pos]
+    if not len(d):
+        raise InputError(f"{what}: no per-head rows at position {pos}")
+    return d, f"position {pos}"
+
+
 def plot_attribution_vs_exact(df: pd.DataFrame, path, *, value: str = "fraction_recovered") -> Path:
     """One dot per patch: the attribution estimate against exact activation patching, the
     diagonal for reference and the Spearman rank correlation in the title."""
-    from scipy.stats import spearmanr
-
     what = "plot_attribution_vs_exact"
     _need(df, ["method", "point", "head", "position", value], what)
     keys = ["point", "head", "position"]

@@ -110,45 +110,8 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
     L = _n_layers(by_site)
     for row, task in zip(axes, tasks):
         d = by_site[by_site["task"] == task].sort_values("depth")
-        ax = row[0]
-        ax.plot(d["depth"], d["accuracy"], color="#999999", lw=1, zorder=1)
-        for sub in SUBLAYER_ORDER:
-            part = d[d["sublayer"] == sub]
-            if len(part):
-                err = _binomial_se(part["accuracy"].to_numpy(), part["n_test"].to_numpy() if "n_test" in part else 1)
-                ax.errorbar(
-                    part["depth"],
-                    part["accuracy"],
-                    yerr=1.96 * err,
-                    fmt=SUBLAYER_MARKERS[sub],
-                    ms=4,
-                    color=SUBLAYER_PALETTE[sub],
-                    elinewidth=0.8,
-                    capsize=0,
-                    zorder=2,
-                )
-        if "control_accuracy" in d and d["control_accuracy"].notna().any():
-            ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2)
-        if "majority_accuracy" in d and d["majority_accuracy"].notna().any():
-            ax.axhline(float(d["majority_accuracy"].iloc[0]), ls=":", color="black", lw=1.0)
-        ax.set_ylim(0, 1)
-        ax.set_ylabel(f"{task}\naccuracy")
-        ax = row[1]
-        if "selectivity" in d and d["selectivity"].notna().any():
-            ax.plot(d["depth"], 100 * d["selectivity"], color="#999999", lw=1, zorder=1)
-            for sub in SUBLAYER_ORDER:
-                part = d[d["sublayer"] == sub]
-                if len(part):
-                    ax.scatter(
-                        part["depth"],
-                        100 * part["selectivity"],
-                        s=18,
-                        marker=SUBLAYER_MARKERS[sub],
-                        color=SUBLAYER_PALETTE[sub],
-                        zorder=2,
-                    )
-            ax.axhline(0, color="black", lw=0.6)
-        ax.set_ylabel(f"{task}\nselectivity (points)")
+        _accuracy_panel(row[0], d, task)
+        _selectivity_panel(row[1], d, task)
     for ax in axes[-1]:
         depth_axis(ax, L)
     axes[0, 0].set_title("test accuracy (bars: 95% binomial interval)", fontsize=10)
@@ -169,68 +132,141 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
     return Path(path)
 
 
+def _accuracy_panel(ax, d: pd.DataFrame, task: str) -> None:
+    """One task's test accuracy per site (95% binomial bars, markers by sublayer), with the
+    control-task accuracy and the majority-class baseline when the table has them."""
+    ax.plot(d["depth"], d["accuracy"], color="#999999", lw=1, zorder=1)
+    for sub in SUBLAYER_ORDER:
+        part = d[d["sublayer"] == sub]
+        if len(part):
+            err = _binomial_se(part["accuracy"].to_numpy(), part["n_test"].to_numpy() if "n_test" in part else 1)
+            ax.errorbar(
+                part["depth"],
+                part["accuracy"],
+                yerr=1.96 * err,
+                fmt=SUBLAYER_MARKERS[sub],
+                ms=4,
+                color=SUBLAYER_PALETTE[sub],
+                elinewidth=0.8,
+                capsize=0,
+                zorder=2,
+            )
+    if "control_accuracy" in d and d["control_accuracy"].notna().any():
+        ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2)
+    if "majority_accuracy" in d and d["majority_accuracy"].notna().any():
+        ax.axhline(float(d["majority_accuracy"].iloc[0]), ls=":", color="black", lw=1.0)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"{task}\naccuracy")
+
+
+def _selectivity_panel(ax, d: pd.DataFrame, task: str) -> None:
+    """One task's selectivity (accuracy - control accuracy, in points) per site, when known."""
+    if "selectivity" in d and d["selectivity"].notna().any():
+        ax.plot(d["depth"], 100 * d["selectivity"], color="#999999", lw=1, zorder=1)
+        for sub in SUBLAYER_ORDER:
+            part = d[d["sublayer"] == sub]
+            if len(part):
+                ax.scatter(
+                    part["depth"],
+                    100 * part["selectivity"],
+                    s=18,
+                    marker=SUBLAYER_MARKERS[sub],
+                    color=SUBLAYER_PALETTE[sub],
+                    zorder=2,
+                )
+        ax.axhline(0, color="black", lw=0.6)
+    ax.set_ylabel(f"{task}\nselectivity (points)")
+
+
 def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     """Tenney-style summary: Delta bars per depth, mixing weights, E_Delta and E_s."""
     if mixing is None or not len(mixing):
-        fig, ax = plt.subplots(figsize=(6, 1.5))
-        ax.axis("off")
-        ax.text(
-            0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center", va="center"
-        )
-        savefig(fig, path)
-        return Path(path)
+        return _no_mixing_figure(path)
     tasks = _task_order(mixing["task"])
     n = max(1, len(tasks))
     fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 1.1), sharex=True, sharey=True, squeeze=False)
     L = _n_layers(mixing)
     summ = summary.set_index("task") if summary is not None and len(summary) else pd.DataFrame()
     for ax, task in zip(axes[:, 0], tasks):
-        d = mixing[mixing["task"] == task].sort_values("depth")
-        d = d[d["site"] != d["site"].min()]  # Delta(0) is the embedding's own score, not a gain
-        colors = [SUBLAYER_PALETTE.get(s, "#555555") for s in d["sublayer"]]
-        ax.bar(d["depth"], d["delta"], width=0.42, color=colors, alpha=0.9, zorder=2)
-        ax.axhline(0, color="black", lw=0.5)
-        ax.set_ylabel(f"{task}\n$\\Delta$ soft acc.", fontsize=9)
-        ax2 = ax.twinx()
         dm = mixing[mixing["task"] == task].sort_values("depth")
-        ax2.plot(dm["depth"], dm["mix_weight"], color="#2ca02c", lw=1.2, marker=".", ms=3, zorder=3)
-        ax2.set_ylim(0, max(0.05, float(dm["mix_weight"].max()) * 1.15))
-        ax2.set_ylabel("mix weight s", fontsize=8, color="#2ca02c")
-        ax2.tick_params(axis="y", labelsize=7, colors="#2ca02c")
-        ax2.grid(False)
-        if task in summ.index and {"expected_layer_delta_lo", "expected_layer_delta_hi"} <= set(summ.columns):
-            lo, hi = float(summ.loc[task, "expected_layer_delta_lo"]), float(summ.loc[task, "expected_layer_delta_hi"])
-            if np.isfinite(lo) and np.isfinite(hi):  # bootstrap interval of E_Delta over test examples
-                ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
+        _delta_bars(ax, dm, task)
+        _mix_weight_line(ax, dm)
         if task in summ.index:
-            marks = [
-                ("expected_layer_delta", "$E_\\Delta$", "#9467bd", "-", 2.0, 1.0),
-                ("expected_layer_mix", "$E_s$", "#2ca02c", "--", 1.5, 0.97),
-            ]
-            for col, name, color, ls, lw, ypos in marks:
-                e = float(summ.loc[task, col]) if col in summ.columns else float("nan")
-                if not np.isfinite(e):
-                    continue
-                shown = min(max(e, -0.4), L + 0.4)
-                off = " (off scale)" if shown != e else ""
-                ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
-                # E_Delta's label on the side away from E_s, so the two never overlap
-                other = float(
-                    summ.loc[task, "expected_layer_mix" if col == "expected_layer_delta" else "expected_layer_delta"]
-                )
-                right = shown >= other if np.isfinite(other) else shown < 0.8 * L
-                ax.text(
-                    shown,
-                    ypos,
-                    f" {name} = {e:.2f}{off} ",
-                    transform=ax.get_xaxis_transform(),
-                    va="top",
-                    ha="left" if right else "right",
-                    fontsize=8,
-                    color=color,
-                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5),
-                )
+            _expected_layer_marks(ax, summ.loc[task], L)
     depth_axis(axes[-1, 0], L)
+    _tenney_header(fig)
+    savefig(fig, path)
+    return Path(path)
+
+
+def _no_mixing_figure(path) -> Path:
+    """A one-line figure saying the run has no cumulative scoring (so no Tenney figure)."""
+    fig, ax = plt.subplots(figsize=(6, 1.5))
+    ax.axis("off")
+    ax.text(0.5, 0.5, "no cumulative scoring in this run (run_probes(..., cumulative=True))", ha="center", va="center")
+    savefig(fig, path)
+    return Path(path)
+
+
+def _delta_bars(ax, dm: pd.DataFrame, task: str) -> None:
+    """One task's cumulative-scoring gains Delta per depth as bars coloured by sublayer."""
+    d = dm[dm["site"] != dm["site"].min()]  # Delta(0) is the embedding's own score, not a gain
+    colors = [SUBLAYER_PALETTE.get(s, "#555555") for s in d["sublayer"]]
+    ax.bar(d["depth"], d["delta"], width=0.42, color=colors, alpha=0.9, zorder=2)
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_ylabel(f"{task}\n$\\Delta$ soft acc.", fontsize=9)
+
+
+def _mix_weight_line(ax, dm: pd.DataFrame) -> None:
+    """One task's scalar-mix weights per depth on a twin axis of their own."""
+    ax2 = ax.twinx()
+    ax2.plot(dm["depth"], dm["mix_weight"], color="#2ca02c", lw=1.2, marker=".", ms=3, zorder=3)
+    ax2.set_ylim(0, max(0.05, float(dm["mix_weight"].max()) * 1.15))
+    ax2.set_ylabel("mix weight s", fontsize=8, color="#2ca02c")
+    ax2.tick_params(axis="y", labelsize=7, colors="#2ca02c")
+    ax2.grid(False)
+
+
+#: the expected layers marked on the Tenney figure: column, label, colour, line style, width, label height
+_EXPECTED_MARKS = [
+    ("expected_layer_delta", "$E_\\Delta$", "#9467bd", "-", 2.0, 1.0),
+    ("expected_layer_mix", "$E_s$", "#2ca02c", "--", 1.5, 0.97),
+]
+
+
+def _expected_layer_marks(ax, r: pd.Series, L: int) -> None:
+    """One task's E_Delta (with its 95% interval as a band) and E_s as labelled vertical lines;
+    values off the depth axis are drawn at its edge and said to be off scale."""
+    if {"expected_layer_delta_lo", "expected_layer_delta_hi"} <= set(r.index):
+        lo, hi = float(r["expected_layer_delta_lo"]), float(r["expected_layer_delta_hi"])
+        if np.isfinite(lo) and np.isfinite(hi):  # bootstrap interval of E_Delta over test examples
+            ax.axvspan(max(lo, -0.4), min(hi, L + 0.4), color="#9467bd", alpha=0.12, lw=0, zorder=0)
+    for col, name, color, ls, lw, ypos in _EXPECTED_MARKS:
+        e = float(r[col]) if col in r.index else float("nan")
+        if not np.isfinite(e):
+            continue
+        shown = min(max(e, -0.4), L + 0.4)
+        off = " (off scale)" if shown != e else ""
+        ax.axvline(shown, color=color, lw=lw, ls=ls, zorder=4)
+        # E_Delta's label on the side away from E_s, so the two never overlap
+        other = float(r["expected_layer_mix" if col == "expected_layer_delta" else "expected_layer_delta"])
+        right = shown >= other if np.isfinite(other) else shown < 0.8 * L
+        ax.text(
+            shown,
+            ypos,
+            f" {name} = {e:.2f}{off} ",
+            transform=ax.get_xaxis_transform(),
+            va="top",
+            ha="left" if right else "right",
+            fontsize=8,
+            color=color,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5),
+        )
+
+
+def _tenney_header(fig) -> None:
+    """The Tenney figure's title, then its two-row legend, in a band of fixed height (inches)
+    above the panels."""
     handles = [plt.Rectangle((0, 0), 1, 1, color=SUBLAYER_PALETTE[s]) for s in SUBLAYER_ORDER if s != "embed"]
     labels = [f"$\\Delta$ at {s} sites" for s in SUBLAYER_ORDER if s != "embed"]
     handles += [
@@ -240,7 +276,6 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#9467bd", alpha=0.12))
     labels += ["scalar mix weight $s$", "$E_\\Delta$ (cumulative)", "$E_s$ (scalar mix)", "$E_\\Delta$ 95% interval"]
-    # title, then the two-row legend, in a band of fixed height (inches) above the panels
     height = fig.get_figheight()
     title_h, legend_h = 0.24, 0.2  # (tight_layout adds its own padding below)
     fig.suptitle("Which depth encodes which property (Tenney et al. 2019 style)", y=1 - 0.04 / height, fontsize=11)
@@ -254,5 +289,3 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
         bbox_to_anchor=(0.5, 1 - title_h / height),
     )
     fig.tight_layout(rect=(0, 0, 1, 1 - (title_h + legend_h) / height))
-    savefig(fig, path)
-    return Path(path)

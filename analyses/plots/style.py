@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files, never windows
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
+
+from depthscope.common.files import atomic_write  # noqa: E402
 
 SUBLAYER_PALETTE = {"embed": "#555555", "attn": "#1f77b4", "mlp": "#d62728"}
 SUBLAYER_MARKERS = {"embed": "s", "attn": "o", "mlp": "^"}
@@ -40,10 +43,8 @@ def svg_twin(rc: dict):
 
 
 def savefig(fig, path) -> None:
-    from pathlib import Path
-
-    from depthscope.common.files import atomic_write
-
+    """Save ``fig`` to ``path`` (format from the suffix) atomically, with its SVG twin inside
+    :func:`svg_twin`, and close it."""
     path = Path(path)
     twin = _SVG_TWIN.get()
     try:  # whole or not at all, and a full disk is an OutputError naming the file

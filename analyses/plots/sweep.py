@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from depthscope.analyses.plots import style
-from depthscope.analyses.plots.style import plt, savefig
+from depthscope.analyses.plots.style import plt, savefig, sns
 
 
 def _order(df: pd.DataFrame) -> list[str]:
@@ -49,8 +49,6 @@ def plot_metric_over_training(df: pd.DataFrame, metric: str, path, *, hue: str =
     if d["step"].isna().all():
         d["step"] = d["checkpoint"].map({c: i for i, c in enumerate(_order(df))})
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    import seaborn as sns
-
     sns.lineplot(data=d, x="step", y=metric, hue=hue if hue in d.columns else None, marker="o", ax=ax)
     ax.set_xlabel("training step")
     ax.set_ylabel(metric.replace("_", " "))
