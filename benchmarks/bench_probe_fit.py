@@ -172,6 +172,7 @@ def to_target(Xtr, ytr, Xte, yte, n_classes, f_opt, acc_opt, k_max, target: floa
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
+    from depthscope.probes.solvers.base import TrainSettings
     from depthscope.probes.solvers.subspace import fit_softmax
 
     S, n, F = Xtr.shape
@@ -195,7 +196,8 @@ def to_target(Xtr, ytr, Xte, yte, n_classes, f_opt, acc_opt, k_max, target: floa
 
     try:
         yt = torch.as_tensor(ytr)[:, None]
-        fit_softmax(Xtr, yt, W, b, torch.tensor([L2]), C, max_passes=200, ftol=0, gtol=0, on_pass=record)
+        stop = TrainSettings(max_epochs=200, tol=0, gtol=0)
+        fit_softmax(Xtr, yt, W, b, torch.tensor([L2]), stop, on_pass=record)
     except _Reached:
         pass
 

@@ -3,7 +3,8 @@ heads, cumulative mixes, MDL.
 
 =======================================  =======================================================
 ``fit_task(td, frame, n_layers, config,  the task's ``by_site`` rows, its summary row and its
-pooling=, resident_bytes=, progress=)``  ``mixing`` rows (None without cumulative scoring)
+options)``                               ``mixing`` rows (None without cumulative scoring);
+                                         ``options``: a :class:`FitOptions`
 ``choose_l2(td, config)``                one L2 for the task: a :class:`L2Choice` (the grid
                                          value with the best held-out accuracy, mean over sites)
 ``fit_sites(td, config, l2, progress=)`` per-site probes: the task's labels and its control
@@ -23,16 +24,19 @@ it, and every probe is trained to convergence (:mod:`depthscope.probes.solvers.t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from depthscope.probes.config import L2_GRID, L2_LADDER, L2_SITES, ProbeConfig
 from depthscope.probes.encoding import TaskData
+from depthscope.probes.mdl import online_codelength
 from depthscope.probes.metrics import accuracy, macro_f1
-from depthscope.probes.mixing import fit_cumulative
+from depthscope.probes.mixing import CumulativeFit, fit_cumulative
 from depthscope.probes.solvers.classifiers import BatchedProbe, site_probe
 from depthscope.probes.solvers.training import TrainLog, log_probs, predict, train_kwargs, train_probe
+from depthscope.probes.store.features import Features
 from depthscope.probes.summaries import cumulative_summary, mixing_rows, site_rows, summary_row
 
 
@@ -68,11 +72,22 @@ def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n_sites - 1, min(k, n_sites))).astype(np.int64))
 
 
-def _path(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, values, start, progress: bool):
-    """Held-out accuracy (mean over sites) of probes trained on ``train`` at each penalty of
-    ``values``, in that order, each fit warm-started from the previous optimum (``start``: a
+class HeldOut(NamedTuple):
+    """One held-out split of the penalty search: probes train on ``train`` (labels ``y_train``)
+    and are scored on ``held`` (labels ``y_held``)."""
+
+    train: Features
+    y_train: np.ndarray
+    held: Features
+    y_held: np.ndarray
+
+
+def _path(td: TaskData, cfg: ProbeConfig, split: HeldOut, values, start, progress: bool):
+    """Held-out accuracy (mean over sites) of probes trained on ``split.train`` at each penalty
+    of ``values``, in that order, each fit warm-started from the previous optimum (``start``: a
     state dict to begin from, or None). Returns ``({value: accuracy}, {value: state dict},
     probes that stopped at the cap unconverged)``."""
+    train, y_train, held, y_held = split
     yh = torch.from_numpy(np.asarray(y_held))
     yt = torch.as_tensor(np.asarray(y_train))[:, None]
     acc, states, prev, stuck = {}, {}, start, 0
@@ -90,7 +105,7 @@ def _path(td: TaskData, cfg: ProbeConfig, train, y_train, held, y_held, values, 
 
 
 def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
-    """The held-out splits the penalty is chosen on: ``(on, [(train, y_train, held, y_held)])``
+    """The held-out splits the penalty is chosen on: ``(on, [HeldOut])``
     (dev, else ``l2_folds`` folds of train), on the sites of :func:`l2_sites` when resident."""
     feats = td.feats
     train = feats["train"]
@@ -100,7 +115,7 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
         return f.with_sites(sites) if f.resident is not None and f.sites is None else f
 
     if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
-        return "dev", [(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
+        return "dev", [HeldOut(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
     k, n = cfg.l2_folds, len(train)
     fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
     base = narrow(train)
@@ -109,7 +124,7 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
         tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
         ftr = narrow(base.subset(tr, max_bytes=resident_bytes, seed=cfg.seed))
         fho = narrow(base.subset(ho, max_bytes=resident_bytes, seed=cfg.seed))
-        out.append((ftr, td.y["train"][tr], fho, td.y["train"][ho]))
+        out.append(HeldOut(ftr, td.y["train"][tr], fho, td.y["train"][ho]))
     return f"{k} folds of train", out
 
 
@@ -128,8 +143,8 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
 
     def run(values, start_at):
         nonlocal stuck
-        for i, (tr, ytr, ho, yho) in enumerate(splits):
-            a, st, n = _path(td, cfg, tr, ytr, ho, yho, values, states[i].get(start_at), progress)
+        for i, split in enumerate(splits):
+            a, st, n = _path(td, cfg, split, values, states[i].get(start_at), progress)
             states[i].update(st)
             stuck += n
             for v, x in a.items():
@@ -167,6 +182,8 @@ class SiteFit:
 
 
 def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
+    """Per-site probes at penalty ``l2``: the task's labels and (with ``cfg.control``) its control
+    labels as two heads of one batched fit, predicted on test and train."""
     feats = td.feats
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
     y_heads = np.stack(label_sets, 1)
@@ -193,89 +210,110 @@ def _head(p: BatchedProbe, g: int) -> dict | None:
     return st
 
 
-def fit_task(
-    td: TaskData,
-    frame,
-    n_layers: int,
-    cfg: ProbeConfig,
-    *,
-    pooling: str,
-    resident_bytes: float = 4e9,
-    dtype=None,
-    progress: bool = False,
-) -> dict:
-    """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`)."""
-    task, feats, y = td.task, td.feats, td.y
-    choice = choose_l2(td, cfg, resident_bytes=resident_bytes, progress=progress)
+@dataclass(frozen=True)
+class FitOptions:
+    """How :func:`fit_task` runs, besides the :class:`ProbeConfig`: the store's ``pooling`` (a
+    table column), the memory for resident features (``resident_bytes``), their precision
+    (``dtype``, None: float32) and progress bars."""
+
+    pooling: str
+    resident_bytes: float = 4e9
+    dtype: torch.dtype | None = None
+    progress: bool = False
+
+
+def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitOptions) -> dict:
+    """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`):
+    the penalty, the per-site probes, cumulative scoring and MDL, then the task's features are
+    released."""
+    choice = choose_l2(td, cfg, resident_bytes=options.resident_bytes, progress=options.progress)
     cfg = replace(cfg, l2=choice.l2)
-    fit = fit_sites(td, cfg, choice.l2, progress=progress)
-    yte = torch.from_numpy(y["test"])
-    acc = accuracy(fit.test, yte).numpy()
-    scores = {
-        "accuracy": acc,
-        "macro_f1": macro_f1(fit.test, yte, td.n_eval_classes).numpy(),
-        "control_accuracy": (
-            accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
-            if fit.control_test is not None
-            else np.full(len(acc), np.nan)
-        ),
-        "train_accuracy": accuracy(fit.train, torch.from_numpy(y["train"])).numpy(),
-    }
-    df = site_rows(task, frame, td, scores, fit.l2, probe=cfg.probe, pooling=pooling)
+    fit = fit_sites(td, cfg, choice.l2, progress=options.progress)
+    df = site_rows(td.task, frame, td, _site_scores(td, fit), fit.l2, probe=cfg.probe, pooling=options.pooling)
     df["converged"] = fit.log.converged
     df["epochs"] = fit.log.unit_epochs if fit.log.unit_epochs is not None else fit.log.epochs
-
-    cum_summ, mix_df, cum = cumulative_summary(None, None, cfg.seed), None, None
-    if cfg.cumulative and feats["train"].n_sites >= 2:
-        cum = fit_cumulative(
-            feats["train"],
-            y["train"],
-            feats["test"],
-            y["test"],
-            n_classes=td.n_classes,
-            n_eval_classes=td.n_eval_classes,
-            config=cfg,
-            test_log_probs=fit.test_log_probs,
-            init=fit.state,
-            progress=progress,
-            desc=f"{task} cumulative",
+    cum = _cumulative(td, cfg, fit, options.progress)
+    if cum is None:
+        cum_summ, mix_df = cumulative_summary(None, None, cfg.seed), None
+    else:
+        cum_summ, mix_df = (
+            cumulative_summary(frame["depth"].to_numpy(), cum, cfg.seed),
+            mixing_rows(td.task, frame, cum),
         )
-        depths = frame["depth"].to_numpy()
-        cum_summ = cumulative_summary(depths, cum, cfg.seed)
-        mix_df = mixing_rows(task, frame, cum)
-    summ = summary_row(task, df, td, n_layers, cum_summ, probe=cfg.probe, pooling=pooling, control=cfg.control)
-    summ.update(
-        _training_summary(
-            cfg, choice, fit.log, cum.log if cum is not None else None, cum.mix_log if cum is not None else None
-        )
+    summ = summary_row(
+        td.task, df, td, n_layers, cum_summ, probe=cfg.probe, pooling=options.pooling, control=cfg.control
     )
-    resident = feats["train"].resident  # what the products computed in (float32 when streamed)
+    summ.update(_training_summary(cfg, choice, fit.log, cum))
+    resident = td.feats["train"].resident  # what the products computed in (float32 when streamed)
     summ["precision"] = str(resident.dtype).replace("torch.", "") if resident is not None else "float32"
     if cfg.mdl:
-        from depthscope.probes.mdl import online_codelength
-
-        res = online_codelength(
-            feats["train"],
-            y["train"],
-            n_classes=td.n_classes,
-            config=cfg,
-            max_bytes=resident_bytes,
-            dtype=dtype,
-            progress=progress,
-        )
-        df["mdl_online_bits"] = res.online_bits
-        df["mdl_uniform_bits"] = res.uniform_bits
-        df["mdl_compression"] = res.compression
-    for f in feats.values():
+        _add_mdl(df, td, cfg, options)
+    for f in td.feats.values():  # the task is done: free its resident features and their Gram
         f.resident = None
         f._gram = None
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 
-def _training_summary(
-    cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cum: TrainLog | None, cum_mix: TrainLog | None
-) -> dict:
+def _site_scores(td: TaskData, fit: SiteFit) -> dict:
+    """The per-site scores of the ``by_site`` rows: test accuracy and macro-F1, the control
+    task's test accuracy (NaN without control) and train accuracy."""
+    y = td.y
+    yte = torch.from_numpy(y["test"])
+    acc = accuracy(fit.test, yte).numpy()
+    control = (
+        accuracy(fit.control_test, torch.from_numpy(td.ctrl["test"])).numpy()
+        if fit.control_test is not None
+        else np.full(len(acc), np.nan)
+    )
+    return {
+        "accuracy": acc,
+        "macro_f1": macro_f1(fit.test, yte, td.n_eval_classes).numpy(),
+        "control_accuracy": control,
+        "train_accuracy": accuracy(fit.train, torch.from_numpy(y["train"])).numpy(),
+    }
+
+
+def _cumulative(td: TaskData, cfg: ProbeConfig, fit: SiteFit, progress: bool) -> CumulativeFit | None:
+    """Cumulative scoring and the scalar mix (None when off, or with a single site), warm-started
+    from the per-site probes' test predictions and weights."""
+    feats, y = td.feats, td.y
+    if not cfg.cumulative or feats["train"].n_sites < 2:
+        return None
+    return fit_cumulative(
+        feats["train"],
+        y["train"],
+        feats["test"],
+        y["test"],
+        n_classes=td.n_classes,
+        n_eval_classes=td.n_eval_classes,
+        config=cfg,
+        test_log_probs=fit.test_log_probs,
+        init=fit.state,
+        progress=progress,
+        desc=f"{td.task} cumulative",
+    )
+
+
+def _add_mdl(df, td: TaskData, cfg: ProbeConfig, options: FitOptions) -> None:
+    """The online code length columns of the ``by_site`` rows (``cfg.mdl``)."""
+    res = online_codelength(
+        td.feats["train"],
+        td.y["train"],
+        n_classes=td.n_classes,
+        config=cfg,
+        max_bytes=options.resident_bytes,
+        dtype=options.dtype,
+        progress=options.progress,
+    )
+    df["mdl_online_bits"] = res.online_bits
+    df["mdl_uniform_bits"] = res.uniform_bits
+    df["mdl_compression"] = res.compression
+
+
+def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cumulative: CumulativeFit | None) -> dict:
     """The summary's training columns: the penalty and how it was chosen, convergence, passes."""
+    cum = cumulative.log if cumulative is not None else None
+    cum_mix = cumulative.mix_log if cumulative is not None else None
     logs = [lg for lg in (sites, cum, cum_mix) if lg is not None]
     return {
         "l2": choice.l2,

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from depthscope.common.progress import progress_bar
 from depthscope.probes.config import ProbeConfig, override
 from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2
-from depthscope.probes.solvers.training import predict, train_probe
+from depthscope.probes.solvers.training import predict, train_kwargs, train_probe
 from depthscope.probes.store.features import Features
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
@@ -81,53 +82,59 @@ def online_codelength(
     the precision of the resident
     blocks (None: the CPU rule)."""
     (cfg,) = override([config or ProbeConfig()], overrides)
-    seed, batch_size = cfg.seed, cfg.batch_size
     y = np.asarray(y, dtype=np.int64)
     n = len(y)
     if n < 2:
         raise ValueError("MDL needs at least two examples")
-    order = np.random.default_rng([seed, 31337]).permutation(n)
+    order = np.random.default_rng([cfg.seed, 31337]).permutation(n)
     ends = block_ends(n, fractions)
-    S = feats.n_sites
-    bits = np.full(S, ends[0] * math.log2(n_classes), dtype=np.float64)
+    bits = np.full(feats.n_sites, ends[0] * math.log2(n_classes), dtype=np.float64)
     blocks = list(zip(ends[:-1], ends[1:]))
-    bar = None
-    if progress:
-        from depthscope.common.progress import progress_bar
-
-        bar = progress_bar(len(blocks), desc="MDL blocks", unit="block")
+    code = _BlockCode(feats, y, n_classes, cfg, min_steps, max_bytes, dtype)
+    bar = progress_bar(len(blocks), desc="MDL blocks", unit="block") if progress else None
     for t0, t1 in blocks:
-        tr_idx, ev_idx = order[:t0], order[t0:t1]
-        ftr = _subset(feats, tr_idx, seed, max_bytes, dtype)
-        fev = _subset(feats, ev_idx, seed, max_bytes, dtype)
-        probe = BatchedProbe(
-            n_sites=S,
-            d=feats.d,
-            n_spans=feats.n_spans,
-            n_classes=n_classes,
-            kind=cfg.probe,
-            hidden=cfg.hidden,
-            attn_pool=feats.tokens,
-            l2=numeric_l2(cfg.l2) * n / t0,
-            seed=seed,
-        )
-        train_probe(
-            probe,
-            ftr,
-            torch.from_numpy(y[tr_idx])[:, None],
-            max_epochs=cfg.max_epochs,
-            tol=cfg.tol,
-            gtol=cfg.gtol,
-            solver=cfg.solver,
-            lr=cfg.lr,
-            seed=seed,
-            min_steps=min_steps,
-            batch_size=None if batch_size is None else min(batch_size, max(8, t0)),
-        )
-        _, b = predict(probe, fev, torch.from_numpy(y[ev_idx])[:, None])
-        bits += b[:, :, 0].double().sum(1).numpy()
+        bits += code.bits(order[:t0], order[t0:t1])
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return MDLResult(bits, n * math.log2(n_classes), ends)
+
+
+@dataclass(frozen=True)
+class _BlockCode:
+    """How one block of the online code is sent: a probe of ``cfg``'s kind over every site,
+    trained from scratch on the examples before the block (penalty scaled by ``n / t``, see the
+    module docstring; at least ``min_steps`` Adam steps, batches no larger than the training
+    set), its code length summed over the block. ``max_bytes`` and ``dtype``: the resident
+    blocks' memory and precision."""
+
+    feats: Features
+    y: np.ndarray
+    n_classes: int
+    cfg: ProbeConfig
+    min_steps: int
+    max_bytes: float
+    dtype: torch.dtype | None
+
+    def bits(self, tr_idx: np.ndarray, ev_idx: np.ndarray) -> np.ndarray:
+        """Code length per site ``[S]`` of examples ``ev_idx`` under a probe trained on ``tr_idx``."""
+        cfg, feats, t0 = self.cfg, self.feats, len(tr_idx)
+        ftr = _subset(feats, tr_idx, cfg.seed, self.max_bytes, self.dtype)
+        fev = _subset(feats, ev_idx, cfg.seed, self.max_bytes, self.dtype)
+        probe = BatchedProbe(
+            n_sites=feats.n_sites,
+            d=feats.d,
+            n_spans=feats.n_spans,
+            n_classes=self.n_classes,
+            kind=cfg.probe,
+            hidden=cfg.hidden,
+            attn_pool=feats.tokens,
+            l2=numeric_l2(cfg.l2) * len(self.y) / t0,
+            seed=cfg.seed,
+        )
+        batch_size = None if cfg.batch_size is None else min(cfg.batch_size, max(8, t0))
+        settings = {**train_kwargs(cfg), "min_steps": self.min_steps, "batch_size": batch_size}
+        train_probe(probe, ftr, torch.from_numpy(self.y[tr_idx])[:, None], **settings)
+        _, b = predict(probe, fev, torch.from_numpy(self.y[ev_idx])[:, None])
+        return b[:, :, 0].double().sum(1).numpy()

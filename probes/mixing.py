@@ -14,38 +14,31 @@ The score is the *soft accuracy*: the mean probability ``P(s)`` gives the gold l
 ``expected_layer_delta_hard``) but is not the headline, because E_Delta sums the gap between
 each late prefix and the last one over every late site (``E_Delta = sum_{s<S-1} (1 - g(s))``
 in sites, ``g`` the fraction of the total gain prefix ``s`` reaches), so a few test words
-flipping between two nearly equal prefixes moves it by a large fraction of a block. On the
-bundled EWT sample (upos, default model; six 5-fold draws, stacking ridge 1e-4 .. 1) one draw's
-hard E_Delta had a standard deviation of 0.10-0.33 block and its mean moved from 3.1 to 4.4
-blocks with the ridge; the soft E_Delta had 0.01-0.04 and moved between 3.41 and 3.52
-(``docs/tenney_comparison.md``, Stability).
+flipping between two nearly equal prefixes move the hard E_Delta by a large fraction of a
+block, while the soft score changes smoothly with the probabilities
+(``docs/tenney_comparison.md``, Stability, measures both).
 
 ``P(s)`` here is a *convex* cumulative probe, not Tenney's jointly trained prefix mix: it
 combines the converged per-site probes of sites ``0..s``, ``logits = sum_{t<=s} w_t log p_t(y|x)
 + b`` (stacking; Wolpert 1992), with ``w, b`` fitted on out-of-fold predictions of train
-(``ProbeConfig.stack_folds`` folds, default 2: the per-site probes are refitted without the
-fold they predict) and a ridge ``ProbeConfig.stack_l2`` (default ``STACK_L2``) on ``w``. Why:
-the prefix-mix objective is not convex in the mixing weights, and on EWT upos (default model,
-300 sentences) its E_Delta moved between 3.1 and 6.3 blocks as training went from 10 to 160
-full passes, still not converged; the stacked ``P(s)`` is the unique optimum of a convex
-problem: the epoch cap does not move E_Delta once every probe has converged. What remains is
-the fold draw: which train examples the fold probes leave out moves the stacking weights a
-little, and the test accuracy of the late prefixes (each flip of one test word) a little more;
-E_Delta weighs those late accuracies by their depth, and the last prefix's accuracy is also the
-total gain that normalises it, so one draw's E_Delta is noisy (on GUM dev, default decoder,
-upos: a standard deviation of about 0.4 block from draw to draw at ``STACK_L2 = 1e-4``, about
-0.34 at ``1e-2``, heavy-tailed). The stacking is therefore repeated on
-``ProbeConfig.stack_draws`` fold draws (default 2: each draw refits every per-site probe on
-each fold, and a draw costs about as much as the per-site fit), the scores of ``P(s)`` are
-means over draws, and the interval resamples the draws with the test examples, so it covers the
-draws' spread. The stacking ridge is a setting, not a fitted value: a stronger ridge spreads
-each prefix's weight over more sites, which raises the late prefixes' hard accuracy and the hard
-E_Delta (the soft one barely moves), and cross-validation on train's out-of-fold predictions
-cannot tell the values apart (the
-measurements are in ``docs/tenney_comparison.md``, Stability). It keeps Tenney's question (how
-much better can the property be predicted once site ``s`` is available) and scores on test like
-every other probe. Depth is in block units (embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so
-the numbers compare with Tenney's layer numbers; relative depth = E / n_layers.
+(``ProbeConfig.stack_folds`` folds: the per-site probes are refitted without the fold they
+predict) and a ridge ``ProbeConfig.stack_l2`` on ``w``. Why: the prefix-mix objective is not
+convex in the mixing weights, so its E_Delta depends on how long training runs; the stacked
+``P(s)`` is the unique optimum of a convex problem, so once every probe has converged the epoch
+cap does not move E_Delta. What remains is the fold draw: which train examples the fold probes
+leave out moves the stacking weights a little, and the test accuracy of the late prefixes (each
+flip of one test word) a little more; E_Delta weighs those late accuracies by their depth, and
+the last prefix's accuracy is also the total gain that normalises it, so one draw's E_Delta is
+noisy. The stacking is therefore repeated on ``ProbeConfig.stack_draws`` fold draws (each draw
+refits every per-site probe on each fold), the scores of ``P(s)`` are means over draws, and the
+interval resamples the draws with the test examples, so it covers the draws' spread. The
+stacking ridge is a setting, not a fitted value: a stronger ridge spreads each prefix's weight
+over more sites, which raises the late prefixes' hard accuracy and the hard E_Delta (the soft
+one barely moves), and cross-validation on train's out-of-fold predictions cannot tell the
+values apart. It keeps Tenney's question (how much better can the property be predicted once
+site ``s`` is available) and scores on test like every other probe. Depth is in block units
+(embed 0, ``l.attn`` l + 0.5, ``l.mlp`` l + 1), so the numbers compare with Tenney's layer
+numbers; relative depth = E / n_layers.
 """
 
 from __future__ import annotations
@@ -65,8 +58,7 @@ from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs
 from depthscope.probes.store.features import Features
 
 #: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
-#: collinear, and the ridge spreads the weight among them (GUM upos, default decoder, six fold draws: argmax E_Delta sd
-#: 0.29 block at 1e-4, 0.15 at 1e-2)
+#: collinear, and the ridge spreads the weight among them (steadier weights from one fold draw to the next)
 STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
@@ -244,9 +236,9 @@ def stack(
 
     Each prefix is a small convex problem (at most ``S + C`` parameters), solved by Newton's
     method (:func:`~depthscope.probes.solvers.lbfgs.newton`) with the exact Hessian
-    (:func:`_stack_hessian`): adjacent sites' predictions are nearly collinear, which left
-    first-order L-BFGS unconverged after 500 passes on the 61 prefixes of the default model;
-    Newton converges in about ten. The objective and gradient are float64."""
+    (:func:`_stack_hessian`): adjacent sites' predictions are nearly collinear, an
+    ill-conditioned problem on which first-order methods crawl, while Newton's steps are
+    unaffected by the conditioning. The objective and gradient are float64."""
     S, n, C = z_train.shape
     mask = torch.tril(torch.ones(S, S, dtype=torch.float64))
     y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)

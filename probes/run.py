@@ -47,12 +47,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import torch
 
 from depthscope.common.errors import InputError
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override
 from depthscope.probes.corpora.tasks import pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
-from depthscope.probes.fitting import fit_task
+from depthscope.probes.fitting import FitOptions, fit_task
 from depthscope.probes.solvers.cpu import resolve_precision
 from depthscope.probes.store.extraction import load_and_extract
 from depthscope.probes.summaries import tables
@@ -143,53 +144,74 @@ def run_probes(
     cfg, ext, dat = resolve_configs(config, extraction, data, **overrides)
     if cfg.l2 == "dev" and dev is None:
         raise InputError("l2='dev' picks the penalty on a dev split: pass dev=")
-    dtype = resolve_precision(cfg.precision)
-
+    run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress)
     got = load_and_extract(model, tasks, train, test, dev, ext, dat, seed=cfg.seed, progress=progress)
     by_site, summary, mixing = [], [], []
     fit_seconds = {}
     for task in sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t))):
         t0 = time.perf_counter()
-        by_split = got.for_task(task)
-        td = encode_task(
-            task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=dtype
-        )
-        note = dropped_note(td, ext.max_tokens)
-        if note:
-            log.warning(note)
-        rows = fit_task(
-            td,
-            got.frame,
-            got.model.n_layers,
-            cfg,
-            pooling=by_split["train"].store.pooling,
-            resident_bytes=ext.resident_bytes,
-            dtype=dtype,
-            progress=progress,
-        )
-        rows["summary"]["n_overlap_dropped" if dat.overlap == "drop" else "n_overlap"] = got.n_overlap
-        rows["summary"]["context"] = got.context_of[task]
+        rows = _probe_task(run, got, task)
         by_site.append(rows["by_site"])
         summary.append(rows["summary"])
         if rows["mixing"] is not None:
             mixing.append(rows["mixing"])
         fit_seconds[task] = time.perf_counter() - t0
+    return ProbeResults(*tables(by_site, summary, mixing), _run_info(got, run.dtype, fit_seconds, t_start))
 
-    by_site_df, summary_df, mixing_df = tables(by_site, summary, mixing)
-    info = {
+
+@dataclass(frozen=True)
+class _Run:
+    """The settings of one :func:`run_probes` call, resolved: the three configs, the features'
+    precision and whether progress is shown."""
+
+    cfg: ProbeConfig
+    ext: ExtractionConfig
+    dat: DataConfig
+    dtype: torch.dtype
+    progress: bool
+
+
+def _probe_task(run: _Run, got, task: str) -> dict:
+    """One task's rows (:func:`~depthscope.probes.fitting.fit_task`) from the extracted
+    activations ``got``: labels and features encoded, the data it loses announced, and the
+    run-level columns (train/test overlap, context) added to its summary."""
+    cfg, ext = run.cfg, run.ext
+    by_split = got.for_task(task)
+    td = encode_task(
+        task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=run.dtype
+    )
+    note = dropped_note(td, ext.max_tokens)
+    if note:
+        log.warning(note)
+    options = FitOptions(
+        pooling=by_split["train"].store.pooling,
+        resident_bytes=ext.resident_bytes,
+        dtype=run.dtype,
+        progress=run.progress,
+    )
+    rows = fit_task(td, got.frame, got.model.n_layers, cfg, options)
+    rows["summary"]["n_overlap_dropped" if run.dat.overlap == "drop" else "n_overlap"] = got.n_overlap
+    rows["summary"]["context"] = got.context_of[task]
+    return rows
+
+
+def _run_info(got, dtype: torch.dtype, fit_seconds: dict, t_start: float) -> dict:
+    """``ProbeResults.info``: the model, its sites, the precision, the activation stores (and
+    whether they were reused), the extraction's size and the time each stage took."""
+    stores = got.extractions.items()
+    return {
         "model": got.model.name,
         "n_layers": got.model.n_layers,
         "sites": got.sites,
         "precision": str(dtype).replace("torch.", ""),
-        "stores": {f"{k[0]}/{k[1]}": str(v.store.path) for k, v in got.extractions.items()},
-        "stores_reused": {f"{k[0]}/{k[1]}": v.store.reused for k, v in got.extractions.items()},
-        "extraction_tokens": {f"{k[0]}/{k[1]}": v.store.meta.get("n_tokens_run") for k, v in got.extractions.items()},
+        "stores": {f"{k[0]}/{k[1]}": str(v.store.path) for k, v in stores},
+        "stores_reused": {f"{k[0]}/{k[1]}": v.store.reused for k, v in stores},
+        "extraction_tokens": {f"{k[0]}/{k[1]}": v.store.meta.get("n_tokens_run") for k, v in stores},
         "seconds_extract": got.seconds,
         "seconds_fit": fit_seconds,
         "seconds_total": time.perf_counter() - t_start,
         "n_sentences": {k: len(v) for k, v in got.corpora.items()},
     }
-    return ProbeResults(by_site_df, summary_df, mixing_df, info)
 
 
 def prepare_task(

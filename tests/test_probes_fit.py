@@ -590,16 +590,16 @@ def test_fitting_only_the_active_units_does_not_change_the_fit(monkeypatch):
     step is not yet accepted) and preconditions only the units still going; the fit equals the
     one that evaluates and preconditions every unit at every pass, and the per-unit pass counts
     differ between sites (so the skipping is exercised)."""
-    from depthscope.probes.solvers import training
+    from depthscope.probes.solvers import methods
 
     x, y = synthetic(1500, S=6, D=12)
     f = features(x)
     fits = []
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(training, "objective", functools.partial(_all_units, training.objective))
+            monkeypatch.setattr(methods, "objective", functools.partial(_all_units, methods.objective))
             monkeypatch.setattr(
-                training, "_preconditioner", functools.partial(_full_preconditioner, training._preconditioner)
+                methods, "preconditioner", functools.partial(_full_preconditioner, methods.preconditioner)
             )
         p = BatchedProbe(n_sites=6, d=12, n_spans=1, n_classes=4, l2=1e-3)
         log = train_probe(p, f, torch.from_numpy(y))
@@ -620,7 +620,7 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
 
     calls = []
 
-    def fake_path(td, cfg, tr, ytr, ho, yho, values, start, progress):
+    def fake_path(td, cfg, split, values, start, progress):
         calls.append((list(values), start))
         acc = {v: 0.9 - 0.05 * abs(np.log10(v) - np.log10(peak)) for v in values}
         return acc, {v: {"at": v} for v in values}, 1
@@ -666,7 +666,7 @@ def test_penalty_search_counts_probes_left_at_the_cap():
     ho = features(xt, tr)
     td = SimpleNamespace(task="toy", n_classes=4)
     for cap, stuck in ((2, 3 * 2), (ProbeConfig().max_epochs, 0)):
-        acc, states, n = fitting._path(td, ProbeConfig(max_epochs=cap), tr, y, ho, yt, [0.1, 0.01], None, False)
+        acc, states, n = fitting._path(td, ProbeConfig(max_epochs=cap), (tr, y, ho, yt), [0.1, 0.01], None, False)
         assert n == stuck and set(acc) == set(states) == {0.1, 0.01}
 
 

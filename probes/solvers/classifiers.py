@@ -15,7 +15,6 @@ parameters, logits and losses.
 
 ``DEFAULT_L2`` (1e-3) is the penalty of a probe built by hand; runs choose theirs per task on
 held-out data (:class:`~depthscope.probes.config.ProbeConfig` ``l2="auto"``).
-``compute_dtype`` is kept here for scripts that import it; its home is :mod:`depthscope.probes.solvers.cpu`.
 
 Scalar mixes: a unit reads ``sum_s softmax(a)_s x_s`` with ``gamma`` fixed at 1. Tenney's
 trainable scale ``gamma`` is left out on purpose: with a penalty on the classifier's weights and
@@ -32,7 +31,6 @@ import torch
 from torch import nn
 
 from depthscope.probes.config import PROBES, ProbeConfig
-from depthscope.probes.solvers.cpu import compute_dtype  # noqa: F401  (kept importable from here)
 from depthscope.probes.store.features import feature_major
 
 _DEFAULTS = ProbeConfig()

@@ -15,8 +15,8 @@ to bfloat16 where it is fast, by this rule:
 1. ``DEPTHSCOPE_PROBE_DTYPE`` (``float32`` or ``bfloat16``) when set;
 2. else ``bfloat16`` when the CPU multiplies bf16 natively: ``/proc/cpuinfo`` lists
    ``amx_bf16`` or ``avx512_bf16`` AND torch's kernels use AVX512 or AMX
-   (``torch.backends.cpu.get_cpu_capability()``); there bf16 products run about twice as fast
-   at equal accuracy (benchmarks/bench_probes.py);
+   (``torch.backends.cpu.get_cpu_capability()``): there bf16 products are faster than float32
+   at equal probe accuracy (``benchmarks/bench_probes.py`` measures both);
 3. else ``float32``: on anything uncertain (no ``/proc/cpuinfo``, other flags, AVX2 only).
 
 The rule reads CPU flags, never a timing, so one machine always resolves ``auto`` the same way,

@@ -1,8 +1,8 @@
 """Batched L-BFGS: many independent smooth problems minimised side by side, each to its own convergence.
 
 ==========================================  =========================================================
-``lbfgs(fg, x0, max_evals=, ftol=, gtol=)``  minimise ``U`` objectives ``f_u(x_u)`` given ``fg(x) ->
-                                            (f [U], grad [U, P])``; a :class:`Solved`
+``lbfgs(fg, x0, max_evals=, ftol=, gtol=)``  minimise ``U`` objectives ``f_u(x_u)`` given ``fg(x,
+                                            active) -> (f [U], grad [U, P])``; a :class:`Solved`
 ``newton(fg, hess, x0, max_iters=, ...)``    the same for small problems whose Hessian ``[U, P, P]``
                                             is cheap: damped Newton steps with the same line search
                                             and stopping rule (converges in a few iterations)
@@ -55,7 +55,7 @@ class Solved:
     unit_evals: torch.Tensor | None = None
 
 
-class _Stopping:
+class Stopping:
     """The stopping state of ``U`` units, shared by :func:`lbfgs` and :func:`newton` (the rule
     in the module docstring): ``done`` units are frozen, ``converged`` ones passed the test,
     ``at`` holds the evaluation count at which each unit stopped."""
@@ -113,6 +113,94 @@ def _two_loop(g, S, Y, R, h0, M):
     return -r
 
 
+class _Lbfgs:
+    """The state of a batched L-BFGS run: the iterate ``x``, its objectives ``f [U]`` and
+    gradients ``g [U, P]``, the curvature pairs ``S, Y`` with their ``R = 1 / s.y`` (0: skipped
+    for that unit), the initial inverse-Hessian scale ``h0 [U]``, the stopping state and the
+    evaluation count."""
+
+    def __init__(self, fg: Callable, x0: torch.Tensor, precond: Callable | None, memory: int):
+        self.fg, self.precond, self.memory = fg, precond, memory
+        self.x = x0.detach().clone()
+        self.st = Stopping(self.x.shape[0])
+        self.S: list = []
+        self.Y: list = []
+        self.R: list = []
+        self.evals = 0
+
+    def M(self, q: torch.Tensor) -> torch.Tensor:
+        """The preconditioner, asked only for the units still going (``st.done`` is updated in
+        place, so this always sees the current ones)."""
+        return q if self.precond is None else self.precond(q, ~self.st.done)
+
+    def first_step(self, g: torch.Tensor) -> torch.Tensor:
+        """The first step length per unit: ``1 / ||M g||_1``, at most 1."""
+        return (1.0 / self.M(g).abs().sum(1).clamp_min(1e-12)).clamp(max=1.0)
+
+    def start(self) -> float:
+        """Evaluate the starting point; its summed objective."""
+        self.f, self.g = self.fg(self.x, torch.ones(self.x.shape[0], dtype=torch.bool))
+        self.evals = 1
+        self.h0 = self.first_step(self.g)
+        return float(self.f.sum())
+
+    def direction(self) -> tuple:
+        """The search direction ``d [U, P]`` and its slope ``g.d [U]``: the two-loop recursion,
+        or (preconditioned) steepest descent for a unit where that is not a descent direction."""
+        g, h0 = self.g, self.h0
+        d = _two_loop(g, self.S, self.Y, self.R, h0, self.M)
+        gd = (g * d).sum(1)
+        uphill = gd >= 0
+        if bool(uphill.any()):
+            d[uphill] = -self.M(g)[uphill] * h0[uphill, None]
+            gd = (g * d).sum(1)
+        return d, gd
+
+    def line_search(self, d, gd, max_evals: int, on_eval: Callable | None) -> tuple:
+        """Backtrack from step 1 until Armijo's condition holds for every unit (or the cap):
+        ``(x, f, g, ok)`` at the accepted points. Each evaluation asks only for the units whose
+        trial point is still needed; the others keep theirs."""
+        done, x, f, g = self.st.done, self.x, self.f, self.g
+        U = x.shape[0]
+        t = torch.where(done, torch.zeros(U), torch.ones(U))
+        need = ~done
+        xn, fn, gn = x.clone(), f.clone(), g.clone()
+        for _ in range(MAX_BACKTRACKS):
+            xt = x + t[:, None] * d
+            ft, gt = self.fg(xt, need)
+            xn[need], fn[need], gn[need] = xt[need], ft[need], gt[need]
+            self.evals += 1
+            if on_eval is not None:
+                on_eval()
+            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
+            if bool(ok.all()) or self.evals >= max_evals:
+                break
+            need = ~ok
+            t = torch.where(ok, t, t * 0.5)
+        return xn, fn, gn, ok
+
+    def stay_if_failed(self, xn, fn, gn, ok) -> None:
+        """A unit whose line search failed stays put and forgets its curvature memory."""
+        keep = ~ok
+        if bool(keep.any()):
+            xn[keep], fn[keep], gn[keep] = self.x[keep], self.f[keep], self.g[keep]
+            self.R = [torch.where(keep, torch.zeros_like(r), r) for r in self.R]
+            self.h0 = torch.where(keep, self.first_step(self.g), self.h0)
+
+    def remember(self, xn, gn, ok) -> None:
+        """Add the step's curvature pair (skipped for a unit where ``s.y`` is not positive
+        enough) and rescale ``h0``; keep the last ``memory`` pairs."""
+        s, y = xn - self.x, gn - self.g
+        sy, yy = (s * y).sum(1), (y * self.M(y)).sum(1)
+        valid = (sy > 1e-10 * (yy.sqrt() * s.norm(dim=1)).clamp_min(1e-30)) & ~self.st.done & ok
+        self.S.append(s)
+        self.Y.append(y)
+        self.R.append(torch.where(valid, 1.0 / sy.clamp_min(1e-30), torch.zeros_like(sy)))
+        self.h0 = torch.where(valid, sy / yy.clamp_min(1e-30), self.h0)
+        if len(self.S) > self.memory:
+            self.S.pop(0), self.Y.pop(0), self.R.pop(0)
+
+
 def lbfgs(
     fg: Callable,
     x0: torch.Tensor,
@@ -123,89 +211,49 @@ def lbfgs(
     memory: int = 10,
     precond: Callable | None = None,
     on_eval: Callable | None = None,
-    partial: bool = False,
 ) -> Solved:
     """Minimise ``U`` independent objectives from ``x0 [U, P]``; see the module docstring.
-    ``fg(x)`` returns ``(f [U], grad [U, P])``; ``precond(q)`` (optional) applies a fixed
-    symmetric positive definite approximation of each unit's inverse Hessian to ``q [U, P]``
-    (preconditioned L-BFGS: it only changes the path, not the optimum); ``on_eval(evals)`` is
-    called after each evaluation. ``partial``: ``fg`` is called as ``fg(x, active)`` with
-    ``active [U]`` the units whose values are needed (units that have stopped, or that already
-    passed the current line search, are not); it may return anything for the others; and
-    ``precond(q, active)`` is given the units still going (it may return the others as given:
-    a stopped unit's direction is never used)."""
-    x = x0.detach().clone()
-    U = x.shape[0]
-    st = _Stopping(U)
-    if precond is None:
+    ``fg(x, active)`` returns ``(f [U], grad [U, P])``, where ``active [U]`` marks the units whose
+    values are needed (units that have stopped, or that already passed the current line search,
+    are not; it may return anything for the others). ``precond(q, active)`` (optional) applies a
+    fixed symmetric positive definite approximation of each unit's inverse Hessian to ``q [U, P]``
+    for the units still going (it may return the others as given: a stopped unit's direction is
+    never used); it only changes the path, not the optimum. ``on_eval()`` is called after each
+    evaluation."""
+    run = _Lbfgs(fg, x0, precond, memory)
+    history = [run.start()]
+    while not bool(run.st.done.all()) and run.evals < max_evals:
+        d, gd = run.direction()
+        xn, fn, gn, ok = run.line_search(d, gd, max_evals, on_eval)
+        run.stay_if_failed(xn, fn, gn, ok)
+        run.remember(xn, gn, ok)
+        run.st.update(ok, run.f, fn, gn, ftol=ftol, gtol=gtol, count=run.evals)
+        run.x, run.f, run.g = xn, fn, gn
+        history.append(float(fn.sum()))
+    return run.st.solved(run.x, run.f, run.g, run.evals, history)
 
-        def M(q):
-            return q
 
-    elif partial:  # st.done is updated in place: the preconditioner sees the units still going
-
-        def M(q):
-            return precond(q, ~st.done)
-
-    else:
-        M = precond
-    if partial:
-        evaluate = fg
-    else:
-
-        def evaluate(x, _active):
-            return fg(x)
-
-    f, g = evaluate(x, torch.ones(U, dtype=torch.bool))
-    evals, history = 1, [float(f.sum())]
-    S, Y, R = [], [], []
-
-    def first_step(g):
-        return (1.0 / M(g).abs().sum(1).clamp_min(1e-12)).clamp(max=1.0)
-
-    h0 = first_step(g)  # first step length, per unit
-    done = st.done
-    while not bool(done.all()) and evals < max_evals:
-        d = _two_loop(g, S, Y, R, h0, M)
-        gd = (g * d).sum(1)
-        uphill = gd >= 0
-        if bool(uphill.any()):  # not a descent direction: (preconditioned) steepest descent for those units
-            d[uphill] = -M(g)[uphill] * h0[uphill, None]
-            gd = (g * d).sum(1)
-        t = torch.where(done, torch.zeros(U), torch.ones(U))
-        need = ~done  # the units whose trial point still has to be evaluated
-        xn, fn, gn = x.clone(), f.clone(), g.clone()
-        for _ in range(MAX_BACKTRACKS):
-            xt = x + t[:, None] * d
-            ft, gt = evaluate(xt, need)
-            xn[need], fn[need], gn[need] = xt[need], ft[need], gt[need]
-            evals += 1
-            if on_eval is not None:
-                on_eval(evals)
-            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
-            if bool(ok.all()) or evals >= max_evals:
-                break
-            need = ~ok
-            t = torch.where(ok, t, t * 0.5)
-        keep = ~ok  # failed line search: stay put, forget the curvature memory of that unit
-        if bool(keep.any()):
-            xn[keep], fn[keep], gn[keep] = x[keep], f[keep], g[keep]
-            R = [torch.where(keep, torch.zeros_like(r), r) for r in R]
-            h0 = torch.where(keep, first_step(g), h0)
-        s, y = xn - x, gn - g
-        sy, yy = (s * y).sum(1), (y * M(y)).sum(1)
-        valid = (sy > 1e-10 * (yy.sqrt() * s.norm(dim=1)).clamp_min(1e-30)) & ~done & ok
-        S.append(s)
-        Y.append(y)
-        R.append(torch.where(valid, 1.0 / sy.clamp_min(1e-30), torch.zeros_like(sy)))
-        h0 = torch.where(valid, sy / yy.clamp_min(1e-30), h0)
-        if len(S) > memory:
-            S.pop(0), Y.pop(0), R.pop(0)
-        st.update(ok, f, fn, gn, ftol=ftol, gtol=gtol, count=evals)
-        done = st.done
-        x, f, g = xn, fn, gn
-        history.append(float(f.sum()))
-    return st.solved(x, f, g, evals, history)
+def _newton_directions(H: torch.Tensor, g: torch.Tensor, act: torch.Tensor, damping: float) -> torch.Tensor:
+    """Newton directions ``[U, P]`` of the units ``act`` (zero for the others): ``(H + mu I) d = -g``
+    per unit, ``mu`` relative to the largest diagonal entry and raised a hundredfold where
+    ``H + mu I`` is not numerically positive definite."""
+    d = torch.zeros_like(g)
+    eye = torch.eye(g.shape[1], dtype=torch.float64)
+    mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [A]
+    todo = torch.ones(len(act), dtype=torch.bool)
+    for _ in range(12):
+        L, info = torch.linalg.cholesky_ex(H[todo] + mu[todo, None, None] * eye)
+        ok = info == 0
+        idx = torch.nonzero(todo)[:, 0]
+        if bool(ok.any()):
+            units = act[idx[ok]]
+            d[units] = -torch.cholesky_solve(g[units, :, None], L[ok])[..., 0]
+        todo = todo.clone()
+        todo[idx[ok]] = False
+        if not bool(todo.any()):
+            break
+        mu = torch.where(todo, mu * 100.0, mu)
+    return d
 
 
 def newton(
@@ -228,30 +276,15 @@ def newton(
     summed objective after each."""
     x = x0.detach().clone().double()
     f, g = fg(x)
-    U, P = x.shape
-    eye = torch.eye(P, dtype=torch.float64)
+    U = x.shape[0]
     history, iters = [float(f.sum())], 0
-    st = _Stopping(U)
+    st = Stopping(U)
     done = st.done
     while not bool(done.all()) and iters < max_iters:
         act = torch.nonzero(~done)[:, 0]  # the units still going: only their Hessians are computed
         H = hess(x, act).double()  # [A, P, P]
         iters += 1
-        d = torch.zeros_like(x)
-        mu = damping * (1.0 + H.diagonal(dim1=1, dim2=2).abs().amax(1))  # [A]
-        todo = torch.ones(len(act), dtype=torch.bool)
-        for _ in range(12):  # raise the damping where H + mu I is not numerically positive definite
-            L, info = torch.linalg.cholesky_ex(H[todo] + mu[todo, None, None] * eye)
-            ok = info == 0
-            idx = torch.nonzero(todo)[:, 0]
-            if bool(ok.any()):
-                units = act[idx[ok]]
-                d[units] = -torch.cholesky_solve(g[units, :, None], L[ok])[..., 0]
-            todo = todo.clone()
-            todo[idx[ok]] = False
-            if not bool(todo.any()):
-                break
-            mu = torch.where(todo, mu * 100.0, mu)
+        d = _newton_directions(H, g, act, damping)
         gd = (g * d).sum(1)
         t = torch.where(done | (gd >= 0), torch.zeros(U, dtype=torch.float64), torch.ones(U, dtype=torch.float64))
         for _ in range(MAX_BACKTRACKS):

@@ -1,11 +1,12 @@
 """Subspace Newton for per-site linear softmax probes: one product each way per pass, an exact small Newton step.
 
 =============================================  ====================================================
-``fit_softmax(X, y, W, b, l2, n_classes, ...)``  minimise each unit's regularised softmax objective
+``fit_softmax(X, y, W, b, l2, settings)``        minimise each unit's regularised softmax objective
                                                from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
                                                a :class:`~depthscope.probes.solvers.lbfgs.Solved`
 ``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
 ``newton_system(P, A, gram, l2)``              the per-class subspace's Hessian (the Newton step's)
+``damped_solve(H, grad)``                      the damped Newton direction of that system
 ``hessian_rows(n, count)``                     the rows pass ``count`` forms that Hessian from
 =============================================  ====================================================
 
@@ -21,39 +22,39 @@ known. Each iteration (one *pass*) therefore does two products and nothing else 
 both over ``C - 1`` columns per head: a row of ``softmax(Z) - Y`` sums to zero, so the last
 class's column of ``X^T (softmax(Z) - Y)`` is minus the sum of the others', and the image of
 the last column of ``d`` is minus the others' images and ``2 l2 sum_c X W_c`` (the logits less
-the biases);
+the biases).
 
-then takes one damped Newton step, with Armijo backtracking, on the objective restricted to a
-subspace *per class*: class ``c``'s column of the weights moves along the ``c`` columns of the
-new direction and of the last ``memory`` steps, each with its own coefficient, and its bias
-moves too (the most frequent class's bias is held, since one shift of all biases changes
-nothing). A column's logit image is one row of its direction's image, so the subspace has
-``C (2 + memory)`` coordinates and still needs no product:
+Then one damped Newton step, with Armijo backtracking, on the objective restricted to a subspace
+*per class* (:meth:`_Block.step`, in phases: the subspace's inner products, the coordinates kept,
+the Newton direction, the line search, the move): class ``c``'s column of the weights moves along
+the ``c`` columns of the new direction and of the last ``memory`` steps, each with its own
+coefficient, and its bias moves too (the most frequent class's bias is held, since one shift of
+all biases changes nothing). A column's logit image is one row of its direction's image, so the
+subspace has ``C (2 + memory)`` coordinates and needs no product:
 ``Z_c(theta) = Z_c + beta_c + sum_j alpha_jc (X V_j)_c``. Its Newton system (the softmax's
 curvature along the coordinates' images, coupled across classes) costs ``O(n (C K)^2)`` for
-``K = 2 + memory``, a small fraction of a product at ``memory = 2``; above ``2 HESSIAN_ROWS``
-examples it is formed from a contiguous part of the rows, a different part each pass (a
-subsampled Newton step, as in Byrd et al. 2011: the gradient and the line search use every row,
-so a sample only changes the step's quality; the rows must be in random order to be a sample,
-as depthscope's resident features are). This is the sequential
+``K = 2 + memory``; above ``2 HESSIAN_ROWS`` examples it is formed from a contiguous part of the
+rows, a different part each pass (a subsampled Newton step, as in Byrd et al. 2011: the gradient
+and the line search use every row, so a sample only changes the step's quality; the rows must be
+in random order to be a sample, as depthscope's resident features are). This is the sequential
 subspace optimisation of Narkiss and Zibulevsky (2005) with the subspace split by class: one
 coefficient per direction would ignore that the classes' curvatures differ by orders of
 magnitude (a rare class's softmax is flat where a frequent one's is steep), and the split
-removes most of that ill-conditioning. No curvature preconditioner is used: with the penalty
-dominating the Hessian in most directions, it does not pay for itself on probing features.
-``python -m benchmarks.bench_probe_fit`` compares passes and time with scikit-learn and with the
-L-BFGS solver of :mod:`depthscope.probes.solvers.lbfgs` (figures in ``docs/benchmarks.md``).
+removes most of that ill-conditioning. No curvature preconditioner is used: the penalty
+dominates the Hessian in most directions of probing features. ``benchmarks/bench_probe_fit.py``
+compares this solver with scikit-learn and with the L-BFGS solver.
 
 Numerics: the logits are carried along in float32 and updated from the directions' images
 (never as a difference of logits, which would lose a small step's digits), recomputed from the
 weights every ``REFRESH`` passes (the last class's image reads them, so it shares their drift
 until then); the line search re-evaluates only the units whose trial failed, and the accepted
-trial's log-softmax is the next gradient's; nearly dependent columns (``MIN_CORR_EIG``) drop that class's
-memory for that step. A class absent from the labels (its bias' optimum is ``-inf``) descends until its
-mean probability is ``ABSENT_TOL * gtol`` and stays there, so how far a solver goes does not set
-the code length MDL gives such a label. A head whose gradient already passes ``gtol`` may find no
-decrease (float32's precision floor); a failed search of a head above it forgets the memory
-(as L-BFGS does) and, twice in a row, stops the unit, reported as not converged.
+trial's log-softmax is the next gradient's; nearly dependent columns (``MIN_CORR_EIG``) drop that
+class's memory for that step. A class absent from the labels (its bias' optimum is ``-inf``)
+descends until its mean probability is ``ABSENT_TOL * gtol`` and stays there, so how far a solver
+goes does not set the code length MDL gives such a label. A head whose gradient already passes
+``gtol`` may find no decrease (float32's precision floor); a failed search of a head above it
+forgets the memory (as L-BFGS does) and, twice in a row, stops the unit, reported as not
+converged.
 
 Units (sites) are independent problems solved side by side (batched products); a unit that
 has stopped (the rule of :mod:`depthscope.probes.solvers.lbfgs`: largest gradient entry ``<= gtol``
@@ -62,16 +63,18 @@ runs of units (views of the features, no gather). Units are taken in blocks size
 solver's state (logits, softmax, directions, their images and the Newton system's products:
 about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
 objectives returned are those of the logits carried along
-(:func:`~depthscope.probes.solvers.training.train_probe` reports a fresh evaluation).
+(:class:`~depthscope.probes.solvers.methods.SubspaceSolver` reports a fresh evaluation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, _Stopping
+from depthscope.probes.solvers.base import TrainSettings
+from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stopping
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
 
 #: memory for one block of units' solver state (logits, directions, their images)
@@ -89,11 +92,11 @@ HESSIAN_ROWS = 4000
 #: a backtracking step re-evaluates the failed units if they form at most this many contiguous
 #: runs, else all units (the same values for those that passed)
 MAX_RUNS = 4
-#: the products skip each head's last class above this many features x examples (on tiny
-#: problems the extra small operations cost more than the column saves)
+#: the products skip each head's last class above this many features x examples (below it the
+#: extra small operations cost more than the column saves)
 SKIP_LAST_MIN = 2**20
 #: the past steps kept in the subspace: more steps mean fewer passes but a Newton system that
-#: grows as ``(2 + MEMORY)^2``; 2 is the fastest on probing features (bench_probe_fit)
+#: grows as ``(2 + MEMORY)^2``
 MEMORY = 2
 
 
@@ -123,22 +126,22 @@ def fit_softmax(
     W: torch.Tensor,
     b: torch.Tensor,
     l2: torch.Tensor,
-    n_classes: int,
+    settings: TrainSettings,
     *,
-    max_passes: int,
-    ftol: float,
-    gtol: float,
-    memory: int = MEMORY,
     on_pass: Callable | None = None,
+    memory: int = MEMORY,
 ) -> Solved:
     """Fit ``U`` linear softmax probes over features ``X [U, n, F]`` (any float type: the two
     products run in it, everything else in float32/float64) with labels ``y [n, G]`` (class
-    indices, rows aligned with ``X``), ``G`` heads of ``n_classes`` classes with penalties
-    ``l2 [G]``; ``W [U, F, G*C]`` and ``b [U, 1, G*C]`` are the start and receive the result.
-    Returns a :class:`Solved` whose ``x`` is None (the result is in ``W``, ``b``), ``evals`` the
-    passes of the longest block and ``unit_evals`` each unit's; ``on_pass()`` after each pass."""
+    indices, rows aligned with ``X``), ``G`` heads with penalties ``l2 [G]``; ``W [U, F, G*C]``
+    and ``b [U, 1, G*C]`` are the start and receive the result. ``settings``: the stopping rule's
+    ``tol`` and ``gtol``, and ``max_epochs`` (the pass cap). Returns a :class:`Solved` whose ``x``
+    is None (the result is in ``W``, ``b``), ``evals`` the passes of the longest block and
+    ``unit_evals`` each unit's; ``on_pass()`` after each pass."""
     U, n, F = X.shape
-    G, C = y.shape[1], n_classes
+    G = y.shape[1]
+    C = W.shape[2] // G
+    max_passes, ftol, gtol = settings.max_epochs, settings.tol, settings.gtol
     blocks = unit_blocks(U, n, F, G, C, memory)
     f = torch.zeros(U, dtype=torch.float64)
     gmax = torch.zeros(U, dtype=torch.float64)
@@ -183,6 +186,55 @@ def newton_system(P: torch.Tensor, A: torch.Tensor, gram: torch.Tensor, l2: torc
     return H.div_(n)
 
 
+def damped_solve(H: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The Newton direction ``-(H + D)^-1 grad`` per row of ``H [B, P, P]``, ``grad [B, P]``, with
+    ``D`` a damping relative to each diagonal entry (``1e-8``, raised a hundredfold where the
+    Cholesky factorisation fails, up to eight times) plus a floor of ``1e-12`` times the largest;
+    a row that never factorises gets direction 0."""
+    B = H.shape[0]
+    diag = H.diagonal(dim1=1, dim2=2).abs()
+    floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
+    damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
+    d = torch.zeros_like(grad)
+    todo = torch.ones(B, dtype=torch.bool)
+    for _k in range(8):
+        Lh, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
+        ok = (info == 0) & todo
+        d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], Lh)[..., 0], d)
+        todo &= ~ok
+        if not bool(todo.any()):
+            break
+        damp = torch.where(todo[:, None], damp * 100.0, damp)
+    return d
+
+
+@dataclass
+class _Subspace:
+    """What one step of units ``s`` (``u`` units, ``B = u G`` unit-heads) works on: the directions'
+    class columns ``VW [B, C, J, F]`` and their logit images ``A [B, C, K, n]`` (slot 0 the biases'
+    ones), their Gram ``gram [B, C, J, J]`` and inner products with the weights ``wv [B, C, J]``,
+    ``||W||^2`` ``ww [B]``, the penalties ``l2 [B]``, the logits ``Z0 [B, C, n]``, the labels
+    ``yb [B, 1, n]``, and the workspaces the trial step writes: its weight part's image ``S``, its
+    logits ``T`` and their log-softmax ``L`` (views of the block's buffers)."""
+
+    s: slice
+    u: int
+    B: int
+    J: int
+    K: int
+    VW: torch.Tensor
+    A: torch.Tensor
+    gram: torch.Tensor
+    wv: torch.Tensor
+    ww: torch.Tensor
+    l2: torch.Tensor
+    Z0: torch.Tensor
+    yb: torch.Tensor
+    S: torch.Tensor
+    T: torch.Tensor
+    L: torch.Tensor
+
+
 class _Block:
     """The solver's state for a block of ``u`` units (see the module docstring), class-major:
     logits and softmax ``[u, G, C, n]``; per class the logit images of its subspace's
@@ -192,8 +244,7 @@ class _Block:
     class, its columns of the directions: slot 0 the new direction, slots 1..m the memory, a
     ring: each step overwrites the oldest; slot J a copy of the weights, for their inner
     products). Every array of size ``n`` is allocated here once: a pass allocates nothing that
-    large (large blocks would be mapped and zeroed by the C allocator anew at each allocation,
-    a large share of the fit's time)."""
+    large (the C allocator would map and zero large blocks anew at each allocation)."""
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
@@ -264,13 +315,12 @@ class _Block:
         R = torch.div(P, n, out=R)
         R.scatter_add_(2, yi, self.minus[:u])  # (P - Y) / n
         # the product over each head's first C - 1 classes only: a row of P - Y sums to zero, so
-        # the last class's column of X^T (P - Y) is minus the sum of the others' (one column less
-        # is a tenth of a product at 17 classes)
+        # the last class's column of X^T (P - Y) is minus the sum of the others'
         k = self.k
         Rk = R[:, :, :k]
         if G > 1 and k < C:  # the heads' rows are not one matrix: copied into the trial buffer (free here)
             Rk = self.T[s].view(-1)[: u * G * k * n].view(u, G, k, n).copy_(Rk)
-        gk = torch.bmm(Rk.reshape(u, G * k, n).to(self.dt), self._X(s)).float()  # (R^T X)^T: faster
+        gk = torch.bmm(Rk.reshape(u, G * k, n).to(self.dt), self._X(s)).float()  # (R^T X)^T: X's feature-major layout
         if k < C:
             gt = torch.empty(u, G, C, F)
             gt[:, :, :k] = gk.view(u, G, k, F)
@@ -315,135 +365,171 @@ class _Block:
         last = torch.sum(img, 2, out=A1[:, :, C - 1])
         last.add_(xw.mul_(self.l2.view(1, G, 1) * 2.0)).neg_()
 
-    # --- the small problem ------------------------------------------------------------------
+    # --- the small problem: one step in named phases ------------------------------------------
     def step(self, s: slice) -> torch.Tensor:
         """Minimise over the subspace of units ``s`` and move there; returns which units found a
         decrease (``[u]``; False: a line search along a Newton direction failed, the precision
         floor). Coordinates ``theta [B, C, K]`` per unit and head: per class, its bias
         (``k = 0``) and the coefficients of the directions' class columns (``k = 1 + j``, whose
-        logit images are the rows ``A[:, c, k]``)."""
+        logit images are the rows ``A[:, c, k]``). The phases: the subspace's inner products,
+        the coordinates kept, the damped Newton direction, the line search, the move."""
+        sub = self._subspace(s)
+        keep = self._kept(sub)
+        d, gd = self._newton_direction(sub, keep)
+        theta, failed = self._line_search(sub, d, gd)
+        return self._move(sub, theta, failed)
+
+    def _subspace(self, s: slice) -> _Subspace:
+        """Phase 1: the views of units ``s`` a step reads, and the directions' inner products per
+        unit, head and class column, in one batched product: ``<V_j, V_k>`` (their Gram) and
+        ``<W, V_j>``. The subspace's gradient at ``theta = 0`` is the full gradient's, and
+        ``<dW, V_j> = -<V_0, V_j>`` (the new direction is minus the gradient)."""
         u, n, F, G, C = s.stop - s.start, self.n, self.F, self.G, self.C
         J, B = 1 + self.m, u * G
         K = 1 + J
         self.VW[s, :, :, J] = self.W[s].view(u, F, G, C).permute(0, 2, 3, 1)  # the weights, class-major
         VWx = self.VW[s].view(B, C, J + 1, F)
         VW = VWx[:, :, :J]  # [B, C, J, F]
-        A = self.A[s].view(B, C, K, n)
-        # per unit, head and class column, in one batched product: <V_j, V_k> and <W, V_j>; the
-        # gradient's <dW, V_j> (at theta = 0 the subspace's gradient is the full gradient's) is
-        # -<V_0, V_j>, the new direction being minus the gradient
         ip = torch.bmm(VW.reshape(B * C, J, F), VWx.view(B * C, J + 1, F).transpose(1, 2))
         ip = ip.view(B, C, J, J + 1).double()
-        gram, wv = ip[..., :J], ip[..., J]  # [B, C, J, J], [B, C, J]
-        ww = self.wsq[s].view(B)
-        l2 = self.l2.double().repeat(u)  # [B]
-        Z0 = self.Z[s].view(B, C, n)
-        yb = self.yg.expand(u, G, 1, n).reshape(B, 1, n)
-        used = (torch.arange(J)[None, :] <= self.steps[s][:, None]).repeat_interleave(G, 0)  # [B, J]
+        return _Subspace(
+            s=s,
+            u=u,
+            B=B,
+            J=J,
+            K=K,
+            VW=VW,
+            A=self.A[s].view(B, C, K, n),
+            gram=ip[..., :J],
+            wv=ip[..., J],
+            ww=self.wsq[s].view(B),
+            l2=self.l2.double().repeat(u),
+            Z0=self.Z[s].view(B, C, n),
+            yb=self.yg.expand(u, G, 1, n).reshape(B, 1, n),
+            S=self.S[s].view(B * C, 1, n),
+            T=self.T[s].view(B, C, n),
+            L=self.M[s].view(-1)[: B * C * n].view(B, C, n),
+        )
+
+    def _memory_used(self, sub: _Subspace) -> torch.Tensor:
+        """The direction slots each class's step may use ``[B, C, J]``: the new direction always,
+        the memory slots filled so far, less a class's whole memory where its columns are nearly
+        dependent (they would be combined with large cancelling coefficients, and the logits
+        carried along would drift from ``X W + b``)."""
+        B, C, J = sub.B, self.C, sub.J
+        used = (torch.arange(J)[None, :] <= self.steps[sub.s][:, None]).repeat_interleave(self.G, 0)  # [B, J]
         used = used[:, None, :].expand(B, C, J)
-        # nearly dependent columns would be combined with large cancelling coefficients (and the
-        # logits carried along would drift from X W + b): then that class's memory is left out
-        norm = gram.diagonal(dim1=2, dim2=3).clamp_min(1e-300).sqrt()
-        corr = gram / (norm[..., :, None] * norm[..., None, :])
+        norm = sub.gram.diagonal(dim1=2, dim2=3).clamp_min(1e-300).sqrt()
+        corr = sub.gram / (norm[..., :, None] * norm[..., None, :])
         both = used[..., :, None] & used[..., None, :]
         corr = torch.where(both, corr, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~used).double())
         eye = torch.eye(J, dtype=torch.float64)  # not positive definite after the shift: an eigenvalue below it
         used = used & (torch.linalg.cholesky_ex(corr - MIN_CORR_EIG * eye)[1] == 0)[..., None]
         used[..., 0] = True
-        # a class absent from the labels: its bias descends until its gradient (the class's mean
-        # probability, and its share of the objective) is ABSENT_TOL * gtol, then stays (its
-        # optimum is -inf: how far a solver goes would set the code length of such a label)
-        done_b = self.absent.repeat(u, 1) & (self.gb[s].view(B, C).abs() <= ABSENT_TOL * self.gtol)
-        keep = torch.cat([(self.free_b.repeat(u, 1) & ~done_b)[:, :, None], used], 2).view(B, C * K)
-        pair = keep[:, :, None] & keep[:, None, :]
-        free = (~keep).double()
-        S = self.S[s].view(B * C, 1, n)  # the trial step's weight part, its logit image
-        T = self.T[s].view(B, C, n)  # the trial logits
-        L = self.M[s].view(-1)[: B * C * n].view(B, C, n)  # their log-softmax (after the system)
+        return used
 
-        def value(theta, a, z):  # rows a:z of the trial logits (into T) and their objective
-            # the logits from the images, never as a difference of logits
-            th, Sr = theta[a:z], S[a * C : z * C]
-            torch.bmm(th[:, :, 1:].float().reshape(-1, 1, J), A[a:z, :, 1:].reshape(-1, J, n), out=Sr)
-            Za = torch.add(Z0[a:z], Sr.view(-1, C, n), out=T[a:z]).add_(th[:, :, :1].float())
-            logp = torch.ops.aten._log_softmax.out(Za, 1, False, out=L[a:z])
-            ce = -logp.gather(1, yb[a:z])[:, 0].double().sum(1) / n
-            al, gr = th[:, :, 1:], gram[a:z]
-            quad = ww[a:z] + 2 * (wv[a:z] * al).sum((1, 2)) + (al[..., None, :] @ gr @ al[..., :, None]).sum((1, 2, 3))
-            return ce + l2[a:z] * quad
+    def _kept(self, sub: _Subspace) -> torch.Tensor:
+        """Phase 2: the coordinates the step moves ``[B, C K]``: the biases, less the held one
+        (the most frequent class's) and those of absent classes that are done, and the direction
+        slots of :meth:`_memory_used`. An absent class's bias descends until its gradient (the
+        class's mean probability, and its share of the objective) is ``ABSENT_TOL * gtol``, then
+        stays: its optimum is ``-inf``, and how far a solver goes would set the code length of
+        such a label."""
+        u, B, C = sub.u, sub.B, self.C
+        done_b = self.absent.repeat(u, 1) & (self.gb[sub.s].view(B, C).abs() <= ABSENT_TOL * self.gtol)
+        bias = (self.free_b.repeat(u, 1) & ~done_b)[:, :, None]
+        return torch.cat([bias, self._memory_used(sub)], 2).view(B, C * sub.K)
 
-        grad = torch.cat([self.gb[s].view(B, C, 1).double(), -gram[:, :, 0]], 2)  # [B, C, K]
-        # at theta = 0: the gradient's softmax; the curvature from a part of the rows (a sample:
-        # see hessian_rows), the gradient from all
-        r = hessian_rows(n, self.count)
+    def _newton_direction(self, sub: _Subspace, keep: torch.Tensor) -> tuple:
+        """Phase 3: the damped Newton direction ``d [B, C, K]`` over the kept coordinates and its
+        slope ``gd [B]``. The gradient uses every row; the Newton system (at the gradient's
+        softmax) a part of them (:func:`hessian_rows`); coordinates not kept get identity rows."""
+        s, B, C, K = sub.s, sub.B, self.C, sub.K
+        grad = torch.cat([self.gb[s].view(B, C, 1).double(), -sub.gram[:, :, 0]], 2)  # [B, C, K]
+        r = hessian_rows(self.n, self.count)
         h = r.stop - r.start
         work = self.M[s].view(-1)[: B * C * K * h].view(B, C, K, h)
-        H = newton_system(self.P[s].view(B, C, n)[..., r], A[..., r], gram, l2, work=work)
+        H = newton_system(self.P[s].view(B, C, self.n)[..., r], sub.A[..., r], sub.gram, sub.l2, work=work)
         grad = grad.view(B, C * K) * keep
-        H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed(free)
-        diag = H.diagonal(dim1=1, dim2=2).abs()
-        floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
-        damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
-        d = torch.zeros_like(grad)
-        todo = torch.ones(B, dtype=torch.bool)
-        for _k in range(8):  # raise the damping where the factorisation fails
-            Lh, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
-            ok = (info == 0) & todo
-            d = torch.where(ok[:, None], -torch.cholesky_solve(grad[:, :, None], Lh)[..., 0], d)
-            todo &= ~ok
-            if not bool(todo.any()):
-                break
-            damp = torch.where(todo[:, None], damp * 100.0, damp)
-        d = d * keep
+        pair = keep[:, :, None] & keep[:, None, :]
+        H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~keep).double())
+        d = damped_solve(H, grad) * keep
         gd = (grad * d).sum(1)
-        d = d.view(B, C, K)
-        phi = self.phi[s].reshape(B)  # at theta = 0: the gradient's evaluation
+        return d.view(B, C, K), gd
+
+    def _trial(self, sub: _Subspace, theta: torch.Tensor, a: int, z: int) -> torch.Tensor:
+        """The objective at ``theta`` of rows ``a:z`` (unit-heads), leaving their trial logits in
+        ``T``, their log-softmax in ``L`` and the step's weight part's image in ``S``. The logits
+        come from the images (``Z0 + beta + sum_j alpha_j (X V_j)``), never as a difference of
+        logits; the penalty from the inner products (``||W + sum_j alpha_j V_j||^2``)."""
+        C, J, n = self.C, sub.J, self.n
+        th, Sr = theta[a:z], sub.S[a * C : z * C]
+        torch.bmm(th[:, :, 1:].float().reshape(-1, 1, J), sub.A[a:z, :, 1:].reshape(-1, J, n), out=Sr)
+        Za = torch.add(sub.Z0[a:z], Sr.view(-1, C, n), out=sub.T[a:z]).add_(th[:, :, :1].float())
+        logp = torch.ops.aten._log_softmax.out(Za, 1, False, out=sub.L[a:z])
+        ce = -logp.gather(1, sub.yb[a:z])[:, 0].double().sum(1) / n
+        al, gr = th[:, :, 1:], sub.gram[a:z]
+        quad = sub.ww[a:z] + 2 * (sub.wv[a:z] * al).sum((1, 2))
+        quad = quad + (al[..., None, :] @ gr @ al[..., :, None]).sum((1, 2, 3))
+        return ce + sub.l2[a:z] * quad
+
+    def _line_search(self, sub: _Subspace, d: torch.Tensor, gd: torch.Tensor) -> tuple:
+        """Phase 4: Armijo backtracking from step 1 along ``d``; each backtrack re-evaluates only
+        the rows that failed (a few contiguous runs of them, else all rows: small calls cost more).
+        Returns ``(theta, failed)``: a row with no decrease along a Newton direction (its head at
+        its precision floor) stays put (theta 0, trial logits reset to the current ones)."""
+        B = sub.B
+        phi = self.phi[sub.s].reshape(B)  # at theta = 0: the gradient's evaluation
         t = (gd < 0).double()
         val = torch.empty(B, dtype=torch.float64)
         todo = torch.ones(B, dtype=torch.bool)  # the rows whose step changed (all, then the failed)
-        for _k in range(MAX_BACKTRACKS):  # Armijo backtracking along the Newton direction
+        for _k in range(MAX_BACKTRACKS):
             theta = t[:, None, None] * d
-            runs = _runs(todo)  # few runs of failed rows, else all rows (small calls cost more)
+            runs = _runs(todo)
             for a, z in runs if len(runs) <= MAX_RUNS else [(0, B)]:
-                val[a:z] = value(theta, a, z)
+                val[a:z] = self._trial(sub, theta, a, z)
             ok = (val <= phi + ARMIJO * t * gd) | (t == 0)
             if bool(ok.all()):
                 break
             t = torch.where(ok, t, t * 0.5)
             todo = ~ok
-        # no decrease along a Newton direction: that head is at its precision floor, and stays put
         failed = ~ok & (gd < 0)
         if bool(failed.any()):
             theta = torch.where(failed[:, None, None], torch.zeros((), dtype=torch.float64), theta)
-            S.view(B, C, n)[failed] = 0.0
-            T[failed] = Z0[failed]
-            L[failed] = torch.log_softmax(Z0[failed], 1)
-        self.logp_of = (s.start, s.stop)  # L: the new logits' log-softmax, for the gradient
-        # move, and the step (its weight part) becomes the newest memory direction
+            sub.S.view(B, self.C, self.n)[failed] = 0.0
+            sub.T[failed] = sub.Z0[failed]
+            sub.L[failed] = torch.log_softmax(sub.Z0[failed], 1)
+        return theta, failed
+
+    def _move(self, sub: _Subspace, theta: torch.Tensor, failed: torch.Tensor) -> torch.Tensor:
+        """Phase 5: move the weights and biases by ``theta``, make the trial logits the logits
+        (their log-softmax is the next gradient's), and put the step's weight part and its image
+        in the oldest memory slot (the subspace has no order). A failed search of a head still
+        above ``gtol`` forgets the unit's memory, as L-BFGS does (the next pass searches along the
+        gradient and the biases alone); a head already below it may sit at float32's precision
+        floor, where no decrease is to be found. Returns which units succeeded ``[u]``."""
+        s, u, n, F, G, C = sub.s, sub.u, self.n, self.F, self.G, self.C
+        self.logp_of = (s.start, s.stop)
         al = theta[:, :, 1:].float()  # [B, C, J]
-        sW = (al[:, :, None, :] @ VW)[:, :, 0]  # [B, C, F]
+        sW = (al[:, :, None, :] @ sub.VW)[:, :, 0]  # [B, C, F]
         self.W[s] += sW.view(u, G, C, F).permute(0, 3, 1, 2).reshape(u, F, G * C)
         self.b[s] += theta[:, :, 0].float().reshape(u, 1, G * C)
         if s.start == 0 and s.stop == self.u:  # the trial logits become the logits: no copy
             self.Z, self.T = self.T, self.Z
         else:
-            self.Z[s] = T.view(u, G, C, n)
-        # a head whose gradient already passes gtol may sit at float32's precision floor (no
-        # decrease to be found): only a failure of a head still above it counts
+            self.Z[s] = sub.T.view(u, G, C, n)
         ok = ~(failed.view(u, G) & (self.g_head[s] > self.gtol)).any(1)
-        if self.m > 0:  # the step replaces the oldest memory slot (the subspace has no order)
+        if self.m > 0:
             ui = torch.arange(s.start, s.stop)
             k = 1 + self.steps[s] % self.m
             self.VW[ui, :, :, k] = sW.view(u, G, C, F)
-            self.A[ui, :, :, 1 + k] = S.view(u, G, C, n)  # its image
-        # a failed search (at float32's precision floor) forgets the memory, as L-BFGS does: the
-        # next pass searches along the gradient and the biases alone
+            self.A[ui, :, :, 1 + k] = sub.S.view(u, G, C, n)  # its image
         self.steps[s] = torch.where(ok, self.steps[s] + 1, torch.zeros_like(self.steps[s]))
         return ok
 
     def run(self, max_passes: int, ftol: float, on_pass) -> Solved:
         u = self.u
-        st = _Stopping(u)
+        st = Stopping(u)
         self.gradient(slice(0, u))
         passes, history = 1, [float(self.f.sum())]
         if on_pass is not None:
