@@ -55,7 +55,7 @@ from depthscope.probes.corpora.tasks import pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
 from depthscope.probes.fitting import FitOptions, fit_task
 from depthscope.probes.solvers.cpu import resolve_precision
-from depthscope.probes.store.extraction import load_and_extract
+from depthscope.probes.store.extraction import Splits, load_and_extract
 from depthscope.probes.summaries import tables
 
 log = logging.getLogger("depthscope.probes")
@@ -145,7 +145,7 @@ def run_probes(
     if cfg.l2 == "dev" and dev is None:
         raise InputError("l2='dev' picks the penalty on a dev split: pass dev=")
     run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress)
-    got = load_and_extract(model, tasks, train, test, dev, ext, dat, seed=cfg.seed, progress=progress)
+    got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     by_site, summary, mixing = [], [], []
     fit_seconds = {}
     for task in sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t))):
@@ -231,7 +231,7 @@ def prepare_task(
     without fitting anything: for benchmarks and custom probes. Settings as in
     :func:`run_probes`."""
     cfg, ext, dat = resolve_configs(config, extraction, data, **overrides)
-    got = load_and_extract(model, [task], train, test, dev, ext, dat, seed=cfg.seed, progress=progress)
+    got = load_and_extract(model, [task], Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     return encode_task(
         task,
         got.examples[task],

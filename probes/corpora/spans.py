@@ -28,6 +28,8 @@ from depthscope.probes.config import CONTEXTS
 
 @dataclass
 class Passage:
+    """The text of one forward pass and the sentences it holds (see the module docstring)."""
+
     text: str
     sents: list  # sentence indices (context first, then owned)
     offsets: list  # char offset of each of those sentences in ``text``
@@ -53,56 +55,75 @@ def build_passages(sentences: Sequence, context: str = "sentence", *, tokenizer=
     """
     if context not in CONTEXTS:
         raise InputError(f"context must be one of {CONTEXTS}, got {context!r}")
-    where: list = [None] * len(sentences)
-    passages: list = []
     if context == "sentence":
-        for i, s in enumerate(sentences):
-            passages.append(Passage(s.text, [i], [0], [True]))
-            where[i] = (i, 0)
-        return passages, where
+        passages = [Passage(s.text, [i], [0], [True]) for i, s in enumerate(sentences)]
+        return passages, [(i, 0) for i in range(len(sentences))]
     if tokenizer is None:
         raise InputError("document context needs a tokenizer to measure sentence lengths")
+    texts = [s.text for s in sentences]
+    lens = [len(x) + 1 for x in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    budget = max(2, int(0.97 * max_tokens) - 2)  # joined text may tokenise slightly differently
+    where: list = [None] * len(sentences)
+    passages: list = []
+    for idx in _documents(sentences):
+        for a, b in _owned_chunks([lens[i] for i in idx], budget):
+            c = _context_start([lens[i] for i in idx], a, b, budget)
+            p = _passage(texts, idx, c, a, b)
+            for sent, off, o in zip(p.sents, p.offsets, p.owned):
+                if o:
+                    where[sent] = (len(passages), off)
+            passages.append(p)
+    return passages, where
+
+
+def _documents(sentences: Sequence) -> list:
+    """Sentence indices of each document: runs of consecutive sentences with one ``doc_id``."""
     docs: list = []
     for i, s in enumerate(sentences):
         if docs and docs[-1][0] == s.doc_id and docs[-1][1][-1] == i - 1:
             docs[-1][1].append(i)
         else:
             docs.append((s.doc_id, [i]))
-    texts = [s.text for s in sentences]
-    lens = [len(x) + 1 for x in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
-    budget = max(2, int(0.97 * max_tokens) - 2)  # joined text may tokenise slightly differently
+    return [idx for _, idx in docs]
+
+
+def _owned_chunks(lens: list, budget: int) -> list:
+    """``[(a, b)]``: the sentences ``a:b`` each passage of a document owns (``lens``: tokens per
+    sentence). A document within ``budget`` is one chunk; a longer one is cut into chunks of
+    about half the budget (at least one sentence each), leaving room for preceding context."""
+    if sum(lens) <= budget:
+        return [(0, len(lens))]
     half = max(1, budget // 2)
-    for _, idx in docs:
-        total = sum(lens[i] for i in idx)
-        if total <= budget:
-            chunks = [(0, len(idx))]
-        else:
-            chunks, a = [], 0
-            while a < len(idx):
-                b, tok = a, 0
-                while b < len(idx) and (tok == 0 or tok + lens[idx[b]] <= half):
-                    tok += lens[idx[b]]
-                    b += 1
-                chunks.append((a, b))
-                a = b
-        for a, b in chunks:
-            owned_tok = sum(lens[idx[k]] for k in range(a, b))
-            c, room = a, budget - owned_tok
-            while c > 0 and lens[idx[c - 1]] <= room:
-                room -= lens[idx[c - 1]]
-                c -= 1
-            parts, offs, own, pos = [], [], [], 0
-            for k in range(c, b):
-                offs.append(pos)
-                parts.append(texts[idx[k]])
-                pos += len(texts[idx[k]]) + 1
-                own.append(k >= a)
-            p = Passage(" ".join(parts), [idx[k] for k in range(c, b)], offs, own)
-            for sent, off, o in zip(p.sents, p.offsets, p.owned):
-                if o:
-                    where[sent] = (len(passages), off)
-            passages.append(p)
-    return passages, where
+    chunks, a = [], 0
+    while a < len(lens):
+        b, tok = a, 0
+        while b < len(lens) and (tok == 0 or tok + lens[b] <= half):
+            tok += lens[b]
+            b += 1
+        chunks.append((a, b))
+        a = b
+    return chunks
+
+
+def _context_start(lens: list, a: int, b: int, budget: int) -> int:
+    """The first sentence of the passage owning ``a:b``: preceding sentences are added as
+    context while they fit in what the owned ones leave of ``budget``."""
+    c, room = a, budget - sum(lens[a:b])
+    while c > 0 and lens[c - 1] <= room:
+        room -= lens[c - 1]
+        c -= 1
+    return c
+
+
+def _passage(texts: list, idx: list, c: int, a: int, b: int) -> Passage:
+    """The passage of document sentences ``idx[c:b]``, joined by spaces; ``idx[a:b]`` owned."""
+    parts, offs, own, pos = [], [], [], 0
+    for k in range(c, b):
+        offs.append(pos)
+        parts.append(texts[idx[k]])
+        pos += len(texts[idx[k]]) + 1
+        own.append(k >= a)
+    return Passage(" ".join(parts), [idx[k] for k in range(c, b)], offs, own)
 
 
 def bos_id(tokenizer) -> int | None:
@@ -140,19 +161,25 @@ def tokenize_passages(
             if len(ids) > max_tokens:
                 out.n_truncated += 1
                 ids, offs = ids[:max_tokens], offs[:max_tokens]
-            st, en = offs[:, 0].copy(), offs[:, 1].copy()
-            # special tokens report (0, 0): make them zero-width at the current position so
-            # the offset arrays stay sorted and they never overlap a span
-            pos = 0
-            for k in range(len(ids)):
-                if en[k] <= st[k]:
-                    st[k] = en[k] = pos
-                else:
-                    pos = max(pos, en[k])
+            st, en = _sorted_offsets(offs)
             out.ids.append(ids)
             out.starts.append(st)
             out.ends.append(en)
     return out
+
+
+def _sorted_offsets(offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end offsets of one passage's tokens. Special tokens report (0, 0): they are made
+    zero-width at the current position so the offset arrays stay sorted and they never overlap
+    a span."""
+    st, en = offs[:, 0].copy(), offs[:, 1].copy()
+    pos = 0
+    for k in range(len(st)):
+        if en[k] <= st[k]:
+            st[k] = en[k] = pos
+        else:
+            pos = max(pos, en[k])
+    return st, en
 
 
 def span_tokens(starts: np.ndarray, ends: np.ndarray, cs: np.ndarray, ce: np.ndarray, text_len: int | None = None):

@@ -84,49 +84,46 @@ class TaskExamples:
 
 
 def task_family(task: str) -> str:
+    """The task name before any ``:`` argument (``feats:Number`` -> ``feats``)."""
     return task.split(":", 1)[0]
 
 
 def default_context(task: str) -> str:
+    """``document`` for coreference (its pairs cross sentences), else ``sentence``."""
     return "document" if task_family(task) == "coref" else "sentence"
 
 
 def pipeline_rank(task: str) -> int:
+    """Position of the task's family in the classical NLP pipeline (unknown tasks last)."""
     fam = task_family(task)
     return PIPELINE_ORDER.index(fam) if fam in PIPELINE_ORDER else len(PIPELINE_ORDER)
 
 
 def _key(word: Word) -> str:
+    """A word's control key: its lowercased form."""
     return word.form.lower()
 
 
+def _span_array(starts, ends) -> np.ndarray:
+    """``[N, 2]`` int64 ``(start, end)`` word spans."""
+    return np.stack([np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)], 1).reshape(-1, 2)
+
+
 def _examples(task, kind, context, rows, edge: bool) -> TaskExamples:
+    """:class:`TaskExamples` from row tuples ``(sent, start, end, label, key)`` or, for edges,
+    ``(sent1, start1, end1, sent2, start2, end2, label, key)``."""
     if edge:
         s1, a1, b1, s2, a2, b2, lab, key = zip(*rows) if rows else ([],) * 8
-        return TaskExamples(
-            task,
-            kind,
-            context,
-            np.asarray(s1, dtype=np.int64),
-            np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
-            np.asarray(lab, dtype=object),
-            list(key),
-            np.asarray(s2, dtype=np.int64),
-            np.stack([np.asarray(a2, dtype=np.int64), np.asarray(b2, dtype=np.int64)], 1).reshape(-1, 2),
-        )
-    s1, a1, b1, lab, key = zip(*rows) if rows else ([],) * 5
-    return TaskExamples(
-        task,
-        kind,
-        context,
-        np.asarray(s1, dtype=np.int64),
-        np.stack([np.asarray(a1, dtype=np.int64), np.asarray(b1, dtype=np.int64)], 1).reshape(-1, 2),
-        np.asarray(lab, dtype=object),
-        list(key),
-    )
+        second = dict(sent2=np.asarray(s2, dtype=np.int64), span2=_span_array(a2, b2))
+    else:
+        s1, a1, b1, lab, key = zip(*rows) if rows else ([],) * 5
+        second = {}
+    sent1, span1 = np.asarray(s1, dtype=np.int64), _span_array(a1, b1)
+    return TaskExamples(task, kind, context, sent1, span1, np.asarray(lab, dtype=object), list(key), **second)
 
 
 def word_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    """One example per word labelled with its UPOS, XPOS or feature value (``_`` left out)."""
     fam, _, arg = task.partition(":")
     rows = []
     for si, s in enumerate(corpus.sentences):
@@ -146,6 +143,8 @@ def word_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
 
 
 def deprel_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    """Edges dependent -> head (the root: itself) labelled with the relation (``deprel:base``:
+    without its subtype); words without a HEAD or relation are left out."""
     base = task == "deprel:base"
     rows = []
     for si, s in enumerate(corpus.sentences):
@@ -162,6 +161,7 @@ def deprel_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
 
 
 def entity_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    """One example per entity mention, labelled with its entity type."""
     if not corpus.has_entities:
         raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
     rows = []
@@ -171,14 +171,9 @@ def entity_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
     return _examples(task, "span", context, rows, edge=False)
 
 
-def coref_task(
-    corpus: Corpus, task: str, context: str, *, window: int = 2, neg_ratio: float = 1.0, seed: int = 0
-) -> TaskExamples:
-    if not corpus.has_entities:
-        raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
-    sents = corpus.sentences
-    pos, neg = [], []
-    # mentions per document in order: (sentence, start, end, cluster)
+def _document_mentions(sents: list) -> list:
+    """Mentions grouped by document (consecutive sentences of one ``doc_id``), in order:
+    ``(sentence, start, end, cluster)`` each."""
     doc_mentions: list = []
     cur_doc, cur = object(), []
     for si, s in enumerate(sents):
@@ -190,19 +185,42 @@ def coref_task(
             cur.append((si, m.start, m.end, m.cluster))
     if cur:
         doc_mentions.append(cur)
-    for ms in doc_mentions:
-        for j, (s2, a2, b2, c2) in enumerate(ms):
-            for i in range(j - 1, -1, -1):
-                s1, a1, b1, c1 = ms[i]
-                if s2 - s1 > window:
-                    break
-                if s1 == s2 and not (b1 <= a2 or b2 <= a1):
-                    continue  # nested or overlapping mentions
-                if s1 == s2 and a1 > a2:
-                    continue
-                k1, k2 = _key(sents[s1].words[b1 - 1]), _key(sents[s2].words[b2 - 1])
-                row = (s1, a1, b1, s2, a2, b2, "1" if c1 == c2 else "0", f"{k1}|{k2}")
-                (pos if c1 == c2 else neg).append(row)
+    return doc_mentions
+
+
+def _mention_pairs(ms: list, sents: list, window: int) -> tuple[list, list]:
+    """Positive (same cluster) and negative edge rows of one document's mentions: each mention
+    paired with the earlier ones at most ``window`` sentences back, skipping nested or
+    overlapping mentions and, within a sentence, pairs whose first mention starts later."""
+    pos, neg = [], []
+    for j, (s2, a2, b2, c2) in enumerate(ms):
+        for i in range(j - 1, -1, -1):
+            s1, a1, b1, c1 = ms[i]
+            if s2 - s1 > window:
+                break
+            if s1 == s2 and not (b1 <= a2 or b2 <= a1):
+                continue  # nested or overlapping mentions
+            if s1 == s2 and a1 > a2:
+                continue
+            k1, k2 = _key(sents[s1].words[b1 - 1]), _key(sents[s2].words[b2 - 1])
+            row = (s1, a1, b1, s2, a2, b2, "1" if c1 == c2 else "0", f"{k1}|{k2}")
+            (pos if c1 == c2 else neg).append(row)
+    return pos, neg
+
+
+def coref_task(
+    corpus: Corpus, task: str, context: str, *, window: int = 2, neg_ratio: float = 1.0, seed: int = 0
+) -> TaskExamples:
+    """Mention-pair coreference examples (see the module docstring): every positive pair, and
+    ``neg_ratio`` negatives per positive sampled with a seeded generator."""
+    if not corpus.has_entities:
+        raise InputError(f"{corpus.source}: task {task!r} needs GUM-style Entity= annotation in MISC; none found")
+    sents = corpus.sentences
+    pos, neg = [], []
+    for ms in _document_mentions(sents):
+        p, n = _mention_pairs(ms, sents, window)
+        pos += p
+        neg += n
     n_neg = min(len(neg), int(round(neg_ratio * len(pos))))
     if n_neg < len(neg):
         rng = np.random.default_rng([seed, 7919])
@@ -213,59 +231,68 @@ def coref_task(
 
 
 # ----------------------------------------------------------------------------- jiant JSONL
+def _check_span(sp, key: str, n_tokens: int, where: str) -> None:
+    """A target span is ``[start, end)`` of ints within the record's tokens."""
+    if (
+        not isinstance(sp, (list, tuple))
+        or len(sp) != 2
+        or not all(isinstance(v, int) for v in sp)
+        or not 0 <= sp[0] < sp[1] <= n_tokens
+    ):
+        raise InputError(f"{where}: {key} {sp!r} is not [start, end) within the {n_tokens} tokens")
+
+
+def _check_targets(targets, n_tokens: int, where: str) -> None:
+    """Targets are a list, each with a valid ``span1``, an optional valid ``span2`` and a label."""
+    if not isinstance(targets, list):
+        raise InputError(f"{where}: 'targets' must be a list")
+    for t in targets:
+        if "span1" not in t:
+            raise InputError(f"{where}: a target has no span1")
+        for key in ("span1", "span2"):
+            if key in t:
+                _check_span(t[key], key, n_tokens, where)
+        if "label" not in t:
+            raise InputError(f"{where}: a target has no label")
+
+
+def _jiant_sentence(line: str, no: int, path: Path) -> Sentence:
+    """The :class:`Sentence` of one JSONL record (line ``no``): whitespace tokens as words, the
+    targets checked and kept in ``metadata``, the record's ``info.document_id`` as document."""
+    where = f"{path}:{no}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict) or "text" not in rec or "targets" not in rec:
+        raise InputError(f"{where}: a jiant record needs 'text' and 'targets'")
+    toks = str(rec["text"]).split()
+    if not toks:
+        raise InputError(f"{where}: empty text")
+    words, pos = [], 0
+    for i, t in enumerate(toks):
+        words.append(Word(i, i + 1, t, t, "_", "_", {}, -1, "_", {}, pos, pos + len(t), no))
+        pos += len(t) + 1
+    targets = rec["targets"]
+    _check_targets(targets, len(toks), where)
+    doc = rec.get("info", {}).get("document_id") if isinstance(rec.get("info"), dict) else None
+    return Sentence(
+        " ".join(toks),
+        words,
+        doc_id=doc if doc is not None else f"{path}#{no}",
+        line=no,
+        source=str(path),
+        metadata={"targets": targets},
+    )
+
+
 def read_jiant(path: str | Path, *, max_sentences: int | None = None, seed: int = 0) -> Corpus:
     """Read a jiant edge-probing JSONL file into a :class:`Corpus` (targets kept in metadata)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such JSONL file: {path}")
-    sents = []
     with open(path, encoding="utf-8") as fh:
-        for no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{no}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or "text" not in rec or "targets" not in rec:
-                raise InputError(f"{path}:{no}: a jiant record needs 'text' and 'targets'")
-            toks = str(rec["text"]).split()
-            if not toks:
-                raise InputError(f"{path}:{no}: empty text")
-            words, pos = [], 0
-            for i, t in enumerate(toks):
-                words.append(Word(i, i + 1, t, t, "_", "_", {}, -1, "_", {}, pos, pos + len(t), no))
-                pos += len(t) + 1
-            targets = rec["targets"]
-            if not isinstance(targets, list):
-                raise InputError(f"{path}:{no}: 'targets' must be a list")
-            for t in targets:
-                for key in ("span1", "span2"):
-                    if key not in t:
-                        if key == "span1":
-                            raise InputError(f"{path}:{no}: a target has no span1")
-                        continue
-                    sp = t[key]
-                    if (
-                        not isinstance(sp, (list, tuple))
-                        or len(sp) != 2
-                        or not all(isinstance(v, int) for v in sp)
-                        or not 0 <= sp[0] < sp[1] <= len(toks)
-                    ):
-                        raise InputError(f"{path}:{no}: {key} {sp!r} is not [start, end) within the {len(toks)} tokens")
-                if "label" not in t:
-                    raise InputError(f"{path}:{no}: a target has no label")
-            doc = rec.get("info", {}).get("document_id") if isinstance(rec.get("info"), dict) else None
-            sents.append(
-                Sentence(
-                    " ".join(toks),
-                    words,
-                    doc_id=doc if doc is not None else f"{path}#{no}",
-                    line=no,
-                    source=str(path),
-                    metadata={"targets": targets},
-                )
-            )
+        sents = [_jiant_sentence(line, no, path) for no, line in enumerate(fh, 1) if line.strip()]
     if not sents:
         raise InputError(f"{path} holds no records")
     corpus = Corpus(sents, str(path), len(sents))
@@ -273,12 +300,15 @@ def read_jiant(path: str | Path, *, max_sentences: int | None = None, seed: int 
 
 
 def _label_str(lab) -> str:
+    """A jiant label as one class name: a list joined with ``+`` in sorted order, empty -> ``_``."""
     if isinstance(lab, (list, tuple)):
         return "+".join(sorted(str(x) for x in lab)) if lab else "_"
     return str(lab)
 
 
 def jiant_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    """One example per jiant target: edges when the targets have ``span2``, spans otherwise
+    (a file mixing both is refused)."""
     rows, edge = [], None
     for si, s in enumerate(corpus.sentences):
         for t in s.metadata.get("targets", []):
@@ -310,6 +340,7 @@ def load_corpus(source, *, max_sentences: int | None = None, seed: int = 0) -> C
 
 
 def is_jiant(corpus: Corpus) -> bool:
+    """True for a corpus read from jiant JSONL (its sentences carry targets)."""
     return bool(corpus.sentences) and "targets" in corpus.sentences[0].metadata
 
 
@@ -344,6 +375,7 @@ def build_task(
 
 
 def _stable_seed(seed: int, key: str) -> int:
+    """A 64-bit number from (seed, key), the same in every process (unlike ``hash``)."""
     h = hashlib.blake2b(f"{seed}\x1f{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little")
 

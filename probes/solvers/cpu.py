@@ -4,7 +4,6 @@
 ``resolve_precision(p)``   ``"float32"`` / ``"bfloat16"`` -> that dtype; ``"auto"`` -> the rule
 ``compute_dtype()``        ``resolve_precision("auto")``
 ``precision_rule()``       the dtype the rule gives for this CPU, and why (a sentence)
-``threads_for(work)``      context: one intra-op thread for small per-step work
 ``step_work(probe, ...)``  the multiply-adds of one minibatch step (what ``threads_for`` reads)
 =========================  ====================================================================
 
@@ -27,7 +26,6 @@ parameters, optimiser state, logits and losses stay float32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -87,21 +85,6 @@ def resolve_precision(precision: str = "auto") -> torch.dtype:
 def compute_dtype() -> torch.dtype:
     """``resolve_precision("auto")``: the environment variable, else the CPU-flag rule."""
     return resolve_precision("auto")
-
-
-@contextlib.contextmanager
-def threads_for(work: float):
-    """One intra-op thread for small per-step work: thread synchronisation then costs more
-    than it saves (badly so on a busy machine); the default thread count otherwise."""
-    old = torch.get_num_threads()
-    small = work < 2e7
-    if small and old > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if small and old > 1:
-            torch.set_num_threads(old)
 
 
 def step_work(probe, feats, batch_size: int) -> float:

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from depthscope.common.threads import threads_for
 from depthscope.probes.solvers.base import Problem, Solver, TrainLog, per_site
-from depthscope.probes.solvers.cpu import step_work, threads_for
+from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.kfac import preconditioner
 from depthscope.probes.solvers.lbfgs import lbfgs
 from depthscope.probes.solvers.objective import objective, trainable

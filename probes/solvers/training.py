@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 
 from depthscope.common.progress import progress_bar
+from depthscope.common.threads import threads_for
 from depthscope.probes.config import ProbeConfig
 from depthscope.probes.solvers.base import Problem, Solver, TrainLog, TrainSettings
 from depthscope.probes.solvers.classifiers import BatchedProbe
-from depthscope.probes.solvers.cpu import step_work, threads_for
+from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.methods import AdamSolver, LbfgsSolver, SubspaceSolver, auto_batch
 from depthscope.probes.solvers.objective import label_matrix, objective
 from depthscope.probes.store.features import Features
@@ -58,7 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("depthscope.probes")
-_DEFAULTS = ProbeConfig()
 
 #: the solvers by their ProbeConfig ``solver`` name
 SOLVERS: dict[str, type[Solver]] = {s.name: s for s in (SubspaceSolver, LbfgsSolver, AdamSolver)}
@@ -90,30 +90,19 @@ def train_probe(
     probe: BatchedProbe,
     feats: Features,
     y: torch.Tensor,
+    settings: TrainSettings | None = None,
     *,
-    max_epochs: int = _DEFAULTS.max_epochs,
-    tol: float = _DEFAULTS.tol,
-    gtol: float = _DEFAULTS.gtol,
-    solver: str = _DEFAULTS.solver,
-    batch_size: int | None = _DEFAULTS.batch_size,
-    lr: float = _DEFAULTS.lr,
-    min_steps: int = _DEFAULTS.min_steps,
-    seed: int = 0,
     progress: bool = False,
     desc: str = "probe",
+    **overrides,
 ) -> TrainLog:
     """Fit ``probe`` on ``feats`` with labels ``y [N, G]`` (class indices) to convergence;
-    see the module docstring. Returns a :class:`TrainLog`; warns when ``max_epochs`` stops it."""
-    settings = TrainSettings(
-        max_epochs=max_epochs,
-        tol=tol,
-        gtol=gtol,
-        solver=solver,
-        batch_size=batch_size,
-        lr=lr,
-        min_steps=min_steps,
-        seed=seed,
-    )
+    see the module docstring. ``settings`` (:class:`TrainSettings`: ``max_epochs``, ``tol``,
+    ``gtol``, ``solver``, ``batch_size``, ``lr``, ``min_steps``, ``seed``; default
+    ``ProbeConfig``'s) with any of its fields overridden by keyword, e.g.
+    ``train_probe(p, f, y, solver="lbfgs", max_epochs=50)``. Returns a :class:`TrainLog`; warns
+    when ``max_epochs`` stops it."""
+    settings = replace(settings or TrainSettings(), **overrides)
     return fit_probe(probe, feats, y, settings, progress=progress, desc=desc)
 
 

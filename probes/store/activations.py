@@ -37,6 +37,9 @@ import torch
 
 from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
+from depthscope.common.files import FolderLock, is_place_error, output_error, preallocate
+from depthscope.common.progress import progress_bar
+from depthscope.hooks import cache_dir
 from depthscope.probes.config import POOLINGS
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
 
@@ -48,8 +51,6 @@ log = logging.getLogger("depthscope")
 def _claim(store_dir: Path, key: str):
     """Hold the extraction lock of ``key`` (waiting, with a message, while another process holds
     it) and remove temporary folders left by killed extractions; returns the lock."""
-    from depthscope.common.files import FolderLock
-
     lock = FolderLock(store_dir / f".{key}.lock", f"the activation store {store_dir / key}")
 
     def waiting():
@@ -65,6 +66,7 @@ def _claim(store_dir: Path, key: str):
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -101,7 +103,8 @@ class SpanStore:
         return self.n_rows == 0
 
     def load(self, max_bytes: float = 6e9) -> None:
-        """Hold the rows in memory (as a torch tensor) when they fit in ``max_bytes``."""
+        """Hold the rows in memory (an in-memory array instead of the memmap) when they fit in
+        ``max_bytes``."""
         if isinstance(self.feats, np.memmap) and self.feats.nbytes <= max_bytes:
             self.feats = np.array(self.feats)
 
@@ -129,6 +132,8 @@ class SpanStore:
 
 
 def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, dtype, max_tokens) -> str:
+    """The store's folder name: a hash of the model id, the settings, every passage's token ids
+    and every span's passage and token range."""
     h = hashlib.sha256()
     h.update(
         f"v{STORE_VERSION}|{model_id}|{list(sites)}|{pooling}|{np.dtype(dtype).name}|{max_tokens}|{ATTN_MAX_TOKENS}".encode()
@@ -142,6 +147,8 @@ def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, 
 
 
 def _open(path: Path) -> SpanStore | None:
+    """The complete store in ``path`` (marked reused), or None when it is absent, unreadable or
+    unfinished."""
     meta_p = path / "meta.json"
     if not meta_p.is_file():
         return None
@@ -161,8 +168,8 @@ def _open(path: Path) -> SpanStore | None:
 def _batches(lengths: np.ndarray, batch_tokens: int, overhead: int = 64) -> list:
     """Passages in length-sorted batches of at most ``batch_tokens`` padded tokens, cut where
     they cost least: dynamic programming over the sorted lengths minimising padded tokens
-    plus ``overhead`` token-equivalents per batch (a greedy fill pads short passages up to
-    the batch's longest; on UD sentences it ran ~30% padding, this ~5%)."""
+    plus ``overhead`` token-equivalents per batch (a greedy fill would pad every short passage
+    up to the longest of its batch)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable")
     L = lengths[order]
@@ -181,6 +188,224 @@ def _batches(lengths: np.ndarray, batch_tokens: int, overhead: int = 64) -> list
         out.append([int(p) for p in order[i : nxt[i]]])
         i = int(nxt[i])
     return out
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One extraction: the model, the passages and spans, and the store's settings."""
+
+    model: object
+    tok: Tokenized
+    table: SpanTable
+    sites: list
+    pooling: str
+    dtype: np.dtype
+    max_tokens: int
+    progress: bool
+    desc: str
+
+
+@dataclass
+class _Plan:
+    """Where each span's rows go and which passages run together.
+
+    ``per_span`` rows per span (0: skipped); ``row_start`` each span's first row; ``run_len``
+    the tokens each passage runs (up to its last needed token, 0 when no span needs it);
+    ``batches`` passage indices per forward pass and ``slot`` each passage's row in its batch;
+    ``spans`` the span ids in batch order (batch, row of the batch, then table order), so the
+    rows of one batch are one contiguous slice of the store: ``spans[bounds[j]:bounds[j + 1]]``
+    are batch ``j``'s."""
+
+    per_span: np.ndarray
+    row_start: np.ndarray
+    run_len: np.ndarray
+    batches: list
+    slot: np.ndarray
+    spans: np.ndarray
+    bounds: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.per_span[self.spans].sum())
+
+    def spans_of(self, j: int) -> np.ndarray:
+        """The spans whose rows batch ``j`` writes."""
+        return self.spans[self.bounds[j] : self.bounds[j + 1]]
+
+
+def _run_lengths(table: SpanTable, ok: np.ndarray, n_passages: int) -> np.ndarray:
+    """Tokens each passage runs: up to the last token a span needs, 0 for a passage no usable
+    span lies in."""
+    has_span = np.zeros(n_passages, dtype=bool)
+    has_span[table.passage[ok]] = True
+    last_needed = np.zeros(n_passages, dtype=np.int64)
+    np.maximum.at(last_needed, table.passage[ok], table.last[ok] + 1)
+    return np.where(has_span, last_needed, 0)
+
+
+def _plan(tok: Tokenized, table: SpanTable, pooling: str, batch_tokens: int) -> _Plan:
+    """Batches of passages and the store row of every span (see :class:`_Plan`)."""
+    n_passages = len(tok.ids)
+    ok = table.first >= 0
+    ntok = np.where(ok, table.last - table.first + 1, 0)
+    per_span = np.where(ok, np.minimum(ntok, ATTN_MAX_TOKENS) if pooling == "attn" else 1, 0)
+    run_len = _run_lengths(table, ok, n_passages)
+    batches = [b for b in _batches(run_len, batch_tokens) if run_len[b[0]] > 0]
+    bat = np.full(n_passages, -1, dtype=np.int64)
+    slot = np.zeros(n_passages, dtype=np.int64)
+    for j, b in enumerate(batches):
+        bat[b] = j
+        slot[b] = np.arange(len(b))
+    sp = np.nonzero(ok & (bat[np.maximum(table.passage, 0)] >= 0))[0]
+    sp = sp[np.lexsort((sp, slot[table.passage[sp]], bat[table.passage[sp]]))]
+    row_start = np.zeros(len(table), dtype=np.int64)
+    row_start[sp] = np.cumsum(per_span[sp]) - per_span[sp]
+    bounds = np.searchsorted(bat[table.passage[sp]], np.arange(len(batches) + 1))
+    return _Plan(per_span, row_start, run_len, batches, slot, sp, bounds)
+
+
+def _batch_inputs(tok: Tokenized, batch: list, run_len: np.ndarray, pad: int) -> tuple:
+    """Token ids ``[B, width]`` (right-padded with ``pad``) and their mask for one batch, each
+    passage cut at its run length."""
+    width = int(run_len[batch].max())
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for k, p in enumerate(batch):
+        L = int(run_len[p])
+        ids[k, :L] = torch.from_numpy(tok.ids[p][:L])
+        mask[k, :L] = True
+    return ids, mask
+
+
+def _positions(table: SpanTable, plan: _Plan, here: np.ndarray, width: int, pooling: str) -> tuple:
+    """Flat positions (``row * width + token``) of the tokens the spans ``here`` need, and for
+    ``mean``/``attn`` the span each position belongs to (None otherwise): ``last``/``first`` one
+    token per span, ``mean`` all of a span's tokens, ``attn`` its last ``ATTN_MAX_TOKENS``."""
+    base = plan.slot[table.passage[here]] * width
+    f, l = table.first[here], table.last[here]
+    if pooling == "last":
+        return base + l, None
+    if pooling == "first":
+        return base + f, None
+    a = np.maximum(f, l - ATTN_MAX_TOKENS + 1) if pooling == "attn" else f
+    cnt = l - a + 1
+    seg = np.repeat(np.arange(len(here)), cnt)
+    return base[seg] + a[seg] + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)), seg
+
+
+def _span_means(out: torch.Tensor, seg: np.ndarray, n_spans: int) -> torch.Tensor:
+    """Token rows ``[S, n_tokens, D]`` averaged per span ``[S, n_spans, D]``, summed in float32
+    on the model's device whatever the model's dtype."""
+    sg = torch.from_numpy(seg).to(out.device)
+    summed = torch.zeros(out.shape[0], n_spans, out.shape[2], dtype=torch.float32, device=out.device)
+    summed.index_add_(1, sg, out.float())
+    cnt = torch.bincount(sg, minlength=n_spans).to(torch.float32)
+    return summed / cnt[None, :, None]
+
+
+def _pooled_rows(job: _Job, ids, mask, positions: np.ndarray, seg, n_spans: int) -> np.ndarray:
+    """One forward pass keeping only ``positions`` (gathered inside each site's hook), pooled:
+    store rows ``[rows, S, D]`` in the store's dtype. Refuses rows that overflow float16."""
+    ti = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+    out = job.model.residual_stream(ids, mask=mask, sites=job.sites, return_logits=False, positions=ti).resid
+    if job.pooling == "mean":
+        out = _span_means(out, seg, n_spans)
+    arr = out.permute(1, 0, 2).to(torch.float16 if job.dtype == np.float16 else torch.float32).cpu().numpy()
+    if job.dtype == np.float16 and not np.isfinite(arr).all():
+        raise NonFiniteActivationError(
+            "activations overflow float16 (|x| > 65504) at some site: store them as float32 "
+            "(--float32; in Python store_dtype='float32')"
+        )
+    return arr
+
+
+def _fill(job: _Job, plan: _Plan, feats: np.ndarray) -> int:
+    """Run every batch and write its rows into ``feats``; returns the tokens run."""
+    pad = getattr(job.model.tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    bar = progress_bar(int(plan.run_len.sum()), desc=job.desc, unit="tok") if job.progress else None
+    n_tokens = 0
+    for j, batch in enumerate(plan.batches):
+        here = plan.spans_of(j)
+        if not len(here):
+            continue
+        ids, mask = _batch_inputs(job.tok, batch, plan.run_len, pad)
+        positions, seg = _positions(job.table, plan, here, ids.shape[1], job.pooling)
+        rows = _pooled_rows(job, ids, mask, positions, seg, len(here))
+        r0 = int(plan.row_start[here[0]])
+        feats[r0 : r0 + len(rows)] = rows
+        n_tokens += int(mask.sum())
+        if bar is not None:
+            bar.update(int(mask.sum()))
+    if bar is not None:
+        bar.close()
+    return n_tokens
+
+
+def _meta(job: _Job, plan: _Plan, key: str, n_tokens: int, seconds: float) -> dict:
+    """``meta.json``: what the store holds, how it was made, and ``complete`` (written last)."""
+    return {
+        "complete": True,
+        "version": STORE_VERSION,
+        "key": key,
+        "model": getattr(job.model, "name", "?"),
+        "sites": job.sites,
+        "pooling": job.pooling,
+        "dtype": job.dtype.name,
+        "shape": [max(plan.n_rows, 1), len(job.sites), job.model.d_model],
+        "n_spans": int(len(job.table)),
+        "n_skipped": int((job.table.first < 0).sum()),
+        "n_passages": int(len(job.tok.ids)),
+        "n_tokens_run": int(n_tokens),
+        "n_truncated_passages": int(job.tok.n_truncated),
+        "seconds": seconds,
+        "tokens_per_second": n_tokens / seconds if seconds > 0 else None,
+        "max_tokens": int(job.max_tokens),
+    }
+
+
+def _write(job: _Job, plan: _Plan, tmp: Path, key: str) -> None:
+    """The store's files in ``tmp``: the rows (``feats.bin``, allocated in full first so a full
+    disk fails here rather than as a SIGBUS mid-write), ``rows.npy``, then ``meta.json``."""
+    shape = (max(plan.n_rows, 1), len(job.sites), job.model.d_model)
+    preallocate(tmp / "feats.bin", int(np.prod(shape)) * job.dtype.itemsize)
+    feats = np.memmap(tmp / "feats.bin", dtype=job.dtype, mode="r+", shape=shape)
+    t0 = time.perf_counter()
+    n_tokens = _fill(job, plan, feats)
+    feats.flush()
+    seconds = time.perf_counter() - t0
+    del feats
+    np.save(tmp / "rows.npy", np.stack([plan.row_start, plan.per_span], 1))
+    (tmp / "meta.json").write_text(json.dumps(_meta(job, plan, key, n_tokens, seconds), indent=1))
+
+
+def _extract_locked(job: _Job, plan: _Plan, store_dir: Path, key: str) -> SpanStore:
+    """Write the store ``store_dir/key`` under its lock: into a temporary folder renamed into
+    place when complete, or reuse what another process wrote while this one waited."""
+    path = store_dir / key
+    store_dir.mkdir(parents=True, exist_ok=True)
+    lock = _claim(store_dir, key)
+    found = _open(path)
+    if found is not None:
+        lock.release()
+        return found
+    tmp = store_dir / f".{key}.tmp{os.getpid()}"
+    tmp.mkdir(parents=True)
+    try:
+        _write(job, plan, tmp, key)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_place_error(e):
+            raise output_error(path, e, "--store") from e
+        raise
+    finally:
+        lock.release()
+    store = _open(path)
+    store.reused = False
+    return store
 
 
 def extract_spans(
@@ -204,148 +429,10 @@ def extract_spans(
     if dtype not in (np.float16, np.float32):
         raise InputError(f"store dtype must be float16 or float32, got {dtype}")
     sites = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
-    if store_dir is None:
-        from depthscope.hooks.loading import cache_dir
-
-        store_dir = cache_dir() / "activations"
-    store_dir = Path(store_dir)
+    store_dir = Path(cache_dir() / "activations" if store_dir is None else store_dir)
     key = _store_key(model_digest(model), tok, table, sites, pooling, dtype, max_tokens)
-    path = store_dir / key
-    found = _open(path)
+    found = _open(store_dir / key)
     if found is not None:
         return found
-
-    n = len(table)
-    ok = table.first >= 0
-    ntok = np.where(ok, table.last - table.first + 1, 0)
-    per_span = np.where(ok, np.minimum(ntok, ATTN_MAX_TOKENS) if pooling == "attn" else 1, 0)
-    np.array([len(x) for x in tok.ids], dtype=np.int64)
-    # spans of each passage, and row assignment in batch order
-    has_span = np.zeros(len(tok.ids), dtype=bool)
-    has_span[table.passage[ok]] = True
-    # only run a passage up to its last needed token
-    last_needed = np.zeros(len(tok.ids), dtype=np.int64)
-    np.maximum.at(last_needed, table.passage[ok], table.last[ok] + 1)
-    run_len = np.where(has_span, last_needed, 0)
-    batches = [b for b in _batches(run_len, batch_tokens) if run_len[b[0]] > 0]
-    # spans in batch order (batch, row of the batch, then table order): their rows are
-    # contiguous per batch, so each batch writes one slice of the store
-    bat = np.full(len(tok.ids), -1, dtype=np.int64)
-    slot = np.zeros(len(tok.ids), dtype=np.int64)
-    for j, b in enumerate(batches):
-        bat[b] = j
-        slot[b] = np.arange(len(b))
-    sp = np.nonzero(ok & (bat[np.maximum(table.passage, 0)] >= 0))[0]
-    sp = sp[np.lexsort((sp, slot[table.passage[sp]], bat[table.passage[sp]]))]
-    row_start = np.zeros(n, dtype=np.int64)
-    row_start[sp] = np.cumsum(per_span[sp]) - per_span[sp]
-    bounds = np.searchsorted(bat[table.passage[sp]], np.arange(len(batches) + 1))
-    r = int(per_span[sp].sum())
-    n_rows_total = r
-    D, S = model.d_model, len(sites)
-
-    store_dir.mkdir(parents=True, exist_ok=True)
-    lock = _claim(store_dir, key)
-    found = _open(path)  # another process may have written it while we waited
-    if found is not None:
-        lock.release()
-        return found
-    tmp = store_dir / f".{key}.tmp{os.getpid()}"
-    tmp.mkdir(parents=True)
-    try:
-        from depthscope.common.files import preallocate
-
-        shape = (max(n_rows_total, 1), S, D)
-        preallocate(tmp / "feats.bin", int(np.prod(shape)) * dtype.itemsize)  # a full disk fails here, not SIGBUS
-        feats = np.memmap(tmp / "feats.bin", dtype=dtype, mode="r+", shape=shape)
-        pad = getattr(model.tokenizer, "pad_token_id", None)
-        pad = 0 if pad is None else int(pad)
-        t0, n_tokens = time.perf_counter(), 0
-        bar = None
-        if progress:
-            from depthscope.common.progress import progress_bar
-
-            bar = progress_bar(int(run_len.sum()), desc=desc, unit="tok")
-        for j, b in enumerate(batches):
-            width = int(run_len[b].max())
-            ids = torch.full((len(b), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(b), width), dtype=torch.bool)
-            for k, p in enumerate(b):
-                L = int(run_len[p])
-                ids[k, :L] = torch.from_numpy(tok.ids[p][:L])
-                mask[k, :L] = True
-            here = sp[bounds[j] : bounds[j + 1]]
-            if not len(here):
-                continue
-            base = slot[table.passage[here]] * width
-            f, l = table.first[here], table.last[here]
-            if pooling == "last":
-                tok_idx = base + l
-            elif pooling == "first":
-                tok_idx = base + f
-            else:  # attn: the last ATTN_MAX_TOKENS subwords; mean: all of them
-                a = np.maximum(f, l - ATTN_MAX_TOKENS + 1) if pooling == "attn" else f
-                cnt = l - a + 1
-                seg = np.repeat(np.arange(len(here)), cnt)
-                tok_idx = base[seg] + a[seg] + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-            # only the positions spans need are kept, gathered inside each site's hook: [S, n, D]
-            ti = torch.from_numpy(np.ascontiguousarray(tok_idx, dtype=np.int64))
-            out = model.residual_stream(ids, mask=mask, sites=sites, return_logits=False, positions=ti).resid
-            if pooling == "mean":  # summed in float32 on the model's device, whatever the model's dtype
-                sg = torch.from_numpy(seg).to(out.device)
-                summed = torch.zeros(S, len(here), D, dtype=torch.float32, device=out.device)
-                summed.index_add_(1, sg, out.float())
-                cnt = torch.bincount(sg, minlength=len(here)).to(torch.float32)
-                out = summed / cnt[None, :, None]
-            arr = out.permute(1, 0, 2).to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
-            if dtype == np.float16 and not np.isfinite(arr).all():
-                raise NonFiniteActivationError(
-                    "activations overflow float16 (|x| > 65504) at some site: store them as float32 "
-                    "(--float32; in Python store_dtype='float32')"
-                )
-            r0 = int(row_start[here[0]])
-            feats[r0 : r0 + len(arr)] = arr
-            n_tokens += int(mask.sum())
-            if bar is not None:
-                bar.update(int(mask.sum()))
-        if bar is not None:
-            bar.close()
-        feats.flush()
-        seconds = time.perf_counter() - t0
-        del feats
-        rows = np.stack([row_start, per_span], 1)
-        np.save(tmp / "rows.npy", rows)
-        meta = {
-            "complete": True,
-            "version": STORE_VERSION,
-            "key": key,
-            "model": getattr(model, "name", "?"),
-            "sites": sites,
-            "pooling": pooling,
-            "dtype": dtype.name,
-            "shape": [max(n_rows_total, 1), S, D],
-            "n_spans": int(n),
-            "n_skipped": int((~ok).sum()),
-            "n_passages": int(len(tok.ids)),
-            "n_tokens_run": int(n_tokens),
-            "n_truncated_passages": int(tok.n_truncated),
-            "seconds": seconds,
-            "tokens_per_second": n_tokens / seconds if seconds > 0 else None,
-            "max_tokens": int(max_tokens),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        from depthscope.common.files import is_place_error, output_error
-
-        if is_place_error(e):
-            raise output_error(path, e, "--store") from e
-        raise
-    finally:
-        lock.release()
-    store = _open(path)
-    store.reused = False
-    return store
+    job = _Job(model, tok, table, sites, pooling, dtype, max_tokens, progress, desc)
+    return _extract_locked(job, _plan(tok, table, pooling, batch_tokens), store_dir, key)

@@ -2,9 +2,9 @@
 
 ===================================  ============================================================
 ``load_and_extract(model, tasks,     the model, corpora (capped, test/train overlap handled),
-train, test, dev, extraction, data,  each task's examples per split, and ONE extraction per
-seed=, progress=)``                  split x context for the union of the tasks' spans:
-                                     an :class:`Extracted`
+splits, extraction, data, seed=,     each task's examples per split, and ONE extraction per
+progress=)``                         split x context for the union of the tasks' spans:
+                                     an :class:`Extracted` (``splits``: :class:`Splits`)
 ``span_ids(examples, extraction)``   each example's span rows in the store, and which are usable
 ===================================  ============================================================
 
@@ -14,13 +14,17 @@ per split into the on-disk store (reused on re-runs).
 
 from __future__ import annotations
 
+import functools
 import time
+import types
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
+from depthscope import hooks
 from depthscope.common.errors import InputError
 from depthscope.hooks.sites import parse_sites, site_frame
 from depthscope.probes.config import DataConfig, ExtractionConfig
@@ -28,6 +32,16 @@ from depthscope.probes.corpora.conllu import Corpus
 from depthscope.probes.corpora.spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
 from depthscope.probes.corpora.tasks import TaskExamples, build_task, default_context, load_corpus
 from depthscope.probes.store.activations import SpanStore, extract_spans
+from depthscope.probes.store.shards import extract_sharded
+
+
+class Splits(NamedTuple):
+    """The data of one run by split: a CoNLL-U or jiant path, or a parsed
+    :class:`~depthscope.probes.corpora.conllu.Corpus`, each (``dev`` optional)."""
+
+    train: object
+    test: object
+    dev: object = None
 
 
 @dataclass
@@ -60,6 +74,7 @@ class Extracted:
 
 
 def _as_corpus(source, max_sentences, seed, what) -> Corpus:
+    """One split's corpus, capped; a missing source or file is an :class:`InputError`."""
     if source is None:
         raise InputError(f"no {what} data given")
     try:
@@ -92,64 +107,76 @@ def drop_overlap(train: Corpus, test: Corpus, mode: str) -> tuple:
 
 
 def _span_keys(ex: TaskExamples) -> list:
+    """``[N, 3]`` arrays ``(sentence, start, end)``: the examples' first spans, then their second."""
     keys = [np.column_stack([ex.sent1, ex.span1])]
     if ex.span2 is not None:
         keys.append(np.column_stack([ex.sent2, ex.span2]))
     return keys
 
 
-def _extract_split(
-    model,
-    corpus: Corpus,
-    tasks_ex: list,
-    context: str,
-    ext: ExtractionConfig,
-    *,
-    sites,
-    max_tokens,
-    progress,
-    desc,
-    prepend=None,
-) -> Extraction:
-    """The union of ``tasks_ex``' spans in ``corpus``, extracted into one store (ten arguments:
-    the split's data plus the run-wide values ``load_and_extract`` resolves once)."""
+@dataclass(frozen=True)
+class _RunSettings:
+    """What the extractions of one run share, resolved once by :func:`load_and_extract`: the
+    extraction config, the site indices, the token limit (the model's context at most), whether
+    to show progress, and the token to prepend to every passage (None: none)."""
+
+    ext: ExtractionConfig
+    sites: list
+    max_tokens: int
+    progress: bool
+    prepend: int | None
+
+
+def _unique_spans(tasks_ex: list) -> np.ndarray:
+    """``[n, 3]`` the distinct ``(sentence, start, end)`` spans of the tasks' examples, sorted."""
     keys = np.concatenate([k for ex in tasks_ex for k in _span_keys(ex)]) if tasks_ex else np.zeros((0, 3), np.int64)
-    uniq = np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 3)
-    passages, where = build_passages(corpus.sentences, context, tokenizer=model.tokenizer, max_tokens=max_tokens)
+    return np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 3)
+
+
+def _span_table(model, corpus: Corpus, uniq: np.ndarray, context: str, run: _RunSettings) -> tuple:
+    """The corpus' passages in ``context``, tokenized, and the spans ``uniq`` as a
+    :class:`SpanTable` mapped to subwords: ``(tokenized, table)``."""
+    passages, where = build_passages(corpus.sentences, context, tokenizer=model.tokenizer, max_tokens=run.max_tokens)
     pidx = np.array([where[s][0] for s in uniq[:, 0]], dtype=np.int64)
     off = np.array([where[s][1] for s in uniq[:, 0]], dtype=np.int64)
     sents = corpus.sentences
     cs = np.array([sents[s].words[a].start for s, a in zip(uniq[:, 0], uniq[:, 1])], dtype=np.int64) + off
     ce = np.array([sents[s].words[b - 1].end for s, b in zip(uniq[:, 0], uniq[:, 2])], dtype=np.int64) + off
-    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
-    table = map_spans(tok, SpanTable(pidx, cs, ce))
-    kw = dict(sites=sites, pooling=ext.pooling, dtype=ext.store_dtype, batch_tokens=ext.batch_tokens)
+    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=run.max_tokens, prepend=run.prepend)
+    return tok, map_spans(tok, SpanTable(pidx, cs, ce))
+
+
+def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, run: _RunSettings, desc: str) -> Extraction:
+    """The union of ``tasks_ex``' spans in ``corpus``, extracted into one store (sharded when
+    the config asks for shards or Ray)."""
+    uniq = _unique_spans(tasks_ex)
+    tok, table = _span_table(model, corpus, uniq, context, run)
+    ext = run.ext
+    kw = dict(
+        sites=run.sites,
+        pooling=ext.pooling,
+        dtype=ext.store_dtype,
+        batch_tokens=ext.batch_tokens,
+        max_tokens=run.max_tokens,
+    )
     if ext.shards > 1 or ext.engine == "ray":
-        store = _extract_sharded(model, tok, table, ext, max_tokens=max_tokens, **kw)
+        store = _extract_sharded(model, tok, table, ext, **kw)
     else:
-        store = extract_spans(
-            model, tok, table, store_dir=ext.store_dir, max_tokens=max_tokens, progress=progress, desc=desc, **kw
-        )
+        store = extract_spans(model, tok, table, store_dir=ext.store_dir, progress=run.progress, desc=desc, **kw)
     lookup = {tuple(int(v) for v in k): i for i, k in enumerate(uniq)}
     return Extraction(store, lookup)
 
 
 def _extract_sharded(model, tok, table, ext: ExtractionConfig, **kw):
     """The store as ``ext.shards`` shards, here or as Ray tasks that load the model from its source."""
-    import functools
-    import types
-
-    from depthscope.hooks.loading import cache_dir, load_model
-    from depthscope.probes.store.shards import extract_sharded
-
-    store_dir = ext.store_dir or cache_dir() / "activations"
+    store_dir = ext.store_dir or hooks.cache_dir() / "activations"
     engine, load = None, None
     if ext.engine == "ray":
         if not model.source or model.source in ("in-memory", "TransformerBridge"):
             raise InputError("engine='ray' loads the model in each worker: pass a model spec (a path), not a model")
         engine = types.SimpleNamespace(workers=ext.workers, address=None, gpus_per_task=0.0, max_retries=1)
         spec = model.source.removeprefix("hf-cache:")
-        load = functools.partial(load_model, spec, dtype=model.dtype, device=str(model.device))
+        load = functools.partial(hooks.load_model, spec, dtype=model.dtype, device=str(model.device))
     return extract_sharded(model, tok, table, n_shards=ext.shards, store_dir=store_dir, engine=engine, load=load, **kw)
 
 
@@ -166,16 +193,15 @@ def resolve_model(model):
     """A HookedModel as is; a loader (a function of no arguments, e.g. ``functools.partial(load_model,
     spec, device=..., dtype=...)``) called; anything else through ``load_model`` (None: the default
     model). Callers validate their data first, so a loader runs only once the inputs are known good."""
-    from depthscope.hooks import HookedModel, load_model
-
-    if isinstance(model, HookedModel):
+    if isinstance(model, hooks.HookedModel):
         return model
     if callable(model):
         return model()
-    return load_model(model)
+    return hooks.load_model(model)
 
 
 def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:
+    """``[task][split]``: each task's examples on each corpus; a task with none in a split fails."""
     examples: dict = {}
     for task in tasks:
         examples[task] = {}
@@ -194,12 +220,27 @@ def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:
     return examples
 
 
+def _corpora(splits: Splits, data: DataConfig, seed: int) -> dict:
+    """``{split: corpus}``: the splits read and capped (dev only when given)."""
+    corpora = {"train": _as_corpus(splits.train, data.max_train_sentences, seed, "train")}
+    corpora["test"] = _as_corpus(splits.test, data.max_test_sentences, seed, "test")
+    if splits.dev is not None:
+        corpora["dev"] = _as_corpus(splits.dev, data.max_dev_sentences, seed, "dev")
+    return corpora
+
+
+def _run_settings(m, extraction: ExtractionConfig, progress: bool) -> _RunSettings:
+    """The run-wide extraction settings for the loaded model ``m``."""
+    max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
+    site_idx = parse_sites(extraction.sites, m.n_layers)
+    prepend = bos_id(m.tokenizer) if (extraction.bos and m.tokenizer is not None) else None
+    return _RunSettings(extraction, site_idx, max_tokens, progress, prepend)
+
+
 def load_and_extract(
     model,
     tasks,
-    train,
-    test,
-    dev,
+    splits: Splits,
     extraction: ExtractionConfig,
     data: DataConfig,
     *,
@@ -208,37 +249,22 @@ def load_and_extract(
 ) -> Extracted:
     """Model, corpora, task examples and one extraction per split x context. The data are read
     and checked (files, tasks, labels) before the model loads: bad data fail fast."""
-    corpora = {"train": _as_corpus(train, data.max_train_sentences, seed, "train")}
-    corpora["test"] = _as_corpus(test, data.max_test_sentences, seed, "test")
-    if dev is not None:
-        corpora["dev"] = _as_corpus(dev, data.max_dev_sentences, seed, "dev")
+    corpora = _corpora(splits, data, seed)
+    # here, not in a helper: the overlap warning points at the caller of run_probes (stacklevel)
     corpora["test"], n_overlap = drop_overlap(corpora["train"], corpora["test"], data.overlap)
-
     context_of = {task: extraction.context or default_context(task) for task in tasks}
     examples = _examples(tasks, corpora, data, context_of, seed)
 
     m = resolve_model(model)
-    max_tokens = min(int(extraction.max_tokens), int(m.max_context)) if m.max_context else int(extraction.max_tokens)
-    site_idx = parse_sites(extraction.sites, m.n_layers)
-    frame = site_frame(site_idx, m.n_layers)
-    prepend = bos_id(m.tokenizer) if (extraction.bos and m.tokenizer is not None) else None
+    run = _run_settings(m, extraction, progress)
+    frame = site_frame(run.sites, m.n_layers)
     extractions: dict = {}
     t_ex = time.perf_counter()
     for split, corpus in corpora.items():
         for ctx in sorted(set(context_of.values())):
             group = [examples[t][split] for t in tasks if context_of[t] == ctx]
-            extractions[(split, ctx)] = _extract_split(
-                m,
-                corpus,
-                group,
-                ctx,
-                extraction,
-                sites=site_idx,
-                max_tokens=max_tokens,
-                progress=progress,
-                desc=f"{split} activations ({ctx})",
-                prepend=prepend,
-            )
+            desc = f"{split} activations ({ctx})"
+            extractions[(split, ctx)] = _extract_split(m, corpus, group, ctx, run, desc)
     return Extracted(
-        m, site_idx, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
+        m, run.sites, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
     )

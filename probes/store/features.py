@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from depthscope.probes.solvers.cpu import threads_for
+from depthscope.common.threads import one_thread
 from depthscope.probes.store.activations import SpanStore
 
 
@@ -127,7 +127,7 @@ class Features:
         st = self.store
         D = self.d
         chunk = chunk or _rows_per_chunk(S * D)
-        with threads_for(0):
+        with one_thread():
             for a in range(0, N, chunk):
                 idx = self.order[a : a + chunk]
                 for k in range(self.n_spans):
@@ -222,4 +222,5 @@ CHUNK_BYTES = 8 * 2**20  # float32 rows per chunk when reading the store: small 
 
 
 def _rows_per_chunk(values_per_row: int) -> int:
+    """Rows of ``values_per_row`` float32 values that fill ``CHUNK_BYTES`` (at least 16)."""
     return max(16, CHUNK_BYTES // (4 * max(1, values_per_row)))

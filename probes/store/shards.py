@@ -102,6 +102,63 @@ def slice_spans(tok: Tokenized, table: SpanTable, lo: int, hi: int) -> tuple[Tok
     return sub_tok, sub
 
 
+def _span_bounds(n_spans: int, n_shards: int) -> np.ndarray:
+    """Where the spans are cut into contiguous slices: ``n_shards`` (at most one per span, at
+    least one) nearly equal slices."""
+    return np.linspace(0, n_spans, min(n_shards, max(n_spans, 1)) + 1).astype(int)
+
+
+def _with_sites(model, extract_kw: dict) -> dict:
+    """``extract_kw`` with the sites resolved (all by default) and no progress bar per shard."""
+    extract_kw = {"progress": False, **extract_kw}
+    sites = extract_kw.get("sites")
+    extract_kw["sites"] = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
+    return extract_kw
+
+
+def _write_missing(model, slices: list, missing: list, store_dir: Path, engine, load, extract_kw: dict) -> None:
+    """Extract the shards ``missing``: here with ``model`` (no ``engine``), or as Ray tasks that
+    load the model with ``load``."""
+    if not missing:
+        return
+    if engine is None:
+        for i in missing:
+            extract_spans(model, *slices[i], store_dir=store_dir, **extract_kw)
+        return
+    if load is None:
+        raise InputError("extract_sharded on Ray needs load=, a picklable loader of the model")
+    _run_on_ray(engine, load, [slices[i] for i in missing], store_dir, extract_kw)
+
+
+def _write_manifest(store_dir: Path, keys: list, bounds: np.ndarray, missing: list) -> dict:
+    """``<key>.manifest.json``, written atomically: the shards in span order (key and span
+    range) and which were reused; returns it."""
+    key = hashlib.sha256("|".join(keys).encode()).hexdigest()[:24]
+    manifest = {
+        "complete": True,
+        "key": key,
+        "shards": [{"key": k, "spans": [int(a), int(b)]} for k, a, b in zip(keys, bounds[:-1], bounds[1:])],
+        "reused": [i for i in range(len(keys)) if i not in missing],
+    }
+    atomic_text(store_dir / f"{key}.manifest.json", json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _joined(store_dir: Path, shards: list, manifest: dict, reused: bool) -> SpanStore:
+    """The shards as one :class:`SpanStore`: rows re-based onto the concatenated memmaps."""
+    offsets = np.concatenate([[0], np.cumsum([s.feats.shape[0] for s in shards])])
+    row_start = np.concatenate([s.row_start + off for s, off in zip(shards, offsets[:-1])])
+    n_rows = np.concatenate([s.n_rows for s in shards])
+    meta = {
+        **shards[0].meta,
+        "shards": manifest["shards"],
+        "key": manifest["key"],
+        "shape": [int(offsets[-1]), *shards[0].meta["shape"][1:]],
+    }
+    feats = ShardedFeats([s.feats for s in shards])
+    return SpanStore(store_dir, feats, row_start, n_rows, shards[0].sites, shards[0].pooling, meta, reused=reused)
+
+
 def extract_sharded(
     model,
     tok: Tokenized,
@@ -124,45 +181,18 @@ def extract_sharded(
         raise InputError(f"n_shards must be at least 1, got {n_shards}")
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    extract_kw = {"progress": False, **extract_kw}
-    sites = extract_kw.get("sites")
-    extract_kw["sites"] = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
-    bounds = np.linspace(0, len(table), min(n_shards, max(len(table), 1)) + 1).astype(int)
+    extract_kw = _with_sites(model, extract_kw)
+    bounds = _span_bounds(len(table), n_shards)
     slices = [slice_spans(tok, table, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     keys = _shard_keys(model, slices, extract_kw)
     missing = [i for i, k in enumerate(keys) if _open(store_dir / k) is None]
-    if missing and engine is None:
-        for i in missing:
-            extract_spans(model, *slices[i], store_dir=store_dir, **extract_kw)
-    elif missing:
-        if load is None:
-            raise InputError("extract_sharded on Ray needs load=, a picklable loader of the model")
-        _run_on_ray(engine, load, [slices[i] for i in missing], store_dir, extract_kw)
+    _write_missing(model, slices, missing, store_dir, engine, load, extract_kw)
     shards = [_open(store_dir / k) for k in keys]
     lost = [keys[i] for i, s in enumerate(shards) if s is None]
     if lost:
         raise InputError(f"shards {lost} were not written in {store_dir}")
-    key = hashlib.sha256("|".join(keys).encode()).hexdigest()[:24]
-    manifest = {
-        "complete": True,
-        "key": key,
-        "shards": [{"key": k, "spans": [int(a), int(b)]} for k, a, b in zip(keys, bounds[:-1], bounds[1:])],
-        "reused": [i for i in range(len(keys)) if i not in missing],
-    }
-    atomic_text(store_dir / f"{key}.manifest.json", json.dumps(manifest, indent=1))
-    offsets = np.concatenate([[0], np.cumsum([s.feats.shape[0] for s in shards])])
-    row_start = np.concatenate([s.row_start + off for s, off in zip(shards, offsets[:-1])])
-    n_rows = np.concatenate([s.n_rows for s in shards])
-    meta = {
-        **shards[0].meta,
-        "shards": manifest["shards"],
-        "key": key,
-        "shape": [int(offsets[-1]), *shards[0].meta["shape"][1:]],
-    }
-    return SpanStore(
-        store_dir, ShardedFeats([s.feats for s in shards]), row_start, n_rows, shards[0].sites, shards[0].pooling,
-        meta, reused=not missing,
-    )  # fmt: skip
+    manifest = _write_manifest(store_dir, keys, bounds, missing)
+    return _joined(store_dir, shards, manifest, reused=not missing)
 
 
 def _shard_keys(model, slices: list, extract_kw: dict) -> list[str]:
@@ -179,22 +209,35 @@ def _shard_task(load: Callable, tok: Tokenized, table: SpanTable, store_dir: str
     return str(extract_spans(model, tok, table, store_dir=store_dir, **extract_kw).path)
 
 
+def _init_ray(ray, engine) -> bool:
+    """Start Ray (the imported module ``ray``) unless it runs: on the cluster at
+    ``engine.address``, else a local one with ``engine.workers`` CPUs whose workers import
+    depthscope from this process's ``sys.path``. True when this call started it (and so shuts
+    it down)."""
+    if ray.is_initialized():
+        return False
+    address = getattr(engine, "address", None)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        path = os.pathsep.join(p for p in sys.path if p)
+        ray.init(
+            address="local",
+            num_cpus=getattr(engine, "workers", 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
+    return True
+
+
 def _run_on_ray(engine, load: Callable, slices: list, store_dir: Path, extract_kw: dict) -> None:
     """One Ray task per shard; ``engine`` gives ``address``, ``workers``, ``gpus_per_task``, ``max_retries``."""
     try:
-        import ray
+        import ray  # lazy: Ray is an optional dependency (depthscope[ray])
     except ImportError:
         raise InputError("sharded extraction on Ray needs Ray: run `pip install 'depthscope[ray]'`") from None
-    started = False
-    if not ray.is_initialized():
-        address = getattr(engine, "address", None)
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            path = os.pathsep.join(p for p in sys.path if p)
-            ray.init(address="local", num_cpus=getattr(engine, "workers", 2), include_dashboard=False,
-                     log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
-        started = True
+    started = _init_ray(ray, engine)
     try:
         opts = dict(num_cpus=1, num_gpus=getattr(engine, "gpus_per_task", 0.0))
         remote = ray.remote(max_retries=getattr(engine, "max_retries", 1), **opts)(_shard_task)

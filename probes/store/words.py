@@ -50,6 +50,7 @@ class WordFeatures(NamedTuple):
 
 
 def _words_sentence(words: Sequence[str], i: int) -> Sentence:
+    """Sentence ``i`` from a list of word strings, joined by single spaces (no annotation)."""
     if isinstance(words, str) or not all(isinstance(w, str) and w and not w.isspace() for w in words):
         raise InputError(f"sentence {i}: give a list of non-empty word strings, got {words!r:.80}")
     out, pos = [], 0
@@ -74,6 +75,7 @@ def as_sentences(sentences) -> tuple[list, bool]:
 
 
 def _index(sents: list, gold: bool) -> pd.DataFrame:
+    """One row per word: sentence, word, form and, with ``gold``, the CoNLL-U columns."""
     rows = []
     for si, s in enumerate(sents):
         for w in s.words:
@@ -84,6 +86,29 @@ def _index(sents: list, gold: bool) -> pd.DataFrame:
             rows.append(row)
     cols = ["sentence", "word", "form"] + (GOLD_COLUMNS if gold else [])
     return pd.DataFrame(rows, columns=cols)
+
+
+def _word_spans(model, sents: list, index: pd.DataFrame, bos: bool, max_tokens: int) -> tuple:
+    """Each sentence as one passage, tokenized (the BOS token prepended when ``bos`` and the
+    tokenizer adds none), and every word of ``index`` as a span: ``(tokenized, table)``."""
+    passages, where = build_passages(sents, "sentence")
+    sent_of, word_of = index["sentence"].to_numpy(), index["word"].to_numpy()
+    pidx = np.array([where[s][0] for s in sent_of], dtype=np.int64)
+    cs = np.array([sents[s].words[w].start for s, w in zip(sent_of, word_of)], dtype=np.int64)
+    ce = np.array([sents[s].words[w].end for s, w in zip(sent_of, word_of)], dtype=np.int64)
+    prepend = bos_id(model.tokenizer) if (bos and model.tokenizer is not None) else None
+    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
+    return tok, map_spans(tok, SpanTable(pidx, cs, ce))
+
+
+def _word_matrix(store, ok: np.ndarray, standardize: bool) -> np.ndarray:
+    """The usable words' rows as float32 ``[sites, words, d_model]``, z-scored per site and
+    dimension over the words when ``standardize``."""
+    feats = np.asarray(store.feats[store.row_start[ok]], dtype=np.float32).transpose(1, 0, 2)
+    feats = np.ascontiguousarray(feats)
+    if standardize:
+        feats = (feats - feats.mean(1, keepdims=True)) / np.maximum(feats.std(1, keepdims=True), 1e-8)
+    return feats
 
 
 def word_features(
@@ -107,15 +132,8 @@ def word_features(
     site_idx = parse_sites(sites, model.n_layers)
     if model.max_context:
         max_tokens = min(int(max_tokens), int(model.max_context))
-    passages, where = build_passages(sents, "sentence")
     index = _index(sents, gold)
-    sent_of, word_of = index["sentence"].to_numpy(), index["word"].to_numpy()
-    pidx = np.array([where[s][0] for s in sent_of], dtype=np.int64)
-    cs = np.array([sents[s].words[w].start for s, w in zip(sent_of, word_of)], dtype=np.int64)
-    ce = np.array([sents[s].words[w].end for s, w in zip(sent_of, word_of)], dtype=np.int64)
-    prepend = bos_id(model.tokenizer) if (bos and model.tokenizer is not None) else None
-    tok = tokenize_passages(model.tokenizer, [p.text for p in passages], max_tokens=max_tokens, prepend=prepend)
-    table = map_spans(tok, SpanTable(pidx, cs, ce))
+    tok, table = _word_spans(model, sents, index, bos, max_tokens)
     store = extract_spans(
         model,
         tok,
@@ -130,8 +148,5 @@ def word_features(
         desc="word features",
     )
     ok = ~store.skipped
-    feats = np.asarray(store.feats[store.row_start[ok]], dtype=np.float32).transpose(1, 0, 2)
-    feats = np.ascontiguousarray(feats)
-    if standardize:
-        feats = (feats - feats.mean(1, keepdims=True)) / np.maximum(feats.std(1, keepdims=True), 1e-8)
+    feats = _word_matrix(store, ok, standardize)
     return WordFeatures(feats, index[ok].reset_index(drop=True), site_frame(site_idx, model.n_layers), int((~ok).sum()))
