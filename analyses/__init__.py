@@ -14,6 +14,7 @@ _EXPORTS = {
     # logit lens (analyses/lens.py, analyses/lenses.py, analyses/tuned_lens.py)
     "logit_lens": "lens",
     "logit_lens_tokens": "lens",
+    "Streaming": "lens",
     "LogitLens": "lenses",
     "TunedLens": "lenses",
     "train_tuned_lens": "tuned_lens",

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,7 +65,7 @@ from depthscope.hooks.sites import site_frame
 if TYPE_CHECKING:  # annotations only
     from depthscope.hooks.model import ResidualStream
 
-__all__ = ["logit_lens", "logit_lens_tokens", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
+__all__ = ["logit_lens", "logit_lens_tokens", "Streaming", "lens_batches", "DEFAULT_BUFFER_MB", "LOGIT_LENS"]
 
 #: the default lens of every analysis (stateless, shared)
 LOGIT_LENS = LogitLens()
@@ -308,6 +308,24 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
 
 # ----------------------------------------------------------------------------- streaming
 @dataclass(frozen=True)
+class Streaming:
+    """How :func:`logit_lens` and :func:`logit_lens_tokens` stream their inputs: ``batch_size``
+    windows of at most ``window`` tokens per forward (None: min(context, 512); longer documents
+    are split), at most ``max_batch_tokens`` padded tokens per forward, ``token_chunk`` positions
+    (x all sites) decoded at once (None: a 400 MB buffer budget), ``first_position=False`` skips
+    position 0 of every window (the attention sink), ``max_tokens`` stops after that many
+    positions (in input order). Either function takes ``streaming=Streaming(...)`` or any of
+    these fields by keyword."""
+
+    batch_size: int = 8
+    window: int | None = None
+    max_batch_tokens: int = 1024
+    token_chunk: int | None = None
+    first_position: bool = True
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class _LensSettings:
     """What one lens pass decodes and how it streams: the settings :func:`logit_lens` and
     :func:`logit_lens_tokens` share, bundled once so every helper takes one object.
@@ -519,15 +537,11 @@ def logit_lens(
     lens: Lens = LOGIT_LENS,
     sites=None,
     mask: torch.Tensor | None = None,
-    batch_size: int = 8,
-    window: int | None = None,
-    max_batch_tokens: int = 1024,
-    token_chunk: int | None = None,
-    first_position: bool = True,
-    max_tokens: int | None = None,
+    streaming: Streaming | None = None,
     timings: dict | None = None,
     progress: bool = False,
     total: int | None = None,
+    **overrides,
 ) -> pd.DataFrame:
     """Dataset-level logit lens: one row per site with the means of every metric.
 
@@ -535,11 +549,10 @@ def logit_lens(
     or one string. ``lens``: a :class:`~depthscope.analyses.lenses.Lens` (default: the plain
     :class:`~depthscope.analyses.lenses.LogitLens`; a ``TunedLens`` translates each site's
     stream before decoding; its ``kind`` fills the ``lens`` column). ``sites``: indices,
-    labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites). Streaming:
-    ``batch_size`` windows of at most ``window`` tokens per forward (documents longer than the
-    window are split), at most ``max_batch_tokens`` padded tokens per forward, and
-    ``token_chunk`` positions (x all sites) decoded at once (default: a 400 MB buffer budget).
-    ``first_position=False`` skips position 0 of every window (the attention sink).
+    labels or TransformerLens names (default: all 2L+1, or the tuned lens's sites).
+    ``streaming``: a :class:`Streaming` (batch size, window, tokens per forward, positions
+    decoded at once, ``first_position``, ``max_tokens``), or any of its fields by keyword
+    (``overrides``), e.g. ``logit_lens(model, docs, window=256, max_tokens=10_000)``.
 
     Returns columns ``site, label, layer, sublayer, depth, lens``, then for each metric in
     ``kl_to_final, cross_entropy, entropy, top1_agreement, top1_accuracy, target_rank,
@@ -550,8 +563,7 @@ def logit_lens(
     the windows when there is a single document), and for each metric ``<metric>_se`` (its
     mean's standard error, clustered by document) and ``<metric>_lo``/``<metric>_hi`` (the 95%
     interval, Student t over the clusters, cut to the metric's range;
-    :mod:`depthscope.analyses.intervals`). ``max_tokens`` stops after that many positions (in
-    input order). ``timings`` (a dict) receives the seconds spent in forward passes
+    :mod:`depthscope.analyses.intervals`). ``timings`` (a dict) receives the seconds spent in forward passes
     (``forward_s``) and in decoding + metrics (``decode_s``).
     ``progress``: a bar over positions (:mod:`depthscope.common.progress`), with an ETA when
     ``total`` (the number of positions, e.g. the documents' token count) is given.
@@ -561,12 +573,7 @@ def logit_lens(
         lens=lens,
         sites=lens.resolve_sites(model, sites),
         mask=mask,
-        batch_size=batch_size,
-        window=window,
-        max_batch_tokens=max_batch_tokens,
-        token_chunk=token_chunk,
-        first_position=first_position,
-        max_tokens=max_tokens,
+        **asdict(replace(streaming or Streaming(), **overrides)),
     )
     bar = _position_bar(settings, total, enabled=progress)
     acc = _accumulate(model, inputs, settings, bar=bar, timings=timings)
@@ -675,18 +682,15 @@ def logit_lens_tokens(
     k: int = 5,
     target=None,
     mask: torch.Tensor | None = None,
-    batch_size: int = 8,
-    window: int | None = None,
-    max_batch_tokens: int = 1024,
-    token_chunk: int | None = None,
-    first_position: bool = True,
-    max_tokens: int | None = None,
+    streaming: Streaming | None = None,
+    **overrides,
 ) -> pd.DataFrame:
     """Per position and site: the lens's top-``k`` tokens and a target token's log-prob and rank.
 
     ``target``: None (default) follows the actual next token, and at a window's last position
     (no next token) the model's own top-1 prediction (``target_kind`` says which); a string (one
-    token, e.g. ``" Paris"``) or a token id fixes one target at every position.
+    token, e.g. ``" Paris"``) or a token id fixes one target at every position. ``streaming``
+    and ``overrides``: as in :func:`logit_lens`.
 
     One row per (document window, position, site); columns: the shared site columns, ``lens``,
     ``doc``, ``window``, ``position``, ``token_id``, ``token``, ``next_id``/``next_token`` (-1 /
@@ -703,12 +707,7 @@ def logit_lens_tokens(
         lens=lens,
         sites=lens.resolve_sites(model, sites),
         mask=mask,
-        batch_size=batch_size,
-        window=window,
-        max_batch_tokens=max_batch_tokens,
-        token_chunk=token_chunk,
-        first_position=first_position,
-        max_tokens=max_tokens,
+        **asdict(replace(streaming or Streaming(), **overrides)),
         topk=min(int(k), model.vocab_size),
     )
     choice = _TargetChoice(None if target is None else model.token_id(target, "target"))

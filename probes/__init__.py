@@ -32,7 +32,7 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
 ``prepare_task(...) -> TaskData``: one task's labels and standardised features, no fitting.
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,
     ``gum_train``, ``gum_test``).
-``word_features(model, sentences, *, sites=None, pooling="last", standardize=False) -> WordFeatures``:
+``word_features(model, sentences, sites=None, pooling="last", standardize=False) -> WordFeatures``:
     raw float32 features ``[sites, n_words, d_model]`` and an index table (sentence, word, form,
     gold columns) from a CoNLL-U path, parsed sentences or lists of words, for your own probes.
 ``read_conllu``, ``build_task``, ``control_labels``, ``expected_layer_delta``,
@@ -59,6 +59,7 @@ from pathlib import Path
 _EXPORTS = {
     "POOLINGS": "store.activations",
     "SpanStore": "store.activations",
+    "SpanExtraction": "store.activations",
     "extract_spans": "store.activations",
     "BatchedProbe": "solvers.classifiers",
     "L2_GRID": "config",
@@ -178,6 +179,7 @@ __all__ = [
     "control_labels",
     "extract_spans",
     "SpanStore",
+    "SpanExtraction",
     "POOLINGS",
     "BatchedProbe",
     "Features",

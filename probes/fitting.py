@@ -36,7 +36,7 @@ from depthscope.probes.metrics import accuracy, macro_f1
 from depthscope.probes.mixing import CumulativeFit, fit_cumulative
 from depthscope.probes.solvers.classifiers import BatchedProbe, site_probe
 from depthscope.probes.solvers.training import TrainLog, log_probs, predict, train_kwargs, train_probe
-from depthscope.probes.store.features import Features
+from depthscope.probes.store.features import Features, Resident
 from depthscope.probes.summaries import cumulative_summary, mixing_rows, site_rows, summary_row
 
 
@@ -301,8 +301,7 @@ def _add_mdl(df, td: TaskData, cfg: ProbeConfig, options: FitOptions) -> None:
         td.y["train"],
         n_classes=td.n_classes,
         config=cfg,
-        max_bytes=options.resident_bytes,
-        dtype=options.dtype,
+        resident=Resident(options.resident_bytes, options.dtype),
         progress=options.progress,
     )
     df["mdl_online_bits"] = res.online_bits

@@ -28,7 +28,7 @@ from depthscope.common.progress import progress_bar
 from depthscope.probes.config import ProbeConfig, override
 from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2
 from depthscope.probes.solvers.training import predict, train_kwargs, train_probe
-from depthscope.probes.store.features import Features
+from depthscope.probes.store.features import Features, Resident
 
 VOITA_FRACTIONS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.0625, 0.125, 0.25, 0.5, 1.0)
 
@@ -70,17 +70,16 @@ def online_codelength(
     config: ProbeConfig | None = None,
     min_steps: int = 300,
     fractions=VOITA_FRACTIONS,
-    max_bytes: float = 4e9,
-    dtype: torch.dtype | None = None,
+    resident: Resident | None = None,
     progress: bool = False,
     **overrides,
 ) -> MDLResult:
     """Online codelength per site of labels ``y`` (class indices < n_classes), in bits.
     ``config`` (None: the defaults; ``overrides`` by field name) sets kind, l2, solver,
     tolerances, the epoch cap, lr, batch, hidden units and seed; MDL keeps its own floor of
-    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``dtype``:
-    the precision of the resident
-    blocks (None: the CPU rule)."""
+    ``min_steps`` Adam steps per block (the first blocks hold a handful of examples). ``resident``:
+    the memory and precision of the blocks' resident features (:class:`Resident`; default 4 GB,
+    float32)."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     y = np.asarray(y, dtype=np.int64)
     n = len(y)
@@ -90,7 +89,8 @@ def online_codelength(
     ends = block_ends(n, fractions)
     bits = np.full(feats.n_sites, ends[0] * math.log2(n_classes), dtype=np.float64)
     blocks = list(zip(ends[:-1], ends[1:]))
-    code = _BlockCode(feats, y, n_classes, cfg, min_steps, max_bytes, dtype)
+    resident = resident or Resident()
+    code = _BlockCode(feats, y, n_classes, cfg, min_steps, resident.max_bytes, resident.dtype)
     bar = progress_bar(len(blocks), desc="MDL blocks", unit="block") if progress else None
     for t0, t1 in blocks:
         bits += code.bits(order[:t0], order[t0:t1])

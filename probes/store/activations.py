@@ -29,7 +29,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -408,21 +408,37 @@ def _extract_locked(job: _Job, plan: _Plan, store_dir: Path, key: str) -> SpanSt
     return store
 
 
+@dataclass(frozen=True)
+class SpanExtraction:
+    """How :func:`extract_spans` pools and stores span activations: at ``sites`` (indices; None:
+    all), ``pooling`` (one of ``POOLINGS``), into ``store_dir`` (None: the cache's
+    ``activations/``) as ``dtype`` (float16 or float32), ``batch_tokens`` padded tokens per
+    forward, passages cut at ``max_tokens`` tokens."""
+
+    sites: Sequence[int] | None = None
+    pooling: str = "last"
+    store_dir: str | Path | None = None
+    dtype: str = "float16"
+    batch_tokens: int = 2048
+    max_tokens: int = 512
+
+
 def extract_spans(
     model,
     tok: Tokenized,
     table: SpanTable,
+    settings: SpanExtraction | None = None,
     *,
-    sites: Sequence[int] | None = None,
-    pooling: str = "last",
-    store_dir=None,
-    dtype: str = "float16",
-    batch_tokens: int = 2048,
-    max_tokens: int = 512,
     progress: bool = True,
     desc: str = "activations",
+    **overrides,
 ) -> SpanStore:
-    """Pooled span activations at ``sites`` (default all), from the store if already there."""
+    """Pooled span activations, from the store if already there. ``settings``: a
+    :class:`SpanExtraction` (sites, pooling, store folder and dtype, tokens per forward, context
+    cap), or any of its fields by keyword (``overrides``), e.g. ``sites=[0, 5], pooling="mean"``."""
+    cfg = replace(settings or SpanExtraction(), **overrides)
+    sites, pooling, store_dir, dtype = cfg.sites, cfg.pooling, cfg.store_dir, cfg.dtype
+    batch_tokens, max_tokens = cfg.batch_tokens, cfg.max_tokens
     if pooling not in POOLINGS:
         raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     dtype = np.dtype(dtype)

@@ -19,6 +19,7 @@ scalar mix prefers), and edge tasks concatenate the two spans' vectors (as jiant
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -216,6 +217,14 @@ def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
         S, F_, N = XT.shape  # examples: a 2-D selection along rows (much faster than along a 3-D tensor's last dim)
         return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
     return X.index_select(dim, idx)
+
+
+class Resident(NamedTuple):
+    """How resident copies of features are held in memory (:meth:`Features.make_resident`): at
+    most ``max_bytes`` of them, in ``dtype`` (None: float32)."""
+
+    max_bytes: float = 4e9
+    dtype: torch.dtype | None = None
 
 
 CHUNK_BYTES = 8 * 2**20  # float32 rows per chunk when reading the store: small temporaries, flat memory

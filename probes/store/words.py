@@ -22,6 +22,7 @@ on-disk store (``store_dir``, default the depthscope cache), so a second call is
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ from depthscope.hooks.sites import parse_sites, site_frame
 from depthscope.probes.corpora.conllu import Corpus, Sentence, Word
 from depthscope.probes.corpora.spans import SpanTable, bos_id, build_passages, map_spans, tokenize_passages
 from depthscope.probes.corpora.tasks import load_corpus
-from depthscope.probes.store.activations import extract_spans
+from depthscope.probes.store.activations import SpanExtraction, extract_spans
 
 GOLD_COLUMNS = ["upos", "xpos", "lemma", "feats", "head", "deprel"]
 
@@ -114,39 +115,31 @@ def _word_matrix(store, ok: np.ndarray, standardize: bool) -> np.ndarray:
 def word_features(
     model,
     sentences,
+    settings: SpanExtraction | None = None,
     *,
-    sites=None,
-    pooling: str = "last",
     bos: bool = True,
-    max_tokens: int = 512,
     standardize: bool = False,
-    store_dir=None,
-    batch_tokens: int = 2048,
     progress: bool = False,
+    **overrides,
 ) -> WordFeatures:
-    """Residual-stream features of every word of ``sentences`` at ``sites`` (default all);
-    see the module docstring."""
-    if pooling not in ("last", "first", "mean"):
-        raise InputError(f"pooling must be 'last', 'first' or 'mean' (one vector per word), got {pooling!r}")
+    """Residual-stream features of every word of ``sentences``; see the module docstring.
+    ``settings``: a :class:`~depthscope.probes.store.activations.SpanExtraction` (``sites`` here
+    also takes labels such as ``"10.mlp"``; ``pooling`` one of last, first, mean), or any of its
+    fields by keyword (``overrides``). The store is always float32 (no ``dtype`` setting)."""
+    if "dtype" in overrides:
+        raise InputError("word features are stored as float32; dtype is not a word_features setting")
+    cfg = replace(settings or SpanExtraction(), **overrides)
+    if cfg.pooling not in ("last", "first", "mean"):
+        raise InputError(f"pooling must be 'last', 'first' or 'mean' (one vector per word), got {cfg.pooling!r}")
     sents, gold = as_sentences(sentences)
-    site_idx = parse_sites(sites, model.n_layers)
+    site_idx = parse_sites(cfg.sites, model.n_layers)
+    max_tokens = cfg.max_tokens
     if model.max_context:
         max_tokens = min(int(max_tokens), int(model.max_context))
     index = _index(sents, gold)
     tok, table = _word_spans(model, sents, index, bos, max_tokens)
-    store = extract_spans(
-        model,
-        tok,
-        table,
-        sites=site_idx,
-        pooling=pooling,
-        store_dir=store_dir,
-        dtype="float32",
-        batch_tokens=batch_tokens,
-        max_tokens=max_tokens,
-        progress=progress,
-        desc="word features",
-    )
+    cfg = replace(cfg, sites=site_idx, dtype="float32", max_tokens=max_tokens)
+    store = extract_spans(model, tok, table, cfg, progress=progress, desc="word features")
     ok = ~store.skipped
     feats = _word_matrix(store, ok, standardize)
     return WordFeatures(feats, index[ok].reset_index(drop=True), site_frame(site_idx, model.n_layers), int((~ok).sum()))
