@@ -13,8 +13,10 @@ An attention sublayer's write is a sum over heads: ``u_attn = sum_h W_O^h z_h + 
   weight"), which discounts attention paid to tokens that carry little (e.g. a sink with a tiny
   value vector).
 
-Both read the input of the attention's output projection (located, with the head counts and
-value layouts, by :mod:`depthscope.hooks.arch`) with plain forward hooks, and use
+Both read the input of the attention's output projection (``l.z``) and its own output (the
+engine-internal point ``l.proj_out``; value vectors: ``l.values``) through the hook engine
+(:func:`depthscope.hooks.engine.cache_points`; modules, head counts and value layouts located by
+:mod:`depthscope.hooks.arch`), and use
 ``||W_h^T x||^2 = x^T (W_h^T W_h) x`` with the per-head Gram matrices, so the per-head writes never
 materialise ``[tokens, heads, d_model]``. Every call checks
 that the heads sum (with the output bias) to the attention module's own output. Value vectors
@@ -25,7 +27,6 @@ encoders (BERT) are refused: their heads' writes pass through a LayerNorm before
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,10 +37,26 @@ import torch
 from depthscope.analyses.norms.metrics import POSITION_GROUPS
 from depthscope.analyses.norms.streaming import norm_batches
 from depthscope.common.errors import InputError, UnsupportedArchitecture
-from depthscope.hooks.arch import linear_weight, value_hook
-from depthscope.hooks.sites import site_frame
+from depthscope.hooks.arch import linear_weight
+from depthscope.hooks.engine import cache_points
+from depthscope.hooks.model import refuse_non_finite
+from depthscope.hooks.points import Point
+from depthscope.hooks.sites import SITE_COLUMNS, site_frame
 
 __all__ = ["head_write_norms", "norm_weighted_attention"]
+
+WRITE_METRICS = ("write_norm", "write_share", "attn_write_norm", "heads_coherence")
+NWA_COLUMNS = [
+    *SITE_COLUMNS,
+    "head",
+    "query",
+    "query_token",
+    "key",
+    "key_token",
+    "weight",
+    "value_norm",
+    "norm_weighted",
+]
 
 
 @dataclass
@@ -94,24 +111,15 @@ def _head_norms(z: torch.Tensor, gram: torch.Tensor, H: int) -> torch.Tensor:
     return sq.clamp_min(0).sqrt()
 
 
-@contextlib.contextmanager
-def _capture_out_proj_inputs(spec: _HeadWeights, store: dict):
-    handles = []
-    try:
-        for layer, proj in enumerate(spec.out_proj):
-
-            def pre(mod, args, layer=layer):
-                store.setdefault("z", {})[layer] = args[0]
-
-            def post(mod, args, out, layer=layer):
-                store.setdefault("out", {})[layer] = out[0] if isinstance(out, tuple) else out
-
-            handles.append(proj.register_forward_pre_hook(pre))
-            handles.append(proj.register_forward_hook(post))
-        yield store
-    finally:
-        for h in handles:
-            h.remove()
+def _capture(model, ids: torch.Tensor, mask: torch.Tensor, points: list[Point], check_last: bool = False) -> dict:
+    """``points`` for one batch, name -> tensor (``l.z`` flattened back to the projection's input
+    ``[B, P, H*dh]``), in one forward that stops after the last of them. ``check_last`` also caches
+    the last residual site and refuses NaN/inf there, as a full forward's check would."""
+    last = Point("mlp", model.n_layers - 1)
+    store = cache_points(model, ids, mask, [*points, last] if check_last else points)
+    if check_last:
+        refuse_non_finite(store.pop(last.name)[None], [last.name])
+    return {k: v.flatten(-2) if k.endswith(".z") else v for k, v in store.items()}
 
 
 def _check_heads_sum(spec: _HeadWeights, layer: int, z: torch.Tensor, out: torch.Tensor) -> None:
@@ -148,45 +156,59 @@ def head_write_norms(
       direction; small: they cancel), same on all heads of a layer.
     """
     spec = _head_weights(model)
-    L, H, S = model.n_layers, spec.n_heads, model.n_sites
-    G = len(POSITION_GROUPS)
-    sums = {
-        k: torch.zeros(L, H, G, dtype=torch.float64)
-        for k in ("write_norm", "write_share", "attn_write_norm", "heads_coherence")
-    }
-    n_tok = torch.zeros(G, dtype=torch.float64)
+    L, H = model.n_layers, spec.n_heads
+    sums = {k: torch.zeros(L, H, len(POSITION_GROUPS), dtype=torch.float64) for k in WRITE_METRICS}
+    n_tok = torch.zeros(len(POSITION_GROUPS), dtype=torch.float64)
     checked = False
     for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
-        store: dict = {}
-        with _capture_out_proj_inputs(spec, store):
-            model.residual_stream(batch.ids, mask=batch.mask, sites=[S - 1], return_logits=False)
+        points = [Point(k, l) for l in range(L) for k in ("z", "proj_out")]
+        store = _capture(model, batch.ids, batch.mask, points, check_last=True)
         real = batch.mask.to(model.device)
-        P = real.shape[1]
-        pos = torch.arange(P, device=real.device)
+        pos = torch.arange(real.shape[1], device=real.device)
         groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0).double()  # [G, B, P]
         n_tok += groups.sum((1, 2)).cpu()
         for layer in range(L):
-            z, out = store["z"][layer], store["out"][layer]
+            z, out = store[f"{layer}.z"], store[f"{layer}.proj_out"]
             if not checked:
                 _check_heads_sum(spec, layer, z[real], out[real])
-            hn = _head_norms(z, spec.gram[layer], H).double()  # [B, P, H]
-            tot = hn.sum(-1, keepdim=True)
-            share = torch.where(tot > 0, hn / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(hn))
-            heads_only = z.float() @ spec.W[layer].to(z.device).T  # the sum of the heads (no bias)
-            an = torch.linalg.vector_norm(out.float(), dim=-1).double()  # [B, P]
-            coh = torch.where(
-                tot[..., 0] > 0,
-                torch.linalg.vector_norm(heads_only, dim=-1).double()
-                / torch.where(tot[..., 0] > 0, tot[..., 0], torch.ones_like(an)),
-                torch.zeros_like(an),
-            )
-            sums["write_norm"][layer] += torch.einsum("gbp,bph->hg", groups, hn).cpu()
-            sums["write_share"][layer] += torch.einsum("gbp,bph->hg", groups, share).cpu()
-            sums["attn_write_norm"][layer] += torch.einsum("gbp,bp->g", groups, an).cpu()[None].expand(H, G)
-            sums["heads_coherence"][layer] += torch.einsum("gbp,bp->g", groups, coh).cpu()[None].expand(H, G)
+            _add_write_sums(sums, layer, _write_metrics(spec, layer, z, out), groups)
         checked = True
     if float(n_tok.sum()) == 0:
         raise InputError("empty input: no real tokens to measure")
+    df = _write_frame(sums, n_tok, L, H)
+    df.attrs.update({"model": str(model.name), "n_heads": H, "head_dim": spec.head_dim})
+    return df
+
+
+def _write_metrics(spec: _HeadWeights, layer: int, z: torch.Tensor, out: torch.Tensor) -> dict:
+    """Per token of one layer: ``write_norm`` and ``write_share`` ``[B, P, H]``, ``attn_write_norm``
+    and ``heads_coherence`` ``[B, P]`` (float64; shares and coherence 0 where the heads write nothing)."""
+    hn = _head_norms(z, spec.gram[layer], spec.n_heads).double()  # [B, P, H]
+    tot = hn.sum(-1, keepdim=True)
+    share = torch.where(tot > 0, hn / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(hn))
+    heads_only = z.float() @ spec.W[layer].to(z.device).T  # the sum of the heads (no bias)
+    an = torch.linalg.vector_norm(out.float(), dim=-1).double()  # [B, P]
+    coh = torch.where(
+        tot[..., 0] > 0,
+        torch.linalg.vector_norm(heads_only, dim=-1).double()
+        / torch.where(tot[..., 0] > 0, tot[..., 0], torch.ones_like(an)),
+        torch.zeros_like(an),
+    )
+    return {"write_norm": hn, "write_share": share, "attn_write_norm": an, "heads_coherence": coh}
+
+
+def _add_write_sums(sums: dict, layer: int, metrics: dict, groups: torch.Tensor) -> None:
+    """Add one batch's per-token metrics of one layer to the running sums ``[L, H, G]`` per group."""
+    H = sums["write_norm"].shape[1]
+    for k, v in metrics.items():
+        if v.dim() == 3:  # per head
+            sums[k][layer] += torch.einsum("gbp,bph->hg", groups, v).cpu()
+        else:  # per layer: the same on every head
+            sums[k][layer] += torch.einsum("gbp,bp->g", groups, v).cpu()[None].expand(H, -1)
+
+
+def _write_frame(sums: dict, n_tok: torch.Tensor, L: int, H: int) -> pd.DataFrame:
+    """The table of :func:`head_write_norms`: per-token means, one row per (layer, head, positions)."""
     frames = []
     sf = site_frame([2 * l + 1 for l in range(L)], L)
     for g, name in enumerate(POSITION_GROUPS):
@@ -197,9 +219,7 @@ def head_write_norms(
         for k, v in sums.items():
             f[k] = (v[:, :, g] / n_tok[g]).reshape(-1).numpy() if n_tok[g] > 0 else np.nan
         frames.append(f)
-    df = pd.concat(frames, ignore_index=True)
-    df.attrs.update({"model": str(model.name), "n_heads": H, "head_dim": spec.head_dim})
-    return df
+    return pd.concat(frames, ignore_index=True)
 
 
 # ----------------------------------------------------------------------------- Kobayashi
@@ -220,73 +240,61 @@ def norm_weighted_attention(model, text: str, *, layers: Sequence[int] | None = 
     if any(not 0 <= l < L for l in layers):
         raise InputError(f"layers must be in 0..{L - 1}")
     ids, mask = model.tokenize([text])
-    values: dict = {}
-    proj: dict = {}
-    handles = [value_hook(model.arch, l, values, name=str(model.name)) for l in layers]
-    try:  # patterns, head outputs and projections as the model computes them (exact, any attention kernel)
-        with _capture_out_proj_inputs(spec, proj):
-            run = model.run(ids, mask=mask, cache=[f"{l}.{k}" for l in layers for k in ("pattern", "z")])
-    finally:
-        for h in handles:
-            h.remove()
-    ids = run.input_ids
+    # patterns, head outputs and projections as the model computes them (exact, any attention kernel)
+    store = _capture(model, ids, mask, [Point(k, l) for l in layers for k in ("values", "pattern", "z", "proj_out")])
     P = ids.shape[1]
     toks = (
         [model.tokenizer.decode([int(t)]) for t in ids[0]]
         if model.tokenizer is not None
         else [str(int(t)) for t in ids[0]]
     )
-    qi, kj = np.tril_indices(P)
-    frames = []
     sf = site_frame([2 * l + 1 for l in layers], L).set_index("layer", drop=False)
+    frames = []
     for l in layers:
-        a = run[f"{l}.pattern"][0].float()  # [H, P, P]
-        v = values[l][0].float()  # [P, H, dh]
-        z = torch.einsum("hij,jhk->ihk", a, v).reshape(P, -1)  # rebuilt head outputs
-        zt = run[f"{l}.z"][0].float().reshape(P, -1)  # the output projection's input
-        err = float((z - zt).abs().max() / zt.abs().max().clamp_min(1e-12))
-        if not err <= 1e-3:
-            raise UnsupportedArchitecture(
-                f"layer {l}: attention weights x values do not rebuild the heads' outputs (relative error {err:.1e})"
-            )
-        # against the output projection's own output: in sandwich-norm families (OLMo-2, Gemma-2)
-        # ``l.attn_out`` is taken after the post-attention norm, which is not a sum over heads
-        _check_heads_sum(spec, l, zt, proj["out"][l][0])
-        vn = _head_norms(v.reshape(1, P, -1), spec.gram[l], H)[0]  # [P(j), H]
-        w = a[:, qi, kj].T.numpy()  # [pairs, H]
-        vnj = vn[kj].numpy()
-        f = pd.DataFrame(
-            {
-                "head": np.tile(np.arange(H), len(qi)),
-                "query": np.repeat(qi, H),
-                "key": np.repeat(kj, H),
-                "weight": w.reshape(-1),
-                "value_norm": vnj.reshape(-1),
-            }
-        )
-        f["norm_weighted"] = f["weight"] * f["value_norm"]
-        f["query_token"] = np.array(toks, dtype=object)[f["query"].to_numpy()]
-        f["key_token"] = np.array(toks, dtype=object)[f["key"].to_numpy()]
-        for c in ("site", "label", "layer", "sublayer", "depth"):
-            f.insert(0 if c == "site" else list(f.columns).index("head"), c, sf.loc[l, c])
+        a, v, zt = _checked_heads(spec, l, store)
+        f = _pair_frame(a, _head_norms(v.reshape(1, P, -1), spec.gram[l], H)[0], np.array(toks, dtype=object))
+        for c in SITE_COLUMNS:
+            f[c] = sf.loc[l, c]
         frames.append(f)
-    df = pd.concat(frames, ignore_index=True)
-    df = df[
-        [
-            "site",
-            "label",
-            "layer",
-            "sublayer",
-            "depth",
-            "head",
-            "query",
-            "query_token",
-            "key",
-            "key_token",
-            "weight",
-            "value_norm",
-            "norm_weighted",
-        ]
-    ]
+    df = pd.concat(frames, ignore_index=True)[NWA_COLUMNS]
     df.attrs.update({"model": str(model.name), "text": text})
     return df
+
+
+def _checked_heads(spec: _HeadWeights, l: int, store: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``l``'s pattern ``[H, P, P]``, values ``[P, H, dh]`` and projection input ``[P, H*dh]``
+    of the first text, checked: pattern x values rebuild the heads' outputs, and the heads sum to
+    the projection's own output (not to ``l.attn_out``, which sandwich-norm families such as OLMo-2
+    and Gemma-2 take after the post-attention norm, not a sum over heads)."""
+    a = store[f"{l}.pattern"][0].float()  # [H, P, P]
+    v = store[f"{l}.values"][0].float()  # [P, H, dh]
+    P = a.shape[-1]
+    z = torch.einsum("hij,jhk->ihk", a, v).reshape(P, -1)  # rebuilt head outputs
+    zt = store[f"{l}.z"][0].float()  # the output projection's input
+    err = float((z - zt).abs().max() / zt.abs().max().clamp_min(1e-12))
+    if not err <= 1e-3:
+        raise UnsupportedArchitecture(
+            f"layer {l}: attention weights x values do not rebuild the heads' outputs (relative error {err:.1e})"
+        )
+    _check_heads_sum(spec, l, zt, store[f"{l}.proj_out"][0])
+    return a, v, zt
+
+
+def _pair_frame(a: torch.Tensor, value_norms: torch.Tensor, toks: np.ndarray) -> pd.DataFrame:
+    """One row per ``(head, query i, key j <= i)`` of one layer: ``weight`` ``a[h, i, j]``,
+    ``value_norm`` ``||f_h(x_j)||`` (``value_norms`` ``[P, H]``), their product and the tokens."""
+    H, P = a.shape[0], a.shape[-1]
+    qi, kj = np.tril_indices(P)
+    f = pd.DataFrame(
+        {
+            "head": np.tile(np.arange(H), len(qi)),
+            "query": np.repeat(qi, H),
+            "key": np.repeat(kj, H),
+            "weight": a[:, qi, kj].T.numpy().reshape(-1),
+            "value_norm": value_norms[kj].numpy().reshape(-1),
+        }
+    )
+    f["norm_weighted"] = f["weight"] * f["value_norm"]
+    f["query_token"] = toks[f["query"].to_numpy()]
+    f["key_token"] = toks[f["key"].to_numpy()]
+    return f

@@ -42,7 +42,6 @@ of unpadded runs of one prompt, so position -1 is the last real token.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,8 +50,11 @@ import pandas as pd
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.common.progress import progress_bar
 from depthscope.hooks.arch import cache_keyword, returned_cache
-from depthscope.hooks.sites import SITE_COLUMNS, parse_site, site_frame
+from depthscope.hooks.engine import Engine, normalise_hooks
+from depthscope.hooks.points import Point, parse_point, parse_points
+from depthscope.hooks.sites import SITE_COLUMNS, site_frame
 
 __all__ = [
     "activation_patching",
@@ -186,46 +188,38 @@ class _Point:
         return self.kind in ("heads", "z")
 
 
-_BELOW = re.compile(r"^(\d+)\.(attn_out|mlp_out|heads|z)$")
-_TL_BELOW = {
-    re.compile(r"^blocks\.(\d+)\.hook_attn_out$"): "attn_out",
-    re.compile(r"^blocks\.(\d+)\.hook_mlp_out$"): "mlp_out",
-    re.compile(r"^blocks\.(\d+)\.attn\.hook_result$"): "heads",
-    re.compile(r"^blocks\.(\d+)\.attn\.hook_z$"): "z",
-}
+#: the kinds of hook point that are patched (the residual sites and the writes below them)
+PATCH_KINDS = ("embed", "attn", "mlp", "attn_out", "mlp_out", "heads", "z")
 
 
-def _below(layer: int, kind: str, n_layers: int, name) -> _Point:
-    if not 0 <= layer < n_layers:
-        raise InputError(f"hook point {name!r}: layer {layer} out of range 0..{n_layers - 1}")
-    return _Point(f"{layer}.{kind}", kind, 2 * layer + (2 if kind == "mlp_out" else 1))
+def _patch_point(point: Point) -> _Point:
+    """A registry point as a patching point (residual sites have kind ``resid``)."""
+    if point.is_resid:
+        return _Point(point.name, "resid", point.site)
+    return _Point(point.name, point.kind, 2 * point.layer + (2 if point.kind == "mlp_out" else 1))
 
 
 def _parse_one(name, n_layers: int) -> list[_Point]:
-    labels = site_frame(range(2 * n_layers + 1), n_layers)["label"].tolist()
-    if isinstance(name, str):
-        key = name.strip()
-        if key == "resid":
-            return [_Point(lab, "resid", i) for i, lab in enumerate(labels)]
-        if key in KINDS:
-            return [_below(layer, key, n_layers, name) for layer in range(n_layers)]
-        m = _BELOW.match(key)
-        if m:
-            return [_below(int(m.group(1)), m.group(2), n_layers, name)]
-        for rx, kind in _TL_BELOW.items():
-            m = rx.match(key)
-            if m:
-                return [_below(int(m.group(1)), kind, n_layers, name)]
+    """The points one name stands for: a group word (every layer) or one hook point name of the
+    registry (:func:`~depthscope.hooks.points.parse_point`, aliases included) of a patched kind."""
+    key = name.strip() if isinstance(name, str) else name
+    if key == "resid":
+        return [_patch_point(p) for p in parse_points("resid", n_layers)]
+    if key in KINDS:
+        return [_patch_point(Point(key, layer)) for layer in range(n_layers)]
     try:
-        i = parse_site(name, n_layers)
-    except (KeyError, IndexError, ValueError) as e:
+        point = parse_point(key, n_layers)
+        why = "" if point.kind in PATCH_KINDS else f": {point.kind} points are not patched"
+    except InputError as e:
+        point, why = None, getattr(e, "why", "")
+    if point is None or why:
         raise InputError(
-            f"unknown hook point {name!r}: use a residual site ('embed', '<layer>.attn', '<layer>.mlp', an index "
-            f"0..{2 * n_layers}, blocks.<layer>.hook_resid_pre|mid|post), '<layer>.attn_out', '<layer>.mlp_out', "
-            f"'<layer>.heads', '<layer>.z' (or blocks.<layer>.hook_attn_out, hook_mlp_out, attn.hook_result, "
-            f"attn.hook_z), or a group word: {', '.join(KINDS)} ({e})"
-        ) from None
-    return [_Point(labels[i], "resid", i)]
+            f"unknown hook point {name!r}{why}: use a residual site ('embed', '<layer>.attn', '<layer>.mlp', an "
+            f"index 0..{2 * n_layers}, blocks.<layer>.hook_resid_pre|mid|post), '<layer>.attn_out', "
+            f"'<layer>.mlp_out', '<layer>.heads', '<layer>.z' (or blocks.<layer>.hook_attn_out, hook_mlp_out, "
+            f"attn.hook_result, attn.hook_z), or a group word: {', '.join(KINDS)}"
+        )
+    return [_patch_point(point)]
 
 
 def _parse_points(model, sites) -> list[_Point]:
@@ -389,13 +383,11 @@ def _patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict],
     ``start`` (where no row is patched, so every row equals the corrupted run) come from one shared
     key/value cache and the logits cover positions ``start..`` only; without such a cache (or with
     ``start`` 0) one plain ``model.run`` of every position."""
-    from depthscope.hooks.run import Attached, normalise_hooks
-
     past = _prefix_cache(model, ids, start, n_rows)
     if past is None:
         return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0)).logits
     mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
-    with Attached(model, [], normalise_hooks(make_hooks(start), model.n_layers)):
+    with Engine(model, (), normalise_hooks(make_hooks(start), model.n_layers)):
         out = model.hf_model(
             input_ids=ids[:, start:].expand(n_rows, -1),
             attention_mask=mask,
@@ -447,8 +439,6 @@ def activation_patching(
     first = [p.pos if (reuse and p.pos is not None) else 0 for p in patches]
     order = sorted(range(len(patches)), key=lambda i: -first[i])  # stable: forward order within a position
     values, corrupted_value = np.empty(len(patches)), None
-    from depthscope.common.progress import progress_bar
-
     bar = progress_bar(len(patches), desc="patching", unit="patch")
     for rows, start in _plan([first[i] for i in order], n_pos, int(batch_tokens)):
         chunk = [patches[order[r]] for r in rows]
@@ -461,7 +451,8 @@ def activation_patching(
         values[[order[r] for r in rows]] = out[base:]
         bar.update(len(rows))
     bar.close()
-    return _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, "activation", what, positions)
+    pair = _Pair(c_ids, k_ids, clean_value, corrupted_value)
+    return _table(model, patches, values, pair, "activation", what, positions)
 
 
 def attribution_patching(
@@ -499,23 +490,24 @@ def attribution_patching(
         if pt.head is not None:
             delta, grad = delta[..., pt.head, :], grad[..., pt.head, :]
         est[i] = float((delta * grad).sum())
-    corrupted_value = float(value.detach())
-    return _table(
-        model,
-        patches,
-        corrupted_value + est,
-        clean_value,
-        corrupted_value,
-        c_ids,
-        k_ids,
-        "attribution",
-        what,
-        positions,
-    )
+    pair = _Pair(c_ids, k_ids, clean_value, float(value.detach()))
+    return _table(model, patches, pair.corrupted_value + est, pair, "attribution", what, positions)
 
 
-def _table(model, patches, values, clean_value, corrupted_value, c_ids, k_ids, method, what, positions):
+@dataclass(frozen=True)
+class _Pair:
+    """The clean and corrupted prompts of one call: their token ids and metric values."""
+
+    clean_ids: torch.Tensor
+    corrupted_ids: torch.Tensor
+    clean_value: float
+    corrupted_value: float
+
+
+def _table(model, patches, values, pair: _Pair, method: str, what: str, positions: str) -> pd.DataFrame:
     """The tidy table: one row per patch, shared site columns first."""
+    c_ids, k_ids = pair.clean_ids, pair.corrupted_ids
+    clean_value, corrupted_value = pair.clean_value, pair.corrupted_value
     df = site_frame([p.point.site for p in patches], model.n_layers)
     df["label"] = [p.point.name for p in patches]
     df["point"] = [p.point.name for p in patches]

@@ -9,7 +9,10 @@ Research calls on a :class:`HookedModel` (see :mod:`.points`, :mod:`.run`, :mod:
 ``model.run(inputs, cache=..., hooks=..., grad=False, padding_side="right") -> Run`` reads and
 replaces any hook point (residual sites, ``l.pattern``, ``l.z``, ``l.heads``, ``l.attn_out``,
 ``l.neurons``, ``l.mlp_out``; TransformerLens aliases too); ``model.generate(prompts,
-max_new_tokens=..., hooks=...) -> Generation`` runs hooks at every generation step.
+max_new_tokens=..., hooks=...) -> Generation`` runs hooks at every generation step. All of them,
+``model.hooks`` and ``model.residual_stream`` included, put their hooks on the model through one
+engine (:mod:`.engine`), which reads every point where the registry (:data:`.points.REGISTRY`)
+says it lives.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ _EXPORTS = {
     "parse_points": "points",
     "point_names": "points",
     "tl_name": "points",
-    "HookContext": "run",
+    "HookContext": "engine",
     "Run": "run",
 }
 
@@ -61,6 +64,7 @@ _SUBMODULES = {
     "arch",
     "attention",
     "devices",
+    "engine",
     "generate",
     "loading",
     "model",

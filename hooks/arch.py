@@ -25,8 +25,8 @@ the config (``HEAD_KEYS``, ``KV_HEAD_KEYS``), the output projection of each atte
 from ``ArchSpec.o_proj``, and the value vectors from one of the ``VALUE_LAYOUTS``
 (``ArchSpec.values``): a separate ``v_proj`` (grouped key/value heads), GPT-2's fused
 ``c_attn`` ([q | k | v]) or GPT-NeoX's fused ``query_key_value`` (per head [q, k, v]).
-:func:`value_hook` reads them, :func:`linear_weight` reads a projection's matrix (GPT-2's
-``Conv1D`` stores it transposed). Attention patterns come from
+:func:`read_values` reads them (the engine's ``values`` capture), :func:`linear_weight` reads a
+projection's matrix (GPT-2's ``Conv1D`` stores it transposed). Attention patterns come from
 :mod:`depthscope.hooks.attention` (``model.run(cache=["l.pattern"])``).
 """
 
@@ -219,6 +219,7 @@ class ResolvedArch:
     attn_fn: list = field(default_factory=list)  # calls the attention function (None: l.pattern unsupported)
     o_proj: list = field(default_factory=list)  # input is l.z (None: z/heads unsupported)
     down_proj: list = field(default_factory=list)  # input is l.neurons (None: unsupported)
+    value_proj: list = field(default_factory=list)  # output holds the value vectors (None: unsupported)
     n_heads: int | None = None  # query heads
     n_kv_heads: int | None = None  # key/value heads (GQA; = n_heads otherwise)
     values: str | None = None  # a key of VALUE_LAYOUTS (or None: value vectors not readable)
@@ -246,27 +247,46 @@ def resolve(model: nn.Module) -> ResolvedArch:
         spec = ArchSpec(**{**spec.__dict__, "layout": "sequential"})
     if spec is None:
         spec = _generic_spec(base, cls, model_type)
-
     blocks = _get(base, spec.blocks)
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
         raise UnsupportedArchitecture(
             f"cannot find the transformer blocks of {cls} (model_type={model_type!r}) at "
             f"'{spec.blocks}'; supported families: {sorted(FAMILIES)}"
         )
+    sub = _sublayers(spec, blocks, f"{cls} (model_type={model_type!r})")
+    return ResolvedArch(
+        family=spec.family,
+        layout=spec.layout,
+        blocks=blocks,
+        **sub,
+        final_norm=_first(base, spec.final_norm) if spec.final_norm else None,
+        norm_kind=spec.norm_kind,
+        **_output_heads(model, base, spec),
+        softcap=getattr(config, "final_logit_softcapping", None),
+        logit_scale=getattr(config, "logit_scale", None),
+        **_resolve_points(spec, blocks, sub["attn"], sub["mlp"], config),
+    )
+
+
+def _sublayers(spec: ArchSpec, blocks: nn.ModuleList, what: str) -> dict:
+    """Each block's attention, MLP and pre-sublayer norms (``attn``, ``mlp``, ``ln1``, ``ln2``)."""
     attn, mlp, ln1, ln2 = [], [], [], []
     for i, block in enumerate(blocks):
         a, m = _first(block, spec.attn), _first(block, spec.mlp)
         if a is None or m is None:
             raise UnsupportedArchitecture(
-                f"block {i} of {cls} (model_type={model_type!r}) has no attention ({spec.attn}) "
+                f"block {i} of {what} has no attention ({spec.attn}) "
                 f"or MLP ({spec.mlp}) submodule: depthscope cannot map this architecture"
             )
         attn.append(a)
         mlp.append(m)
         ln1.append(_first(block, spec.ln1) if spec.ln1 else None)
         ln2.append(_first(block, spec.ln2) if spec.ln2 else None)
+    return dict(attn=attn, mlp=mlp, ln1=ln1, ln2=ln2)
 
-    final_norm = _first(base, spec.final_norm) if spec.final_norm else None
+
+def _output_heads(model: nn.Module, base: nn.Module, spec: ArchSpec) -> dict:
+    """``unembed`` (a decoder's output embedding) and ``head`` (an encoder's MLM head), or None."""
     unembed = None
     head = None
     if hasattr(model, "get_output_embeddings"):
@@ -278,25 +298,7 @@ def resolve(model: nn.Module) -> ResolvedArch:
         if cls_head is not None and base is not model:
             head = cls_head
             unembed = None
-    softcap = getattr(config, "final_logit_softcapping", None)
-    logit_scale = getattr(config, "logit_scale", None)
-    points = _resolve_points(spec, blocks, attn, mlp, config)
-    return ResolvedArch(
-        family=spec.family,
-        layout=spec.layout,
-        blocks=blocks,
-        attn=attn,
-        mlp=mlp,
-        ln1=ln1,
-        ln2=ln2,
-        final_norm=final_norm,
-        norm_kind=spec.norm_kind,
-        unembed=unembed,
-        head=head,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        **points,
-    )
+    return dict(unembed=unembed, head=head)
 
 
 def _resolve_points(spec: ArchSpec, blocks, attn: list, mlp: list, config) -> dict:
@@ -314,7 +316,10 @@ def _resolve_points(spec: ArchSpec, blocks, attn: list, mlp: list, config) -> di
         w = o_proj[0].weight  # Linear [out, in]; GPT-2 Conv1D [in, out]
         d_in = w.shape[0] if type(o_proj[0]).__name__ == "Conv1D" else w.shape[1]
         d_head = d_in // n_heads if d_in % n_heads == 0 else None
+    layout = VALUE_LAYOUTS.get(spec.values or "")
+    value_proj = [getattr(a, layout[0], None) if layout else None for a in attn]
     return dict(
+        value_proj=value_proj,
         attn_site=attn if spec.layout == "post_norm" else attn_write,
         attn_write=attn_write,
         mlp_write=mlp_write,
@@ -401,23 +406,11 @@ VALUE_LAYOUTS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def value_hook(arch: ResolvedArch, layer: int, store: dict, name: str = "model"):
-    """Register a forward hook that stores layer ``layer``'s value vectors ``[B, P, H, dh]`` (one
-    per query head) in ``store[layer]``; returns its handle."""
-    attn = arch.attn[layer]
-    layout = VALUE_LAYOUTS.get(arch.values or "")
-    module = getattr(attn, layout[0], None) if layout else None
-    if module is None or not arch.n_heads:
-        raise UnsupportedArchitecture(
-            f"{name}: reading value vectors needs one of {sorted(VALUE_LAYOUTS)} "
-            f"(got {type(attn).__name__}, layout {arch.values!r})"
-        )
-    read, H, n_kv = layout[1], arch.n_heads, arch.n_kv_heads or arch.n_heads
-
-    def hook(mod, args, out):
-        store[layer] = read(out, H, n_kv)
-
-    return module.register_forward_hook(hook)
+def read_values(arch: ResolvedArch, out: torch.Tensor) -> torch.Tensor:
+    """Value vectors ``[B, P, n_heads, head_dim]`` (one per query head) from the output of
+    ``arch.value_proj[l]``."""
+    read = VALUE_LAYOUTS[arch.values][1]
+    return read(out, arch.n_heads, arch.n_kv_heads or arch.n_heads)
 
 
 def cache_keyword(hf_model: nn.Module) -> str:

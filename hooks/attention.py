@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 NAME = "depthscope_eager"
 
@@ -33,12 +35,15 @@ NAME = "depthscope_eager"
 _HANDLERS: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 
 
-def _generic_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """Eager attention for modeling files without an ``eager_attention_forward`` of their own."""
+def _generic_eager(module, query, key, value, attention_mask, **kwargs):
+    """Eager attention for modeling files without an ``eager_attention_forward`` of their own
+    (keywords as transformers passes them: ``scaling``, ``softcap``; dropout is off in eval)."""
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    scaling = kwargs.get("scaling")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
     w = torch.matmul(query, key.transpose(2, 3)) * scaling
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
@@ -70,9 +75,6 @@ def depthscope_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
     AttentionInterface.register(NAME, depthscope_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)
 

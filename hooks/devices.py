@@ -116,7 +116,7 @@ def check_dtype_on(device: torch.device, dtype: torch.dtype) -> None:
 def parameter_count(config) -> int:
     """Parameters of a transformers model built from ``config``, counted without allocating
     (on the meta device); 0 when the model class cannot be built that way."""
-    import transformers
+    import transformers  # lazy: the sweep command imports this module for dtypes, without a model
 
     try:
         with torch.device("meta"):
@@ -137,7 +137,7 @@ def free_bytes(device: torch.device) -> int | None:
         return int(free)
     if device.type == "cpu":
         try:
-            import psutil
+            import psutil  # lazy: optional, a missing psutil only skips the check
 
             return int(psutil.virtual_memory().available)
         except ImportError:  # pragma: no cover - psutil ships with most environments

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from depthscope.common.errors import InputError, UnsupportedArchitecture
+from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import parse_points
-from depthscope.hooks.run import PADDING_SIDES, Attached, Hooks, _State, normalise_hooks, position_ids
+from depthscope.hooks.run import PADDING_SIDES, position_ids
 
 
 @dataclass
@@ -54,6 +55,34 @@ def generate(
 ) -> Generation:
     """Continue ``prompts`` (strings or token ids) for ``max_new_tokens`` with ``hooks`` at every
     step; ``cache`` (names, as in ``run``) keeps those points at every step."""
+    _check_request(model, padding_side, max_new_tokens)
+    ids, mask = model._prepare(prompts, mask, padding_side=padding_side)
+    if not bool(mask[:, -1].all()):
+        raise InputError(
+            "generate continues each prompt after its last token: pad the batch on the left (padding_side='left')"
+        )
+    points = parse_points(cache, model.n_layers)
+    steps = _Steps(batch=ids.shape[0], device=ids.device, names=[p.name for p in points])
+    tok = model.tokenizer
+    kwargs = {"do_sample": False, **generation_kwargs}
+    if tok is not None and tok.pad_token_id is not None:
+        kwargs.setdefault("pad_token_id", tok.pad_token_id)
+    user = normalise_hooks(hooks, model.n_layers)
+    with Engine(model, points, user, state=steps.state, on_forward=steps.on_forward) as eng, torch.no_grad():
+        steps.engine = eng
+        seq = model.hf_model.generate(
+            input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens, **kwargs
+        )
+    steps.flush()
+    tokens = _new_tokens(model, seq[:, ids.shape[1] :])
+    text = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else []
+    return Generation(
+        sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=steps.state.step + 1, cache=steps.per_step
+    )
+
+
+def _check_request(model, padding_side: str, max_new_tokens) -> None:
+    """Refuse encoders, an unknown padding side and a non-positive token count."""
     if not model.is_decoder:
         raise UnsupportedArchitecture(
             f"{model.name} is an encoder ({model.arch.family}): it has no next-token head and cannot generate; "
@@ -63,25 +92,28 @@ def generate(
         raise InputError(f"padding_side must be one of {PADDING_SIDES}, got {padding_side!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    ids, mask = model._prepare(prompts, mask, padding_side=padding_side)
-    if not bool(mask[:, -1].all()):
-        raise InputError(
-            "generate continues each prompt after its last token: pad the batch on the left (padding_side='left')"
-        )
-    user = normalise_hooks(hooks, model.n_layers)
-    points = parse_points(cache, model.n_layers)
-    state = _State(step=-1)
-    att = Attached(model, points, user, state=state)
-    per_step: dict = {p.name: [] for p in points}
 
-    def flush():
-        for k, v in att.store.items():
-            per_step[k].append(v)
-        att.store.clear()
 
-    def on_forward(mod, args, kwargs):
-        """Before each forward of generate: the step, the mask so far and the new rows' positions."""
-        flush()
+class _Steps:
+    """The generation steps as the hooks see them: before each forward of ``generate`` the step
+    counter, the mask so far and the new rows' positions are updated, and the points cached by the
+    previous forward are moved to ``per_step`` (name -> list over steps)."""
+
+    def __init__(self, batch: int, device: torch.device, names: list[str]):
+        self.batch, self.device = batch, device
+        self.state = State(step=-1)
+        self.per_step: dict[str, list] = {name: [] for name in names}
+        self.engine: Engine | None = None
+
+    def flush(self) -> None:
+        if self.engine is not None:
+            for k, v in self.engine.store.items():
+                self.per_step[k].append(v)
+            self.engine.store.clear()
+
+    def on_forward(self, mod, args, kwargs) -> None:
+        self.flush()
+        state = self.state
         state.step += 1
         m = kwargs.get("attention_mask")
         x = kwargs.get("input_ids")
@@ -92,28 +124,10 @@ def generate(
             full = (
                 state.mask
                 if state.mask is not None
-                else torch.ones(ids.shape[0], n_new, dtype=torch.bool, device=ids.device)
+                else torch.ones(self.batch, n_new, dtype=torch.bool, device=self.device)
             )
             pos = position_ids(full)[:, -n_new:]
-        state.positions = pos.expand(ids.shape[0], -1)
-        return None
-
-    tok = model.tokenizer
-    kwargs = {"do_sample": False, **generation_kwargs}
-    if tok is not None and tok.pad_token_id is not None:
-        kwargs.setdefault("pad_token_id", tok.pad_token_id)
-    handle = model.hf_model.register_forward_pre_hook(on_forward, with_kwargs=True)
-    try:
-        with att, torch.no_grad():
-            seq = model.hf_model.generate(
-                input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens, **kwargs
-            )
-    finally:
-        handle.remove()
-    flush()
-    tokens = _new_tokens(model, seq[:, ids.shape[1] :])
-    text = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else []
-    return Generation(sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=state.step + 1, cache=per_step)
+        state.positions = pos.expand(self.batch, -1)
 
 
 def _new_tokens(model, new: torch.Tensor) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -31,8 +32,14 @@ import warnings
 from pathlib import Path
 
 import torch
+import transformers
+from huggingface_hub import utils as hub_utils
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as tf_logging
 
 from depthscope.common.errors import CheckpointError, DefaultModelMissing, ModelSpecError
+from depthscope.common.progress import spinner
+from depthscope.common.stamps import verify_stamps, write_stamps
 from depthscope.hooks.devices import (
     check_dtype_on,
     check_fits,
@@ -183,9 +190,6 @@ def quiet_progress_bars():
     """transformers' (and huggingface_hub's) progress bars off, e.g. "Loading weights" on every
     load; the caller's settings are restored afterwards. Warnings and logs are left alone:
     missing or unexpected weights are worth seeing."""
-    from huggingface_hub import utils as hub_utils
-    from transformers.utils import logging as tf_logging
-
     tf_on, hub_off = tf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
     tf_logging.disable_progress_bar()
     try:
@@ -213,10 +217,6 @@ def _is_bridge(obj) -> bool:
 
 
 def _is_hf_model(obj) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(obj, PreTrainedModel)
 
 
@@ -230,8 +230,6 @@ def _looks_like_path(s: str) -> bool:
 
 
 def _auto_class(config):
-    import transformers
-
     archs = getattr(config, "architectures", None) or []
     for a in archs:
         if a.endswith("ForCausalLM") or a.endswith("LMHeadModel"):
@@ -244,8 +242,6 @@ def _auto_class(config):
 
 
 def _load_tokenizer(path, **kw):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path, **kw)
     except Exception as e:  # a model folder without a tokenizer is still a model
@@ -271,8 +267,6 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
     bins = list(path.glob("*.bin")) + list(path.glob("*.pt")) + list(path.glob("*.pth"))
     if not st and not bins:
         raise CheckpointError(f"{path} has a config.json but no weights (*.safetensors or pytorch_model.bin)")
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -299,8 +293,6 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
 
 
 def _torch_has_weights_only() -> bool:
-    import inspect
-
     return "weights_only" in inspect.signature(torch.load).parameters
 
 
@@ -314,8 +306,6 @@ def _gguf_cache_key(path: Path) -> str:
 
 @_quietly
 def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = None) -> HookedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not path.is_file():
         raise CheckpointError(f"no such GGUF file: {path}")
     target = cache_dir() / "models" / _gguf_cache_key(path)
@@ -334,8 +324,6 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             shutil.rmtree(target, ignore_errors=True)
     _check_gguf_header(path)
     log.info("converting %s (dequantising, ~20 s, once)", path.name)
-    from depthscope.common.progress import spinner
-
     try:
         with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors (once, ~20 s)"):
             warnings.simplefilter("ignore")
@@ -371,8 +359,6 @@ def _check_gguf_header(path: Path) -> None:
 def _cache_intact(target: Path, gguf: Path) -> bool:
     """True when the cached conversion in ``target`` matches its stamps (:mod:`depthscope.common.stamps`);
     a missing stamp or a changed file is warned about (the caller converts again)."""
-    from depthscope.common.stamps import verify_stamps
-
     bad = verify_stamps(target)
     if bad == []:
         return True
@@ -382,8 +368,6 @@ def _cache_intact(target: Path, gguf: Path) -> bool:
 
 
 def _save_atomically(model, tok, target: Path) -> None:
-    from depthscope.common.stamps import write_stamps
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
@@ -400,8 +384,6 @@ def _save_atomically(model, tok, target: Path) -> None:
 
 @_quietly
 def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel:
-    from transformers import AutoConfig, AutoTokenizer
-
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:

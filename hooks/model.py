@@ -5,15 +5,16 @@
 >>> rs = model.residual_stream(["The capital of France is"])
 >>> rs.labels[:3], rs.resid.shape               # (['embed', '0.attn', '0.mlp'], [61, 1, 6, 576])
 
-Sites are captured with PyTorch forward hooks on the unmodified Hugging Face modules, so the
-numbers are the model's own; hooks are removed when a call ends, also on error.
+Sites are captured with PyTorch forward hooks on the unmodified Hugging Face modules, put there by
+the hook engine (:mod:`depthscope.hooks.engine`), so the numbers are the model's own; hooks are
+removed when a call ends, also on error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,37 +22,21 @@ from torch import nn
 
 from depthscope.common.errors import ContextLengthError, InputError, NonFiniteActivationError
 from depthscope.hooks.arch import ResolvedArch, resolve
+from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.generate import Generation
 from depthscope.hooks.generate import generate as _generate
-from depthscope.hooks.run import Run, is_left_padded, position_ids
+from depthscope.hooks.points import Point, parse_point
+from depthscope.hooks.run import Run, is_left_padded, position_ids, row_positions
 from depthscope.hooks.run import run as _run
 from depthscope.hooks.sites import parse_site, parse_sites, site_frame, site_labels
 from depthscope.hooks.unembed import Unembed
 
 Inputs = torch.Tensor | Sequence[str] | str
-HookFn = Callable[[torch.Tensor, str], torch.Tensor | None]
-
-
-class _StopForward(Exception):
-    """Raised inside a hook once every requested site is captured and no logits are wanted."""
+FINAL = Point("final", -1)  # the final norm's output (ResidualStream.final)
 
 
 def _first_tensor(x):
     return x[0] if isinstance(x, (tuple, list)) else x
-
-
-def _replace_first(x, new):
-    if isinstance(x, tuple):
-        return (new,) + tuple(x[1:])
-    if isinstance(x, list):
-        return [new] + list(x[1:])
-    return new
-
-
-def _hidden_from_pre_hook(args, kwargs):
-    if args:
-        return args[0]
-    return kwargs["hidden_states"]
 
 
 @dataclass
@@ -261,118 +246,6 @@ class HookedModel:
         return ids.to(self.device), mask.to(self.device)
 
     # ------------------------------------------------------------------ hooks
-    def _register(
-        self,
-        capture: dict | None,
-        wanted: set[int],
-        user_hooks: Mapping[int, list[HookFn]],
-        stop_after: int | None,
-        keep: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
-    ) -> list:
-        """Register capture and user hooks; returns handles. ``capture`` maps site -> tensor
-        (``keep(site, stream)`` when given, e.g. only some positions, so the full stream is
-        freed as the forward goes on)."""
-        arch, handles = self.arch, []
-        keep = keep or (lambda site, t: t)
-        resid_pre: dict[int, torch.Tensor] = {}
-        labels = self.labels
-
-        def maybe_stop(site: int):
-            if stop_after is not None and site >= stop_after:
-                raise _StopForward
-
-        def apply_user(site: int, stream: torch.Tensor) -> torch.Tensor | None:
-            changed = None
-            for fn in user_hooks.get(site, ()):
-                out = fn(stream if changed is None else changed, labels[site])
-                if out is not None:
-                    if out.shape != stream.shape:
-                        raise ValueError(
-                            f"hook at {labels[site]} returned shape {tuple(out.shape)}, expected {tuple(stream.shape)}"
-                        )
-                    changed = out
-            return changed
-
-        for layer, block in enumerate(arch.blocks):
-            s_pre, s_attn, s_mlp = 2 * layer, 2 * layer + 1, 2 * layer + 2
-            need_pre = (s_pre in wanted and layer == 0) or (layer == 0 and 0 in user_hooks)
-            need_attn = s_attn in wanted or s_attn in user_hooks
-            need_mlp = s_mlp in wanted or s_mlp in user_hooks
-
-            if need_pre or (need_attn and arch.layout != "post_norm"):
-
-                def pre_hook(mod, args, kwargs, layer=layer, s_pre=s_pre):
-                    h = _hidden_from_pre_hook(args, kwargs)
-                    if layer == 0 and 0 in user_hooks:
-                        new = apply_user(0, h)
-                        if new is not None:
-                            h = new
-                            if args:
-                                args = (new,) + tuple(args[1:])
-                            else:
-                                kwargs = {**kwargs, "hidden_states": new}
-                    resid_pre[layer] = h
-                    if layer == 0 and capture is not None and 0 in wanted:
-                        capture[0] = keep(0, h)
-                        maybe_stop(0)
-                    return args, kwargs
-
-                handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
-
-            if need_attn:
-
-                def attn_hook(mod, args, output, layer=layer, s=s_attn):
-                    out = _first_tensor(output)
-                    if arch.layout == "post_norm":
-                        stream = out
-                    else:
-                        stream = resid_pre[layer] + out
-                    new = apply_user(s, stream) if s in user_hooks else None
-                    if new is not None:
-                        stream = new
-                        delta = new if arch.layout == "post_norm" else new - resid_pre[layer]
-                        output = _replace_first(output, delta)
-                    if arch.layout != "post_norm":
-                        resid_pre.pop(layer, None)  # not needed again: free it during the forward
-                    if capture is not None and s in wanted:
-                        capture[s] = keep(s, stream)
-                        maybe_stop(s)
-                    return output if new is not None else None
-
-                handles.append(arch.attn_site[layer].register_forward_hook(attn_hook))  # sandwich: post-norm
-
-            if need_mlp:
-
-                def block_hook(mod, args, output, layer=layer, s=s_mlp):
-                    stream = _first_tensor(output)
-                    new = apply_user(s, stream) if s in user_hooks else None
-                    if new is not None:
-                        stream = new
-                        output = _replace_first(output, new)
-                    if capture is not None and s in wanted:
-                        capture[s] = keep(s, stream)
-                        maybe_stop(s)
-                    return output if new is not None else None
-
-                handles.append(block.register_forward_hook(block_hook))
-
-        if capture is not None and "final" in capture and arch.final_norm is not None:
-
-            def final_hook(mod, args, output):
-                capture["final"] = keep("final", _first_tensor(output))
-
-            handles.append(arch.final_norm.register_forward_hook(final_hook))
-        return handles
-
-    def _normalise_hooks(self, hooks) -> dict[int, list[HookFn]]:
-        out: dict[int, list[HookFn]] = {}
-        if not hooks:
-            return out
-        items = hooks.items() if isinstance(hooks, Mapping) else hooks
-        for name, fn in items:
-            out.setdefault(self.site_index(name), []).append(fn)
-        return out
-
     def _forward(self, ids, mask):
         kwargs = {}
         if is_left_padded(mask):  # absolute-position models need the real positions
@@ -380,21 +253,18 @@ class HookedModel:
         return self.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False, **kwargs)
 
     @contextlib.contextmanager
-    def hooks(self, hooks: Mapping[str, HookFn] | Iterable[tuple[str, HookFn]]) -> Iterator[HookedModel]:
-        """Context manager: user hook functions at named sites for every forward inside it.
+    def hooks(self, hooks: Hooks) -> Iterator[HookedModel]:
+        """Context manager: user hook functions at named points for every forward inside it.
 
-        A hook is called as ``fn(stream, label)`` with the stream at that site ``[batch, pos,
-        d_model]``; returning a tensor replaces the stream (for ``l.attn`` of pre-norm models the
-        attention write becomes ``new - resid_pre``), returning None only reads. Hooks are removed
-        on exit, also when the body raises.
+        A hook is called as ``fn(tensor, ctx)`` (``ctx`` is the point's label, a ``str``, so
+        ``fn(stream, label)`` works), e.g. with the stream at a residual site ``[batch, pos,
+        d_model]``; returning a tensor replaces it (for ``l.attn`` of pre-norm models the
+        attention write becomes ``new - resid_pre``), returning None only reads. Any hook point of
+        :mod:`depthscope.hooks.points` is accepted. Hooks are removed on exit, also when the body
+        raises.
         """
-        user = self._normalise_hooks(hooks)
-        handles = self._register(None, set(), user, None)
-        try:
+        with Engine(self, (), normalise_hooks(hooks, self.n_layers)):
             yield self
-        finally:
-            for h in handles:
-                h.remove()
 
     def run_with_hooks(self, inputs: Inputs, hooks, *, mask=None) -> torch.Tensor:
         """Run the model with user hooks at named sites and return its logits."""
@@ -476,73 +346,31 @@ class HookedModel:
         """
         ids, mask = self._prepare(inputs, mask, padding_side=padding_side)
         wanted = parse_sites(sites, self.n_layers)
-        user = self._normalise_hooks(hooks)
-        slot = {s: i for i, s in enumerate(wanted)}
-        out_buf: list[torch.Tensor] = []  # the one [sites, ...] result, allocated at the first capture
-
-        def buffer(like: torch.Tensor, rows: tuple) -> torch.Tensor:
-            if not out_buf:
-                out_buf.append(torch.empty((len(wanted), *rows, like.shape[-1]), dtype=like.dtype, device=like.device))
-            return out_buf[0]
-
-        if positions is None:
-
-            def keep(site, t):
-                # each site is copied straight into its slot of the result while the forward
-                # runs: the stream itself is freed by the model as usual, nothing is stacked later
-                if site not in slot:
-                    return t
-                dst = buffer(t, tuple(t.shape[:-1]))[slot[site]]
-                return dst.copy_(t)
-
-        else:
-            positions = torch.as_tensor(positions, device=ids.device)
-            if positions.dtype == torch.bool:
-                if positions.shape != ids.shape:
-                    raise InputError(f"positions mask shape {tuple(positions.shape)} != ids shape {tuple(ids.shape)}")
-                positions = positions.reshape(-1).nonzero().reshape(-1)
-            positions = positions.long().reshape(-1)
-            n_flat = ids.numel()
-            if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= n_flat):
-                raise InputError(f"positions must be flat indices in 0..{n_flat - 1}")
-
-            def keep(site, t, idx=positions):
-                flat = t.reshape(-1, t.shape[-1])
-                if site not in slot:
-                    return flat.index_select(0, idx)
-                # straight into the output: no full-size copies and no stack afterwards
-                return torch.index_select(flat, 0, idx, out=buffer(flat, (len(idx),))[slot[site]])
-
-        capture: dict = {}
-        if return_logits and self.is_decoder and wanted[-1] == self.n_sites - 1:
-            capture["final"] = None
-        stop_after = None if return_logits else wanted[-1]
-        handles = self._register(capture, set(wanted), user, stop_after, keep)
+        points = [parse_point(s, self.n_layers) for s in wanted]
+        positions = _flat_positions(positions, ids)
+        buffer = _SiteBuffer(points, positions)
+        cache = list(points)
+        if return_logits and self.is_decoder and wanted[-1] == self.n_sites - 1 and self.arch.final_norm is not None:
+            cache.append(FINAL)
+        user = normalise_hooks(hooks, self.n_layers)
+        state = State(mask=mask, positions=row_positions(mask))
         out = None
-        try:
-            with torch.no_grad():
-                try:
-                    out = self._forward(ids, mask)
-                except _StopForward:
-                    out = None
-        finally:
-            for h in handles:
-                h.remove()
-        missing = [self.labels[s] for s in wanted if s not in capture]
+        with torch.no_grad(), Engine(self, cache, user, state=state, sink=buffer, stop=not return_logits) as eng:
+            out = self._forward(ids, mask)
+        missing = [p.name for p in points if p.name not in eng.store]
         if missing:
             raise RuntimeError(f"sites not reached by the forward pass: {missing}")
-        resid = out_buf[0]
-        logits = _logits_of(out) if (out is not None and return_logits) else None
+        labels = [p.name for p in points]
         if check_finite:
-            _check_finite(resid, [self.labels[s] for s in wanted])
+            refuse_non_finite(buffer.out, labels)
         return ResidualStream(
             sites=list(wanted),
-            labels=[self.labels[s] for s in wanted],
-            resid=resid,
+            labels=labels,
+            resid=buffer.out,
             input_ids=ids,
             mask=mask,
-            logits=logits,
-            final=capture.get("final"),
+            logits=_logits_of(out) if return_logits else None,
+            final=eng.store.get(FINAL.name),
             n_layers=self.n_layers,
             positions=positions,
         )
@@ -570,6 +398,50 @@ class HookedModel:
         return arch.ln2[layer] if arch.layout == "sequential" else None
 
 
+def _flat_positions(positions, ids: torch.Tensor) -> torch.Tensor | None:
+    """``positions`` of :meth:`HookedModel.residual_stream` (a bool ``[batch, pos]`` mask or flat
+    indices ``b * pos + p``) as checked flat indices, or None (keep every position)."""
+    if positions is None:
+        return None
+    positions = torch.as_tensor(positions, device=ids.device)
+    if positions.dtype == torch.bool:
+        if positions.shape != ids.shape:
+            raise InputError(f"positions mask shape {tuple(positions.shape)} != ids shape {tuple(ids.shape)}")
+        positions = positions.reshape(-1).nonzero().reshape(-1)
+    positions = positions.long().reshape(-1)
+    n_flat = ids.numel()
+    if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= n_flat):
+        raise InputError(f"positions must be flat indices in 0..{n_flat - 1}")
+    return positions
+
+
+class _SiteBuffer:
+    """The engine's sink for :meth:`HookedModel.residual_stream`: the one ``[sites, ...]`` result,
+    allocated at the first capture and filled while the forward runs. Each site's stream is copied
+    (with ``positions``: its rows gathered) straight into its slot, so the model frees the stream as
+    usual and nothing is stacked afterwards; other points (``final``) keep their own tensor, of
+    those rows only."""
+
+    def __init__(self, points: list[Point], positions: torch.Tensor | None):
+        self.slot = {p: i for i, p in enumerate(points)}
+        self.positions = positions
+        self.out: torch.Tensor | None = None
+
+    def _slot(self, i: int, like: torch.Tensor, rows: tuple) -> torch.Tensor:
+        if self.out is None:
+            self.out = torch.empty((len(self.slot), *rows, like.shape[-1]), dtype=like.dtype, device=like.device)
+        return self.out[i]
+
+    def __call__(self, point: Point, t: torch.Tensor) -> torch.Tensor:
+        i = self.slot.get(point)
+        if self.positions is None:
+            return t if i is None else self._slot(i, t, tuple(t.shape[:-1])).copy_(t)
+        flat, idx = t.reshape(-1, t.shape[-1]), self.positions
+        if i is None:
+            return flat.index_select(0, idx)
+        return torch.index_select(flat, 0, idx, out=self._slot(i, flat, (len(idx),)))
+
+
 def _logits_of(out) -> torch.Tensor:
     if out is None:
         return None
@@ -580,7 +452,7 @@ def _logits_of(out) -> torch.Tensor:
     return _first_tensor(out)
 
 
-def _check_finite(resid: torch.Tensor, labels: list[str]) -> None:
+def refuse_non_finite(resid: torch.Tensor, labels: list[str]) -> None:
     # one reduction, no full-size boolean tensor: NaN/inf propagate into the sum (a finite
     # overflow only sends us to the exact check below, which then finds nothing)
     if bool(torch.isfinite(resid.sum(dtype=torch.float32))):

@@ -1,25 +1,42 @@
-"""Hook points: the names of every tensor ``model.run`` can read and replace.
+"""Hook points: the one registry of every tensor the hook engine can read and replace.
 
 Beside the ``2L + 1`` residual sites (:mod:`depthscope.hooks.sites`), each block ``l`` offers
-six points below the stream. In forward order within block ``l``:
+six points below the stream. ``REGISTRY`` lists them all, in forward order within block ``l``:
 
-===============  ==============================================  =================================
-name             tensor                                          TransformerLens alias
-===============  ==============================================  =================================
-``embed``        input of block 0 [batch, pos, d_model] (l = 0)  ``blocks.0.hook_resid_pre``
-``l.pattern``    attention probabilities [batch, heads, q, k]    ``blocks.l.attn.hook_pattern``
-``l.z``          per-head output before the output projection    ``blocks.l.attn.hook_z``
-                 [batch, pos, heads, d_head]
-``l.heads``      per-head write [batch, pos, heads, d_model]     ``blocks.l.attn.hook_result``
-                 (sums to ``l.attn_out`` less any bias)
-``l.attn_out``   attention write into the stream                 ``blocks.l.hook_attn_out``
-                 [batch, pos, d_model]
-``l.attn``       stream after the attention write (resid_mid)    ``blocks.l.hook_resid_mid``
-``l.neurons``    MLP hidden activation feeding its output        ``blocks.l.mlp.hook_post``
-                 projection [batch, pos, d_mlp]
-``l.mlp_out``    MLP write into the stream [batch, pos, d_model] ``blocks.l.hook_mlp_out``
-``l.mlp``        block output (resid_post)                       ``blocks.l.hook_resid_post``
-===============  ==============================================  =================================
+==============  ======================================  ==========================  ==========  ============
+name            tensor                                  TransformerLens alias       module      capture
+==============  ======================================  ==========================  ==========  ============
+``embed``       input of block 0 (l = 0)                blocks.0.hook_resid_pre     blocks[0]   block_input
+                [batch, pos, d_model]
+``l.pattern``   attention probabilities                 blocks.l.attn.hook_pattern  attn_fn     pattern
+                [batch, heads, q, k]
+``l.z``         per-head output before the output       blocks.l.attn.hook_z        o_proj      heads_input
+                projection [batch, pos, heads, d_head]
+``l.heads``     per-head write                          blocks.l.attn.hook_result   o_proj      heads_output
+                [batch, pos, heads, d_model]
+                (sums to ``l.attn_out`` less any bias)
+``l.attn_out``  attention write into the stream         blocks.l.hook_attn_out      attn_write  output
+                [batch, pos, d_model]
+``l.attn``      stream after the attention write        blocks.l.hook_resid_mid     attn_site   resid_mid
+                (resid_mid)
+``l.neurons``   MLP hidden activation feeding its       blocks.l.mlp.hook_post      down_proj   input
+                output projection [batch, pos, d_mlp]
+``l.mlp_out``   MLP write into the stream               blocks.l.hook_mlp_out       mlp_write   output
+                [batch, pos, d_model]
+``l.mlp``       block output (resid_post)               blocks.l.hook_resid_post    blocks      output
+==============  ======================================  ==========================  ==========  ============
+
+Three more points serve depthscope's own analyses and are not named by users (not in
+``POINT_KINDS``; pass them as :class:`Point` objects to :mod:`depthscope.hooks.engine`):
+``l.values`` (value vectors per query head [batch, pos, heads, d_head], read only; module
+``value_proj``, capture ``values``), ``l.proj_out`` (the attention output projection's own output,
+before any post-sublayer norm; ``o_proj``, ``output``) and ``final`` (the final norm's output;
+``final_norm``, ``output``).
+
+``module`` is the field of :class:`~depthscope.hooks.arch.ResolvedArch` holding the hooked module
+(one per block, or one for the model), ``capture`` the function of :mod:`depthscope.hooks.engine`
+that reads and replaces the tensor there. Adding a hook point is one :class:`PointSpec` in
+``REGISTRY`` (plus, for a tensor no capture reads yet, one capture function in the engine).
 
 ``blocks.l.hook_resid_pre`` is the previous residual site, as in :func:`~depthscope.hooks.sites.parse_site`.
 Heads are the query heads (grouped-query models: K/V shared by a group are expanded). In
@@ -33,7 +50,8 @@ call only, see :mod:`depthscope.hooks.attention`), like ``output_attentions=True
 
 A point is a :class:`Point` ``(kind, layer)``: residual sites have kind ``embed`` / ``attn`` /
 ``mlp`` (their sublayer, as in :class:`~depthscope.hooks.sites.Site`), the others the kinds above.
-Pure functions: :func:`parse_point`, :func:`parse_points`, :func:`point_names`, :func:`tl_name`.
+Pure functions: :func:`parse_point`, :func:`parse_points`, :func:`point_names`, :func:`tl_name`,
+:func:`spec_of`.
 """
 
 from __future__ import annotations
@@ -44,25 +62,55 @@ from typing import NamedTuple
 
 from depthscope.common.errors import InputError
 
+
+class PointSpec(NamedTuple):
+    """One row of the registry: where a kind of hook point lives and how the engine reads it."""
+
+    kind: str
+    module: str  # the ResolvedArch field holding the hooked module (a list per block, or one module)
+    capture: str  # the engine's capture function (a key of depthscope.hooks.engine.CAPTURES)
+    tl: str | None = None  # TransformerLens name after "blocks.<l>."; None: no alias
+    per_head: bool = False  # needs the head count and head size of the architecture
+    public: bool = True  # False: used by depthscope's analyses only, never parsed from a name
+
+
+#: every hook point, in forward order (``embed`` first, ``final`` last, block points in between)
+REGISTRY: tuple[PointSpec, ...] = (
+    PointSpec("embed", "blocks", "block_input"),
+    PointSpec("values", "value_proj", "values", per_head=True, public=False),
+    PointSpec("pattern", "attn_fn", "pattern", "attn.hook_pattern"),
+    PointSpec("z", "o_proj", "heads_input", "attn.hook_z", per_head=True),
+    PointSpec("heads", "o_proj", "heads_output", "attn.hook_result", per_head=True),
+    PointSpec("proj_out", "o_proj", "output", public=False),
+    PointSpec("attn_out", "attn_write", "output", "hook_attn_out"),
+    PointSpec("attn", "attn_site", "resid_mid", "hook_resid_mid"),
+    PointSpec("neurons", "down_proj", "input", "mlp.hook_post"),
+    PointSpec("mlp_out", "mlp_write", "output", "hook_mlp_out"),
+    PointSpec("mlp", "blocks", "output", "hook_resid_post"),
+    PointSpec("final", "final_norm", "output", public=False),
+)
+_SPECS = {s.kind: s for s in REGISTRY}
+_RANK = {s.kind: i for i, s in enumerate(REGISTRY)}
+MODEL_KINDS = ("embed", "final")  # one per model (layer -1), not one per block
+
 RESID_KINDS = ("embed", "attn", "mlp")
-SUB_KINDS = ("pattern", "z", "heads", "attn_out", "neurons", "mlp_out")
+SUB_KINDS = tuple(s.kind for s in REGISTRY if s.public and s.kind not in RESID_KINDS)
 # forward order of the kinds inside one block (embed only before block 0)
-BLOCK_ORDER = ("pattern", "z", "heads", "attn_out", "attn", "neurons", "mlp_out", "mlp")
+BLOCK_ORDER = tuple(s.kind for s in REGISTRY if s.public and s.kind not in MODEL_KINDS)
 POINT_KINDS = RESID_KINDS + SUB_KINDS
 
-_TL_SUB = {
-    "pattern": "attn.hook_pattern",
-    "z": "attn.hook_z",
-    "heads": "attn.hook_result",
-    "attn_out": "hook_attn_out",
-    "neurons": "mlp.hook_post",
-    "mlp_out": "hook_mlp_out",
-    "attn": "hook_resid_mid",
-    "mlp": "hook_resid_post",
-}
+_TL_SUB = {k: _SPECS[k].tl for k in (*SUB_KINDS, "attn", "mlp")}  # the order the error message lists them in
 _FROM_TL = {v: k for k, v in _TL_SUB.items()}
 _NAME = re.compile(r"^(\d+)\.(" + "|".join(BLOCK_ORDER) + r")$")
 _TL = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(v) for v in _TL_SUB.values()) + r"|hook_resid_pre)$")
+
+
+def spec_of(kind: str) -> PointSpec:
+    """The registry row of a kind (public or engine-internal)."""
+    try:
+        return _SPECS[kind]
+    except KeyError:
+        raise InputError(f"unknown hook point kind {kind!r}; kinds: {list(_SPECS)}") from None
 
 
 class Point(NamedTuple):
@@ -74,7 +122,7 @@ class Point(NamedTuple):
     @property
     def name(self) -> str:
         """The canonical name (``"embed"``, ``"3.attn"``, ``"3.pattern"``...)."""
-        return "embed" if self.kind == "embed" else f"{self.layer}.{self.kind}"
+        return self.kind if self.kind in MODEL_KINDS else f"{self.layer}.{self.kind}"
 
     @property
     def is_resid(self) -> bool:
@@ -92,7 +140,9 @@ class Point(NamedTuple):
     @property
     def order(self) -> tuple[int, int]:
         """Sort key in forward order."""
-        return (-1, 0) if self.kind == "embed" else (self.layer, BLOCK_ORDER.index(self.kind))
+        if self.kind in MODEL_KINDS:
+            return (-1, 0) if self.kind == "embed" else (1 << 30, 0)
+        return (self.layer, _RANK[self.kind])
 
 
 def tl_name(point: Point) -> str:
@@ -115,12 +165,16 @@ def point_names(n_layers: int, kinds: Iterable[str] | None = None) -> list[str]:
 
 
 def _unknown(name, n_layers: int, why: str = "") -> InputError:
+    """The error for a name that is no point of this model; ``why`` (e.g. a layer out of range)
+    is also kept as the error's ``why`` attribute for callers with their own message."""
     last = n_layers - 1
-    return InputError(
+    err = InputError(
         f"unknown hook point {name!r}{why}. Valid names: 'embed', '<l>.<kind>' with l in 0..{last} and kind in "
         f"{list(BLOCK_ORDER)} (e.g. '{last}.pattern'), a residual site index 0..{2 * n_layers}; TransformerLens "
         f"aliases: " + ", ".join(f"blocks.<l>.{v}" for v in ["hook_resid_pre", *_TL_SUB.values()])
     )
+    err.why = why
+    return err
 
 
 def parse_point(name: str | int | Point, n_layers: int) -> Point:
