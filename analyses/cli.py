@@ -11,8 +11,14 @@ import math
 import os
 import pkgutil
 import typing
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
+
+from depthscope.analyses import commands
+from depthscope.analyses.commands.common import release_outputs
+from depthscope.common.errors import DepthscopeError, OutputError
+from depthscope.common.runtime import tune_allocator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,8 +36,6 @@ app = typer.Typer(
 def _version(value: bool):
     """``--version``: the installed distribution's version, then exit."""
     if value:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             typer.echo(f"depthscope {version('depthscope')}")
         except PackageNotFoundError:  # run from a source tree that was never installed
@@ -78,9 +82,6 @@ def _guard(fn):
 
     @functools.wraps(fn)
     def command(*args, **kwargs):
-        from depthscope.analyses.commands.common import release_outputs
-        from depthscope.common.errors import DepthscopeError, OutputError
-
         try:
             return fn(*args, **kwargs)
         except DepthscopeError as e:
@@ -93,8 +94,7 @@ def _guard(fn):
 
 
 def _load_commands() -> None:
-    from depthscope.analyses import commands
-
+    """Register every command module's commands (each has ``register(app)``), each wrapped by :func:`_guard`."""
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
         if hasattr(mod, "register"):
@@ -108,9 +108,6 @@ _load_commands()
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from depthscope.common.errors import DepthscopeError
-    from depthscope.common.runtime import tune_allocator
-
     tune_allocator()  # this process is ours: keep large blocks in the heap (see common/runtime.py)
     try:
         app()

@@ -39,9 +39,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from depthscope.analyses.lens import logit_lens
+from depthscope.analyses.norms import contribution_norms
 from depthscope.analyses.tables import site_first, write_table
+from depthscope.common.digest import ALGORITHM, model_digest
 from depthscope.common.errors import DepthscopeError
 from depthscope.common.files import atomic_text, atomic_write
+from depthscope.common.progress import track
+from depthscope.hooks import load_model
+from depthscope.probes import run_probes
 
 _STEP_PATTERNS = [
     re.compile(r"(?:^|[-_/])(?:global[-_]?)?step[-_]?(\d+)", re.I),
@@ -123,22 +129,16 @@ AnalysisFn = Callable[..., dict[str, pd.DataFrame]]
 
 
 def _lens(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
-    from depthscope.analyses.lens import logit_lens
-
     return {"by_site": logit_lens(model, texts, **kw)}
 
 
 def _norms(model, *, texts, **kw) -> dict[str, pd.DataFrame]:
-    from depthscope.analyses.norms import contribution_norms
-
     return {"by_site": contribution_norms(model, texts, **kw)}
 
 
 def _probe(model, *, tasks, train, test, dev=None, **kw) -> dict[str, pd.DataFrame]:
     """``kw``: ``config`` / ``extraction`` / ``data`` objects and loose settings, read by
     ``run_probes`` (the configuration objects' defaults, as everywhere)."""
-    from depthscope.probes import run_probes
-
     res = run_probes(model, tasks, train, test, dev, progress=False, **kw)
     return {"by_site": res.by_site, "summary": res.summary}
 
@@ -200,28 +200,15 @@ def sweep(
     task writes its own result files, so resume, failure records and the table are the same).
     ``load``: the loader (default :func:`~depthscope.hooks.load_model`; a ``functools.partial``
     of it with ``device``/``dtype``: its keywords become part of the request)."""
-    from depthscope.hooks import load_model
-
     load = load or load_model
-    cks = [
-        c if isinstance(c, Checkpoint) else Checkpoint(_safe_name(Path(str(c)).name), str(c), parse_step(str(c)))
-        for c in checkpoints
-    ]
-    if not cks:
-        raise SweepError("no checkpoints to sweep")
+    cks = _checkpoints(checkpoints)
     fn = ANALYSES.get(analysis) if isinstance(analysis, str) else analysis
     if fn is None:
         raise SweepError(f"unknown analysis {analysis!r}; choose one of {sorted(ANALYSES)}")
     if engine not in (None, "local") and not hasattr(engine, "run"):
         raise SweepError(f"unknown sweep engine {engine!r}; use 'local' or a RayEngine")
     out = Path(out_dir)
-    request = {
-        "analysis": analysis if isinstance(analysis, str) else getattr(analysis, "__name__", "custom"),
-        "options": _describe_inputs(analysis_kwargs),
-    }
-    if isinstance(load, functools.partial) and load.keywords:  # device, dtype: they change the numbers
-        request["load"] = _describe_inputs(load.keywords)
-    state = _SweepState.open(out, request, overwrite)
+    state = _SweepState.open(out, _request(analysis, analysis_kwargs, load), overwrite)
     result = SweepResult(tables={}, out_dir=out)
     pending = []
     for ck in cks:
@@ -237,14 +224,36 @@ def sweep(
                 state.set_reference(ck.name, outcome["fingerprint"])
             _tally(result, outcome)
     else:
-        outcomes = engine.run(pending, task, state.reference, allow_mixed, progress=progress)
-        for outcome in outcomes:
+        for outcome in engine.run(pending, task, state.reference, allow_mixed, progress=progress):
             _tally(result, outcome)
         state.reconcile(cks, result, allow_mixed)
     result.tables = combine(out, [c.name for c in cks])
     for tname, df in result.tables.items():
         write_table(df, out, f"sweep_{tname}")
     return result
+
+
+def _checkpoints(checkpoints: Sequence[Checkpoint | str | Path]) -> list[Checkpoint]:
+    """Each checkpoint as a :class:`Checkpoint` (a path or spec named after its last part); none is an error."""
+    cks = [
+        c if isinstance(c, Checkpoint) else Checkpoint(_safe_name(Path(str(c)).name), str(c), parse_step(str(c)))
+        for c in checkpoints
+    ]
+    if not cks:
+        raise SweepError("no checkpoints to sweep")
+    return cks
+
+
+def _request(analysis: str | AnalysisFn, analysis_kwargs: dict, load: Callable) -> dict:
+    """What a sweep folder records of its request: the analysis, its options (files by digest)
+    and the loader's keywords (device, dtype: they change the numbers)."""
+    request = {
+        "analysis": analysis if isinstance(analysis, str) else getattr(analysis, "__name__", "custom"),
+        "options": _describe_inputs(analysis_kwargs),
+    }
+    if isinstance(load, functools.partial) and load.keywords:
+        request["load"] = _describe_inputs(load.keywords)
+    return request
 
 
 def _tally(result: SweepResult, outcome: dict) -> None:
@@ -255,8 +264,6 @@ def _tally(result: SweepResult, outcome: dict) -> None:
 
 
 def _progress(items, progress: bool, total: int, initial: int):
-    from depthscope.common.progress import track
-
     return track(items, desc="sweep", unit="ckpt", enabled=progress, total=total - initial)
 
 
@@ -358,8 +365,6 @@ def _run_checkpoint(
     its ``failed`` record); returns ``{checkpoint, status, error, fingerprint}``. The unit of
     work of every engine: it runs in this process or in a Ray worker, and its files are written
     atomically, so a retried task replaces, never duplicates, a half-finished attempt."""
-    from depthscope.common.digest import ALGORITHM, model_digest
-
     t0 = time.time()
     fp = None
     try:

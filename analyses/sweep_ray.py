@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from depthscope.common.checks import Settings, setting
 from depthscope.common.errors import DepthscopeError
 from depthscope.common.files import atomic_text
 
@@ -47,19 +48,31 @@ class RayUnavailable(DepthscopeError, RuntimeError):
 def require_ray():
     """The ``ray`` module, or a clear error with the install command."""
     try:
-        import ray
+        import ray  # lazy: Ray is optional (the ray extra)
     except ImportError:
         raise RayUnavailable(f"--engine ray needs Ray, which is not installed: run `{INSTALL_RAY}`") from None
     return ray
 
 
 @dataclass
-class RayEngine:
+class RayEngine(Settings):
     """Run a sweep's checkpoints as Ray tasks (see the module docstring)."""
 
-    address: str | None = None  # None: a local Ray with `workers` CPUs; "auto", "host:port" or "ray://host:port"
-    workers: int = 2  # local Ray: CPUs (= concurrent tasks); on a cluster, unused
-    gpus_per_task: float = 0.0  # GPUs each task reserves (Ray sets CUDA_VISIBLE_DEVICES for it)
+    #: None: a local Ray with ``workers`` CPUs; "auto", "host:port" or "ray://host:port"
+    address: str | None = setting(
+        None,
+        "--address",
+        help="Ray cluster to join (host:port, ray://host:port or auto); default: a local Ray.",
+    )
+    #: local Ray: CPUs (= concurrent tasks); on a cluster, unused
+    workers: int = setting(2, "--workers", min=1, help="CPUs of the local Ray (concurrent checkpoints); --engine ray.")
+    #: GPUs each task reserves (Ray sets CUDA_VISIBLE_DEVICES for it)
+    gpus_per_task: float = setting(
+        0.0,
+        "--gpus-per-task",
+        cli_min=0.0,
+        help="GPUs each Ray task reserves (0: none, CPU tasks; use with --device cuda); --engine ray.",
+    )
     max_retries: int = 1  # retries of a task whose worker died
     connect_timeout: float = 10.0  # seconds to wait for --address before giving up
 
@@ -189,6 +202,6 @@ def _check_reachable(address: str, timeout: float) -> None:
 def _bar(progress: bool, total: int):
     if not progress:
         return None
-    from depthscope.common.progress import progress_bar
+    from depthscope.common.progress import progress_bar  # lazy: tqdm, --help must not import it
 
     return progress_bar(total=total, desc="sweep (ray)", unit="ckpt")

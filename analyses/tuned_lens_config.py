@@ -1,4 +1,5 @@
-"""The tuned-lens trainer's settings: one dataclass, torch-free (the command line reads its defaults).
+"""The tuned-lens trainer's settings: one frozen dataclass, torch-free, checked on construction;
+its fields declare the ``lens-train`` options (flags, defaults, bounds, help).
 
 :func:`depthscope.analyses.tuned_lens.train_tuned_lens` takes it; ``depthscope lens-train``
 builds it from its options (:class:`depthscope.analyses.jobs.lens.LensTrainConfig` holds it).
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from depthscope.common.checks import Checked, comma_list, setting
 from depthscope.common.errors import InputError
-from depthscope.probes.config import check_number
+
+MATMUL_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
-class TunedLensTraining:
+class TunedLensTraining(Checked):
     """The trainer's settings (the only defaults: the ``lens-train`` command reads them).
 
     ``sites``: the sites to translate (default all 2L+1; the last keeps the identity). ``steps``
@@ -27,30 +30,32 @@ class TunedLensTraining:
     "bfloat16" or "float32".
     """
 
-    sites: tuple | None = None
-    steps: int = 250
-    tokens_per_step: int = 8
-    cache_tokens: int = 2048
-    lr: float = 3e-2
-    weight_lr: float = 3e-3
-    warmup: int = 10
-    window: int | None = 256
-    batch_size: int = 8
-    max_batch_tokens: int = 1024
-    checkpoint_every: int = 25
-    resume: bool = True
+    sites: tuple | None = setting(
+        None, "--sites", cli_type=str | None, parse=comma_list, help="Comma-separated sites to translate; default all."
+    )
+    steps: int = setting(
+        250,
+        "--steps",
+        min=0,
+        cli_min=1,
+        help="Adam steps (bounded; each trains every site on --tokens-per-step tokens).",
+    )
+    tokens_per_step: int = setting(8, "--tokens-per-step", min=1, help="Tokens per step (x all sites).")
+    cache_tokens: int = setting(
+        2048, "--cache-tokens", min=1, help="Tokens whose streams are captured once and trained on."
+    )
+    lr: float = setting(3e-2, "--lr", positive=True, help="Learning rate of the (RMS-scaled) biases.")
+    weight_lr: float = setting(3e-3, "--weight-lr", positive=True, help="Learning rate of the d x d matrices.")
+    warmup: int = setting(10, min=0)
+    window: int | None = setting(256, min=1)
+    batch_size: int = setting(8, min=1)
+    max_batch_tokens: int = setting(1024, min=1)
+    checkpoint_every: int = setting(25, "--checkpoint-every", min=1, help="Steps between checkpoints.")
+    resume: bool = setting(True, "--resume/--no-resume", help="Continue from a checkpoint in OUT (default).")
     seed: int = 0
     matmul_dtype: str = "auto"
 
-    def validate(self) -> TunedLensTraining:
-        """Raise :class:`InputError` on a setting that would give no or a wrong lens; returns self."""
-        check_number("steps", self.steps, minimum=0)
-        check_number("warmup", self.warmup, minimum=0)
-        for name in ("tokens_per_step", "cache_tokens", "checkpoint_every", "batch_size", "max_batch_tokens"):
-            check_number(name, getattr(self, name))
-        check_number("window", self.window, allow_none=True)
-        for name in ("lr", "weight_lr"):
-            check_number(name, getattr(self, name), minimum=0.0, integer=False)
-        if self.matmul_dtype not in ("auto", "bfloat16", "float32"):
+    def check(self) -> None:
+        """``matmul_dtype`` is one of :data:`MATMUL_DTYPES`."""
+        if self.matmul_dtype not in MATMUL_DTYPES:
             raise InputError(f"matmul_dtype must be auto, bfloat16 or float32, got {self.matmul_dtype!r}")
-        return self

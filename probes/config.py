@@ -16,12 +16,13 @@ kw)``                  new configs with loose keyword settings applied; an unkno
                        :class:`~depthscope.common.errors.InputError` that lists the valid ones
 =====================  ========================================================================
 
-They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given, no
-work and no validation in ``__init__``; ``validate()`` checks them when a run starts.
-``run_probes``, ``depthscope probe``, ``depthscope run``, sweeps and the probe job read these
-defaults (the command-line options take theirs from here), so every entry point runs the
+They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given
+(frozen), no work and no validation in ``__init__``; ``validate()`` checks them when a run
+starts. Each field declares its bounds and, for the settings the command line offers, its flag
+and help (:func:`~depthscope.common.checks.setting`): ``run_probes``, ``depthscope probe``,
+``depthscope run``, sweeps and the probe job read these defaults, so every entry point runs the
 same protocol. Probes are trained to convergence (``max_epochs`` is only a cap that warns), so
-the answer does not depend on how long training runs (it did with a fixed 12 or 6 epochs).
+the answer does not depend on how long training runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
+
+from depthscope.common.checks import Settings, comma_list, setting
+from depthscope.common.checks import check_number as check_number  # re-exported for older importers
+from depthscope.common.errors import InputError
 
 PROBES = ("linear", "mlp")
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
@@ -53,41 +59,19 @@ L2_LADDER = (1e-4, 3e-4, 1e-3) + L2_GRID + (3e-1, 1.0, 3.0)
 L2_SITES = 16
 
 
-def _error(msg: str) -> Exception:
-    from depthscope.common.errors import InputError  # here, not at import: this module stays import-cheap
-
-    return InputError(msg)
-
-
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise _error(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def check_number(name: str, value, *, minimum: float = 1, integer: bool = True, allow_none: bool = False) -> None:
-    """The one numeric check of every configuration: ``value`` is a finite number (an integer when
-    ``integer``) of at least ``minimum`` (``minimum=0.0`` with ``integer=False``: greater than 0),
-    or None when ``allow_none``; else an :class:`~depthscope.common.errors.InputError` naming it."""
-    if value is None and allow_none:
-        return
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = value >= minimum
-    elif ok:
-        ok = value > 0 if minimum == 0.0 else value >= minimum
-    if not ok:
-        what = "an integer" if integer else "a finite number"
-        bound = f">= {minimum}" if integer or minimum != 0.0 else "> 0"
-        raise _error(f"{name} must be {what} {bound}, got {value!r}")
+def parse_l2(text: str) -> float | str:
+    """The ``--l2`` option's value: ``auto``, ``dev`` or a finite number >= 0."""
+    try:
+        l2 = text if text in ("auto", "dev") else float(text)
+    except ValueError:
+        raise InputError(f"--l2 must be a number, 'auto' or 'dev', got {text!r}") from None
+    if l2 not in ("dev", "auto") and not (math.isfinite(l2) and l2 >= 0):
+        raise InputError(f"--l2 must be a finite number >= 0 (0: no penalty), 'auto' or 'dev', got {text!r}")
+    return l2
 
 
-def _positive(name: str, value, *, allow_none: bool = False) -> None:
-    check_number(name, value, minimum=0.0, integer=False, allow_none=allow_none)
-
-
-@dataclass
-class ProbeConfig:
+@dataclass(frozen=True)
+class ProbeConfig(Settings):
     """The probe and its training (one protocol for every entry point).
 
     ``probe``: ``linear`` (softmax regression) or ``mlp`` (one hidden ReLU layer of ``hidden``
@@ -124,58 +108,84 @@ class ProbeConfig:
     where the CPU multiplies it natively: :func:`~depthscope.probes.solvers.cpu.resolve_precision`).
     """
 
-    probe: str = "linear"
-    l2: float | str = "auto"
-    l2_folds: int = 2
-    solver: str = "auto"
-    max_epochs: int = 200
-    tol: float = 1e-5
-    gtol: float = 5e-4
+    probe: str = setting(
+        "linear", "--probe", choices=PROBES, help="linear (softmax regression) or mlp (one hidden layer)."
+    )
+    l2: float | str = setting(
+        "auto",
+        "--l2",
+        cli_type=str,
+        show=str,
+        parse=parse_l2,
+        help="L2 penalty on mean cross-entropy (sklearn C = 1/(2*l2*n); 0: none), or 'auto': one per task from "
+        "the grid 3e-3 .. 1e-1 (L2_GRID, grown by half-decades from 1e-4 to 3 while the best is at its end) "
+        "by held-out accuracy (on --dev when given, else on folds of train).",
+    )
+    l2_folds: int = setting(2, min=2)
+    solver: str = setting("auto", choices=SOLVERS)
+    max_epochs: int = setting(
+        200,
+        "--max-epochs",
+        min=1,
+        help="Cap on passes over train: probes train until they converge; "
+        "hitting the cap warns and is recorded (converged=False).",
+    )
+    tol: float = setting(1e-5, positive=True)
+    gtol: float = setting(5e-4, positive=True)
     min_steps: int = 100
-    lr: float = 1e-2
-    batch_size: int | None = None
-    hidden: int = 256
+    lr: float = setting(1e-2, positive=True)
+    batch_size: int | None = setting(None, min=1)
+    hidden: int = setting(256, min=1)
     control: bool = True
     cumulative: bool = True
-    stack_draws: int = 2
-    stack_folds: int = 2
-    stack_l2: float = 1e-2
-    mdl: bool = False
-    seed: int = 0
-    precision: str = "float32"
+    stack_draws: int = setting(
+        2,
+        "--stack-draws",
+        min=1,
+        help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
+        "the interval resamples them. Each draw refits every site probe on each fold.",
+    )
+    stack_folds: int = setting(
+        2,
+        "--stack-folds",
+        min=2,
+        help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
+        "per draw in E_Delta, one more refit of every site probe each).",
+    )
+    stack_l2: float = setting(
+        1e-2,
+        "--stack-l2",
+        positive=True,
+        help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (stronger: weight spread "
+        "over more sites; E_Delta depends on it, see docs/tenney_comparison.md).",
+    )
+    mdl: bool = setting(
+        False, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."
+    )
+    seed: int = setting(0, "--seed", min=0, help="Seed for sampling, control tasks and training (an integer >= 0).")
+    precision: str = setting(
+        "float32",
+        "--precision",
+        choices=PRECISIONS,
+        help="Feature precision: float32 (the default on every machine), bfloat16, or auto "
+        "(bfloat16 only on CPUs with native bf16, see depthscope.probes.solvers.cpu).",
+    )
 
-    def validate(self) -> ProbeConfig:
-        _choice("probe", self.probe, PROBES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("solver", self.solver, SOLVERS)
+    def check(self) -> None:
+        """The solver fits the probe kind; ``l2`` is a penalty or a rule; ``min_steps`` >= 0."""
         if self.solver in ("subspace", "lbfgs") and self.probe != "linear":
-            raise _error(
+            raise InputError(
                 f"solver {self.solver!r} fits linear probes; probe={self.probe!r} trains with 'adam' (or 'auto')"
             )
         numeric = isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
         if not (self.l2 in ("auto", "dev") or (numeric and math.isfinite(self.l2) and self.l2 >= 0)):
-            raise _error(f"l2 must be a finite non-negative number, 'auto' or 'dev', got {self.l2!r}")
-        for name in ("max_epochs", "hidden"):
-            check_number(name, getattr(self, name))
-        check_number("l2_folds", self.l2_folds, minimum=2)
-        check_number("stack_draws", self.stack_draws)
-        check_number("stack_folds", self.stack_folds, minimum=2)
-        _positive("stack_l2", self.stack_l2)
-        for name in ("lr", "tol", "gtol"):
-            _positive(name, getattr(self, name))
-        check_number("batch_size", self.batch_size, allow_none=True)
-        check_number("seed", self.seed, minimum=0)
-        if not isinstance(self.min_steps, int) or self.min_steps < 0:
-            raise _error(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
-        if not isinstance(self.l2_folds, int) or self.l2_folds < 2:
-            raise _error(f"l2_folds must be an integer >= 2, got {self.l2_folds!r}")
-        if not isinstance(self.max_epochs, int):
-            raise _error(f"max_epochs must be a positive integer, got {self.max_epochs!r}")
-        return self
+            raise InputError(f"l2 must be a finite non-negative number, 'auto' or 'dev', got {self.l2!r}")
+        if not isinstance(self.min_steps, int) or isinstance(self.min_steps, bool) or self.min_steps < 0:
+            raise InputError(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
 
 
-@dataclass
-class ExtractionConfig:
+@dataclass(frozen=True)
+class ExtractionConfig(Settings):
     """How activations are extracted and held.
 
     ``pooling``: ``last`` | ``first`` | ``mean`` | ``attn`` (span subwords). ``sites``:
@@ -185,41 +195,70 @@ class ExtractionConfig:
     float32). ``batch_tokens``: padded tokens per forward batch; ``max_tokens``: passage cap
     (and the model's context). ``bos``: when the tokenizer adds no special token at the start
     (SmolLM2, GPT-2), prepend its BOS (else EOS) token, as TransformerLens does by default, so
-    the first word is not the model's attention sink (without it, from SmolLM2-135M's 11.mlp
-    the first word's upos accuracy falls from ~0.80 to ~0.67). ``resident_bytes``: memory for
+    the first word is not the model's attention sink (whose stream is a poor feature of the
+    word). ``resident_bytes``: memory for
     the standardised features held in RAM during fitting (else streamed from the store).
     ``shards``: write the store as this many shards (corpus slices, :mod:`.shards`; a re-run
     redoes only missing ones); ``engine``: ``local`` or ``ray`` (one Ray task per shard on a
     local Ray with ``workers`` CPUs, each loading the model from its source).
     """
 
-    pooling: str = "last"
-    sites: Sequence | None = None
-    context: str | None = None
-    store_dir: str | None = None
-    store_dtype: str = "float16"
-    batch_tokens: int = 2048
-    max_tokens: int = 512
-    bos: bool = True
-    resident_bytes: float = 4e9
-    shards: int = 1
-    engine: str = "local"
-    workers: int = 2
+    pooling: str = setting(
+        "last",
+        "--pooling",
+        choices=POOLINGS,
+        help="Span pooling: last (default for decoders), first, mean, attn (self-attentive).",
+    )
+    sites: Sequence | None = setting(
+        None,
+        "--sites",
+        cli_type=str | None,
+        parse=comma_list,
+        help="Comma-separated sites (labels or indices); default all 2L+1.",
+    )
+    context: str | None = setting(
+        None,
+        "--context",
+        choices=CONTEXTS,
+        help="sentence or document for every task (default: document for coref only).",
+    )
+    store_dir: str | None = setting(
+        None,
+        "--store",
+        cli_type=Path | None,
+        help="Activation store folder (default: <cache>/activations); reused on re-runs.",
+    )
+    store_dtype: str = setting(
+        "float16",
+        "--float32/--float16",
+        choices=STORE_DTYPES,
+        cli_type=bool,
+        show=lambda dtype: dtype == "float32",
+        parse=lambda wide: "float32" if wide else "float16",
+        help="Store activations as float32 (default float16).",
+    )
+    batch_tokens: int = setting(2048, min=1)
+    max_tokens: int = setting(512, min=1)
+    bos: bool = setting(
+        True,
+        "--bos/--no-bos",
+        help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink.",
+    )
+    resident_bytes: float = setting(4e9, positive=True)
+    shards: int = setting(
+        1,
+        "--shards",
+        min=1,
+        help="Write the activation store as N shards (a re-run redoes only missing ones; 1: one store).",
+    )
+    engine: str = setting(
+        "local", "--engine", choices=("local", "ray"), help="Extraction engine: local, or ray (one Ray task per shard)."
+    )
+    workers: int = setting(2, "--workers", min=1, help="CPUs of the local Ray (--engine ray).")
 
-    def validate(self) -> ExtractionConfig:
-        _choice("pooling", self.pooling, POOLINGS)
-        _choice("store_dtype", self.store_dtype, STORE_DTYPES)
-        if self.context is not None:
-            _choice("context", self.context, CONTEXTS)
-        _choice("engine", self.engine, ("local", "ray"))
-        for name in ("batch_tokens", "max_tokens", "shards", "workers"):
-            check_number(name, getattr(self, name))
-        _positive("resident_bytes", self.resident_bytes)
-        return self
 
-
-@dataclass
-class DataConfig:
+@dataclass(frozen=True)
+class DataConfig(Settings):
     """Which examples are used.
 
     ``max_train_sentences`` / ``max_test_sentences`` / ``max_dev_sentences``: caps per split
@@ -229,21 +268,24 @@ class DataConfig:
     second; ``coref_neg_ratio``: negatives sampled per positive pair.
     """
 
-    max_train_sentences: int | None = None
-    max_test_sentences: int | None = None
-    max_dev_sentences: int | None = None
-    overlap: str = "drop"
+    max_train_sentences: int | None = setting(
+        None, "--max-train-sentences", min=1, help="Cap train at N sentences (whole documents, seeded)."
+    )
+    max_test_sentences: int | None = setting(None, "--max-test-sentences", min=1, help="Cap test at N sentences.")
+    max_dev_sentences: int | None = setting(None, "--max-dev-sentences", min=1, help="Cap dev at N sentences.")
+    overlap: str = setting(
+        "drop",
+        "--overlap",
+        choices=OVERLAP,
+        help="Test sentences also in train: drop (default), keep, or error.",
+    )
     coref_window: int = 2
-    coref_neg_ratio: float = 1.0
+    coref_neg_ratio: float = setting(1.0, positive=True)
 
-    def validate(self) -> DataConfig:
-        _choice("overlap", self.overlap, OVERLAP)
-        for name in ("max_train_sentences", "max_test_sentences", "max_dev_sentences"):
-            check_number(name, getattr(self, name), allow_none=True)
-        _positive("coref_neg_ratio", self.coref_neg_ratio)
-        if not isinstance(self.coref_window, int) or self.coref_window < 0:
-            raise _error(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
-        return self
+    def check(self) -> None:
+        """``coref_window`` is a non-negative integer."""
+        if not isinstance(self.coref_window, int) or isinstance(self.coref_window, bool) or self.coref_window < 0:
+            raise InputError(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
 
 
 def field_names(cls) -> list:
@@ -261,7 +303,7 @@ def override(configs: Sequence, overrides: dict) -> list:
     unknown = sorted(set(overrides) - set(owner))
     if unknown:
         valid = ", ".join(n for c in configs for n in field_names(type(c)))
-        raise _error(f"unknown probe setting(s) {', '.join(unknown)}; valid: {valid}")
+        raise InputError(f"unknown probe setting(s) {', '.join(unknown)}; valid: {valid}")
     out = list(configs)
     for i, c in enumerate(configs):
         mine = {k: v for k, v in overrides.items() if owner[k] == i}

@@ -63,19 +63,24 @@ def test_every_probe_and_run_option_has_help():
 
 def test_building_blocks_default_to_the_config():
     from depthscope.probes import BatchedProbe, fit_cumulative, online_codelength, train_probe
+    from depthscope.probes.solvers.base import TrainSettings
     from depthscope.probes.solvers.classifiers import numeric_l2
 
     cfg = ProbeConfig()
-    tp = inspect.signature(train_probe).parameters
-    assert (
-        tp["max_epochs"].default,
-        tp["tol"].default,
-        tp["gtol"].default,
-        tp["solver"].default,
-        tp["lr"].default,
-        tp["min_steps"].default,
-        tp["batch_size"].default,
-    ) == (cfg.max_epochs, cfg.tol, cfg.gtol, cfg.solver, cfg.lr, cfg.min_steps, cfg.batch_size)
+    # train_probe's training settings are a TrainSettings (overridable by keyword), whose
+    # defaults are the config's
+    assert inspect.signature(train_probe).parameters["settings"].default is None
+    ts = TrainSettings()
+    assert (ts.max_epochs, ts.tol, ts.gtol, ts.solver, ts.lr, ts.min_steps, ts.batch_size) == (
+        cfg.max_epochs,
+        cfg.tol,
+        cfg.gtol,
+        cfg.solver,
+        cfg.lr,
+        cfg.min_steps,
+        cfg.batch_size,
+    )
+    assert TrainSettings.from_config(cfg) == ts
     for fn in (fit_cumulative, online_codelength):  # settings come in a ProbeConfig, no defaults of their own
         params = inspect.signature(fn).parameters
         assert "config" in params and not {"epochs", "max_epochs", "l2", "lr", "hidden", "kind"} & set(params)

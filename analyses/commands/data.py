@@ -1,5 +1,6 @@
 """``depthscope data``: the bundled probing samples (UD English EWT and GUM excerpts) by name, so a
-shell command can use them: ``depthscope probe --train $(depthscope data ewt_train) ...``."""
+shell command can use them: ``depthscope probe --train $(depthscope data ewt_train) ...``; the work
+is :mod:`depthscope.analyses.jobs.data`."""
 
 from __future__ import annotations
 
@@ -7,146 +8,63 @@ import sys
 from pathlib import Path
 
 import typer
+from rich.console import Console
 
-#: licence short names per treebank (the full attribution: probes/data/README.md)
-LICENCES = {"ewt": "CC BY-SA 4.0", "gum": "CC BY-NC-SA 4.0"}
-TREEBANKS = {"ewt": "UD English EWT", "gum": "UD English GUM"}
+from depthscope.analyses.commands.options import SHARED, Opt, command, opt, options
+from depthscope.analyses.jobs.data import LICENCES, TREEBANKS, copy_samples, resolve, samples, samples_table
 
-
-def samples() -> dict[str, Path]:
-    """The bundled samples by name (``ewt_train``, ``ewt_test``, ``gum_train``, ``gum_test``),
-    absolute paths."""
-    from depthscope.probes import sample_data
-
-    return {name: Path(p).resolve() for name, p in sample_data().items()}
-
-
-def resolve(name: str) -> tuple[str, Path]:
-    """(name, path) of one sample; ``ewt-train`` is read as ``ewt_train``. An unknown name is an
-    :class:`~depthscope.common.errors.InputError` listing the valid ones."""
-    from depthscope.common.errors import InputError
-
-    found = samples()
-    key = name.strip().lower().replace("-", "_")
-    if key not in found:
-        raise InputError(f"no bundled sample named {name!r}; the samples are: {', '.join(found)}")
-    return key, found[key]
-
-
-def count(path: Path) -> tuple[int, int]:
-    """(sentences, syntactic words) of a CoNLL-U file: sentences are blank-line separated blocks
-    with at least one word line; words are lines whose ID is an integer (multiword-token ranges
-    ``2-3`` and empty nodes ``8.1`` are not words)."""
-    sentences = words = 0
-    in_sentence = False
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                in_sentence = False
-                continue
-            if line.startswith("#"):
-                continue
-            if line.split("\t", 1)[0].isdigit():
-                words += 1
-                if not in_sentence:
-                    sentences += 1
-                    in_sentence = True
-    return sentences, words
+DATA = options(
+    "name copy force",
+    extra=(
+        Opt(
+            "name",
+            str | None,
+            None,
+            help="A sample's name (ewt_train, ewt_test, gum_train, gum_test): print only its path.",
+            argument=True,
+            metavar="NAME",
+        ),
+        opt(
+            "--copy",
+            None,
+            "Copy the samples (only NAME, when given) and their README (attribution, licences) into "
+            "this folder and print the copies' paths.",
+            Path | None,
+        ),
+        SHARED["force"].but(help="With --copy: overwrite files of the same name."),
+    ),
+)
 
 
-def licence(name: str) -> str:
-    return LICENCES.get(name.split("_", 1)[0], "see README.md")
+def data(o) -> None:
+    """The bundled probing samples: excerpts of the Universal Dependencies v2.16 English EWT
+    and GUM treebanks that ship with depthscope.
 
+    Without NAME: a table of the samples (sentences, words, path, licence). With NAME: the
+    absolute path of that sample alone, for the shell:
 
-def copy_samples(names: list[str], folder: Path, *, force: bool = False) -> list[Path]:
-    """Copy the named samples, and the README that holds their attribution and licences, into
-    ``folder`` (created); returns the copies of the samples. A file there with other content is
-    kept unless ``force``."""
-    import filecmp
-    import shutil
+      depthscope probe --train $(depthscope data ewt_train) --test $(depthscope data ewt_test)
 
-    from depthscope.common.errors import OutputError
-    from depthscope.common.files import atomic_write, check_writable
-
-    try:
-        check_writable(folder)
-    except OutputError as e:
-        raise OutputError(str(e).replace("--out", "--copy")) from None
-    found = samples()
-    sources = [found[n] for n in names]
-    readme = found[names[0]].parent / "README.md"
-    if readme.is_file():
-        sources.append(readme)
-    for src in sources:
-        dest = folder / src.name
-        if dest.exists() and not force and not (dest.is_file() and filecmp.cmp(src, dest, shallow=False)):
-            raise OutputError(
-                f"{dest} exists and is not the bundled {src.name}; use --force to overwrite it or another --copy"
-            )
-    copies = []
-    for src in sources:
-        dest = folder / src.name
-        if not (dest.is_file() and filecmp.cmp(src, dest, shallow=False)):
-            atomic_write(dest, lambda tmp, src=src: shutil.copyfile(src, tmp))
-        copies.append(dest.resolve())
-    return copies[: len(names)]
+    EWT is CC BY-SA 4.0; GUM is CC BY-NC-SA 4.0 (non-commercial use only). Cite the
+    treebanks when publishing results (probes/data/README.md).
+    """
+    key, path = resolve(o.name) if o.name is not None else (None, None)
+    if o.copy is not None:
+        for p in copy_samples([key] if key else list(samples()), o.copy, force=o.force):
+            typer.echo(str(p))
+    elif path is not None:
+        typer.echo(str(path))
+    else:
+        found = samples()
+        console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: paths unbroken
+        console.print(samples_table(found))
+        readme = next(iter(found.values())).parent / "README.md"
+        console.print(
+            f"{TREEBANKS['ewt']}: {LICENCES['ewt']}; {TREEBANKS['gum']}: {LICENCES['gum']} (non-commercial use "
+            f"only). Attribution: {readme}",
+            soft_wrap=True,
+        )
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("data")
-    def data(
-        name: str | None = typer.Argument(
-            None,
-            metavar="NAME",
-            help="A sample's name (ewt_train, ewt_test, gum_train, gum_test): print only its path.",
-        ),
-        copy: Path | None = typer.Option(
-            None,
-            "--copy",
-            help="Copy the samples (only NAME, when given) and their README (attribution, licences) into "
-            "this folder and print the copies' paths.",
-        ),
-        force: bool = typer.Option(False, "--force", help="With --copy: overwrite files of the same name."),
-    ):
-        """The bundled probing samples: excerpts of the Universal Dependencies v2.16 English EWT
-        and GUM treebanks that ship with depthscope.
-
-        Without NAME: a table of the samples (sentences, words, path, licence). With NAME: the
-        absolute path of that sample alone, for the shell:
-
-          depthscope probe --train $(depthscope data ewt_train) --test $(depthscope data ewt_test)
-
-        EWT is CC BY-SA 4.0; GUM is CC BY-NC-SA 4.0 (non-commercial use only). Cite the
-        treebanks when publishing results (probes/data/README.md).
-        """
-        if name is not None:
-            key, path = resolve(name)
-            names = [key]
-        else:
-            names = list(samples())
-        if copy is not None:
-            for p in copy_samples(names, copy, force=force):
-                typer.echo(str(p))
-            return
-        if name is not None:
-            typer.echo(str(path))
-            return
-        _table(samples())
-
-
-def _table(found: dict[str, Path]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table("name", "sentences", "words", "path", "licence", title="bundled probing samples (UD v2.16 excerpts)")
-    for name, path in found.items():
-        sentences, words = count(path)
-        t.add_row(name, str(sentences), str(words), str(path), licence(name))
-    console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: paths unbroken
-    console.print(t)
-    readme = next(iter(found.values())).parent / "README.md"
-    console.print(
-        f"{TREEBANKS['ewt']}: {LICENCES['ewt']}; {TREEBANKS['gum']}: {LICENCES['gum']} (non-commercial use only). "
-        f"Attribution: {readme}",
-        soft_wrap=True,
-    )
+    command(app, "data", DATA)(data)

@@ -3,35 +3,36 @@
 from __future__ import annotations
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from depthscope.analyses.commands.common import DeviceOpt, DtypeOpt, ModelOpt
+from depthscope.analyses.commands.common import load_model
+from depthscope.analyses.commands.options import command, opt, options
+
+INFO = options(
+    "model device dtype prompt",
+    extra=(opt("--prompt -p", "The capital of France is", "Text to run."),),
+)
+
+
+def info(o) -> None:
+    """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
+    import torch  # lazy: --help must not import torch
+
+    m = load_model(o)
+    console = Console()
+    console.print(repr(m))
+    rs = m.residual_stream([o.prompt])
+    table = Table("site", "label", "depth", "||h|| (last token)", "lens top-1 (last token)")
+    frame = rs.site_frame()
+    with torch.no_grad():
+        last = rs.resid[:, 0, int(rs.mask[0].sum()) - 1]
+        tops = m.decode(last).argmax(-1).tolist() if m.can_decode else [None] * len(last)
+    for row, h, t in zip(frame.itertuples(), last, tops):
+        tok = repr(m.tokenizer.decode([t])) if t is not None and m.tokenizer is not None else "-"
+        table.add_row(str(row.site), row.label, f"{row.depth:g}", f"{float(h.norm()):.1f}", tok)
+    console.print(table)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("info")
-    def info(
-        model: str | None = ModelOpt,
-        device: str = DeviceOpt,
-        dtype: str = DtypeOpt,
-        prompt: str = typer.Option("The capital of France is", "--prompt", "-p", help="Text to run."),
-    ):
-        """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
-        import torch
-        from rich.console import Console
-        from rich.table import Table
-
-        from depthscope.hooks import load_model
-
-        m = load_model(model, device=device, dtype=dtype)
-        console = Console()
-        console.print(repr(m))
-        rs = m.residual_stream([prompt])
-        table = Table("site", "label", "depth", "||h|| (last token)", "lens top-1 (last token)")
-        frame = rs.site_frame()
-        with torch.no_grad():
-            last = rs.resid[:, 0, int(rs.mask[0].sum()) - 1]
-            tops = m.decode(last).argmax(-1).tolist() if m.can_decode else [None] * len(last)
-        for row, h, t in zip(frame.itertuples(), last, tops):
-            tok = repr(m.tokenizer.decode([t])) if t is not None and m.tokenizer is not None else "-"
-            table.add_row(str(row.site), row.label, f"{row.depth:g}", f"{float(h.norm()):.1f}", tok)
-        console.print(table)
+    command(app, "info", INFO)(info)

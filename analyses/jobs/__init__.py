@@ -2,9 +2,10 @@
 
 Both the command line (``analyses/commands/``) and the main job (``depthscope run``,
 ``analyses/report.py``) call these functions, so every table and figure has exactly one
-writer and one name. A job takes a model, a configuration object (a dataclass whose defaults
-are the only defaults: the CLI options and the report read them) and an :class:`Output`, and
-returns a :class:`JobResult`.
+writer and one name. A job takes a model, a configuration object and an :class:`Output`, and
+returns a :class:`JobResult`. The configuration is a frozen dataclass checked on construction
+whose fields declare each setting once (default, bounds, flag, help:
+:func:`depthscope.common.checks.setting`); the command-line options are generated from them.
 
 | module | job | tables | configuration |
 |---|---|---|---|
@@ -12,8 +13,11 @@ returns a :class:`JobResult`.
 | ``jobs.norms`` | contribution norms, positions, DLA, heads | ``norms_*``, ``dla``, ``head_writes`` | ``NormsConfig`` |
 | ``jobs.patch`` | activation + attribution patching | ``patching_by_site``, ``patching_by_head`` | ``PatchConfig`` |
 | ``jobs.probe`` | Tenney-style probing | ``probes_*`` | ``ProbeJobConfig`` (tasks, files, probe configs) |
+| ``jobs.sweep`` | one analysis over a checkpoint series | ``sweep_*`` | ``SweepJobConfig`` |
+| ``jobs.data`` | the bundled probing samples: table, copies | | |
 
-Commands stay thin: parse options, build the configuration, call the job, print its summary.
+Commands stay thin: build the configuration from the options, load the model, call the job,
+print its summary (the jobs' ``summary_table`` functions).
 """
 
 from depthscope.analyses.jobs.base import JobResult, Output

@@ -1,12 +1,18 @@
 """What every job shares: an output folder checked and claimed before any compute
-(:func:`prepare_output`), that records what was written (:class:`Output`), and the result."""
+(:func:`prepare_output`), that records what was written (:class:`Output`), the model it runs
+(:class:`ModelSpec`), and the result (:class:`JobResult`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from depthscope.common.checks import Checked, setting
+from depthscope.common.errors import InputError, OutputError
+from depthscope.common.files import FolderLock, atomic_text, check_writable
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
@@ -57,11 +63,6 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     recorded ``identity``, e.g. the model and data, differs) or a folder of a report or a sweep
     (``EXCLUSIVE``) when ``command`` is another one. The folder records ``command: identity`` in
     :data:`MARKER`."""
-    import json
-
-    from depthscope.common.errors import OutputError
-    from depthscope.common.files import FolderLock, atomic_text, check_writable
-
     created = not Path(out).exists()
     folder = check_writable(out)
     lock = FolderLock(folder / LOCK, f"into {folder}").acquire()
@@ -93,6 +94,26 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     return OutputClaim(folder, lock, created, marker_existed)
 
 
+def check_report_folder(out: Path, model: str | None, files: list[str], force: bool) -> None:
+    """Refuse to mix two reports' files in one folder: ``out`` must be new, empty, or hold a
+    ``depthscope run`` of the same model and data (``files``: its train, test ... paths), unless
+    ``force``; else an :class:`~depthscope.common.errors.InputError`."""
+    run_json = out / "run.json"
+    if out.exists() and not out.is_dir():
+        return  # prepare_output says it is a file
+    if not out.exists() or not any(not p.name.startswith(".depthscope") for p in out.iterdir()) or force:
+        return
+    if not run_json.is_file():
+        raise InputError(f"{out} is not empty and holds no depthscope run; use another --out or --force")
+    old = json.loads(run_json.read_text())
+    same_model = (model or "default") in (old.get("model_source"), old.get("model")) or (
+        model is None and old.get("model") == "smollm2-135m"
+    )
+    same_data = not files or (files[0] == old.get("train") and files[1] == old.get("test"))
+    if not (same_model and same_data):
+        raise InputError(f"{out} holds the results of another run ({old.get('model')}); use another --out or --force")
+
+
 class Output:
     """An output folder: writes tables (Parquet + CSV) and figures atomically, once each.
 
@@ -114,7 +135,7 @@ class Output:
         self._names.add(name)
 
     def table(self, df: pd.DataFrame, name: str) -> list[Path]:
-        from depthscope.analyses.tables import write_table
+        from depthscope.analyses.tables import write_table  # lazy: pandas, --help must not import it
 
         self._claim(name)
         if self.folder is None:
@@ -125,10 +146,6 @@ class Output:
 
     def json(self, obj, name: str) -> Path | None:
         """Write ``obj`` as ``<folder>/<name>.json`` (indented, atomically)."""
-        import json
-
-        from depthscope.common.files import atomic_text
-
         self._claim(name)
         if self.folder is None:
             return None
@@ -144,7 +161,7 @@ class Output:
         self._claim(name)
         if self.folder is None:
             return None
-        from depthscope.analyses.plots.style import svg_twin
+        from depthscope.analyses.plots.style import svg_twin  # lazy: matplotlib, --help must not import it
 
         path = self.folder / f"{name}.png"
         svg = path.with_suffix(".svg")
@@ -153,7 +170,7 @@ class Output:
             plot(*args, path, **kwargs)
         self.written.append(path)
         if not svg.exists():  # a plot function that does not save through style.savefig
-            import matplotlib
+            import matplotlib  # lazy: --help must not import matplotlib
 
             with matplotlib.rc_context(svg_rc(name)):
                 plot(*args, svg, **kwargs)
@@ -166,8 +183,8 @@ def svg_rc(name: str) -> dict:
     measured with named first (the style's list starts with Arial, which matplotlib may not
     have; a viewer that has it would then draw text wider or narrower than laid out), and ids
     salted with the figure's name (the same figure gives the same file)."""
-    import matplotlib
-    from matplotlib import font_manager
+    import matplotlib  # lazy: --help must not import matplotlib
+    from matplotlib import font_manager  # lazy: as above
 
     family = matplotlib.rcParams["font.family"]
     used = font_manager.FontProperties(fname=font_manager.findfont(font_manager.FontProperties(family=family)))
@@ -176,6 +193,33 @@ def svg_rc(name: str) -> dict:
     if key is not None:
         rc[key] = [used.get_name()] + [f for f in matplotlib.rcParams[key] if f != used.get_name()]
     return rc
+
+
+@dataclass(frozen=True)
+class ModelSpec(Checked):
+    """Which model a job runs, where, in what precision, and torch's CPU threads: the ``--model``,
+    ``--device``, ``--dtype`` and ``--threads`` options of every command that loads a model."""
+
+    model: str | None = setting(
+        None,
+        "--model",
+        "-m",
+        help="Model spec: a folder, a .gguf, a cached hub id, or 'default' (SmolLM2-135M).",
+    )
+    device: str = setting(
+        "cpu", "--device", help="Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees one)."
+    )
+    dtype: str = setting(
+        "float32",
+        "--dtype",
+        help="Precision of the model's weights: float32, bfloat16 or float16 (metrics are reduced in float32).",
+    )
+    threads: int | None = setting(
+        None,
+        "--threads",
+        min=1,
+        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
+    )
 
 
 @dataclass

@@ -7,6 +7,7 @@
                             figures (PNG and SVG) ``norms_stream_growth``, ``norms_update_norms``,
                             ``norms_relative_update``, ``norms_position_heatmap``, ``norms_dla``,
                             ``norms_head_writes``; ``norms_summary.json``
+:func:`summary_table`       the console table of its summary (``depthscope norms`` prints it)
 ==========================  =====================================================================
 """
 
@@ -15,40 +16,57 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.table import Table
+
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.lens import DEFAULT_PROMPT
+from depthscope.common.checks import Checked, setting
+from depthscope.common.errors import InputError
 
 
-@dataclass
-class NormsConfig:
+@dataclass(frozen=True)
+class NormsConfig(Checked):
     """What :func:`norms_job` computes. ``target``/``contrast``: DLA tokens (single-token strings;
     target None: the model's top prediction); ``heads``: also per-head write norms (one more pass);
-    ``source``: the text's name (recorded in the summary)."""
+    ``source``: the text's name (recorded in the summary). Checked on construction; the fields
+    declare the ``norms`` options."""
 
-    prompt: str = DEFAULT_PROMPT
-    target: str | None = None
-    contrast: str | None = None
-    max_tokens: int | None = None
-    batch_size: int = 4
-    window: int | None = None
-    heads: bool = False
+    prompt: str = setting(
+        DEFAULT_PROMPT, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars."
+    )
+    target: str | None = setting(
+        None,
+        "--target",
+        help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
+        "model's top prediction.",
+    )
+    contrast: str | None = setting(
+        None, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast]."
+    )
+    max_tokens: int | None = setting(None, "--max-tokens", min=1, help="Stop after this many real tokens of the text.")
+    batch_size: int = setting(4, "--batch-size", min=1, help="Sequences per forward pass.")
+    window: int | None = setting(
+        None,
+        "--window",
+        min=1,
+        help="Split documents into windows of at most this many tokens (default min(context, 512)).",
+    )
+    heads: bool = setting(
+        False,
+        "--heads",
+        help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
+    )
     progress: bool = False
     source: str | None = None
 
-    def validate(self) -> NormsConfig:
-        """Check the settings (before the model loads); returns self."""
-        from depthscope.common.errors import InputError
-        from depthscope.probes.config import check_number
-
-        check_number("batch_size", self.batch_size)
-        check_number("window", self.window, allow_none=True)
-        check_number("max_tokens", self.max_tokens, allow_none=True)
+    def check(self) -> None:
+        """A prompt."""
         if not self.prompt:
             raise InputError("the prompt is empty")
-        return self
 
 
 def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:
+    # lazy: torch; --help imports this module for its configuration
     from depthscope.analyses.norms import norms_summary
 
     summary = norms_summary(df)
@@ -72,15 +90,43 @@ def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:
     return summary
 
 
+def summary_table(name: str, summary: dict) -> Table:
+    """The console table of a norms job's summary (``depthscope norms`` prints it)."""
+    t = Table("quantity", "value", title=f"contribution norms of {name} on {summary['n_tokens']} tokens")
+    t.add_row("stream growth per block (fit)", f"x{summary['growth_rate']:.3f} (R² {summary['growth_r2']:.2f})")
+    t.add_row("mean attention share", f"{summary['attn_share']:.3f}")
+    t.add_row(
+        "first-position / rest stream norm",
+        f"{summary['sink_ratio']:.1f} (median over blocks; max {summary['sink_ratio_max']:.1f})",
+    )
+    if "massive_site" in summary:
+        t.add_row(
+            "largest |h|",
+            f"{summary['massive_value']:.0f} at {summary['massive_site']}, "
+            f"dim {summary['massive_dim']} ({summary['massive_positions']} position; "
+            f"{summary['massive_over_median']:.0f}x median)",
+        )
+    if "dla_top" in summary:
+        top = ", ".join(f"{lab} {v:+.2f}" for lab, v in summary["dla_top"][:3])
+        t.add_row(f"DLA logit[{summary['dla_target']!r}]", f"{summary['dla_logit']:.2f}; top: {top}")
+    if "top_head" in summary:
+        t.add_row(
+            "largest head write",
+            f"{summary['top_head']} ({summary['top_head_write_norm']:.1f}); "
+            f"mean heads coherence {summary['mean_heads_coherence']:.2f}",
+        )
+    return t
+
+
 def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> JobResult:
     """Contribution norms over ``docs``, the prompt per position, DLA of the prompt's next token and
     (``heads``) per-head writes; writes the tables, figures and summary named in the module doc.
     The summary is :func:`~depthscope.analyses.norms.norms_summary` plus the DLA's and heads'
     headline numbers (``dla_target``, ``dla_logit``, ``dla_top``, ``top_head``, ...)."""
+    # lazy: torch, matplotlib; --help imports this module for its configuration
     from depthscope.analyses.norms import contribution_norms, direct_logit_attribution, norms_by_position
     from depthscope.analyses.plots import norms as plots
 
-    config.validate()
     df = contribution_norms(
         model,
         docs,
@@ -94,6 +140,7 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     if model.unembed.decodes_stream:
         dla = direct_logit_attribution(model, [config.prompt], config.target, config.contrast)
     if config.heads:
+        # lazy: torch; --help imports this module for its configuration
         from depthscope.analyses.heads import head_write_norms
 
         heads_df = head_write_norms(

@@ -12,6 +12,8 @@ out, progress=)``                  ``probes_by_site``, ``probes_summary``, ``pro
 ``write_outputs(results, out,      the writing half: the three tables and two figures of a
 plots=)``                          :class:`~depthscope.probes.ProbeResults` (the only writer)
 ``resolve_inputs(config)``         the tasks and files a config means
+``summary_table(summary)``,        the console table of ``probes_summary`` and the warnings
+``convergence_warnings(summary)``  of probes stopped at the epoch cap (``depthscope probe``)
 =================================  ===========================================================
 
 Defaults: tasks ``upos, deprel, feats:Number``, plus ``entity, coref`` when train and test carry
@@ -22,10 +24,15 @@ else EWT). ``depthscope probe`` and ``depthscope run`` both call :func:`run_prob
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from rich.table import Table
+
 from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.common.checks import Checked, comma_list, setting
+from depthscope.common.errors import InputError
+from depthscope.probes import sample_data
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 DEFAULT_TASKS = ("upos", "deprel", "feats:Number")
@@ -34,25 +41,42 @@ TABLES = ("probes_by_site", "probes_summary", "probes_mixing")
 FIGURES = ("probes_overview", "probes_accuracy", "probes_tenney")
 
 
-@dataclass
-class ProbeJobConfig:
+def _data_file(name: str, what: str) -> object:
+    """A ``--train``/``--test``/``--dev`` file setting (None: the default named in ``what``)."""
+    return setting(None, f"--{name}", cli_type=Path | None, help=what)
+
+
+@dataclass(frozen=True)
+class ProbeJobConfig(Checked):
     """What the probe job runs: ``tasks`` (None: :data:`DEFAULT_TASKS`, + entity and coref
     with GUM-style data), ``train`` / ``test`` / ``dev`` files (None: the bundled sample; no
-    dev), the settings objects, and ``plots``."""
+    dev), the settings objects, and ``plots``. Checked on construction (the settings, and that
+    the data files exist, before the model loads); the fields declare the ``probe`` options."""
 
-    tasks: Sequence[str] | None = None
-    train: str | Path | None = None
-    test: str | Path | None = None
-    dev: str | Path | None = None
-    probe: ProbeConfig = field(default_factory=ProbeConfig)
-    extraction: ExtractionConfig = field(default_factory=ExtractionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    plots: bool = True
+    tasks: Sequence[str] | None = setting(
+        None,
+        "--task",
+        "-t",
+        param="task",
+        cli_type=str | None,
+        parse=comma_list,
+        help="Comma-separated tasks: upos, xpos, feats:Number, "
+        "feats:Tense, ..., deprel, deprel:base, entity, coref (GUM), or any name with a "
+        "jiant edge-probing .jsonl. Default: upos,deprel,feats:Number (+entity,coref "
+        "with GUM data).",
+    )
+    train: str | Path | None = _data_file("train", "Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
+    test: str | Path | None = _data_file("test", "Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
+    dev: str | Path | None = _data_file(
+        "dev", "Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."
+    )
+    probe: ProbeConfig = setting(factory=ProbeConfig)
+    extraction: ExtractionConfig = setting(factory=ExtractionConfig)
+    data: DataConfig = setting(factory=DataConfig)
+    plots: bool = setting(True, "--plots/--no-plots", help="Draw the figures.")
 
-    def validate(self) -> ProbeJobConfig:
-        """Check the settings and that the data files exist (before the model loads); returns self."""
-        from depthscope.common.errors import InputError
-
+    def check(self) -> None:
+        """The settings objects, and the data files exist."""
         self.probe.validate()
         self.extraction.validate()
         self.data.validate()
@@ -60,7 +84,6 @@ class ProbeJobConfig:
             p = getattr(self, name)
             if isinstance(p, (str, Path)) and not Path(p).is_file():
                 raise InputError(f"--{name}: no such file: {p}")
-        return self
 
 
 def has_entities(path: str | Path) -> bool:
@@ -76,7 +99,7 @@ def has_entities(path: str | Path) -> bool:
 
 def resolve_inputs(config: ProbeJobConfig) -> tuple:
     """``(tasks, train, test)`` with the defaults of the module docstring filled in."""
-    from depthscope.probes import sample_data
+    # lazy: torch; --help imports this module for its configuration
     from depthscope.probes.run import task_list
 
     tasks = task_list(config.tasks) if config.tasks else None
@@ -96,6 +119,7 @@ def resolve_inputs(config: ProbeJobConfig) -> tuple:
 def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
     """Write ``results``' tables (:data:`TABLES`) and, with ``plots``, figures (:data:`FIGURES`)
     through ``out``; returns the tables by name."""
+    # lazy: torch, matplotlib; --help imports this module for its configuration
     from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
 
     tables = dict(zip(TABLES, (results.by_site, results.summary, results.mixing)))
@@ -113,9 +137,10 @@ def run_probe_job(
 ) -> JobResult:
     """Probe every site of ``model`` (a HookedModel or a spec) and write the probe tables and
     figures; ``out`` None (or ``Output(None)``) computes without writing."""
+    # lazy: torch; --help imports this module for its configuration
     from depthscope.probes import run_probes
 
-    cfg = (config or ProbeJobConfig()).validate()
+    cfg = config or ProbeJobConfig()
     out = out if out is not None else Output(None)
     tasks, train, test = resolve_inputs(cfg)
     n_before = len(out.written)
@@ -142,3 +167,59 @@ def run_probe_job(
         "seconds_total": info.get("seconds_total"),
     }
     return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
+
+
+SUMMARY_COLUMNS = (
+    "task",
+    "n_train",
+    "n_test",
+    "best site",
+    "best acc",
+    "max sel. (pts)",
+    "E_Delta [95%]",
+    "argmax E_Delta",
+    "E_s",
+    "L2",
+    "converged",
+)
+
+
+def _summary_row(r) -> list[str]:
+    """One task's row of :func:`summary_table`."""
+    lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
+    e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]"
+    e += "" if r.expected_layer_delta_meaningful else " (gain too small)"
+    conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
+    return [
+        r.task,
+        str(r.n_train),
+        str(r.n_test),
+        str(r.best_label),
+        f"{r.best_accuracy:.3f}",
+        f"{100 * r.max_selectivity:.1f}",
+        e,
+        f"{getattr(r, 'expected_layer_delta_hard', float('nan')):.2f}",
+        f"{r.expected_layer_mix:.2f}",
+        f"{r.l2:g}",
+        conv,
+    ]
+
+
+def summary_table(summary) -> Table:
+    """The console table of ``probes_summary``, one row per task (``depthscope probe`` prints it)."""
+    table = Table(*SUMMARY_COLUMNS)
+    for col in table.columns:
+        col.no_wrap = True
+    for r in summary.itertuples():
+        table.add_row(*_summary_row(r))
+    return table
+
+
+def convergence_warnings(summary) -> list[str]:
+    """One line per task whose probes stopped at the epoch cap before converging."""
+    return [
+        f"{r.task}: {r.n_not_converged} probe(s) stopped at --max-epochs {r.max_epochs} before converging; "
+        f"raise --max-epochs"
+        for r in summary.itertuples()
+        if not r.converged
+    ]

@@ -1,0 +1,95 @@
+"""Command-line options generated from configuration fields (:func:`depthscope.common.checks.setting`
+declares each: default, flag, bounds, help), and the options that are no field (:data:`SHARED`).
+:func:`options` lists a command's options in help order, :func:`command` registers a body that
+receives their values; the body builds its configuration with :func:`~depthscope.common.checks.build`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import typer
+
+from depthscope.analyses.jobs.base import ModelSpec
+from depthscope.common.checks import Opt, config_opts, opt
+
+
+def positive(value: float | None):
+    """Option callback: a float that is finite and greater than 0 (learning rates, ridges)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a number greater than 0")
+    return value
+
+
+def parameter(o: Opt) -> inspect.Parameter:
+    """The typer parameter of ``o`` (a fresh ``typer.Option``/``typer.Argument`` each call)."""
+    if o.argument:
+        info = typer.Argument(o.default, metavar=o.metavar, help=o.help)
+    else:
+        info = typer.Option(
+            o.default, *o.flags, help=o.help, min=o.min, max=o.max, callback=positive if o.positive else None
+        )
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Parameter(o.name, kind, default=info, annotation=o.annotation)
+
+
+def options(names: str, *configs, extra=(), helps: dict | None = None, required: str = "") -> list[Opt]:
+    """The options ``names`` (space-separated, in help order): each is an :class:`Opt` of
+    ``extra``, a field of one of ``configs``, or one of :data:`SHARED`; ``helps`` rewords some
+    for this command, ``required`` (space-separated) have no default here."""
+    known = {**SHARED}
+    for cls in configs:
+        known.update(config_opts(cls))
+    known.update({o.name: o for o in extra})
+    for n, text in (helps or {}).items():
+        known[n] = known[n].but(help=text)
+    for n in required.split():
+        known[n] = known[n].but(default=...)
+    return [known[n] for n in names.split()]
+
+
+def command(app: typer.Typer, name: str, opts: list[Opt]):
+    """Register the decorated ``body(o)`` as command ``name`` with the options ``opts``; ``o`` is a
+    namespace of the parsed values by option name. The body's docstring is the command's help."""
+
+    def register(body: Callable) -> Callable:
+        def callback(**values):
+            return body(SimpleNamespace(**values))
+
+        callback.__signature__ = inspect.Signature([parameter(o) for o in opts])
+        callback.__annotations__ = {o.name: o.annotation for o in opts}
+        callback.__doc__, callback.__name__ = body.__doc__, body.__name__
+        app.command(name)(callback)
+        return body
+
+    return register
+
+
+#: the options that are no analysis' setting, declared once: the model (:class:`ModelSpec`'s
+#: fields), the output folder, the text
+SHARED = {
+    **config_opts(ModelSpec),
+    **{
+        o.name: o
+        for o in (
+            opt("--out -o", Path("depthscope-out"), "Output folder for tables and plots."),
+            opt(
+                "--text -t",
+                ...,
+                "Plain-text file (UTF-8): one document per non-blank line, or the whole file as one "
+                "(--whole-file); a .conllu file gives its sentences (e.g. $(depthscope data ewt_test)).",
+                Path,
+            ),
+            opt("--force", False, "Write into an output folder that holds another run."),
+            opt(
+                "--per-line/--whole-file",
+                True,
+                "One document per non-blank line (default), or the whole file as one document.",
+            ),
+        )
+    },
+}
