@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from depthscope.common.checks import Settings, setting
 from depthscope.common.errors import DepthscopeError
 from depthscope.common.files import atomic_text
+from depthscope.common.settings import Settings, setting
 
 INSTALL_RAY = "pip install 'depthscope[ray]'  (or: pip install 'ray>=2.40')"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthscope.common.checks import Checked, comma_list, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, comma_list, setting
 
 MATMUL_DTYPES = ("auto", "bfloat16", "float32")
 

@@ -19,7 +19,7 @@ kw)``                  new configs with loose keyword settings applied; an unkno
 They follow scikit-learn's estimator conventions: hyper-parameters only, stored as given
 (frozen), no work and no validation in ``__init__``; ``validate()`` checks them when a run
 starts. Each field declares its bounds and, for the settings the command line offers, its flag
-and help (:func:`~depthscope.common.checks.setting`): ``run_probes``, ``depthscope probe``,
+and help (:func:`~depthscope.common.settings.setting`): ``run_probes``, ``depthscope probe``,
 ``depthscope run``, sweeps and the probe job read these defaults, so every entry point runs the
 same protocol. Probes are trained to convergence (``max_epochs`` is only a cap that warns), so
 the answer does not depend on how long training runs.
@@ -33,9 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from depthscope.common.checks import Settings, comma_list, setting
-from depthscope.common.checks import check_number as check_number  # re-exported for older importers
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Settings, comma_list, setting
 
 PROBES = ("linear", "mlp")
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)

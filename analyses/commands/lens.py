@@ -14,7 +14,7 @@ from depthscope.analyses.commands.common import load_model, prepare_out, set_thr
 from depthscope.analyses.commands.options import SHARED, command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs import lens as jobs
-from depthscope.common.checks import build
+from depthscope.common.settings import build
 
 LENS = options(
     "text model device dtype prompt out per_line max_tokens batch_size window tuned sites first_position top_k "

@@ -11,7 +11,7 @@ from depthscope.analyses.commands.common import load_model, prepare_out, set_thr
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.norms import NormsConfig, norms_job, summary_table
-from depthscope.common.checks import build
+from depthscope.common.settings import build
 
 WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 NORMS = options(

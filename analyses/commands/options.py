@@ -1,7 +1,7 @@
-"""Command-line options generated from configuration fields (:func:`depthscope.common.checks.setting`
+"""Command-line options generated from configuration fields (:func:`depthscope.common.settings.setting`
 declares each: default, flag, bounds, help), and the options that are no field (:data:`SHARED`).
 :func:`options` lists a command's options in help order, :func:`command` registers a body that
-receives their values; the body builds its configuration with :func:`~depthscope.common.checks.build`.
+receives their values; the body builds its configuration with :func:`~depthscope.common.settings.build`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import typer
 
 from depthscope.analyses.jobs.base import ModelSpec
-from depthscope.common.checks import Opt, config_opts, opt
+from depthscope.common.settings import Opt, config_opts, opt
 
 
 def positive(value: float | None):

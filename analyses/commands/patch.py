@@ -12,7 +12,7 @@ from depthscope.analyses.commands.common import load_model, prepare_out, set_thr
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.patch import PatchConfig, patch_job, summary_table
-from depthscope.common.checks import build
+from depthscope.common.settings import build
 
 PATCH = options(
     "clean corrupted target foil positions sites attribution batch_tokens threads plots model device dtype out force",

@@ -15,7 +15,7 @@ from depthscope.analyses.commands.common import prepare_out, set_threads
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.probe import ProbeJobConfig, convergence_warnings, run_probe_job, summary_table
-from depthscope.common.checks import build
+from depthscope.common.settings import build
 
 PROBE = options(
     "task train test dev model device dtype probe pooling sites max_train_sentences max_test_sentences "

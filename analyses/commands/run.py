@@ -10,7 +10,7 @@ import typer
 from depthscope.analyses.commands.common import prepare_out, set_threads
 from depthscope.analyses.commands.options import SHARED, command, opt, options
 from depthscope.analyses.jobs.base import check_report_folder
-from depthscope.common.checks import build, comma_list
+from depthscope.common.settings import build, comma_list
 from depthscope.probes.config import DataConfig, ProbeConfig
 
 EXTRA = (

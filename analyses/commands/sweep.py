@@ -13,7 +13,7 @@ from depthscope.analyses.commands import common
 from depthscope.analyses.commands.options import Opt, command, opt, options
 from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
 from depthscope.analyses.samples import sample_texts
-from depthscope.common.checks import build
+from depthscope.common.settings import build
 
 EXTRA = (
     Opt(

@@ -5,7 +5,7 @@ Both the command line (``analyses/commands/``) and the main job (``depthscope ru
 writer and one name. A job takes a model, a configuration object and an :class:`Output`, and
 returns a :class:`JobResult`. The configuration is a frozen dataclass checked on construction
 whose fields declare each setting once (default, bounds, flag, help:
-:func:`depthscope.common.checks.setting`); the command-line options are generated from them.
+:func:`depthscope.common.settings.setting`); the command-line options are generated from them.
 
 | module | job | tables | configuration |
 |---|---|---|---|

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from depthscope.common.checks import Checked, setting
 from depthscope.common.errors import InputError, OutputError
 from depthscope.common.files import FolderLock, atomic_text, check_writable
+from depthscope.common.settings import Checked, setting
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd

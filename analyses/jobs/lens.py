@@ -23,8 +23,8 @@ from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.tuned_lens_config import TunedLensTraining
-from depthscope.common.checks import Checked, comma_list, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, comma_list, setting
 
 DEFAULT_PROMPT = "The capital of France is"
 #: the most top tokens per position and site in ``lens_tokens`` (three columns each)

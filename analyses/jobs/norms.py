@@ -20,8 +20,8 @@ from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.lens import DEFAULT_PROMPT
-from depthscope.common.checks import Checked, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, setting
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.common.checks import Checked, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, setting
 
 IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
 IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"

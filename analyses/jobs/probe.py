@@ -30,8 +30,8 @@ from pathlib import Path
 from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.common.checks import Checked, comma_list, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, comma_list, setting
 from depthscope.probes import sample_data
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 

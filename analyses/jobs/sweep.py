@@ -16,8 +16,8 @@ from pathlib import Path
 from depthscope.analyses.jobs.base import JobResult
 from depthscope.analyses.samples import sample_texts
 from depthscope.analyses.sweep_ray import RayEngine, require_ray
-from depthscope.common.checks import Checked, changed_flags, comma_list, setting
 from depthscope.common.errors import InputError
+from depthscope.common.settings import Checked, changed_flags, comma_list, setting
 from depthscope.probes import sample_data
 from depthscope.probes.config import ProbeConfig
 
