@@ -325,24 +325,18 @@ class Streaming:
     max_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class _LensSettings:
+@dataclass(frozen=True, kw_only=True)
+class _LensSettings(Streaming):
     """What one lens pass decodes and how it streams: the settings :func:`logit_lens` and
     :func:`logit_lens_tokens` share, bundled once so every helper takes one object.
 
-    ``sites``: resolved site indices; ``topk``: how many top tokens per (position, site) to
-    keep (0: none, the dataset-level table needs no token ids). The other fields are the
-    public functions' arguments of the same names."""
+    The :class:`Streaming` fields, and ``lens``; ``sites``: resolved site indices; ``mask``: the
+    inputs' mask (token-id inputs); ``topk``: how many top tokens per (position, site) to keep
+    (0: none, the dataset-level table needs no token ids)."""
 
     lens: Lens
     sites: list[int]
     mask: torch.Tensor | None = None
-    batch_size: int = 8
-    window: int | None = None
-    max_batch_tokens: int = 1024
-    token_chunk: int | None = None
-    first_position: bool = True
-    max_tokens: int | None = None
     topk: int = 0
 
 

@@ -11,7 +11,6 @@
   and options with types, ranges and defaults, as ``depthscope COMMAND --help`` shows them.
   (mkdocs-click cannot read typer >= 0.26's commands: they are built on typer's own copy of
   click, whose option classes are not ``click.Option``.)
-* ``architecture.md`` goes into the nav (Reference) only when the file exists.
 * :class:`RstRoles` rewrites the docstrings' reStructuredText roles (``:func:`~a.b.c```) into
   Markdown code spans (``c``), since the API pages render docstrings as Markdown.
 """
@@ -54,27 +53,7 @@ def source_shim() -> Path:
 def on_config(config, **kwargs):
     python = config.plugins["mkdocstrings"].config.handlers.setdefault("python", {})
     python["paths"] = [str(source_shim())]
-    if (Path(config.docs_dir) / "architecture.md").is_file():
-        _add_to_nav(config.nav, "Architecture", "architecture.md")
     return config
-
-
-def _add_to_nav(nav, title: str, page: str) -> None:
-    def pages(items):
-        for item in items:
-            value = next(iter(item.values())) if isinstance(item, dict) else item
-            if isinstance(value, list):
-                yield from pages(value)
-            else:
-                yield value
-
-    if nav is None or page in set(pages(nav)):
-        return
-    for section in nav:
-        if isinstance(section, dict) and "Reference" in section:
-            section["Reference"].append({title: page})
-            return
-    nav.append({title: page})
 
 
 # ----------------------------------------------------------------------------- the CLI reference

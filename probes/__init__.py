@@ -97,6 +97,8 @@ _EXPORTS = {
     "read_jiant": "corpora.tasks",
     "predict": "solvers.training",
     "train_probe": "solvers.training",
+    "TrainSettings": "solvers.base",
+    "Resident": "store.features",
     "WordFeatures": "store.words",
     "word_features": "store.words",
 }
@@ -184,6 +186,8 @@ __all__ = [
     "BatchedProbe",
     "Features",
     "train_probe",
+    "TrainSettings",
+    "Resident",
     "predict",
     "accuracy",
     "macro_f1",
