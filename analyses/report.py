@@ -15,7 +15,8 @@ property" with sentences computed from the tables. Both open with a table of con
 embeds the SVG figures (and links both files), the markdown shows the PNGs. Lens and norms
 curves carry 95% intervals of each site's mean, clustered by document
 (:mod:`depthscope.analyses.intervals`), and the sentences quote them. The report is drawn from
-the tables on disk only (``render_report(out_dir)`` redraws it without a model).
+the tables on disk only (``render_report(out_dir)`` redraws it without a model). Its settings
+are :class:`~depthscope.analyses.jobs.configs.ReportConfig` (importable from here too).
 
 The report is built in three steps, one module each:
 
@@ -33,7 +34,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -41,9 +42,10 @@ from markupsafe import Markup, escape
 from rich.console import Console
 
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.lens import DEFAULT_PROMPT, LensConfig, lens_job
-from depthscope.analyses.jobs.norms import NormsConfig, norms_job
-from depthscope.analyses.jobs.probe import ProbeJobConfig, resolve_inputs, run_probe_job
+from depthscope.analyses.jobs.configs import DEFAULT_TARGET, LensConfig, NormsConfig, ProbeJobConfig, ReportConfig
+from depthscope.analyses.jobs.lens import lens_job
+from depthscope.analyses.jobs.norms import norms_job
+from depthscope.analyses.jobs.probe import resolve_inputs, run_probe_job
 from depthscope.analyses.report_data import FIGURES, Page, build_page
 from depthscope.analyses.report_findings import (
     SCORES_DISAGREE,
@@ -56,9 +58,7 @@ from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.common.files import atomic_text
 from depthscope.hooks import load_model
 from depthscope.probes import sample_data
-from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-DEFAULT_TARGET = " Paris"
 TEMPLATES = Path(__file__).with_name("templates")
 
 __all__ = [
@@ -74,31 +74,6 @@ __all__ = [
     "run_report",
     "sample_texts",
 ]
-
-
-@dataclass
-class ReportConfig:
-    """What ``depthscope run`` runs: the model (None: the embedded default), the probe data files
-    (None: the bundled EWT sample), the running text for the lens and norms (None: the probe
-    data's text, capped at ``lens_tokens`` / ``norms_tokens``), the prompt and DLA target, and
-    the probe job's settings."""
-
-    model: str | None = None
-    device: str = "cpu"  # cpu, cuda, cuda:N, mps, auto
-    dtype: str = "float32"  # float32, bfloat16, float16
-    train: str | None = None
-    test: str | None = None
-    dev: str | None = None
-    texts: Sequence[str] | None = None
-    tasks: Sequence[str] | None = None
-    prompt: str = DEFAULT_PROMPT
-    target: str = DEFAULT_TARGET
-    lens_tokens: int = 1500
-    norms_tokens: int = 4000
-    # the probe section's settings: the same objects, with the same defaults, as `depthscope probe`
-    probe: ProbeConfig = field(default_factory=ProbeConfig)
-    extraction: ExtractionConfig = field(default_factory=ExtractionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
 
 
 # ---------------------------------------------------------------------------- the job

@@ -2,7 +2,7 @@
 its fields declare the ``lens-train`` options (flags, defaults, bounds, help).
 
 :func:`depthscope.analyses.tuned_lens.train_tuned_lens` takes it; ``depthscope lens-train``
-builds it from its options (:class:`depthscope.analyses.jobs.lens.LensTrainConfig` holds it).
+builds it from its options (:class:`depthscope.analyses.jobs.configs.LensTrainConfig` holds it).
 """
 
 from __future__ import annotations

@@ -117,9 +117,7 @@ def test_probe_l2_zero_and_dev_are_accepted_by_the_config():
 
 
 def _configs():
-    from depthscope.analyses.jobs.lens import LensConfig, LensTrainConfig
-    from depthscope.analyses.jobs.norms import NormsConfig
-    from depthscope.analyses.jobs.patch import PatchConfig
+    from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig, NormsConfig, PatchConfig
     from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
     return [LensConfig, LensTrainConfig, NormsConfig, PatchConfig, ProbeConfig, ExtractionConfig, DataConfig]
@@ -144,7 +142,7 @@ def test_configs_refuse_bad_numbers_for_python_callers(cls):
 
 
 def test_top_k_is_bounded():
-    from depthscope.analyses.jobs.lens import MAX_TOP_K, LensConfig
+    from depthscope.analyses.jobs.configs import MAX_TOP_K, LensConfig
 
     with pytest.raises(InputError, match=f"at most {MAX_TOP_K}"):
         LensConfig(top_k=999999).validate()

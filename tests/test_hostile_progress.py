@@ -36,7 +36,8 @@ LONG = " ".join(["The capital of France is Paris. The cat sat on the mat."] * 15
 
 def test_lens_shows_a_bar_with_eta_on_a_terminal_and_nothing_when_off(tiny_factory, tmp_path, monkeypatch, capfd):
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.lens import LensConfig, lens_job
+    from depthscope.analyses.jobs.configs import LensConfig
+    from depthscope.analyses.jobs.lens import lens_job
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
@@ -53,7 +54,8 @@ def test_a_long_single_line_is_tokenized_once_per_stage_and_every_token_is_used(
     """The 54k-token line: tokenized a bounded number of times (not per window), each token
     decoded once; the windows cover it with no token dropped or repeated."""
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.lens import LensConfig, lens_job
+    from depthscope.analyses.jobs.configs import LensConfig
+    from depthscope.analyses.jobs.lens import lens_job
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     calls = []

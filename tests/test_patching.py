@@ -649,7 +649,8 @@ def test_explicit_sites_and_prompts_of_different_lengths(tiny_llama):
     """--sites keeps to the points named (no heads table); by default prompts of different token
     lengths patch the residual sites at the last position, with a note."""
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.patch import PatchConfig, patch_job
+    from depthscope.analyses.jobs.configs import PatchConfig
+    from depthscope.analyses.jobs.patch import patch_job
 
     res = patch_job(tiny_llama, PatchConfig(sites="resid", plots=False), Output(None))
     assert list(res.tables) == ["patching_by_site"] and res.summary["positions"] == {"sites": "last"}

@@ -28,7 +28,7 @@ def command_defaults(name: str) -> dict:
 
 def test_probe_command_defaults_are_the_config_defaults():
     from depthscope.analyses.commands.probe import job_config
-    from depthscope.analyses.jobs.probe import ProbeJobConfig
+    from depthscope.analyses.jobs.configs import ProbeJobConfig
 
     cfg = job_config(command_defaults("probe"))
     assert cfg.probe == ProbeConfig()

@@ -190,7 +190,8 @@ def test_sweep_cli_probe_takes_the_probe_protocol(series, tmp_path):
 def test_norms_sweep_plots_the_tokens_after_the_first(series, tmp_path, monkeypatch):
     """The norms table has a row per (site, positions); the heatmap across checkpoints draws the
     ``rest`` rows only, so the attention sink at position 0 is not averaged into it."""
-    from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
+    from depthscope.analyses.jobs.configs import SweepJobConfig
+    from depthscope.analyses.jobs.sweep import sweep_job
     from depthscope.analyses.plots import sweep as sweep_plots
 
     drawn = []

@@ -1,7 +1,6 @@
 """``depthscope lens`` (logit lens / tuned lens over a text file: tables and plots) and
 ``depthscope lens-train`` (train a tuned lens on a text file): the options are the fields of
-:class:`~depthscope.analyses.jobs.lens.LensConfig` and
-:class:`~depthscope.analyses.jobs.lens.LensTrainConfig`; the work is :mod:`depthscope.analyses.jobs.lens`."""
+:class:`LensConfig` and :class:`LensTrainConfig`; the work is :mod:`depthscope.analyses.jobs.lens`."""
 
 from __future__ import annotations
 
@@ -13,18 +12,18 @@ from rich.console import Console
 from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
 from depthscope.analyses.commands.options import SHARED, command, options
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs import lens as jobs
+from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
 from depthscope.common.settings import build
 
 LENS = options(
     "text model device dtype prompt out per_line max_tokens batch_size window tuned sites first_position top_k "
     "threads force",
-    jobs.LensConfig,
+    LensConfig,
 )
 LENS_TRAIN = options(
     "text out model device dtype steps tokens_per_step cache_tokens lr weight_lr per_line sites resume "
     "checkpoint_every eval_tokens threads",
-    jobs.LensTrainConfig,
+    LensTrainConfig,
     extra=(
         SHARED["text"].but(help="Plain-text training file (UTF-8)."),
         SHARED["out"].but(default=Path("tuned-lens"), help="Folder for the tuned lens and its training checkpoint."),
@@ -37,21 +36,22 @@ def lens(o) -> None:
     """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
     cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
     table, and plots (metrics vs depth, top-1 heatmap, rank trajectories), written to OUT."""
+    from depthscope.analyses.jobs.lens import lens_job, sites_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
     set_threads(o.threads)
     console = Console(stderr=True)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(jobs.LensConfig, o, source=o.text.name, progress=True)
+    cfg = build(LensConfig, o, source=o.text.name, progress=True)
     prepare_out(o.out, "lens", {"model": o.model or "default", "text": str(o.text)}, o.force)
     m = load_model(o)
     m.unembed.check()
     tuned = f"; tuned lens: {o.tuned}" if o.tuned else ""
     console.print(f"logit lens: {m.name}, {len(docs)} document(s) from {o.text}{tuned}")
-    res = jobs.lens_job(m, docs, cfg, Output(o.out))
+    res = lens_job(m, docs, cfg, Output(o.out))
     if res.summary.get("split_note"):
         console.print(res.summary["split_note"])
-    Console().print(jobs.sites_table(res.tables["lens_by_site"]))
+    Console().print(sites_table(res.tables["lens_by_site"]))
     for p in res.files:
         typer.echo(f"wrote {p}")
 
@@ -60,11 +60,12 @@ def lens_train(o) -> None:
     """Train a tuned lens (Belrose et al. 2023) at every sublayer site on TEXT, on the CPU:
     bounded steps, a progress bar, checkpoints every --checkpoint-every steps (rerun to resume).
     Then compare its KL to the final distribution with the plain logit lens on held-out text."""
+    from depthscope.analyses.jobs.lens import lens_train_job, train_lines  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
     set_threads(o.threads)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(jobs.LensTrainConfig, o)
+    cfg = build(LensTrainConfig, o)
     prepare_out(o.out, "lens-train", None)  # the folder may hold a checkpoint to resume
     m = load_model(o)
     m.unembed.check()
@@ -72,8 +73,8 @@ def lens_train(o) -> None:
         f"training a tuned lens for {m.name} on {o.text}; {o.steps} steps x {o.tokens_per_step} tokens; "
         f"checkpoints in {o.out}"
     )
-    res = jobs.lens_train_job(m, docs, cfg, o.out)
-    for line in jobs.train_lines(res.summary, o.out):
+    res = lens_train_job(m, docs, cfg, o.out)
+    for line in train_lines(res.summary, o.out):
         typer.echo(line)
     for p in res.files:
         typer.echo(f"wrote {p}")

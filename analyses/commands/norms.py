@@ -1,5 +1,5 @@
 """``depthscope norms``: per-layer contribution norms over a text file, with tables and plots; the
-options are the fields of :class:`~depthscope.analyses.jobs.norms.NormsConfig`, the work is
+options are the fields of :class:`~depthscope.analyses.jobs.configs.NormsConfig`, the work is
 :func:`depthscope.analyses.jobs.norms.norms_job`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from rich.console import Console
 from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.norms import NormsConfig, norms_job, summary_table
+from depthscope.analyses.jobs.configs import NormsConfig
 from depthscope.common.settings import build
 
 WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
@@ -31,6 +31,7 @@ def norms(o) -> None:
     norms_position_heatmap, norms_dla (with --heads also the head_writes table and
     norms_head_writes).
     """
+    from depthscope.analyses.jobs.norms import norms_job, summary_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
     set_threads(o.threads)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import typer
 
-from depthscope.analyses.jobs.base import ModelSpec
+from depthscope.analyses.jobs.configs import ModelSpec
 from depthscope.common.settings import Opt, config_opts, opt
 
 

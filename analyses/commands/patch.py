@@ -1,5 +1,5 @@
 """``depthscope patch``: activation and attribution patching of a clean/corrupted prompt pair; the
-options are the fields of :class:`~depthscope.analyses.jobs.patch.PatchConfig`."""
+options are the fields of :class:`~depthscope.analyses.jobs.configs.PatchConfig`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.patch import PatchConfig, patch_job, summary_table
+from depthscope.analyses.jobs.configs import PatchConfig
 from depthscope.common.settings import build
 
 PATCH = options(
@@ -43,6 +43,8 @@ def patch(o) -> None:
     and its heatmap are written when they have rows. --no-attribution leaves
     out the estimate, --no-plots the figures.
     """
+    from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
+
     set_threads(o.threads)
     config = build(PatchConfig, o)
     prepare_out(o.out, "patch", {"model": o.model or "default", "clean": o.clean, "corrupted": o.corrupted}, o.force)

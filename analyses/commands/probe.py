@@ -1,5 +1,5 @@
 """``depthscope probe``: Tenney-style probing at every residual site. The options are the fields of
-:class:`~depthscope.analyses.jobs.probe.ProbeJobConfig` and the probe, extraction and data
+:class:`~depthscope.analyses.jobs.configs.ProbeJobConfig` and the probe, extraction and data
 configurations it holds; the work is :func:`~depthscope.analyses.jobs.probe.run_probe_job`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from depthscope.analyses.commands import common
 from depthscope.analyses.commands.common import prepare_out, set_threads
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.probe import ProbeJobConfig, convergence_warnings, run_probe_job, summary_table
+from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.common.settings import build
 
 PROBE = options(
@@ -37,16 +37,18 @@ def probe(o) -> None:
     Writes OUT/probes_by_site.csv|parquet, probes_summary.csv|parquet, probes_mixing.csv|parquet,
     probes_accuracy.png and probes_tenney.png.
     """
+    from depthscope.analyses.jobs import probe as jobs  # lazy: the job imports torch
+
     set_threads(o.threads)
     cfg = job_config(o)
     identity = {"model": o.model or "default", "train": str(o.train), "test": str(o.test)}
     prepare_out(o.out, "probe", identity, o.force)
     # the model loads (on --device, in --dtype) only once the data are read and checked
     loader = functools.partial(common.load, o.model, o.device, o.dtype)
-    result = run_probe_job(loader, cfg, Output(o.out), progress=True)
+    result = jobs.run_probe_job(loader, cfg, Output(o.out), progress=True)
     summary = result.tables["probes_summary"]
-    Console(width=None if sys.stdout.isatty() else 160).print(summary_table(summary))  # logs: no 80-column squeeze
-    for line in convergence_warnings(summary):
+    Console(width=None if sys.stdout.isatty() else 160).print(jobs.summary_table(summary))  # logs: no 80-column squeeze
+    for line in jobs.convergence_warnings(summary):
         Console(stderr=True).print(f"[yellow]warning:[/] {line}")
     typer.echo(f"precision: {result.summary['precision']}")
     for p in result.files:

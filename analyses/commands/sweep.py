@@ -1,5 +1,5 @@
 """``depthscope sweep``: one analysis over a series of checkpoints (the options are the fields of
-:class:`~depthscope.analyses.jobs.sweep.SweepJobConfig` and of the Ray engine), and
+:class:`~depthscope.analyses.jobs.configs.SweepJobConfig` and of the Ray engine), and
 ``depthscope toy-series``: a tiny checkpoint series to sweep over."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import typer
 
 from depthscope.analyses.commands import common
 from depthscope.analyses.commands.options import Opt, command, opt, options
-from depthscope.analyses.jobs.sweep import SweepJobConfig, sweep_job
+from depthscope.analyses.jobs.configs import SweepJobConfig
 from depthscope.analyses.samples import sample_texts
 from depthscope.common.settings import build
 
@@ -70,6 +70,7 @@ def sweep_cmd(o) -> None:
     marked in the table's duplicate_of column. A checkpoint that fails to load is recorded
     (checkpoints/NAME.failed.json) and the sweep goes on; the exit status is 1 if any failed.
     """
+    from depthscope.analyses.jobs.sweep import sweep_job  # lazy: the job imports torch
     from depthscope.analyses.sweep import discover_checkpoints  # lazy: imports pandas, --help must not
     from depthscope.hooks import load_model  # lazy: imports torch
     from depthscope.hooks.devices import resolve_device, resolve_dtype  # lazy: imports torch

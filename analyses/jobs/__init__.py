@@ -6,8 +6,11 @@ writer and one name. A job takes a model, a configuration object and an :class:`
 returns a :class:`JobResult`. The configuration is a frozen dataclass checked on construction
 whose fields declare each setting once (default, bounds, flag, help:
 :func:`depthscope.common.settings.setting`); the command-line options are generated from them.
+The configurations live in ``jobs.configs``, which imports no torch, pandas or matplotlib (the
+commands read it for ``--help``); each job module imports its heavy libraries at its top, and a
+command imports its job module when it runs.
 
-| module | job | tables | configuration |
+| module | job | tables | configuration (``jobs.configs``) |
 |---|---|---|---|
 | ``jobs.lens`` | logit / tuned lens at every site | ``lens_*`` | ``LensConfig`` |
 | ``jobs.norms`` | contribution norms, positions, DLA, heads | ``norms_*``, ``dla``, ``head_writes`` | ``NormsConfig`` |

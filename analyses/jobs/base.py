@@ -1,6 +1,9 @@
 """What every job shares: an output folder checked and claimed before any compute
-(:func:`prepare_output`), that records what was written (:class:`Output`), the model it runs
-(:class:`ModelSpec`), and the result (:class:`JobResult`)."""
+(:func:`prepare_output`), that records what was written (:class:`Output`), and the result
+(:class:`JobResult`). The model a job runs is :class:`~depthscope.analyses.jobs.configs.ModelSpec`.
+
+This module stays free of pandas and matplotlib at import: the commands claim their output
+folder through it before any job module (which imports them) loads."""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from depthscope.common.errors import InputError, OutputError
 from depthscope.common.files import FolderLock, atomic_text, check_writable
-from depthscope.common.settings import Checked, setting
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
@@ -183,43 +185,15 @@ def svg_rc(name: str) -> dict:
     measured with named first (the style's list starts with Arial, which matplotlib may not
     have; a viewer that has it would then draw text wider or narrower than laid out), and ids
     salted with the figure's name (the same figure gives the same file)."""
-    import matplotlib  # lazy: --help must not import matplotlib
-    from matplotlib import font_manager  # lazy: as above
+    from matplotlib import font_manager, rcParams  # lazy: --help must not import matplotlib
 
-    family = matplotlib.rcParams["font.family"]
+    family = rcParams["font.family"]
     used = font_manager.FontProperties(fname=font_manager.findfont(font_manager.FontProperties(family=family)))
     key = f"font.{family[0]}" if family and family[0] in ("sans-serif", "serif", "monospace") else None
     rc = {"svg.fonttype": "none", "svg.hashsalt": name}
     if key is not None:
-        rc[key] = [used.get_name()] + [f for f in matplotlib.rcParams[key] if f != used.get_name()]
+        rc[key] = [used.get_name()] + [f for f in rcParams[key] if f != used.get_name()]
     return rc
-
-
-@dataclass(frozen=True)
-class ModelSpec(Checked):
-    """Which model a job runs, where, in what precision, and torch's CPU threads: the ``--model``,
-    ``--device``, ``--dtype`` and ``--threads`` options of every command that loads a model."""
-
-    model: str | None = setting(
-        None,
-        "--model",
-        "-m",
-        help="Model spec: a folder, a .gguf, a cached hub id, or 'default' (SmolLM2-135M).",
-    )
-    device: str = setting(
-        "cpu", "--device", help="Where the model runs: cpu, cuda, cuda:N, mps, or auto (a GPU when torch sees one)."
-    )
-    dtype: str = setting(
-        "float32",
-        "--dtype",
-        help="Precision of the model's weights: float32, bfloat16 or float16 (metrics are reduced in float32).",
-    )
-    threads: int | None = setting(
-        None,
-        "--threads",
-        min=1,
-        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
-    )
 
 
 @dataclass

@@ -1,87 +1,35 @@
 """The lens jobs: logit / tuned lens tables and figures over a text, and tuned-lens training.
 
 ==========================  =====================================================================
-:class:`LensConfig`         settings of :func:`lens_job` (its defaults are the only defaults)
 :func:`lens_job`            tables ``lens_by_site``, ``lens_tokens``; figures (PNG and SVG)
                             ``lens_metrics``, ``lens_top1_heatmap``, ``lens_rank_trajectory``
                             (``_tuned`` suffix for a tuned lens's token figures)
-:class:`LensTrainConfig`    settings of :func:`lens_train_job`
 :func:`lens_train_job`      trains a tuned lens into a folder; table ``tuned_lens_eval`` (held-out
                             comparison with the logit lens)
 :func:`sites_table`         the console table of ``lens_by_site`` (``depthscope lens`` prints it)
 :func:`train_lines`         what ``depthscope lens-train`` prints of a training's summary
 ==========================  =====================================================================
+
+Their settings are :class:`~depthscope.analyses.jobs.configs.LensConfig` and
+:class:`~depthscope.analyses.jobs.configs.LensTrainConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.analyses.tuned_lens_config import TunedLensTraining
-from depthscope.common.errors import InputError
-from depthscope.common.settings import Checked, comma_list, setting
-
-DEFAULT_PROMPT = "The capital of France is"
-#: the most top tokens per position and site in ``lens_tokens`` (three columns each)
-MAX_TOP_K = 1000
-
-
-@dataclass(frozen=True)
-class LensConfig(Checked):
-    """What :func:`lens_job` computes. ``sites``: labels/indices (None: all); ``tuned``: a tuned
-    lens folder to compare with the plain logit lens; ``source``: the text's name (figure title).
-    ``window`` is at least 2 tokens (one position and its next token); ``top_k`` at most
-    :data:`MAX_TOP_K`. Checked on construction; the fields declare the ``lens`` options."""
-
-    prompt: str = setting(
-        DEFAULT_PROMPT, "--prompt", "-p", help="Prompt for the per-token heatmap and rank trajectories."
-    )
-    sites: Sequence | None = setting(
-        None,
-        "--sites",
-        cli_type=str | None,
-        parse=comma_list,
-        help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all.",
-    )
-    batch_size: int = setting(8, "--batch-size", min=1, help="Windows per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=2,
-        help="Tokens per window (default min(context, 512)); longer documents are split.",
-    )
-    max_tokens: int | None = setting(
-        None, "--max-tokens", min=1, help="Stop after this many token positions of the text."
-    )
-    first_position: bool = setting(
-        True,
-        "--first-position/--skip-first-position",
-        help="Include position 0 of every window (default) or skip it (attention sink).",
-    )
-    top_k: int = setting(
-        5,
-        "--top-k",
-        min=1,
-        max=MAX_TOP_K,
-        help=f"Top tokens per position and site in the token table (at most {MAX_TOP_K} and the vocabulary).",
-    )
-    tuned: Path | None = setting(
-        None, "--tuned", help="A tuned lens folder (from lens-train) to compare with the plain logit lens."
-    )
-    source: str | None = None
-    progress: bool = False
-
-    def check(self) -> None:
-        """``top_k`` at most :data:`MAX_TOP_K`; a prompt."""
-        if self.top_k > MAX_TOP_K:
-            raise InputError(f"top_k must be at most {MAX_TOP_K} (three table columns each), got {self.top_k}")
-        if not self.prompt:
-            raise InputError("the prompt is empty")
+from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
+from depthscope.analyses.lens import LOGIT_LENS, logit_lens, logit_lens_tokens
+from depthscope.analyses.lenses import TunedLens
+from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
+from depthscope.analyses.tables import site_first
+from depthscope.analyses.text import windows
+from depthscope.analyses.tuned_lens import train_tuned_lens
 
 
 def sites_table(by_site) -> Table:
@@ -110,16 +58,13 @@ def token_counts(model, docs: Sequence[str]) -> list[int]:
 
 def split_note(model, docs: Sequence[str], window: int | None, counts: Sequence[int] | None = None) -> str | None:
     """Say how many documents are longer than the window (they are split, not truncated)."""
-    # lazy: torch; --help imports this module for its configuration
-    from depthscope.analyses.text import windows as split
-
     ctx = model.max_context or 2048
     w = min(window or 512, ctx)
     long_docs, pieces = 0, 0
     for n in counts if counts is not None else token_counts(model, docs):
         if n > w:
             long_docs += 1
-            pieces += len(split(list(range(n)), w))
+            pieces += len(windows(list(range(n)), w))
     if long_docs:
         return (
             f"{long_docs} document(s) longer than the {w}-token window were split into {pieces} windows "
@@ -132,14 +77,6 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     """The logit lens (and a tuned lens when ``config.tuned`` is set) over ``docs`` and on the
     prompt; writes the tables and figures named in the module doc. Summary: per lens the mean
     KL to the final distribution over sites, plus ``n_positions`` and ``split_note``."""
-    # lazy: torch, pandas, matplotlib; --help imports this module for its configuration
-    import pandas as pd
-
-    from depthscope.analyses.lens import LOGIT_LENS, logit_lens, logit_lens_tokens
-    from depthscope.analyses.lenses import TunedLens
-    from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
-    from depthscope.analyses.tables import site_first
-
     model.unembed.check()
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
     kw = dict(
@@ -181,38 +118,10 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     return JobResult(tables={"lens_by_site": by_site, "lens_tokens": tokens}, summary=summary, files=list(out.written))
 
 
-@dataclass(frozen=True)
-class LensTrainConfig(Checked):
-    """What :func:`lens_train_job` trains: ``training`` (the trainer's settings,
-    :class:`~depthscope.analyses.tuned_lens_config.TunedLensTraining`) and ``eval_tokens`` held-out
-    tokens (from the last tenth of the documents) to compare it with the logit lens (0: no
-    comparison). Checked on construction; the fields declare the ``lens-train`` options."""
-
-    training: TunedLensTraining = setting(factory=TunedLensTraining)
-    eval_tokens: int = setting(
-        128,
-        "--eval-tokens",
-        min=0,
-        help="Held-out tokens (the last tenth of the documents) to compare with the logit lens; 0 to skip.",
-    )
-    progress: bool = True
-
-    def check(self) -> None:
-        """The trainer's settings too."""
-        self.training.validate()
-
-
 def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: Path) -> JobResult:
     """Train a tuned lens on ``docs`` (all but the held-out tenth) into ``folder`` (lens files and
     a checkpoint), then write ``tuned_lens_eval`` there. Summary: the lens, the numbers of
     training and held-out documents, and the held-out mean KL of both lenses."""
-    # lazy: torch, pandas; --help imports this module for its configuration
-    import pandas as pd
-
-    from depthscope.analyses.lens import LOGIT_LENS, logit_lens
-    from depthscope.analyses.tables import site_first
-    from depthscope.analyses.tuned_lens import train_tuned_lens
-
     model.unembed.check()
     folder = Path(folder)
     n_eval = max(1, len(docs) // 10) if (config.eval_tokens > 0 and len(docs) >= 2) else 0

@@ -1,7 +1,6 @@
 """The norms job: contribution norms, the prompt per position, DLA and head writes, with figures.
 
 ==========================  =====================================================================
-:class:`NormsConfig`        settings of :func:`norms_job` (its defaults are the only defaults)
 :func:`norms_job`           tables ``norms_by_site``, ``norms_by_position``, ``dla`` (decoders
                             with final norm -> unembedding), ``head_writes`` (``heads=True``);
                             figures (PNG and SVG) ``norms_stream_growth``, ``norms_update_norms``,
@@ -9,66 +8,24 @@
                             ``norms_head_writes``; ``norms_summary.json``
 :func:`summary_table`       the console table of its summary (``depthscope norms`` prints it)
 ==========================  =====================================================================
+
+Its settings are :class:`~depthscope.analyses.jobs.configs.NormsConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from rich.table import Table
 
+from depthscope.analyses.heads import head_write_norms
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.analyses.jobs.lens import DEFAULT_PROMPT
-from depthscope.common.errors import InputError
-from depthscope.common.settings import Checked, setting
-
-
-@dataclass(frozen=True)
-class NormsConfig(Checked):
-    """What :func:`norms_job` computes. ``target``/``contrast``: DLA tokens (single-token strings;
-    target None: the model's top prediction); ``heads``: also per-head write norms (one more pass);
-    ``source``: the text's name (recorded in the summary). Checked on construction; the fields
-    declare the ``norms`` options."""
-
-    prompt: str = setting(
-        DEFAULT_PROMPT, "--prompt", "-p", help="Prompt for the per-position heatmap and the DLA bars."
-    )
-    target: str | None = setting(
-        None,
-        "--target",
-        help="Target token of the DLA, a single token such as ' Paris' (mind the leading space); default: the "
-        "model's top prediction.",
-    )
-    contrast: str | None = setting(
-        None, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast]."
-    )
-    max_tokens: int | None = setting(None, "--max-tokens", min=1, help="Stop after this many real tokens of the text.")
-    batch_size: int = setting(4, "--batch-size", min=1, help="Sequences per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=1,
-        help="Split documents into windows of at most this many tokens (default min(context, 512)).",
-    )
-    heads: bool = setting(
-        False,
-        "--heads",
-        help="Also per-head attention write norms over the text (head_writes table and plot; one more pass).",
-    )
-    progress: bool = False
-    source: str | None = None
-
-    def check(self) -> None:
-        """A prompt."""
-        if not self.prompt:
-            raise InputError("the prompt is empty")
+from depthscope.analyses.jobs.configs import NormsConfig
+from depthscope.analyses.norms import contribution_norms, direct_logit_attribution, norms_by_position, norms_summary
+from depthscope.analyses.plots import norms as plots
 
 
 def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:
-    # lazy: torch; --help imports this module for its configuration
-    from depthscope.analyses.norms import norms_summary
-
     summary = norms_summary(df)
     summary.update(
         model=str(model.name),
@@ -123,10 +80,6 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     (``heads``) per-head writes; writes the tables, figures and summary named in the module doc.
     The summary is :func:`~depthscope.analyses.norms.norms_summary` plus the DLA's and heads'
     headline numbers (``dla_target``, ``dla_logit``, ``dla_top``, ``top_head``, ...)."""
-    # lazy: torch, matplotlib; --help imports this module for its configuration
-    from depthscope.analyses.norms import contribution_norms, direct_logit_attribution, norms_by_position
-    from depthscope.analyses.plots import norms as plots
-
     df = contribution_norms(
         model,
         docs,
@@ -140,9 +93,6 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     if model.unembed.decodes_stream:
         dla = direct_logit_attribution(model, [config.prompt], config.target, config.contrast)
     if config.heads:
-        # lazy: torch; --help imports this module for its configuration
-        from depthscope.analyses.heads import head_write_norms
-
         heads_df = head_write_norms(
             model, docs, batch_size=config.batch_size, window=config.window, max_tokens=config.max_tokens
         )

@@ -1,8 +1,6 @@
 """The patching job: activation (and attribution) patching of one prompt pair, its tables and figures.
 
 =========================  ======================================================================
-:class:`PatchConfig`       settings of :func:`patch_job` (its defaults are the only defaults: the
-                           ``depthscope patch`` options read them); default: the IOI example
 :func:`patch_job`          tables ``patching_by_site`` (points patched whole: residual sites,
                            ``attn_out``, ``mlp_out``) and ``patching_by_head`` (per-head points:
                            ``heads``, ``z``), each with both methods (``method`` column) and each
@@ -16,89 +14,24 @@ What is patched by default (``sites=None``) is the IOI analysis of the README: e
 site at each position (the last position only when the two prompts differ in token length) and
 every attention head at the last position: one table and one heatmap each. Explicit ``sites``
 are patched at ``positions`` (default ``last``), and their rows are split between the two tables.
+Its settings are :class:`~depthscope.analyses.jobs.configs.PatchConfig` (default: the IOI example).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import pandas as pd
 from rich.table import Table
+from scipy.stats import spearmanr
 
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.common.errors import InputError
-from depthscope.common.settings import Checked, setting
-
-IOI_CLEAN = "When Mary and John went to the store, John gave a drink to"
-IOI_CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
+from depthscope.analyses.jobs.configs import PatchConfig
+from depthscope.analyses.patching import activation_patching, attribution_patching, logit_diff, logprob
+from depthscope.analyses.plots import patching as plots
 
 #: table name per part: points patched whole, and per-head points
 TABLES = {"sites": "patching_by_site", "heads": "patching_by_head"}
 #: figure name per part
 FIGURES = {"sites": "patching_sites", "heads": "patching_heads"}
-
-
-@dataclass(frozen=True)
-class PatchConfig(Checked):
-    """What :func:`patch_job` computes: the prompt pair, the metric ``logit[target] -
-    logit[foil]`` at the last token (``foil`` None: ``logprob[target]``), the hook points
-    (comma-separated names or group words; None: every residual site and every head, see the
-    module doc), the positions mode (``last`` | ``all`` | ``each``; None: ``each`` for the
-    residual sites and ``last`` for the heads by default, ``last`` for explicit ``sites``),
-    whether to add the attribution estimate, the tokens per forward and the figures. Checked on
-    construction; the fields declare the ``patch`` options."""
-
-    clean: str = setting(
-        IOI_CLEAN, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."
-    )
-    corrupted: str = setting(
-        IOI_CORRUPTED, "--corrupted", help="The corrupted prompt (default: the same with 'Mary' as the giver)."
-    )
-    target: str = setting(
-        " Mary",
-        "--target",
-        help="Token the clean prompt should predict next, one token (mind the leading space: ' Mary').",
-    )
-    foil: str | None = setting(
-        " John",
-        "--foil",
-        cli_type=str,
-        show=lambda foil: foil or "",
-        parse=lambda text: text or None,
-        help="Contrast token: the metric is the target's logit minus the foil's at the last token; '' for "
-        "the log-probability of the target.",
-    )
-    positions: str | None = setting(
-        None,
-        "--positions",
-        choices=("last", "all", "each"),
-        help="Token positions to patch: last (the last token), all (every position at once) or each "
-        "(one patch per position; prompts of the same token length). Default: each for the residual "
-        "sites (last when the prompts differ in token length) and last for the heads; last with --sites.",
-    )
-    sites: str | None = setting(
-        None,
-        "--sites",
-        help="Comma-separated hook points or group words (e.g. 'embed,10.attn,23.heads' or "
-        "'resid,attn_out,mlp_out,heads,z'). Default: every residual site and every attention head "
-        "('resid,heads'), as in the README's IOI example.",
-    )
-    attribution: bool = setting(
-        True,
-        "--attribution/--no-attribution",
-        help="Also the gradient (attribution patching) estimate of every patch, and its rank correlation "
-        "with exact patching.",
-    )
-    batch_tokens: int = setting(
-        2048, "--batch-tokens", min=1, help="Tokens per forward pass (patched rows x recomputed positions)."
-    )
-    plots: bool = setting(True, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter).")
-
-    def check(self) -> None:
-        """Both prompts, and hook points when ``sites`` is given."""
-        if not self.clean or not self.corrupted:
-            raise InputError("the clean and the corrupted prompt must not be empty")
-        if self.sites is not None and not str(self.sites).strip(" ,"):
-            raise InputError("sites is empty: name hook points or group words, or leave it out for the default")
 
 
 def _plan(model, config: PatchConfig) -> tuple[list[tuple[str, str | None]], str]:
@@ -124,12 +57,6 @@ def patch_job(model, config: PatchConfig, out: Output) -> JobResult:
     named in the module doc. Summary: the metric, its clean and corrupted values, the number of
     patches, the five patches that recover most in each table, and (with attribution) the
     Spearman rank correlation of the estimate with exact patching in each table."""
-    # lazy: torch, pandas, matplotlib; --help imports this module for its configuration
-    import pandas as pd
-
-    from depthscope.analyses.patching import activation_patching, attribution_patching, logit_diff, logprob
-    from depthscope.analyses.plots import patching as plots
-
     metric = logit_diff(config.target, config.foil) if config.foil is not None else logprob(config.target)
     args = (model, config.clean, config.corrupted, metric)
     calls, note = _plan(model, config)
@@ -198,10 +125,6 @@ def _top(df, k: int):
 def _spearman(df) -> float | None:
     """Rank correlation of the attribution estimate with exact patching over the same patches
     (None with fewer than 3 patches where both are defined)."""
-    # lazy: pandas, scipy; --help imports this module for its configuration
-    import pandas as pd
-    from scipy.stats import spearmanr
-
     keys = ["point", "head", "position"]
     a = df[df["method"] == "activation"].set_index(keys)["fraction_recovered"]
     b = df[df["method"] == "attribution"].set_index(keys)["fraction_recovered"]
@@ -214,9 +137,6 @@ def _spearman(df) -> float | None:
 
 def _where(r) -> str:
     """'14.attn, position 13 ' to'' (plus the head for per-head points)."""
-    # lazy: pandas; --help imports this module for its configuration
-    import pandas as pd
-
     bits = [r.point] + ([] if pd.isna(r.head) else [f"head {int(r.head)}"])
     bits.append("all positions" if pd.isna(r.position) else f"position {int(r.position)} {r.token!r}")
     return ", ".join(bits)

@@ -1,10 +1,10 @@
 """The probe job: run the probes from one configuration and write their tables and figures, once each.
 
 =================================  ===========================================================
-``ProbeJobConfig``                 tasks and data files (None: the defaults below) plus the
-                                   probe, extraction and data settings of
-                                   :mod:`depthscope.probes.config` (their defaults are the only
-                                   defaults) and whether to draw figures
+``ProbeJobConfig``                 (in :mod:`depthscope.analyses.jobs.configs`) tasks and data
+                                   files (None: the defaults below) plus the probe, extraction
+                                   and data settings of :mod:`depthscope.probes.config` (their
+                                   defaults are the only defaults) and whether to draw figures
 ``run_probe_job(model, config,     runs :func:`depthscope.probes.run_probes` and writes
 out, progress=)``                  ``probes_by_site``, ``probes_summary``, ``probes_mixing``
                                    (Parquet + CSV) and ``probes_overview.png``,
@@ -23,67 +23,20 @@ else EWT). ``depthscope probe`` and ``depthscope run`` both call :func:`run_prob
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.common.errors import InputError
-from depthscope.common.settings import Checked, comma_list, setting
-from depthscope.probes import sample_data
-from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+from depthscope.analyses.jobs.configs import ProbeJobConfig
+from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
+from depthscope.probes import run_probes, sample_data
+from depthscope.probes.run import task_list
 
 DEFAULT_TASKS = ("upos", "deprel", "feats:Number")
 ENTITY_TASKS = ("entity", "coref")
 TABLES = ("probes_by_site", "probes_summary", "probes_mixing")
 FIGURES = ("probes_overview", "probes_accuracy", "probes_tenney")
-
-
-def _data_file(name: str, what: str) -> object:
-    """A ``--train``/``--test``/``--dev`` file setting (None: the default named in ``what``)."""
-    return setting(None, f"--{name}", cli_type=Path | None, help=what)
-
-
-@dataclass(frozen=True)
-class ProbeJobConfig(Checked):
-    """What the probe job runs: ``tasks`` (None: :data:`DEFAULT_TASKS`, + entity and coref
-    with GUM-style data), ``train`` / ``test`` / ``dev`` files (None: the bundled sample; no
-    dev), the settings objects, and ``plots``. Checked on construction (the settings, and that
-    the data files exist, before the model loads); the fields declare the ``probe`` options."""
-
-    tasks: Sequence[str] | None = setting(
-        None,
-        "--task",
-        "-t",
-        param="task",
-        cli_type=str | None,
-        parse=comma_list,
-        help="Comma-separated tasks: upos, xpos, feats:Number, "
-        "feats:Tense, ..., deprel, deprel:base, entity, coref (GUM), or any name with a "
-        "jiant edge-probing .jsonl. Default: upos,deprel,feats:Number (+entity,coref "
-        "with GUM data).",
-    )
-    train: str | Path | None = _data_file("train", "Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
-    test: str | Path | None = _data_file("test", "Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
-    dev: str | Path | None = _data_file(
-        "dev", "Dev file, used to choose the L2 penalty per task (--l2 auto); else folds of train."
-    )
-    probe: ProbeConfig = setting(factory=ProbeConfig)
-    extraction: ExtractionConfig = setting(factory=ExtractionConfig)
-    data: DataConfig = setting(factory=DataConfig)
-    plots: bool = setting(True, "--plots/--no-plots", help="Draw the figures.")
-
-    def check(self) -> None:
-        """The settings objects, and the data files exist."""
-        self.probe.validate()
-        self.extraction.validate()
-        self.data.validate()
-        for name in ("train", "test", "dev"):
-            p = getattr(self, name)
-            if isinstance(p, (str, Path)) and not Path(p).is_file():
-                raise InputError(f"--{name}: no such file: {p}")
 
 
 def has_entities(path: str | Path) -> bool:
@@ -99,9 +52,6 @@ def has_entities(path: str | Path) -> bool:
 
 def resolve_inputs(config: ProbeJobConfig) -> tuple:
     """``(tasks, train, test)`` with the defaults of the module docstring filled in."""
-    # lazy: torch; --help imports this module for its configuration
-    from depthscope.probes.run import task_list
-
     tasks = task_list(config.tasks) if config.tasks else None
     train, test = config.train, config.test
     if train is None or test is None:
@@ -119,9 +69,6 @@ def resolve_inputs(config: ProbeJobConfig) -> tuple:
 def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
     """Write ``results``' tables (:data:`TABLES`) and, with ``plots``, figures (:data:`FIGURES`)
     through ``out``; returns the tables by name."""
-    # lazy: torch, matplotlib; --help imports this module for its configuration
-    from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
-
     tables = dict(zip(TABLES, (results.by_site, results.summary, results.mixing)))
     for name, df in tables.items():
         out.table(df, name)
@@ -137,9 +84,6 @@ def run_probe_job(
 ) -> JobResult:
     """Probe every site of ``model`` (a HookedModel or a spec) and write the probe tables and
     figures; ``out`` None (or ``Output(None)``) computes without writing."""
-    # lazy: torch; --help imports this module for its configuration
-    from depthscope.probes import run_probes
-
     cfg = config or ProbeJobConfig()
     out = out if out is not None else Output(None)
     tasks, train, test = resolve_inputs(cfg)
