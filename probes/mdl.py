@@ -26,7 +26,7 @@ import torch
 
 from depthscope.common.progress import progress_bar
 from depthscope.probes.config import ProbeConfig, override
-from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2
+from depthscope.probes.solvers.classifiers import numeric_l2, site_probe
 from depthscope.probes.solvers.training import predict, train_kwargs, train_probe
 from depthscope.probes.store.features import Features, Resident
 
@@ -122,17 +122,7 @@ class _BlockCode:
         cfg, feats, t0 = self.cfg, self.feats, len(tr_idx)
         ftr = _subset(feats, tr_idx, cfg.seed, self.max_bytes, self.dtype)
         fev = _subset(feats, ev_idx, cfg.seed, self.max_bytes, self.dtype)
-        probe = BatchedProbe(
-            n_sites=feats.n_sites,
-            d=feats.d,
-            n_spans=feats.n_spans,
-            n_classes=self.n_classes,
-            kind=cfg.probe,
-            hidden=cfg.hidden,
-            attn_pool=feats.tokens,
-            l2=numeric_l2(cfg.l2) * len(self.y) / t0,
-            seed=cfg.seed,
-        )
+        probe = site_probe(feats, self.n_classes, cfg, l2=numeric_l2(cfg.l2) * len(self.y) / t0)
         batch_size = None if cfg.batch_size is None else min(cfg.batch_size, max(8, t0))
         settings = {**train_kwargs(cfg), "min_steps": self.min_steps, "batch_size": batch_size}
         train_probe(probe, ftr, torch.from_numpy(self.y[tr_idx])[:, None], **settings)

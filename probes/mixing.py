@@ -52,7 +52,7 @@ import torch
 from depthscope.common.errors import InputError
 from depthscope.probes.config import ProbeConfig, override
 from depthscope.probes.metrics import macro_f1
-from depthscope.probes.solvers.classifiers import BatchedProbe, numeric_l2, site_probe
+from depthscope.probes.solvers.classifiers import site_probe
 from depthscope.probes.solvers.lbfgs import newton
 from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs, train_probe
 from depthscope.probes.store.features import Features
@@ -319,18 +319,7 @@ def apply_stack(w: torch.Tensor, b: torch.Tensor, z: torch.Tensor) -> torch.Tens
 def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, progress: bool = False, desc="mix"):
     """Tenney's scalar mix over all sites, trained jointly with its probe: ``(weights [S], TrainLog)``."""
     S = train.n_sites
-    probe = BatchedProbe(
-        n_sites=S,
-        d=train.d,
-        n_spans=train.n_spans,
-        n_classes=n_classes,
-        kind=cfg.probe,
-        hidden=cfg.hidden,
-        mix_mask=torch.ones(1, S, dtype=torch.bool),
-        attn_pool=train.tokens,
-        l2=numeric_l2(cfg.l2),
-        seed=cfg.seed,
-    )
+    probe = site_probe(train, n_classes, cfg, mix_mask=torch.ones(1, S, dtype=torch.bool))
     log = train_probe(
         probe,
         train,

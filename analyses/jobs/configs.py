@@ -254,6 +254,11 @@ class PatchConfig(Checked):
             raise InputError("sites is empty: name hook points or group words, or leave it out for the default")
 
 
+def _tasks(help: str) -> object:
+    """The ``--task``/``-t`` setting (a comma-separated list of probe tasks) with ``help``."""
+    return setting(None, "--task", "-t", param="task", cli_type=str | None, parse=comma_list, help=help)
+
+
 def _data_file(name: str, what: str) -> object:
     """A ``--train``/``--test``/``--dev`` file setting (None: the default named in ``what``)."""
     return setting(None, f"--{name}", cli_type=Path | None, help=what)
@@ -267,17 +272,10 @@ class ProbeJobConfig(Checked):
     dev), the settings objects, and ``plots``. Checked on construction (the settings, and that
     the data files exist, before the model loads); the fields declare the ``probe`` options."""
 
-    tasks: Sequence[str] | None = setting(
-        None,
-        "--task",
-        "-t",
-        param="task",
-        cli_type=str | None,
-        parse=comma_list,
-        help="Comma-separated tasks: upos, xpos, feats:Number, "
-        "feats:Tense, ..., deprel, deprel:base, entity, coref (GUM), or any name with a "
-        "jiant edge-probing .jsonl. Default: upos,deprel,feats:Number (+entity,coref "
-        "with GUM data).",
+    tasks: Sequence[str] | None = _tasks(
+        "Comma-separated tasks: upos, xpos, feats:Number, feats:Tense, ..., deprel, deprel:base, entity, "
+        "coref (GUM), or any name with a jiant edge-probing .jsonl. Default: upos,deprel,feats:Number "
+        "(+entity,coref with GUM data)."
     )
     train: str | Path | None = _data_file("train", "Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
     test: str | Path | None = _data_file("test", "Test file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
@@ -379,14 +377,8 @@ class ReportConfig(Checked):
     test: str | None = None
     dev: str | None = None
     texts: Sequence[str] | None = None
-    tasks: Sequence[str] | None = setting(
-        None,
-        "--task",
-        "-t",
-        param="task",
-        cli_type=str | None,
-        parse=comma_list,
-        help="Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data).",
+    tasks: Sequence[str] | None = _tasks(
+        "Probe tasks, comma-separated (default: upos,deprel,feats:Number; +entity,coref with GUM data)."
     )
     prompt: str = setting(DEFAULT_PROMPT, "--prompt", help="Prompt for the per-token views and DLA.")
     target: str = setting(DEFAULT_TARGET, "--target", help="Target token for DLA.")

@@ -177,9 +177,10 @@ class BatchedProbe(nn.Module):
         return self.penalty_per_unit().sum()
 
 
-def site_probe(feats, n_classes: int, cfg: ProbeConfig, *, l2=None, n_heads: int = 1) -> BatchedProbe:
+def site_probe(feats, n_classes: int, cfg: ProbeConfig, *, l2=None, n_heads: int = 1, mix_mask=None) -> BatchedProbe:
     """One probe per site of ``feats`` (``n_heads`` label sets) with ``cfg``'s kind, hidden units
-    and seed; penalty ``l2`` (None: ``cfg.l2`` as a number)."""
+    and seed; penalty ``l2`` (None: ``cfg.l2`` as a number); ``mix_mask``: scalar mixes instead
+    (see :class:`BatchedProbe`)."""
     return BatchedProbe(
         n_sites=feats.n_sites,
         d=feats.d,
@@ -190,5 +191,6 @@ def site_probe(feats, n_classes: int, cfg: ProbeConfig, *, l2=None, n_heads: int
         seed=cfg.seed,
         kind=cfg.probe,
         hidden=cfg.hidden,
+        mix_mask=mix_mask,
         attn_pool=feats.tokens,
     )
