@@ -22,12 +22,15 @@ Three layouts exist:
 
 Attention heads (for per-head analyses): the number of heads and key/value heads comes from
 the config (``HEAD_KEYS``, ``KV_HEAD_KEYS``), the output projection of each attention module
-from ``ArchSpec.o_proj``, and the value vectors from one of the ``VALUE_LAYOUTS``
-(``ArchSpec.values``): a separate ``v_proj`` (grouped key/value heads), GPT-2's fused
-``c_attn`` ([q | k | v]) or GPT-NeoX's fused ``query_key_value`` (per head [q, k, v]).
-:func:`read_values` reads them (the engine's ``values`` capture), :func:`linear_weight` reads a
-projection's matrix (GPT-2's ``Conv1D`` stores it transposed). Attention patterns come from
-:mod:`depthscope.hooks.attention` (``model.run(cache=["l.pattern"])``).
+from ``ArchSpec.o_proj``, and the query/key/value projections from one of the ``QKV_LAYOUTS``
+(``ArchSpec.qkv``): separate ``q_proj`` / ``k_proj`` / ``v_proj`` (grouped key/value heads),
+BERT's separate ``self.query`` / ``self.key`` / ``self.value``, GPT-2's fused ``c_attn``
+([q | k | v]) or GPT-NeoX's fused ``query_key_value`` (per head [q, k, v]). :func:`read_qkv` /
+:func:`write_qkv` read one of q, k, v from such an output ``[..., heads, d_head]`` and put a
+replacement back into it (the engine's ``qkv`` capture: ``l.q``, ``l.k``, ``l.v``);
+:func:`read_values` gives the value vectors per query head (``l.values``), :func:`linear_weight`
+a projection's matrix (GPT-2's ``Conv1D`` stores it transposed). Attention patterns and scores
+come from :mod:`depthscope.hooks.attention` (``model.run(cache=["l.pattern"])``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -62,7 +66,7 @@ class ArchSpec:
     ln2: tuple[str, ...] = ()
     final_norm: tuple[str, ...] = ()
     norm_kind: str = "rms"  # "rms" | "layer"
-    values: str | None = None  # a key of VALUE_LAYOUTS: how value vectors are read
+    qkv: str | None = None  # a key of QKV_LAYOUTS: where queries, keys and values are read
     extra: dict = field(default_factory=dict)
     # --- hook points below the stream (hooks/points.py) -------------------------------------
     # Module paths relative to a block, the first that exists wins. ``attn_fn``: the module that
@@ -103,7 +107,7 @@ _LLAMA = ArchSpec(
     norm_kind="rms",
     attn_fn=("self_attn",),
     o_proj=("self_attn.o_proj",),
-    values="v_proj",
+    qkv="q_proj",
     down_proj=("mlp.down_proj",),
 )
 _register(["llama", "mistral", "qwen2", "qwen3", "smollm3"], _LLAMA)
@@ -150,7 +154,7 @@ _register(
         norm_kind="layer",
         attn_fn=("attn",),
         o_proj=("attn.c_proj",),
-        values="c_attn",
+        qkv="c_attn",
         down_proj=("mlp.c_proj",),
     ),
 )
@@ -168,7 +172,7 @@ _register(
         norm_kind="layer",
         attn_fn=("attention",),
         o_proj=("attention.dense",),
-        values="query_key_value",
+        qkv="query_key_value",
         down_proj=("mlp.dense_4h_to_h",),
     ),
 )
@@ -183,6 +187,7 @@ _register(
         norm_kind="layer",
         attn_fn=("attention.self",),
         o_proj=("attention.output.dense",),
+        qkv="query",
         down_proj=("output.dense",),
         attn_write=("attention.output.dense",),  # what enters the LayerNorm with the stream
         mlp_write=("output.dense",),
@@ -219,10 +224,12 @@ class ResolvedArch:
     attn_fn: list = field(default_factory=list)  # calls the attention function (None: l.pattern unsupported)
     o_proj: list = field(default_factory=list)  # input is l.z (None: z/heads unsupported)
     down_proj: list = field(default_factory=list)  # input is l.neurons (None: unsupported)
-    value_proj: list = field(default_factory=list)  # output holds the value vectors (None: unsupported)
+    q_proj: list = field(default_factory=list)  # output holds the queries l.q (None: unsupported)
+    k_proj: list = field(default_factory=list)  # output holds the keys l.k (None: unsupported)
+    v_proj: list = field(default_factory=list)  # output holds the values l.v, l.values (None: unsupported)
     n_heads: int | None = None  # query heads
     n_kv_heads: int | None = None  # key/value heads (GQA; = n_heads otherwise)
-    values: str | None = None  # a key of VALUE_LAYOUTS (or None: value vectors not readable)
+    qkv: str | None = None  # a key of QKV_LAYOUTS (or None: q, k, v not readable)
     d_head: int | None = None
     sandwich: bool = False  # a norm after each sublayer (OLMo-2, Gemma-2/3)
     # --- end of hook-point fields --------------------------------------------------------------
@@ -316,10 +323,10 @@ def _resolve_points(spec: ArchSpec, blocks, attn: list, mlp: list, config) -> di
         w = o_proj[0].weight  # Linear [out, in]; GPT-2 Conv1D [in, out]
         d_in = w.shape[0] if type(o_proj[0]).__name__ == "Conv1D" else w.shape[1]
         d_head = d_in // n_heads if d_in % n_heads == 0 else None
-    layout = VALUE_LAYOUTS.get(spec.values or "")
-    value_proj = [getattr(a, layout[0], None) if layout else None for a in attn]
+    layout = QKV_LAYOUTS.get(spec.qkv or "")
+    paths = layout.paths if layout else ("", "", "")
     return dict(
-        value_proj=value_proj,
+        **{f"{x}_proj": [_first(a, (path,)) if path else None for a in attn] for x, path in zip("qkv", paths)},
         attn_site=attn if spec.layout == "post_norm" else attn_write,
         attn_write=attn_write,
         mlp_write=mlp_write,
@@ -328,7 +335,7 @@ def _resolve_points(spec: ArchSpec, blocks, attn: list, mlp: list, config) -> di
         down_proj=each(spec.down_proj),
         n_heads=n_heads,
         n_kv_heads=_config_int(config, KV_HEAD_KEYS) or n_heads,
-        values=spec.values,
+        qkv=spec.qkv,
         d_head=d_head,
         sandwich=bool(spec.attn_write) and spec.layout != "post_norm",
     )
@@ -361,7 +368,7 @@ def _generic_spec(base: nn.Module, cls: str, model_type) -> ArchSpec:
                     final_norm=_GENERIC_FINAL,
                     norm_kind=kind,
                     attn_fn=_GENERIC_ATTN,
-                    values="v_proj" if hasattr(_first(b0, _GENERIC_ATTN), "v_proj") else None,
+                    qkv="q_proj" if _has_all(_first(b0, _GENERIC_ATTN), QKV_LAYOUTS["q_proj"].paths) else None,
                     o_proj=tuple(f"{a}.{o}" for a in _GENERIC_ATTN for o in ("o_proj", "c_proj", "dense", "out_proj")),
                     down_proj=tuple(
                         f"{m}.{d}"
@@ -382,35 +389,67 @@ def linear_weight(proj: nn.Module) -> torch.Tensor:
     return w.T if type(proj).__name__ == "Conv1D" else w
 
 
-def _values_v_proj(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    v = out.reshape(*out.shape[:-1], n_kv, -1)
-    return v.repeat_interleave(n_heads // n_kv, dim=-2)
+class QKVLayout(NamedTuple):
+    """Where one family keeps its queries, keys and values: ``paths`` (the submodules of the
+    attention module whose outputs hold q, k and v; one module three times when fused) and
+    ``fused`` (None: separate projections; ``"concat"``: ``[q | k | v]`` along the features, GPT-2;
+    ``"per_head"``: per head ``[q, k, v]``, GPT-NeoX)."""
+
+    paths: tuple[str, str, str]
+    fused: str | None = None
 
 
-def _values_c_attn(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    d = out.shape[-1] // 3
-    return out[..., 2 * d :].reshape(*out.shape[:-1], n_heads, -1)
-
-
-def _values_qkv(out: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    qkv = out.reshape(*out.shape[:-1], n_heads, -1)
-    return qkv[..., 2 * qkv.shape[-1] // 3 :]
-
-
-#: value layout -> (submodule of the attention whose output holds the values, reader of that
-#: output ``[B, P, *] -> [B, P, n_heads, head_dim]`` per query head)
-VALUE_LAYOUTS: dict[str, tuple[str, Callable]] = {
-    "v_proj": ("v_proj", _values_v_proj),
-    "c_attn": ("c_attn", _values_c_attn),
-    "query_key_value": ("query_key_value", _values_qkv),
+#: q/k/v layout (``ArchSpec.qkv``) -> where its projections are and how their outputs are laid out
+QKV_LAYOUTS: dict[str, QKVLayout] = {
+    "q_proj": QKVLayout(("q_proj", "k_proj", "v_proj")),
+    "query": QKVLayout(("self.query", "self.key", "self.value")),
+    "c_attn": QKVLayout(("c_attn",) * 3, "concat"),
+    "query_key_value": QKVLayout(("query_key_value",) * 3, "per_head"),
 }
+QKV_PARTS = ("q", "k", "v")
+
+
+def _has_all(module: nn.Module | None, paths: tuple[str, ...]) -> bool:
+    return module is not None and all(_get(module, p) is not None for p in paths)
+
+
+def read_qkv(arch: ResolvedArch, part: int, out: torch.Tensor) -> torch.Tensor:
+    """Queries (``part`` 0), keys (1) or values (2) ``[..., heads, d_head]`` from the output of
+    that part's projection: query heads for q, key/value heads for k and v (as the model has
+    them; grouped-query models are not expanded)."""
+    fused = QKV_LAYOUTS[arch.qkv].fused
+    if fused == "concat":
+        d = out.shape[-1] // 3
+        return out[..., part * d : (part + 1) * d].unflatten(-1, (arch.n_heads, -1))
+    if fused == "per_head":
+        qkv = out.unflatten(-1, (arch.n_heads, -1))
+        dh = qkv.shape[-1] // 3
+        return qkv[..., part * dh : (part + 1) * dh]
+    heads = arch.n_heads if part == 0 else arch.n_kv_heads or arch.n_heads
+    return out.unflatten(-1, (heads, -1))
+
+
+def write_qkv(arch: ResolvedArch, part: int, out: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The projection output ``out`` with its ``part`` (see :func:`read_qkv`) replaced by ``new``
+    ``[..., heads, d_head]``; the other parts of a fused output are kept."""
+    fused = QKV_LAYOUTS[arch.qkv].fused
+    if fused == "concat":
+        parts = list(out.split(out.shape[-1] // 3, dim=-1))
+        parts[part] = new.flatten(-2)
+        return torch.cat(parts, dim=-1)
+    if fused == "per_head":
+        qkv = out.unflatten(-1, (arch.n_heads, -1))
+        parts = list(qkv.split(qkv.shape[-1] // 3, dim=-1))
+        parts[part] = new
+        return torch.cat(parts, dim=-1).flatten(-2)
+    return new.reshape(out.shape)
 
 
 def read_values(arch: ResolvedArch, out: torch.Tensor) -> torch.Tensor:
-    """Value vectors ``[B, P, n_heads, head_dim]`` (one per query head) from the output of
-    ``arch.value_proj[l]``."""
-    read = VALUE_LAYOUTS[arch.values][1]
-    return read(out, arch.n_heads, arch.n_kv_heads or arch.n_heads)
+    """Value vectors ``[B, P, n_heads, head_dim]`` (one per query head: grouped key/value heads
+    expanded) from the output of ``arch.v_proj[l]``."""
+    v = read_qkv(arch, 2, out)
+    return v.repeat_interleave(arch.n_heads // v.shape[-2], dim=-2) if v.shape[-2] != arch.n_heads else v
 
 
 def cache_keyword(hf_model: nn.Module) -> str:

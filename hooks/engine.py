@@ -13,14 +13,17 @@ capture           what it hooks and reads; how a replacement goes back into the 
 ``block_input``   pre-hook of block 0: its input hidden states; replaced in the block's input
 ``input``         pre-hook: the module's first input; replaced there
 ``output``        hook: the module's (first) output; replaced there
+``qkv``           hook of a query/key/value projection: its output viewed ``[..., heads,
+                  d_head]`` (fused projections: that part of the output, :func:`read_qkv`);
+                  a replacement goes back into the output (:func:`write_qkv`)
 ``heads_input``   pre-hook of the output projection: its input viewed ``[..., heads, d_head]``
 ``heads_output``  hook of the output projection: each head's term ``z_h W_O^h``; a replacement
                   becomes the projection's output ``heads.sum(heads) + bias``
 ``resid_mid``     pre-hook of the block (keeps ``resid_pre``) and hook of the attention's write:
                   ``resid_pre + write`` (post-norm: the sublayer's output); a replacement
                   becomes the write ``new - resid_pre``
-``pattern``       no forward hook: a handler inside the attention function
-                  (:mod:`depthscope.hooks.attention`)
+``attention``     no forward hook: a handler inside the attention function for ``rot_q``,
+                  ``rot_k``, ``scores`` and ``pattern`` (:mod:`depthscope.hooks.attention`)
 ``values``        hook of the value projection: value vectors per query head (read only)
 ================  ==========================================================================
 
@@ -33,6 +36,9 @@ one entry in ``CAPTURES``.
 
 Hooks are called in forward order. Several hooks at one point run in order, each seeing the
 previous one's output; the cache holds each point as the model used it, i.e. after the hooks.
+A point asked for that the forward never reached (a module the model does not run, an attention
+that does not go through transformers' attention function) is an error after the forward, never
+a silently missing entry.
 ``ctx`` is a :class:`HookContext`: the canonical point name (a ``str``, so ``fn(stream, label)``
 hooks work unchanged) with the call's ``mask``, ``positions`` and ``step``.
 """
@@ -47,8 +53,8 @@ import torch
 from torch import nn
 
 from depthscope.common.errors import InputError, UnsupportedArchitecture
-from depthscope.hooks.arch import read_values
-from depthscope.hooks.attention import eager_patterns
+from depthscope.hooks.arch import read_qkv, read_values, write_qkv
+from depthscope.hooks.attention import ATTENTION_KINDS, eager_patterns
 from depthscope.hooks.points import Point, parse_point, spec_of
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
@@ -178,7 +184,9 @@ class Engine:
         self.store: dict[str, torch.Tensor] = {}
         self.grad_src: dict[str, tuple[torch.Tensor, Callable]] = {}
         self.resid_pre: dict[int, torch.Tensor] = {}  # block input kept for its l.attn site
-        self.patterns: dict[nn.Module, Callable] = {}  # attention module -> l.pattern handler
+        self.attention: dict[nn.Module, dict[str, Callable]] = {}  # attention module -> {kind: handler}
+        self.reached: set[Point] = set()  # points whose tensor went through apply
+        self.forwards = 0  # forwards of the whole model that ran to their end
         self._handles: list = []
         self._stack = contextlib.ExitStack()
         self._ctx = {p: HookContext(p, self.state) for p in self.cache | set(self.hooks)}
@@ -212,6 +220,32 @@ class Engine:
                 f"{self.model.name} ({arch.family}): depthscope does not know where the hook points "
                 f"{sorted(missing)} live (add the module paths to its ArchSpec in depthscope/hooks/arch.py)"
             )
+        bridged = sorted(
+            p.name
+            for p, module in self._modules.items()
+            if p.kind in ATTENTION_KINDS and type(module).__module__.startswith("transformer_lens")
+        )
+        if bridged:
+            raise UnsupportedArchitecture(
+                f"{self.model.name}: the hook points {bridged} live inside transformers' attention function, "
+                f"which a TransformerLens TransformerBridge replaces by its own attention code; read them "
+                f"with the bridge's hooks (bridge.run_with_cache), or load the transformers model itself "
+                f"(load_model(hf_model) on a model no bridge was booted on)"
+            )
+
+    def _check_reached(self, stopped: bool) -> None:
+        """Refuse a call in which a point asked for was never reached although the forward ran
+        (to its end, or up to the last cached point when ``stopped``)."""
+        if (stopped and self.stop_at is None) or not (stopped or self.forwards):
+            return
+        limit = self.stop_at.order if stopped else None
+        missed = [p.name for p in self._ctx if p not in self.reached and (limit is None or p.order <= limit)]
+        if missed:
+            raise UnsupportedArchitecture(
+                f"{self.model.name} ({self.arch.family}): the hook points {sorted(missed)} were asked for but "
+                f"never reached in the forward: this model does not run the modules depthscope hooks there "
+                f"(or, for {list(ATTENTION_KINDS)}, computes attention without transformers' attention function)"
+            )
 
     def __enter__(self) -> Engine:
         try:
@@ -227,7 +261,10 @@ class Engine:
         self._handles.clear()
         self.resid_pre.clear()
         self._stack.close()
-        return exc_type is not None and issubclass(exc_type, StopForward)
+        stopped = exc_type is not None and issubclass(exc_type, StopForward)
+        if exc_type is None or stopped:
+            self._check_reached(stopped)
+        return stopped
 
     def _register_all(self) -> None:
         if self.on_forward is not None:
@@ -236,12 +273,17 @@ class Engine:
             self.pre_hook(self.arch.blocks[0], _grad_leaf, with_kwargs=True)
         for point in sorted(self._ctx, key=lambda p: p.order):
             CAPTURES[spec_of(point.kind).capture](self, point, self._modules[point])
-        if self.patterns:
-            self._stack.enter_context(eager_patterns(self.model.hf_model, self.patterns))
+        if self.attention:
+            self._stack.enter_context(eager_patterns(self.model.hf_model, self.attention))
+        self.hook(self.model.hf_model, self._count_forward)
+
+    def _count_forward(self, mod, args, output) -> None:
+        self.forwards += 1
 
     # ------------------------------------------------------------------ the tensors
     def apply(self, point: Point, t: torch.Tensor) -> torch.Tensor | None:
         """Run the user hooks at ``point`` on ``t``; store it if cached; the replacement or None."""
+        self.reached.add(point)
         fns = self.hooks.get(point)
         new = self._run_hooks(point, fns, t) if fns else None
         name = self._names.get(point)
@@ -372,16 +414,36 @@ def _resid_mid(eng: Engine, point: Point, site: nn.Module) -> None:
     eng.hook(site, hook)
 
 
-def _pattern(eng: Engine, point: Point, attn_fn: nn.Module) -> None:
-    def handler(weights):
-        new = eng.apply(point, weights)
+def _qkv(eng: Engine, point: Point, proj: nn.Module) -> None:
+    """``l.q`` / ``l.k`` / ``l.v``: the projection's output read as that part; a replacement is
+    written back into it (the gradient read from the output's, the same part)."""
+    arch, part = eng.arch, "qkv".index(point.kind)
+
+    def hook(mod, args, output):
+        out = _first(output)
+        new = eng.apply(point, read_qkv(arch, part, out))
+        if new is not None:
+            out = write_qkv(arch, part, out, new)
+        eng.keep_grad(point, out, lambda g: read_qkv(arch, part, g))
+        return None if new is None else _replace_first(output, out)
+
+    eng.hook(proj, hook)
+
+
+def _attention(eng: Engine, point: Point, attn_fn: nn.Module) -> None:
+    """``l.rot_q``, ``l.rot_k``, ``l.scores``, ``l.pattern``: a handler inside the attention
+    function. With ``grad`` a cached tensor is handed back as its own replacement, so the model
+    computes on from it and its gradient is kept."""
+
+    def handler(t):
+        new = eng.apply(point, t)
         if new is None and eng.grad and point in eng.cache:
-            new = weights  # recompute pattern @ V from this tensor so its gradient is kept
+            new = t
         if new is not None:
             eng.keep_grad(point, new)
         return new
 
-    eng.patterns[attn_fn] = handler
+    eng.attention.setdefault(attn_fn, {})[point.kind] = handler
 
 
 def _values(eng: Engine, point: Point, value_proj: nn.Module) -> None:
@@ -397,10 +459,11 @@ CAPTURES: dict[str, Callable[[Engine, Point, nn.Module], None]] = {
     "block_input": _block_input,
     "input": _input,
     "output": _output,
+    "qkv": _qkv,
     "heads_input": _heads_input,
     "heads_output": _heads_output,
     "resid_mid": _resid_mid,
-    "pattern": _pattern,
+    "attention": _attention,
     "values": _values,
 }
 

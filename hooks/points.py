@@ -1,35 +1,59 @@
 """Hook points: the one registry of every tensor the hook engine can read and replace.
 
 Beside the ``2L + 1`` residual sites (:mod:`depthscope.hooks.sites`), each block ``l`` offers
-six points below the stream. ``REGISTRY`` lists them all, in forward order within block ``l``:
+twelve points below the stream. ``REGISTRY`` lists them all, in forward order within block ``l``:
 
-==============  ======================================  ==========================  ==========  ============
-name            tensor                                  TransformerLens alias       module      capture
-==============  ======================================  ==========================  ==========  ============
-``embed``       input of block 0 (l = 0)                blocks.0.hook_resid_pre     blocks[0]   block_input
+==============  ======================================  ===============================  ==========  ============
+name            tensor                                  TransformerLens alias            module      capture
+==============  ======================================  ===============================  ==========  ============
+``embed``       input of block 0 (l = 0)                blocks.0.hook_resid_pre          blocks[0]   block_input
                 [batch, pos, d_model]
-``l.pattern``   attention probabilities                 blocks.l.attn.hook_pattern  attn_fn     pattern
+``l.q``         query projection's output per head,     blocks.l.attn.hook_q             q_proj      qkv
+                before rotary embedding (and before a
+                query norm: Qwen3, OLMo-2)
+                [batch, pos, heads, d_head]
+``l.k``         key projection's output per key/value   blocks.l.attn.hook_k             k_proj      qkv
+                head, before rotary embedding (and a
+                key norm)
+                [batch, pos, kv_heads, d_head]
+``l.v``         value projection's output per           blocks.l.attn.hook_v             v_proj      qkv
+                key/value head
+                [batch, pos, kv_heads, d_head]
+``l.rot_q``     queries as the attention function gets  blocks.l.attn.hook_rot_q         attn_fn     attention
+                them (after rotary embedding and any
+                norm; = ``l.q`` without rotary)
+                [batch, pos, heads, d_head]
+``l.rot_k``     keys likewise, every key position the   blocks.l.attn.hook_rot_k         attn_fn     attention
+                attention sees (cached ones included)
+                [batch, keys, kv_heads, d_head]
+``l.scores``    pre-softmax attention scores, scaled,   blocks.l.attn.hook_attn_scores   attn_fn     attention
+                soft-capped, mask added
                 [batch, heads, q, k]
-``l.z``         per-head output before the output       blocks.l.attn.hook_z        o_proj      heads_input
+``l.pattern``   attention probabilities                 blocks.l.attn.hook_pattern       attn_fn     attention
+                [batch, heads, q, k]
+``l.z``         per-head output before the output       blocks.l.attn.hook_z             o_proj      heads_input
                 projection [batch, pos, heads, d_head]
-``l.heads``     per-head write                          blocks.l.attn.hook_result   o_proj      heads_output
-                [batch, pos, heads, d_model]
-                (sums to ``l.attn_out`` less any bias)
-``l.attn_out``  attention write into the stream         blocks.l.hook_attn_out      attn_write  output
+``l.heads``     per-head term of the output projection  blocks.l.attn.hook_result        o_proj      heads_output
+                [batch, pos, heads, d_model] (sums,
+                with its bias, to ``l.proj_out``: to
+                ``l.attn_out`` except in sandwich
+                families, where the post-attention
+                norm comes after)
+``l.attn_out``  attention write into the stream         blocks.l.hook_attn_out           attn_write  output
                 [batch, pos, d_model]
-``l.attn``      stream after the attention write        blocks.l.hook_resid_mid     attn_site   resid_mid
+``l.attn``      stream after the attention write        blocks.l.hook_resid_mid          attn_site   resid_mid
                 (resid_mid)
-``l.neurons``   MLP hidden activation feeding its       blocks.l.mlp.hook_post      down_proj   input
+``l.neurons``   MLP hidden activation feeding its       blocks.l.mlp.hook_post           down_proj   input
                 output projection [batch, pos, d_mlp]
-``l.mlp_out``   MLP write into the stream               blocks.l.hook_mlp_out       mlp_write   output
+``l.mlp_out``   MLP write into the stream               blocks.l.hook_mlp_out            mlp_write   output
                 [batch, pos, d_model]
-``l.mlp``       block output (resid_post)               blocks.l.hook_resid_post    blocks      output
-==============  ======================================  ==========================  ==========  ============
+``l.mlp``       block output (resid_post)               blocks.l.hook_resid_post         blocks      output
+==============  ======================================  ===============================  ==========  ============
 
 Three more points serve depthscope's own analyses and are not named by users (not in
 ``POINT_KINDS``; pass them as :class:`Point` objects to :mod:`depthscope.hooks.engine`):
 ``l.values`` (value vectors per query head [batch, pos, heads, d_head], read only; module
-``value_proj``, capture ``values``), ``l.proj_out`` (the attention output projection's own output,
+``v_proj``, capture ``values``), ``l.proj_out`` (the attention output projection's own output,
 before any post-sublayer norm; ``o_proj``, ``output``) and ``final`` (the final norm's output;
 ``final_norm``, ``output``).
 
@@ -39,14 +63,21 @@ that reads and replaces the tensor there. Adding a hook point is one :class:`Poi
 ``REGISTRY`` (plus, for a tensor no capture reads yet, one capture function in the engine).
 
 ``blocks.l.hook_resid_pre`` is the previous residual site, as in :func:`~depthscope.hooks.sites.parse_site`.
-Heads are the query heads (grouped-query models: K/V shared by a group are expanded). In
+Heads are the query heads (grouped-query models: K/V shared by a group are expanded in ``l.pattern``,
+``l.scores``, ``l.z``, ``l.heads``), except in ``l.k``, ``l.v`` and ``l.rot_k``, which hold the key/value
+heads as the model has them. Fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``)
+are read per part and a replacement goes back into that part of the fused output. In
 "sandwich" families (OLMo-2, Gemma-2/3) the writes are taken after the post-sublayer norm, so
 ``resid_post = resid_pre + attn_out + mlp_out`` holds; in post-norm encoders (BERT) the writes are
 what enters the sublayer's LayerNorm together with the stream.
 
-``l.pattern`` is exact for every attention kernel: a call that reads or replaces a pattern runs
-every attention layer through the family's own eager attention function (switched on for that
-call only, see :mod:`depthscope.hooks.attention`), like ``output_attentions=True`` under eager.
+``l.rot_q``, ``l.rot_k``, ``l.scores`` and ``l.pattern`` are exact for every attention kernel: a call
+that reads or replaces one runs every attention layer through the family's own eager attention
+function (switched on for that call only, see :mod:`depthscope.hooks.attention`), like
+``output_attentions=True`` under eager; the scores are checked on every call against that
+function's pattern (a family they do not fit is refused). A replaced ``l.scores`` is softmaxed
+and multiplied with V; a replaced ``l.rot_k`` changes that step's attention only (a key/value
+cache keeps the keys it stored).
 
 A point is a :class:`Point` ``(kind, layer)``: residual sites have kind ``embed`` / ``attn`` /
 ``mlp`` (their sublayer, as in :class:`~depthscope.hooks.sites.Site`), the others the kinds above.
@@ -77,8 +108,14 @@ class PointSpec(NamedTuple):
 #: every hook point, in forward order (``embed`` first, ``final`` last, block points in between)
 REGISTRY: tuple[PointSpec, ...] = (
     PointSpec("embed", "blocks", "block_input"),
-    PointSpec("values", "value_proj", "values", per_head=True, public=False),
-    PointSpec("pattern", "attn_fn", "pattern", "attn.hook_pattern"),
+    PointSpec("q", "q_proj", "qkv", "attn.hook_q", per_head=True),
+    PointSpec("k", "k_proj", "qkv", "attn.hook_k", per_head=True),
+    PointSpec("v", "v_proj", "qkv", "attn.hook_v", per_head=True),
+    PointSpec("values", "v_proj", "values", per_head=True, public=False),
+    PointSpec("rot_q", "attn_fn", "attention", "attn.hook_rot_q"),
+    PointSpec("rot_k", "attn_fn", "attention", "attn.hook_rot_k"),
+    PointSpec("scores", "attn_fn", "attention", "attn.hook_attn_scores"),
+    PointSpec("pattern", "attn_fn", "attention", "attn.hook_pattern"),
     PointSpec("z", "o_proj", "heads_input", "attn.hook_z", per_head=True),
     PointSpec("heads", "o_proj", "heads_output", "attn.hook_result", per_head=True),
     PointSpec("proj_out", "o_proj", "output", public=False),
