@@ -331,9 +331,13 @@ def test_prefix_reuse_computes_only_from_the_patched_position(tiny_factory):
         n_full = sum(seen)
     finally:
         h.remove()
-    T, rows = len(model.tokenize(CLEAN)[0][0]), model.n_sites + 1  # the prompt's tokens
-    assert n_full == T + rows * T  # the clean run, then every row in full
-    assert n_fast == T + (T - 1) + rows  # the clean run, the shared prefix, one position per row
+    T = len(model.tokenize(CLEAN)[0][0])  # the prompt's tokens
+    # the embedding of the last token (" to" in both prompts) is unchanged: no row for it
+    rows = model.n_sites - 1 + 1  # the other residual sites, plus the unpatched row
+    embed = full.loc[full["point"] == "embed", "fraction_recovered"]
+    assert len(embed) == 1 and float(embed.iloc[0]) == 0
+    assert n_full == 2 * T + rows * T  # the clean and corrupted runs, then every row in full
+    assert n_fast == 2 * T + (T - 1) + rows  # the two runs, the shared prefix, one position per row
     np.testing.assert_allclose(fast["metric"], full["metric"], rtol=0, atol=1e-6)
     each = activation_patching(model, CLEAN, CORRUPTED, (" Mary", " John"), positions="each", sites="resid,heads")
     each_full = activation_patching(
@@ -485,8 +489,8 @@ def test_bad_input(tiny_llama):
         activation_patching(m, "", CORRUPTED, (" Mary", " John"))
     with pytest.raises(InputError, match="batch_tokens"):
         activation_patching(m, CLEAN, CORRUPTED, (" Mary", " John"), batch_tokens=0)
-    with pytest.raises(InputError, match=r"unknown hook point '1\.neurons'"):  # not a patching point (yet)
-        activation_patching(m, CLEAN, CORRUPTED, (" Mary", " John"), sites="1.neurons")
+    with pytest.raises(InputError, match=r"1\.pattern.*same token length"):  # its key axis follows the length
+        activation_patching(m, CLEAN, LONGER, (" Mary", " John"), sites="1.pattern")
 
 
 def test_aliases_name_the_same_points(tiny_llama):

@@ -15,7 +15,8 @@ from depthscope.analyses.jobs.configs import PatchConfig
 from depthscope.common.settings import build
 
 PATCH = options(
-    "clean corrupted target foil positions sites attribution batch_tokens threads plots model device dtype out force",
+    "clean corrupted target foil pairs method senders receivers freeze_mlps positions sites attribution batch_tokens "
+    "threads plots model device dtype out force",
     PatchConfig,
 )
 
@@ -42,12 +43,25 @@ def patch(o) -> None:
     patching_by_site, per-head points (heads, z) to patching_by_head; a table
     and its heatmap are written when they have rows. --no-attribution leaves
     out the estimate, --no-plots the figures.
+
+    With --pairs FILE.jsonl (one JSON object per line: clean, corrupted,
+    target, foil, optional named positions) every pair is patched and OUT
+    gets patching.parquet (means over pairs, the IOI normalisation, a
+    bootstrap interval over pairs) and patching_pairs.parquet (per pair).
+
+    With --method path, path patching: the clean output of each of --senders
+    reaches --receivers only directly, every other head frozen at its
+    corrupted value (path_patching.parquet, path_patching_pairs.parquet,
+    path_patching.png).
     """
     from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
 
     set_threads(o.threads)
     config = build(PatchConfig, o)
-    prepare_out(o.out, "patch", {"model": o.model or "default", "clean": o.clean, "corrupted": o.corrupted}, o.force)
+    inputs = {"model": o.model or "default", "clean": o.clean, "corrupted": o.corrupted, "method": o.method}
+    if o.pairs is not None:
+        inputs = {"model": o.model or "default", "pairs": str(o.pairs), "method": o.method}
+    prepare_out(o.out, "patch", inputs, o.force)
     m = load_model(o)
     Console(stderr=True).print(repr(m))
     result = patch_job(m, config, Output(o.out))

@@ -56,12 +56,25 @@ def _limit(vals: np.ndarray) -> float:
 
 
 def _position_label(r) -> str:
-    """A heatmap column label: the position and its token (clean -> corrupted when they differ)."""
-    if pd.isna(r["position"]):
+    """A heatmap column label: the position (its index, or its name when pairs of a dataset put it
+    at different indices) and its token (clean -> corrupted when they differ; left out when the
+    pairs' tokens differ)."""
+    name = r.get("position_name", None)
+    if pd.isna(r["position"]) and (name is None or name == "all" or pd.isna(name)):
         return "all positions"
-    tok, clean = r.get("token", ""), r.get("clean_token", "")
+    tok, clean = r.get("token", "") or "", r.get("clean_token", "") or ""
     shown = repr(tok) if tok == clean else f"{clean!r}→{tok!r}"
-    return f"{int(r['position'])} {shown}"
+    where = str(name) if pd.isna(r["position"]) else str(int(r["position"]))
+    if name is not None and not pd.isna(name) and str(name) not in ("last", "all", where):
+        where = f"{name} ({where})"
+    return f"{where} {shown}" if tok or clean else where
+
+
+def _positions(d: pd.DataFrame) -> pd.Series:
+    """The key of each row's patched position: its name where the table has one, else its index."""
+    if "position_name" in d.columns:
+        return d["position_name"].astype(str)
+    return d["position"].fillna(-1).astype(int).astype(str)
 
 
 def _title(df: pd.DataFrame, text: str) -> str:
@@ -71,7 +84,10 @@ def _title(df: pd.DataFrame, text: str) -> str:
     if metric is None and "clean_metric" in df.columns:
         metric = "metric"
     if "clean_metric" in df.columns:
-        bits.append(f"{metric}: clean {df['clean_metric'].iloc[0]:.2f}, corrupted {df['corrupted_metric'].iloc[0]:.2f}")
+        over = f", means over {int(df['n_pairs'].iloc[0])} pairs" if "n_pairs" in df.columns else ""
+        bits.append(
+            f"{metric}: clean {df['clean_metric'].iloc[0]:.2f}, corrupted {df['corrupted_metric'].iloc[0]:.2f}{over}"
+        )
     if df.attrs.get("model"):
         bits.append(str(df.attrs["model"]))
     return "\n".join(bits)
@@ -89,9 +105,10 @@ def plot_patching_sites(
     d = d[d["head"].isna()]
     if not len(d):
         raise InputError(f"{what}: only per-head rows; use plot_patching_heads")
-    d = d.assign(_pos=d["position"].fillna(-1).astype(int))
+    d = d.assign(_pos=_positions(d))
     rows = list(dict.fromkeys(d.sort_values("site", kind="stable")["label"]))
-    grid = d.pivot_table(index="label", columns="_pos", values=value, aggfunc="first").reindex(rows)
+    order = list(dict.fromkeys(d["_pos"]))  # the table's order: forward order of positions
+    grid = d.pivot_table(index="label", columns="_pos", values=value, aggfunc="first").reindex(rows)[order]
     cols = d.drop_duplicates("_pos").set_index("_pos")
     xlabels = [_position_label(cols.loc[p]) for p in grid.columns]
     vals = grid.to_numpy(float)
@@ -124,12 +141,13 @@ def plot_patching_heads(
     *,
     value: str = "fraction_recovered",
     method: str | None = None,
-    position: int | None = None,
+    position: int | str | None = None,
 ) -> Path:
-    """Layer x head heatmap of per-head patches, one panel per kind (``heads``, ``z``).
+    """Layer x head heatmap of per-head patches, one panel per kind (``heads``, ``z``, ``q``...).
 
-    With several patched positions, ``position`` picks one (default: the last patched one);
-    rows that patched every position at once are used as they are."""
+    With several patched positions, ``position`` picks one (an index, or a position name of a
+    dataset's table; default: the last patched one); rows that patched every position at once are
+    used as they are."""
     what = "plot_patching_heads"
     _need(df, ["layer", "head", "kind", "position", value], what)
     d, where = _head_rows(_one_method(df, method, what), position, what)
@@ -169,12 +187,20 @@ def plot_patching_heads(
     return Path(path)
 
 
-def _head_rows(d: pd.DataFrame, position: int | None, what: str) -> tuple[pd.DataFrame, str]:
+def _head_rows(d: pd.DataFrame, position, what: str) -> tuple[pd.DataFrame, str]:
     """The per-head rows to draw and where they patched: at ``position`` (default: the last
     patched one) when positions were patched one at a time, else the all-positions rows."""
     d = d[d["head"].notna()]
     if not len(d):
         raise InputError(f"{what}: no per-head rows (patch '<layer>.heads' or '<layer>.z' points)")
+    named = "position_name" in d.columns and (isinstance(position, str) or d["position"].isna().all())
+    if named and not (d["position_name"] == "all").all():
+        names = list(dict.fromkeys(d["position_name"]))
+        name = names[-1] if position is None else str(position)
+        d = d[d["position_name"] == name]
+        if not len(d):
+            raise InputError(f"{what}: no per-head rows at position {name!r} (the table has {names})")
+        return d, f"position {name}"
     if not d["position"].notna().any():
         return d, "all positions"
     pos = int(d["position"].max()) if position is None else int(position)
@@ -189,7 +215,7 @@ def plot_attribution_vs_exact(df: pd.DataFrame, path, *, value: str = "fraction_
     diagonal for reference and the Spearman rank correlation in the title."""
     what = "plot_attribution_vs_exact"
     _need(df, ["method", "point", "head", "position", value], what)
-    keys = ["point", "head", "position"]
+    keys = ["point", "head", "position_name" if "position_name" in df.columns else "position"]
     a = df[df["method"] == "activation"].set_index(keys)[value]
     b = df[df["method"] == "attribution"].set_index(keys)[value]
     both = pd.concat({"exact": a, "attribution": b}, axis=1, join="inner").dropna()

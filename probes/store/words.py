@@ -8,12 +8,16 @@
 >>> LogisticRegression(max_iter=1000).fit(wf.features[1], wf.index["upos"])
 
 ``sentences`` is a CoNLL-U path, a parsed :class:`~depthscope.probes.corpora.conllu.Corpus` (or a
-list of its :class:`Sentence` objects), or lists of words (joined by single spaces; the index
-then has no gold columns). Each sentence is one forward pass, exactly as the probes run it
-(:func:`~depthscope.probes.corpora.spans.build_passages` in sentence context, the BOS token prepended when
-the tokenizer adds none, words mapped to subwords by character offsets, activations pooled over a
-word's subwords by :func:`~depthscope.probes.store.activations.extract_spans`, ``pooling`` ``"last"`` /
-``"first"`` / ``"mean"``). Words that no subword covers or that truncation cut off are left out
+list of its :class:`Sentence` objects), or lists of words. The text the model reads is, for
+CoNLL-U, each sentence rebuilt from its surface tokens and their ``SpaceAfter=No`` marks
+(:attr:`Sentence.text`: "don't." stays unspaced, multiword tokens keep their surface form); for
+lists of words, the words joined by single spaces (the index then has no gold columns). Each
+sentence is one forward pass, exactly as the probes run it
+(:func:`~depthscope.probes.corpora.spans.build_passages` in sentence context, the BOS token
+prepended when the tokenizer adds none, words mapped to subwords by character offsets,
+activations pooled over a word's subwords by
+:func:`~depthscope.probes.store.activations.extract_spans`, ``pooling`` ``"last"`` / ``"first"`` /
+``"mean"``). Words that no subword covers or that truncation cut off are left out
 and counted in ``wf.n_skipped``. Features are float32 and raw unless ``standardize=True``
 (each site and dimension z-scored over the words). The activations pass through the probes'
 on-disk store (``store_dir``, default the depthscope cache), so a second call is free.

@@ -1,0 +1,207 @@
+"""Datasets of prompt pairs for patching: reading them, tokenizing them, averaging over them.
+
+Circuit results (IOI, greater-than, docstring) are means over many clean/corrupted prompt pairs
+of different templates and lengths. A pair is a :class:`PromptPair`: the ``clean`` prompt, the
+``corrupted`` one, the ``target`` token the clean prompt should predict next and a ``foil``
+(the metric is then ``logit[target] - logit[foil]`` at the last token; no foil:
+``logprob[target]``), and optionally named positions, e.g. ``{"S2": 9, "END": -1}`` (an index
+into both prompts, negative from the end) or ``{"S2": [9, 10]}`` (clean index, corrupted index).
+
+======================  ==========================================================================
+offers                  what
+======================  ==========================================================================
+PromptPair              one pair; ``PromptPair.from_dict`` checks a JSON object's fields
+read_pairs              a JSONL file, one JSON object per line (errors name the file and line)
+as_pairs                pairs from a list (of PromptPair, dicts or ``(clean, corrupted)`` tuples),
+                        one PromptPair, or a ``.jsonl`` path
+is_dataset              whether a patching argument is a dataset rather than one prompt
+mean_over_pairs         a per-pair table (``pair`` column) to its means over pairs, with the IOI
+                        normalisation and a bootstrap interval over pairs
+======================  ==========================================================================
+
+Averaging. For a patch with per-pair patched values ``p_i`` and the pairs' clean and corrupted
+values ``c_i`` and ``k_i``, the dataset's fraction recovered is
+``(mean p - mean k) / (mean c - mean k)`` (Wang et al. 2022's normalisation: a ratio of means,
+robust to pairs with a small gap, unlike the mean of per-pair ratios). Its interval is the
+percentile bootstrap over pairs (``BOOTSTRAP`` resamples, seed 0: the same table twice gives
+the same interval): pairs are resampled whole, so every patch of a resample uses the same pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from depthscope.common.errors import InputError
+
+__all__ = [
+    "PromptPair",
+    "read_pairs",
+    "as_pairs",
+    "is_dataset",
+    "mean_over_pairs",
+    "BOOTSTRAP",
+]
+
+#: bootstrap resamples of the interval over pairs, and its level
+BOOTSTRAP, LEVEL = 1000, 0.95
+#: the most pairs one call reads (a bound on what a typed path can make depthscope hold)
+MAX_PAIRS = 1_000_000
+_FIELDS = ("clean", "corrupted", "target", "foil", "positions")
+
+
+@dataclass(frozen=True)
+class PromptPair:
+    """One clean/corrupted prompt pair with its metric tokens and optional named positions."""
+
+    clean: str | Sequence[int]
+    corrupted: str | Sequence[int]
+    target: str | int | None = None
+    foil: str | int | None = None
+    positions: Mapping[str, int | Sequence[int]] | None = field(default=None, hash=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "a pair") -> PromptPair:
+        """A pair from a JSON object; unknown or missing fields raise :class:`InputError` naming ``where``."""
+        if not isinstance(d, Mapping):
+            raise InputError(
+                f"{where}: expected a JSON object with fields {', '.join(_FIELDS)}, got {type(d).__name__}"
+            )
+        extra = sorted(set(d) - set(_FIELDS))
+        if extra:
+            raise InputError(f"{where}: unknown field(s) {extra}; a pair has {', '.join(_FIELDS)}")
+        for key in ("clean", "corrupted"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise InputError(f"{where}: {key!r} must be a non-empty string, got {d.get(key)!r}")
+        for key in ("target", "foil"):
+            if d.get(key) is not None and not isinstance(d[key], (str, int)):
+                raise InputError(f"{where}: {key!r} must be a token (a string or an id), got {d[key]!r}")
+        pos = d.get("positions")
+        if pos is not None and not isinstance(pos, Mapping):
+            raise InputError(f"{where}: 'positions' must be an object of name: index, got {pos!r}")
+        return cls(d["clean"], d["corrupted"], d.get("target"), d.get("foil"), dict(pos) if pos else None)
+
+
+def read_pairs(path) -> list[PromptPair]:
+    """Pairs from a JSONL file (one JSON object per line, blank lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"pairs file {str(p)!r} does not exist or is not a file")
+    out = []
+    try:
+        with p.open(encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{p}:{n}: not a JSON object ({e.msg})") from None
+                out.append(PromptPair.from_dict(obj, f"{p}:{n}"))
+                if len(out) > MAX_PAIRS:
+                    raise InputError(f"{p}: more than {MAX_PAIRS} pairs; split the file")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not out:
+        raise InputError(f"{p}: no pairs (expected one JSON object per line)")
+    return out
+
+
+def is_dataset(obj) -> bool:
+    """True for what :func:`as_pairs` reads as a dataset: a PromptPair, a ``.jsonl`` path, or a
+    list of pairs (PromptPair, dicts or 2-tuples of prompts) — not one prompt or one token list."""
+    if isinstance(obj, PromptPair | os.PathLike):
+        return True
+    if isinstance(obj, str):
+        return obj.endswith(".jsonl") and "\n" not in obj
+    if isinstance(obj, (list, tuple)) and obj:
+        return all(isinstance(x, (PromptPair, Mapping)) or (isinstance(x, tuple) and len(x) == 2) for x in obj)
+    return False
+
+
+def as_pairs(obj) -> list[PromptPair]:
+    """The pairs of a dataset argument (see :func:`is_dataset`)."""
+    if isinstance(obj, PromptPair):
+        return [obj]
+    if isinstance(obj, (str, os.PathLike)):
+        return read_pairs(obj)
+    if not isinstance(obj, (list, tuple)) or not obj:
+        raise InputError(f"pairs must be a non-empty list of pairs or a .jsonl path, got {type(obj).__name__}")
+    out = []
+    for i, x in enumerate(obj):
+        if isinstance(x, PromptPair):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            out.append(PromptPair.from_dict(x, f"pair {i}"))
+        elif isinstance(x, tuple) and len(x) == 2:
+            out.append(PromptPair(*x))
+        else:
+            raise InputError(f"pair {i}: expected a PromptPair, a dict or a (clean, corrupted) tuple, got {x!r}")
+    return out
+
+
+def _bootstrap(patched: np.ndarray, clean: np.ndarray, corrupted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval of ``(mean p - mean k) / (mean c - mean k)`` per column of ``patched``
+    ``[pairs, patches]``, resampling pairs (rows; seed 0); NaN with fewer than two pairs."""
+    n, m = patched.shape
+    lo, hi = np.full(m, np.nan), np.full(m, np.nan)
+    if n < 2:
+        return lo, hi
+    w = np.random.default_rng(0).multinomial(n, np.full(n, 1.0 / n), size=BOOTSTRAP) / n  # [B, pairs]
+    mk, gap = w @ corrupted, w @ (clean - corrupted)
+    frac = (w @ patched - mk[:, None]) / np.where(gap == 0, np.nan, gap)[:, None]  # [B, patches]
+    ok = np.isfinite(frac).any(axis=0)
+    if ok.any():
+        lo[ok], hi[ok] = np.nanquantile(frac[:, ok], [(1 - LEVEL) / 2, (1 + LEVEL) / 2], axis=0)
+    return lo, hi
+
+
+_MEANS = ("metric", "clean_metric", "corrupted_metric", "fraction_recovered")
+
+
+def _common(s: pd.Series):
+    """The value all rows share, or None (missing) when they differ."""
+    return s.iloc[0] if s.nunique(dropna=False) == 1 else None
+
+
+def mean_over_pairs(per_pair: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """Means over pairs of a per-pair table (one row per pair and patch, a ``pair`` column).
+
+    ``keys``: the columns naming a patch (e.g. ``point, head, position_name``). ``metric``,
+    ``clean_metric`` and ``corrupted_metric`` become means over pairs, ``fraction_recovered``
+    the ratio of means, ``fraction_low`` / ``fraction_high`` its bootstrap interval and
+    ``n_pairs`` the number of pairs; every other column keeps the value all pairs share (the
+    site columns, a position index or token when every pair has the same), missing otherwise.
+    Rows come in the order of the patches' first appearance. Every patch must have exactly one
+    row per pair (it raises otherwise)."""
+    keys = list(keys)
+    df = per_pair.reset_index(drop=True)
+    patch = df.groupby(keys, sort=False, dropna=False).ngroup().to_numpy()
+    pairs, pair_row = np.unique(df["pair"].to_numpy(), return_inverse=True)
+    n_patches = int(patch.max()) + 1 if len(df) else 0
+    if len(df) != len(pairs) * n_patches or pd.Series(patch * len(pairs) + pair_row).duplicated().any():
+        raise InputError("every patch needs exactly one row per pair to be averaged over pairs")
+    patched = np.empty((len(pairs), n_patches))
+    patched[pair_row, patch] = df["metric"].to_numpy(float)
+    per = df.groupby(pair_row, sort=True)[["clean_metric", "corrupted_metric"]].first()
+    clean, corrupted = per["clean_metric"].to_numpy(float), per["corrupted_metric"].to_numpy(float)
+    rest = [c for c in df.columns if c not in {*keys, "pair", *_MEANS}]
+    out = df.groupby(patch, sort=True).agg({**{k: "first" for k in keys}, **{c: _common for c in rest}})
+    for c in rest:  # keep the per-pair table's dtypes where the value was shared
+        out[c] = out[c].astype(df[c].dtype) if out[c].notna().all() else out[c].astype(object)
+        if df[c].dtype.name == "Int64":
+            out[c] = pd.array(out[c], dtype="Int64")
+    out["metric"] = patched.mean(axis=0)
+    out["clean_metric"], out["corrupted_metric"] = clean.mean(), corrupted.mean()
+    gap = clean.mean() - corrupted.mean()
+    out["fraction_recovered"] = (out["metric"] - corrupted.mean()) / gap if gap != 0 else np.nan
+    out["fraction_low"], out["fraction_high"] = _bootstrap(patched, clean, corrupted)
+    out["n_pairs"] = len(pairs)
+    order = [c for c in df.columns if c != "pair"] + ["fraction_low", "fraction_high", "n_pairs"]
+    return out[order].reset_index(drop=True)
