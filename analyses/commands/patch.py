@@ -52,7 +52,7 @@ def patch(o) -> None:
     With --method path, path patching: the clean output of each of --senders
     reaches --receivers only directly, every other head frozen at its
     corrupted value (path_patching.parquet, path_patching_pairs.parquet,
-    path_patching.png).
+    path_patching_heads.png).
     """
     from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
 

@@ -11,7 +11,7 @@ pairs, or path patching; its tables and figures.
                            A pairs file (``--pairs``): ``patching`` (means over pairs with
                            bootstrap intervals, both methods) and ``patching_pairs`` (per pair),
                            the same figures drawn from the means. ``--method path``:
-                           ``path_patching``, ``path_patching_pairs`` and the ``path_patching``
+                           ``path_patching``, ``path_patching_pairs`` and the ``path_patching_heads``
                            heatmap (sender head x layer)
 :func:`summary_table`      the console table of its summary (``depthscope patch`` prints it)
 =========================  ======================================================================
@@ -251,7 +251,7 @@ def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
     """Path patching from ``senders`` to ``receivers`` over the pairs file (or the one prompt
     pair): ``path_patching`` (means over pairs) and ``path_patching_pairs``, and its heatmap."""
     from depthscope.analyses.pairs import PromptPair
-    from depthscope.analyses.path_patching import path_patch_pairs  # lazy: optional part of the job
+    from depthscope.analyses.path_patching import PATH_KEYS, path_patch_pairs  # lazy: optional part of the job
     from depthscope.analyses.plots.path_patching import plot_path_patching
 
     if config.pairs is not None:
@@ -260,14 +260,14 @@ def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
         pairs = [PromptPair(config.clean, config.corrupted, config.target, config.foil)]
     kw = dict(positions=config.positions or "all", batch_tokens=config.batch_tokens)
     per_pair = path_patch_pairs(model, pairs, config.senders, config.receivers, config.freeze_mlps, **kw)
-    means = mean_over_pairs(per_pair, [*PAIR_KEYS, "receiver"])
+    means = mean_over_pairs(per_pair, PATH_KEYS)
     means.attrs.update(per_pair.attrs)
     out.table(means, "path_patching")
     out.table(per_pair, "path_patching_pairs")
     summary = _summary(model, means, {"senders": means["method"].notna()}, "")
     summary["n_pairs"], summary["receivers"] = len(pairs), config.receivers
     if config.plots and means["head"].notna().any():
-        out.figure(plot_path_patching, means, name="path_patching")
+        out.figure(plot_path_patching, means, name="path_patching_heads")
     return JobResult(
         tables={"path_patching": means, "path_patching_pairs": per_pair}, summary=summary, files=list(out.written)
     )

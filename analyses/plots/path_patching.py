@@ -1,0 +1,77 @@
+"""Figures of path patching results, drawn from the tables of :mod:`depthscope.analyses.path_patching` only.
+
+| function | figure |
+|---|---|
+| ``plot_path_patching`` | layer x head heatmap of each head sender's fraction recovered, one panel per receiver set |
+
+It takes a table of :func:`~depthscope.analyses.path_patching.path_patching` (means over pairs)
+or :func:`~depthscope.analyses.path_patching.path_patch_pairs` (then averaged over pairs here,
+per-pair fractions' mean) and a path, draws one figure in the shared style and returns the path.
+Colours are diverging and centred at 0 (red: the path restores the clean behaviour, blue: it
+pushes the other way), as in :mod:`depthscope.analyses.plots.patching`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from depthscope.analyses.plots.patching import _CMAP, _limit, _need, _title
+from depthscope.analyses.plots.style import plt, savefig, sns
+from depthscope.common.errors import InputError
+
+__all__ = ["plot_path_patching"]
+
+
+def _head_grids(df: pd.DataFrame, value: str, what: str) -> list[tuple[str, pd.DataFrame]]:
+    """(receiver spec, layer x head grid of ``value``) per receiver set, from the head senders' rows."""
+    d = df[df["head"].notna() & (df["kind"] == "heads")]
+    if not len(d):
+        raise InputError(f"{what}: no head senders in the table (path patch with senders 'heads' or '<l>.heads')")
+    out = []
+    for receiver in dict.fromkeys(d["receiver"]):
+        rows = d[d["receiver"] == receiver]
+        grid = rows.pivot_table(index="layer", columns="head", values=value, aggfunc="mean").sort_index()
+        out.append((str(receiver), grid))
+    return out
+
+
+def plot_path_patching(df: pd.DataFrame, path, *, value: str = "fraction_recovered") -> Path:
+    """Layer x head heatmap of the head senders' ``value``, one panel per receiver set (titled with
+    the receivers; with frozen MLPs the title says so)."""
+    what = "plot_path_patching"
+    _need(df, ["layer", "head", "kind", "receiver", value], what)
+    grids = _head_grids(df, value, what)
+    lim = _limit(np.concatenate([g.to_numpy(float).ravel() for _, g in grids]))
+    n_layers, n_heads = max(g.shape[0] for _, g in grids), max(g.shape[1] for _, g in grids)
+    fig, axes = plt.subplots(
+        1,
+        len(grids),
+        figsize=(max(5.5, len(grids) * (2.5 + 0.45 * n_heads)), 2.4 + 0.22 * n_layers),
+        squeeze=False,
+        layout="constrained",
+    )
+    for ax, (receiver, grid) in zip(axes[0], grids):
+        sns.heatmap(
+            grid.to_numpy(float),
+            ax=ax,
+            cmap=_CMAP,
+            vmin=-lim,
+            vmax=lim,
+            center=0,
+            xticklabels=[int(h) for h in grid.columns],
+            yticklabels=[int(v) for v in grid.index],
+            cbar_kws={"label": value.replace("_", " ")},
+        )
+        ax.set_xlabel("sender head")
+        ax.set_ylabel("sender layer")
+        ax.set_title(f"receivers: {receiver}", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7, rotation=0)
+    frozen = " (MLPs frozen)" if df.attrs.get("freeze_mlps") else ""
+    positions = df.attrs.get("positions")
+    where = f", sender at {positions} position{'s' if positions == 'all' else ''}" if positions else ""
+    fig.suptitle(_title(df, f"Path patching per head{frozen}{where}"), fontsize=9)
+    savefig(fig, path)
+    return Path(path)
