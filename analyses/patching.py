@@ -294,8 +294,8 @@ def patch_pairs(
     if job.positions in ("each", "all") and len({(tp.corrupted_ids.shape[1], bool(tp.positions)) for tp in tps}) > 1:
         if not all(tp.positions for tp in tps) or job.positions == "all":
             raise InputError(
-                f"positions={job.positions!r} over pairs of different token lengths: name the positions to patch "
-                f"in every pair (e.g. {{'S2': 9, 'END': -1}}) or patch the last position only"
+                f"positions={job.positions!r} (--positions) over pairs of different token lengths: name the "
+                f"positions to patch in every pair (e.g. {{'S2': 9, 'END': -1}}) or patch the last position only"
             )
     one = _activation_pair if method == "activation" else _attribution_pair
     bar = progress_bar(None, desc=f"{method} patching", unit="patch")
