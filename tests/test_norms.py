@@ -669,3 +669,27 @@ def test_plots_refuse_empty_tables(tmp_path):
         with pytest.raises(InputError):
             fn(pd.DataFrame(), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dla_check_holds_in_half_precision(tiny_llama, dtype):
+    """In bfloat16/float16 the model's own logit is a few rounding units from the exact sum of
+    the parts: the check allows that much and no more (a wrong final norm is still caught)."""
+    import copy
+
+    half = copy.deepcopy(tiny_llama)
+    half.hf_model.to(dtype)
+    texts = ["The capital of France is", "Hello world, this is"]
+    df = direct_logit_attribution(half, texts)
+    parts = df.groupby("example")["contribution"].sum()
+    logit = df.groupby("example")["logit"].first()
+    eps = torch.finfo(dtype).eps
+    scale = df.groupby("example")["contribution"].apply(lambda c: c.abs().sum())
+    assert ((parts - logit).abs() <= 4 * eps * scale).all()
+    # a model whose logits are not its final norm and unembedding (here: scaled after lm_head)
+    h = half.hf_model.lm_head.register_forward_hook(lambda m, i, o: o * 1.5)
+    try:
+        with pytest.raises(RuntimeError, match="does not reproduce the model's logit"):
+            direct_logit_attribution(half, texts)
+    finally:
+        h.remove()

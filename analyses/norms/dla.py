@@ -62,7 +62,8 @@ def direct_logit_attribution(
     text, position, token, target, target_id, contrast, contrast_id`` + site columns +
     ``contribution`` (this part), ``logit`` (the model's own logit or logit difference). With
     ``check`` the sum of the parts must equal ``logit`` (relative 1e-4 of the scale of the
-    parts), else a RuntimeError names the example.
+    parts; a few rounding units of the model's dtype in bfloat16/float16), else a RuntimeError
+    names the example.
     """
     _check_decoder(model)
     examples = _examples(inputs)
@@ -193,7 +194,10 @@ def _parts_frame(sf: pd.DataFrame, contrib: np.ndarray, const: float) -> pd.Data
 def _attribute(model, h: torch.Tensor, t: int, c: int | None, logit: float | None, ex: int):
     """Parts of ``logit[t] (- logit[c])`` for one token's streams ``h`` [S, D] (after every site):
     the embedding and every write through the final norm frozen at ``h[-1]``, and the constant.
-    With ``logit`` (the model's own), the parts must sum to it."""
+    With ``logit`` (the model's own), the parts must sum to it: to 1e-4 of the parts' scale, or
+    to a few rounding units of the model's dtype when it computes in half precision (bfloat16's
+    unit is 2^-8: its own logit is that far from the exact sum of the parts)."""
+    tol = max(1e-4, 4 * torch.finfo(h.dtype).eps) if h.is_floating_point() else 1e-4
     h = h.double()
     comps = torch.cat([h[:1], h[1:] - h[:-1]], 0)  # embed, then every write
     frozen = model.unembed.frozen(h[-1])
@@ -202,7 +206,7 @@ def _attribute(model, h: torch.Tensor, t: int, c: int | None, logit: float | Non
     if logit is not None:
         total = float(contrib.sum()) + const
         size = max(float(contrib.abs().sum()) + abs(const), abs(logit), 1e-6)
-        if abs(total - logit) > 1e-4 * size:
+        if abs(total - logit) > tol * size:
             raise RuntimeError(
                 f"direct logit attribution does not reproduce the model's logit for example {ex} "
                 f"(parts sum to {total:.6g}, model says {logit:.6g}): the final norm or the "
