@@ -408,12 +408,14 @@ def _run_checkpoint(
 def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The combined tables of a sweep folder (finished checkpoints only), ordered by step, with a
     ``duplicate_of`` column: the earlier checkpoint whose weights have the same digest
-    (:func:`~depthscope.common.digest.model_digest`), else None."""
+    (:func:`~depthscope.common.digest.model_digest`, of every weight), else None. A marker whose
+    digest is of another algorithm (an older depthscope's sample of the weights) proves nothing:
+    its checkpoint is nobody's duplicate and has none."""
     ck_dir = Path(out_dir) / "checkpoints"
     records = [json.loads(p.read_text()) for p in ck_dir.glob("*.done.json")]
     finished = {r["checkpoint"]: r for r in records}
     names = [n for n in (order or sorted(finished)) if n in finished]
-    duplicate_of = duplicates({n: finished[n].get("digest") for n in names})
+    duplicate_of = duplicates({n: _full_digest(finished[n]) for n in names})
     tables: dict[str, list[pd.DataFrame]] = {}
     for n in names:
         for tname in finished[n]["tables"]:
@@ -426,6 +428,11 @@ def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str
         df["step"] = pd.to_numeric(df["step"], errors="coerce")
         combined[tname] = site_first(df, ("checkpoint", "step"))
     return combined
+
+
+def _full_digest(done: dict) -> str | None:
+    """The weight digest a ``done`` marker records, when it is of this depthscope's algorithm."""
+    return done.get("digest") if done.get("digest_algorithm") == ALGORITHM else None
 
 
 def duplicates(digests: dict[str, str | None]) -> dict[str, str | None]:

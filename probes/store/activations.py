@@ -12,9 +12,18 @@ span; ``attn`` (trainable self-attentive pooling, done by the probe) -> the span
 rows are stored (at most ``ATTN_MAX_TOKENS``, the last ones), one row each.
 
 The store lives in ``store_dir/<key>/`` where the key hashes the model (architecture,
-tokenizer and a digest of its weights), the token ids of every passage, every span's token
-range, the sites, the pooling and the dtype; a re-run with the same model, data and sites
-finds the complete store (``meta.json`` is written last) and reuses it without a forward pass.
+tokenizer and a digest of all its weights: :func:`~depthscope.common.digest.model_digest`),
+the token ids of every passage, every span's token range, the sites, the pooling and the
+dtype; a re-run with the same model, data and sites finds the complete store (``meta.json`` is
+written last) and reuses it without a forward pass.
+
+Integrity: ``meta.json`` records the sha256 and size of ``feats.bin`` (hashed while its rows are
+written, no second pass) and of ``rows.npy``, and a sha256 of itself. A store is used only when
+its meta digest, both files' sizes and contents, its shape and every span's rows agree
+(:func:`_verify`); the contents are hashed on the first open in each process and again whenever
+a file's version changes (:func:`~depthscope.common.digest.file_digest`: a rewrite in place with
+size and mtime restored still moves its ctime). A store that fails is named in a warning and
+extracted again: a zeroed or random ``feats.bin`` or bad row offsets are never read.
 One process extracts a key at a time (a ``flock`` on ``store_dir/.<key>.lock``): a second one
 waits, says so, and then reuses what the first wrote. Temporary folders of killed runs (their
 process is gone) are removed by the next extraction into the same folder.
@@ -35,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthscope.common.digest import model_digest
+from depthscope.common.digest import file_digest, model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
 from depthscope.common.files import FolderLock, is_place_error, output_error, preallocate
 from depthscope.common.progress import progress_bar
@@ -44,7 +53,9 @@ from depthscope.probes.config import POOLINGS
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
 
 ATTN_MAX_TOKENS = 16
-STORE_VERSION = 1
+STORE_VERSION = 2
+#: the files of a store whose size and sha256 ``meta.json`` records
+FILES = ("feats.bin", "rows.npy")
 log = logging.getLogger("depthscope")
 
 
@@ -146,23 +157,88 @@ def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, 
     return h.hexdigest()[:24]
 
 
-def _open(path: Path) -> SpanStore | None:
-    """The complete store in ``path`` (marked reused), or None when it is absent, unreadable or
-    unfinished."""
-    meta_p = path / "meta.json"
-    if not meta_p.is_file():
-        return None
+def _meta_digest(meta: dict) -> str:
+    """sha256 of ``meta`` without its own ``meta_sha256`` (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _meta_problem(meta, path: Path) -> str | None:
+    """What is wrong with a store's ``meta.json`` (None: nothing): its own digest, version,
+    completeness, key, dtype, shape, sites and pooling."""
+    where = path / "meta.json"
+    if not isinstance(meta, dict):
+        return f"{where} is not a JSON object"
+    if meta.get("version") != STORE_VERSION:
+        return f"{where} is of store version {meta.get('version')!r}, not {STORE_VERSION}"
+    if meta.get("meta_sha256") != _meta_digest(meta):
+        return f"{where} does not match its own checksum (edited or corrupted)"
+    shape = meta.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v >= 1 for v in shape)):
+        return f"{where} records a bad shape {shape!r}"
+    if not meta.get("complete") or meta.get("key") != path.name or meta.get("dtype") not in ("float16", "float32"):
+        return f"{where} is incomplete or belongs to another store"
+    if not isinstance(meta.get("sites"), list) or len(meta["sites"]) != shape[1] or meta.get("pooling") not in POOLINGS:
+        return f"{where} records sites or pooling that do not match its shape"
+    return None
+
+
+def _files_problem(path: Path, meta: dict, trusted: str | None) -> str | None:
+    """The first of the store's files that is missing, of the wrong size or whose content does
+    not match the sha256 ``meta.json`` records (None: all match). ``trusted``: the sha256 of
+    ``feats.bin`` its writer computed while writing it (then it is not read again)."""
+    n_bytes = int(np.prod(meta["shape"])) * np.dtype(meta["dtype"]).itemsize
+    for name in FILES:
+        f, rec = path / name, meta["files"][name]
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != rec["size"] or (name == "feats.bin" and size != n_bytes):
+            return f"{f} has {size} bytes, not the {rec['size']} recorded for shape {meta['shape']}"
+        if not (name == "feats.bin" and trusted is not None and trusted == rec["sha256"]):
+            if file_digest(f) != rec["sha256"]:
+                return f"{f} does not match its checksum (corrupted or changed since it was written)"
+    return None
+
+
+def _rows_problem(rows: np.ndarray, meta: dict) -> str | None:
+    """What is wrong with the span rows ``[n_spans, 2]`` (start, count) (None: nothing): their
+    shape and type, and every span's rows inside the store."""
+    if rows.dtype.kind not in "iu" or rows.shape != (meta.get("n_spans"), 2):
+        return f"holds {rows.dtype} {rows.shape}, not [n_spans={meta.get('n_spans')}, 2] integers"
+    start, count = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+    if len(rows) and ((start < 0).any() or (count < 0).any() or (start + count > meta["shape"][0]).any()):
+        return f"holds row offsets outside the store's {meta['shape'][0]} rows"
+    return None
+
+
+def _verify(path: Path, trusted: str | None = None) -> tuple[SpanStore | None, str | None]:
+    """``(store, problem)``: the complete store in ``path`` (marked reused) when every check
+    passes (see the module docstring); else None and what is wrong, naming the file (problem
+    None: no store there yet)."""
+    if not (path / "meta.json").is_file():
+        return None, None
     try:
-        meta = json.loads(meta_p.read_text())
-        rows = np.load(path / "rows.npy")
+        meta = json.loads((path / "meta.json").read_text())
+        problem = _meta_problem(meta, path) or _files_problem(path, meta, trusted)
+        if problem:
+            return None, problem
+        rows = np.load(path / "rows.npy", allow_pickle=False)
+        problem = _rows_problem(rows, meta)
+        if problem:
+            return None, f"{path / 'rows.npy'} {problem}"
         feats = np.memmap(path / "feats.bin", dtype=meta["dtype"], mode="r", shape=tuple(meta["shape"]))
-    except (OSError, ValueError, KeyError):
-        return None
-    if not meta.get("complete"):
-        return None
-    return SpanStore(
-        path, feats, rows[:, 0].copy(), rows[:, 1].copy(), meta["sites"], meta["pooling"], meta, reused=True
-    )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"{path} cannot be read ({type(e).__name__}: {e})"
+    rows = rows.astype(np.int64)
+    start, count = rows[:, 0].copy(), rows[:, 1].copy()
+    return SpanStore(path, feats, start, count, meta["sites"], meta["pooling"], meta, reused=True), None
+
+
+def _open(path: Path) -> SpanStore | None:
+    """The complete, intact store in ``path`` (marked reused), or None when it is absent,
+    unfinished or fails a check (:func:`_verify`)."""
+    return _verify(path)[0]
 
 
 def _batches(lengths: np.ndarray, batch_tokens: int, overhead: int = 64) -> list:
@@ -319,7 +395,28 @@ def _pooled_rows(job: _Job, ids, mask, positions: np.ndarray, seg, n_spans: int)
     return arr
 
 
-def _fill(job: _Job, plan: _Plan, feats: np.ndarray) -> int:
+class _RowSink:
+    """The store's rows written into the memmap ``feats``, hashed (sha256) as they are written
+    while they arrive in file order, so the checksum needs no second pass over the file."""
+
+    def __init__(self, feats: np.ndarray):
+        self.feats, self.hash, self.next_row, self.in_order = feats, hashlib.sha256(), 0, True
+
+    def write(self, r0: int, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype=self.feats.dtype)
+        self.feats[r0 : r0 + len(rows)] = rows
+        if r0 != self.next_row:
+            self.in_order = False
+        elif self.in_order:
+            self.hash.update(rows)
+            self.next_row += len(rows)
+
+    def digest(self) -> str | None:
+        """sha256 of the whole file, or None when the rows written did not cover it in order."""
+        return self.hash.hexdigest() if self.in_order and self.next_row == len(self.feats) else None
+
+
+def _fill(job: _Job, plan: _Plan, feats: _RowSink) -> int:
     """Run every batch and write its rows into ``feats``; returns the tokens run."""
     pad = getattr(job.model.tokenizer, "pad_token_id", None)
     pad = 0 if pad is None else int(pad)
@@ -333,7 +430,7 @@ def _fill(job: _Job, plan: _Plan, feats: np.ndarray) -> int:
         positions, seg = _positions(job.table, plan, here, ids.shape[1], job.pooling)
         rows = _pooled_rows(job, ids, mask, positions, seg, len(here))
         r0 = int(plan.row_start[here[0]])
-        feats[r0 : r0 + len(rows)] = rows
+        feats.write(r0, rows)
         n_tokens += int(mask.sum())
         if bar is not None:
             bar.update(int(mask.sum()))
@@ -364,19 +461,35 @@ def _meta(job: _Job, plan: _Plan, key: str, n_tokens: int, seconds: float) -> di
     }
 
 
-def _write(job: _Job, plan: _Plan, tmp: Path, key: str) -> None:
+def _write(job: _Job, plan: _Plan, tmp: Path, key: str) -> str:
     """The store's files in ``tmp``: the rows (``feats.bin``, allocated in full first so a full
-    disk fails here rather than as a SIGBUS mid-write), ``rows.npy``, then ``meta.json``."""
+    disk fails here rather than as a SIGBUS mid-write), ``rows.npy``, then ``meta.json`` with
+    both files' size and sha256 and its own sha256. Returns the sha256 of ``feats.bin``."""
     shape = (max(plan.n_rows, 1), len(job.sites), job.model.d_model)
     preallocate(tmp / "feats.bin", int(np.prod(shape)) * job.dtype.itemsize)
     feats = np.memmap(tmp / "feats.bin", dtype=job.dtype, mode="r+", shape=shape)
+    sink = _RowSink(feats)
     t0 = time.perf_counter()
-    n_tokens = _fill(job, plan, feats)
+    n_tokens = _fill(job, plan, sink)
     feats.flush()
     seconds = time.perf_counter() - t0
-    del feats
-    np.save(tmp / "rows.npy", np.stack([plan.row_start, plan.per_span], 1))
-    (tmp / "meta.json").write_text(json.dumps(_meta(job, plan, key, n_tokens, seconds), indent=1))
+    streamed = sink.digest()
+    del feats, sink
+    np.save(tmp / "rows.npy", np.stack([plan.row_start, plan.per_span], 1).astype(np.int64))
+    sums = {"feats.bin": streamed or file_digest(tmp / "feats.bin"), "rows.npy": file_digest(tmp / "rows.npy")}
+    meta = _meta(job, plan, key, n_tokens, seconds)
+    meta["files"] = {name: {"size": (tmp / name).stat().st_size, "sha256": sums[name]} for name in FILES}
+    meta["meta_sha256"] = _meta_digest(meta)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    return sums["feats.bin"]
+
+
+def _remove(path: Path) -> None:
+    """Remove what stands at ``path`` (a store folder, or a file or link put in its place)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _extract_locked(job: _Job, plan: _Plan, store_dir: Path, key: str) -> SpanStore:
@@ -385,16 +498,17 @@ def _extract_locked(job: _Job, plan: _Plan, store_dir: Path, key: str) -> SpanSt
     path = store_dir / key
     store_dir.mkdir(parents=True, exist_ok=True)
     lock = _claim(store_dir, key)
-    found = _open(path)
+    found, problem = _verify(path)
     if found is not None:
         lock.release()
         return found
+    if problem:
+        log.warning("the activation store is not used: %s; extracting it again", problem)
     tmp = store_dir / f".{key}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
-        _write(job, plan, tmp, key)
-        if path.exists():
-            shutil.rmtree(path)
+        written = _write(job, plan, tmp, key)
+        _remove(path)
         os.replace(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -403,7 +517,9 @@ def _extract_locked(job: _Job, plan: _Plan, store_dir: Path, key: str) -> SpanSt
         raise
     finally:
         lock.release()
-    store = _open(path)
+    store, problem = _verify(path, trusted=written)
+    if store is None:
+        raise InputError(f"the activation store just written does not read back intact: {problem}")
     store.reused = False
     return store
 

@@ -10,7 +10,8 @@
 ==============================  ================================================================
 
 Layout: each shard is an ordinary store ``store_dir/<shard key>/`` (``feats.bin`` memmap,
-``rows.npy``, ``meta.json`` written last), keyed like any store by the model digest, the
+``rows.npy``, ``meta.json`` written last, with both files' sha256: a shard that fails its checks
+is extracted again, see :mod:`~.activations`), keyed like any store by the model digest, the
 slice's token ids and spans, sites, pooling and dtype; ``store_dir/<key>.manifest.json`` lists
 the shards in span order and is written last, atomically. The returned
 :class:`~.activations.SpanStore` has the same rows, in the same order, as the unsharded store
@@ -116,18 +117,18 @@ def _with_sites(model, extract_kw: dict) -> dict:
     return extract_kw
 
 
-def _write_missing(model, slices: list, missing: list, store_dir: Path, engine, load, extract_kw: dict) -> None:
-    """Extract the shards ``missing``: here with ``model`` (no ``engine``), or as Ray tasks that
-    load the model with ``load``."""
+def _write_missing(model, slices: list, missing: list, store_dir: Path, engine, load, extract_kw: dict) -> dict:
+    """Extract the shards ``missing``: here with ``model`` (no ``engine``; returns ``{i: store}``,
+    each checked as it was written), or as Ray tasks that load the model with ``load`` (returns
+    ``{}``: the caller opens, and so verifies, what the workers wrote)."""
     if not missing:
-        return
+        return {}
     if engine is None:
-        for i in missing:
-            extract_spans(model, *slices[i], store_dir=store_dir, **extract_kw)
-        return
+        return {i: extract_spans(model, *slices[i], store_dir=store_dir, **extract_kw) for i in missing}
     if load is None:
         raise InputError("extract_sharded on Ray needs load=, a picklable loader of the model")
     _run_on_ray(engine, load, [slices[i] for i in missing], store_dir, extract_kw)
+    return {}
 
 
 def _write_manifest(store_dir: Path, keys: list, bounds: np.ndarray, missing: list) -> dict:
@@ -185,12 +186,13 @@ def extract_sharded(
     bounds = _span_bounds(len(table), n_shards)
     slices = [slice_spans(tok, table, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     keys = _shard_keys(model, slices, extract_kw)
-    missing = [i for i, k in enumerate(keys) if _open(store_dir / k) is None]
-    _write_missing(model, slices, missing, store_dir, engine, load, extract_kw)
-    shards = [_open(store_dir / k) for k in keys]
+    found = [_open(store_dir / k) for k in keys]
+    missing = [i for i, s in enumerate(found) if s is None]
+    written = _write_missing(model, slices, missing, store_dir, engine, load, extract_kw)
+    shards = [found[i] or written.get(i) or _open(store_dir / k) for i, k in enumerate(keys)]
     lost = [keys[i] for i, s in enumerate(shards) if s is None]
     if lost:
-        raise InputError(f"shards {lost} were not written in {store_dir}")
+        raise InputError(f"shards {lost} were not written intact in {store_dir}")
     manifest = _write_manifest(store_dir, keys, bounds, missing)
     return _joined(store_dir, shards, manifest, reused=not missing)
 
