@@ -1,22 +1,32 @@
 """Settings declared once: a configuration field carries its default, bounds, choices, command-line
 flag and help (:func:`setting`), and the generic checks read them.
 
-=========================  ======================================================================
-:func:`check_number`       a finite number (an integer by default) of at least a minimum
-:func:`check_positive`     a finite number greater than 0
-:func:`check_choice`       one of the allowed values
-:func:`setting`            a dataclass field with its bounds, flag and help in ``metadata``
-:func:`check_settings`     every declared bound of a configuration object, by its fields
-:func:`changed_flags`      the flags of fields set away from their defaults
-:func:`comma_list`         a comma-separated option's items
-:func:`build`              a configuration from named option values (the command line's)
-:class:`Opt`, :func:`opt`  how a setting appears on the command line (typer-free)
-:func:`config_opts`        the options a configuration's fields declare
-:class:`Settings`          base of configuration dataclasses: ``validate()``, ``to_dict()``
-:class:`Checked`           a :class:`Settings` validated on construction (``__post_init__``)
-=========================  ======================================================================
+=============================  ==================================================================
+:func:`check_number`           a finite number (an integer by default) of at least a minimum and
+                               at most a maximum (int64's largest for integers where none is given)
+:func:`check_positive`         a finite number greater than 0 (and at most a maximum)
+:class:`Limit`                 an upper bound and why; a number or one the machine sets
+:data:`SEED`, :data:`CPUS`     seeds (0 .. 2**32-1); CPU threads and workers (4 x the CPUs)
+:data:`BATCH`, :data:`TOKENS`  sequences and tokens per forward pass
+:func:`cpu_count`              the CPUs this process may run on
+:func:`memory_bytes`           this machine's available (or total) memory: psutil, else /proc/meminfo
+:func:`check_bounds`           one value against the bounds one :func:`setting` declares
+:func:`check_choice`           one of the allowed values
+:func:`setting`                a dataclass field with its bounds, flag and help in ``metadata``
+:func:`check_settings`         every declared bound of a configuration object, by its fields
+:func:`changed_flags`          the flags of fields set away from their defaults
+:func:`comma_list`             a comma-separated option's items
+:func:`build`                  a configuration from named option values (the command line's)
+:class:`Opt`, :func:`opt`      how a setting appears on the command line (typer-free)
+:func:`config_opts`            the options a configuration's fields declare
+:class:`Settings`              base of configuration dataclasses: ``validate()``, ``to_dict()``
+:class:`Checked`               a :class:`Settings` validated on construction (``__post_init__``)
+=============================  ==================================================================
 
-Every failed check is an :class:`~depthscope.common.errors.InputError` that names the setting.
+Every failed check is an :class:`~depthscope.common.errors.InputError` that names the setting, and an
+upper bound's message says where the bound comes from (:class:`Limit`). Every numeric setting has
+an upper bound: its declared ``max``, else the largest int64 (integers) or float (floats), so no
+value allocates, loops or overflows without bound.
 The command line (``analyses/commands/options.py``) turns the :class:`Opt` s of the same
 metadata into typer options, so an option's flag, default, range and help are written once,
 beside the field.
@@ -27,37 +37,147 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import os
+import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from depthscope.common.errors import InputError
 
 #: metadata keys :func:`setting` fills (read by the checks and by the command-line generator)
-KEYS = ("flags", "help", "min", "max", "positive", "choices", "param", "parse", "show", "cli_type", "cli_min")
+KEYS = (
+    "flags",
+    "help",
+    "min",
+    "max",
+    "positive",
+    "choices",
+    "check",
+    "param",
+    "parse",
+    "show",
+    "cli_type",
+    "cli_min",
+)
+#: the largest integer a setting takes where it declares no bound (what torch and numpy hold)
+INT_MAX = 2**63 - 1
 
 
-def check_number(name: str, value, *, minimum: float = 1, integer: bool = True, allow_none: bool = False) -> None:
+@dataclass(frozen=True)
+class Limit:
+    """An upper bound and why: ``value`` a number, or a function of nothing for a bound the machine
+    sets (read when checked); ``why`` a text, or a function of nothing, for the message."""
+
+    value: float | Callable[[], float]
+    why: str | Callable[[], str] = ""
+
+    def get(self) -> float:
+        """The bound now."""
+        return self.value() if callable(self.value) else self.value
+
+    def reason(self) -> str:
+        """Why the bound is what it is (empty: no reason given)."""
+        return self.why() if callable(self.why) else self.why
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else all)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def memory_bytes(kind: str = "available") -> int | None:
+    """This machine's ``available`` (or ``total``) memory in bytes: psutil where installed, else
+    ``/proc/meminfo``; None where neither says."""
+    try:
+        import psutil  # lazy: optional
+
+        vm = psutil.virtual_memory()
+        return int(vm.available if kind == "available" else vm.total)
+    except ImportError:
+        pass
+    key = "MemAvailable:" if kind == "available" else "MemTotal:"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+#: threads and CPU workers: more than a few per CPU only adds synchronisation and memory (each
+#: thread's buffers; torch segfaults or allocates gigabytes at absurd counts)
+CPU_FACTOR = 4
+CPUS = Limit(lambda: CPU_FACTOR * cpu_count(), lambda: f"{CPU_FACTOR} x the {cpu_count()} CPUs of this machine")
+#: seeds: the range every generator it feeds takes (numpy's legacy seeds, torch's manual_seed)
+SEED = Limit(2**32 - 1, "the seed range of numpy and torch generators, 0 .. 2**32-1")
+#: a forward pass: sequences per batch, and tokens per batch or per passage (a million tokens of
+#: activations already take gigabytes; larger batches cost memory and gain no speed)
+BATCH = Limit(4096, "sequences per forward pass; larger batches only take more memory")
+TOKENS = Limit(2**20, "tokens per forward pass or passage; a million already take gigabytes of activations")
+
+
+def check_number(
+    name: str,
+    value,
+    *,
+    minimum: float = 1,
+    maximum: float | Limit | None = None,
+    integer: bool = True,
+    allow_none: bool = False,
+) -> None:
     """The one numeric check of every configuration: ``value`` is a finite number (an integer when
-    ``integer``) of at least ``minimum`` (``minimum=0.0`` with ``integer=False``: greater than 0),
-    or None when ``allow_none``; else an :class:`~depthscope.common.errors.InputError` naming it."""
+    ``integer``) of at least ``minimum`` (``minimum=0.0`` with ``integer=False``: greater than 0)
+    and at most ``maximum`` (a number or a :class:`Limit`; None: :data:`INT_MAX` for integers, the
+    largest float otherwise), or None when ``allow_none``; else an
+    :class:`~depthscope.common.errors.InputError` naming it (and, past the maximum, the bound and why).
+    Integers of any size, floats past the float range, NaN and infinities are all refused, none raises."""
     if value is None and allow_none:
         return
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = value >= minimum
-    elif ok:
-        ok = value > 0 if minimum == 0.0 else value >= minimum
-    if not ok:
-        what = "an integer" if integer else "a finite number"
-        bound = f">= {minimum}" if integer or minimum != 0.0 else "> 0"
-        raise InputError(f"{name} must be {what} {bound}, got {value!r}")
+    what = "an integer" if integer else "a finite number"
+    bound = "" if minimum == -math.inf else f" >= {minimum}" if integer or minimum != 0.0 else " > 0"
+    kind = numbers.Integral if integer else numbers.Real
+    if not isinstance(value, kind) or isinstance(value, bool) or not _finite(value):
+        raise InputError(f"{name} must be {what}{bound}, got {value!r}")
+    if not (value > 0 if (not integer and minimum == 0.0) else value >= minimum):
+        raise InputError(f"{name} must be {what}{bound}, got {value!r}")
+    limit = maximum if isinstance(maximum, Limit) else Limit(INT_MAX if integer else sys.float_info.max)
+    if isinstance(maximum, (int, float)):
+        limit = Limit(maximum)
+    top = limit.get()
+    if value > top:
+        why = f" ({limit.reason()})" if limit.reason() else ""
+        raise InputError(f"{name} must be at most {_show(top)}{why}, got {_show(value)}")
 
 
-def check_positive(name: str, value, *, allow_none: bool = False) -> None:
-    """``value`` is a finite number greater than 0 (or None when ``allow_none``)."""
-    check_number(name, value, minimum=0.0, integer=False, allow_none=allow_none)
+def _finite(value) -> bool:
+    """A real number that is finite (any integer is; a float or numpy number tested as a float)."""
+    if isinstance(value, numbers.Integral):
+        return True
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
+
+
+def _show(value) -> str:
+    """A bound or value for a message: integers whole (up to 20 digits, else their digits
+    counted), other numbers in %g."""
+    if isinstance(value, numbers.Integral):
+        digits = len(str(abs(int(value))))
+        return str(int(value)) if digits <= 20 else f"an integer of {digits} digits"
+    return f"{float(value):g}"
+
+
+def check_positive(name: str, value, *, maximum: float | Limit | None = None, allow_none: bool = False) -> None:
+    """``value`` is a finite number greater than 0 and at most ``maximum`` (or None when ``allow_none``)."""
+    check_number(name, value, minimum=0.0, maximum=maximum, integer=False, allow_none=allow_none)
 
 
 def check_choice(name: str, value, allowed) -> None:
@@ -70,7 +190,9 @@ def setting(default=dataclasses.MISSING, *flags: str, factory=dataclasses.MISSIN
     """A dataclass field whose ``metadata`` declares the setting: ``flags`` (the command-line
     option's names, e.g. ``"--max-epochs"`` or ``"--mdl/--no-mdl"``; none: not an option),
     ``help``; the checks ``min`` (an integer of at least this), ``positive`` (a finite number
-    > 0), ``choices``, ``max`` (the option's upper bound); and for the command line ``param``
+    > 0), ``choices``, ``max`` (the upper bound: a number or a :class:`Limit` that says why),
+    ``check`` (a function ``(name, value)`` raising InputError: the setting's own rule); the
+    command line checks the same (:func:`check_bounds`); and for the command line ``param``
     (its parameter name, default the field's), ``cli_min`` (the option's lower bound when not ``min``),
     ``parse`` (option value -> field value), ``show``
     (field default -> option default) and ``cli_type`` (the option's type when not the field's)."""
@@ -86,17 +208,32 @@ def _optional(f: dataclasses.Field) -> bool:
     return "None" in str(f.type)
 
 
+def check_bounds(name: str, value, meta, *, optional: bool = False) -> None:
+    """``value`` against the bounds the metadata ``meta`` of one :func:`setting` declares
+    (``choices``; ``min``: an integer of at least it; ``positive``: a finite number > 0; ``max``:
+    the upper bound, a number or :class:`Limit`, with ``min``/``positive`` or alone for a float;
+    ``check``: a function ``(name, value)`` of the setting's own rule), named ``name`` in the
+    messages; None passes where ``optional``. The command line checks the same bounds on the
+    parsed option (``analyses/commands/options.py``)."""
+    if value is None and optional:
+        return
+    if "choices" in meta:
+        check_choice(name, value, meta["choices"])
+    if meta.get("positive"):
+        check_positive(name, value, maximum=meta.get("max"))
+    elif "min" in meta:
+        check_number(name, value, minimum=meta["min"], maximum=meta.get("max"))
+    elif "max" in meta:
+        check_number(name, value, minimum=-math.inf, maximum=meta["max"], integer=False)
+    if "check" in meta:
+        meta["check"](name, value)
+
+
 def check_settings(obj) -> None:
-    """Check every field of ``obj`` against the bounds its :func:`setting` declares; None passes
-    where the annotation admits it."""
+    """Check every field of ``obj`` against the bounds its :func:`setting` declares
+    (:func:`check_bounds`); None passes where the annotation admits it."""
     for f in dataclasses.fields(obj):
-        meta, value = f.metadata, getattr(obj, f.name)
-        if "choices" in meta and not (value is None and _optional(f)):
-            check_choice(f.name, value, meta["choices"])
-        if "min" in meta:
-            check_number(f.name, value, minimum=meta["min"], allow_none=_optional(f))
-        if meta.get("positive"):
-            check_positive(f.name, value, allow_none=_optional(f))
+        check_bounds(f.name, getattr(obj, f.name), f.metadata, optional=_optional(f))
 
 
 def _default(f: dataclasses.Field):
@@ -151,7 +288,8 @@ def build(cls, values, **fixed):
 @dataclass(frozen=True)
 class Opt:
     """How a setting appears on the command line: its name (the parsed value's key), type,
-    default, flags and help; ``min``/``max``: its range; ``positive``: a float > 0;
+    default, flags and help; ``min``/``max``: its range (``max`` a number or a :class:`Limit`);
+    ``positive``: a float > 0; ``check``: the setting's own rule (a function ``(name, value)``);
     ``argument``: a positional argument (``metavar`` names it)."""
 
     name: str
@@ -160,14 +298,41 @@ class Opt:
     flags: tuple[str, ...] = ()
     help: str = ""
     min: float | None = None
-    max: float | None = None
+    max: float | Limit | None = None
     positive: bool = False
+    check: Callable | None = None
     argument: bool = False
     metavar: str | None = None
 
     def but(self, **changes) -> Opt:
         """This option with some attributes changed (another default or help)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def flag(self) -> str:
+        """The option's long flag (``--max-epochs``; a switch's first), else its name."""
+        return next((f for f in self.flags if f.startswith("--")), self.name).split("/")[0]
+
+    @property
+    def kind(self) -> type | None:
+        """``int`` or ``float`` for a (possibly optional) numeric option, else None."""
+        args = [a for a in typing.get_args(self.annotation) if a is not type(None)] or [self.annotation]
+        return args[0] if len(args) == 1 and args[0] in (int, float) else None
+
+    def check_value(self, value):
+        """A parsed numeric value checked as the configurations check it (:func:`check_number`,
+        named by :attr:`flag`): finite, > 0 where ``positive``, at most ``max`` (none: int64's
+        largest or the float range), and ``check``; the lower bound ``min`` is the command line's
+        range, checked before. Returns ``value``."""
+        if value is None:
+            return value
+        if self.positive:
+            check_positive(self.flag, value, maximum=self.max)
+        else:
+            check_number(self.flag, value, minimum=-math.inf, maximum=self.max, integer=self.kind is int)
+        if self.check is not None:
+            self.check(self.flag, value)
+        return value
 
 
 def opt(flags: str, default, help: str, type=None, **kw) -> Opt:
@@ -191,6 +356,7 @@ def _field_opt(f: dataclasses.Field, hint) -> Opt:
         min=meta.get("cli_min", meta.get("min")),
         max=meta.get("max"),
         positive=bool(meta.get("positive")),
+        check=meta.get("check"),
     )
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from depthscope.common.errors import InputError
-from depthscope.common.settings import Settings, comma_list, setting
+from depthscope.common.settings import CPUS, SEED, TOKENS, Limit, Settings, comma_list, memory_bytes, setting
 
 PROBES = ("linear", "mlp")
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
@@ -56,6 +56,24 @@ L2_GRID = (3e-3, 1e-2, 3e-2, 1e-1)
 L2_LADDER = (1e-4, 3e-4, 1e-3) + L2_GRID + (3e-1, 1.0, 3.0)
 #: the penalty is chosen on this many evenly spaced sites (first and last included)
 L2_SITES = 16
+#: the strongest penalty a probe takes (``--l2``, ``--stack-l2``): on standardised features a
+#: probe's weights shrink as 1/l2, and from about 1 upwards it predicts the class prior (the
+#: majority baseline) whatever the site; at 1e5 and beyond the solvers no longer converge, and
+#: at 1e20 the accuracy falls below the majority baseline. 1e3 keeps the ladder's top (3) far inside.
+L2_MAX = Limit(1e3, "stronger penalties leave a probe that predicts the class prior, then stop converging")
+#: Adam learning rates, tolerances: a relative change or gradient entry of 1 is no convergence test
+UNIT = Limit(1.0, "a learning rate or tolerance above 1 does not converge to anything")
+#: passes and steps: probes converge in tens to hundreds of passes; a cap beyond this only hangs
+MAX_EPOCHS = Limit(100_000, "probes converge in tens to hundreds of passes; more would only run for days")
+#: fold draws and folds: each draw refits every site probe on each fold
+MAX_DRAWS = Limit(100, "each draw refits every site probe on each fold; 100 draws take 100 x the time of one")
+MAX_FOLDS = Limit(20, "each fold refits every site probe; beyond 20 the fold probes differ by under 5% of the data")
+#: memory for resident features: at most this machine's (never below the 4 GB default, which
+#: streams what does not fit)
+RESIDENT = Limit(
+    lambda: max(4e9, memory_bytes("total") or 2**50),
+    lambda: f"this machine's memory, {(memory_bytes('total') or 0) / 2**30:.1f} GiB",
+)
 
 
 def parse_l2(text: str) -> float | str:
@@ -64,9 +82,20 @@ def parse_l2(text: str) -> float | str:
         l2 = text if text in ("auto", "dev") else float(text)
     except ValueError:
         raise InputError(f"--l2 must be a number, 'auto' or 'dev', got {text!r}") from None
-    if l2 not in ("dev", "auto") and not (math.isfinite(l2) and l2 >= 0):
-        raise InputError(f"--l2 must be a finite number >= 0 (0: no penalty), 'auto' or 'dev', got {text!r}")
+    if l2 not in ("dev", "auto"):
+        check_l2("--l2", l2)
     return l2
+
+
+def check_l2(name: str, l2) -> None:
+    """``l2`` is a penalty from 0 (none) to :data:`L2_MAX`, ``"auto"`` or ``"dev"``."""
+    if l2 in ("auto", "dev"):
+        return
+    numeric = isinstance(l2, (int, float)) and not isinstance(l2, bool)
+    if not (numeric and (isinstance(l2, int) or math.isfinite(l2)) and l2 >= 0):
+        raise InputError(f"{name} must be a finite number >= 0 (0: no penalty), 'auto' or 'dev', got {l2!r}")
+    if l2 > L2_MAX.get():
+        raise InputError(f"{name} must be at most {L2_MAX.get():g} ({L2_MAX.reason()}), got {l2!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -120,27 +149,29 @@ class ProbeConfig(Settings):
         "the grid 3e-3 .. 1e-1 (L2_GRID, grown by half-decades from 1e-4 to 3 while the best is at its end) "
         "by held-out accuracy (on --dev when given, else on folds of train).",
     )
-    l2_folds: int = setting(2, min=2)
+    l2_folds: int = setting(2, min=2, max=MAX_FOLDS)
     solver: str = setting("auto", choices=SOLVERS)
     max_epochs: int = setting(
         200,
         "--max-epochs",
         min=1,
+        max=MAX_EPOCHS,
         help="Cap on passes over train: probes train until they converge; "
         "hitting the cap warns and is recorded (converged=False).",
     )
-    tol: float = setting(1e-5, positive=True)
-    gtol: float = setting(5e-4, positive=True)
-    min_steps: int = 100
-    lr: float = setting(1e-2, positive=True)
-    batch_size: int | None = setting(None, min=1)
-    hidden: int = setting(256, min=1)
+    tol: float = setting(1e-5, positive=True, max=UNIT)
+    gtol: float = setting(5e-4, positive=True, max=UNIT)
+    min_steps: int = setting(100, min=0, max=MAX_EPOCHS)
+    lr: float = setting(1e-2, positive=True, max=UNIT)
+    batch_size: int | None = setting(None, min=1, max=TOKENS)
+    hidden: int = setting(256, min=1, max=Limit(2**16, "hidden units; 65536 are already 65536 x d weights per site"))
     control: bool = True
     cumulative: bool = True
     stack_draws: int = setting(
         2,
         "--stack-draws",
         min=1,
+        max=MAX_DRAWS,
         help="Fold draws the cumulative probes (E_Delta) are stacked on; their accuracies are averaged and "
         "the interval resamples them. Each draw refits every site probe on each fold.",
     )
@@ -148,6 +179,7 @@ class ProbeConfig(Settings):
         2,
         "--stack-folds",
         min=2,
+        max=MAX_FOLDS,
         help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
         "per draw in E_Delta, one more refit of every site probe each).",
     )
@@ -155,13 +187,16 @@ class ProbeConfig(Settings):
         1e-2,
         "--stack-l2",
         positive=True,
+        max=L2_MAX,
         help="Ridge (> 0; 0 is refused) on the cumulative probes' stacking weights (stronger: weight spread "
         "over more sites; E_Delta depends on it, see docs/tenney_comparison.md).",
     )
     mdl: bool = setting(
         False, "--mdl/--no-mdl", help="Also compute MDL online codelength (Voita & Titov 2020); costly."
     )
-    seed: int = setting(0, "--seed", min=0, help="Seed for sampling, control tasks and training (an integer >= 0).")
+    seed: int = setting(
+        0, "--seed", min=0, max=SEED, help="Seed for sampling, control tasks and training (0 .. 2**32-1)."
+    )
     precision: str = setting(
         "float32",
         "--precision",
@@ -171,16 +206,12 @@ class ProbeConfig(Settings):
     )
 
     def check(self) -> None:
-        """The solver fits the probe kind; ``l2`` is a penalty or a rule; ``min_steps`` >= 0."""
+        """The solver fits the probe kind; ``l2`` is a penalty (at most :data:`L2_MAX`) or a rule."""
         if self.solver in ("subspace", "lbfgs") and self.probe != "linear":
             raise InputError(
                 f"solver {self.solver!r} fits linear probes; probe={self.probe!r} trains with 'adam' (or 'auto')"
             )
-        numeric = isinstance(self.l2, (int, float)) and not isinstance(self.l2, bool)
-        if not (self.l2 in ("auto", "dev") or (numeric and math.isfinite(self.l2) and self.l2 >= 0)):
-            raise InputError(f"l2 must be a finite non-negative number, 'auto' or 'dev', got {self.l2!r}")
-        if not isinstance(self.min_steps, int) or isinstance(self.min_steps, bool) or self.min_steps < 0:
-            raise InputError(f"min_steps must be a non-negative integer, got {self.min_steps!r}")
+        check_l2("l2", self.l2)
 
 
 @dataclass(frozen=True)
@@ -236,24 +267,25 @@ class ExtractionConfig(Settings):
         parse=lambda wide: "float32" if wide else "float16",
         help="Store activations as float32 (default float16).",
     )
-    batch_tokens: int = setting(2048, min=1)
-    max_tokens: int = setting(512, min=1)
+    batch_tokens: int = setting(2048, min=1, max=TOKENS)
+    max_tokens: int = setting(512, min=1, max=TOKENS)
     bos: bool = setting(
         True,
         "--bos/--no-bos",
         help="Prepend the BOS (else EOS) token when the tokenizer adds none, so no word is the attention sink.",
     )
-    resident_bytes: float = setting(4e9, positive=True)
+    resident_bytes: float = setting(4e9, positive=True, max=RESIDENT)
     shards: int = setting(
         1,
         "--shards",
         min=1,
+        max=Limit(4096, "one shard per corpus slice; more only add files and model loads"),
         help="Write the activation store as N shards (a re-run redoes only missing ones; 1: one store).",
     )
     engine: str = setting(
         "local", "--engine", choices=("local", "ray"), help="Extraction engine: local, or ray (one Ray task per shard)."
     )
-    workers: int = setting(2, "--workers", min=1, help="CPUs of the local Ray (--engine ray).")
+    workers: int = setting(2, "--workers", min=1, max=CPUS, help="CPUs of the local Ray (--engine ray).")
 
 
 @dataclass(frozen=True)
@@ -278,13 +310,8 @@ class DataConfig(Settings):
         choices=OVERLAP,
         help="Test sentences also in train: drop (default), keep, or error.",
     )
-    coref_window: int = 2
-    coref_neg_ratio: float = setting(1.0, positive=True)
-
-    def check(self) -> None:
-        """``coref_window`` is a non-negative integer."""
-        if not isinstance(self.coref_window, int) or isinstance(self.coref_window, bool) or self.coref_window < 0:
-            raise InputError(f"coref_window must be a non-negative integer, got {self.coref_window!r}")
+    coref_window: int = setting(2, min=0, max=Limit(1000, "sentences between mentions; a document is shorter"))
+    coref_neg_ratio: float = setting(1.0, positive=True, max=Limit(1000, "negatives per positive pair"))
 
 
 def field_names(cls) -> list:

@@ -73,7 +73,7 @@ def test_duplicate_weights_marked(series, tmp_path):
     b = df[df.checkpoint == "step80"].drop(columns=["checkpoint", "step", "duplicate_of"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)  # the same weights give the same numbers: the digest did not lie
     done = json.loads((tmp_path / "o" / "checkpoints" / "step0.done.json").read_text())
-    assert len(done["digest"]) == 16 and done["fingerprint"]["n_layers"] == 2
+    assert len(done["digest"]) == 32 and done["fingerprint"]["n_layers"] == 2  # a sha256 of every weight
 
 
 def test_ray_missing_says_the_install_command(series, tmp_path, monkeypatch):

@@ -7,7 +7,6 @@ receives their values; the body builds its configuration with :func:`~depthscope
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,24 +14,31 @@ from types import SimpleNamespace
 import typer
 
 from depthscope.analyses.jobs.configs import ModelSpec
-from depthscope.common.settings import Opt, config_opts, opt
+from depthscope.common.errors import InputError
+from depthscope.common.settings import Limit, Opt, config_opts, opt
 
 
-def positive(value: float | None):
-    """Option callback: a float that is finite and greater than 0 (learning rates, ridges)."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise typer.BadParameter(f"{value} is not a number greater than 0")
-    return value
+def checked(o: Opt) -> Callable:
+    """Option callback: :meth:`Opt.check_value`; a failure is a usage error (exit 2) naming the flag."""
+
+    def callback(value):
+        try:
+            return o.check_value(value)
+        except InputError as e:  # click names the flag first: "... '--x': must be ..."
+            raise typer.BadParameter(str(e).removeprefix(f"{o.flag} ")) from None
+
+    return callback
 
 
 def parameter(o: Opt) -> inspect.Parameter:
-    """The typer parameter of ``o`` (a fresh ``typer.Option``/``typer.Argument`` each call)."""
+    """The typer parameter of ``o`` (a fresh ``typer.Option``/``typer.Argument`` each call); a
+    numeric option is checked on parsing (:func:`checked`), before any model loads."""
     if o.argument:
         info = typer.Argument(o.default, metavar=o.metavar, help=o.help)
     else:
-        info = typer.Option(
-            o.default, *o.flags, help=o.help, min=o.min, max=o.max, callback=positive if o.positive else None
-        )
+        top = None if isinstance(o.max, Limit) else o.max  # a machine's bound: read when checked
+        call = checked(o) if o.kind is not None else None
+        info = typer.Option(o.default, *o.flags, help=o.help, min=o.min, max=top, callback=call)
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     return inspect.Parameter(o.name, kind, default=info, annotation=o.annotation)
 

@@ -13,7 +13,10 @@ from depthscope.analyses.commands import common
 from depthscope.analyses.commands.options import Opt, command, opt, options
 from depthscope.analyses.jobs.configs import SweepJobConfig
 from depthscope.analyses.samples import sample_texts
-from depthscope.common.settings import build
+from depthscope.common.settings import Limit, build
+
+#: a toy series trains a 2-layer model on a small text: it is learnt in hundreds of steps
+TOY_STEPS = Limit(100_000, "a toy series is learnt in hundreds of steps; 100000 already take hours")
 
 EXTRA = (
     Opt(
@@ -54,8 +57,8 @@ TOY = options(
     helps={"out": "Folder for step0/, step50/, ... checkpoints."},
     required="out",
     extra=(
-        opt("--steps", 200, "Training steps.", min=1),
-        opt("--save-every", 50, "Steps between saved checkpoints.", min=1),
+        opt("--steps", 200, "Training steps.", min=1, max=TOY_STEPS),
+        opt("--save-every", 50, "Steps between saved checkpoints.", min=1, max=TOY_STEPS),
         opt("--text", None, "Training text (default: the bundled EWT sample).", Path | None),
     ),
 )

@@ -27,7 +27,7 @@ from pathlib import Path
 from depthscope.analyses.sweep_ray import RayEngine, require_ray
 from depthscope.analyses.tuned_lens_config import TunedLensTraining
 from depthscope.common.errors import InputError
-from depthscope.common.settings import Checked, changed_flags, comma_list, setting
+from depthscope.common.settings import BATCH, CPUS, TOKENS, Checked, changed_flags, comma_list, setting
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 #: the prompt of the lens's token view and of the norms' per-position view and DLA
@@ -71,7 +71,9 @@ class ModelSpec(Checked):
         None,
         "--threads",
         min=1,
-        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine).",
+        max=CPUS,
+        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine; at most "
+        "4 per CPU).",
     )
 
 
@@ -92,7 +94,7 @@ class LensConfig(Checked):
         parse=comma_list,
         help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all.",
     )
-    batch_size: int = setting(8, "--batch-size", min=1, help="Windows per forward pass.")
+    batch_size: int = setting(8, "--batch-size", min=1, max=BATCH, help="Windows per forward pass.")
     window: int | None = setting(
         None,
         "--window",
@@ -169,7 +171,7 @@ class NormsConfig(Checked):
         None, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast]."
     )
     max_tokens: int | None = setting(None, "--max-tokens", min=1, help="Stop after this many real tokens of the text.")
-    batch_size: int = setting(4, "--batch-size", min=1, help="Sequences per forward pass.")
+    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Sequences per forward pass.")
     window: int | None = setting(
         None,
         "--window",
@@ -277,7 +279,11 @@ class PatchConfig(Checked):
         "with exact patching.",
     )
     batch_tokens: int = setting(
-        2048, "--batch-tokens", min=1, help="Tokens per forward pass (patched rows x recomputed positions)."
+        2048,
+        "--batch-tokens",
+        min=1,
+        max=TOKENS,
+        help="Tokens per forward pass (patched rows x recomputed positions).",
     )
     plots: bool = setting(True, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter).")
 
