@@ -12,6 +12,21 @@ Accepted specs (anything else is refused with this list):
   ``TransformerBridge``, or a :class:`HookedModel`.
 
 Remote code is never run unless ``trust_remote_code=True``.
+
+Before any weight is read, the config, tokenizer and weights are checked against each other and
+against the machine (:mod:`depthscope.hooks.model_checks`): size fields in range, the parameter
+count (from a meta-device build) within free memory, no token id past the embedding, checkpoint
+shapes as the config builds them. Models in memory get the tokenizer check.
+
+The GGUF cache. A GGUF is converted once into ``cache_dir()/models/<stem>-<digest>``, where
+``<digest>`` is the sha256 of the whole GGUF file (a different GGUF never meets this conversion).
+The conversion is written to a temporary folder, stamped (sha256 of every file, in
+``depthscope-stamps.json``, :mod:`depthscope.common.stamps`) and renamed into place. Its content is
+verified before it is served: each stamped file is hashed in full the first time a process serves
+it, and again whenever its device, inode, size, mtime or ctime changed since (any write, copy,
+``os.utime`` or replacement changes the ctime); a file not stamped, missing or different is
+warned about in one line naming it, and the GGUF is converted again (the cache is never served).
+Cost: hashing the default model's 538 MB float32 conversion takes 0.4-0.6 s (sha256, one core), once per process.
 """
 
 from __future__ import annotations
@@ -19,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import importlib.util
 import inspect
 import json
@@ -39,16 +53,26 @@ from transformers.utils import logging as tf_logging
 
 from depthscope.common.errors import CheckpointError, DefaultModelMissing, ModelSpecError
 from depthscope.common.progress import spinner
-from depthscope.common.stamps import verify_stamps, write_stamps
+from depthscope.common.stamps import ALGORITHM as STAMP_ALGORITHM
+from depthscope.common.stamps import STAMPS, file_sha256, write_stamps
 from depthscope.hooks.devices import (
     check_dtype_on,
     check_fits,
-    parameter_count,
     require_accelerate,
     resolve_device,
     resolve_dtype,
 )
 from depthscope.hooks.model import HookedModel
+from depthscope.hooks.model_checks import (
+    check_config,
+    check_config_dict,
+    check_tokenizer_files,
+    check_vocab,
+    check_weights,
+    embedding_rows,
+    gguf_config_sizes,
+    meta_model,
+)
 
 log = logging.getLogger("depthscope")
 
@@ -115,9 +139,12 @@ def load_model(
         hf = getattr(spec, "original_model", None)
         if hf is None:
             raise ModelSpecError("this TransformerBridge exposes no original_model")
-        model = HookedModel(hf, tokenizer or getattr(spec, "tokenizer", None), source="TransformerBridge")
+        tok = tokenizer or getattr(spec, "tokenizer", None)
+        check_vocab(tok, embedding_rows(hf), "this TransformerBridge")
+        model = HookedModel(hf, tok, source="TransformerBridge")
         return model if device is None and dtype is None else _placed(model, device, dtype)
     if _is_hf_model(spec):
+        check_vocab(tokenizer, embedding_rows(spec), "this in-memory model")
         model = HookedModel(spec, tokenizer, source="in-memory")
         return model if device is None and dtype is None else _placed(model, device, dtype)
     dtype = resolve_dtype(dtype)
@@ -161,10 +188,10 @@ class Placement:
     def from_pretrained_kwargs(self) -> dict:
         return {"device_map": self.device_map} if self.device_map is not None else {}
 
-    def check_config(self, config) -> None:
-        """Refuse, before reading any weights, a model too large for the device."""
+    def check_params(self, n_params: int) -> None:
+        """Refuse, before reading any weights, a model of ``n_params`` too large for the device."""
         if self.device is not None:
-            check_fits(parameter_count(config), self.dtype, self.device)
+            check_fits(n_params, self.dtype, self.device)
 
     def put(self, model):
         """The loaded transformers model in ``dtype`` on ``device`` (checked to fit first when it
@@ -241,12 +268,61 @@ def _auto_class(config):
     return transformers.AutoModel
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def _load_tokenizer(path, **kw):
+    """The tokenizer in the folder ``path``; None (with a warning) when it holds no tokenizer files,
+    a :class:`CheckpointError` naming the folder when it holds some that cannot be read."""
+    folder = Path(path)
+    check_tokenizer_files(folder)
     try:
         return AutoTokenizer.from_pretrained(path, **kw)
-    except Exception as e:  # a model folder without a tokenizer is still a model
-        log.warning("no tokenizer loaded from %s (%s); pass token ids", path, e)
+    except Exception as e:
+        if any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise CheckpointError(f"cannot read the tokenizer in {folder}: {type(e).__name__}: {e}") from e
+        log.warning("no tokenizer loaded from %s (%s); pass token ids", path, e)  # still a model
         return None
+
+
+def _read_config(cfg_file: Path, source, trust_remote_code: bool):
+    """The config of ``source`` (a folder or a cached hub id whose config is ``cfg_file``), its size
+    fields checked in the raw JSON first: some config classes build a list per layer."""
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    check_config_dict(raw, str(cfg_file))
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read the config in {cfg_file}: {e}") from e
+    check_config(config, str(cfg_file))
+    return config
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers reads in ``folder`` (its index's shards, or all)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / f for f in shards if (folder / f).is_file()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        single = folder / "model.safetensors"
+        return [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+
+
+def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> None:
+    """Check, before any weight is read: the parameter count (a meta-device build) against the
+    device's memory, the tokenizer against the embedding rows, the checkpoint's shapes against the
+    config (:mod:`depthscope.hooks.model_checks`)."""
+    meta = meta_model(config, cls)
+    if meta is not None:
+        device.check_params(sum(p.numel() for p in meta.parameters()))
+    rows = embedding_rows(meta) if meta is not None else getattr(config, "vocab_size", None)
+    check_vocab(tokenizer, rows, str(folder))
+    if getattr(config, "quantization_config", None) is None:  # quantised tensors are packed: other shapes
+        check_weights(meta, _weight_files(folder), str(folder))
 
 
 @_quietly
@@ -259,20 +335,14 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
         subs = [p for p in path.iterdir() if (p / "config.json").is_file()] if path.is_dir() else []
         hint = f" (did you mean {subs[0]}?)" if len(subs) == 1 else ""
         raise CheckpointError(f"{path} has no config.json{hint}; {ACCEPTED}")
-    try:
-        json.loads(cfg_file.read_text())
-    except Exception as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
     st = list(path.glob("*.safetensors"))
     bins = list(path.glob("*.bin")) + list(path.glob("*.pt")) + list(path.glob("*.pth"))
     if not st and not bins:
         raise CheckpointError(f"{path} has a config.json but no weights (*.safetensors or pytorch_model.bin)")
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CheckpointError(f"cannot read the config in {path}: {e}") from e
+    config = _read_config(cfg_file, path, trust_remote_code)
     cls = _auto_class(config)
-    device.check_config(config)
+    tok = _load_tokenizer(path, trust_remote_code=trust_remote_code)
+    _preflight(config, cls, device, path, tok)
     kw = dict(
         dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True, **device.from_pretrained_kwargs()
     )
@@ -288,7 +358,6 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
         model = cls.from_pretrained(path, **kw)
     except Exception as e:
         raise CheckpointError(f"cannot load the checkpoint in {path}: {type(e).__name__}: {e}") from e
-    tok = _load_tokenizer(path, trust_remote_code=trust_remote_code)
     return HookedModel(device.put(model), tok, name=path.name, source=str(path))
 
 
@@ -296,33 +365,94 @@ def _torch_has_weights_only() -> bool:
     return "weights_only" in inspect.signature(torch.load).parameters
 
 
-def _gguf_cache_key(path: Path) -> str:
+#: per process: the (file, device, inode, size, mtime, ctime, digest) of every file whose full content was
+#: hashed and found equal to ``digest``; a file whose stat still matches is not hashed again
+_VERIFIED: set[tuple] = set()
+
+
+def _stat_key(path: Path) -> tuple:
     st = path.stat()
-    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
-    with open(path, "rb") as f:  # head of the file: the header and tensor index
-        h.update(f.read(1 << 20))
-    return f"{path.stem}-{h.hexdigest()[:16]}"
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-@_quietly
-def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = None) -> HookedModel:
-    if not path.is_file():
-        raise CheckpointError(f"no such GGUF file: {path}")
-    target = cache_dir() / "models" / _gguf_cache_key(path)
-    if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        if not _cache_intact(target, path):
-            shutil.rmtree(target, ignore_errors=True)
-    if use_cache and (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+@functools.lru_cache(maxsize=64)
+def _file_digest(stat_key: tuple) -> str:
+    """sha256 of the file ``stat_key`` names, hashed once per process while its stat is unchanged."""
+    return file_sha256(Path(stat_key[0]))
+
+
+def _gguf_cache_key(path: Path) -> str:
+    """The cache folder's name for a GGUF: its stem and the sha256 of its whole content."""
+    return f"{path.stem}-{_file_digest(_stat_key(path))[:16]}"
+
+
+def _cache_present(target: Path) -> bool:
+    index = (target / "model.safetensors").is_file() or (target / "model.safetensors.index.json").is_file()
+    return (target / "config.json").is_file() and index
+
+
+def _cache_problems(target: Path) -> list[str] | None:
+    """The files of the cached conversion in ``target`` that are unstamped, missing or whose content
+    differs from their stamp (``[]``: all verified); None when it has no readable stamps."""
+    try:
+        record = json.loads((target / STAMPS).read_text())
+        files = record["files"] if record.get("algorithm") == STAMP_ALGORITHM else None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+    if not isinstance(files, dict) or not files:
+        return None
+    present = {p.name for p in target.iterdir() if p.is_file() and p.name != STAMPS}
+    bad = sorted(present - files.keys())
+    for name, stamp in files.items():
+        f, digest = target / name, stamp.get("sha256") if isinstance(stamp, dict) else None
+        if not f.is_file() or not digest:
+            bad.append(name)
+            continue
+        key = (*_stat_key(f), digest)  # stat before hashing: a write while hashing changes it
+        if key in _VERIFIED:
+            continue
+        if file_sha256(f) != digest:
+            bad.append(name)
+        else:
+            _VERIFIED.add(key)
+    return bad
+
+
+def _cache_intact(target: Path, gguf: Path) -> bool:
+    """True when every file of the cached conversion in ``target`` is stamped and its content matches
+    its stamp (hashed in full; see the module docstring for when a file is hashed again); otherwise
+    a one-line warning names the files (the caller converts again and never serves this copy)."""
+    bad = _cache_problems(target)
+    if bad == []:
+        return True
+    why = "carries no content digest" if bad is None else f"changed since it was written ({', '.join(bad)})"
+    log.warning("the cached conversion of %s in %s %s; converting again", gguf.name, target, why)
+    return False
+
+
+def _serve_cached(target: Path, gguf: Path, dtype, device, name: str | None) -> HookedModel | None:
+    """The cached conversion in ``target`` when present and verified; None otherwise (a cache that
+    fails verification or loading is removed, so the caller converts again)."""
+    if not _cache_present(target):
+        return None
+    if _cache_intact(target, gguf):
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 target, dtype=dtype, local_files_only=True, use_safetensors=True, **device.from_pretrained_kwargs()
             )
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-            return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
+            return HookedModel(device.put(model), tok, name=name or gguf.stem, source=str(gguf))
         except Exception as e:  # a broken cache entry is rebuilt, not fatal
-            log.warning("cached conversion of %s is unreadable (%s); converting again", path, e)
-            shutil.rmtree(target, ignore_errors=True)
+            log.warning("cached conversion of %s is unreadable (%s); converting again", gguf, e)
+    shutil.rmtree(target, ignore_errors=True)
+    return None
+
+
+def _convert_gguf(path: Path):
+    """The GGUF's model (dequantised to float32, quantisation marker dropped) and tokenizer; its
+    size fields are checked from the header first (a lying GGUF is refused before it is built)."""
     _check_gguf_header(path)
+    check_config_dict(gguf_config_sizes(path), f"the metadata of {path}")
     log.info("converting %s (dequantising, ~20 s, once)", path.name)
     try:
         with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors (once, ~20 s)"):
@@ -340,10 +470,23 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             model.is_quantized = False
         except Exception:
             pass
+    return model, tok
+
+
+@_quietly
+def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = None) -> HookedModel:
+    if not path.is_file():
+        raise CheckpointError(f"no such GGUF file: {path}")
+    target = cache_dir() / "models" / _gguf_cache_key(path)
     if use_cache:
-        _save_atomically(model, tok, target)
+        served = _serve_cached(target, path, dtype, device, name)
+        if served is not None:
+            return served
+    model, tok = _convert_gguf(path)
+    check_vocab(tok, embedding_rows(model), str(path))
+    saved = use_cache and _save_atomically(model, tok, target)
     if device.device_map is not None:  # converted in float32 on the CPU: reload it placed by accelerate
-        if use_cache:
+        if saved:
             return _load_gguf(path, dtype, device, use_cache, name)
         device = Placement(resolve_device("auto"), dtype)
     return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
@@ -356,43 +499,46 @@ def _check_gguf_header(path: Path) -> None:
         raise CheckpointError(f"{path} is not a GGUF file (bad magic {magic!r}); it may be corrupt or truncated")
 
 
-def _cache_intact(target: Path, gguf: Path) -> bool:
-    """True when the cached conversion in ``target`` matches its stamps (:mod:`depthscope.common.stamps`);
-    a missing stamp or a changed file is warned about (the caller converts again)."""
-    bad = verify_stamps(target)
-    if bad == []:
-        return True
-    why = "carries no content digest" if bad is None else f"changed since it was written ({', '.join(bad)})"
-    log.warning("the cached conversion of %s in %s %s; converting again", gguf.name, target, why)
-    return False
-
-
-def _save_atomically(model, tok, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+def _save_atomically(model, tok, target: Path) -> bool:
+    """Write the conversion to a temporary folder beside ``target``, stamp every file with its sha256
+    (:func:`~depthscope.common.stamps.write_stamps`, an atomic JSON) and rename it into place; False
+    (with a warning, nothing left behind) when the cache cannot take it."""
+    tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        write_stamps(tmp)  # checked on every load: a corrupted cache is converted again
+        write_stamps(tmp)  # verified before every serve: a corrupted cache is converted again
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
+        return True
     except Exception as e:
         log.warning("could not cache the converted model in %s: %s", target, e)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return False
 
 
 @_quietly
 def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel:
     try:
-        config = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+        from transformers.utils import cached_file
+
+        folder = Path(cached_file(name, "config.json", local_files_only=True)).parent
     except Exception as e:
         raise ModelSpecError(
             f"{name!r} is neither a local path nor a hub id in the local Hugging Face cache "
             f"(depthscope never downloads); {ACCEPTED}"
         ) from e
+    config = _read_config(folder / "config.json", name, trust_remote_code)
     cls = _auto_class(config)
-    device.check_config(config)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception:
+        tok = None
+    _preflight(config, cls, device, folder, tok)
     try:
         model = cls.from_pretrained(
             name,
@@ -403,8 +549,4 @@ def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel
         )
     except Exception as e:
         raise CheckpointError(f"cannot load {name!r} from the local Hugging Face cache: {e}") from e
-    try:
-        tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception:
-        tok = None
     return HookedModel(device.put(model), tok, name=name, source=f"hf-cache:{name}")
