@@ -1,17 +1,19 @@
 """Content digests of cached files, so a cache never serves corrupted weights.
 
 =================================  ================================================================
-:func:`write_stamps(folder)`       sha256, size and mtime of every file in ``folder``, stored in
-                                   ``folder/STAMPS``
-:func:`verify_stamps(folder)`      the files whose content no longer matches (``None``: no stamps);
-                                   a file whose size and mtime are unchanged is trusted without
-                                   re-reading it, a changed one is re-hashed (and its stamp renewed
-                                   when the content still matches, e.g. after a copy)
+:func:`write_stamps(folder)`       sha256 of every file in ``folder``, stored in ``folder/STAMPS``
+:func:`verify_stamps(folder)`      the files that are missing, unstamped or whose content no longer
+                                   matches (``None``: no stamps)
+:func:`stat_key(path)`             what identifies one state of a file: path, device, inode, size,
+                                   mtime and ctime
 =================================  ================================================================
 
 The model cache (:mod:`depthscope.hooks.loading`) stamps a GGUF's converted safetensors when it
-writes them and verifies them on every load: a zeroed block or random bytes in the cache are seen
-(the write changes the mtime), warned about and converted again.
+writes them and verifies them before serving. Verification never rests on metadata alone: each
+file's content is hashed the first time a process verifies it, and again whenever its
+:func:`stat_key` changed. Any write changes the ctime, which ``os.utime`` cannot set back, so a
+same-size rewrite with its mtime restored is hashed again; within one process an unchanged file
+is not re-read. A zeroed block or random bytes are seen, warned about and converted again.
 """
 
 from __future__ import annotations
@@ -34,21 +36,27 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _stamp(path: Path, digest: str) -> dict:
-    st = path.stat()
-    return {"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+#: (stat_key, sha256) pairs whose content this process has verified
+_VERIFIED: set[tuple] = set()
+
+
+def stat_key(path: Path) -> tuple:
+    """Path, device, inode, size, mtime and ctime of a file: any write changes it."""
+    st = Path(path).stat()
+    return (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def write_stamps(folder) -> Path:
     """Hash every file of ``folder`` (not sub-folders) into ``folder/STAMPS``; returns its path."""
     folder = Path(folder)
-    files = {p.name: _stamp(p, file_sha256(p)) for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMPS}
+    files = {p.name: {"sha256": file_sha256(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMPS}
     return atomic_text(folder / STAMPS, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1))
 
 
 def verify_stamps(folder) -> list[str] | None:
-    """Names of the stamped files of ``folder`` that are missing or whose content changed; ``[]``
-    when all match, ``None`` when the folder has no (readable) stamps."""
+    """Names of the files of ``folder`` that are unstamped, missing, or whose content differs from
+    their stamp (``[]``: all verified); ``None`` when the folder has no (readable) stamps. Content
+    is hashed unless this process verified the file in the same :func:`stat_key` state."""
     folder = Path(folder)
     try:
         record = json.loads((folder / STAMPS).read_text())
@@ -57,23 +65,18 @@ def verify_stamps(folder) -> list[str] | None:
         return None
     if not isinstance(files, dict) or not files:
         return None
-    bad, renewed = [], False
+    present = {p.name for p in folder.iterdir() if p.is_file() and p.name != STAMPS}
+    bad = sorted(present - files.keys())
     for name, stamp in files.items():
-        p = folder / name
-        if not p.is_file():
+        f, digest = folder / name, stamp.get("sha256") if isinstance(stamp, dict) else None
+        if not f.is_file() or not digest:
             bad.append(name)
             continue
-        st = p.stat()
-        if st.st_size == stamp.get("size") and st.st_mtime_ns == stamp.get("mtime_ns"):
-            continue  # unchanged since it was hashed
-        digest = file_sha256(p)
-        if digest != stamp.get("sha256"):
+        key = (*stat_key(f), digest)  # stat before hashing: a write while hashing changes it
+        if key in _VERIFIED:
+            continue
+        if file_sha256(f) != digest:
             bad.append(name)
         else:
-            files[name], renewed = _stamp(p, digest), True
-    if renewed and not bad:
-        try:
-            atomic_text(folder / STAMPS, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1))
-        except OSError:
-            pass  # a read-only cache still verifies, by hashing each time
+            _VERIFIED.add(key)
     return bad

@@ -53,8 +53,7 @@ from transformers.utils import logging as tf_logging
 
 from depthscope.common.errors import CheckpointError, DefaultModelMissing, ModelSpecError
 from depthscope.common.progress import spinner
-from depthscope.common.stamps import ALGORITHM as STAMP_ALGORITHM
-from depthscope.common.stamps import STAMPS, file_sha256, write_stamps
+from depthscope.common.stamps import file_sha256, stat_key, verify_stamps, write_stamps
 from depthscope.hooks.devices import (
     check_dtype_on,
     check_fits,
@@ -367,14 +366,6 @@ def _torch_has_weights_only() -> bool:
 
 #: per process: the (file, device, inode, size, mtime, ctime, digest) of every file whose full content was
 #: hashed and found equal to ``digest``; a file whose stat still matches is not hashed again
-_VERIFIED: set[tuple] = set()
-
-
-def _stat_key(path: Path) -> tuple:
-    st = path.stat()
-    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 @functools.lru_cache(maxsize=64)
 def _file_digest(stat_key: tuple) -> str:
     """sha256 of the file ``stat_key`` names, hashed once per process while its stat is unchanged."""
@@ -383,7 +374,7 @@ def _file_digest(stat_key: tuple) -> str:
 
 def _gguf_cache_key(path: Path) -> str:
     """The cache folder's name for a GGUF: its stem and the sha256 of its whole content."""
-    return f"{path.stem}-{_file_digest(_stat_key(path))[:16]}"
+    return f"{path.stem}-{_file_digest(stat_key(path))[:16]}"
 
 
 def _cache_present(target: Path) -> bool:
@@ -394,28 +385,7 @@ def _cache_present(target: Path) -> bool:
 def _cache_problems(target: Path) -> list[str] | None:
     """The files of the cached conversion in ``target`` that are unstamped, missing or whose content
     differs from their stamp (``[]``: all verified); None when it has no readable stamps."""
-    try:
-        record = json.loads((target / STAMPS).read_text())
-        files = record["files"] if record.get("algorithm") == STAMP_ALGORITHM else None
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return None
-    if not isinstance(files, dict) or not files:
-        return None
-    present = {p.name for p in target.iterdir() if p.is_file() and p.name != STAMPS}
-    bad = sorted(present - files.keys())
-    for name, stamp in files.items():
-        f, digest = target / name, stamp.get("sha256") if isinstance(stamp, dict) else None
-        if not f.is_file() or not digest:
-            bad.append(name)
-            continue
-        key = (*_stat_key(f), digest)  # stat before hashing: a write while hashing changes it
-        if key in _VERIFIED:
-            continue
-        if file_sha256(f) != digest:
-            bad.append(name)
-        else:
-            _VERIFIED.add(key)
-    return bad
+    return verify_stamps(target)
 
 
 def _cache_intact(target: Path, gguf: Path) -> bool:

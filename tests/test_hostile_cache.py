@@ -1,7 +1,7 @@
-"""Class 3 of issue 15: the model cache cannot serve corrupted weights. A GGUF's conversion is
-stamped with a content digest when written and verified on every load (re-hashed only when a
-file's size or mtime changed); a mismatch warns and converts again. CLI error messages never
-point at Python-only arguments."""
+"""The model cache cannot serve corrupted weights. A GGUF's conversion is stamped with a content
+digest when written and verified before it is served (hashed once per process, and again whenever
+a file's inode, size, mtime or ctime changed: never trusted on metadata alone); a mismatch warns
+and converts again. CLI error messages never point at Python-only arguments."""
 
 from __future__ import annotations
 
@@ -30,13 +30,20 @@ def test_stamps_see_a_zeroed_block_and_trust_an_untouched_file(tmp_path):
     assert verify_stamps(tmp_path) == ["w.bin"]
 
 
-def test_a_copy_with_the_same_content_is_restamped_not_rejected(tmp_path):
+def test_a_copy_with_the_same_content_is_accepted_and_a_same_metadata_rewrite_is_not(tmp_path):
     f = tmp_path / "w.bin"
     f.write_bytes(b"abc" * 1000)
     write_stamps(tmp_path)
     os.utime(f, ns=(1, 1))  # touched, same bytes
-    assert verify_stamps(tmp_path) == []
-    assert verify_stamps(tmp_path) == [] and '"mtime_ns": 1' in (tmp_path / STAMPS).read_text()
+    assert verify_stamps(tmp_path) == [] and verify_stamps(tmp_path) == []
+    st = f.stat()
+    with open(f, "r+b") as h:  # same size, mtime set back: only the content (and ctime) changed
+        h.write(b"xyz")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert verify_stamps(tmp_path) == ["w.bin"]
+    (tmp_path / "extra.bin").write_bytes(b"?")  # an unstamped file in a stamped folder
+    assert verify_stamps(tmp_path) == ["extra.bin", "w.bin"]
 
 
 def test_no_stamps_is_none(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from conftest import make_tiny
 from typer.testing import CliRunner
 
+import depthscope.common.stamps as stamps
 import depthscope.hooks.loading as loading
 from depthscope.analyses.cli import app
 from depthscope.common.errors import ModelSpecError
@@ -324,7 +325,7 @@ def test_a_cache_corrupted_behind_unchanged_metadata_is_never_served(fake_gguf, 
     st = _cached(gguf) / "model.safetensors"
     _corrupt_behind_the_metadata(st, st.stat().st_size // 2, 4096)
     if new_process:  # a fresh process has verified nothing yet
-        loading._VERIFIED.clear()
+        stamps._VERIFIED.clear()
         loading._file_digest.cache_clear()
     with caplog.at_level(logging.WARNING, logger="depthscope"):
         m = loading.load_model(str(gguf))
@@ -377,7 +378,7 @@ def test_the_default_models_cache_corrupted_behind_its_metadata_is_converted_aga
     fresh = loading.load_model()
     st = next((tmp_path / "models").iterdir()) / "model.safetensors"
     _corrupt_behind_the_metadata(st, st.stat().st_size // 3, 8 << 20)
-    loading._VERIFIED.clear()  # as in a new process
+    stamps._VERIFIED.clear()  # as in a new process
     m = loading.load_model()
     ids = m.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():
