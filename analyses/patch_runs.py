@@ -11,6 +11,7 @@ offers                  what
 PatchPoint              a hook point as patched: its name, kind, the residual site its write lands
                         in, and which axes are the position and the head (``LAYOUT``)
 parse_patch_points      the points a ``sites`` argument names (names, aliases, group words)
+require_decoder         refuse an encoder: patching measures next-token logits
 Cell, pair_cells        the positions patched in one pair: ``last``, ``all``, ``each`` or names
 Patch, make_patches     one patch (point, cell, head) and all of them for a pair
 capture                 activations ``[...]`` (batch dropped) and logits of one prompt
@@ -86,10 +87,37 @@ def _parse_one(name, n_layers: int) -> list[PatchPoint]:
         return [_patch_point(p) for p in parse_points("resid", n_layers)]
     if key in KINDS:
         return [_patch_point(Point(key, layer)) for layer in range(n_layers)]
+    bad_layer = _out_of_range(key, n_layers)
+    if bad_layer:
+        raise InputError(bad_layer)
     try:
         return [_patch_point(parse_point(key, n_layers))]
     except InputError as e:
         raise InputError(f"{e}; group words (every layer): {', '.join(KINDS)}") from None
+
+
+def require_decoder(model, what: str = "patching") -> None:
+    """Refuse an encoder (BERT-style, ``model.is_decoder`` False): ``what`` compares the logits a
+    prompt gives for its next token at the last position, which an encoder does not predict (a
+    masked-LM head predicts each position's own token; a bare encoder has no logits at all)."""
+    if not model.is_decoder:
+        family = getattr(getattr(model, "arch", None), "family", "encoder")
+        raise InputError(
+            f"{model.name} is an encoder ({family}): {what} compares next-token logits (target vs foil at the "
+            f"last position), which an encoder does not predict; patch a decoder (a causal language model)"
+        )
+
+
+def _out_of_range(key, n_layers: int) -> str | None:
+    """The message for ``<layer>.<kind>`` with a layer the model does not have, else None."""
+    layer, dot, kind = key.partition(".") if isinstance(key, str) else ("", "", "")
+    if not dot or kind not in _RANK or not layer.lstrip("-").isdigit() or 0 <= int(layer) < n_layers:
+        return None
+    every = f", or '{kind}' for every layer" if kind in KINDS else ""
+    return (
+        f"hook point {key!r}: layer {layer} out of range: this model has {n_layers} layers, "
+        f"numbered 0..{n_layers - 1} (e.g. '{n_layers - 1}.{kind}'{every})"
+    )
 
 
 def parse_patch_points(model, sites) -> list[PatchPoint]:

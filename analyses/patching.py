@@ -55,6 +55,7 @@ clean_metric, corrupted_metric, fraction_recovered, method``. ``metric`` is the 
 corrupted one gives exactly the corrupted metric (fraction 0); every other patched value is
 measured against an unpatched row of its own forward. Metric functions receive logits
 ``[batch, pos, vocab]`` of unpadded runs of one prompt, so position -1 is the last real token.
+Encoders (BERT-style) predict no next token and are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -289,6 +290,7 @@ def patch_pairs(
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if int(batch_tokens) < 1:
         raise InputError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    runs.require_decoder(model)
     job = _Job(runs.parse_patch_points(model, sites), str(positions), int(batch_tokens), bool(reuse_prefix))
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     if job.positions in ("each", "all") and len({(tp.corrupted_ids.shape[1], bool(tp.positions)) for tp in tps}) > 1:

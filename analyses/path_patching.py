@@ -445,6 +445,7 @@ def path_patch_pairs(
     ``freeze_mlps`` and ``positions`` as in the module docstring; ``batch_tokens`` bounds the
     tokens of one forward. Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is the
     patched value. :func:`path_patching` gives the means over pairs."""
+    runs.require_decoder(model, "path patching")
     job = _job(model, senders, receivers, freeze_mlps, str(positions), batch_tokens)
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     cells = _cells(tps, job.positions)

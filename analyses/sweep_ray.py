@@ -6,6 +6,7 @@
 :meth:`RayEngine.run`          run the sweep's per-checkpoint function as Ray tasks; outcomes in
                                checkpoint order
 :func:`require_ray`            import ray, or say the install command
+:func:`check_resources`        refuse CPUs or GPUs per task that the cluster does not have
 :data:`INSTALL_RAY`            the install command
 =============================  ==================================================================
 
@@ -25,6 +26,7 @@ the driver's working folder when it exists on the worker, so relative paths work
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -34,11 +36,36 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from depthscope.common.errors import DepthscopeError
+from depthscope.common.errors import DepthscopeError, InputError
 from depthscope.common.files import atomic_text
-from depthscope.common.settings import Settings, setting
+from depthscope.common.settings import CPUS, Limit, Settings, check_settings, setting
 
 INSTALL_RAY = "pip install 'depthscope[ray]'  (or: pip install 'ray>=2.40')"
+#: the most GPUs one task can reserve: the GPUs one node may have (8 on most, 16 on the largest)
+MAX_GPUS = 16
+#: the smallest fraction of a GPU a task reserves (finer shares only crowd a GPU with tasks)
+MIN_GPU_SHARE = 0.01
+
+
+def check_gpus(name: str, gpus) -> None:
+    """``gpus`` per Ray task: 0 (none), a fraction from :data:`MIN_GPU_SHARE` to 1 (tasks share a
+    GPU), or a whole number up to :data:`MAX_GPUS` (Ray refuses fractions above 1, and no node has
+    more GPUs); else an InputError naming ``name``."""
+    real = isinstance(gpus, (int, float)) and not isinstance(gpus, bool)
+    try:
+        finite = real and math.isfinite(gpus)
+    except OverflowError:
+        finite = False
+    if not finite or gpus < 0:
+        raise InputError(f"{name} must be a finite number >= 0 (0: CPU tasks), got {gpus!r}")
+    if 0 < gpus < MIN_GPU_SHARE:
+        raise InputError(f"{name} must be 0 or at least {MIN_GPU_SHARE} (a share of one GPU), got {gpus:g}")
+    if gpus > 1 and gpus != int(gpus):
+        raise InputError(
+            f"{name} above 1 must be a whole number of GPUs (Ray shares only fractions of one), got {gpus:g}"
+        )
+    if gpus > MAX_GPUS:
+        raise InputError(f"{name} must be at most {MAX_GPUS} (the GPUs one node may have), got {gpus:g}")
 
 
 class RayUnavailable(DepthscopeError, RuntimeError):
@@ -65,22 +92,25 @@ class RayEngine(Settings):
         help="Ray cluster to join (host:port, ray://host:port or auto); default: a local Ray.",
     )
     #: local Ray: CPUs (= concurrent tasks); on a cluster, unused
-    workers: int = setting(2, "--workers", min=1, help="CPUs of the local Ray (concurrent checkpoints); --engine ray.")
+    workers: int = setting(
+        2, "--workers", min=1, max=CPUS, help="CPUs of the local Ray (concurrent checkpoints); --engine ray."
+    )
     #: GPUs each task reserves (Ray sets CUDA_VISIBLE_DEVICES for it)
     gpus_per_task: float = setting(
         0.0,
         "--gpus-per-task",
         cli_min=0.0,
-        help="GPUs each Ray task reserves (0: none, CPU tasks; use with --device cuda); --engine ray.",
+        check=check_gpus,
+        help=f"GPUs each Ray task reserves (0: none, CPU tasks; use with --device cuda): a share of one GPU "
+        f"({MIN_GPU_SHARE} .. 1) or a whole number up to {MAX_GPUS}; --engine ray.",
     )
-    max_retries: int = 1  # retries of a task whose worker died
-    connect_timeout: float = 10.0  # seconds to wait for --address before giving up
+    #: retries of a task whose worker died
+    max_retries: int = setting(1, min=0, max=Limit(100, "a task that died 100 times will die again"))
+    #: seconds to wait for --address before giving up
+    connect_timeout: float = setting(10.0, positive=True, max=Limit(3600.0, "an hour"))
 
     def __post_init__(self):
-        if self.workers < 1:
-            raise DepthscopeError(f"--workers must be at least 1, got {self.workers}")
-        if self.gpus_per_task < 0:
-            raise DepthscopeError(f"--gpus-per-task must be >= 0, got {self.gpus_per_task}")
+        check_settings(self)
 
     def run(self, pending: Sequence, task: Callable, reference, allow_mixed: bool, *, progress: bool = True):
         """``task(ck, reference=..., allow_mixed=...)`` for each pending checkpoint as a Ray task;
@@ -90,6 +120,7 @@ class RayEngine(Settings):
         ray = require_ray()
         started = self._connect(ray)
         try:
+            check_resources(ray.cluster_resources(), self.gpus_per_task, self.address)
             remote = ray.remote(num_cpus=1, num_gpus=self.gpus_per_task, max_retries=self.max_retries)(_task)
             shared = ray.put(task)  # the analysis, its texts and the loader: sent once, not once per task
             cwd = os.getcwd()  # relative checkpoint, output and data paths mean the same in every task
@@ -132,6 +163,22 @@ class RayEngine(Settings):
             _check_reachable(self.address, self.connect_timeout)
         _init_within(ray, self.address, self.connect_timeout)
         return True
+
+
+def check_resources(cluster: dict, gpus_per_task: float, address: str | None = None) -> None:
+    """Refuse, before any task is submitted, a request the cluster cannot ever grant: Ray would
+    keep such a task pending forever. ``cluster`` is ``ray.cluster_resources()``; each task asks
+    for one CPU and ``gpus_per_task`` GPUs."""
+    where = f"the Ray cluster at {address}" if address else "the local Ray"
+    cpus, gpus = float(cluster.get("CPU", 0.0)), float(cluster.get("GPU", 0.0))
+    if cpus < 1:
+        raise RayUnavailable(f"{where} has no CPU to run a task on (resources: {cluster})")
+    if gpus_per_task > gpus:
+        have = "no GPU" if gpus == 0 else f"{gpus:g} GPU(s)"
+        raise RayUnavailable(
+            f"--gpus-per-task {gpus_per_task:g}: each task asks for {gpus_per_task:g} GPU(s) but {where} has {have}, "
+            f"so no task could ever start; use --gpus-per-task 0 (CPU tasks) or a cluster with GPUs (--address)"
+        )
 
 
 def _init_within(ray, address: str, timeout: float) -> None:

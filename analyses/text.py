@@ -2,7 +2,9 @@
 
 ``read_documents`` reads plain text (one document per line, or the whole file as one
 document), or the sentences of a CoNLL-U file (its ``# text =`` lines, so the bundled UD samples
-serve as text too), with clear errors for empty or undecodable files. ``token_batches`` turns documents
+serve as text too), with clear errors for empty or undecodable files: UTF-8 is read by the rule of
+every data reader (:func:`~depthscope.probes.corpora.conllu.read_utf8`: a byte-order mark dropped,
+other bytes refused with ``file:line``). ``token_batches`` turns documents
 (or a LongTensor) into padded batches of at most ``window`` tokens, splitting documents longer
 than the context into consecutive windows, so a corpus of any length streams through in
 bounded memory.
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.probes.corpora.conllu import read_utf8
 
 CONLLU_TEXT = "# text = "
 
@@ -27,14 +30,7 @@ def read_documents(path: str | Path, *, per_line: bool = True, encoding: str = "
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such text file: {path}")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode(encoding)
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise InputError(
-            f"{path}: bytes that are not valid {encoding} at line {line} (byte {e.start}); re-encode the file as UTF-8"
-        ) from None
+    text = read_utf8(path) if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else _decode(path, encoding)
     lines = text.splitlines()
     if path.suffix.lower() == ".conllu":
         lines = [ln[len(CONLLU_TEXT) :] for ln in lines if ln.startswith(CONLLU_TEXT)]
@@ -44,6 +40,20 @@ def read_documents(path: str | Path, *, per_line: bool = True, encoding: str = "
     if not docs:
         raise InputError(f"{path} holds no text")
     return docs
+
+
+def _decode(path: Path, encoding: str) -> str:
+    """The text of ``path`` in another ``encoding`` than UTF-8 (errors with ``file:line``, as
+    :func:`~depthscope.probes.corpora.conllu.read_utf8` gives them)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        where = f"{path}:{line}"
+        raise InputError(f"{where}: bytes that are not valid {encoding} on line {line} (byte {e.start})") from None
+    except LookupError:
+        raise InputError(f"unknown text encoding {encoding!r}") from None
 
 
 @dataclass

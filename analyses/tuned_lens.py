@@ -27,7 +27,10 @@ of magnitude from the embedding to the last block. The saved ``bias`` is ``b_s``
 
 Saved as a folder: ``tuned_lens.safetensors`` (``weight [sites, d, d]``, ``bias [sites, d]``)
 and ``tuned_lens.json`` (sites, model fingerprint and weight digest, training record). Loading
-it for a different model -- other architecture, tokenizer or weights -- is refused.
+it for a different model -- other architecture, tokenizer or weights -- is refused. The lens and
+its checkpoint are written together (a staging folder, then renames that need no space): a full
+disk leaves the previous lens and checkpoint, or none, never a part; the space they need is
+checked before the streams are captured.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -42,10 +48,20 @@ from pathlib import Path
 import torch
 
 from depthscope.analyses.lens import lens_batches
-from depthscope.analyses.lenses import LensMismatchError, TunedLens, load_tensors, model_info, save_tensors, write_json
+from depthscope.analyses.lenses import (
+    META_FILE,
+    PARAMS_FILE,
+    LensMismatchError,
+    TunedLens,
+    load_tensors,
+    model_info,
+    save_tensors,
+    write_json,
+)
 from depthscope.analyses.text import read_documents
-from depthscope.analyses.tuned_lens_config import TunedLensTraining
-from depthscope.common.errors import CheckpointError, InputError
+from depthscope.analyses.tuned_lens_config import TunedLensTraining, check_memory
+from depthscope.common.errors import CheckpointError, InputError, OutputError
+from depthscope.common.files import is_place_error, output_error
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import parse_sites
 
@@ -351,6 +367,9 @@ def train_tuned_lens(
     all_sites = parse_sites(cfg.sites, model.n_layers)
     train_sites = [s for s in all_sites if s != model.n_sites - 1]
     inputs = _read_inputs(text, per_line)
+    if out is not None:
+        _check_space(Path(out), len(all_sites), len(train_sites), model.d_model)
+    check_memory(cfg, sites=len(train_sites) + 1, d_model=model.d_model, vocab=model.vocab_size)
     matmul_dtype = _matmul_dtype(model, cfg.matmul_dtype)
     X, F, data_digest = _cache_streams(model, inputs, train_sites, cfg, progress)
     settings = _settings_record(cfg, all_sites, train_sites, F.shape[0], matmul_dtype, data_digest)
@@ -434,14 +453,67 @@ def _train(run: _Run, tr: _Translators, cache, cfg: TunedLensTraining, *, start:
 
 def _save(run: _Run, tr: _Translators, history: list, step_done: int) -> TunedLens:
     """The lens after ``step_done`` steps; with an output folder, written there with a
-    resumable checkpoint."""
+    resumable checkpoint, all four files together (:func:`_write_together`)."""
     lens = _assemble(run, tr, {**run.settings, "steps_done": step_done, "loss": history})
     if run.out is not None:
-        lens.save(run.out)
-        save_tensors(run.out / CKPT_FILE, tr.tensors())
         meta = {"step": step_done, "settings": run.settings, "model": run.info, "loss": history}
-        write_json(run.out / CKPT_META, meta)
+
+        def write(folder: Path) -> None:
+            lens.save(folder)
+            save_tensors(folder / CKPT_FILE, tr.tensors())
+            write_json(folder / CKPT_META, meta)
+
+        _write_together(run.out, write)
     return lens
+
+
+#: the files of a saved lens and its checkpoint, in the order they are renamed into place
+SAVED_FILES = (CKPT_FILE, CKPT_META, PARAMS_FILE, META_FILE)
+
+
+def _write_together(out: Path, write) -> None:
+    """``write(folder)`` into a staging folder inside ``out``, then each file renamed into ``out``
+    (a rename needs no space). A failure -- a full disk, a read-only place -- removes the staging
+    folder: ``out`` keeps the previous lens and checkpoint (or none), never a part of a new one;
+    the place's errors are an :class:`~depthscope.common.errors.OutputError` naming ``out``."""
+    stage = None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".tuned-lens-staging.", dir=out))
+        write(stage)
+        for name in SAVED_FILES:
+            if (stage / name).exists():
+                os.replace(stage / name, out / name)
+    except OutputError as e:  # raised for a file in the staging folder: name the output folder
+        cause = e.__cause__
+        raise (output_error(out, cause) if isinstance(cause, OSError) else e) from cause
+    except OSError as e:
+        if is_place_error(e):
+            raise output_error(out, e) from e
+        raise
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def saved_bytes(n_sites: int, n_trained: int, d_model: int) -> int:
+    """Bytes of a saved lens (``weight``, ``bias`` of every site) and its checkpoint (``A``, ``c``
+    and Adam's two moments of each, ``scale``, of the trained sites), float32, plus the JSON files."""
+    per_site = d_model * d_model + d_model
+    return 4 * (n_sites * per_site + n_trained * (3 * per_site + 1)) + (1 << 20)
+
+
+def _check_space(out: Path, n_sites: int, n_trained: int, d_model: int) -> None:
+    """Refuse, before any compute, an output folder whose disk cannot take the lens and its
+    checkpoint (a staging copy is written beside the previous one)."""
+    need = saved_bytes(n_sites, n_trained, d_model)
+    place = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(place).free
+    if free < need:
+        raise OutputError(
+            f"cannot write the tuned lens to {out}: it and its checkpoint need {need / 2**20:.1f} MiB and the disk "
+            f"has {free / 2**20:.1f} MiB free (free some space or use another --out)"
+        )
 
 
 def _assemble(run: _Run, tr: _Translators, training: dict) -> TunedLens:

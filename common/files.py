@@ -6,6 +6,7 @@
 | ``atomic_text(path, text)`` | a text file (JSON, Markdown, HTML) |
 | ``preallocate(path, n_bytes)`` | a file whose blocks are reserved now (a full disk fails here, not in a memmap) |
 | ``check_writable(folder)`` | an output folder, created and probed before any compute |
+| ``check_writable_dir(path, what)`` | any folder written (a store, a cache), checked alike, named by ``what`` |
 | ``FolderLock(path)`` | an exclusive ``flock`` on a lock file: one writer per folder or store |
 
 A reader sees the old file or the new one, never a part; a failed or interrupted write leaves
@@ -96,24 +97,53 @@ def preallocate(path: PathLike, n_bytes: int) -> Path:
 
 
 def check_writable(folder: PathLike) -> Path:
-    """Create ``folder`` (and parents) and prove a file can be written there, before any compute:
-    an existing file of that name, a read-only or unwritable place raise
-    :class:`~depthscope.common.errors.OutputError` naming it. Returns the folder."""
-    folder = Path(folder)
+    """Create the output folder ``folder`` (and parents) and prove a file can be written there,
+    before any compute (:func:`check_writable_dir` for ``--out``). Returns the folder."""
+    return check_writable_dir(folder, "--out")
+
+
+def check_writable_dir(path: PathLike, what: str) -> Path:
+    """Create the folder ``path`` (and parents) and prove a file can be written there, before any
+    compute. ``what`` names the option or variable that chose the place (``"--out"``,
+    ``"--store"``, ``"DEPTHSCOPE_CACHE"``): an existing file of that name, a file on its path, a
+    read-only or unwritable place raise :class:`~depthscope.common.errors.OutputError` naming
+    ``what`` and ``path``, with nothing created. Returns the folder."""
+    folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise OutputError(f"--out {folder} is an existing file, not a folder; use another --out")
+        raise OutputError(f"{what} {folder} is an existing file, not a folder; use another {what}")
+    created = _missing_parents(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".depthscope-probe.", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
+        _remove_empty(created)
         if isinstance(e, FileExistsError) or e.errno == errno.ENOTDIR:
             raise OutputError(
-                f"cannot create the folder {folder}: a part of its path is a file; use another --out"
+                f"cannot create the folder {folder} ({what}): a part of its path is a file; use another {what}"
             ) from e
-        raise output_error(folder, e) from e
+        raise output_error(folder, e, option=what) from e
     return folder
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """The folders of ``folder``'s path (itself included) that do not exist yet, deepest first."""
+    missing = []
+    for p in [folder, *folder.parents]:
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed check created (deepest first), where they are still empty."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            pass
 
 
 class FolderLock:

@@ -41,6 +41,10 @@ that does not go through transformers' attention function) is an error after the
 a silently missing entry.
 ``ctx`` is a :class:`HookContext`: the canonical point name (a ``str``, so ``fn(stream, label)``
 hooks work unchanged) with the call's ``mask``, ``positions`` and ``step``.
+A replacement must have the shape and dtype it was given and real values (not a meta tensor).
+:meth:`Engine.watch_nonfinite` notes which replacements hold NaN or inf where their input was
+finite (generation reads the notes when its logits are non-finite); it is off otherwise, since
+-inf is a legitimate value in some points (a mask in ``scores``).
 """
 
 from __future__ import annotations
@@ -187,6 +191,7 @@ class Engine:
         self.attention: dict[nn.Module, dict[str, Callable]] = {}  # attention module -> {kind: handler}
         self.reached: set[Point] = set()  # points whose tensor went through apply
         self.forwards = 0  # forwards of the whole model that ran to their end
+        self.nonfinite: dict[str, torch.Tensor] | None = None  # see watch_nonfinite
         self._handles: list = []
         self._stack = contextlib.ExitStack()
         self._ctx = {p: HookContext(p, self.state) for p in self.cache | set(self.hooks)}
@@ -298,19 +303,27 @@ class Engine:
 
     def _run_hooks(self, point: Point, fns: list[HookFn], t: torch.Tensor) -> torch.Tensor | None:
         """The user hooks at ``point`` in order, each on the previous one's output; the checked
-        replacement (on ``t``'s device) or None when every hook only read."""
+        replacement (on ``t``'s device) or None when every hook only read. With ``nonfinite``
+        (a dict, :meth:`watch_nonfinite`), whether a replacement turned a finite tensor into one
+        with NaN or inf is noted there, as a tensor (no device sync)."""
         new, ctx = None, self._ctx[point]
         for fn in fns:
             out = fn(t if new is None else new, ctx)
             if out is not None:
-                if not isinstance(out, torch.Tensor) or out.shape != t.shape or out.dtype != t.dtype:
-                    got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise InputError(
-                        f"hook at {point.name} returned {got}, expected shape {tuple(t.shape)} {t.dtype} "
-                        f"(the tensor it was given)"
-                    )
+                _check_replacement(point, out, t)
                 new = out.to(t.device)
+        if new is not None and self.nonfinite is not None:
+            made = torch.isfinite(t).all() & ~torch.isfinite(new).all()
+            prev = self.nonfinite.get(point.name)
+            self.nonfinite[point.name] = made if prev is None else prev | made
         return new
+
+    def watch_nonfinite(self) -> dict[str, torch.Tensor]:
+        """Note from now on, per point name, whether a hook's replacement holds NaN or inf where
+        its input was finite (one reduction per replacement, no device sync: read the flags only
+        once something downstream is non-finite, as generation does). Returns the dict."""
+        self.nonfinite = {}
+        return self.nonfinite
 
     def keep_grad(self, point: Point, t: torch.Tensor, transform: Callable = lambda g: g) -> None:
         """With ``grad``, keep ``t``'s gradient for a cached point (read as ``transform(t.grad)``)."""
@@ -318,6 +331,20 @@ class Engine:
             if not t.is_leaf:
                 t.retain_grad()
             self.grad_src[point.name] = (t, transform)
+
+
+def _check_replacement(point: Point, out, t: torch.Tensor) -> None:
+    """A hook's replacement is a tensor with real values of the shape and dtype it was given."""
+    if not isinstance(out, torch.Tensor) or out.shape != t.shape or out.dtype != t.dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InputError(
+            f"hook at {point.name} returned {got}, expected shape {tuple(t.shape)} {t.dtype} (the tensor it was given)"
+        )
+    if out.is_meta:
+        raise InputError(
+            f"hook at {point.name} returned a tensor on the meta device, which holds no values (made with "
+            f"device='meta', or from a model not yet loaded); return a tensor with values, e.g. on {t.device}"
+        )
 
 
 def _grad_leaf(mod, args, kwargs):

@@ -14,6 +14,14 @@ each new token (``ctx.step == k``, one row per prompt; ``ctx.positions`` its abs
 points at every step (``out.cache["5.pattern"][k]``: ``[batch, heads, 1, keys so far]`` for
 k > 0). Batches are left-padded (decoders continue from the last real token). Hooks are removed
 afterwards, also on error. Encoders (BERT-style) do not generate and are refused.
+
+Bounds: the prompt plus ``max_new_tokens`` must fit the model's context (checked before any
+forward; a model without a known context gets at most :data:`MAX_NEW_TOKENS`). Logits with NaN or
++inf (or a row of only -inf) at any step stop generation with a
+:class:`~depthscope.common.errors.NonFiniteActivationError` that names the step and, when a hook's
+replacement made the stream non-finite, the hook point -- never a silent token 0. The check is one
+reduction of the ``[batch, vocab]`` logits and of each replacement per step, and reads the result
+once per step, when transformers reads its stopping criteria anyway.
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from depthscope.common.errors import InputError, UnsupportedArchitecture
+from depthscope.common.errors import ContextLengthError, InputError, NonFiniteActivationError, UnsupportedArchitecture
 from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import parse_points
 from depthscope.hooks.run import PADDING_SIDES, position_ids
+
+#: new tokens at most for a model whose context is not known from its config
+MAX_NEW_TOKENS = 1 << 16
 
 
 @dataclass
@@ -61,6 +72,7 @@ def generate(
         raise InputError(
             "generate continues each prompt after its last token: pad the batch on the left (padding_side='left')"
         )
+    _check_budget(model, ids.shape[1], max_new_tokens)
     points = parse_points(cache, model.n_layers)
     steps = _Steps(batch=ids.shape[0], device=ids.device, names=[p.name for p in points])
     tok = model.tokenizer
@@ -70,6 +82,7 @@ def generate(
     user = normalise_hooks(hooks, model.n_layers)
     with Engine(model, points, user, state=steps.state, on_forward=steps.on_forward) as eng, torch.no_grad():
         steps.engine = eng
+        kwargs["logits_processor"] = _with_finite_check(kwargs.get("logits_processor"), steps, eng.watch_nonfinite())
         seq = model.hf_model.generate(
             input_ids=ids, attention_mask=mask.long(), max_new_tokens=max_new_tokens, **kwargs
         )
@@ -94,6 +107,60 @@ def _check_request(model, padding_side: str, max_new_tokens) -> None:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
+def _check_budget(model, n_prompt: int, max_new_tokens: int) -> None:
+    """The prompt and the new tokens fit the model's context (at most :data:`MAX_NEW_TOKENS` new
+    tokens where the context is not known): else a clear error before any forward."""
+    ctx = model.max_context
+    if ctx is None:
+        if max_new_tokens > MAX_NEW_TOKENS:
+            raise InputError(
+                f"max_new_tokens={max_new_tokens} is more than {MAX_NEW_TOKENS}, the most depthscope generates for a "
+                f"model whose context is not known ({model.name}); generate fewer tokens"
+            )
+        return
+    if n_prompt + max_new_tokens > ctx:
+        room = ctx - n_prompt
+        fix = f"use max_new_tokens <= {room}" if room > 0 else "shorten the prompt"
+        raise ContextLengthError(
+            f"the prompt has {n_prompt} tokens and max_new_tokens={max_new_tokens} more would make "
+            f"{n_prompt + max_new_tokens}, past {model.name}'s context of {ctx} tokens; {fix}"
+        )
+
+
+def _with_finite_check(given, steps: _Steps, nonfinite: dict):
+    """transformers' ``logits_processor`` list: the caller's processors and the check of each
+    step's logits (:class:`_FiniteLogits`)."""
+    from transformers import LogitsProcessorList  # lazy: transformers' generation utilities are heavy
+
+    return LogitsProcessorList([*(given or []), _FiniteLogits(steps, nonfinite)])
+
+
+class _FiniteLogits:
+    """A logits processor that raises where a step's next-token logits hold NaN or +inf, or a row
+    of only -inf (greedy decoding would pick token 0, sampling would fail elsewhere); it names the
+    step and the hook points whose replacement made the stream non-finite (``nonfinite``, noted
+    by the engine). It returns the scores unchanged."""
+
+    def __init__(self, steps: _Steps, nonfinite: dict):
+        self.steps, self.nonfinite = steps, nonfinite
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bad = torch.isnan(scores).any() | torch.isposinf(scores).any() | torch.isneginf(scores).all(-1).any()
+        if bool(bad):
+            step = self.steps.state.step
+            hooks = sorted(name for name, flag in self.nonfinite.items() if bool(flag))
+            why = (
+                f"the hook(s) at {', '.join(hooks)} returned NaN or inf where their input was finite"
+                if hooks
+                else "the stream became non-finite (a hook's value, or an overflow in the model's dtype)"
+            )
+            raise NonFiniteActivationError(
+                f"generation step {step} (ctx.step == {step}): the next-token logits hold NaN or inf: {why}; "
+                f"no token was generated from them"
+            )
+        return scores
+
+
 class _Steps:
     """The generation steps as the hooks see them: before each forward of ``generate`` the step
     counter, the mask so far and the new rows' positions are updated, and the points cached by the
@@ -113,6 +180,8 @@ class _Steps:
 
     def on_forward(self, mod, args, kwargs) -> None:
         self.flush()
+        if self.engine is not None and self.engine.nonfinite is not None:
+            self.engine.nonfinite.clear()  # the flags of this step's forward only
         state = self.state
         state.step += 1
         m = kwargs.get("attention_mask")

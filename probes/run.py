@@ -180,7 +180,8 @@ def _probe_task(run: _Run, got, task: str) -> dict:
     td = encode_task(
         task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=run.dtype
     )
-    note = dropped_note(td, ext.max_tokens)
+    ctx = got.model.max_context  # passages were cut at the smaller of max_tokens and the model's context
+    note = dropped_note(td, min(ext.max_tokens, ctx) if ctx else ext.max_tokens)
     if note:
         log.warning(note)
     options = FitOptions(

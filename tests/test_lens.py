@@ -434,7 +434,7 @@ def test_cli_bad_inputs(tiny_dir, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"fine line\n\xff\xfe broken\n")
     code, _, err = run_cli(["lens", "--text", bad, "--model", tiny_dir, "--out", tmp_path / "o"], monkeypatch, capsys)
-    assert code == 2 and "not valid utf-8" in err and "line 2" in err
+    assert code == 2 and "not valid UTF-8" in err and "line 2" in err
     code, _, err = run_cli(["lens", "--text", tmp_path / "missing.txt", "--model", tiny_dir], monkeypatch, capsys)
     assert code == 2 and "no such text file" in err
     assert not (tmp_path / "o").exists()  # nothing half-written

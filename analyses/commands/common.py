@@ -1,11 +1,12 @@
-"""What every command does around its job: claim the output folder, load the model, set threads
-(the options are declared in :mod:`depthscope.analyses.commands.options`)."""
+"""What every command does around its job: claim the output folder and the store, load the model, set
+threads (the options are declared in :mod:`depthscope.analyses.commands.options`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from depthscope.analyses.jobs import base
+from depthscope.analyses.jobs.base import prepare_store  # noqa: F401  (the commands' store check)
 
 _CLAIMS: list = []
 
@@ -35,8 +36,8 @@ def load_model(o):
 
 
 def set_threads(threads: int | None) -> None:
-    """``torch.set_num_threads(threads)`` when given."""
-    if threads:
-        import torch  # lazy: --help must not import torch
+    """torch's intra-op threads when given, checked first (:func:`depthscope.common.threads.set_threads`)."""
+    if threads is not None:
+        from depthscope.common import threads as torch_threads  # lazy: it imports torch, --help must not
 
-        torch.set_num_threads(threads)
+        torch_threads.set_threads(threads, "--threads")

@@ -39,29 +39,21 @@ def patch(o) -> None:
       patching_attribution.png       attribution estimate vs exact patching
 
     With --sites, the points named are patched at --positions (default:
-    last): points patched whole (residual sites, attn_out, mlp_out) go to
-    patching_by_site, per-head points (heads, z) to patching_by_head; a table
-    and its heatmap are written when they have rows. --no-attribution leaves
-    out the estimate, --no-plots the figures.
+    last), per-head points (heads, z, q...) to patching_by_head, the others
+    to patching_by_site. --no-attribution leaves out the estimate.
 
-    With --pairs FILE.jsonl (one JSON object per line: clean, corrupted,
-    target, foil, optional named positions) every pair is patched and OUT
-    gets patching.parquet (means over pairs, the IOI normalisation, a
-    bootstrap interval over pairs) and patching_pairs.parquet (per pair).
-
-    With --method path, path patching: the clean output of each of --senders
-    reaches --receivers only directly, every other head frozen at its
-    corrupted value (path_patching.parquet, path_patching_pairs.parquet,
-    path_patching_heads.png).
+    --pairs FILE.jsonl (a JSON object per line: clean, corrupted, target,
+    foil, optional named positions) patches every pair: patching.parquet
+    holds the means over pairs with bootstrap intervals, patching_pairs the
+    rows per pair. --method path: path patching from --senders to
+    --receivers, other heads frozen (path_patching[_pairs].parquet).
     """
     from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
 
     set_threads(o.threads)
     config = build(PatchConfig, o)
-    inputs = {"model": o.model or "default", "clean": o.clean, "corrupted": o.corrupted, "method": o.method}
-    if o.pairs is not None:
-        inputs = {"model": o.model or "default", "pairs": str(o.pairs), "method": o.method}
-    prepare_out(o.out, "patch", inputs, o.force)
+    prompts = {"pairs": str(o.pairs)} if o.pairs is not None else {"clean": o.clean, "corrupted": o.corrupted}
+    prepare_out(o.out, "patch", {"model": o.model or "default", "method": o.method, **prompts}, o.force)
     m = load_model(o)
     Console(stderr=True).print(repr(m))
     result = patch_job(m, config, Output(o.out))

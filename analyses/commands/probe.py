@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from depthscope.analyses.commands import common
-from depthscope.analyses.commands.common import prepare_out, set_threads
+from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
@@ -43,6 +43,7 @@ def probe(o) -> None:
     cfg = job_config(o)
     identity = {"model": o.model or "default", "train": str(o.train), "test": str(o.test)}
     prepare_out(o.out, "probe", identity, o.force)
+    prepare_store(o.store_dir)
     # the model loads (on --device, in --dtype) only once the data are read and checked
     loader = functools.partial(common.load, o.model, o.device, o.dtype)
     result = jobs.run_probe_job(loader, cfg, Output(o.out), progress=True)

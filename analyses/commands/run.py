@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from depthscope.analyses.commands.common import prepare_out, set_threads
+from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
 from depthscope.analyses.commands.options import SHARED, command, opt, options
 from depthscope.analyses.jobs.base import check_report_folder
 from depthscope.analyses.jobs.configs import ReportConfig
@@ -62,6 +62,7 @@ def run(o) -> None:
     train, test, dev = (files + [None] * 3)[:3]
     cfg = build(ReportConfig, o, model=o.model, device=o.device, dtype=o.dtype, train=train, test=test, dev=dev)
     prepare_out(o.out, "run", None, o.force)
+    prepare_store()  # the probes' activation store in the cache
     if o.text:
         cfg = dataclasses.replace(cfg, texts=read_documents(o.text))
     path = run_report(o.out, cfg)

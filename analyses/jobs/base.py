@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from depthscope.common.errors import InputError, OutputError
-from depthscope.common.files import FolderLock, atomic_text, check_writable
+from depthscope.common.files import FolderLock, atomic_text, check_writable, check_writable_dir
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
@@ -52,6 +52,14 @@ class OutputClaim:
 
 
 LOCK = ".depthscope.lock"
+
+
+def prepare_store(store_dir: Path | None = None) -> Path:
+    """Check ``--store`` (else ``<cache>/activations``, named as ``DEPTHSCOPE_CACHE``) before any compute."""
+    from depthscope.hooks import cache_dir  # lazy: hooks import torch, --help must not
+
+    where = "--store" if store_dir is not None else "DEPTHSCOPE_CACHE"
+    return check_writable_dir(cache_dir() / "activations" if store_dir is None else store_dir, where)
 
 
 def prepare_output(out, command: str, identity: dict | None = None, *, force: bool = False) -> OutputClaim:

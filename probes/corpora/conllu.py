@@ -19,6 +19,9 @@ prefixed with the document id so clusters never mix across documents).
 ``max_sentences`` keeps whole documents, picked in a seeded random order until the budget is
 reached (the last one truncated), then restored to file order: a sample that spans the
 genres of a treebank ordered by genre (GUM), deterministic for a given seed.
+
+``read_utf8(path)`` is the decoding rule of every reader of data files (CoNLL-U, jiant JSONL,
+plain text): a byte-order mark is dropped, bytes that are not UTF-8 are ``file:line`` errors.
 """
 
 from __future__ import annotations
@@ -475,13 +478,23 @@ def read_conllu(
     path = Path(source)
     if not path.is_file():
         raise InputError(f"no such CoNLL-U file: {path}")
+    text = read_utf8(path, ConlluError)
+    return parse_conllu_text(text, source=str(path), max_sentences=max_sentences, seed=seed)
+
+
+def read_utf8(path: Path, error: type[InputError] = InputError) -> str:
+    """The text of a UTF-8 file, the one rule of every reader (CoNLL-U, jiant JSONL, plain text):
+    a leading byte-order mark is dropped, and bytes that are not UTF-8 are an ``error`` (an
+    :class:`~depthscope.common.errors.InputError`) that says ``file:line`` and the byte offset."""
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8-sig")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise ConlluError(f"{path}:{line}: bytes that are not valid UTF-8 (byte {e.start})") from None
-    return parse_conllu_text(text, source=str(path), max_sentences=max_sentences, seed=seed)
+        raise error(
+            f"{path}:{line}: bytes that are not valid UTF-8 on line {line} (byte {e.start}); "
+            f"re-encode the file as UTF-8"
+        ) from None
 
 
 def _scan_comments(blocks: list, source: str) -> tuple[list, list]:

@@ -21,6 +21,9 @@ any other name, with a jiant edge-probing JSONL file
     one example per target: ``{"text": "...", "targets": [{"span1": [s, e], "span2": [s, e],
     "label": "X"}]}`` with whitespace-token spans, end exclusive. A list label of one element
     is that label; a longer list is joined with ``+`` (multi-label is treated as one class).
+    The file is read as every data file is (:func:`~depthscope.probes.corpora.conllu.read_utf8`:
+    a byte-order mark dropped, non-UTF-8 bytes refused); a record of the wrong shape (a target
+    that is not an object, a null label, text that is not a string) is an error with ``file:line``.
 
 Control tasks (Hewitt & Liang 2019): every example gets a *control key*, the lowercased word
 (for spans: the span's last word, the word last-subword pooling sees; for edges: the pair of
@@ -40,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from depthscope.common.errors import InputError
-from depthscope.probes.corpora.conllu import Corpus, Sentence, Word, read_conllu
+from depthscope.probes.corpora.conllu import Corpus, Sentence, Word, read_conllu, read_utf8
 
 WORD_TASKS = ("upos", "xpos")
 PIPELINE_ORDER = ["upos", "xpos", "feats", "deprel", "entity", "coref"]
@@ -236,24 +239,59 @@ def _check_span(sp, key: str, n_tokens: int, where: str) -> None:
     if (
         not isinstance(sp, (list, tuple))
         or len(sp) != 2
-        or not all(isinstance(v, int) for v in sp)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in sp)
         or not 0 <= sp[0] < sp[1] <= n_tokens
     ):
         raise InputError(f"{where}: {key} {sp!r} is not [start, end) within the {n_tokens} tokens")
 
 
+def _is_label(lab) -> bool:
+    """A jiant label: a string or number, or a list of them (multi-label)."""
+    one = (str, int, float)
+    if isinstance(lab, list):
+        return all(isinstance(x, one) and not isinstance(x, bool) for x in lab)
+    return isinstance(lab, one) and not isinstance(lab, bool)
+
+
 def _check_targets(targets, n_tokens: int, where: str) -> None:
-    """Targets are a list, each with a valid ``span1``, an optional valid ``span2`` and a label."""
+    """Targets are a list of objects, each with a valid ``span1``, an optional valid ``span2``
+    and a label (a string or number, or a list of them)."""
     if not isinstance(targets, list):
-        raise InputError(f"{where}: 'targets' must be a list")
-    for t in targets:
+        raise InputError(f"{where}: 'targets' must be a list of objects, got {_json_type(targets)}")
+    for i, t in enumerate(targets):
+        if not isinstance(t, dict):
+            raise InputError(f"{where}: target {i} is {_json_type(t)}, not an object with span1 and label")
         if "span1" not in t:
-            raise InputError(f"{where}: a target has no span1")
+            raise InputError(f"{where}: target {i} has no span1")
         for key in ("span1", "span2"):
             if key in t:
                 _check_span(t[key], key, n_tokens, where)
         if "label" not in t:
-            raise InputError(f"{where}: a target has no label")
+            raise InputError(f"{where}: target {i} has no label")
+        if not _is_label(t["label"]):
+            raise InputError(
+                f"{where}: target {i}: a label must be a string or a number, or a list of them, "
+                f"got {json.dumps(t['label'])}"
+            )
+
+
+def _json_type(v) -> str:
+    """The JSON name of a decoded value's type (for messages)."""
+    names = {type(None): "null", bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def _document_id(rec: dict, where: str):
+    """The record's ``info.document_id`` (a string or number), or None."""
+    info = rec.get("info")
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise InputError(f"{where}: 'info' must be an object, got {_json_type(info)}")
+    doc = info.get("document_id")
+    if doc is not None and (not isinstance(doc, (str, int)) or isinstance(doc, bool)):
+        raise InputError(f"{where}: info.document_id must be a string or a number, got {_json_type(doc)}")
+    return doc
 
 
 def _jiant_sentence(line: str, no: int, path: Path) -> Sentence:
@@ -266,7 +304,9 @@ def _jiant_sentence(line: str, no: int, path: Path) -> Sentence:
         raise InputError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(rec, dict) or "text" not in rec or "targets" not in rec:
         raise InputError(f"{where}: a jiant record needs 'text' and 'targets'")
-    toks = str(rec["text"]).split()
+    if not isinstance(rec["text"], str):
+        raise InputError(f"{where}: 'text' must be a string, got {_json_type(rec['text'])}")
+    toks = rec["text"].split()
     if not toks:
         raise InputError(f"{where}: empty text")
     words, pos = [], 0
@@ -275,7 +315,7 @@ def _jiant_sentence(line: str, no: int, path: Path) -> Sentence:
         pos += len(t) + 1
     targets = rec["targets"]
     _check_targets(targets, len(toks), where)
-    doc = rec.get("info", {}).get("document_id") if isinstance(rec.get("info"), dict) else None
+    doc = _document_id(rec, where)
     return Sentence(
         " ".join(toks),
         words,
@@ -291,8 +331,8 @@ def read_jiant(path: str | Path, *, max_sentences: int | None = None, seed: int 
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such JSONL file: {path}")
-    with open(path, encoding="utf-8") as fh:
-        sents = [_jiant_sentence(line, no, path) for no, line in enumerate(fh, 1) if line.strip()]
+    lines = read_utf8(path).split("\n")  # not splitlines: JSON strings may hold U+2028 and the like
+    sents = [_jiant_sentence(line, no, path) for no, line in enumerate(lines, 1) if line.strip()]
     if not sents:
         raise InputError(f"{path} holds no records")
     corpus = Corpus(sents, str(path), len(sents))

@@ -46,7 +46,7 @@ import torch
 
 from depthscope.common.digest import file_digest, model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
-from depthscope.common.files import FolderLock, is_place_error, output_error, preallocate
+from depthscope.common.files import FolderLock, check_writable_dir, is_place_error, output_error, preallocate
 from depthscope.common.progress import progress_bar
 from depthscope.hooks import cache_dir
 from depthscope.probes.config import POOLINGS
@@ -561,7 +561,8 @@ def extract_spans(
     if dtype not in (np.float16, np.float32):
         raise InputError(f"store dtype must be float16 or float32, got {dtype}")
     sites = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
-    store_dir = Path(cache_dir() / "activations" if store_dir is None else store_dir)
+    where = "--store" if store_dir is not None else "DEPTHSCOPE_CACHE"
+    store_dir = check_writable_dir(Path(cache_dir() / "activations" if store_dir is None else store_dir), where)
     key = _store_key(model_digest(model), tok, table, sites, pooling, dtype, max_tokens)
     found = _open(store_dir / key)
     if found is not None:

@@ -19,6 +19,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +27,7 @@ import pandas as pd
 
 from depthscope import hooks
 from depthscope.common.errors import InputError
+from depthscope.common.files import check_writable_dir
 from depthscope.hooks.sites import parse_sites, site_frame
 from depthscope.probes.config import DataConfig, ExtractionConfig
 from depthscope.probes.corpora.conllu import Corpus
@@ -169,7 +171,8 @@ def _extract_split(model, corpus: Corpus, tasks_ex: list, context: str, run: _Ru
 
 def _extract_sharded(model, tok, table, ext: ExtractionConfig, **kw):
     """The store as ``ext.shards`` shards, here or as Ray tasks that load the model from its source."""
-    store_dir = ext.store_dir or hooks.cache_dir() / "activations"
+    where = "--store" if ext.store_dir else "DEPTHSCOPE_CACHE"
+    store_dir = check_writable_dir(Path(ext.store_dir or hooks.cache_dir() / "activations"), where)
     engine, load = None, None
     if ext.engine == "ray":
         if not model.source or model.source in ("in-memory", "TransformerBridge"):
