@@ -362,6 +362,11 @@ def test_benchmarks_docs_option_rewrites_only_the_block(bench_main, tmp_path):
 # ----------------------------------------------------------------------------- python blocks
 #: what each page's blocks claim, checked on their namespace afterwards
 CLAIMS = {
+    "circuits.md": lambda ns: (
+        tuple(ns["heads"].nlargest(1, "fraction_recovered")[["point", "head"]].iloc[0]) == ("23.heads", 3)
+        and ns["rho"] > 0.9
+        and tuple(ns["direct"].nlargest(1, "fraction_recovered")[["point", "head"]].iloc[0]) == ("23.heads", 3)
+    ),
     "index.md": lambda ns: tuple(ns["rs"].resid.shape) == (61, 1, 5, 576),
     "getting-started.md": lambda ns: ns["model"].n_sites == 61 and ns["model"].labels[:2] == ["embed", "0.attn"],
     "hook-points.md": lambda ns: (

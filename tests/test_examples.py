@@ -29,6 +29,19 @@ TIMEOUT = 600  # seconds per script: a hung run fails instead of blocking the su
 
 # script -> (cheap arguments for the tiny model, files it must write under --out)
 FAST = {
+    "ioi_dataset.py": (
+        ["--n-pairs", "4", "--sites", "embed,1.mlp"],
+        [
+            "ioi_pairs.jsonl",
+            "ioi_heads.csv",
+            "ioi_heads.parquet",
+            "ioi_sites.csv",
+            "ioi_sites.parquet",
+            "ioi_heads.png",
+            "ioi_sites.png",
+            "ioi_attribution_vs_exact.png",
+        ],
+    ),
     "ioi_patching.py": (
         ["--positions", "last"],
         [
