@@ -239,7 +239,7 @@ def test_cheap_shell_lines_run():
 
 # ----------------------------------------------------------------------------- the site
 def test_site_builds_strict(tmp_path):
-    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python", "mkdocs_click"):
+    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(mod, reason="the docs extra is not installed (pip install -e '.[docs]')")
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
