@@ -300,16 +300,15 @@ def patch_pairs(
                 f"positions to patch in every pair (e.g. {{'S2': 9, 'END': -1}}) or patch the last position only"
             )
     one = _activation_pair if method == "activation" else _attribution_pair
-    bar = progress_bar(None, desc=f"{method} patching", unit="patch")
     tables = []
-    for tp in tps:
-        r = one(model, tp, job, bar)
-        if getattr(bar, "total", 0) is None:  # the patches of every pair are those of the first
-            bar.total = len(r.patches) * len(tps)
-        t = _table(model, r, method)
-        t.insert(0, "pair", tp.index)
-        tables.append(t)
-    bar.close()
+    with progress_bar(None, desc=f"{method} patching", unit="patch") as bar:  # closed on error too
+        for tp in tps:
+            r = one(model, tp, job, bar)
+            if getattr(bar, "total", 0) is None:  # the patches of every pair are those of the first
+                bar.total = len(r.patches) * len(tps)
+            t = _table(model, r, method)
+            t.insert(0, "pair", tp.index)
+            tables.append(t)
     out = pd.concat(tables, ignore_index=True)
     out.attrs.update(model=str(model.name), metric=_describe(tps), positions=job.positions, method=method)
     out.attrs["n_pairs"] = len(tps)

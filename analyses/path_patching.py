@@ -449,14 +449,13 @@ def path_patch_pairs(
     job = _job(model, senders, receivers, freeze_mlps, str(positions), batch_tokens)
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     cells = _cells(tps, job.positions)
-    bar = progress_bar(len(job.senders) * len(tps), desc="path patching", unit="patch")
     tables = []
-    for tp, cell in zip(tps, cells):
-        acts, values = _pair_values(model, tp, job, cell, bar)
-        t = _table(model, tp, job, acts, values)
-        t.insert(0, "pair", tp.index)
-        tables.append(t)
-    bar.close()
+    with progress_bar(len(job.senders) * len(tps), desc="path patching", unit="patch") as bar:  # closed on error too
+        for tp, cell in zip(tps, cells):
+            acts, values = _pair_values(model, tp, job, cell, bar)
+            t = _table(model, tp, job, acts, values)
+            t.insert(0, "pair", tp.index)
+            tables.append(t)
     out = pd.concat(tables, ignore_index=True)
     out.attrs.update(model=str(model.name), metric=_describe(tps), positions=job.positions, method="path")
     out.attrs.update(receivers=job.label, freeze_mlps=job.freeze_mlps, n_pairs=len(tps))

@@ -386,3 +386,21 @@ def test_attention_points_patch_with_and_without_a_shared_prefix(tiny_llama):
         h.remove()
         got = last[(last["kind"] == "q") & (last["head"] == head)].iloc[0]
         assert got.metric == pytest.approx(float(lg[0, -1, t] - lg[0, -1, f]), abs=1e-5)
+
+
+def test_a_failed_call_leaves_no_progress_thread(tiny_llama, monkeypatch):
+    """An error inside the loop over pairs closes the progress reporter (no heartbeat thread
+    writing "0 patch, ... elapsed" for the rest of the process)."""
+    import threading
+
+    monkeypatch.delenv("DEPTHSCOPE_PROGRESS", raising=False)  # not a terminal: log lines, a heartbeat thread
+    longer = PromptPair(PAIRS[0].clean, PAIRS[2].corrupted, " Mary", " John")  # pattern keys of two lengths
+    with pytest.raises(InputError, match="same token length"):
+        patch_pairs(tiny_llama, [PAIRS[0], longer], sites="1.pattern")
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("progress activation patching")]
+    for _ in range(50):  # a closed reporter's thread ends at its next wake-up
+        if not alive:
+            break
+        threading.Event().wait(0.1)
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("progress activation patching")]
+    assert not alive
