@@ -101,8 +101,9 @@ def read_pairs(path) -> list[PromptPair]:
                     continue
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{p}:{n}: not a JSON object ({e.msg})") from None
+                except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting past the stack
+                    why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:80]}"
+                    raise InputError(f"{p}:{n}: not a JSON object ({why})") from None
                 out.append(PromptPair.from_dict(obj, f"{p}:{n}"))
                 if len(out) > MAX_PAIRS:
                     raise InputError(f"{p}: more than {MAX_PAIRS} pairs; split the file")

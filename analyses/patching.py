@@ -82,6 +82,7 @@ from depthscope.analyses.prompts import (
 )
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
+from depthscope.common.settings import TOKENS, check_number
 from depthscope.hooks.sites import SITE_COLUMNS, site_frame
 
 __all__ = [
@@ -288,8 +289,7 @@ def patch_pairs(
     activations and one chunk of rows. :func:`mean_over_pairs` (``keys=PAIR_KEYS``) gives the means."""
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if int(batch_tokens) < 1:
-        raise InputError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    check_number("batch_tokens", batch_tokens, maximum=TOKENS)
     runs.require_decoder(model)
     job = _Job(runs.parse_patch_points(model, sites), str(positions), int(batch_tokens), bool(reuse_prefix))
     tps = tokenize_pairs(model, as_pairs(pairs), metric)

@@ -74,6 +74,7 @@ from depthscope.analyses.patching import PATCH_COLUMNS
 from depthscope.analyses.prompts import TokenPair, tokenize_pairs
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
+from depthscope.common.settings import TOKENS, check_number
 from depthscope.hooks.points import Point, parse_point
 from depthscope.hooks.sites import site_frame
 
@@ -254,8 +255,7 @@ def _check_order(senders: list[Sender], receivers: list[Receiver], label: str) -
 def _job(model, senders, receivers, freeze_mlps, positions, batch_tokens) -> _Job:
     if positions not in POSITIONS:
         raise InputError(f"positions must be one of {', '.join(POSITIONS)} for path patching, got {positions!r}")
-    if int(batch_tokens) < 1:
-        raise InputError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    check_number("batch_tokens", batch_tokens, maximum=TOKENS)
     ss = parse_senders(model, senders)
     rs, label = parse_receivers(model, receivers)
     _check_order(ss, rs, label)

@@ -113,7 +113,15 @@ def bind_metric(model, metric) -> tuple[Callable[[torch.Tensor], torch.Tensor], 
         name = getattr(metric, "__name__", type(metric).__name__)
 
         def checked(logits: torch.Tensor) -> torch.Tensor:
-            out = torch.as_tensor(metric(logits))
+            got = metric(logits)
+            try:
+                out = torch.as_tensor(got)
+            except (TypeError, ValueError, RuntimeError):
+                raise InputError(
+                    f"metric {name} returned {type(got).__name__}; it must return numbers, one per batch row"
+                ) from None
+            if not (out.is_floating_point() or out.dtype in (torch.int32, torch.int64)):
+                raise InputError(f"metric {name} returned {out.dtype} values; it must return numbers")
             if out.dim() == 0 and logits.shape[0] == 1:
                 out = out.reshape(1)
             if out.shape != (logits.shape[0],):

@@ -42,9 +42,12 @@ a silently missing entry.
 ``ctx`` is a :class:`HookContext`: the canonical point name (a ``str``, so ``fn(stream, label)``
 hooks work unchanged) with the call's ``mask``, ``positions`` and ``step``.
 A replacement must have the shape and dtype it was given and real values (not a meta tensor).
-:meth:`Engine.watch_nonfinite` notes which replacements hold NaN or inf where their input was
-finite (generation reads the notes when its logits are non-finite); it is off otherwise, since
--inf is a legitimate value in some points (a mask in ``scores``).
+A replacement that holds NaN or inf where its input was finite is an error
+(:class:`~depthscope.common.errors.NonFiniteActivationError` naming the point) once the call
+ends, even when the model's output stays finite (an attention kernel can absorb a NaN query);
+-inf is allowed in ``scores``, where it masks. The check costs one reduction per replacement and
+one device sync per call; generation also names the points at the step whose logits went
+non-finite (:meth:`Engine.watch_nonfinite`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from depthscope.common.errors import InputError, UnsupportedArchitecture
+from depthscope.common.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 from depthscope.hooks.arch import read_qkv, read_values, write_qkv
 from depthscope.hooks.attention import ATTENTION_KINDS, eager_patterns
 from depthscope.hooks.points import Point, parse_point, spec_of
@@ -192,6 +195,7 @@ class Engine:
         self.reached: set[Point] = set()  # points whose tensor went through apply
         self.forwards = 0  # forwards of the whole model that ran to their end
         self.nonfinite: dict[str, torch.Tensor] | None = None  # see watch_nonfinite
+        self.made_nonfinite: dict[str, torch.Tensor] = {}  # point -> flag: a replacement made NaN/inf
         self._handles: list = []
         self._stack = contextlib.ExitStack()
         self._ctx = {p: HookContext(p, self.state) for p in self.cache | set(self.hooks)}
@@ -269,7 +273,22 @@ class Engine:
         stopped = exc_type is not None and issubclass(exc_type, StopForward)
         if exc_type is None or stopped:
             self._check_reached(stopped)
+            self._check_finite()
         return stopped
+
+    #: False: a replacement holding NaN or inf is not an error (``residual_stream(check_finite=False)``)
+    check_finite = True
+
+    def _check_finite(self) -> None:
+        """Refuse a call in which a hook's replacement held NaN or inf where its input was finite."""
+        if not self.check_finite:
+            return
+        bad = sorted(name for name, flag in self.made_nonfinite.items() if bool(flag))
+        if bad:
+            raise NonFiniteActivationError(
+                f"hook at {', '.join(bad)} returned NaN or inf where the model's tensor was finite; the results "
+                f"of this call would not mean anything (-inf is allowed in scores, where it masks)"
+            )
 
     def _register_all(self) -> None:
         if self.on_forward is not None:
@@ -312,10 +331,14 @@ class Engine:
             if out is not None:
                 _check_replacement(point, out, t)
                 new = out.to(t.device)
-        if new is not None and self.nonfinite is not None:
-            made = torch.isfinite(t).all() & ~torch.isfinite(new).all()
-            prev = self.nonfinite.get(point.name)
-            self.nonfinite[point.name] = made if prev is None else prev | made
+        if new is not None and new.is_floating_point():
+            bad = (torch.isnan(new) | torch.isposinf(new)) if point.kind == "scores" else ~torch.isfinite(new)
+            made = torch.isfinite(t).all() & bad.any()  # a tensor: read once the call ends (no sync here)
+            prev = self.made_nonfinite.get(point.name)
+            self.made_nonfinite[point.name] = made if prev is None else prev | made
+            if self.nonfinite is not None:
+                prev = self.nonfinite.get(point.name)
+                self.nonfinite[point.name] = made if prev is None else prev | made
         return new
 
     def watch_nonfinite(self) -> dict[str, torch.Tensor]:

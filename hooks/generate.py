@@ -103,7 +103,7 @@ def _check_request(model, padding_side: str, max_new_tokens) -> None:
         )
     if padding_side not in PADDING_SIDES:
         raise InputError(f"padding_side must be one of {PADDING_SIDES}, got {padding_side!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 

@@ -289,8 +289,8 @@ def _read_config(cfg_file: Path, source, trust_remote_code: bool):
     fields checked in the raw JSON first: some config classes build a list per layer."""
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {str(e)[:200]}") from None
     check_config_dict(raw, str(cfg_file))
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)

@@ -174,6 +174,8 @@ class HookedModel:
             raise InputError("this model has no tokenizer: pass token ids, or load_model(..., tokenizer=...)")
         if isinstance(texts, str):
             texts = [texts]
+        if not isinstance(texts, (list, tuple)) and not hasattr(texts, "__iter__"):
+            raise InputError(f"inputs must be strings or a LongTensor of token ids, got {type(texts).__name__}")
         texts = list(texts)
         if not texts:
             raise InputError("empty input: no texts given")
@@ -355,7 +357,9 @@ class HookedModel:
         user = normalise_hooks(hooks, self.n_layers)
         state = State(mask=mask, positions=row_positions(mask))
         out = None
-        with torch.no_grad(), Engine(self, cache, user, state=state, sink=buffer, stop=not return_logits) as eng:
+        eng = Engine(self, cache, user, state=state, sink=buffer, stop=not return_logits)
+        eng.check_finite = check_finite  # False: a hook may write NaN on purpose
+        with torch.no_grad(), eng:
             out = self._forward(ids, mask)
         missing = [p.name for p in points if p.name not in eng.store]
         if missing:

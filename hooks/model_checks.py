@@ -170,8 +170,8 @@ def check_tokenizer_files(folder: Path) -> None:
             continue
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{f} is not valid JSON: {e}; the tokenizer cannot be read") from e
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{f} is not valid JSON: {str(e)[:200]}; the tokenizer cannot be read") from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{f} must hold a JSON object, got {type(data).__name__}")
 

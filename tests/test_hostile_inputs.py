@@ -231,3 +231,63 @@ def test_cli_patch_refusals_are_messages(tiny_dirs, tmp_path, family, extra, mat
     assert r.exit_code == 2, r.output
     assert match in r.output and "Traceback" not in r.output and "Valid names" not in r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("point", ["1.q", "1.k", "1.v", "1.rot_q", "1.scores", "1.attn", "1.z"])
+def test_a_nan_replacement_is_named_even_when_the_output_stays_finite(tiny_llama, point):
+    """An attention kernel can turn a NaN query into finite output: the engine names the hook
+    itself, in run and in generation; -inf stays allowed in scores (a mask)."""
+    from depthscope.common.errors import NonFiniteActivationError
+
+    texts = ["The capital of France is"]
+    with pytest.raises(NonFiniteActivationError, match=f"hook at {point} returned NaN or inf"):
+        tiny_llama.run(texts, hooks={point: lambda t, ctx: t * float("nan")})
+    with pytest.raises(NonFiniteActivationError, match=point.replace(".", r"\.")):
+        tiny_llama.generate(texts, max_new_tokens=2, hooks={point: lambda t, ctx: t * float("nan")})
+    masked = tiny_llama.run(
+        texts, hooks={"1.scores": lambda t, ctx: t.masked_fill(torch.rand_like(t) < 0.2, float("-inf"))}
+    )
+    assert masked.logits.shape[-1] == tiny_llama.vocab_size
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"text": "The cat sat", "targets": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"text": "a b", "targets": ' + "9" * 5000 + "}",
+    ],
+    ids=["nested", "huge-integer"],
+)
+def test_json_past_the_parser_limits_is_a_clear_error(tmp_path, body):
+    """Nesting past Python's stack and integers past 4300 digits are bad JSON lines (file:line),
+    in jiant files and in pairs files alike."""
+    from depthscope.analyses.pairs import read_pairs
+    from depthscope.probes import read_jiant
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(body + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"bad\.jsonl:1: not valid JSON"):
+        read_jiant(path)
+    with pytest.raises(InputError, match=r"bad\.jsonl:1: not a JSON object"):
+        read_pairs(path)
+
+
+def test_train_and_test_of_different_task_kinds_are_refused_before_extraction(tmp_path):
+    """A CoNLL-U train file (upos: one word per example) with a jiant test file (two spans) used
+    to fail with a shape error after extraction; it is refused when the examples are built."""
+    from depthscope.probes import DataConfig, read_jiant
+    from depthscope.probes.store.extraction import _examples
+
+    conllu = tmp_path / "train.conllu"
+    conllu.write_text(
+        "# text = The cat sat\n1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_\n2\tcat\tcat\tNOUN\tNN\t_\t3\tnsubj\t_\t_\n"
+        "3\tsat\tsit\tVERB\tVBD\t_\t0\troot\t_\t_\n\n",
+        encoding="utf-8",
+    )
+    jiant = tmp_path / "test.jsonl"
+    jiant.write_text('{"text": "The cat sat", "targets": [{"span1": [1, 2], "span2": [2, 3], "label": "upos"}]}\n')
+    from depthscope.probes import read_conllu
+
+    corpora = {"train": read_conllu(conllu), "test": read_jiant(jiant)}
+    with pytest.raises(InputError, match=r"not the same kind of task in every split \(train: word"):
+        _examples(["upos"], corpora, DataConfig(), {"upos": "sentence"}, seed=0)

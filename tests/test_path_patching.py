@@ -315,7 +315,7 @@ def test_plot(tiny_llama, tmp_path):
         (dict(receivers="logits,2.q"), "'logits' stands alone"),
         (dict(receivers="2.qq"), r"unknown receiver '2\.qq'"),
         (dict(positions="each"), "positions must be one of all, last"),
-        (dict(batch_tokens=0), "batch_tokens must be >= 1"),
+        (dict(batch_tokens=0), "batch_tokens must be an integer >= 1"),
     ],
 )
 def test_bad_specs(tiny_llama, kw, match):

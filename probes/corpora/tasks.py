@@ -294,14 +294,21 @@ def _document_id(rec: dict, where: str):
     return doc
 
 
+def _json_problem(e: Exception) -> str:
+    """What is wrong with a JSON text that did not parse as JSON errors do (huge integers, deep nesting)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return str(e)[:100]
+
+
 def _jiant_sentence(line: str, no: int, path: Path) -> Sentence:
     """The :class:`Sentence` of one JSONL record (line ``no``): whitespace tokens as words, the
     targets checked and kept in ``metadata``, the record's ``info.document_id`` as document."""
     where = f"{path}:{no}"
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, an integer past 4300 digits, nesting past the stack
+        raise InputError(f"{where}: not valid JSON ({getattr(e, 'msg', None) or _json_problem(e)})") from None
     if not isinstance(rec, dict) or "text" not in rec or "targets" not in rec:
         raise InputError(f"{where}: a jiant record needs 'text' and 'targets'")
     if not isinstance(rec["text"], str):

@@ -220,6 +220,13 @@ def _examples(tasks, corpora, data: DataConfig, context_of, seed) -> dict:
             if len(ex) == 0:
                 raise InputError(f"task {task!r} has no examples in {split} ({corpus.source}, {len(corpus)} sentences)")
             examples[task][split] = ex
+        kinds = {split: (ex.kind, ex.n_spans) for split, ex in examples[task].items()}
+        if len(set(kinds.values())) > 1:  # e.g. CoNLL-U train (one word) and a jiant edge test (two spans)
+            got = ", ".join(f"{split}: {k} ({n} span{'s' * (n > 1)})" for split, (k, n) in kinds.items())
+            raise InputError(
+                f"task {task!r} is not the same kind of task in every split ({got}): give train and test files of "
+                f"one format (CoNLL-U or jiant) and task"
+            )
     return examples
 
 
