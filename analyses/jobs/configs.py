@@ -300,8 +300,9 @@ class PatchConfig(Checked):
             both = changed_flags(self, ("clean", "corrupted", "target", "foil"))
             if both:
                 raise InputError(f"--pairs reads the prompts and tokens from its file: leave out {', '.join(both)}")
-            if not Path(self.pairs).is_file():
-                raise InputError(f"--pairs: {str(self.pairs)!r} does not exist or is not a file")
+            from depthscope.analyses.pairs import read_pairs  # lazy: pandas; every line checked before the model loads
+
+            read_pairs(self.pairs)
         other = ("senders", "receivers", "freeze_mlps") if self.method == "activation" else ("sites",)
         wrong = changed_flags(self, other)
         if wrong:
