@@ -230,10 +230,13 @@ def _record_lost(task: Callable, ck, error: Exception, retries: int) -> dict:
 def _check_reachable(address: str, timeout: float) -> None:
     """A TCP connection to the address's host and port within ``timeout`` seconds, or a clear error
     (ray.init would otherwise wait on an unreachable cluster for a minute or more)."""
-    url = urlparse(address if "://" in address else f"ray://{address}")
-    host, port = url.hostname, url.port
+    try:  # urlparse raises on a port that is not a number or is past 65535
+        url = urlparse(address if "://" in address else f"ray://{address}")
+        host, port = url.hostname, url.port
+    except ValueError:
+        host = port = None
     if not host or not port:
-        raise RayUnavailable(f"--address {address!r}: expected host:port, ray://host:port or auto")
+        raise RayUnavailable(f"--address {address!r}: expected host:port (port 1..65535), ray://host:port or auto")
     t0 = time.monotonic()
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -94,8 +94,9 @@ def test_unreachable_address_is_a_bounded_clear_error(series, tmp_path):
     with pytest.raises(RayUnavailable, match="no Ray cluster answers at 127.0.0.1:1"):
         engine = RayEngine(address="127.0.0.1:1", connect_timeout=2)  # a closed port: refused at once
         sweep(cks, stream_and_loss, tmp_path / "b", texts=TEXT[:2], progress=False, engine=engine)
-    with pytest.raises(RayUnavailable, match="expected host:port"):
-        sweep(cks, stream_and_loss, tmp_path / "c", texts=TEXT[:2], progress=False, engine=RayEngine(address="nohost"))
+    for bad in ("nohost", "127.0.0.1:99999", "127.0.0.1:abc", "not a url::"):  # no port, out of range, not a number
+        with pytest.raises(RayUnavailable, match="expected host:port"):
+            sweep(cks, stream_and_loss, tmp_path / "c", texts=TEXT[:2], progress=False, engine=RayEngine(address=bad))
 
 
 @needs_ray
