@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from depthscope.common.digest import ALGORITHM, model_digest
 from depthscope.common.errors import CheckpointError, InputError
 from depthscope.common.files import atomic_text, atomic_write
+from depthscope.common.stamps import file_sha256
 from depthscope.hooks.sites import parse_sites, site_labels
 
 __all__ = ["Lens", "LogitLens", "TunedLens", "LensMismatchError", "model_info"]
@@ -198,7 +199,8 @@ class TunedLens(Lens):
 
     # ------------------------------------------------------------------ disk
     def save(self, path) -> Path:
-        """Write ``path/tuned_lens.safetensors`` and ``path/tuned_lens.json``; returns the folder."""
+        """Write ``path/tuned_lens.safetensors`` and ``path/tuned_lens.json`` (which records the
+        tensors file's sha256, verified at load); returns the folder."""
         path = Path(path)
         if path.suffix in (".json", ".safetensors"):
             path = path.parent
@@ -207,6 +209,7 @@ class TunedLens(Lens):
         meta = {
             "format": FORMAT,
             "version": VERSION,
+            "params_sha256": file_sha256(path / PARAMS_FILE),
             "sites": self.sites,
             "labels": self.site_labels,
             "n_layers": self.n_layers,
@@ -220,7 +223,9 @@ class TunedLens(Lens):
 
     @classmethod
     def load(cls, path, model=None, *, strict: bool = True) -> TunedLens:
-        """Read a saved lens (its folder, or either file in it); with ``model``, check it fits."""
+        """Read a saved lens (its folder, or either file in it); with ``model``, check it fits. A
+        tensors file whose sha256 differs from the recorded one, or with NaN/inf weights, is refused
+        (:class:`~depthscope.common.errors.CheckpointError`)."""
         path = Path(path)
         if path.suffix in (".json", ".safetensors"):
             path = path.parent
@@ -234,8 +239,16 @@ class TunedLens(Lens):
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_p} is not a depthscope tuned lens (format {meta.get('format')!r})")
         t = load_tensors(params_p)
+        recorded = meta.get("params_sha256")  # lenses of older versions record none: nothing to verify
+        if recorded is not None and file_sha256(params_p) != recorded:
+            raise CheckpointError(
+                f"{params_p} does not match the digest recorded in {meta_p}: the file is corrupt or was "
+                f"replaced; train the lens again (depthscope lens-train)"
+            )
         if "weight" not in t or "bias" not in t:
             raise CheckpointError(f"{params_p} lacks 'weight'/'bias' tensors")
+        if not all(bool(torch.isfinite(t[k]).all()) for k in ("weight", "bias")):
+            raise CheckpointError(f"{params_p} holds NaN or inf weights; train the lens again (depthscope lens-train)")
         lens = cls(meta["sites"], meta["n_layers"], t["weight"], t["bias"], meta.get("model", {}), meta.get("training"))
         if model is not None:
             lens.check(model, strict=strict)

@@ -30,13 +30,17 @@ and ``tuned_lens.json`` (sites, model fingerprint and weight digest, training re
 it for a different model -- other architecture, tokenizer or weights -- is refused. The lens and
 its checkpoint are written together (a staging folder, then renames that need no space): a full
 disk leaves the previous lens and checkpoint, or none, never a part; the space they need is
-checked before the streams are captured.
+checked before the streams are captured. ``checkpoint.json`` records the sha256 of
+``checkpoint.safetensors``: a checkpoint that no longer matches it (or holds NaN/inf) is not
+resumed -- a warning names it and training starts afresh. A step whose loss or gradients are
+not finite stops training (:class:`~depthscope.common.errors.NonFiniteActivationError`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -60,15 +64,18 @@ from depthscope.analyses.lenses import (
 )
 from depthscope.analyses.text import read_documents
 from depthscope.analyses.tuned_lens_config import TunedLensTraining, check_memory
-from depthscope.common.errors import CheckpointError, InputError, OutputError
+from depthscope.common.errors import CheckpointError, InputError, NonFiniteActivationError, OutputError
 from depthscope.common.files import is_place_error, output_error
 from depthscope.common.progress import progress_bar
+from depthscope.common.stamps import file_sha256
 from depthscope.hooks.sites import parse_sites
 
 __all__ = ["TunedLens", "TunedLensTraining", "train_tuned_lens", "LensMismatchError"]
 
 CKPT_FILE = "checkpoint.safetensors"
 CKPT_META = "checkpoint.json"
+log = logging.getLogger(__name__)
+
 #: the settings a resumed run must share with its checkpoint (the rest may change, e.g. ``steps``)
 RESUME_KEYS = ["sites", "tokens_per_step", "cache_tokens", "seed", "data_digest", "lr", "weight_lr", "warmup", "window"]
 
@@ -438,6 +445,7 @@ def _train(run: _Run, tr: _Translators, cache, cfg: TunedLensTraining, *, start:
     for step in range(start, cfg.steps):
         idx = order(step)
         kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), tr, Wm, bufs)
+        _check_finite(kl, gA, gc, step=step + 1)
         tr.update(gA, gc, step=step, cfg=cfg)
         history.append(round(float(kl.detach().mean()), 5))
         bar.update(1)
@@ -461,7 +469,7 @@ def _save(run: _Run, tr: _Translators, history: list, step_done: int) -> TunedLe
         def write(folder: Path) -> None:
             lens.save(folder)
             save_tensors(folder / CKPT_FILE, tr.tensors())
-            write_json(folder / CKPT_META, meta)
+            write_json(folder / CKPT_META, {**meta, "checkpoint_sha256": file_sha256(folder / CKPT_FILE)})
 
         _write_together(run.out, write)
     return lens
@@ -486,7 +494,7 @@ def _write_together(out: Path, write) -> None:
                 os.replace(stage / name, out / name)
     except OutputError as e:  # raised for a file in the staging folder: name the output folder
         cause = e.__cause__
-        raise (output_error(out, cause) if isinstance(cause, OSError) else e) from cause
+        raise (output_error(out, cause) if is_place_error(cause) else e) from cause
     except OSError as e:
         if is_place_error(e):
             raise output_error(out, e) from e
@@ -550,5 +558,32 @@ def _resume(run: _Run, tr: _Translators) -> tuple[int, list]:
             f"cannot resume the checkpoint in {out}: settings or training text differ ({'; '.join(diff)}); "
             f"use the same settings, another output folder, or start afresh (--no-resume; resume=False)"
         )
-    tr.restore(load_tensors(out / CKPT_FILE))
+    problem = _checkpoint_problem(out / CKPT_FILE, meta.get("checkpoint_sha256"))
+    tensors = load_tensors(out / CKPT_FILE) if problem is None else {}
+    if problem is None and not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        problem = "it holds NaN or inf values"
+    if problem is not None:
+        log.warning("not resuming from %s: %s; training starts afresh", out / CKPT_FILE, problem)
+        return 0, []
+    tr.restore(tensors)
     return int(meta["step"]), list(meta.get("loss", []))
+
+
+def _checkpoint_problem(path: Path, recorded: str | None) -> str | None:
+    """Why the checkpoint tensors at ``path`` cannot be trusted -- their sha256 differs from the
+    one its JSON ``recorded`` (a corrupt or replaced file) -- or None. Checkpoints of older
+    versions record no digest: nothing to compare."""
+    if recorded is not None and file_sha256(path) != recorded:
+        return f"it does not match the sha256 recorded in {path.parent / CKPT_META} (corrupt or replaced)"
+    return None
+
+
+def _check_finite(kl: torch.Tensor, gA: torch.Tensor, gc: torch.Tensor, *, step: int) -> None:
+    """Stop training at the first step whose loss or gradients are NaN or inf, before the
+    translators are updated or saved (the last checkpoint stays the last good one)."""
+    if not all(bool(torch.isfinite(t).all()) for t in (kl, gA, gc)):
+        bad = "loss" if not bool(torch.isfinite(kl).all()) else "gradient"
+        raise NonFiniteActivationError(
+            f"the tuned-lens training {bad} is NaN or inf at step {step}: the model's streams or the "
+            f"translators are not finite; nothing of this step was saved (check the model, or lower --lr)"
+        )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,22 +35,38 @@ PathLike = Union[str, "os.PathLike[str]"]
 PLACE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
 
 
+#: what a writer that drops ``errno`` keeps of it in its message (pyarrow, matplotlib, safetensors)
+PLACE_MESSAGES = ("no space left", "read-only file system", "permission denied", "quota exceeded")
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """``e.errno``, or the number a Rust writer (safetensors) prints as ``(os error N)``."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    return int(m.group(1)) if m else None
+
+
 def is_place_error(e: BaseException) -> bool:
-    """True for an OSError about the place written to (disk full, read-only, permission); pyarrow's
-    and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
-    if not isinstance(e, OSError) or isinstance(e, OutputError):  # an OutputError already names its path
+    """True for an error about the place written to (disk full, read-only, permission): an OSError,
+    or safetensors' ``SafetensorError`` wrapping an I/O error (which carries only a message);
+    pyarrow's and matplotlib's wrappers sometimes drop ``errno`` and keep only the message."""
+    if isinstance(e, OutputError):  # an OutputError already names its path
         return False
-    if e.errno in PLACE_ERRNOS:
+    if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
+        return False
+    if _os_errno(e) in PLACE_ERRNOS:
         return True
     msg = str(e).lower()
-    return any(s in msg for s in ("no space left", "read-only file system", "permission denied", "quota exceeded"))
+    return any(s in msg for s in PLACE_MESSAGES)
 
 
-def output_error(path: PathLike, e: OSError, option: str = "--out"):
-    """The :class:`~depthscope.common.errors.OutputError` for an OSError ``e`` raised writing ``path``
-    (``option``: the command-line option that chooses the place)."""
-    why = e.strerror or str(e)
-    full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
+def output_error(path: PathLike, e: BaseException, option: str = "--out"):
+    """The :class:`~depthscope.common.errors.OutputError` for a place error ``e`` (:func:`is_place_error`)
+    raised writing ``path`` (``option``: the command-line option that chooses the place)."""
+    code = _os_errno(e)
+    why = getattr(e, "strerror", None) or (os.strerror(code) if code is not None else str(e))
+    full = code in (errno.ENOSPC, errno.EDQUOT) or "no space left" in why.lower()
     hint = f"free some space or use another {option}" if full else f"use another {option}"
     return OutputError(f"cannot write {path}: {why} ({hint})")
 

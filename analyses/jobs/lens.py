@@ -139,8 +139,8 @@ def lens_train_job(model, docs: Sequence[str], config: LensTrainConfig, folder: 
         result.files = list(out.written)
         summary.update(
             eval_tokens=int(a["n_positions"].iloc[0]),
-            kl_logit=float(a["kl_to_final"].mean()),
-            kl_tuned=float(b["kl_to_final"].mean()),
+            kl_logit=float(a["kl_to_final"].mean(skipna=False)),
+            kl_tuned=float(b["kl_to_final"].mean(skipna=False)),
         )
     return result
 
