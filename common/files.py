@@ -168,10 +168,11 @@ class FolderLock:
     raises :class:`~depthscope.common.errors.OutputError` saying which process holds it
     (``wait=True``: blocks until it is free, after ``on_wait()``). The lock is ``fcntl.flock`` on
     an open file, so the kernel drops it when its process dies: a killed run never leaves a
-    stale lock. ``release()`` (or leaving a ``with`` block) frees it."""
+    stale lock. ``release()`` (or leaving a ``with`` block) frees it. ``option`` names the option
+    (or variable) that chose the place, for the messages."""
 
-    def __init__(self, path: PathLike, what: str = "this folder"):
-        self.path, self.what, self._fd = Path(path), what, None
+    def __init__(self, path: PathLike, what: str = "this folder", option: str = "--out"):
+        self.path, self.what, self.option, self._fd = Path(path), what, option, None
 
     def acquire(self, wait: bool = False, on_wait: Callable[[], object] | None = None) -> FolderLock:
         if self._fd is not None:
@@ -180,7 +181,7 @@ class FolderLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise output_error(self.path, e) from e
+            raise output_error(self.path, e, option=self.option) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -189,7 +190,7 @@ class FolderLock:
                 os.close(fd)
                 raise OutputError(
                     f"another depthscope process (pid {holder}) is writing {self.what}; "
-                    f"wait for it to finish or use another --out"
+                    f"wait for it to finish or use another {self.option}"
                 ) from None
             if on_wait is not None:
                 on_wait()

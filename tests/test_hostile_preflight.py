@@ -207,3 +207,13 @@ def test_the_skipped_span_note_names_the_models_context(tiny_tokenizer, tmp_path
         )
     assert res.summary.iloc[0]["n_skipped_train"] > 0
     assert "16-token context" in caplog.text and "512-token context" not in caplog.text
+
+
+def test_a_store_lock_that_cannot_be_taken_names_the_store_option(tmp_path):
+    """A directory where the store's lock file goes: the message points at --store / DEPTHSCOPE_CACHE, not --out."""
+    from depthscope.common.errors import OutputError
+    from depthscope.probes.store.activations import _claim
+
+    (tmp_path / ".k.lock").mkdir()
+    with pytest.raises(OutputError, match=r"use another --store \(or DEPTHSCOPE_CACHE\)"):
+        _claim(tmp_path, "k")

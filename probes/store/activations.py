@@ -62,7 +62,9 @@ log = logging.getLogger("depthscope")
 def _claim(store_dir: Path, key: str):
     """Hold the extraction lock of ``key`` (waiting, with a message, while another process holds
     it) and remove temporary folders left by killed extractions; returns the lock."""
-    lock = FolderLock(store_dir / f".{key}.lock", f"the activation store {store_dir / key}")
+    lock = FolderLock(
+        store_dir / f".{key}.lock", f"the activation store {store_dir / key}", "--store (or DEPTHSCOPE_CACHE)"
+    )
 
     def waiting():
         log.warning("another process is extracting the same activations into %s; waiting for it", store_dir / key)
