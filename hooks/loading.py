@@ -16,7 +16,8 @@ Remote code is never run unless ``trust_remote_code=True``.
 Before any weight is read, the config, tokenizer and weights are checked against each other and
 against the machine (:mod:`depthscope.hooks.model_checks`): size fields in range, the parameter
 count (from a meta-device build) within free memory, no token id past the embedding, checkpoint
-shapes as the config builds them. Models in memory get the tokenizer check.
+shapes and names as the config builds them, index shards inside the folder. Models in memory get
+the tokenizer check.
 
 The GGUF cache. A GGUF is converted once into ``cache_dir()/models/<stem>-<digest>``, where
 ``<digest>`` is the sha256 of the whole GGUF file (a different GGUF never meets this conversion).
@@ -300,15 +301,27 @@ def _read_config(cfg_file: Path, source, trust_remote_code: bool):
     return config
 
 
+def _inside(folder: Path, shard, index: Path) -> Path:
+    """``folder / shard``, refused when the index names a shard that is absolute or leaves the folder."""
+    if not isinstance(shard, str):
+        raise CheckpointError(f"{index} names a shard that is not a file name: {shard!r}")
+    norm = os.path.normpath(shard)
+    if os.path.isabs(shard) or norm == ".." or norm.startswith(".." + os.sep) or Path(shard).drive:
+        raise CheckpointError(f"{index} names a shard outside {folder}: {shard!r}; shards must lie in the model folder")
+    return folder / shard
+
+
 def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files transformers reads in ``folder`` (its index's shards, or all)."""
+    """The safetensors files transformers reads in ``folder`` (its index's shards, or all); an index
+    naming a shard outside the folder is refused."""
     index = folder / "model.safetensors.index.json"
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / f for f in shards if (folder / f).is_file()]
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()), key=str)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         single = folder / "model.safetensors"
         return [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    files = [_inside(folder, f, index) for f in shards]
+    return [f for f in files if f.is_file()]
 
 
 def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> None:
@@ -320,8 +333,9 @@ def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> None:
         device.check_params(sum(p.numel() for p in meta.parameters()))
     rows = embedding_rows(meta) if meta is not None else getattr(config, "vocab_size", None)
     check_vocab(tokenizer, rows, str(folder))
-    if getattr(config, "quantization_config", None) is None:  # quantised tensors are packed: other shapes
-        check_weights(meta, _weight_files(folder), str(folder))
+    files = _weight_files(folder)
+    if getattr(config, "quantization_config", None) is None:  # quantised tensors are packed: other shapes, names
+        check_weights(meta, files, str(folder))
 
 
 @_quietly

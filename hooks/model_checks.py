@@ -3,10 +3,13 @@
 ==================================  ================================================================
 :func:`check_config_dict`           every size field of a raw config (layers, widths, heads,
                                     vocabulary, context; nested configs too) is a whole number in
-                                    its range, read before transformers builds the config object
+                                    its range, every norm epsilon finite and positive, read
+                                    before transformers builds the config object
 :func:`check_config`                the same for a config object (defaults and aliases resolved)
 :func:`meta_model`                  the model a config builds, on the meta device (no memory)
 :func:`check_weights`               the checkpoint's tensors have the shapes the config builds
+:func:`check_names`                 the checkpoint holds every parameter the config builds and no
+                                    tensor of a layer it does not build
 :func:`check_tokenizer_files`       tokenizer.json / tokenizer_config.json are JSON objects
 :func:`check_vocab`                 no token id of the tokenizer reaches past the embedding rows
 :func:`embedding_rows`              the rows of a model's input embedding
@@ -29,6 +32,8 @@ machine's memory is the tighter bound, checked on the parameter count
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -56,6 +61,10 @@ SIZE_FIELDS = {
 #: canonical names transformers' config objects answer for every family (through attribute_map)
 CANONICAL = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: norm epsilons: an infinite one makes every logit equal, a zero or negative one divides by zero or worse
+EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+#: missing / unexpected tensor names quoted in a refusal
+SHOWN = 3
 
 
 def _bad_size(value, most: int) -> str | None:
@@ -79,6 +88,8 @@ def check_config_dict(raw, where: str, prefix: str = "") -> None:
         if isinstance(value, dict):
             check_config_dict(value, where, f"{prefix}{key}.")
             continue
+        if key in EPS_FIELDS and value is not None:
+            _check_eps(value, f"{where}: {prefix}{key}")
         most = SIZE_FIELDS.get(key)
         if most is None or value is None:
             continue
@@ -88,6 +99,16 @@ def check_config_dict(raw, where: str, prefix: str = "") -> None:
         why = next((w for w in (_bad_size(v, most) for v in values) if w), None)
         if why:
             raise ModelSpecError(f"{where}: {prefix}{key} {why}; the config does not describe a usable model")
+
+
+def _check_eps(value, what: str) -> None:
+    """Refuse a norm epsilon that is not a finite positive number (``what`` names the file and field)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ModelSpecError(
+            f"{what} must be a finite positive number (e.g. 1e-05), got {value!r}; the config does not describe "
+            f"a usable model"
+        )
 
 
 def check_config(config, where: str) -> None:
@@ -140,9 +161,9 @@ def _checkpoint_shapes(files) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(meta, files, where: str) -> None:
-    """Refuse a checkpoint whose tensors have other shapes than the ones the config builds (e.g. an
-    embedding of another vocabulary size); names match exactly or after the model's prefix
-    (``model.``/``transformer.``). Only safetensors headers are read."""
+    """Refuse a checkpoint whose tensors are not the ones the config builds: shapes first (e.g. an
+    embedding of another vocabulary size; names match exactly or after the model's prefix,
+    ``model.``/``transformer.``), then names (:func:`check_names`). Only safetensors headers are read."""
     if meta is None or not files:
         return
     got = _checkpoint_shapes(files)
@@ -159,6 +180,76 @@ def check_weights(meta, files, where: str) -> None:
             f"the weights in {where} do not match its config.json: {'; '.join(bad[:3])}{more}; "
             f"the config and the weights do not belong together"
         )
+    check_names(meta, got, where)
+
+
+def _renamer(meta):
+    """Checkpoint name -> the name transformers loads it as (the model's weight renamings, e.g. the
+    legacy ``LayerNorm.gamma``, and its base-model prefix added or dropped); None when the model has
+    weight converters (several tensors merged into one: names cannot be compared one to one)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(meta)
+    except Exception:
+        return None
+    if any(not isinstance(t, WeightRenaming) for t in transforms):
+        return None
+    built, prefix = meta.state_dict(), getattr(meta, "base_model_prefix", None) or None
+    return lambda k: rename_source_key(k, transforms, [], prefix, built)[0]
+
+
+def _matcher(patterns):
+    """A test for names matching any of transformers' ``_keys_to_ignore_on_load_*`` ``patterns``."""
+    rx = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    return lambda name: rx is not None and rx.search(name) is not None
+
+
+def _layerless(name: str) -> str:
+    """``name`` with its layer indices generalised (``model.layers.7.mlp`` -> ``model.layers.*.mlp``)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _absent(meta, got: set[str]) -> list[str]:
+    """The parameters ``meta`` builds that ``got`` lacks, tied copies and ignored names excepted."""
+    tied = dict(getattr(meta, "all_tied_weights_keys", None) or {})  # tied copy -> its source
+    have = got | {src for dst, src in tied.items() if dst in got}
+    ignored = _matcher(getattr(meta, "_keys_to_ignore_on_load_missing", None))
+    return [n for n, _ in meta.named_parameters() if n not in have and n not in tied and not ignored(n)]
+
+
+def check_names(meta, names, where: str) -> None:
+    """Refuse a checkpoint (tensor ``names``, from its headers) that lacks a parameter the config
+    builds (it would start random) or holds a tensor of a layer the config does not build (it would
+    be dropped). Buffers, tied copies and the names transformers ignores are not required."""
+    rename = _renamer(meta)
+    if meta is None or rename is None:
+        return
+    try:
+        got = {rename(k) for k in names}
+    except Exception:
+        return
+    built = meta.state_dict()
+    ignored = _matcher(getattr(meta, "_keys_to_ignore_on_load_unexpected", None))
+    kinds = {_layerless(n) for n in built}
+    extra = sorted(k for k in got - set(built) if _layerless(k) in kinds and not ignored(k))
+    missing = _absent(meta, got)
+    if not missing and not extra:
+        return
+    parts = [
+        f"{len(ns)} tensor(s) {what}: {', '.join(ns[:SHOWN])}{', ...' if len(ns) > SHOWN else ''}"
+        for ns, what in (
+            (missing, "the config builds are not in the checkpoint"),
+            (extra, "of layers it does not build"),
+        )
+        if ns
+    ]
+    layers = getattr(meta.config, "num_hidden_layers", None)
+    raise ModelSpecError(
+        f"the weights in {where} do not match its config.json: {'; '.join(parts)}; check num_hidden_layers "
+        f"({layers}) and the other size fields of config.json against the weight files"
+    )
 
 
 def check_tokenizer_files(folder: Path) -> None:

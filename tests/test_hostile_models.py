@@ -385,3 +385,96 @@ def test_the_default_models_cache_corrupted_behind_its_metadata_is_converted_aga
         logits, ref = m.hf_model(ids).logits[0, -1], fresh.hf_model(ids).logits[0, -1]
     assert torch.equal(logits, ref)
     assert m.tokenizer.decode([int(logits.argmax())]) == " Paris"
+
+
+# ----------------------------------------------------------------------------- config and weights that disagree
+def _drop_tensor(folder: Path, name: str) -> None:
+    """Rewrite ``folder``'s model.safetensors without the tensor ``name``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_config_with_more_layers_than_the_weights_is_refused(base, tmp_path):
+    """transformers would initialise layer 2 at random and only print a load report."""
+    folder = _variant(base, tmp_path, num_hidden_layers=3)
+    _refused(folder, "not in the checkpoint: model.layers.2.", "num_hidden_layers (3)")
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(base, tmp_path):
+    """transformers would drop layer 1's tensors as unexpected keys."""
+    folder = _variant(base, tmp_path, num_hidden_layers=1)
+    _refused(folder, "of layers it does not build: model.layers.1.", "num_hidden_layers (1)")
+
+
+def test_a_tensor_missing_from_the_weights_is_named(base, tmp_path):
+    folder = _variant(base, tmp_path)
+    _drop_tensor(folder, "model.layers.1.self_attn.q_proj.weight")
+    out = _refused(
+        folder, "1 tensor(s) the config builds are not in the checkpoint: model.layers.1.self_attn.q_proj.weight"
+    )
+    assert "model.layers.0." not in out
+
+
+def test_a_missing_tensor_in_a_sharded_checkpoint_is_named(base, tmp_path):
+    """The names of every shard of the index are read, not only the first file's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _variant(base, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    halves = {"a.safetensors": {}, "b.safetensors": {}}
+    for i, (k, t) in enumerate(sorted(tensors.items())):
+        halves["b.safetensors" if i % 2 or k == "model.norm.weight" else "a.safetensors"][k] = t
+    del halves["b.safetensors"]["model.norm.weight"]
+    for f, ts in halves.items():
+        save_file(ts, folder / f, metadata={"format": "pt"})
+    weight_map = {k: f for f, ts in halves.items() for k in ts}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _refused(folder, "not in the checkpoint: model.norm.weight")
+    halves["b.safetensors"]["model.norm.weight"] = tensors["model.norm.weight"]  # complete again: it loads
+    save_file(halves["b.safetensors"], folder / "b.safetensors", metadata={"format": "pt"})
+    weight_map["model.norm.weight"] = "b.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert torch.equal(_logits(loading.load_model(folder)), _logits(loading.load_model(base)))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "bert", "olmo2", "gemma2", "gemma3"])
+def test_every_tiny_family_saved_by_transformers_passes_the_name_check(tmp_path, tiny_tokenizer, family):
+    """Tied heads (llama, gpt2, bert) and unsaved buffers (rotary inv_freq) are not asked for; a
+    dropped tensor of any family is named (the check is live for each, not skipped)."""
+    from test_points import make_family
+
+    made = make_family(family, len(tiny_tokenizer), n_layers=2, d_model=32)
+    made.save_pretrained(tmp_path / "ok")
+    tiny_tokenizer.save_pretrained(tmp_path / "ok")
+    m = loading.load_model(tmp_path / "ok")
+    ids = torch.tensor([[1, 5, 9, 200]])
+    with torch.no_grad():
+        assert torch.equal(m.hf_model(ids).logits, made(ids).logits)
+    shutil.copytree(tmp_path / "ok", tmp_path / "bad")
+    name = next(n for n, _ in made.named_parameters() if ".1." in n)
+    _drop_tensor(tmp_path / "bad", name)
+    _refused(tmp_path / "bad", f"not in the checkpoint: {name}")
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -1e-5, 0, "1e-5", True])
+def test_a_norm_epsilon_that_is_not_finite_and_positive_is_refused(base, tmp_path, nothing_built, field, value):
+    folder = _variant(base, tmp_path, **{field: value})  # json writes inf as Infinity, nan as NaN
+    _refused(folder, f"config.json: {field} must be a finite positive number", repr(value))
+
+
+def test_a_nested_norm_epsilon_is_named_with_its_path(base, tmp_path, nothing_built):
+    folder = _variant(base, tmp_path, text_config={"rms_norm_eps": float("inf")})
+    _refused(folder, "text_config.rms_norm_eps must be a finite positive number", "got inf;")
+
+
+@pytest.mark.parametrize("shard", ["../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors", ".."])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(base, tmp_path, shard):
+    folder = _variant(base, tmp_path)
+    weight_map = {"model.norm.weight": shard, "model.embed_tokens.weight": "model.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _refused(folder, f"names a shard outside {folder}: {shard!r}")
