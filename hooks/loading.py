@@ -54,7 +54,7 @@ from transformers.utils import logging as tf_logging
 
 from depthscope.common.errors import CheckpointError, DefaultModelMissing, ModelSpecError
 from depthscope.common.progress import spinner
-from depthscope.common.stamps import file_sha256, stat_key, verify_stamps, write_stamps
+from depthscope.common.stamps import file_digest, verify_stamps, write_stamps
 from depthscope.hooks.devices import (
     check_dtype_on,
     check_fits,
@@ -380,15 +380,9 @@ def _torch_has_weights_only() -> bool:
 
 #: per process: the (file, device, inode, size, mtime, ctime, digest) of every file whose full content was
 #: hashed and found equal to ``digest``; a file whose stat still matches is not hashed again
-@functools.lru_cache(maxsize=64)
-def _file_digest(stat_key: tuple) -> str:
-    """sha256 of the file ``stat_key`` names, hashed once per process while its stat is unchanged."""
-    return file_sha256(Path(stat_key[0]))
-
-
 def _gguf_cache_key(path: Path) -> str:
     """The cache folder's name for a GGUF: its stem and the sha256 of its whole content."""
-    return f"{path.stem}-{_file_digest(stat_key(path))[:16]}"
+    return f"{path.stem}-{file_digest(path)[:16]}"
 
 
 def _cache_present(target: Path) -> bool:

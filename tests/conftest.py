@@ -72,6 +72,34 @@ TINY_PHRASES = [
 ]
 TINY_NAMES = (" Mary", " John")  # single tokens, as in the real tokenizer (the IOI tests need them)
 TINY_SPECIALS = {"unk_token": "<|endoftext|>", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+# IOI-style prompt pairs (clean, corrupted, target, foil) of three templates of different lengths:
+# the clean prompt's answer is the indirect object, the corrupted one swaps the second subject
+IOI_PAIRS = [
+    (
+        "When Mary and John went to the store, John gave a drink to",
+        "When Mary and John went to the store, Mary gave a drink to",
+        " Mary",
+        " John",
+    ),
+    (
+        "When John and Mary went to the store, Mary gave a drink to",
+        "When John and Mary went to the store, John gave a drink to",
+        " John",
+        " Mary",
+    ),
+    (
+        "Then Mary and John had a long argument, and afterwards John said to",
+        "Then Mary and John had a long argument, and afterwards Mary said to",
+        " Mary",
+        " John",
+    ),
+    (
+        "After the dog sat on the mat, John and Mary went home. John gave the cat to",
+        "After the dog sat on the mat, John and Mary went home. Mary gave the cat to",
+        " Mary",
+        " John",
+    ),
+]
 
 
 def tiny_training_text() -> list[str]:
@@ -192,6 +220,32 @@ def tiny_factory(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_factory):
     return tiny_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama folder with the tiny tokenizer, as the command line loads it."""
+    d = tmp_path_factory.mktemp("tiny_llama_dir")
+    make_tiny("llama", vocab_size=len(tiny_tokenizer)).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def run_cli(args, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``depthscope ARGS`` in this process, progress lines off: (exit code, stdout, stderr)."""
+    import sys
+
+    from depthscope.analyses import cli
+
+    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
+    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

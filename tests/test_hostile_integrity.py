@@ -3,7 +3,7 @@
 Activation stores carry the sha256 of their files (recorded while writing) and of their own
 ``meta.json``; a zeroed or random ``feats.bin``, bad row offsets or a bad shape are named in a
 warning and extracted again, never read (features equal those of a fresh extraction). Which
-layer checks content: :func:`~depthscope.common.digest.file_digest` hashes each store file on its
+layer checks content: :func:`~depthscope.common.stamps.file_digest` hashes each store file on its
 first open in a process and again whenever the file's version (inode, size, mtime, ctime)
 changes, so a rewrite with size and mtime restored is caught in the same process. The store key
 and a sweep's ``duplicate_of`` use a digest of every weight: two models that agree on any
@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from depthscope.common import digest
+from depthscope.common import digest, stamps
 from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
 from depthscope.probes.store.activations import extract_spans
 from depthscope.probes.store.features import Features
@@ -158,10 +158,10 @@ def test_a_rewrite_with_size_and_mtime_restored_is_caught_in_the_same_process(ti
     want = resident(extract(m, tmp_path / "fresh"))
     store = extract(m, tmp_path / "store")
     time.sleep(0.05)  # past the file system's timestamp tick: the rewrite gets a later ctime
-    monkeypatch.setattr(digest, "_now", lambda: time.time_ns() + 10 * digest.SETTLED_NS)  # files count as settled
+    monkeypatch.setattr(stamps, "_now", lambda: time.time_ns() + 10 * stamps.SETTLED_NS)  # files count as settled
     hashed = []
-    real = digest._hash_file
-    monkeypatch.setattr(digest, "_hash_file", lambda p, *a: hashed.append(p.name) or real(p, *a))
+    real = stamps.file_sha256
+    monkeypatch.setattr(stamps, "file_sha256", lambda p, *a: hashed.append(p.name) or real(p, *a))
     assert extract(m, tmp_path / "store").reused and "feats.bin" in hashed  # hashed once, remembered
     hashed.clear()
     assert extract(m, tmp_path / "store").reused and hashed == []  # unchanged version: not read again
@@ -176,21 +176,21 @@ def test_file_digest_is_remembered_per_version_of_the_file(tmp_path, monkeypatch
     f.write_bytes(b"a" * 4096)
     time.sleep(0.05)
     hashed = []
-    real = digest._hash_file
-    monkeypatch.setattr(digest, "_hash_file", lambda p, *a: hashed.append(1) or real(p, *a))
-    assert digest.file_digest(f) == hashlib.sha256(b"a" * 4096).hexdigest()
-    assert digest.file_digest(f) == hashlib.sha256(b"a" * 4096).hexdigest()
+    real = stamps.file_sha256
+    monkeypatch.setattr(stamps, "file_sha256", lambda p, *a: hashed.append(1) or real(p, *a))
+    assert stamps.file_digest(f) == hashlib.sha256(b"a" * 4096).hexdigest()
+    assert stamps.file_digest(f) == hashlib.sha256(b"a" * 4096).hexdigest()
     assert len(hashed) == 2  # a file changed within SETTLED_NS of the read is never remembered
-    monkeypatch.setattr(digest, "_now", lambda: time.time_ns() + 10 * digest.SETTLED_NS)
-    digest.file_digest(f)
-    digest.file_digest(f)
+    monkeypatch.setattr(stamps, "_now", lambda: time.time_ns() + 10 * stamps.SETTLED_NS)
+    stamps.file_digest(f)
+    stamps.file_digest(f)
     assert len(hashed) == 3  # settled: remembered, the second call reads nothing
     rewrite_keeping_times(f, b"b" * 4096)
-    assert digest.file_digest(f) == hashlib.sha256(b"b" * 4096).hexdigest() and len(hashed) == 4
+    assert stamps.file_digest(f) == hashlib.sha256(b"b" * 4096).hexdigest() and len(hashed) == 4
     copy = tmp_path / "copy.bin"
     copy.write_bytes(b"c" * 4096)
     os.utime(copy, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))  # a copy with the same metadata
-    assert digest.file_digest(copy) == hashlib.sha256(b"c" * 4096).hexdigest()
+    assert stamps.file_digest(copy) == hashlib.sha256(b"c" * 4096).hexdigest()
 
 
 def sampled_digest(model) -> str:

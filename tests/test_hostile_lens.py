@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import SafetensorError
 
 from depthscope.analyses import TunedLens, train_tuned_lens
@@ -25,32 +26,6 @@ KW = dict(tokens_per_step=5, progress=False, matmul_dtype="float32")
 DISK_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _cli(args, monkeypatch, capsys):
-    import sys
-
-    from depthscope.analyses import cli
-
-    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import make_tiny
-
-    d = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny("llama", vocab_size=len(tiny_tokenizer)).save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
-    return d
 
 
 def _train_args(model_dir, out, steps):
@@ -125,12 +100,12 @@ def test_non_finite_loss_stops_training(tiny_llama, tmp_path, monkeypatch):
     assert torch.isfinite(back.weight).all() and back.training["steps_done"] == 2
 
 
-def test_cli_resume_from_corrupt_checkpoint(tiny_dir, tmp_path, monkeypatch, capsys, caplog):
+def test_cli_resume_from_corrupt_checkpoint(tiny_llama_dir, tmp_path, monkeypatch, capsys, caplog):
     out = tmp_path / "tl"
-    code, _, se = _cli(_train_args(tiny_dir, out, 3), monkeypatch, capsys)
+    code, _, se = run_cli(_train_args(tiny_llama_dir, out, 3), monkeypatch, capsys)
     assert code == 0, se
     _corrupt(out / T.CKPT_FILE)
-    code, so, se = _cli(_train_args(tiny_dir, out, 5), monkeypatch, capsys)
+    code, so, se = run_cli(_train_args(tiny_llama_dir, out, 5), monkeypatch, capsys)
     assert code == 0, se
     assert str(out / T.CKPT_FILE) in caplog.text and "afresh" in caplog.text  # the CLI logs to stderr
     assert "nan" not in so.lower() and "tuned lens 0.000" not in so
@@ -164,13 +139,13 @@ def test_corrupt_or_nan_lens_is_refused(tiny_llama, tmp_path):
     assert st.st_size == os.stat(params).st_size
 
 
-def test_cli_lens_refuses_corrupt_tuned_lens(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_cli_lens_refuses_corrupt_tuned_lens(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     lens_dir = tmp_path / "tl"
-    code, _, se = _cli(_train_args(tiny_dir, lens_dir, 2), monkeypatch, capsys)
+    code, _, se = run_cli(_train_args(tiny_llama_dir, lens_dir, 2), monkeypatch, capsys)
     assert code == 0, se
     _corrupt(lens_dir / L.PARAMS_FILE, 1000, 2000)
-    args = ["lens", "--text", SAMPLE, "--model", tiny_dir, "--out", tmp_path / "o", "--tuned", lens_dir]
-    code, _, se = _cli([*args, "--max-tokens", "20"], monkeypatch, capsys)
+    args = ["lens", "--text", SAMPLE, "--model", tiny_llama_dir, "--out", tmp_path / "o", "--tuned", lens_dir]
+    code, _, se = run_cli([*args, "--max-tokens", "20"], monkeypatch, capsys)
     assert code == 2 and str(lens_dir / L.PARAMS_FILE) in se and "Traceback" not in se
 
 
@@ -198,10 +173,10 @@ def test_save_tensors_on_a_full_disk(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_disk_full_while_saving(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_cli_disk_full_while_saving(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(L, "save_file", _full_disk)
     out = tmp_path / "tl"
-    code, _, se = _cli(_train_args(tiny_dir, out, 2), monkeypatch, capsys)
+    code, _, se = run_cli(_train_args(tiny_llama_dir, out, 2), monkeypatch, capsys)
     assert code == 1, se
     assert "Traceback" not in se and "SafetensorError" not in se
     assert f"cannot write {out}" in se and "free some space or use another --out" in se

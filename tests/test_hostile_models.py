@@ -325,8 +325,7 @@ def test_a_cache_corrupted_behind_unchanged_metadata_is_never_served(fake_gguf, 
     st = _cached(gguf) / "model.safetensors"
     _corrupt_behind_the_metadata(st, st.stat().st_size // 2, 4096)
     if new_process:  # a fresh process has verified nothing yet
-        stamps._VERIFIED.clear()
-        loading._file_digest.cache_clear()
+        stamps.forget_digests()
     with caplog.at_level(logging.WARNING, logger="depthscope"):
         m = loading.load_model(str(gguf))
     assert len(conversions) == 2
@@ -378,7 +377,7 @@ def test_the_default_models_cache_corrupted_behind_its_metadata_is_converted_aga
     fresh = loading.load_model()
     st = next((tmp_path / "models").iterdir()) / "model.safetensors"
     _corrupt_behind_the_metadata(st, st.stat().st_size // 3, 8 << 20)
-    stamps._VERIFIED.clear()  # as in a new process
+    stamps.forget_digests()  # as in a new process
     m = loading.load_model()
     ids = m.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import IOI_PAIRS, run_cli
 
 from depthscope.analyses.pairs import PromptPair, mean_over_pairs, read_pairs
 from depthscope.analyses.patching import PAIR_KEYS, activation_patching, attribution_patching, patch_pairs
@@ -18,34 +19,7 @@ from depthscope.common.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# IOI-style pairs from three templates of different lengths; the clean prompt's answer is the
-# indirect object, the corrupted prompt swaps the subject of the second clause
-PAIRS = [
-    PromptPair(
-        "When Mary and John went to the store, John gave a drink to",
-        "When Mary and John went to the store, Mary gave a drink to",
-        " Mary",
-        " John",
-    ),
-    PromptPair(
-        "When John and Mary went to the store, Mary gave a drink to",
-        "When John and Mary went to the store, John gave a drink to",
-        " John",
-        " Mary",
-    ),
-    PromptPair(
-        "Then Mary and John had a long argument, and afterwards John said to",
-        "Then Mary and John had a long argument, and afterwards Mary said to",
-        " Mary",
-        " John",
-    ),
-    PromptPair(
-        "After the dog sat on the mat, John and Mary went home. John gave the cat to",
-        "After the dog sat on the mat, John and Mary went home. Mary gave the cat to",
-        " Mary",
-        " John",
-    ),
-]
+PAIRS = [PromptPair(*p) for p in IOI_PAIRS[:4]]
 
 
 def _ids(tok, text):
@@ -285,49 +259,22 @@ def test_dataset_arguments_are_checked(tiny_llama):
         activation_patching(tiny_llama, PAIRS[0].clean)
 
 
-@pytest.fixture(scope="module")
-def pairs_model_dir(tmp_path_factory, tiny_tokenizer):
-    """A tiny Llama folder with the tiny tokenizer, as the CLI loads it."""
-    from conftest import make_tiny
-
-    d = tmp_path_factory.mktemp("tiny_llama_pairs")
-    make_tiny("llama", vocab_size=len(tiny_tokenizer)).save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
-    return d
-
-
-def _cli(args, monkeypatch, capsys):
-    import sys
-
-    from depthscope.analyses import cli
-
-    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_cli_pairs_writes_means_and_per_pair_tables(pairs_model_dir, tmp_path, monkeypatch, capsys):
+def test_cli_pairs_writes_means_and_per_pair_tables(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     from depthscope.hooks import load_model
 
     path = tmp_path / "ioi.jsonl"
     rows = [{"clean": p.clean, "corrupted": p.corrupted, "target": p.target, "foil": p.foil} for p in PAIRS]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     out = tmp_path / "o"
-    base = ["patch", "--model", pairs_model_dir, "--threads", "1"]
-    code, so, se = _cli([*base, "--pairs", path, "--out", out], monkeypatch, capsys)
+    base = ["patch", "--model", tiny_llama_dir, "--threads", "1"]
+    code, so, se = run_cli([*base, "--pairs", path, "--out", out], monkeypatch, capsys)
     assert code == 0, se
     means, per = pd.read_parquet(out / "patching.parquet"), pd.read_parquet(out / "patching_pairs.parquet")
     assert {"fraction_low", "fraction_high", "n_pairs"} <= set(means.columns) and set(per["pair"]) == {0, 1, 2, 3}
     assert set(means["method"]) == {"activation", "attribution"}
     assert (out / "patching_heads.png").is_file() and (out / "patching_sites.png").is_file()
     assert "means over 4 pairs" in so and "Traceback" not in se
-    model = load_model(str(pairs_model_dir))
+    model = load_model(str(tiny_llama_dir))
     api = activation_patching(model, PAIRS, sites="heads")
     got = means[(means["method"] == "activation") & means["head"].notna()].reset_index(drop=True)
     np.testing.assert_allclose(got["fraction_recovered"], api["fraction_recovered"], atol=1e-6)
@@ -338,7 +285,7 @@ def test_cli_pairs_writes_means_and_per_pair_tables(pairs_model_dir, tmp_path, m
         (["--pairs", path, "--senders", "3.heads"], "--senders do not apply to --method activation"),
         (["--pairs", path, "--method", "path", "--sites", "resid"], "--sites do not apply to --method path"),
     ]:
-        code, so, se = _cli([*base, *extra, "--out", tmp_path / "bad"], monkeypatch, capsys)
+        code, so, se = run_cli([*base, *extra, "--out", tmp_path / "bad"], monkeypatch, capsys)
         assert code == 2 and msg in se and "Traceback" not in se, (extra, se)
 
 

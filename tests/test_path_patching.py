@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import IOI_PAIRS, run_cli
 
 from depthscope.analyses.pairs import PromptPair, mean_over_pairs
 from depthscope.analyses.path_patching import PATH_KEYS, path_patch_pairs, path_patching
@@ -20,27 +21,7 @@ from depthscope.hooks import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# IOI-style pairs of three templates; clean and corrupted have the same length within a pair
-PAIRS = [
-    PromptPair(
-        "When Mary and John went to the store, John gave a drink to",
-        "When Mary and John went to the store, Mary gave a drink to",
-        " Mary",
-        " John",
-    ),
-    PromptPair(
-        "When John and Mary went to the store, Mary gave a drink to",
-        "When John and Mary went to the store, John gave a drink to",
-        " John",
-        " Mary",
-    ),
-    PromptPair(
-        "Then Mary and John had a long argument, and afterwards John said to",
-        "Then Mary and John had a long argument, and afterwards Mary said to",
-        " Mary",
-        " John",
-    ),
-]
+PAIRS = [PromptPair(*p) for p in IOI_PAIRS[:3]]
 
 
 @pytest.fixture(scope="module")
@@ -332,36 +313,21 @@ def test_all_positions_need_pairs_of_one_length(tiny_llama):
     assert len(df) == 4 and df["position"].isna().all() and (df["token"] == " to").all()
 
 
-def test_cli_path_method_writes_means_pairs_and_heatmap(tiny_tokenizer, tmp_path, monkeypatch, capsys):
+def test_cli_path_method_writes_means_pairs_and_heatmap(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """depthscope patch --method path over a pairs file: both tables and the heatmap, the means
     equal path_patching's."""
     import json
-    import sys
 
-    from conftest import make_tiny
-
-    from depthscope.analyses import cli
-
-    d = tmp_path / "model"
-    make_tiny("llama", vocab_size=len(tiny_tokenizer)).save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
     path = tmp_path / "pairs.jsonl"
     rows = [{"clean": p.clean, "corrupted": p.corrupted, "target": p.target, "foil": p.foil} for p in PAIRS]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     out = tmp_path / "o"
-    args = ["patch", "--model", d, "--pairs", path, "--method", "path", "--receivers", "2.q", "--out", out]
-    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, [*args, "--threads", "1"])])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    err = capsys.readouterr().err
+    args = ["patch", "--model", tiny_llama_dir, "--pairs", path, "--method", "path", "--receivers", "2.q"]
+    code, _, err = run_cli([*args, "--out", out, "--threads", "1"], monkeypatch, capsys)
     assert code == 0, err
     means = pd.read_parquet(out / "path_patching.parquet")
     per = pd.read_parquet(out / "path_patching_pairs.parquet")
     assert (out / "path_patching_heads.png").is_file() and set(per["pair"]) == set(range(len(PAIRS)))
-    api = path_patching(load_model(str(d)), PAIRS, "heads", "2.q", positions="all")
+    api = path_patching(load_model(str(tiny_llama_dir)), PAIRS, "heads", "2.q", positions="all")
     np.testing.assert_allclose(means["fraction_recovered"], api["fraction_recovered"], atol=1e-6, equal_nan=True)
     assert set(means["receiver"]) == {"2.q"}

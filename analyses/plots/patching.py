@@ -156,17 +156,27 @@ def plot_patching_heads(
         d[d["kind"] == k].pivot_table(index="layer", columns="head", values=value, aggfunc="first").sort_index()
         for k in kinds
     ]
+    titles = [f"{kind} ({where})" for kind in kinds]
+    fig = head_panels(grids, titles, value, ("head", "layer"))
+    fig.suptitle(_title(df, "Patching per head"), fontsize=9)
+    savefig(fig, path)
+    return Path(path)
+
+
+def head_panels(grids: list[pd.DataFrame], titles: list[str], value: str, axes_labels: tuple[str, str]):
+    """A figure of layer x head heatmaps side by side, one per grid (rows: layers, columns: heads),
+    on one diverging colour scale centred on 0; ``axes_labels`` are (x, y)."""
     lim = _limit(np.concatenate([g.to_numpy(float).ravel() for g in grids]))
     n_layers, n_heads = max(g.shape[0] for g in grids), max(g.shape[1] for g in grids)
-    # constrained layout keeps the three-line suptitle clear of the panel titles on short grids
+    # constrained layout keeps a three-line suptitle clear of the panel titles on short grids
     fig, axes = plt.subplots(
         1,
-        len(kinds),
-        figsize=(max(5.5, len(kinds) * (2.5 + 0.45 * n_heads)), 2.4 + 0.22 * n_layers),
+        len(grids),
+        figsize=(max(5.5, len(grids) * (2.5 + 0.45 * n_heads)), 2.4 + 0.22 * n_layers),
         squeeze=False,
         layout="constrained",
     )
-    for ax, kind, grid in zip(axes[0], kinds, grids):
+    for ax, title, grid in zip(axes[0], titles, grids):
         sns.heatmap(
             grid.to_numpy(float),
             ax=ax,
@@ -178,13 +188,11 @@ def plot_patching_heads(
             yticklabels=[int(v) for v in grid.index],
             cbar_kws={"label": value.replace("_", " ")},
         )
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(f"{kind} ({where})", fontsize=9)
+        ax.set_xlabel(axes_labels[0])
+        ax.set_ylabel(axes_labels[1])
+        ax.set_title(title, fontsize=9)
         ax.tick_params(axis="y", labelsize=7, rotation=0)
-    fig.suptitle(_title(df, "Patching per head"), fontsize=9)
-    savefig(fig, path)
-    return Path(path)
+    return fig
 
 
 def _head_rows(d: pd.DataFrame, position, what: str) -> tuple[pd.DataFrame, str]:

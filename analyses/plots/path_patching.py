@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from depthscope.analyses.plots.patching import _CMAP, _limit, _need, _title
-from depthscope.analyses.plots.style import plt, savefig, sns
+from depthscope.analyses.plots.patching import _need, _title, head_panels
+from depthscope.analyses.plots.style import savefig
 from depthscope.common.errors import InputError
 
 __all__ = ["plot_path_patching"]
@@ -44,31 +43,9 @@ def plot_path_patching(df: pd.DataFrame, path, *, value: str = "fraction_recover
     what = "plot_path_patching"
     _need(df, ["layer", "head", "kind", "receiver", value], what)
     grids = _head_grids(df, value, what)
-    lim = _limit(np.concatenate([g.to_numpy(float).ravel() for _, g in grids]))
-    n_layers, n_heads = max(g.shape[0] for _, g in grids), max(g.shape[1] for _, g in grids)
-    fig, axes = plt.subplots(
-        1,
-        len(grids),
-        figsize=(max(5.5, len(grids) * (2.5 + 0.45 * n_heads)), 2.4 + 0.22 * n_layers),
-        squeeze=False,
-        layout="constrained",
+    fig = head_panels(
+        [g for _, g in grids], [f"receivers: {r}" for r, _ in grids], value, ("sender head", "sender layer")
     )
-    for ax, (receiver, grid) in zip(axes[0], grids):
-        sns.heatmap(
-            grid.to_numpy(float),
-            ax=ax,
-            cmap=_CMAP,
-            vmin=-lim,
-            vmax=lim,
-            center=0,
-            xticklabels=[int(h) for h in grid.columns],
-            yticklabels=[int(v) for v in grid.index],
-            cbar_kws={"label": value.replace("_", " ")},
-        )
-        ax.set_xlabel("sender head")
-        ax.set_ylabel("sender layer")
-        ax.set_title(f"receivers: {receiver}", fontsize=9)
-        ax.tick_params(axis="y", labelsize=7, rotation=0)
     frozen = " (MLPs frozen)" if df.attrs.get("freeze_mlps") else ""
     positions = df.attrs.get("positions")
     where = f", sender at {positions} position{'s' if positions == 'all' else ''}" if positions else ""

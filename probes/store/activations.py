@@ -21,7 +21,7 @@ Integrity: ``meta.json`` records the sha256 and size of ``feats.bin`` (hashed wh
 written, no second pass) and of ``rows.npy``, and a sha256 of itself. A store is used only when
 its meta digest, both files' sizes and contents, its shape and every span's rows agree
 (:func:`_verify`); the contents are hashed on the first open in each process and again whenever
-a file's version changes (:func:`~depthscope.common.digest.file_digest`: a rewrite in place with
+a file's version changes (:func:`~depthscope.common.stamps.file_digest`: a rewrite in place with
 size and mtime restored still moves its ctime). A store that fails is named in a warning and
 extracted again: a zeroed or random ``feats.bin`` or bad row offsets are never read.
 One process extracts a key at a time (a ``flock`` on ``store_dir/.<key>.lock``): a second one
@@ -44,10 +44,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthscope.common.digest import file_digest, model_digest
+from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
 from depthscope.common.files import FolderLock, check_writable_dir, is_place_error, output_error, preallocate
 from depthscope.common.progress import progress_bar
+from depthscope.common.stamps import file_digest
 from depthscope.hooks import cache_dir
 from depthscope.probes.config import POOLINGS
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
