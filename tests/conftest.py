@@ -232,12 +232,11 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
 
 
 def run_cli(args, monkeypatch, capsys) -> tuple[int, str, str]:
-    """``depthscope ARGS`` in this process, progress lines off: (exit code, stdout, stderr)."""
+    """``depthscope ARGS`` in this process: (exit code, stdout, stderr)."""
     import sys
 
     from depthscope.analyses import cli
 
-    monkeypatch.setenv("DEPTHSCOPE_PROGRESS", "0")
     monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
     code = 0
     try:

@@ -6,13 +6,13 @@ input is refused clearly."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 
 from depthscope.analyses import logit_lens, logit_lens_tokens
 from depthscope.analyses.lens import METRICS
@@ -374,19 +374,6 @@ def tiny_dir(tmp_path_factory, tokenizer):
     make_tiny("llama", vocab_size=len(tokenizer)).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
-
-
-def run_cli(args, monkeypatch, capsys):
-    from depthscope.analyses import cli
-
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_writes_tables_and_plots(tiny_dir, tmp_path, monkeypatch, capsys, tokenizer):

@@ -5,12 +5,12 @@ fixed points, attribution against exact patching on IOI, the metric helpers, the
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import run_cli
 
 from depthscope.analyses.patching import (
     PATCH_COLUMNS,
@@ -540,19 +540,6 @@ def tiny_dir(tmp_path_factory, tokenizer):
     make_tiny("llama", vocab_size=len(tokenizer)).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
-
-
-def run_cli(args, monkeypatch, capsys):
-    from depthscope.analyses import cli
-
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):

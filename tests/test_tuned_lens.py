@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import run_cli
 
 from depthscope.analyses import TunedLens, logit_lens, train_tuned_lens
 from depthscope.analyses import tuned_lens as T
@@ -177,19 +177,6 @@ def test_bad_training_input(tiny_llama, tiny_factory, tmp_path):
         train_tuned_lens(tiny_llama, TEXTS, tokens_per_step=0)
     with pytest.raises(UnsupportedArchitecture, match="not final norm -> unembedding"):
         train_tuned_lens(tiny_factory("bert"), TEXTS)
-
-
-def run_cli(args, monkeypatch, capsys):
-    from depthscope.analyses import cli
-
-    monkeypatch.setattr(sys, "argv", ["depthscope", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
