@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from depthscope.common.errors import ContextLengthError, InputError, NonFiniteActivationError, UnsupportedArchitecture
+from depthscope.common.settings import Limit, check_number
 from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import parse_points
 from depthscope.hooks.run import PADDING_SIDES, position_ids
@@ -67,6 +68,7 @@ def generate(
     """Continue ``prompts`` (strings or token ids) for ``max_new_tokens`` with ``hooks`` at every
     step; ``cache`` (names, as in ``run``) keeps those points at every step."""
     _check_request(model, padding_side, max_new_tokens)
+    check_generation_settings(generation_kwargs)
     ids, mask = model._prepare(prompts, mask, padding_side=padding_side)
     if not bool(mask[:, -1].all()):
         raise InputError(
@@ -92,6 +94,38 @@ def generate(
     return Generation(
         sequences=seq, prompt_mask=mask, tokens=tokens, text=text, steps=steps.state.step + 1, cache=steps.per_step
     )
+
+
+#: sequences one prompt may fan out into: one (greedy or sampled), since hooks, the cache per
+#: step and the positions hooks see follow the prompts' rows
+BEAMS = Limit(1, "generate keeps one sequence per prompt (greedy or sampled); beam search is not supported")
+#: the numeric transformers generation settings checked before generating: (minimum, maximum, integer);
+#: a float minimum of 0.0 means "greater than 0"
+GENERATION_NUMBERS = {
+    "num_beams": (1, BEAMS, True),
+    "num_return_sequences": (1, BEAMS, True),
+    "num_beam_groups": (1, BEAMS, True),
+    "top_k": (0, 2**24, True),
+    "min_new_tokens": (0, None, True),
+    "no_repeat_ngram_size": (0, 2**16, True),
+    "temperature": (0.0, 1e4, False),
+    "top_p": (0.0, 1.0, False),
+    "typical_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.0, 1e4, False),
+    "length_penalty": (-1e4, 1e4, False),
+}
+
+
+def check_generation_settings(settings: dict) -> None:
+    """Refuse transformers generation settings that would allocate without bound or mean nothing
+    (``num_beams=10**9``, ``temperature=nan``...) with the setting named; ``max_length`` is refused
+    for ``max_new_tokens``, which the context check bounds."""
+    if "max_length" in settings:
+        raise InputError("give max_new_tokens (checked against the model's context), not max_length")
+    for name, (low, high, integer) in GENERATION_NUMBERS.items():
+        if settings.get(name) is not None:
+            check_number(name, settings[name], minimum=low, maximum=high, integer=integer)
 
 
 def _check_request(model, padding_side: str, max_new_tokens) -> None:

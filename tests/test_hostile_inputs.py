@@ -291,3 +291,23 @@ def test_train_and_test_of_different_task_kinds_are_refused_before_extraction(tm
     corpora = {"train": read_conllu(conllu), "test": read_jiant(jiant)}
     with pytest.raises(InputError, match=r"not the same kind of task in every split \(train: word"):
         _examples(["upos"], corpora, DataConfig(), {"upos": "sentence"}, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (dict(num_beams=10**9), r"num_beams must be at most 1 \(generate keeps one sequence per prompt"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be at most 1"),
+        (dict(temperature=float("nan"), do_sample=True), "temperature must be a finite number > 0"),
+        (dict(top_p=1.5, do_sample=True), "top_p must be at most 1"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(max_length=10**9), "give max_new_tokens"),
+    ],
+)
+def test_generation_settings_are_bounded(tiny_llama, settings, match):
+    """Settings passed on to transformers' generate are checked first: none allocates without
+    bound (num_beams=10**9 used to try 40 GB) or means nothing (nan temperature)."""
+    with pytest.raises(InputError, match=match):
+        tiny_llama.generate(["The capital of France is"], max_new_tokens=2, **settings)
+    ok = tiny_llama.generate(["The capital of France is"], max_new_tokens=2, do_sample=True, temperature=0.7, top_k=5)
+    assert len(ok.tokens[0]) == 2
