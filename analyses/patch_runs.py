@@ -15,6 +15,8 @@ require_decoder         refuse an encoder: patching measures next-token logits
 Cell, pair_cells        the positions patched in one pair: ``last``, ``all``, ``each`` or names
 Patch, make_patches     one patch (point, cell, head) and all of them for a pair
 capture                 activations ``[...]`` (batch dropped) and logits of one prompt
+landing_site            the residual site a hook point's write lands in
+axes_first              a view with a point's position (then head) axis first
 hooks_for               the editing hooks of a chunk of patches (one hook per point)
 plan                    chunks of patches within a token budget, each with the first position its
                         forward recomputes
@@ -72,12 +74,18 @@ class PatchPoint:
         return self.head_axis is not None
 
 
-def _patch_point(point: Point) -> PatchPoint:
+def landing_site(point: Point) -> int:
+    """The residual site a point's write lands in: its own for a residual site, ``l.attn`` for the
+    points up to the attention write, ``l.mlp`` for the MLP's."""
     if point.is_resid:
-        return PatchPoint(point.name, "resid", point.site, point.order)
-    site = 2 * point.layer + (1 if _RANK[point.kind] <= _RANK["attn"] else 2)
+        return point.site
+    return 2 * point.layer + (1 if _RANK[point.kind] <= _RANK["attn"] else 2)
+
+
+def _patch_point(point: Point) -> PatchPoint:
+    kind = "resid" if point.is_resid else point.kind
     pos, head = LAYOUT.get(point.kind, (1, None))
-    return PatchPoint(point.name, point.kind, site, point.order, pos, head)
+    return PatchPoint(point.name, kind, landing_site(point), point.order, pos, head)
 
 
 def _parse_one(name, n_layers: int) -> list[PatchPoint]:
@@ -198,7 +206,7 @@ def capture(model, ids: torch.Tensor, points: list[PatchPoint], *, grad: bool = 
     return {p.name: run[p.name][0] for p in points}, run.logits, run
 
 
-def _axes_first(t: torch.Tensor, point: PatchPoint, batch: bool) -> torch.Tensor:
+def axes_first(t: torch.Tensor, point: PatchPoint, batch: bool) -> torch.Tensor:
     """A view of ``t`` with its position (then head) axis first after the batch (when ``batch``)."""
     off = 0 if batch else 1
     src = [point.pos_axis - off] + ([point.head_axis - off] if point.per_head else [])
@@ -208,11 +216,11 @@ def _axes_first(t: torch.Tensor, point: PatchPoint, batch: bool) -> torch.Tensor
 def _editor(point: PatchPoint, clean: torch.Tensor, cells: tuple[list, list, list, list]) -> Callable:
     """A hook writing clean activations into some (row, position[, head]) cells of its batch."""
     rows, pos, cpos, heads = (torch.as_tensor(v, dtype=torch.long, device=clean.device) for v in cells)
-    src = _axes_first(clean, point, batch=False)
+    src = axes_first(clean, point, batch=False)
 
     def edit(t: torch.Tensor, *_):
         new = t.clone()
-        view, s = _axes_first(new, point, batch=True), src.to(device=t.device, dtype=t.dtype)
+        view, s = axes_first(new, point, batch=True), src.to(device=t.device, dtype=t.dtype)
         if view.shape[2 + point.per_head :] != s.shape[1 + point.per_head :]:
             raise InputError(
                 f"{point.name}: the clean activation {tuple(s.shape)} does not fit the corrupted run's "

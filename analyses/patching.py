@@ -74,10 +74,13 @@ from depthscope.analyses.prompts import (
     Prompt,
     TokenMetric,
     TokenPair,
+    describe_metrics,
     logit,
     logit_diff,
     logprob,
+    pair_fraction,
     prob,
+    token_texts,
     tokenize_pairs,
 )
 from depthscope.common.errors import InputError
@@ -149,8 +152,8 @@ class _Result:
 def _unchanged(patch: runs.Patch, clean: torch.Tensor, corrupted: torch.Tensor) -> bool:
     """Whether a patch copies a value equal to the corrupted run's (so it changes nothing)."""
     pt, c = patch.point, patch.cell
-    a = runs._axes_first(clean, pt, batch=False)
-    b = runs._axes_first(corrupted, pt, batch=False)
+    a = runs.axes_first(clean, pt, batch=False)
+    b = runs.axes_first(corrupted, pt, batch=False)
     if c.pos is None:
         return a.shape == b.shape and torch.equal(a, b)
     a, b = a[c.cpos], b[c.pos]
@@ -199,9 +202,9 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     est = np.empty(len(patches))
     for i, p in enumerate(patches):
         pt, c = p.point, p.cell
-        a = runs._axes_first(acts[pt.name].detach().float(), pt, batch=False)
-        g = runs._axes_first(run.grad(pt.name)[0].float(), pt, batch=False)
-        k = runs._axes_first(clean_acts[pt.name].float(), pt, batch=False)
+        a = runs.axes_first(acts[pt.name].detach().float(), pt, batch=False)
+        g = runs.axes_first(run.grad(pt.name)[0].float(), pt, batch=False)
+        k = runs.axes_first(clean_acts[pt.name].float(), pt, batch=False)
         if c.pos is None:  # [pos, (head), ...]: every position at once
             delta, grad = k - a, g
             if p.head is not None:
@@ -217,29 +220,6 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
 
 
 # ----------------------------------------------------------------------------- tables
-def _decoder(model, ids: torch.Tensor):
-    """``p -> token text`` of one prompt (cached: many patches share a position)."""
-
-    @functools.cache
-    def decode(p: int | None) -> str:
-        if p is None:
-            return ""
-        i = int(ids[0, p])
-        return model.tokenizer.decode([i]) if model.tokenizer is not None else str(i)
-
-    return decode
-
-
-def _fraction(r: _Result, values: np.ndarray) -> np.ndarray | float:
-    """Per-patch fraction recovered of one pair; NaN when the gap is zero or at rounding level
-    (equal prompts, or clean and corrupted runs that differ by float noise only)."""
-    denom = r.clean_value - r.corrupted_value
-    scale = max(1.0, abs(r.clean_value), abs(r.corrupted_value))
-    if torch.equal(r.pair.clean_ids.cpu(), r.pair.corrupted_ids.cpu()) or abs(denom) <= 1e-6 * scale:
-        return np.nan
-    return (values - r.corrupted_value) / denom
-
-
 def _table(model, r: _Result, method: str) -> pd.DataFrame:
     """The tidy table of one pair: one row per patch, shared site columns first."""
     patches = r.patches
@@ -250,21 +230,14 @@ def _table(model, r: _Result, method: str) -> pd.DataFrame:
     df["position"] = pd.array([p.cell.pos for p in patches], dtype="Int64")
     df["clean_position"] = pd.array([p.cell.cpos for p in patches], dtype="Int64")
     df["position_name"] = [p.cell.name for p in patches]
-    k_tok, c_tok = _decoder(model, r.pair.corrupted_ids), _decoder(model, r.pair.clean_ids)
+    k_tok, c_tok = token_texts(model, r.pair.corrupted_ids), token_texts(model, r.pair.clean_ids)
     df["token"] = [k_tok(p.cell.pos) for p in patches]
     df["clean_token"] = [c_tok(p.cell.cpos) for p in patches]
     df["metric"] = np.asarray(r.values, dtype=float)
     df["clean_metric"], df["corrupted_metric"] = r.clean_value, r.corrupted_value
-    df["fraction_recovered"] = _fraction(r, df["metric"].to_numpy())
+    df["fraction_recovered"] = pair_fraction(r.pair, r.clean_value, r.corrupted_value, df["metric"].to_numpy())
     df["method"] = method
     return df[PATCH_COLUMNS]
-
-
-def _describe(tps: list[TokenPair]) -> str:
-    whats = list(dict.fromkeys(tp.what for tp in tps))
-    if len(whats) == 1:
-        return whats[0]
-    return "logit[target] - logit[foil] of each pair" if all(" - " in w for w in whats) else "each pair's metric"
 
 
 # ----------------------------------------------------------------------------- public API
@@ -310,7 +283,7 @@ def patch_pairs(
             t.insert(0, "pair", tp.index)
             tables.append(t)
     out = pd.concat(tables, ignore_index=True)
-    out.attrs.update(model=str(model.name), metric=_describe(tps), positions=job.positions, method=method)
+    out.attrs.update(model=str(model.name), metric=describe_metrics(tps), positions=job.positions, method=method)
     out.attrs["n_pairs"] = len(tps)
     return out
 

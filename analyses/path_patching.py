@@ -71,7 +71,7 @@ import torch
 from depthscope.analyses import patch_runs as runs
 from depthscope.analyses.pairs import as_pairs, mean_over_pairs
 from depthscope.analyses.patching import PATCH_COLUMNS
-from depthscope.analyses.prompts import TokenPair, tokenize_pairs
+from depthscope.analyses.prompts import TokenPair, describe_metrics, pair_fraction, token_texts, tokenize_pairs
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import TOKENS, check_number
@@ -364,54 +364,24 @@ def _pair_values(model, tp: TokenPair, job: _Job, cell: runs.Cell, bar) -> tuple
 
 
 # ----------------------------------------------------------------------------- tables
-def _site(point: Point) -> int:
-    """The residual site a sender's write lands in (its own site for a residual sender)."""
-    if point.is_resid:
-        return point.site
-    return 2 * point.layer + (2 if point.kind == "mlp_out" else 1)
-
-
-def _decode(model, ids: torch.Tensor, p: int | None) -> str:
-    if p is None:
-        return ""
-    i = int(ids[0, p])
-    return model.tokenizer.decode([i]) if model.tokenizer is not None else str(i)
-
-
-def _fraction(tp: TokenPair, acts: _Acts, values: np.ndarray) -> np.ndarray | float:
-    """Per-sender fraction recovered of one pair (NaN for equal prompts or a gap at rounding level)."""
-    denom = acts.clean_value - acts.corrupted_value
-    scale = max(1.0, abs(acts.clean_value), abs(acts.corrupted_value))
-    if torch.equal(tp.clean_ids.cpu(), tp.corrupted_ids.cpu()) or abs(denom) <= 1e-6 * scale:
-        return np.nan
-    return (values - acts.corrupted_value) / denom
-
-
 def _table(model, tp: TokenPair, job: _Job, acts: _Acts, values: np.ndarray) -> pd.DataFrame:
     """One pair's rows, one per sender, in the columns of :data:`PATH_COLUMNS`."""
     ss, cell, n = job.senders, acts.cell, len(job.senders)
-    df = site_frame([_site(s.point) for s in ss], model.n_layers)
+    df = site_frame([runs.landing_site(s.point) for s in ss], model.n_layers)
     df["label"] = df["point"] = [s.point.name for s in ss]
     df["kind"] = ["resid" if s.point.is_resid else s.point.kind for s in ss]
     df["head"] = pd.array([s.head for s in ss], dtype="Int64")
     df["position"] = pd.array([cell.pos] * n, dtype="Int64")
     df["clean_position"] = pd.array([cell.cpos] * n, dtype="Int64")
     df["position_name"] = cell.name
-    df["token"] = _decode(model, tp.corrupted_ids, cell.pos)
-    df["clean_token"] = _decode(model, tp.clean_ids, cell.cpos)
+    df["token"] = token_texts(model, tp.corrupted_ids)(cell.pos)
+    df["clean_token"] = token_texts(model, tp.clean_ids)(cell.cpos)
     df["metric"] = np.asarray(values, dtype=float)
     df["clean_metric"], df["corrupted_metric"] = acts.clean_value, acts.corrupted_value
-    df["fraction_recovered"] = _fraction(tp, acts, df["metric"].to_numpy())
+    df["fraction_recovered"] = pair_fraction(tp, acts.clean_value, acts.corrupted_value, df["metric"].to_numpy())
     df["method"] = "path"
     df["receiver"] = job.label
     return df[PATH_COLUMNS]
-
-
-def _describe(tps: list[TokenPair]) -> str:
-    whats = list(dict.fromkeys(tp.what for tp in tps))
-    if len(whats) == 1:
-        return whats[0]
-    return "logit[target] - logit[foil] of each pair" if all(" - " in w for w in whats) else "each pair's metric"
 
 
 def _cells(tps: list[TokenPair], positions: str) -> list[runs.Cell]:
@@ -457,7 +427,7 @@ def path_patch_pairs(
             t.insert(0, "pair", tp.index)
             tables.append(t)
     out = pd.concat(tables, ignore_index=True)
-    out.attrs.update(model=str(model.name), metric=_describe(tps), positions=job.positions, method="path")
+    out.attrs.update(model=str(model.name), metric=describe_metrics(tps), positions=job.positions, method="path")
     out.attrs.update(receivers=job.label, freeze_mlps=job.freeze_mlps, n_pairs=len(tps))
     return out
 

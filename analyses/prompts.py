@@ -14,11 +14,15 @@ prompt_ids                 token ids ``[1, pos]`` of one prompt (a string or tok
 TokenPair                  a :class:`~depthscope.analyses.pairs.PromptPair` as the model sees it
 tokenize_pairs             TokenPairs of a model: a metric per pair (its own target and foil, or
                            the metric given), named positions as indices checked against lengths
+describe_metrics           one description of the metrics of a dataset of TokenPairs
+pair_fraction              one pair's fraction recovered of patched values (NaN for no gap)
+token_texts                ``p -> token text`` of one prompt's ids (cached per position)
 =========================  =====================================================================
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +41,9 @@ __all__ = [
     "prompt_ids",
     "TokenPair",
     "tokenize_pairs",
+    "describe_metrics",
+    "pair_fraction",
+    "token_texts",
 ]
 
 Prompt = str | torch.Tensor | Sequence[int]
@@ -213,3 +220,36 @@ def tokenize_pairs(model, pairs: Sequence[PromptPair], metric=None) -> list[Toke
             }
         out.append(TokenPair(i, c, k, fn, what, named))
     return out
+
+
+def describe_metrics(tps: Sequence[TokenPair]) -> str:
+    """The metric of a dataset: the pairs' own description when they share one, else a summary."""
+    whats = list(dict.fromkeys(tp.what for tp in tps))
+    if len(whats) == 1:
+        return whats[0]
+    return "logit[target] - logit[foil] of each pair" if all(" - " in w for w in whats) else "each pair's metric"
+
+
+def pair_fraction(tp: TokenPair, clean_value: float, corrupted_value: float, values):
+    """``(values - corrupted) / (clean - corrupted)`` for one pair; NaN when the prompts are equal
+    or the gap is at the level of float rounding (the clean and patched runs are different
+    forwards: the fraction would be noise)."""
+    denom = clean_value - corrupted_value
+    scale = max(1.0, abs(clean_value), abs(corrupted_value))
+    if torch.equal(tp.clean_ids.cpu(), tp.corrupted_ids.cpu()) or abs(denom) <= 1e-6 * scale:
+        return float("nan")
+    return (values - corrupted_value) / denom
+
+
+def token_texts(model, ids: torch.Tensor) -> Callable[[int | None], str]:
+    """``p -> token text`` at position ``p`` of ``ids`` ``[1, pos]`` ("" for None: every position),
+    cached: many patches share a position."""
+
+    @functools.cache
+    def text(p: int | None) -> str:
+        if p is None:
+            return ""
+        i = int(ids[0, p])
+        return model.tokenizer.decode([i]) if model.tokenizer is not None else str(i)
+
+    return text

@@ -1,4 +1,4 @@
-"""Class 3 of issue 36: every number a user can type has an upper bound, declared once beside the
+"""Every number a user can type has an upper bound, declared once beside the
 setting and checked for the command line and the Python API alike. Values past int64 or the float
 range, NaN, infinities and text are refused with a message naming the option (exit 2, no
 traceback, before any model loads), for every numeric option of every command, found by
@@ -252,7 +252,7 @@ def test_bounds_are_named(command, flag, value, words):
 
 
 def test_the_sweep_seed_is_refused_up_front_not_per_checkpoint():
-    """``--seed 1e30`` used to reach every checkpoint and be recorded as its failure."""
+    """``--seed 1e30`` is refused before any checkpoint runs, not recorded as every checkpoint's failure."""
     for value in ("1e30", str(10**30)):
         r = _invoke("sweep", "--seed", value)
         _refused(r, "--seed")

@@ -274,7 +274,7 @@ def test_json_past_the_parser_limits_is_a_clear_error(tmp_path, body):
 
 def test_train_and_test_of_different_task_kinds_are_refused_before_extraction(tmp_path):
     """A CoNLL-U train file (upos: one word per example) with a jiant test file (two spans) used
-    to fail with a shape error after extraction; it is refused when the examples are built."""
+    would fail with a shape error after extraction; it is refused when the examples are built."""
     from depthscope.probes import DataConfig, read_jiant
     from depthscope.probes.store.extraction import _examples
 
@@ -306,7 +306,7 @@ def test_train_and_test_of_different_task_kinds_are_refused_before_extraction(tm
 )
 def test_generation_settings_are_bounded(tiny_llama, settings, match):
     """Settings passed on to transformers' generate are checked first: none allocates without
-    bound (num_beams=10**9 used to try 40 GB) or means nothing (nan temperature)."""
+    bound (num_beams=10**9 would try 40 GB) or means nothing (nan temperature)."""
     with pytest.raises(InputError, match=match):
         tiny_llama.generate(["The capital of France is"], max_new_tokens=2, **settings)
     ok = tiny_llama.generate(["The capital of France is"], max_new_tokens=2, do_sample=True, temperature=0.7, top_k=5)

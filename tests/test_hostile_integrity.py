@@ -1,4 +1,4 @@
-"""Class 1 of issue 36: nothing corrupted or mistaken for another model's is reused.
+"""Nothing corrupted or mistaken for another model's is reused.
 
 Activation stores carry the sha256 of their files (recorded while writing) and of their own
 ``meta.json``; a zeroed or random ``feats.bin``, bad row offsets or a bad shape are named in a

@@ -1,4 +1,4 @@
-"""Class 4 of issue 36, models that lie, and the GGUF cache of class 1. A config, tokenizer or GGUF
+"""Models that lie, and the GGUF cache. A config, tokenizer or GGUF
 header that asks for impossible sizes, or that does not match the weights, is refused before
 anything is allocated with a message naming the field, file or ids (the CLI exits 2, no
 traceback); a cached conversion whose bytes changed behind unchanged metadata is never served."""
