@@ -192,7 +192,7 @@ def _cache_streams(model, inputs, train_sites: list[int], cfg: TunedLensTraining
     batches = lens_batches(
         model, inputs, batch_size=cfg.batch_size, window=cfg.window, max_batch_tokens=cfg.max_batch_tokens
     )
-    with torch.inference_mode():
+    with bar, torch.inference_mode():  # the bar is closed on error too
         for batch in batches:
             rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites, return_logits=False)
             m = rs.mask
@@ -205,7 +205,6 @@ def _cache_streams(model, inputs, train_sites: list[int], cfg: TunedLensTraining
             bar.update(take)
             if n >= cfg.cache_tokens:
                 break
-    bar.close()
     if n == 0:
         raise InputError("no tokens to train the tuned lens on")
     if n < cfg.cache_tokens:
@@ -442,18 +441,18 @@ def _train(run: _Run, tr: _Translators, cache, cfg: TunedLensTraining, *, start:
     tr.trainable(True)
     bar = _bar(progress, total=cfg.steps, initial=start, desc="training tuned lens", unit="step")
     t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        idx = order(step)
-        kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), tr, Wm, bufs)
-        _check_finite(kl, gA, gc, step=step + 1)
-        tr.update(gA, gc, step=step, cfg=cfg)
-        history.append(round(float(kl.detach().mean()), 5))
-        bar.update(1)
-        bar.set_postfix(kl=f"{history[-1]:.3f}")
-        t = step + 1
-        if (t % cfg.checkpoint_every == 0 or t == cfg.steps) and run.out is not None:
-            _save(run, tr, history, t)
-    bar.close()
+    with bar:  # closed on error too (a non-finite step, a full disk)
+        for step in range(start, cfg.steps):
+            idx = order(step)
+            kl, gA, gc = _kl_and_grads(model, X[:, idx].to(dev), F[idx].to(dev), tr, Wm, bufs)
+            _check_finite(kl, gA, gc, step=step + 1)
+            tr.update(gA, gc, step=step, cfg=cfg)
+            history.append(round(float(kl.detach().mean()), 5))
+            bar.update(1)
+            bar.set_postfix(kl=f"{history[-1]:.3f}")
+            t = step + 1
+            if (t % cfg.checkpoint_every == 0 or t == cfg.steps) and run.out is not None:
+                _save(run, tr, history, t)
     run.settings["train_seconds"] = round(time.perf_counter() - t0, 1)
     tr.trainable(False)
     return _save(run, tr, history, cfg.steps)
