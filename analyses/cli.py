@@ -99,7 +99,8 @@ def _load_commands() -> None:
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
         if hasattr(mod, "register"):
             mod.register(app)
-    for cmd in app.registered_commands:
+    groups = [g.typer_instance for g in app.registered_groups]  # ``depthscope sae train``
+    for cmd in [c for t in [app, *groups] for c in t.registered_commands]:
         cmd.callback = _guard(cmd.callback)
 
 

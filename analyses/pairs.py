@@ -180,8 +180,9 @@ def mean_over_pairs(per_pair: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
     ``n_pairs`` the number of pairs; every other column keeps the value all pairs share (the
     site columns, a position index or token when every pair has the same), missing otherwise.
     Rows come in the order of the patches' first appearance. Every patch must have exactly one
-    row per pair (it raises otherwise)."""
-    keys = list(keys)
+    row per pair (it raises otherwise). Keys the table does not have are left out (``feature``
+    exists only in tables that patch SAE features)."""
+    keys = [k for k in keys if k in per_pair.columns]
     df = per_pair.reset_index(drop=True)
     patch = df.groupby(keys, sort=False, dropna=False).ngroup().to_numpy()
     pairs, pair_row = np.unique(df["pair"].to_numpy(), return_inverse=True)

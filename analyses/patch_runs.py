@@ -10,11 +10,13 @@ offers                  what
 ======================  ==========================================================================
 PatchPoint              a hook point as patched: its name, kind, the residual site its write lands
                         in, and which axes are the position and the head (``LAYOUT``)
-parse_patch_points      the points a ``sites`` argument names (names, aliases, group words)
+parse_patch_points      the points a ``sites`` argument names (names, aliases, group words, the
+                        sub-points of SAEs spliced in: ``6.mlp.sae.features``)
 require_decoder         refuse an encoder: patching measures next-token logits
 Cell, pair_cells        the positions patched in one pair: ``last``, ``all``, ``each`` or names
-Patch, make_patches     one patch (point, cell, head) and all of them for a pair
-capture                 activations ``[...]`` (batch dropped) and logits of one prompt
+Patch, make_patches     one patch (point, cell, head) and all of them for a pair (``features``: the
+                        SAE features patched, by point)
+capture                 activations ``[...]`` (batch dropped) and logits of one prompt (SAEs spliced)
 landing_site            the residual site a hook point's write lands in
 axes_first              a view with a point's position (then head) axis first
 hooks_for               the editing hooks of a chunk of patches (one hook per point)
@@ -29,10 +31,17 @@ them) or ``[batch, heads, query, key]`` (``pattern``, ``scores``: the query is t
 position, the key axis is copied whole, so clean and corrupted need the same length there).
 ``rot_k`` holds every key position the attention sees, cached ones included, so its patches
 run without a shared prefix.
+
+SAE sub-points (``<p>.sae.features``, ``.reconstruction``, ``.error``; kinds ``sae.features``...)
+exist when ``saes`` are spliced in (:mod:`depthscope.hooks.sae_splice`) and land in the site the SAE
+writes. ``sae.features`` ``[batch, pos, d_sae]`` is patched one feature at a time, the feature axis
+taking the place of the head axis (a patch's ``head`` is the feature index). Their patches run
+without a shared prefix: the prefix path drives the transformers model without the splice.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +51,7 @@ from depthscope.common.errors import InputError
 from depthscope.hooks.arch import cache_keyword, returned_cache
 from depthscope.hooks.engine import Engine, normalise_hooks
 from depthscope.hooks.points import REGISTRY, SUB_KINDS, Point, parse_point, parse_points
+from depthscope.hooks.sae_splice import SUB_POINTS, plan_splices, sub_name
 
 POSITIONS = ("last", "all", "each")
 #: group words: every residual site, or one kind below the stream at every layer
@@ -51,7 +61,10 @@ LAYOUT = {
     "pattern": (2, 1),
     "scores": (2, 1),
     **{k: (1, 2) for k in ("z", "heads", "q", "k", "v", "rot_q", "rot_k")},
+    "sae.features": (1, 2),  # one feature at a time, like a head
 }
+#: the kind of an SAE's features: the points whose patches ``features`` selects
+FEATURES = "sae.features"
 #: kinds whose tensor spans every key position, cached ones included (no shared prefix)
 FULL_KEYS = ("rot_k",)
 _RANK = {s.kind: i for i, s in enumerate(REGISTRY)}
@@ -65,7 +78,7 @@ class PatchPoint:
     name: str
     kind: str
     site: int
-    order: tuple[int, int]
+    order: tuple[int, ...]
     pos_axis: int = 1
     head_axis: int | None = None
 
@@ -88,9 +101,33 @@ def _patch_point(point: Point) -> PatchPoint:
     return PatchPoint(point.name, kind, landing_site(point), point.order, pos, head)
 
 
-def _parse_one(name, n_layers: int) -> list[PatchPoint]:
-    """The points one name stands for: a group word (every layer) or one registry point name."""
+def _sae_point(key: str, n_layers: int, saes) -> PatchPoint | None:
+    """The patch point of an SAE sub-point name (None for any other name): it lands where the SAE
+    writes, after that point's own tensor in forward order."""
+    got = sub_name(key, n_layers)
+    if got is None:
+        return None
+    prefix, sub = got
+    splices = {s.prefix: s for s in plan_splices(saes, n_layers)}
+    if prefix not in splices:
+        raise InputError(
+            f"hook point {key!r}: no SAE is attached at {prefix}; pass saes={{{prefix!r}: sae}} "
+            f"(attached: {sorted(splices) or 'none'})"
+        )
+    splice = splices[prefix]
+    kind = f"sae.{sub}"
+    pos, head = LAYOUT.get(kind, (1, None))
+    order = (*splice.write.order, 1 + SUB_POINTS.index(sub))
+    return PatchPoint(f"{prefix}.sae.{sub}", kind, landing_site(splice.write), order, pos, head)
+
+
+def _parse_one(name, n_layers: int, saes=None) -> list[PatchPoint]:
+    """The points one name stands for: a group word (every layer), one registry point name or an
+    SAE sub-point of ``saes``."""
     key = name.strip() if isinstance(name, str) else name
+    sae = _sae_point(key, n_layers, saes)
+    if sae is not None:
+        return [sae]
     if key == "resid":
         return [_patch_point(p) for p in parse_points("resid", n_layers)]
     if key in KINDS:
@@ -128,15 +165,16 @@ def _out_of_range(key, n_layers: int) -> str | None:
     )
 
 
-def parse_patch_points(model, sites) -> list[PatchPoint]:
-    """Hook points in forward order, de-duplicated (default: every residual site)."""
+def parse_patch_points(model, sites, saes=None) -> list[PatchPoint]:
+    """Hook points in forward order, de-duplicated (default: every residual site); ``saes`` (as
+    ``model.run`` takes them) make their sub-points patchable."""
     if sites is None:
         sites = ["resid"]
     elif isinstance(sites, (str, int)):
         sites = [s.strip() for s in sites.split(",")] if isinstance(sites, str) else [sites]
     points: dict[str, PatchPoint] = {}
     for s in sites:
-        for p in _parse_one(s, model.n_layers):
+        for p in _parse_one(s, model.n_layers, saes):
             points[p.name] = p
     if not points:
         raise InputError("no hook points given")
@@ -190,19 +228,37 @@ class Patch:
     head: int | None
 
 
-def make_patches(points: list[PatchPoint], cells: list[Cell], acts: dict[str, torch.Tensor]) -> list[Patch]:
-    """Every (point, cell, head) of one pair; heads counted on the activations ``acts`` (batch dropped)."""
+def make_patches(
+    points: list[PatchPoint], cells: list[Cell], acts: dict[str, torch.Tensor], features=None
+) -> list[Patch]:
+    """Every (point, cell, head) of one pair; heads counted on the activations ``acts`` (batch
+    dropped). ``features``: ``{point name: feature indices}`` for SAE feature points (default every
+    feature), checked against the SAE's width."""
     out = []
     for pt in points:
         heads = range(acts[pt.name].shape[pt.head_axis - 1]) if pt.per_head else [None]
+        if pt.kind == FEATURES and features and features.get(pt.name) is not None:
+            heads = _checked_features(pt.name, features[pt.name], len(heads))
         out += [Patch(pt, c, h) for c in cells for h in heads]
     return out
 
 
-def capture(model, ids: torch.Tensor, points: list[PatchPoint], *, grad: bool = False):
+def _checked_features(name: str, wanted, n: int) -> list[int]:
+    """Feature indices (Python or NumPy integers) within the SAE's width, de-duplicated in order."""
+    try:
+        got = [operator.index(j) for j in wanted if not isinstance(j, bool)]
+    except TypeError:
+        got = []
+    if not got or len(got) != len(wanted) or not all(0 <= j < n for j in got):
+        raise InputError(f"{name}: features must be indices 0..{n - 1} of the SAE's {n} features, got {list(wanted)!r}")
+    return list(dict.fromkeys(got))
+
+
+def capture(model, ids: torch.Tensor, points: list[PatchPoint], *, grad: bool = False, saes=None):
     """(activations by point name with the batch dropped; logits ``[1, pos, vocab]``; the Run).
-    With ``grad=True`` the activations are in the graph of the logits (for a backward)."""
-    run = model.run(ids, cache=[p.name for p in points], grad=grad)
+    With ``grad=True`` the activations are in the graph of the logits (for a backward); ``saes``
+    are spliced in as ``model.run`` splices them."""
+    run = model.run(ids, cache=[p.name for p in points], grad=grad, saes=saes)
     return {p.name: run[p.name][0] for p in points}, run.logits, run
 
 
@@ -255,8 +311,9 @@ def hooks_for(chunk: list[Patch], clean_acts: dict, n_pos: int, start: int) -> d
 
 def first_position(patch: Patch, reuse: bool) -> int:
     """The first position a patch changes (0 without prefix reuse): positions before it equal the
-    corrupted run, so a forward may start there."""
-    if not reuse or patch.cell.pos is None or patch.point.kind in FULL_KEYS:
+    corrupted run, so a forward may start there. SAE sub-points start at 0 (the shared prefix
+    path runs the transformers model without the splice)."""
+    if not reuse or patch.cell.pos is None or patch.point.kind in FULL_KEYS or patch.point.kind.startswith("sae."):
         return 0
     return patch.cell.pos
 
@@ -288,14 +345,15 @@ def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int):
     return past
 
 
-def patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict], n_rows: int, start: int):
+def patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict], n_rows: int, start: int, saes=None):
     """Logits of ``n_rows`` copies of ``ids`` with the hooks ``make_hooks(start)``. Positions before
     ``start`` (where no row is patched, so every row equals the corrupted run) come from one shared
     key/value cache and the logits cover positions ``start..`` only; without such a cache (or with
-    ``start`` 0) one plain ``model.run`` of every position."""
+    ``start`` 0) one plain ``model.run`` of every position, with ``saes`` spliced in. (A chunk with
+    an SAE patch starts at 0; the others may skip the splice: unedited, it changes no number.)"""
     past = _prefix_cache(model, ids, start, n_rows)
     if past is None:
-        return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0)).logits
+        return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0), saes=saes).logits
     mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
     with Engine(model, (), normalise_hooks(make_hooks(start), model.n_layers)):
         out = model.hf_model(

@@ -23,6 +23,8 @@ logit_diff, logit,         metric helpers (:class:`TokenMetric`); a ``(target, f
 prob, logprob              ``logit_diff(target, foil)``; any ``fn(logits) -> [batch]`` works too
 PATCH_COLUMNS              the column order of the tables (datasets add ``fraction_low``,
                            ``fraction_high``, ``n_pairs`` to the means, ``pair`` to the per-pair rows)
+FEATURE_COLUMNS            the same with ``feature`` after ``head``: tables that patch SAE features
+SaeOptions                 the keywords ``saes=`` and ``features=`` that patch SAE features
 =========================  =====================================================================
 
 Datasets. ``activation_patching(model, pairs)`` takes a list of :class:`PromptPair` (or dicts
@@ -41,6 +43,13 @@ model offers them) patched one head at a time; TransformerLens aliases
 (``blocks.l.hook_attn_out``, ``blocks.l.attn.hook_z``...), or a group word for every layer
 (``resid`` or a kind: ``heads``, ``z``, ``attn_out``...). Patterns and scores are patched a query
 row at a time and need prompts of the same length (their key axis).
+
+SAE features: with ``saes={"6.mlp": sae}`` (spliced into every forward, as ``model.run`` splices
+it) the sub-points ``6.mlp.sae.features``, ``.reconstruction`` and ``.error`` are sites too. The
+features are patched one at a time, the feature axis taking the head's place (a ``feature`` column
+holds the index, ``head`` is empty); ``features=[12, 40, 7]`` patches some, ``features="top:20"``
+the 20 with the largest mean ``|attribution|`` over pairs (:class:`SaeOptions`). Attribution per
+feature is AtP: ``(f_clean - f_corrupted) * d metric / d f``, the gradient through the decoder.
 
 Positions: ``"last"`` patches the last token only (clean and corrupted may differ in length: their
 last tokens are aligned), ``"all"`` every position at once, ``"each"`` one row per position
@@ -62,7 +71,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -101,6 +110,8 @@ __all__ = [
     "prob",
     "logprob",
     "PATCH_COLUMNS",
+    "FEATURE_COLUMNS",
+    "SaeOptions",
     "POSITIONS",
     "PAIR_KEYS",
 ]
@@ -123,18 +134,52 @@ PATCH_COLUMNS = [
     "fraction_recovered",
     "method",
 ]
-#: the columns naming one patch across pairs (what :func:`mean_over_pairs` groups by)
-PAIR_KEYS = ["point", "head", "position_name", "method"]
+#: the columns of a table that patches SAE features: ``feature`` (the index) after ``head``
+FEATURE_COLUMNS = [
+    *PATCH_COLUMNS[: PATCH_COLUMNS.index("head") + 1],
+    "feature",
+    *PATCH_COLUMNS[PATCH_COLUMNS.index("head") + 1 :],
+]
+#: the columns naming one patch across pairs (what :func:`mean_over_pairs` groups by; ``feature``
+#: only where the table has it)
+PAIR_KEYS = ["point", "head", "feature", "position_name", "method"]
+_TOP = "top:"
 
 
 @dataclass(frozen=True)
 class _Job:
-    """What one call patches: the points, the positions mode, the token budget, prefix reuse."""
+    """What one call patches: the points, the positions mode, the token budget, prefix reuse, the
+    SAEs spliced in and the features patched (``{point name: indices}``; None: every feature)."""
 
     points: list[runs.PatchPoint]
     positions: str
     batch_tokens: int = 2048
     reuse: bool = True
+    saes: object = None
+    features: dict | None = None
+
+
+@dataclass(frozen=True)
+class SaeOptions:
+    """The keywords that patch SAE features (``**sae`` of the patching functions).
+
+    ``saes``: ``{point: SAE}`` spliced into every forward (as ``model.run(saes=...)``), which makes
+    ``<point>.sae.features`` (and ``.reconstruction``, ``.error``) patchable ``sites``.
+    ``features``: which features of each ``sae.features`` site to patch: None (every one), a list
+    of indices, or ``"top:N"``: the N with the largest mean ``|attribution|`` over pairs and
+    positions (one forward and backward per pair first), largest first."""
+
+    saes: object = None
+    features: Sequence[int] | str | None = None
+
+    @classmethod
+    def of(cls, kw: dict) -> SaeOptions:
+        extra = sorted(set(kw) - {"saes", "features"})
+        if extra:
+            raise InputError(
+                f"unexpected keyword argument(s) {extra}: SAE features are patched with saes= and features="
+            )
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -166,11 +211,11 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     """Exact patching of one pair: chunks of rows, each with an unpatched row 0 it is measured against."""
     fn, k_ids = tp.metric, tp.corrupted_ids
     with torch.no_grad():
-        clean_acts, clean_logits, _ = runs.capture(model, tp.clean_ids, job.points)
-        corrupted_acts, corrupted_logits, _ = runs.capture(model, k_ids, job.points)
+        clean_acts, clean_logits, _ = runs.capture(model, tp.clean_ids, job.points, saes=job.saes)
+        corrupted_acts, corrupted_logits, _ = runs.capture(model, k_ids, job.points, saes=job.saes)
         clean_value, corrupted_value = float(fn(clean_logits)[0]), float(fn(corrupted_logits)[0])
     cells = runs.pair_cells(tp.clean_ids, k_ids, job.positions, tp.positions)
-    patches = runs.make_patches(job.points, cells, clean_acts)
+    patches = runs.make_patches(job.points, cells, clean_acts, job.features)
     same = [_unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches]
     todo = [i for i, s in enumerate(same) if not s]
     values = np.full(len(patches), corrupted_value)
@@ -183,7 +228,8 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
         chunk = [patches[order[r]] for r in rows]
         make = functools.partial(runs.hooks_for, chunk, clean_acts, n_pos)
         with torch.no_grad():
-            out = fn(runs.patched_logits(model, k_ids, make, len(chunk) + 1, start)).float().cpu().numpy()
+            lg = runs.patched_logits(model, k_ids, make, len(chunk) + 1, start, saes=job.saes)
+            out = fn(lg).float().cpu().numpy()
         values[[order[r] for r in rows]] = corrupted_value + (out[1:] - out[0])
         bar.update(len(rows))
     return _Result(tp, patches, values, clean_value, corrupted_value)
@@ -192,13 +238,13 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
 def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     """The first-order estimate for one pair: one clean forward, one corrupted forward and backward."""
     with torch.no_grad():
-        clean_acts, clean_logits, _ = runs.capture(model, tp.clean_ids, job.points)
+        clean_acts, clean_logits, _ = runs.capture(model, tp.clean_ids, job.points, saes=job.saes)
         clean_value = float(tp.metric(clean_logits)[0])
-    acts, logits, run = runs.capture(model, tp.corrupted_ids, job.points, grad=True)
+    acts, logits, run = runs.capture(model, tp.corrupted_ids, job.points, grad=True, saes=job.saes)
     value = tp.metric(logits)[0]
     value.backward()
     cells = runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions, tp.positions)
-    patches = runs.make_patches(job.points, cells, clean_acts)
+    patches = runs.make_patches(job.points, cells, clean_acts, job.features)
     est = np.empty(len(patches))
     for i, p in enumerate(patches):
         pt, c = p.point, p.cell
@@ -226,7 +272,9 @@ def _table(model, r: _Result, method: str) -> pd.DataFrame:
     df = site_frame([p.point.site for p in patches], model.n_layers)
     df["label"] = df["point"] = [p.point.name for p in patches]
     df["kind"] = [p.point.kind for p in patches]
-    df["head"] = pd.array([p.head for p in patches], dtype="Int64")
+    is_feature = [p.point.kind == runs.FEATURES for p in patches]
+    df["head"] = pd.array([None if f else p.head for p, f in zip(patches, is_feature)], dtype="Int64")
+    df["feature"] = pd.array([p.head if f else None for p, f in zip(patches, is_feature)], dtype="Int64")
     df["position"] = pd.array([p.cell.pos for p in patches], dtype="Int64")
     df["clean_position"] = pd.array([p.cell.cpos for p in patches], dtype="Int64")
     df["position_name"] = [p.cell.name for p in patches]
@@ -237,7 +285,7 @@ def _table(model, r: _Result, method: str) -> pd.DataFrame:
     df["clean_metric"], df["corrupted_metric"] = r.clean_value, r.corrupted_value
     df["fraction_recovered"] = pair_fraction(r.pair, r.clean_value, r.corrupted_value, df["metric"].to_numpy())
     df["method"] = method
-    return df[PATCH_COLUMNS]
+    return df[FEATURE_COLUMNS if any(is_feature) else PATCH_COLUMNS]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -251,6 +299,7 @@ def patch_pairs(
     metric=None,
     batch_tokens: int = 2048,
     reuse_prefix: bool = True,
+    **sae,
 ) -> pd.DataFrame:
     """Patching over a dataset of prompt pairs, one row per pair and patch (a ``pair`` column).
 
@@ -259,12 +308,15 @@ def patch_pairs(
     ``foil`` make its metric, ``metric`` serves the pairs without a target. ``method``:
     ``activation`` (exact) or ``attribution`` (the estimate); the other arguments as in
     :func:`activation_patching`. Pairs run one after the other, so memory holds one pair's
-    activations and one chunk of rows. :func:`mean_over_pairs` (``keys=PAIR_KEYS``) gives the means."""
+    activations and one chunk of rows. :func:`mean_over_pairs` (``keys=PAIR_KEYS``) gives the means.
+    ``saes=``, ``features=``: SAE features as patched sites (:class:`SaeOptions`)."""
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_number("batch_tokens", batch_tokens, maximum=TOKENS)
     runs.require_decoder(model)
-    job = _Job(runs.parse_patch_points(model, sites), str(positions), int(batch_tokens), bool(reuse_prefix))
+    opts = SaeOptions.of(sae)
+    points = runs.parse_patch_points(model, sites, opts.saes)
+    job = _Job(points, str(positions), int(batch_tokens), bool(reuse_prefix), opts.saes)
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     if job.positions in ("each", "all") and len({(tp.corrupted_ids.shape[1], bool(tp.positions)) for tp in tps}) > 1:
         if not all(tp.positions for tp in tps) or job.positions == "all":
@@ -272,6 +324,7 @@ def patch_pairs(
                 f"positions={job.positions!r} (--positions) over pairs of different token lengths: name the "
                 f"positions to patch in every pair (e.g. {{'S2': 9, 'END': -1}}) or patch the last position only"
             )
+    job = replace(job, features=_features(model, tps, job, opts.features))
     one = _activation_pair if method == "activation" else _attribution_pair
     tables = []
     with progress_bar(None, desc=f"{method} patching", unit="patch") as bar:  # closed on error too
@@ -286,6 +339,40 @@ def patch_pairs(
     out.attrs.update(model=str(model.name), metric=describe_metrics(tps), positions=job.positions, method=method)
     out.attrs["n_pairs"] = len(tps)
     return out
+
+
+class _Quiet:
+    """A progress bar that shows nothing (the attribution pass that ranks features)."""
+
+    total = 0
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _features(model, tps: list[TokenPair], job: _Job, features) -> dict | None:
+    """``{feature point: indices}`` of a ``features`` argument (None: every feature); ``"top:N"``
+    ranks each point's features by their mean ``|attribution|`` over pairs and positions."""
+    points = [p for p in job.points if p.kind == runs.FEATURES]
+    if features is None:
+        return None
+    if not points:
+        raise InputError("features= selects SAE features: name a site such as '6.mlp.sae.features' (and pass saes=)")
+    if not (isinstance(features, str) and features.startswith(_TOP)):
+        if isinstance(features, (str, int)) or not isinstance(features, Sequence):
+            raise InputError(f"features must be a list of feature indices or 'top:N', got {features!r}")
+        return {p.name: list(features) for p in points}
+    n = features[len(_TOP) :]
+    if not n.isdigit() or int(n) < 1:
+        raise InputError(f"features={features!r}: 'top:N' needs a positive whole number N, e.g. 'top:20'")
+    sub = replace(job, points=points, features=None)
+    scores: dict[str, dict[int, float]] = {p.name: {} for p in points}
+    for tp in tps:
+        r = _attribution_pair(model, tp, sub, _Quiet())
+        for p, v in zip(r.patches, r.values):
+            got = scores[p.point.name]
+            got[p.head] = got.get(p.head, 0.0) + abs(v - r.corrupted_value)
+    return {name: sorted(got, key=lambda j: -got[j])[: int(n)] for name, got in scores.items()}
 
 
 def _means(per_pair: pd.DataFrame) -> pd.DataFrame:
@@ -319,6 +406,7 @@ def activation_patching(
     *,
     batch_tokens: int = 2048,
     reuse_prefix: bool = True,
+    **sae,
 ) -> pd.DataFrame:
     """Patch clean activations into the corrupted run, one hook point (position, head) at a time.
 
@@ -339,8 +427,12 @@ def activation_patching(
     logits for those positions only, so it must read the last position (as the token metrics do).
     Pass ``reuse_prefix=False`` for a metric that reads earlier positions. Returns the tidy table
     described in the module docstring (``method = "activation"``).
+
+    SAE features: ``saes={"6.mlp": sae}`` splices the SAE into every forward and
+    ``sites="6.mlp.sae.features"`` patches its features one at a time (a ``feature`` column);
+    ``features=[12, 40, 7]`` or ``features="top:20"`` picks which (:class:`SaeOptions`).
     """
-    kw = dict(sites=sites, positions=positions, batch_tokens=batch_tokens, reuse_prefix=reuse_prefix)
+    kw = dict(sites=sites, positions=positions, batch_tokens=batch_tokens, reuse_prefix=reuse_prefix, **sae)
     if is_dataset(clean):
         if corrupted is not None:
             raise InputError("with a dataset of pairs as the first argument, give no corrupted prompt")
@@ -349,7 +441,13 @@ def activation_patching(
 
 
 def attribution_patching(
-    model, clean: Prompt | Sequence | str, corrupted: Prompt | None = None, metric=None, sites=None, positions="last"
+    model,
+    clean: Prompt | Sequence | str,
+    corrupted: Prompt | None = None,
+    metric=None,
+    sites=None,
+    positions="last",
+    **sae,
 ) -> pd.DataFrame:
     """The first-order estimate of :func:`activation_patching`, from gradients.
 
@@ -359,9 +457,10 @@ def attribution_patching(
     Same columns as :func:`activation_patching` with ``method = "attribution"`` and ``metric`` =
     corrupted value + estimate; a dataset of pairs gives the means over pairs in the same way.
     Exact for a metric linear in the activation; a screening tool otherwise: compare with exact
-    patching on the sites that matter.
+    patching on the sites that matter. ``saes=``, ``features=``: SAE features (AtP per feature:
+    ``(f_clean - f_corrupted) * d metric / d f``), as in :func:`activation_patching`.
     """
-    kw = dict(sites=sites, positions=positions, method="attribution")
+    kw = dict(sites=sites, positions=positions, method="attribution", **sae)
     if is_dataset(clean):
         if corrupted is not None:
             raise InputError("with a dataset of pairs as the first argument, give no corrupted prompt")

@@ -1,7 +1,7 @@
 """Hook points: the one registry of every tensor the hook engine can read and replace.
 
 Beside the ``2L + 1`` residual sites (:mod:`depthscope.hooks.sites`), each block ``l`` offers
-twelve points below the stream. ``REGISTRY`` lists them all, in forward order within block ``l``:
+thirteen points below the stream. ``REGISTRY`` lists them all, in forward order within block ``l``:
 
 ==============  ======================================  ===============================  ==========  ============
 name            tensor                                  TransformerLens alias            module      capture
@@ -43,6 +43,9 @@ name            tensor                                  TransformerLens alias   
                 [batch, pos, d_model]
 ``l.attn``      stream after the attention write        blocks.l.hook_resid_mid          attn_site   resid_mid
                 (resid_mid)
+``l.mlp_in``    the MLP's input (after the pre-MLP      blocks.l.ln2.hook_normalized     mlp         block_input
+                norm in pre-norm models; what a
+                transcoder reads) [batch, pos, d_model]
 ``l.neurons``   MLP hidden activation feeding its       blocks.l.mlp.hook_post           down_proj   input
                 output projection [batch, pos, d_mlp]
 ``l.mlp_out``   MLP write into the stream               blocks.l.hook_mlp_out            mlp_write   output
@@ -121,6 +124,7 @@ REGISTRY: tuple[PointSpec, ...] = (
     PointSpec("proj_out", "o_proj", "output", public=False),
     PointSpec("attn_out", "attn_write", "output", "hook_attn_out"),
     PointSpec("attn", "attn_site", "resid_mid", "hook_resid_mid"),
+    PointSpec("mlp_in", "mlp", "block_input", "ln2.hook_normalized"),
     PointSpec("neurons", "down_proj", "input", "mlp.hook_post"),
     PointSpec("mlp_out", "mlp_write", "output", "hook_mlp_out"),
     PointSpec("mlp", "blocks", "output", "hook_resid_post"),

@@ -7,7 +7,11 @@ def check_options(group, words: list[str], where: str) -> None:
     """``words`` (``["depthscope", NAME, ...]``) uses only options that ``depthscope NAME`` has,
     and gives each of its required options."""
     name, line = words[1], " ".join(words)
-    params = group.commands[name].params
+    command = group.commands[name]
+    if hasattr(command, "commands"):  # a group (``depthscope sae train``): its sub-command's options
+        command, name = command.commands[words[2]], f"{name} {words[2]}"
+        words = words[1:]
+    params = command.params
     known = {o for p in params for o in (*p.opts, *p.secondary_opts)}
     used = {w.split("=")[0] for w in words[2:] if w.startswith("-")}
     assert used <= known, f"{where}: `depthscope {name}` has no option {sorted(used - known)}: {line}"

@@ -164,6 +164,15 @@ def test_depthscope_lines_name_real_commands_and_options():
         check_options(group, words, where)
 
 
+def _command_and_args(group, words: list[str]):
+    """The click command a ``depthscope ...`` line runs and its arguments (a group's sub-command:
+    ``depthscope sae train ...``)."""
+    cmd, args = group.commands[words[1]], words[2:]
+    if hasattr(cmd, "commands"):
+        cmd, args = cmd.commands[words[2]], words[3:]
+    return cmd, args
+
+
 def test_files_read_by_shell_lines_ship_or_are_written_first():
     from depthscope.probes import sample_data
 
@@ -195,9 +204,9 @@ def test_files_read_by_shell_lines_ship_or_are_written_first():
                 assert set(words[1:]) <= targets, f"{where}: `{line}`; Makefile targets: {sorted(targets)}"
             if words[0] != "depthscope" or len(words) < 2 or words[1].startswith("-"):
                 continue
-            cmd = group.commands[words[1]]
+            cmd, args = _command_and_args(group, words)
             try:
-                values = command_values(cmd, words[2:])
+                values = command_values(cmd, args)
             except AssertionError as e:
                 raise AssertionError(f"{where}: {e}: {line}") from None
             outputs = []

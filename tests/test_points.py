@@ -148,6 +148,7 @@ def test_names_aliases_and_order():
     assert parse_point("blocks.2.attn.hook_result", 4) == Point("heads", 2)
     assert parse_point("blocks.1.hook_attn_out", 4) == Point("attn_out", 1)
     assert parse_point("blocks.1.mlp.hook_post", 4) == Point("neurons", 1)
+    assert parse_point("blocks.1.ln2.hook_normalized", 4) == Point("mlp_in", 1)
     assert parse_point("blocks.1.hook_mlp_out", 4) == Point("mlp_out", 1)
     assert parse_point("blocks.1.hook_resid_pre", 4) == Point("mlp", 0)
     assert parse_point("blocks.0.hook_resid_pre", 4) == Point("embed", -1)
@@ -170,6 +171,7 @@ def test_names_aliases_and_order():
         "0.heads",
         "0.attn_out",
         "0.attn",
+        "0.mlp_in",
         "0.neurons",
         "0.mlp_out",
         "0.mlp",
@@ -184,6 +186,7 @@ def test_names_aliases_and_order():
         "1.heads",
         "1.attn_out",
         "1.attn",
+        "1.mlp_in",
         "1.neurons",
         "1.mlp_out",
         "1.mlp",

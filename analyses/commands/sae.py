@@ -1,0 +1,57 @@
+"""``depthscope sae train``: a TopK sparse autoencoder at one hook point, trained on a text's
+activations and saved in SAELens's layout; the options are the fields of
+:class:`~depthscope.analyses.sae_train.SaeTrainConfig`, the work is
+:func:`depthscope.analyses.jobs.sae.sae_train_job`."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.jobs import Output
+from depthscope.analyses.sae_train import SaeTrainConfig
+from depthscope.common.settings import build
+
+EXTRA = (
+    opt("--site -s", ..., "Hook point to train at: a residual site ('6.mlp', 13) or any point ('6.mlp_out').", str),
+    opt("--keep-activations", False, "Keep the activation stores and the checkpoint in OUT after training."),
+)
+TRAIN = options(
+    "site text model device dtype out latents k tokens eval_tokens epochs batch_size lr dead_tokens seed "
+    "keep_activations per_line threads force",
+    SaeTrainConfig,
+    extra=EXTRA,
+)
+
+
+def train(o) -> None:
+    """Train a TopK SAE at SITE on the activations of TEXT and write it to OUT/sae (cfg.json +
+    sae_weights.safetensors: sae_lens.SAE.load_from_disk and depthscope.hooks.load_sae read it),
+    with sae_metrics (variance explained, L0, dead latents, next-token loss clean / with the
+    reconstruction spliced in / mean-ablated, loss recovered; held-out documents, position 0 left
+    out) and sae_training (the loss per step) as Parquet and CSV. A killed run resumes."""
+    from depthscope.analyses.jobs.sae import sae_train_job  # lazy: the job imports torch
+    from depthscope.analyses.text import read_documents  # lazy: imports torch
+
+    set_threads(o.threads)
+    console = Console(stderr=True)
+    docs = read_documents(o.text, per_line=o.per_line)
+    cfg = build(SaeTrainConfig, o, progress=True)
+    prepare_out(o.out, "sae-train", {"model": o.model or "default", "text": str(o.text), "site": o.site}, o.force)
+    m = load_model(o)
+    console.print(repr(m))
+    res = sae_train_job(m, docs, o.site, cfg, Output(o.out), keep_activations=o.keep_activations)
+    row = res.metrics.iloc[0]
+    console.print(
+        f"variance explained {row.variance_explained:.3f}, L0 {row.l0:.1f}, dead {row.dead_fraction:.1%}, "
+        f"loss recovered {row.loss_recovered:.3f}"
+    )
+    Console().print(f"wrote {o.out / 'sae'} and " + ", ".join(p.name for p in res.files[1:]))
+
+
+def register(app: typer.Typer) -> None:
+    sae = typer.Typer(name="sae", help="Sparse autoencoders: train one at a hook point.", no_args_is_help=True)
+    command(sae, "train", TRAIN)(train)
+    app.add_typer(sae, name="sae")
