@@ -33,6 +33,11 @@ sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logit
 and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default), never by
 the corpus length.
 
+Precision: a bfloat16 (or float16) model is run and decoded in its own dtype (streams, final
+norm, unembedding matmul), a 16 MB block of logits at a time copied into the float32 buffers
+(:meth:`~depthscope.hooks.unembed.Unembed.project_into`); every statistic is reduced in float32
+there and summed per site in float64.
+
 Uncertainty: every mean comes with a 95% interval that treats each document as one cluster
 (tokens of a text are correlated, so a per-token standard error would be too narrow); the
 clusters' sums come from the same per-position metrics, no extra pass

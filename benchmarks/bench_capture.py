@@ -99,14 +99,15 @@ def memory_arm(arm: str, batch: int, tokens: int) -> dict:
     return {"extra": m["extra"], "peak": m["peak"], "result_bytes": result, "hwm_reset": m["hwm_reset"]}
 
 
-def matmul_rate(d: int, rows: int, settings: Settings, seconds: float = 0.5) -> float:
-    """FLOP/s of a float32 ``[rows, d] @ [d, 4d]`` matmul (the MLP's shape) on this machine, now:
-    the best of repeated runs for ``seconds``, on the clock the arms are timed with."""
+def matmul_rate(d: int, rows: int, settings: Settings, seconds: float = 0.5, dtype: str = "float32") -> float:
+    """FLOP/s of a ``[rows, d] @ [d, 4d]`` matmul (the MLP's shape) in ``dtype`` on this machine,
+    now: the best of repeated runs for ``seconds``, on the clock the arms are timed with."""
     import torch
 
     clock = time.process_time if settings.clock == "cpu" else time.perf_counter
-    a, b = torch.randn(rows, d), torch.randn(d, 4 * d)
-    out = torch.empty(rows, 4 * d)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(rows, d, dtype=dt), torch.randn(d, 4 * d, dtype=dt)
+    out = torch.empty(rows, 4 * d, dtype=dt)
     torch.mm(a, b, out=out)
     best, t_end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < t_end:

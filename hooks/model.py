@@ -28,6 +28,7 @@ from depthscope.hooks.generate import generate as _generate
 from depthscope.hooks.points import Point, parse_point
 from depthscope.hooks.run import Run, is_left_padded, position_ids, row_positions
 from depthscope.hooks.run import run as _run
+from depthscope.hooks.sae_splice import generate_with_saes, run_with_saes
 from depthscope.hooks.sites import parse_site, parse_sites, site_frame, site_labels
 from depthscope.hooks.unembed import Unembed
 
@@ -285,13 +286,26 @@ class HookedModel:
         grad: bool = False,
         padding_side: str = "right",
         mask: torch.Tensor | None = None,
+        saes=None,
+        keep_error: bool = True,
+        **to_disk,
     ) -> Run:
         """One forward that caches and intervenes at any hook point (residual sites, ``l.pattern``,
         ``l.z``, ``l.heads``, ``l.attn_out``, ``l.neurons``, ``l.mlp_out``; TransformerLens
         aliases too). ``cache``: names, ``"all"``, ``"resid"`` or None; ``hooks``: {name: fn(tensor,
         ctx) -> replacement or None}; ``grad=True`` keeps the graph (``run.grad(name)``). See
-        :mod:`depthscope.hooks.run`."""
-        return _run(self, inputs, cache=cache, hooks=hooks, grad=grad, padding_side=padding_side, mask=mask)
+        :mod:`depthscope.hooks.run`. ``saes``: {point: SAE} spliced in, adding the points
+        ``<point>.sae.features``, ``.sae.reconstruction``, ``.sae.error`` (see
+        :mod:`depthscope.hooks.sae_splice`; ``keep_error=False`` runs on the reconstruction).
+        ``cache_to=DIR`` (the one other keyword): the cached points of every token of the documents
+        ``inputs`` are written to disk chunk by chunk and the store is returned
+        (:mod:`depthscope.hooks.activation_cache`)."""
+        kw = dict(cache=cache, hooks=hooks, grad=grad, padding_side=padding_side, mask=mask)
+        if to_disk:
+            return _run_to_disk(self, inputs, saes, kw, **to_disk)
+        if saes:
+            return run_with_saes(_run, self, inputs, saes=saes, keep_error=keep_error, **kw)
+        return _run(self, inputs, **kw)
 
     def generate(
         self,
@@ -302,21 +316,19 @@ class HookedModel:
         cache=None,
         padding_side: str = "left",
         mask: torch.Tensor | None = None,
+        saes=None,
+        keep_error: bool = True,
         **generation_kwargs,
     ) -> Generation:
         """Greedy (or any transformers ``generate`` setting) continuation of ``prompts`` with
         ``hooks`` at every step (``cache`` keeps points per step); returns the new tokens and text.
-        See :mod:`depthscope.hooks.generate`."""
-        return _generate(
-            self,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            hooks=hooks,
-            cache=cache,
-            padding_side=padding_side,
-            mask=mask,
-            **generation_kwargs,
-        )
+        See :mod:`depthscope.hooks.generate`. ``saes`` as in :meth:`run`, at every step."""
+        kw = dict(max_new_tokens=max_new_tokens, padding_side=padding_side, mask=mask, **generation_kwargs)
+        if saes:
+            return generate_with_saes(
+                _generate, self, prompts, saes=saes, keep_error=keep_error, cache=cache, hooks=hooks, **kw
+            )
+        return _generate(self, prompts, hooks=hooks, cache=cache, **kw)
 
     # ------------------------------------------------------------------ capture
     def residual_stream(
@@ -402,6 +414,15 @@ class HookedModel:
         return arch.ln2[layer] if arch.layout == "sequential" else None
 
 
+def _run_to_disk(model, inputs, saes, kw: dict, cache_to=None, **unknown):
+    """``model.run(..., cache_to=DIR)`` (:func:`depthscope.hooks.run.cache_run`); refuses other keywords."""
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword arguments {sorted(unknown)}")
+    if saes:
+        raise InputError("cache_to with saes is not supported: cache the SAE's input points, or run without cache_to")
+    return _run(model, inputs, cache_to=cache_to, **kw)
+
+
 def _flat_positions(positions, ids: torch.Tensor) -> torch.Tensor | None:
     """``positions`` of :meth:`HookedModel.residual_stream` (a bool ``[batch, pos]`` mask or flat
     indices ``b * pos + p``) as checked flat indices, or None (keep every position)."""
@@ -458,8 +479,15 @@ def _logits_of(out) -> torch.Tensor:
 
 def refuse_non_finite(resid: torch.Tensor, labels: list[str]) -> None:
     # one reduction, no full-size boolean tensor: NaN/inf propagate into the sum (a finite
-    # overflow only sends us to the exact check below, which then finds nothing)
-    if bool(torch.isfinite(resid.sum(dtype=torch.float32))):
+    # overflow only sends us to the exact check below, which then finds nothing). The sum runs in
+    # the stream's own dtype when it has float32's range (bfloat16 too): on the CPU,
+    # sum(dtype=float32) of a bfloat16 tensor first makes a float32 copy of all of it (2x the
+    # result); float16 (range 65504) is summed per site in float32, one site's copy at a time.
+    if resid.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        total = resid.sum()
+    else:
+        total = torch.stack([r.sum(dtype=torch.float32) for r in resid.flatten(1)]).sum()
+    if bool(torch.isfinite(total)):
         return
     bad = (~torch.isfinite(resid)).flatten(2).any(-1)  # [site, batch (or position)]
     for i, lab in enumerate(labels):

@@ -9,6 +9,8 @@
 offers                 what
 =====================  =====================================================================
 :func:`run`            one forward with ``cache`` (names, ``"all"``, ``"resid"``) and ``hooks``
+:func:`cache_run`      ``run(..., cache_to=DIR)``: every token's points written to disk in
+                       chunks (:mod:`depthscope.hooks.activation_cache`), the store returned
 :class:`Run`           ``.logits``, ``.mask``, ``.positions``, ``run[name]`` (aliases too),
                        ``.grad(name)``, ``.stack(names)``
 :class:`HookContext`   what a hook receives beside the tensor (also the point's name, a ``str``;
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.hooks.activation_cache import Activations, write_activations
 from depthscope.hooks.engine import Engine, HookContext, HookFn, Hooks, State, normalise_hooks
 from depthscope.hooks.points import parse_point, parse_points
 
@@ -58,6 +61,7 @@ __all__ = [
     "Hooks",
     "PADDING_SIDES",
     "Run",
+    "cache_run",
     "is_left_padded",
     "position_ids",
     "row_positions",
@@ -148,9 +152,13 @@ def run(
     grad: bool = False,
     padding_side: str = "right",
     mask: torch.Tensor | None = None,
-) -> Run:
+    cache_to=None,
+) -> Run | Activations:
     """One forward of ``model`` (a HookedModel) caching ``cache`` (names, ``"all"``, ``"resid"``
-    or None) with ``hooks`` ({name: fn}); see the module docstring."""
+    or None) with ``hooks`` ({name: fn}); see the module docstring. ``cache_to`` (a folder):
+    write the points of every token to disk instead, chunk by chunk (:func:`cache_run`)."""
+    if cache_to is not None:
+        return cache_run(model, inputs, cache=cache, hooks=hooks, grad=grad, mask=mask, cache_to=cache_to)
     if padding_side not in PADDING_SIDES:
         raise InputError(f"padding_side must be one of {PADDING_SIDES}, got {padding_side!r}")
     ids, mask = model._prepare(inputs, mask, padding_side=padding_side)
@@ -186,3 +194,18 @@ def run(
         cache={k: att.store[k] for k in order if k in att.store},
         _grads=att.grad_src,
     )
+
+
+def cache_run(
+    model, inputs, *, cache=None, hooks: Hooks = None, grad: bool = False, mask=None, cache_to
+) -> Activations:
+    """``run(model, texts, cache=..., cache_to=DIR)``: the points ``cache`` (default ``"resid"``)
+    of every real token of the documents ``inputs`` (a list of strings), computed a chunk of
+    documents at a time and written to the store ``DIR``
+    (:func:`~depthscope.hooks.activation_cache.write_activations`; a re-run resumes it). Returns
+    the store, opened (:func:`~depthscope.hooks.activation_cache.open_activations`)."""
+    if grad:
+        raise InputError("cache_to writes activations to disk: no gradient is kept (leave grad=False)")
+    if mask is not None or isinstance(inputs, torch.Tensor):
+        raise InputError("cache_to takes documents as strings (each is tokenized alone, only its own tokens kept)")
+    return write_activations(model, inputs, "resid" if cache is None else cache, cache_to, hooks=hooks)

@@ -19,7 +19,8 @@ head. Every analysis that turns a stream into logits goes through it.
 ==================================  =============================================================
 
 Precision (a fixed rule, never a measurement): logits are computed in the weights' dtype and
-written into a float32 buffer by :meth:`Unembed.project_into`; nothing switches to a lower
+written into a float32 buffer by :meth:`Unembed.project_into` (a block of rows at a time when
+the dtypes differ, so a bfloat16 model never holds a second full-size logits copy); nothing switches to a lower
 precision on its own. The tuned lens's trainer may multiply in bfloat16 when asked
 (``matmul_dtype``), which :meth:`Unembed.matmul_weight` provides.
 
@@ -40,6 +41,10 @@ from torch import nn
 
 from depthscope.common.digest import digest_tensors
 from depthscope.common.errors import UnsupportedArchitecture
+
+#: :meth:`Unembed.project_into` with a buffer of another dtype (a bfloat16 model's logits into a
+#: float32 buffer) computes this many bytes of logits at a time, never a second full-size copy
+PROJECT_BLOCK_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -194,8 +199,10 @@ class Unembed:
             if self.softcap:
                 c = float(self.softcap)
                 out.div_(c).tanh_().mul_(c)
-        else:  # another dtype or an unusual head module
-            out.copy_(self.project(x))
+        else:  # another dtype (a bfloat16 model, a float32 buffer) or an unusual head module
+            step = max(1, PROJECT_BLOCK_BYTES // max(1, out.shape[-1] * x.element_size()))
+            for start in range(0, x.shape[0], step):  # one block's logits in the weights' dtype at a time
+                out[start : start + step].copy_(self.project(x[start : start + step]))
         return out
 
     def matmul_weight(self, dtype: torch.dtype) -> torch.Tensor:

@@ -72,6 +72,7 @@ def _required(command):
         "lens-train": ["--text", "x.txt"],
         "sweep": ["--analysis", "probe", "--out", "o"],
         "toy-series": ["--out", "o"],
+        "cache": ["--text", "x.txt", "--out", "o"],
     }.get(command, [])
 
 

@@ -5,7 +5,8 @@
                                 slice as its own store (:func:`~.activations.extract_spans`), in
                                 this process or as Ray tasks; a re-run skips finished shards
 :class:`ShardedFeats`           the shards' memmaps as one ``[n_rows, n_sites, d]`` array for
-                                row indexing (reads only the rows asked for: streaming)
+                                row indexing (reads only the rows asked for: streaming); the
+                                shard format's core, :mod:`depthscope.common.shards`
 :func:`slice_spans`             the passages and spans of one slice, passage indices re-based
 ==============================  ================================================================
 
@@ -22,7 +23,6 @@ reads each batch's rows from the memmaps.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -32,58 +32,9 @@ import numpy as np
 
 from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError
-from depthscope.common.files import atomic_text
+from depthscope.common.shards import ShardedFeats, _read_rows, write_manifest  # noqa: F401  (public here too)
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
 from depthscope.probes.store.activations import SpanStore, _open, _store_key, extract_spans
-
-
-class ShardedFeats:
-    """Rows of several ``[n_i, S, D]`` arrays as one ``[sum n_i, S, D]`` array (integer indexing)."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-        sizes = np.array([len(p) for p in parts], dtype=np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self.shape = (int(self.offsets[-1]), *parts[0].shape[1:])
-        self.dtype = parts[0].dtype
-        self.nbytes = int(sum(p.nbytes for p in parts))
-        self.ndim = 3
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __array__(self, dtype=None, copy=None):
-        out = np.concatenate([np.asarray(p) for p in self.parts])
-        return out if dtype is None else out.astype(dtype)
-
-    def __getitem__(self, idx):
-        idx = np.asarray(idx, dtype=np.int64)
-        flat = idx.reshape(-1)
-        which = np.searchsorted(self.offsets, flat, side="right") - 1
-        out = np.empty((len(flat), *self.shape[1:]), dtype=self.dtype)
-        for k in np.unique(which):
-            sel = which == k
-            rows, inverse = np.unique(flat[sel] - self.offsets[k], return_inverse=True)
-            out[sel] = _read_rows(self.parts[k], rows)[inverse]
-        return out.reshape(*idx.shape, *self.shape[1:])
-
-
-def _read_rows(part, rows: np.ndarray) -> np.ndarray:
-    """``part[rows]`` (``rows`` sorted, unique). A memmap is read with ``os.pread``, runs of
-    consecutive rows in one call, rather than through the mapping: the pages read stay in the
-    OS page cache instead of this process's resident memory, which would otherwise grow with
-    every row ever read (the store's whole size after one epoch)."""
-    if not isinstance(part, np.memmap) or part.filename is None:
-        return np.asarray(part[rows])
-    row_shape = part.shape[1:]
-    row_bytes = int(np.prod(row_shape)) * part.dtype.itemsize
-    out = np.empty((len(rows), *row_shape), dtype=part.dtype)
-    cut = np.nonzero(np.diff(rows) != 1)[0] + 1
-    with open(part.filename, "rb") as f:
-        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [len(rows)]])):
-            buf = os.pread(f.fileno(), int(b - a) * row_bytes, part.offset + int(rows[a]) * row_bytes)
-            out[a:b] = np.frombuffer(buf, dtype=part.dtype).reshape(int(b - a), *row_shape)
-    return out
 
 
 def slice_spans(tok: Tokenized, table: SpanTable, lo: int, hi: int) -> tuple[Tokenized, SpanTable]:
@@ -132,7 +83,8 @@ def _write_missing(model, slices: list, missing: list, store_dir: Path, engine, 
 
 
 def _write_manifest(store_dir: Path, keys: list, bounds: np.ndarray, missing: list) -> dict:
-    """``<key>.manifest.json``, written atomically: the shards in span order (key and span
+    """``<key>.manifest.json``, written atomically with its own checksum
+    (:func:`~depthscope.common.shards.write_manifest`): the shards in span order (key and span
     range) and which were reused; returns it."""
     key = hashlib.sha256("|".join(keys).encode()).hexdigest()[:24]
     manifest = {
@@ -141,8 +93,7 @@ def _write_manifest(store_dir: Path, keys: list, bounds: np.ndarray, missing: li
         "shards": [{"key": k, "spans": [int(a), int(b)]} for k, a, b in zip(keys, bounds[:-1], bounds[1:])],
         "reused": [i for i in range(len(keys)) if i not in missing],
     }
-    atomic_text(store_dir / f"{key}.manifest.json", json.dumps(manifest, indent=1))
-    return manifest
+    return write_manifest(store_dir / f"{key}.manifest.json", manifest)
 
 
 def _joined(store_dir: Path, shards: list, manifest: dict, reused: bool) -> SpanStore:

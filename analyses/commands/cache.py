@@ -1,0 +1,57 @@
+"""``depthscope cache``: the activations of every token of a text file written to disk, in chunks;
+the options are the fields of :class:`~depthscope.analyses.jobs.configs.CacheConfig`, the work is
+:func:`depthscope.analyses.jobs.cache.cache_job`."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.jobs.configs import CacheConfig
+from depthscope.common.settings import build
+
+WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
+CACHE = options(
+    "text points out model device dtype chunk_tokens max_docs whole_file threads force",
+    CacheConfig,
+    extra=(WHOLE_FILE,),
+    helps={
+        "out": "Folder of the activation cache (an unfinished one of the same run is resumed).",
+        "force": "Replace an activation cache of another run (model, text or points) in --out.",
+    },
+    required="out",
+)
+
+
+def cache(o) -> None:
+    """Write the activations at POINTS of every token of TEXT to an activation cache in OUT.
+
+    Documents (one per non-blank line) run through the model a chunk at a time; each chunk's
+    points are written as float32 .npy shards with their sha256 in OUT/manifest.json, which is
+    rewritten after every chunk, so a killed run resumes from its last complete chunk. Read it
+    with depthscope.hooks.open_activations(OUT) (point -> \\[tokens, ...] memory-mapped arrays and
+    the index of document, position, token), or with numpy alone (docs/cache.md).
+    """
+    from depthscope.analyses.jobs.cache import cache_job, summary_table  # lazy: the job imports torch
+    from depthscope.analyses.text import read_documents  # lazy: imports torch
+
+    set_threads(o.threads)
+    docs = read_documents(o.text, per_line=not o.whole_file)
+    cfg = build(CacheConfig, o, progress=True)
+    identity = {
+        "model": o.model or "default",
+        "text": str(o.text),
+        "points": cfg.points,
+        "chunk_tokens": cfg.chunk_tokens,
+    }
+    prepare_out(o.out, "cache", identity, o.force)
+    m = load_model(o)
+    Console(stderr=True).print(repr(m))
+    _, summary = cache_job(m, docs, cfg, o.out, overwrite=o.force)
+    Console().print(summary_table(summary))
+
+
+def register(app: typer.Typer) -> None:
+    command(app, "cache", CACHE)(cache)

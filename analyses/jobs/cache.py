@@ -1,0 +1,59 @@
+"""The cache job: the activations of every token of a text written to an activation cache.
+
+==========================  =====================================================================
+:func:`cache_job`           the hook points of ``CacheConfig.points`` of every token of the
+                            documents into a folder (:func:`~depthscope.hooks.activation_cache.
+                            write_activations`, resuming an unfinished one); returns the store
+                            and a summary
+:func:`summary_table`       the console table of its summary (``depthscope cache`` prints it)
+==========================  =====================================================================
+
+Its settings are :class:`~depthscope.analyses.jobs.configs.CacheConfig`; the store's layout is in
+``docs/cache.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from depthscope.analyses.jobs.configs import CacheConfig
+from depthscope.hooks.activation_cache import Activations, CacheSettings, write_activations
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cache_job(
+    model, docs: Sequence[str], config: CacheConfig, out, overwrite: bool = False
+) -> tuple[Activations, dict]:
+    """``config.points`` of every token of ``docs`` (the first ``config.max_docs``) written to the
+    activation cache ``out`` (``overwrite``: replace a cache of another run there); returns the
+    store and its summary (documents, tokens, points, chunks, bytes on disk)."""
+    docs = list(docs)[: config.max_docs] if config.max_docs else list(docs)
+    settings = CacheSettings(chunk_tokens=config.chunk_tokens, progress=config.progress, overwrite=overwrite)
+    acts = write_activations(model, docs, config.points, out, settings=settings)
+    summary = {
+        "model": str(model.name),
+        "folder": str(acts.path),
+        "documents": acts.n_documents,
+        "tokens": acts.n_tokens,
+        "points": len(acts),
+        "chunks": len(acts.manifest["chunks"]),
+        "bytes": _disk_bytes(acts.path),
+    }
+    return acts, summary
+
+
+def summary_table(summary: dict) -> Table:
+    """The console table of a cache job's summary."""
+    t = Table("quantity", "value", title=f"activation cache of {summary['model']}")
+    t.add_row("folder", summary["folder"])
+    t.add_row("documents / tokens", f"{summary['documents']} / {summary['tokens']}")
+    t.add_row("points / chunks", f"{summary['points']} / {summary['chunks']}")
+    t.add_row("size on disk", f"{summary['bytes'] / 2**20:.1f} MiB")
+    return t
