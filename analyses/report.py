@@ -99,7 +99,15 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
         say(f"probes: {', '.join(inputs.tasks)}")
         probe_result = run_probe_job(model, inputs.probe_job, output, progress=progress)
     meta["probe_precision"] = probe_result.summary["precision"]
+    if cfg.causal:
+        from depthscope.analyses.jobs.causal import report_causal  # lazy: only --causal pays for concept_erasure
+
+        with clock("causal"):
+            say(f"causal: LEACE erasure per site, loss on {cfg.causal_tokens} held-out tokens")
+            report_causal(model, inputs.probe_job, cfg.causal_tokens, output, progress=progress)
     meta["seconds"] = clock.seconds()
+    meta["cpu_seconds"] = clock.cpu_seconds()
+    meta["protocol"] = _protocol(cfg)
     atomic_text(out / "run.json", json.dumps(meta, indent=1))
     say("writing report")
     path = render_report(out)
@@ -148,6 +156,18 @@ def _run_meta(model, cfg: ReportConfig, inputs: _Inputs) -> dict:
     }
 
 
+def _protocol(cfg: ReportConfig) -> str:
+    """One sentence on the probe settings the run used (the report's introduction can quote it):
+    the full protocol unless a setting was changed, and how the fast path was checked."""
+    p = cfg.probe
+    return (
+        f"Probe settings: l2 {p.l2}, stack_draws {p.stack_draws}, stack_folds {p.stack_folds}, "
+        f"stack_l2 {p.stack_l2:g}, control {'on' if p.control else 'off'}, max_epochs {p.max_epochs}, "
+        f"precision {p.precision} (the defaults are the full protocol; benchmarks/bench_main_job.py checks that "
+        f"each task's E_Delta agrees within 0.1 block with a run of the full protocol before its speed-ups)."
+    )
+
+
 def _lens(model, cfg: ReportConfig, texts: Sequence[str], output: Output, say: _Say) -> None:
     """The logit lens over the first ``cfg.lens_tokens`` tokens of ``texts``."""
     docs = _cap_texts(texts, model.tokenizer, cfg.lens_tokens)
@@ -187,22 +207,31 @@ class _Say:
 
 
 class _Clock:
-    """Wall-clock seconds of each named step of the run, and the total since construction."""
+    """Wall-clock and CPU seconds (this process's, all threads) of each named step of the run,
+    and the totals since construction."""
 
     def __init__(self):
-        self.start = time.time()
+        self.start, self.cpu_start = time.time(), time.process_time()
         self.steps: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        t = time.time()
+        t, c = time.time(), time.process_time()
         yield
         self.steps[name] = time.time() - t
+        self.cpu[name] = time.process_time() - c
 
     def seconds(self) -> dict[str, float]:
         """Each step's seconds and the total, rounded to a tenth (as ``run.json`` records them)."""
         out = {k: round(v, 1) for k, v in self.steps.items()}
         out["total"] = round(time.time() - self.start, 1)
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Each step's CPU seconds and the total, rounded to a tenth (``run.json``'s ``cpu_seconds``)."""
+        out = {k: round(v, 1) for k, v in self.cpu.items()}
+        out["total"] = round(time.process_time() - self.cpu_start, 1)
         return out
 
 

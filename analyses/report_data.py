@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.analyses.report_findings import lens_findings, norm_findings, probe_findings, probe_table
+from depthscope.analyses.report_findings import (
+    causal_findings,
+    lens_findings,
+    norm_findings,
+    probe_findings,
+    probe_table,
+)
 from depthscope.analyses.tables import read_table
 from depthscope.probes.corpora.tasks import pipeline_rank
 
@@ -55,6 +61,13 @@ FIGURES = [
         ],
     ),
 ]
+
+#: the "Encoded vs used" section, after the probes' and only when the run wrote ``causal`` (``run --causal``)
+CAUSAL = (
+    "causal",
+    "Encoded vs used: causal erasure per depth",
+    [("causal_encoded_used.png", "Probe accuracy before and after LEACE erasure, and the loss its erasure costs")],
+)
 
 #: the anchor of the closing "Tables" section (the same in HTML and in GitHub's markdown)
 TABLES_ID = "tables"
@@ -196,6 +209,11 @@ def build_page(out: str | Path) -> Page:
         )
         for key, title, figs in FIGURES
     ]
+    causal = _load(out, "causal")
+    if causal is not None:
+        key, title, figs = CAUSAL
+        figs = [figure(out, png, cap) for png, cap in figs if (out / png).is_file()]
+        sections.insert(1, Section(key, title, slug(title), causal_findings(causal), figures=figs))
     csvs = ", ".join(sorted(p.name for p in out.glob("*.csv")))
     return Page(
         title=f"depthscope report: {run.meta.get('model', 'model')}",

@@ -26,6 +26,7 @@ ERASING_COSINE = -0.2
 
 __all__ = [
     "SCORES_DISAGREE",
+    "causal_findings",
     "fmt",
     "interval_text",
     "lens_findings",
@@ -62,7 +63,10 @@ def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     def g(c):  # a summary column, or NaN where this summary lacks it
         return s[c] if c in s else pd.Series([np.nan] * len(s), index=s.index)
 
-    t = pd.DataFrame({"task": s["task"]})
+    names = s["task"].astype(str)
+    if "probe" in s:  # --probe both: the MLP probe's rows read "task (mlp)"
+        names = [n if p in (None, "linear") or p != p else f"{n} ({p})" for n, p in zip(names, s["probe"])]
+    t = pd.DataFrame({"task": list(names)}, index=s.index)
     t["E_Δ (blocks)"] = g("expected_layer_delta")
     t["E_Δ 95% interval"] = [
         f"[{fmt(a, 1)}, {fmt(b, 1)}]" for a, b in zip(g("expected_layer_delta_lo"), g("expected_layer_delta_hi"))
@@ -192,8 +196,10 @@ def _best_sites(s: pd.DataFrame, by_site: pd.DataFrame) -> list[str]:
     out = []
     for r in s.itertuples():
         t = by_site[by_site["task"] == r.task]
-        if not len(t):
-            continue
+        if "probe" in t and getattr(r, "probe", None) is not None:
+            t = t[t["probe"] == r.probe]  # --probe both: each probe kind has its own rows
+        if not len(t) or not t["accuracy"].notna().any():
+            continue  # tree tasks (structural, depth) score UUAS / root accuracy, not accuracy
         best = t.loc[t["accuracy"].idxmax()]
         emb = t[t["site"] == 0]["accuracy"]
         sel = best.get("selectivity", float("nan"))
@@ -339,3 +345,30 @@ def _attention_sink(norms: pd.DataFrame, d: pd.DataFrame) -> list[str]:
         f"The first position (attention sink) reaches up to {fmt(mx, 1)}× the norm of other tokens "
         f"(×{fmt(ratio, 1)} after the last block)."
     ]
+
+
+def causal_findings(causal: pd.DataFrame | None) -> list[str]:
+    """The "Encoded vs used" section (``depthscope run --causal``, table ``causal``): per task, where a
+    linear probe reads the concept best, how close the probe is to the majority baseline after LEACE
+    erasure (its check), and where erasing the concept costs the model most beyond random erasures of
+    the same rank (``used`` with its 95% bootstrap interval), with the number of sites whose interval
+    lies above 0."""
+    if causal is None or not len(causal):
+        return []
+    out = []
+    for task, d in causal.groupby("task", sort=False):
+        best = d.loc[d["accuracy"].idxmax()]
+        gap = float((d["accuracy_erased"] - d["majority"]).abs().max())
+        top = d.loc[d["used"].idxmax()]
+        out.append(
+            f"{task}: encoded best at {best['label']} (probe accuracy {fmt(best['accuracy'], 3)}, majority "
+            f"{fmt(best['majority'], 3)}); after LEACE the probe is within {fmt(gap, 3)} of the majority at every site."
+        )
+        out.append(
+            f"{task}: used most at {top['label']}: erasing it raises the loss from {fmt(top['lm_loss'], 3)} to "
+            f"{fmt(top['lm_loss_erased'], 3)} nats against {fmt(top['lm_loss_control_mean'], 3)} for random erasures "
+            f"of rank {int(top['rank'])} (used {fmt(top['used'], 3)}, 95% interval {fmt(top['used_lo'], 3)} to "
+            f"{fmt(top['used_hi'], 3)}); the interval lies above 0 at {int((d['used_lo'] > 0).sum())} of "
+            f"{len(d)} sites."
+        )
+    return out

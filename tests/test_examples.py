@@ -86,6 +86,21 @@ FAST = {
         ["--max-train-sentences", "20", "--max-test-sentences", "10"],
         ["own_probe.csv", "own_probe.parquet", "own_probe.png"],
     ),
+    "causal_per_depth.py": (
+        ["--max-train-sentences", "20", "--max-test-sentences", "5", "--controls", "1", "--max-text-tokens", "60"],
+        ["causal.csv", "causal.parquet", "causal_encoded_used.png"],
+    ),
+    "sae_features.py": (
+        ["--sites", "1.mlp,2.mlp", "--latents", "64", "--k", "4", "--tokens", "1500", "--eval-tokens", "300"],
+        [
+            "saes/1.mlp/sae/cfg.json",
+            "saes/2.mlp/sae/sae_weights.safetensors",
+            "sae_metrics.csv",
+            "sparse_probing.parquet",
+            "sparse_probing_tags.csv",
+            "sparse_probing.png",
+        ],
+    ),
     "hooks_in_your_code.py": (
         [],
         [

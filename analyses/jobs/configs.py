@@ -14,7 +14,9 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`PatchConfig`       :func:`~depthscope.analyses.jobs.patch.patch_job` (``depthscope patch``)
 :class:`ProbeJobConfig`    :func:`~depthscope.analyses.jobs.probe.run_probe_job` (``depthscope probe``)
 :class:`SweepJobConfig`    :func:`~depthscope.analyses.jobs.sweep.sweep_job` (``depthscope sweep``)
+:class:`CacheConfig`       :func:`~depthscope.analyses.jobs.cache.cache_job` (``depthscope cache``)
 :class:`ReportConfig`      :func:`~depthscope.analyses.report.run_report` (``depthscope run``)
+:class:`LayersConfig`      :func:`~depthscope.analyses.jobs.layers.layers_job` (``depthscope layers``)
 =========================  ====================================================================
 """
 
@@ -330,8 +332,9 @@ class ProbeJobConfig(Checked):
     the data files exist, before the model loads); the fields declare the ``probe`` options."""
 
     tasks: Sequence[str] | None = _tasks(
-        "Comma-separated tasks: upos, xpos, feats:Number, feats:Tense, ..., deprel, deprel:base, entity, "
-        "coref (GUM), or any name with a jiant edge-probing .jsonl. Default: upos,deprel,feats:Number "
+        "Comma-separated tasks: upos, xpos, feats:Number, feats:Tense, ..., deprel, deprel:base, structural, "
+        "depth (Hewitt & Manning's structural probes), entity, coref (GUM), or any name with a jiant edge-probing "
+        ".jsonl. Default: upos,deprel,feats:Number "
         "(+entity,coref with GUM data)."
     )
     train: str | Path | None = _data_file("train", "Train file (CoNLL-U or jiant .jsonl). Default: the bundled sample.")
@@ -423,9 +426,10 @@ class SweepJobConfig(Checked):
 class ReportConfig(Checked):
     """What ``depthscope run`` runs: the model (None: the embedded default), the probe data files
     (None: the bundled EWT sample), the running text for the lens and norms (None: the probe
-    data's text, capped at ``lens_tokens`` / ``norms_tokens``), the prompt and DLA target, and
-    the probe job's settings. Checked on construction; the fields with a flag declare ``run``
-    options (the model's are :class:`ModelSpec`'s, the data files and the text ``run``'s own)."""
+    data's text, capped at ``lens_tokens`` / ``norms_tokens``), the prompt and DLA target,
+    the probe job's settings, and ``causal`` (the causal section on ``causal_tokens`` tokens).
+    Checked on construction; the fields with a flag declare ``run`` options (the model's are
+    :class:`ModelSpec`'s, the data files and the text ``run``'s own)."""
 
     model: str | None = None
     device: str = "cpu"  # cpu, cuda, cuda:N, mps, auto
@@ -441,7 +445,56 @@ class ReportConfig(Checked):
     target: str = setting(DEFAULT_TARGET, "--target", help="Target token for DLA.")
     lens_tokens: int = setting(1500, "--lens-tokens", min=1, help="Tokens of text for the logit lens.")
     norms_tokens: int = setting(4000, "--norms-tokens", min=1, help="Tokens of text for contribution norms.")
+    causal: bool = setting(
+        False,
+        "--causal/--no-causal",
+        help="Also the 'Encoded vs used' section: LEACE erasure of each word task at every site, its effect on "
+        "probes and on the model's loss (1 + 3 forward passes per site and task over --causal-tokens tokens).",
+    )
+    causal_tokens: int = setting(
+        1000, "--causal-tokens", min=1, help="Held-out tokens (test sentences) for the causal section's loss."
+    )
     # the probe section's settings: the same objects, with the same defaults, as `depthscope probe`
     probe: ProbeConfig = setting(factory=ProbeConfig)
     extraction: ExtractionConfig = setting(factory=ExtractionConfig)
     data: DataConfig = setting(factory=DataConfig)
+
+
+@dataclass(frozen=True)
+class LayersConfig(Checked):
+    """What :func:`~depthscope.analyses.jobs.layers.layers_job` computes: every block skipped and
+    every pair of neighbouring blocks swapped, scored on the text (``source``: its name, recorded
+    in the summary). Checked on construction; the fields declare the ``layers`` options."""
+
+    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Lines per forward pass.")
+    window: int | None = setting(
+        None,
+        "--window",
+        min=2,
+        help="Split lines into windows of at most this many tokens (default min(context, 512)).",
+    )
+    max_docs: int | None = setting(None, "--max-docs", min=1, help="Use only the first this many lines of the text.")
+    progress: bool = False
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig(Checked):
+    """What :func:`~depthscope.analyses.jobs.cache.cache_job` writes: the hook ``points`` (``resid``:
+    the 2L+1 residual sites; else a comma list of point names) of every token of the text, into an
+    activation cache (:mod:`depthscope.hooks.activation_cache`), ``chunk_tokens`` padded tokens
+    per forward pass and chunk. Checked on construction; the fields declare the ``cache`` options."""
+
+    points: str = setting(
+        "resid", "--points", help="Hook points: 'resid' (every residual site) or a comma list (e.g. '0.mlp,5.z')."
+    )
+    chunk_tokens: int = setting(
+        1024, "--chunk-tokens", min=1, max=TOKENS, help="Padded tokens per forward pass and per chunk written."
+    )
+    max_docs: int | None = setting(None, "--max-docs", min=1, help="Use only the first this many lines of the text.")
+    progress: bool = False
+
+    def check(self) -> None:
+        """Some points."""
+        if not comma_list(self.points):
+            raise InputError("--points is empty: give 'resid' or a comma list of hook points")

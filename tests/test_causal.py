@@ -1,0 +1,226 @@
+"""Causal erasure per depth (``depthscope.analyses.causal``) against independent references: the
+eraser against concept_erasure's own ``LeaceEraser``, the erasing write hook against a plain PyTorch
+forward hook on the transformers module, the loss against transformers' ``labels=`` loss, the
+erased probe against the majority baseline, and the command's errors. Tiny models only (fast tier)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from concept_erasure import LeaceEraser
+from conftest import run_cli
+
+from depthscope.analyses.causal import causal_tests
+from depthscope.analyses.causal_config import CausalConfig
+from depthscope.analyses.causal_erasure import fit_erasure, one_hot, random_erasure
+from depthscope.analyses.causal_loss import DocLoss, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.jobs import Output
+from depthscope.analyses.jobs.causal import report_causal
+from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
+from depthscope.analyses.report_data import build_page
+from depthscope.common.errors import InputError
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["The cat sat on the mat.", "Mary and John went to the store yesterday, and it rained."]
+
+
+def _labelled(n=600, d=24, classes=4, seed=0):
+    """Features whose class shifts the mean along a few directions, and their labels."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    means = 2.0 * torch.randn(classes, d, generator=g)
+    x = torch.randn(n, d, generator=g) @ torch.randn(d, d, generator=g) * 0.5 + means[y] + 3.0
+    return x.float(), y.numpy()
+
+
+def test_eraser_equals_concept_erasures_leace_eraser():
+    x, y = _labelled()
+    er, _ = fit_erasure(x, y, 4)
+    ref = LeaceEraser.fit(x.double(), one_hot(y, 4), constrain_cov_trace=False)
+    assert er.rank == 3  # C - 1 directions for C classes
+    torch.testing.assert_close(er(x), ref(x.double()).float(), atol=1e-5, rtol=1e-5)
+    # the guarantee: no covariance with any class indicator is left
+    xe = er(x).double()
+    z = one_hot(y, 4)
+    cov = (xe - xe.mean(0)).T @ (z - z.mean(0)) / len(x)
+    assert cov.abs().max() < 1e-5
+    cov_before = (x.double() - x.double().mean(0)).T @ (z - z.mean(0)) / len(x)
+    assert cov_before.abs().max() > 0.1
+
+
+def test_random_control_has_the_rank_and_form_but_leaves_the_concept():
+    x, y = _labelled()
+    er, fitter = fit_erasure(x, y, 4)
+    ctrl = random_erasure(fitter, er.rank, seed=1)
+    assert ctrl.rank == er.rank
+    assert torch.equal(ctrl.bias, er.bias)
+    eye = torch.eye(x.shape[1])
+    P = eye - ctrl.left @ ctrl.right
+    torch.testing.assert_close(P @ P, P, atol=1e-4, rtol=1e-4)  # a projection, like LEACE's
+    torch.testing.assert_close(ctrl(x), (x - ctrl.bias) @ P.T + ctrl.bias, atol=1e-4, rtol=1e-4)
+    xe = ctrl(x).double()
+    z = one_hot(y, 4)
+    assert ((xe - xe.mean(0)).T @ (z - z.mean(0)) / len(x)).abs().max() > 0.05
+    other = random_erasure(fitter, er.rank, seed=2)
+    assert not torch.allclose(other.left, ctrl.left)
+
+
+def _layer_output_hook(fn, start):
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        h = h.clone()
+        h[:, start:] = fn(h[:, start:])
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    return hook
+
+
+@pytest.mark.parametrize("site", ["embed", "1.mlp"])
+def test_erasing_hook_equals_a_plain_torch_forward_hook(tiny_factory, site):
+    m = tiny_factory("llama")
+    d = m.hf_model.config.hidden_size
+    x, y = _labelled(d=d)
+    er, _ = fit_erasure(x, y, 4)
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3, 11, 8]])
+    with torch.no_grad():
+        clean = m.hf_model(input_ids=ids).logits
+    got = m.run(ids, hooks={site: er.hook(1)}).logits
+    module = m.hf_model.model.embed_tokens if site == "embed" else m.hf_model.model.layers[1]
+    handle = module.register_forward_hook(_layer_output_hook(er, 1))
+    try:
+        with torch.no_grad():
+            ref = m.hf_model(input_ids=ids).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert (got - clean).abs().max() > 1e-4  # the edit does change the forward pass
+
+
+def test_loss_equals_transformers_own_loss(tiny_factory):
+    m = tiny_factory("llama")
+    held = held_out(m, TEXTS, window=64, bos=True)
+    assert held.start == 1 and held.n_docs == 2 and list(held.doc) == [0, 1]
+    loss = doc_nll(m, held, batch_size=2)  # both documents in one right-padded batch
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for d, row in enumerate(held.rows):
+            ids = torch.tensor([row])
+            ref = float(m.hf_model(input_ids=ids, labels=ids).loss)
+            assert loss.nll[d] / loss.tokens[d] == pytest.approx(ref, abs=1e-5)
+            nll, count = nll + ref * (len(row) - 1), count + len(row) - 1
+    assert int(loss.tokens.sum()) == count == held.n_tokens
+    assert loss.mean == pytest.approx(nll / count, abs=1e-5)
+
+
+def test_loss_windows_and_token_cap(tiny_factory):
+    m = tiny_factory("llama")
+    long = " ".join(["the cat sat on the mat"] * 40)
+    held = held_out(m, [long, "a dog"], window=16, bos=True)
+    assert all(len(r) <= 16 and r[0] == held.rows[0][0] for r in held.rows)
+    assert held.doc.max() == 1 and (held.doc == 0).sum() > 1
+    capped = held_out(m, [long, "a dog"], window=16, bos=True, max_tokens=5)
+    assert capped.n_docs == 1 and set(capped.doc.tolist()) == {0}
+    with pytest.raises(InputError, match="two or more tokens"):
+        held_out(m, [""], window=16, bos=False)
+
+
+def test_used_score_and_interval():
+    clean = DocLoss(np.array([10.0, 20.0, 30.0]), np.array([5, 10, 10]))
+    erased = DocLoss(np.array([12.0, 24.0, 33.0]), np.array([5, 10, 10]))
+    ctrl = [DocLoss(np.array([10.5, 20.0, 30.5]), np.array([5, 10, 10]))]
+    assert used_score(clean, erased, ctrl) == pytest.approx((69 / 25 - 61 / 25) / (60 / 25))
+    lo, hi = used_interval(clean, erased, ctrl, 500, seed=0)
+    assert 0 < lo <= used_score(clean, erased, ctrl) <= hi
+    assert np.isnan(used_interval(clean, erased, ctrl, 0)[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tiny_factory, tmp_path_factory):
+    cfg = CausalConfig(
+        data=DataConfig(max_train_sentences=60, max_test_sentences=20),
+        extraction=ExtractionConfig(store_dir=str(tmp_path_factory.mktemp("store"))),
+        probe=ProbeConfig(max_epochs=200),
+        controls=2,
+        bootstrap=200,
+    )
+    return causal_tests(tiny_factory("llama"), cfg)
+
+
+def test_causal_table_one_row_per_site_and_erased_probe_at_majority(tiny_result):
+    t = tiny_result.table
+    assert len(t) == 7 and list(t["label"]) == ["embed", "0.attn", "0.mlp", "1.attn", "1.mlp", "2.attn", "2.mlp"]
+    for col in ("site", "layer", "sublayer", "depth", "task", "accuracy", "majority", "accuracy_erased", "used"):
+        assert col in t
+    assert (t["accuracy"] > t["majority"] + 0.1).all()  # something is encoded ...
+    assert ((t["accuracy_erased"] - t["majority"]).abs() <= 0.03).all()  # ... and LEACE removes it
+    assert (t["lm_loss"] == t["lm_loss"].iloc[0]).all()
+    used = (t["lm_loss_erased"] - t["lm_loss_control_mean"]) / t["lm_loss"]
+    np.testing.assert_allclose(t["used"], used, rtol=1e-9)
+    assert (t["used_lo"] <= t["used_hi"]).all()
+    assert (t["rank"] >= 1).all() and (t["rank"] < t["n_train"]).all()
+
+
+def test_report_section_only_when_the_run_has_causal_results(tiny_result, tmp_path):
+    assert "causal" not in [s.key for s in build_page(tmp_path).sections]
+    tiny_result.table.to_parquet(tmp_path / "causal.parquet")
+    sections = build_page(tmp_path).sections
+    assert [s.key for s in sections][:2] == ["probes", "causal"]
+    t = tiny_result.table
+    gap = (t["accuracy_erased"] - t["majority"]).abs().max()
+    top = t.loc[t["used"].idxmax()]
+    lines = sections[1].lines
+    assert f"within {gap:.3f} of the majority" in lines[0]
+    assert f"used most at {top['label']}" in lines[1] and f"of {len(t)} sites" in lines[1]
+
+
+def test_report_runs_causal_only_when_asked_and_on_word_tasks(tiny_factory, tmp_path):
+    assert ReportConfig().causal is False  # the main job's default is unchanged
+    job = ProbeJobConfig(
+        tasks=["upos", "deprel"],
+        data=DataConfig(max_train_sentences=20, max_test_sentences=5),
+        extraction=ExtractionConfig(sites=["embed", "2.mlp"], store_dir=str(tmp_path / "store")),
+    )
+    res = report_causal(tiny_factory("llama"), job, 40, Output(tmp_path / "out"), progress=False)
+    t = res.tables["causal"]
+    assert set(t["task"]) == {"upos"} and list(t["label"]) == ["embed", "2.mlp"]
+    assert (t["n_lm_tokens"] >= 40).all() and (t["n_lm_tokens"] < 200).all()
+    assert (tmp_path / "out" / "causal.parquet").is_file()
+
+
+def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from depthscope.probes import sample_data
+
+    out = tmp_path / "out"
+    data = sample_data()
+    args = ["causal", "--model", tiny_llama_dir, "--data", data["ewt_train"], "--data", data["ewt_test"]]
+    args += ["--max-train-sentences", "30", "--max-test-sentences", "8"]
+    args += ["--sites", "embed,2.mlp", "--controls", "1", "--bootstrap", "50", "--threads", "1", "--out", out]
+    code, stdout, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 0, stderr
+    for name in ("causal.parquet", "causal.csv", "causal_summary.json", "causal_encoded_used.png"):
+        assert (out / name).is_file()
+    assert "upos" in stdout
+    summary = json.loads((out / "causal_summary.json").read_text())
+    assert summary["train"] == str(data["ewt_train"]) and summary["test"] == str(data["ewt_test"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train", "no-such-file.conllu"], "no such file"),
+        (["--text", "no-such-text.txt"], "no such file"),
+        (["--pooling", "attn"], "one vector per word"),
+        (["--task", "upos", "--controls", "0"], "controls"),
+        (["--data", "a.conllu"], "two files"),
+    ],
+)
+def test_command_bad_input_is_a_clear_error(tmp_path, monkeypatch, capsys, extra, message):
+    code, stdout, stderr = run_cli(["causal", "--out", tmp_path / "o", *extra], monkeypatch, capsys)
+    assert code != 0
+    assert message in (stdout + stderr)
+    assert "Traceback" not in stdout + stderr
