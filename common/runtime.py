@@ -6,6 +6,10 @@ the OS. PyTorch on CPU allocates every intermediate with ``malloc``; blocks abov
 mmap threshold (at most 32 MB by default) are mapped fresh and page-faulted on every use, so
 a probe training step over ``[sites x batch x d_model]`` features or a forward over a long
 batch pays for zeroing new pages each time; on probe fitting that is a large share of the time.
+Blocks from ``mmap_threshold`` (256 MB) up are still mapped: copies of whole feature sets and
+all-site activations are made once per stage, and a freed one returns to the OS at once rather
+than staying in the heap, where blocks of changing sizes would fragment it and hold the peak
+memory of every stage at once.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ M_MMAP_THRESHOLD = -3
 _done = False
 
 
-def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> bool:
+def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29) -> bool:
     """Raise glibc's mmap and trim thresholds (Linux/glibc only; a no-op elsewhere or when
     ``DEPTHSCOPE_NO_MALLOPT`` is set). Returns True when applied. The cost: memory freed by
-    the process stays reserved for its later allocations (peak RSS is unchanged)."""
+    the process stays reserved for its later allocations, up to ``trim_threshold`` above the
+    heap's top and blocks below ``mmap_threshold``."""
     global _done
     if _done:
         return True

@@ -37,6 +37,8 @@ from depthscope.common.errors import InputError
 from depthscope.common.settings import CPUS, SEED, TOKENS, Limit, Settings, comma_list, memory_bytes, setting
 
 PROBES = ("linear", "mlp")
+#: ``probe`` settings: one kind, or ``both`` (a linear and an MLP probe fitted in one run, on one extraction)
+PROBE_CHOICES = PROBES + ("both",)
 #: span pooling: one row per span (last, first, mean subword) or its subwords (attn)
 POOLINGS = ("last", "first", "mean", "attn")
 #: passages a span is seen in: its sentence, or its document up to the sentence
@@ -76,6 +78,11 @@ RESIDENT = Limit(
 )
 
 
+def probe_kinds(probe: str) -> tuple:
+    """The probe kinds a ``probe`` setting fits: ``both`` is :data:`PROBES`, else the one named."""
+    return PROBES if probe == "both" else (probe,)
+
+
 def parse_l2(text: str) -> float | str:
     """The ``--l2`` option's value: ``auto``, ``dev`` or a finite number >= 0."""
     try:
@@ -102,9 +109,12 @@ def check_l2(name: str, l2) -> None:
 class ProbeConfig(Settings):
     """The probe and its training (one protocol for every entry point).
 
-    ``probe``: ``linear`` (softmax regression) or ``mlp`` (one hidden ReLU layer of ``hidden``
-    units). ``l2``: the penalty on mean cross-entropy (scikit-learn ``C = 1 / (2 * l2 *
-    n_train)``), or ``"auto"``: one value per task from ``L2_GRID`` (grown along ``L2_LADDER``
+    ``probe``: ``linear`` (softmax regression), ``mlp`` (one hidden ReLU layer of ``hidden``
+    units) or ``both`` (each task fitted with each, on one extraction; the tables' ``probe``
+    column tells them apart). ``probe_rank``: the rows of the structural probes' map
+    (tasks ``structural`` and ``depth``, :mod:`depthscope.probes.structural`). ``l2``: the
+    penalty on mean cross-entropy (scikit-learn ``C = 1 / (2 * l2 * n_train)``), or
+    ``"auto"``: one value per task from ``L2_GRID`` (grown along ``L2_LADDER``
     while the best is at an end of the values tried): the strongest value whose held-out
     accuracy, averaged over sites (on the dev split when there is one, else over ``l2_folds``
     folds of train), is within one standard error of the best (the one-standard-error rule);
@@ -137,7 +147,10 @@ class ProbeConfig(Settings):
     """
 
     probe: str = setting(
-        "linear", "--probe", choices=PROBES, help="linear (softmax regression) or mlp (one hidden layer)."
+        "linear",
+        "--probe",
+        choices=PROBE_CHOICES,
+        help="linear (softmax regression), mlp (one hidden layer), or both (the two side by side, one extraction).",
     )
     l2: float | str = setting(
         "auto",
@@ -165,6 +178,13 @@ class ProbeConfig(Settings):
     lr: float = setting(1e-2, positive=True, max=UNIT)
     batch_size: int | None = setting(None, min=1, max=TOKENS)
     hidden: int = setting(256, min=1, max=Limit(2**16, "hidden units; 65536 are already 65536 x d weights per site"))
+    probe_rank: int = setting(
+        64,
+        "--probe-rank",
+        min=1,
+        max=Limit(4096, "rows of the structural probes' map; beyond the model width they add nothing"),
+        help="Rank of the structural probes' linear map B (tasks structural, depth; Hewitt & Manning 2019).",
+    )
     control: bool = True
     cumulative: bool = True
     stack_draws: int = setting(
@@ -183,6 +203,9 @@ class ProbeConfig(Settings):
         help="Folds of train each fold draw's out-of-fold predictions come from (more folds: less noise "
         "per draw in E_Delta, one more refit of every site probe each).",
     )
+    #: folds of train the scalar mix is refitted without, one at a time, for E_s's range and the spread
+    #: of its weights (0: no refits; each costs about half a mix fit, warm-started; probes/mixing.py)
+    mix_folds: int = setting(0, min=0, max=MAX_FOLDS)
     stack_l2: float = setting(
         1e-2,
         "--stack-l2",

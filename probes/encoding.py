@@ -3,9 +3,10 @@
 =====================================  =========================================================
 ``encode_task(task, examples,          a :class:`TaskData`: examples whose spans are covered,
 extractions, seed=, resident_bytes=,   labels as indices (test labels unseen in train get
-dtype=)``                              indices >= ``n_classes``), control labels, and per split
+dtype=, stream=)``                     indices >= ``n_classes``), control labels, and per split
                                        :class:`Features` standardised with train's statistics
-                                       and held in memory when they fit
+                                       and held in memory when they fit (``stream``: splits
+                                       read from the store instead)
 =====================================  =========================================================
 """
 
@@ -81,9 +82,14 @@ def _encode_labels(data: dict, classes: list) -> dict:
     return y
 
 
-def encode_task(task, ex_by_split, ext_by_split, *, seed: int = 0, resident_bytes: float = 4e9, dtype=None) -> TaskData:
+def encode_task(
+    task, ex_by_split, ext_by_split, *, seed: int = 0, resident_bytes: float = 4e9, dtype=None, stream=()
+) -> TaskData:
     """Covered examples, encoded labels, control labels and features of one task (``dtype``:
-    the resident features' precision, None: float32)."""
+    the resident features' precision, None: float32). The splits named in ``stream`` are not
+    held in memory (read from the store when used: test, which only the final predictions
+    read); the stores' pages are released once the others are copied in (they would count
+    twice)."""
     data, skipped = _covered(task, ex_by_split, ext_by_split)
     classes = sorted(set(data["train"][0].labels.tolist()))
     if len(classes) < 2:
@@ -101,5 +107,7 @@ def encode_task(task, ex_by_split, ext_by_split, *, seed: int = 0, resident_byte
     for s in feats:
         if s != "train":
             feats[s].standardise_like(feats["train"])
-        feats[s].make_resident(max_bytes=resident_bytes, seed=seed, dtype=dtype)
+        if s not in stream:
+            feats[s].make_resident(max_bytes=resident_bytes, seed=seed, dtype=dtype)
+        feats[s].store.release()
     return TaskData(task, classes, n_eval, y, ctrl, feats, {k: v[0] for k, v in data.items()}, skipped, counts)

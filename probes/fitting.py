@@ -7,9 +7,12 @@ options)``                               ``mixing`` rows (None without cumulativ
                                          ``options``: a :class:`FitOptions`
 ``choose_l2(td, config)``                one L2 for the task: a :class:`L2Choice` (the grid
                                          value with the best held-out accuracy, mean over sites)
-``fit_sites(td, config, l2, progress=)`` per-site probes: the task's labels and its control
-                                         labels as two heads of one batched fit, scored on test:
-                                         a :class:`SiteFit`
+``fit_sites(td, config, l2, progress=,  per-site probes: the task's labels and its control
+start=)``                                labels as two heads of one batched fit, scored on test:
+                                         a :class:`SiteFit`; ``start``: a warm start
+``warm_start(probe, start)``             start a per-site probe's real head from the penalty
+                                         search's probes at the chosen value (fewer passes,
+                                         the same optimum)
 =======================================  =======================================================
 
 The protocol (every entry point): ``l2="auto"`` picks ONE penalty per task from ``L2_GRID``,
@@ -64,6 +67,7 @@ class L2Choice:
     on: str
     heldout: dict
     not_converged: int = 0  # probes of the penalty search that stopped at the cap (all values, splits)
+    start: dict | None = None  # the chosen value's probes ("W", "b"), mean over the splits: a warm start
 
 
 def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
@@ -164,7 +168,41 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
             break
     n_held = sum(len(split[3]) for split in splits)
     chosen = tried[pick_l2([acc[v] for v in tried], n_held)]
-    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck)
+    return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck, _mean_state(states, chosen))
+
+
+def _mean_state(states: list, value) -> dict | None:
+    """The linear probes the penalty search fitted at ``value``, weights and biases averaged over
+    its held-out splits (None when a split has none, or the probes are not linear)."""
+    got = [st.get(value) for st in states]
+    if not got or any(not isinstance(g, dict) or "W" not in g or "b" not in g for g in got):
+        return None
+    return {k: torch.stack([g[k] for g in got]).mean(0) for k in ("W", "b")}
+
+
+def warm_start(p: BatchedProbe, start: dict | None) -> bool:
+    """Start head 0 of the per-site linear probe ``p`` from ``start`` (:attr:`L2Choice.start`): the
+    penalty search's probes at the same penalty on part of train, at every site or at the sites of
+    :func:`l2_sites` (then each site takes the nearest one's: adjacent sites' probes are alike).
+    The objective is convex and every probe trains to convergence, so a start changes only how
+    many passes that takes. Returns whether ``p`` was started (False: shapes do not match)."""
+    if start is None or p.kind != "linear" or p.mix_mask is not None:
+        return False
+    W, b = start["W"], start["b"]
+    S, F_, C = p.U, p.W.shape[1], p.C
+    if W.dim() != 3 or W.shape[1:] != (F_, C) or b.shape[1:] != (1, C):
+        return False
+    if W.shape[0] == S:
+        near = torch.arange(S)
+    else:
+        sites = torch.from_numpy(l2_sites(S, W.shape[0]))
+        if len(sites) != W.shape[0]:
+            return False
+        near = (torch.arange(S)[:, None] - sites[None, :]).abs().argmin(1)
+    with torch.no_grad():
+        p.W[:, :, :C] = W[near].to(p.W.dtype)
+        p.b[:, :, :C] = b[near].to(p.b.dtype)
+    return True
 
 
 @dataclass
@@ -181,13 +219,17 @@ class SiteFit:
     state: dict | None = None  # the real head's probes (a one-head state dict)
 
 
-def fit_sites(td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False) -> SiteFit:
+def fit_sites(
+    td: TaskData, cfg: ProbeConfig, l2: float, *, progress: bool = False, start: dict | None = None
+) -> SiteFit:
     """Per-site probes at penalty ``l2``: the task's labels and (with ``cfg.control``) its control
-    labels as two heads of one batched fit, predicted on test and train."""
+    labels as two heads of one batched fit, predicted on test and train; ``start``: the real
+    head's warm start (:func:`warm_start`)."""
     feats = td.feats
     label_sets = [td.y["train"]] + ([td.ctrl["train"]] if cfg.control else [])
     y_heads = np.stack(label_sets, 1)
     p = site_probe(feats["train"], td.n_classes, cfg, l2=l2, n_heads=y_heads.shape[1])
+    warm_start(p, start)
     log = train_probe(
         p, feats["train"], torch.from_numpy(y_heads), progress=progress, desc=f"{td.task} probes", **train_kwargs(cfg)
     )
@@ -228,7 +270,7 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitO
     released."""
     choice = choose_l2(td, cfg, resident_bytes=options.resident_bytes, progress=options.progress)
     cfg = replace(cfg, l2=choice.l2)
-    fit = fit_sites(td, cfg, choice.l2, progress=options.progress)
+    fit = fit_sites(td, cfg, choice.l2, progress=options.progress, start=choice.start)
     df = site_rows(td.task, frame, td, _site_scores(td, fit), fit.l2, probe=cfg.probe, pooling=options.pooling)
     df["converged"] = fit.log.converged
     df["epochs"] = fit.log.unit_epochs if fit.log.unit_epochs is not None else fit.log.epochs
@@ -251,6 +293,7 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitO
     for f in td.feats.values():  # the task is done: free its resident features and their Gram
         f.resident = None
         f._gram = None
+        f.store.release()
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 

@@ -1,8 +1,19 @@
 """Tenney et al. (2019)'s two summaries: scalar mixing weights and cumulative scoring.
 
-Scalar mix (``E_s``): a probe reads ``sum_s softmax(a)_s x_s`` over all sites and is trained
-jointly with the weights (Tenney's scalar mix; the scale gamma is fixed at 1, redundant with
-the penalised weights); the *expected layer* of the mix is ``E_s = sum_s depth(s) * s_s``.
+Scalar mix (``E_s``): a probe reads ``gamma * sum_s softmax(a)_s x_s`` over all sites and is
+trained jointly with the weights (Tenney's scalar mix); the *expected layer* of the mix is
+``E_s = sum_s depth(s) * s_s``. The sites' features are standardised, but a mix of them is not:
+``var(sum_s s_s x_s) = s^T C s`` is below 1 inside the simplex unless the sites are perfectly
+correlated, so with ``gamma`` fixed at 1 every spread mix hands the probe *smaller* features,
+which the L2 penalty on the probe's weights charges for, and the penalised optimum is pushed to
+a vertex: one site, E_s at an integer or half-integer depth (the penalty's artefact, not the
+data's; ``docs/tenney_comparison.md``, Scalar mix, measures it). :func:`fit_mix` therefore sets
+``gamma = 1 / sqrt(mean_d var(mix_d))`` on train at every step (``normalise=True``): every mix
+reaches the probe at the scale of one standardised site, the penalty sees the same features'
+scale wherever the weights are, and a one-site mix is unchanged (gamma 1). It is Tenney's
+trainable ``gamma`` held at the value that makes the penalty scale-neutral (a free, unpenalised
+``gamma`` would grow without end against the penalised weights). :func:`mix_draws` refits the mix
+without each fold of train, for an interval of E_s and the spread of the weights.
 
 Cumulative scoring (``E_Delta``): ``P(s)`` predicts from sites ``0..s``;
 ``Delta(s) = score(P(s)) - score(P(s-1))`` is what site ``s`` adds, and the *expected layer*
@@ -52,7 +63,7 @@ import torch
 from depthscope.common.errors import InputError
 from depthscope.probes.config import ProbeConfig, override
 from depthscope.probes.metrics import macro_f1
-from depthscope.probes.solvers.classifiers import site_probe
+from depthscope.probes.solvers.classifiers import numeric_l2, site_probe
 from depthscope.probes.solvers.lbfgs import newton
 from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs, train_probe
 from depthscope.probes.store.features import Features
@@ -62,6 +73,12 @@ from depthscope.probes.store.features import Features
 STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
+#: L-BFGS iterations a scalar mix may take (each: two products with every site's features)
+MIX_MAX_ITERS = 300
+#: how often a scalar mix's L-BFGS may start afresh when its line search stalls before convergence
+MIX_RESTARTS = 4
+#: the largest gradient entry at which a scalar mix counts as converged
+MIX_GTOL = 1e-4
 
 
 def deltas(scores) -> np.ndarray:
@@ -84,10 +101,20 @@ def expected_layer_delta(depths: Sequence[float], scores):
     return float(e) if g.ndim == 1 else e
 
 
-def expected_layer_mix(depths: Sequence[float], weights: Sequence[float]) -> float:
-    """``E_s = sum depth * s`` for softmax mixing weights ``s`` (renormalised)."""
+def expected_layer_mix(depths: Sequence[float], weights):
+    """``E_s = sum depth * s`` for softmax mixing weights ``s [S]`` (renormalised): a float; for
+    ``weights [K, S]`` (K mixes, e.g. :func:`mix_draws`) an array of K."""
     w = np.asarray(weights, dtype=np.float64)
-    return float((np.asarray(depths, dtype=np.float64) * w).sum() / w.sum())
+    e = (w * np.asarray(depths, dtype=np.float64)).sum(-1) / w.sum(-1)
+    return float(e) if w.ndim == 1 else e
+
+
+def mix_spread(weights) -> float:
+    """The spread of mixing weights ``s [S]`` in sites: ``exp(entropy)``, the number of equally
+    weighted sites with the same entropy (1: all weight on one site; S: uniform)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w[w > 0] / w.sum()
+    return float(np.exp(-(w * np.log(w)).sum()))
 
 
 def expected_layer_delta_interval(
@@ -139,6 +166,7 @@ class CumulativeFit:
     log: object = None  # TrainLog of the stacking (convergence per prefix, all draws)
     mix_log: object = None  # TrainLog of the scalar mix
     soft: np.ndarray = None  # [R, S, N] float32: the probability P(s) of fold draw r gives test example n's label
+    mix_draws: np.ndarray = None  # [K, S]: the scalar mix refitted without each fold of train (None: not fitted)
 
     @property
     def score_draws(self) -> np.ndarray:
@@ -172,8 +200,16 @@ class CumulativeFit:
 
     @property
     def gamma(self) -> np.ndarray:
-        """The scalar mix's scale (fixed at 1)."""
+        """Ones: the mix's scale is folded into its probe (:func:`fit_mix`), the weights are the mix."""
         return np.ones(len(self.accuracy))
+
+    def mix_range(self, depths: Sequence[float]) -> tuple[float, float]:
+        """The lowest and highest E_s of the mixes refitted without one fold of train
+        (:attr:`mix_draws`); NaN when none were fitted."""
+        if self.mix_draws is None or len(self.mix_draws) == 0:
+            return float("nan"), float("nan")
+        e = expected_layer_mix(depths, self.mix_draws)
+        return float(e.min()), float(e.max())
 
 
 def gold_probability(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -316,18 +352,137 @@ def apply_stack(w: torch.Tensor, b: torch.Tensor, z: torch.Tensor) -> torch.Tens
     return (w @ z.reshape(S, n * C)).view(S, n, C) + b[:, None]
 
 
+@dataclass
+class MixFit:
+    """A scalar mix fitted by :func:`fit_mix`: ``weights [S]`` (softmax), ``gamma`` (the scale that
+    made the mix unit-scale on train; 1 without normalising), the final ``objective``, whether it
+    ``converged`` (largest gradient entry <= :data:`MIX_GTOL`) and the ``iterations`` taken."""
+
+    weights: np.ndarray
+    gamma: float
+    objective: float
+    converged: bool
+    iterations: int
+    grad_max: float = float("nan")
+    state: tuple = None  # (a, W, b) tensors, to warm-start another fit
+
+
+def _flat_sites(X: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``X [S, N, F]`` as ``[S, F * N]`` (feature-major: a view of resident features) and (N, F)."""
+    S, N, F_ = X.shape
+    return X.transpose(1, 2).reshape(S, F_ * N), N, F_
+
+
+def fit_mix(
+    X: torch.Tensor,
+    y,
+    *,
+    n_classes: int,
+    l2: float,
+    normalise: bool = True,
+    init: tuple | None = None,
+    max_iters: int = MIX_MAX_ITERS,
+) -> MixFit:
+    """Tenney's scalar mix over the sites of standardised features ``X [S, N, F]`` with a linear
+    probe, minimising ``mean CE(gamma * (sum_s softmax(a)_s X_s) W + b) + l2 * ||W||^2`` over
+    ``a, W, b`` by full-batch L-BFGS from the uniform mix and zero weights (or ``init``, another
+    fit's ``state``). ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every
+    step (the module docstring says why); else ``gamma = 1``."""
+    Xf, N, F_ = _flat_sites(X)
+    S = X.shape[0]
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    if init is None:
+        init = (torch.zeros(S), torch.zeros(F_, n_classes), torch.zeros(n_classes))
+    a, W, b = (t.detach().clone().float().requires_grad_(True) for t in init)
+    opt = torch.optim.LBFGS(
+        [a, W, b],
+        max_iter=max_iters,
+        history_size=20,
+        tolerance_grad=MIX_GTOL / 10,  # aim lower than the test: float32 sums end a little above
+        tolerance_change=1e-12,
+        line_search_fn="strong_wolfe",
+    )
+
+    def mixed():
+        m = (torch.softmax(a, 0).to(Xf.dtype) @ Xf).float().view(F_, N)
+        gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if normalise else torch.ones(())
+        return m * gamma, gamma
+
+    def closure():
+        opt.zero_grad()
+        m, _ = mixed()
+        f = torch.nn.functional.cross_entropy(torch.addmm(b, m.T, W), yt) + l2 * (W * W).sum()
+        f.backward()
+        return f
+
+    iters = 0
+    for _ in range(MIX_RESTARTS):  # a stalled line search restarts L-BFGS from where it stopped
+        opt.step(closure)
+        iters += int(opt.state[opt._params[0]].get("n_iter", 0))
+        f = closure().detach()
+        grad = max(float(t.grad.abs().max()) for t in (a, W, b))
+        if grad <= MIX_GTOL or iters >= max_iters:
+            break
+        opt.state.clear()
+    with torch.no_grad():
+        _, gamma = mixed()
+    return MixFit(
+        torch.softmax(a.detach(), 0).double().numpy(),
+        float(gamma.detach()),
+        float(f),
+        grad <= MIX_GTOL,
+        iters,
+        grad,
+        (a.detach(), W.detach(), b.detach()),
+    )
+
+
+def mix_draws(X: torch.Tensor, y, *, n_classes: int, l2: float, folds: int, seed: int, init: tuple) -> np.ndarray:
+    """``[folds, S]``: the scalar mix (:func:`fit_mix`) refitted on train without each of
+    ``folds`` seeded folds, warm-started from the full-train fit ``init``: the spread of the
+    weights and of E_s that the training examples leave."""
+    n = X.shape[1]
+    fold = np.random.default_rng([seed, 2718]).permutation(n) % folds
+    out = []
+    for k in range(folds):
+        keep = torch.from_numpy(np.flatnonzero(fold != k))
+        Xk = X.index_select(1, keep)
+        out.append(fit_mix(Xk, np.asarray(y)[keep.numpy()], n_classes=n_classes, l2=l2, init=init).weights)
+    return np.stack(out)
+
+
 def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, progress: bool = False, desc="mix"):
-    """Tenney's scalar mix over all sites, trained jointly with its probe: ``(weights [S], TrainLog)``."""
+    """Tenney's scalar mix over all sites with the scale-neutral ``gamma`` (:func:`fit_mix`):
+    ``((weights [S], TrainLog), draws [cfg.mix_folds, S] or None)``; the draws are refits without
+    each of ``cfg.mix_folds`` folds (:func:`mix_draws`; fewer than 2: none). Resident features are needed; else
+    (or for an MLP probe) the mix is trained jointly with its probe at ``gamma = 1`` by the probe
+    solvers (the penalty's pull to one site included) and ``draws`` is None."""
+    y = np.asarray(y_train)
+    if train.resident is None or cfg.probe != "linear":
+        return _penalised_mix(train, y, n_classes=n_classes, cfg=cfg, progress=progress, desc=desc), None
+    X, yr = train.resident, y[train.order]
+    l2 = numeric_l2(cfg.l2)
+    fit = fit_mix(X, yr, n_classes=n_classes, l2=l2)
+    draws = None
+    if cfg.mix_folds >= 2:
+        draws = mix_draws(X, yr, n_classes=n_classes, l2=l2, folds=cfg.mix_folds, seed=cfg.seed, init=fit.state)
+    log = TrainLog(
+        "lbfgs",
+        fit.iterations,
+        np.array([fit.converged]),
+        np.array([fit.objective]),
+        np.array([fit.grad_max]),
+        not fit.converged,
+    )
+    return (fit.weights, log), draws
+
+
+def _penalised_mix(train: Features, y, *, n_classes: int, cfg: ProbeConfig, progress: bool, desc: str):
+    """The scalar mix trained jointly with its probe by the probe solvers, ``gamma = 1``:
+    ``(weights [S], TrainLog)``."""
     S = train.n_sites
     probe = site_probe(train, n_classes, cfg, mix_mask=torch.ones(1, S, dtype=torch.bool))
-    log = train_probe(
-        probe,
-        train,
-        torch.as_tensor(np.asarray(y_train))[:, None],
-        progress=progress,
-        desc=desc,
-        **train_kwargs(cfg),
-    )
+    log = train_probe(probe, train, torch.as_tensor(y)[:, None], progress=progress, desc=desc, **train_kwargs(cfg))
     with torch.no_grad():
         return probe.mix_weights()[0].double().numpy(), log
 
@@ -379,7 +534,9 @@ def fit_cumulative(
         correct.append((preds == yt[None]).numpy())
         logs.append(lg)
         del z_train
-    mix, mix_log = scalar_mix(train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix")
+    (mix, mix_log), draws = scalar_mix(
+        train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix"
+    )
     correct = np.stack(correct)  # [R, S, N]
     return CumulativeFit(
         correct.mean((0, 2), dtype=np.float64),  # accuracy of P(s), mean over the draws
@@ -390,6 +547,7 @@ def fit_cumulative(
         _merge_logs(logs),
         mix_log,
         np.stack(soft),
+        draws,
     )
 
 

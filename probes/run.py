@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -51,11 +51,12 @@ import torch
 
 from depthscope.common.errors import InputError
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override
-from depthscope.probes.corpora.tasks import pipeline_rank
+from depthscope.probes.corpora.tasks import is_tree_task, pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
 from depthscope.probes.fitting import FitOptions, fit_task
 from depthscope.probes.solvers.cpu import resolve_precision
 from depthscope.probes.store.extraction import Splits, load_and_extract
+from depthscope.probes.structural_task import fit_tree_task, task_probes
 from depthscope.probes.summaries import tables
 
 log = logging.getLogger("depthscope.probes")
@@ -134,7 +135,8 @@ def run_probes(
 
     ``model``: a HookedModel or a spec for ``load_model`` (None = the default model).
     ``tasks``: names (``upos``, ``xpos``, ``feats:Number``, ``deprel``, ``deprel:base``,
-    ``entity``, ``coref``; any name for a jiant ``.jsonl``), a list or a comma-separated
+    ``structural``, ``depth`` (:mod:`.structural`), ``entity``, ``coref``; any name for a jiant
+    ``.jsonl``), a list or a comma-separated
     string. ``train``/``test``/``dev``: CoNLL-U or jiant JSONL paths, or parsed
     :class:`Corpus` objects. ``config`` / ``extraction`` / ``data``: the settings (None: the
     defaults); ``**overrides``: any of their fields by name.
@@ -145,17 +147,19 @@ def run_probes(
     if cfg.l2 == "dev" and dev is None:
         raise InputError("l2='dev' picks the penalty on a dev split: pass dev=")
     run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress)
+    kinds = {t: task_probes(t, cfg.probe) for t in tasks}  # probe="both": each task with each kind
     got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     by_site, summary, mixing = [], [], []
     fit_seconds = {}
-    for task in sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t))):
+    order = sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t)))
+    for task, kind in [(t, k) for t in order for k in kinds[t]]:
         t0 = time.perf_counter()
-        rows = _probe_task(run, got, task)
+        rows = _probe_task(replace(run, cfg=replace(cfg, probe=kind)), got, task)
         by_site.append(rows["by_site"])
         summary.append(rows["summary"])
         if rows["mixing"] is not None:
-            mixing.append(rows["mixing"])
-        fit_seconds[task] = time.perf_counter() - t0
+            mixing.append(rows["mixing"].assign(probe=kind))
+        fit_seconds[task if len(kinds[task]) == 1 else f"{task}/{kind}"] = time.perf_counter() - t0
     return ProbeResults(*tables(by_site, summary, mixing), _run_info(got, run.dtype, fit_seconds, t_start))
 
 
@@ -176,9 +180,18 @@ def _probe_task(run: _Run, got, task: str) -> dict:
     activations ``got``: labels and features encoded, the data it loses announced, and the
     run-level columns (train/test overlap, context) added to its summary."""
     cfg, ext = run.cfg, run.ext
+    if is_tree_task(task):  # Hewitt & Manning's structural probes: whole trees, their own fit
+        overlap = "n_overlap_dropped" if run.dat.overlap == "drop" else "n_overlap"
+        return fit_tree_task(got, task, cfg, overlap_column=overlap, progress=run.progress)
     by_split = got.for_task(task)
     td = encode_task(
-        task, got.examples[task], by_split, seed=cfg.seed, resident_bytes=ext.resident_bytes, dtype=run.dtype
+        task,
+        got.examples[task],
+        by_split,
+        seed=cfg.seed,
+        resident_bytes=ext.resident_bytes,
+        dtype=run.dtype,
+        stream=("test",),  # only the final predictions read test: one pass over the store, no copy in memory
     )
     ctx = got.model.max_context  # passages were cut at the smaller of max_tokens and the model's context
     note = dropped_note(td, min(ext.max_tokens, ctx) if ctx else ext.max_tokens)

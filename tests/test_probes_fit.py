@@ -748,3 +748,70 @@ def test_hessian_rows_cycle_through_equal_parts():
     assert [p.stop - p.start for p in parts] == [n // 3, n // 3, n - 2 * (n // 3)]
     assert parts[0].start == 0 and parts[2].stop == n and all(a.stop == b.start for a, b in zip(parts, parts[1:]))
     assert hessian_rows(n, 3) == parts[0]
+
+
+def test_per_site_probes_warm_started_from_the_penalty_search_reach_the_cold_optimum():
+    """fit_sites started from the penalty search's probes (at 16 of 20 sites, the others from the
+    nearest) reaches the optimum of a cold two-head fit (labels and control labels), and a
+    warm-started probe of the labels alone needs fewer passes than a cold one."""
+    from types import SimpleNamespace
+
+    from depthscope.probes import fitting
+    from depthscope.probes.config import ProbeConfig
+    from depthscope.probes.solvers.classifiers import site_probe
+    from depthscope.probes.solvers.training import objective
+
+    x, y = synthetic(1200, S=20, D=12)
+    xt, yt = synthetic(400, S=20, D=12, seed=1)
+    tr = features(x)
+    te = features(xt, tr)
+    ctrl = {"train": np.random.default_rng(5).integers(0, 4, len(y)), "test": np.zeros(len(yt), dtype=np.int64)}
+    td = SimpleNamespace(
+        task="toy", n_classes=4, feats={"train": tr, "test": te}, y={"train": y, "test": yt}, ctrl=ctrl
+    )
+    choice = fitting.choose_l2(td, ProbeConfig())
+    assert choice.start is not None and choice.start["W"].shape[0] == 16
+    tight = dict(tol=1e-9, gtol=1e-5, max_epochs=2000)
+    cfg = ProbeConfig(l2=choice.l2, **tight)
+    warm = fitting.fit_sites(td, cfg, choice.l2, start=choice.start)
+    heads = torch.from_numpy(np.stack([y, ctrl["train"]], 1))
+    cold = BatchedProbe(n_sites=20, d=12, n_spans=1, n_classes=4, n_heads=2, l2=choice.l2)
+    train_probe(cold, tr, heads, solver="subspace", **tight)
+    assert warm.log.all_converged
+    ref = objective(cold, tr, heads).numpy()
+    assert np.allclose(warm.log.objective, ref, rtol=1e-6), (warm.log.objective, ref)
+    W = warm.state["W"]
+    assert torch.allclose(W, cold.W.detach()[:, :, :4], atol=1e-3 * float(W.abs().max()))
+    pred, _ = predict(cold, te)
+    assert (warm.test == pred[:, :, 0]).float().mean() > 0.995
+    assert (warm.control_test == pred[:, :, 1]).float().mean() > 0.99
+    passes = []
+    for start in (None, choice.start):
+        p = site_probe(tr, 4, cfg, l2=choice.l2)
+        assert fitting.warm_start(p, start) == (start is not None)
+        passes.append(train_probe(p, tr, torch.from_numpy(y)[:, None], **tight).unit_epochs.sum())
+    assert passes[1] < passes[0], passes
+
+
+def test_streamed_test_features_predict_as_resident_ones_and_a_released_store_reads_back(tmp_path):
+    """Test features read from the store batch by batch (encode_task's ``stream``) give the
+    log-probabilities the resident copy gives; a store whose pages were released reads the
+    same rows again."""
+    from depthscope.probes.solvers.training import log_probs
+
+    x, y = synthetic(800, S=3, D=8)
+    xt, _ = synthetic(300, S=3, D=8, seed=1)
+    path = tmp_path / "feats.bin"
+    xt.tofile(path)
+    mm = np.memmap(path, dtype=np.float32, mode="r", shape=xt.shape)
+    tr = features(x)
+    p = BatchedProbe(n_sites=3, d=8, n_spans=1, n_classes=4)
+    train_probe(p, tr, torch.from_numpy(y)[:, None])
+    streamed = Features(store_of(mm), np.arange(len(xt))[:, None]).standardise_like(tr)
+    assert streamed.resident is None
+    resident = features(xt, tr)
+    a, b = log_probs(p, streamed), log_probs(p, resident)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    streamed.store.release()
+    assert np.array_equal(np.asarray(mm[:50]), xt[:50])
+    assert torch.allclose(log_probs(p, streamed), b, atol=1e-5)

@@ -18,7 +18,7 @@ from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.common.settings import build
 
 PROBE = options(
-    "task train test dev model device dtype probe pooling sites max_train_sentences max_test_sentences "
+    "task train test dev model device dtype probe probe_rank pooling sites max_train_sentences max_test_sentences "
     "max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 precision mdl overlap store_dir "
     "store_dtype bos shards engine workers seed threads plots out force",
     ProbeJobConfig,

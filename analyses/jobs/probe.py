@@ -128,14 +128,24 @@ SUMMARY_COLUMNS = (
 )
 
 
+def _tree_row(r) -> list[str]:
+    """A structural-probe task's row of :func:`summary_table`: its main score (UUAS or root
+    accuracy) at the best site, beside the baseline's, where the accuracy columns are."""
+    conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
+    score = f"{r.best_metric} {r.best_score:.3f} (baseline {r.baseline_score:.3f})"
+    return [r.task, str(r.n_train), str(r.n_test), str(r.best_label), score, "", "", "", "", "", conv]
+
+
 def _summary_row(r) -> list[str]:
     """One task's row of :func:`summary_table`."""
+    if getattr(r, "kind", "") == "tree":
+        return _tree_row(r)
     lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi  # always in a fresh summary
     e = f"{r.expected_layer_delta:.2f} [{lo:.1f}-{hi:.1f}]"
     e += "" if r.expected_layer_delta_meaningful else " (gain too small)"
     conv = "yes" if r.converged else f"NO ({r.n_not_converged} at max_epochs={r.max_epochs})"
     return [
-        r.task,
+        r.task if getattr(r, "probe", "linear") == "linear" else f"{r.task} ({r.probe})",
         str(r.n_train),
         str(r.n_test),
         str(r.best_label),

@@ -6,7 +6,11 @@
 ``plot_probe_curves(by_site, path)``
     one row per task: test accuracy with 95% binomial error bars, control-task accuracy
     (dashed) and the majority-class baseline (dotted) on a full 0-1 axis, and selectivity in
-    points; sites coloured by sublayer; one legend for the figure.
+    points; sites coloured by sublayer; one legend for the figure. With a ``probe`` column
+    holding several kinds (``probe="both"``), each kind is its own curve in the same panels
+    (linear: filled markers on a grey line, MLP: hollow markers on a purple line). The
+    structural probes' tasks (``structural``, ``depth``) show their main score (UUAS, root
+    accuracy) and Spearman correlation per site, each beside its baseline (dotted).
     ``by_site`` is ``ProbeResults.by_site`` (columns task, site, label, layer, sublayer, depth,
     accuracy, control_accuracy, selectivity).
 ``plot_tenney(summary, mixing, path)``
@@ -16,7 +20,8 @@
     ``ProbeResults.summary`` (task, expected_layer_delta, expected_layer_mix), ``mixing`` is
     ``ProbeResults.mixing`` (task, site, sublayer, depth, delta, mix_weight).
 
-Both return the path written.
+All return the path written. Where a table's ``probe`` column holds several kinds, the overview
+and the Tenney figure give each (task, probe) its own row, labelled ``task (mlp)``.
 """
 
 from __future__ import annotations
@@ -30,9 +35,34 @@ from matplotlib.transforms import ScaledTranslation
 from depthscope.analyses.plots.style import SUBLAYER_MARKERS, SUBLAYER_ORDER, SUBLAYER_PALETTE, depth_axis, plt, savefig
 from depthscope.probes.corpora.tasks import pipeline_rank
 
+#: how each probe kind is drawn on the per-site figure: line colour, marker fill
+PROBE_STYLE = {"linear": ("#999999", None), "mlp": ("#9467bd", "white")}
+
 
 def _task_order(tasks) -> list:
     return sorted(pd.unique(pd.Series(list(tasks))), key=lambda t: (pipeline_rank(str(t)), str(t)))
+
+
+def _probe_order(df: pd.DataFrame) -> list:
+    """The probe kinds of ``df`` (linear first), ``[None]`` when it has no ``probe`` column."""
+    if df is None or "probe" not in df or not len(df):
+        return [None]
+    kinds = [str(k) for k in pd.unique(df["probe"])]
+    return sorted(kinds, key=lambda k: (k != "linear", k))
+
+
+def _by_task_and_probe(df: pd.DataFrame) -> list:
+    """``[(label, rows)]``: the rows of each task (pipeline order) and, when ``df`` holds several
+    probe kinds, of each kind (labelled ``task (kind)`` but for linear)."""
+    probes = _probe_order(df)
+    out = []
+    for task in _task_order(df["task"]):
+        for kind in probes:
+            rows = df[(df["task"] == task) & ((df["probe"] == kind) if kind is not None else True)]
+            if len(rows):
+                label = task if len(probes) == 1 or kind == "linear" else f"{task} ({kind})"
+                out.append((label, rows))
+    return out
 
 
 def _n_layers(df: pd.DataFrame) -> int:
@@ -47,12 +77,14 @@ def plot_overview(summary: pd.DataFrame, path) -> Path:
     """All tasks on one shared depth axis: E_Delta with its 95% interval (filled circle; hollow
     when the total gain is too small for E_Delta to mean a depth) and E_s (diamond), one row
     per task in pipeline order, values written at the right edge so labels never collide."""
-    tasks = _task_order(summary["task"]) if summary is not None and len(summary) else []
+    if summary is not None and "kind" in summary:
+        summary = summary[summary["kind"] != "tree"]  # the structural probes have no expected layer
+    rows = _by_task_and_probe(summary) if summary is not None and len(summary) else []
+    tasks = [label for label, _ in rows]
     L = int(summary["n_layers"].max()) if len(tasks) and "n_layers" in summary else 0
     fig, ax = plt.subplots(figsize=(8, 0.55 * max(1, len(tasks)) + 1.4))
-    s = summary.set_index("task") if len(tasks) else pd.DataFrame()
-    for i, task in enumerate(tasks):
-        r = s.loc[task]
+    for i, (_, part) in enumerate(rows):
+        r = part.iloc[0]
         y = len(tasks) - 1 - i
         e, lo, hi = (
             float(r.get(c, np.nan))
@@ -108,34 +140,79 @@ def plot_probe_curves(by_site: pd.DataFrame, path) -> Path:
     n = max(1, len(tasks))
     fig, axes = plt.subplots(n, 2, figsize=(11, 2.8 * n + 0.6), squeeze=False, sharex=True)
     L = _n_layers(by_site)
+    probes = _probe_order(by_site)
     for row, task in zip(axes, tasks):
-        d = by_site[by_site["task"] == task].sort_values("depth")
-        _accuracy_panel(row[0], d, task)
-        _selectivity_panel(row[1], d, task)
+        for kind in probes:
+            d = by_site[(by_site["task"] == task) & ((by_site["probe"] == kind) if kind is not None else True)]
+            d = d.sort_values("depth")
+            if not len(d):
+                continue
+            if task in TREE_SCORES:
+                _tree_panels(row, d, task)
+            else:
+                _accuracy_panel(row[0], d, task, kind)
+                _selectivity_panel(row[1], d, task, kind)
     for ax in axes[-1]:
         depth_axis(ax, L)
-    axes[0, 0].set_title("test accuracy (bars: 95% binomial interval)", fontsize=10)
-    axes[0, 1].set_title("selectivity = accuracy - control accuracy", fontsize=10)
+    if tasks and tasks[0] not in TREE_SCORES:  # a structural task titles its own panels
+        axes[0, 0].set_title("test accuracy (bars: 95% binomial interval)", fontsize=10)
+        axes[0, 1].set_title("selectivity = accuracy - control accuracy", fontsize=10)
     handles = [plt.Line2D([], [], color=SUBLAYER_PALETTE[s], marker=SUBLAYER_MARKERS[s], lw=0) for s in SUBLAYER_ORDER]
     handles += [plt.Line2D([], [], color="#7f7f7f", ls="--"), plt.Line2D([], [], color="black", ls=":")]
+    labels = [f"{s} site" for s in SUBLAYER_ORDER] + ["control task", "majority class / baseline"]
+    if len(probes) > 1:
+        for kind in probes:
+            color, fill = PROBE_STYLE.get(kind, ("#1f77b4", None))
+            handles.append(plt.Line2D([], [], color=color, marker="o", mfc=fill or color, lw=1))
+            labels.append(f"{kind} probe")
     fig.legend(
         handles,
-        [f"{s} site" for s in SUBLAYER_ORDER] + ["control task", "majority class"],
+        labels,
         loc="lower center",
-        ncol=5,
+        ncol=5 if len(probes) == 1 else 4,
         frameon=False,
         fontsize=9,
         bbox_to_anchor=(0.5, 0),
     )
-    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # a band of 0.35 inch for the legend
+    band = 0.35 if len(probes) == 1 else 0.55  # inches for the legend's rows
+    fig.tight_layout(rect=(0, band / fig.get_figheight(), 1, 1))
     savefig(fig, path)
     return Path(path)
 
 
-def _accuracy_panel(ax, d: pd.DataFrame, task: str) -> None:
+#: the structural probes' per-site scores: the main score's column and axis label
+TREE_SCORES = {"structural": ("uuas", "UUAS"), "depth": ("root_accuracy", "root accuracy")}
+
+
+def _tree_panels(row, d: pd.DataFrame, task: str) -> None:
+    """A structural-probe task's two panels: its main score (UUAS or root accuracy) and its
+    Spearman correlation per site, markers by sublayer, each baseline dotted."""
+    col, name = TREE_SCORES.get(task, ("uuas", "UUAS"))
+    base = "linear chain" if task == "structural" else "depth = position"
+    row[0].set_title(f"{name} of the structural probe (dotted: {base} baseline)", fontsize=10)
+    row[1].set_title(
+        f"Spearman correlation with the gold {'distances' if task == 'structural' else 'depths'}", fontsize=10
+    )
+    for ax, (key, ylabel) in zip(row, [(col, name), ("spearman", "Spearman")]):
+        if key not in d or not d[key].notna().any():
+            continue
+        ax.plot(d["depth"], d[key], color="#999999", lw=1, zorder=1)
+        for sub in SUBLAYER_ORDER:
+            part = d[d["sublayer"] == sub]
+            if len(part):
+                ax.scatter(part["depth"], part[key], s=18, marker=SUBLAYER_MARKERS[sub], color=SUBLAYER_PALETTE[sub])
+        if f"baseline_{key}" in d and d[f"baseline_{key}"].notna().any():
+            ax.axhline(float(d[f"baseline_{key}"].iloc[0]), ls=":", color="black", lw=1.0)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(f"{task}\n{ylabel}")
+
+
+def _accuracy_panel(ax, d: pd.DataFrame, task: str, kind: str | None = None) -> None:
     """One task's test accuracy per site (95% binomial bars, markers by sublayer), with the
-    control-task accuracy and the majority-class baseline when the table has them."""
-    ax.plot(d["depth"], d["accuracy"], color="#999999", lw=1, zorder=1)
+    control-task accuracy and the majority-class baseline when the table has them; ``kind``
+    (the probe) picks the line colour and marker fill (:data:`PROBE_STYLE`)."""
+    color, fill = PROBE_STYLE.get(kind, ("#999999", None))
+    ax.plot(d["depth"], d["accuracy"], color=color, lw=1, zorder=1)
     for sub in SUBLAYER_ORDER:
         part = d[d["sublayer"] == sub]
         if len(part):
@@ -147,22 +224,27 @@ def _accuracy_panel(ax, d: pd.DataFrame, task: str) -> None:
                 fmt=SUBLAYER_MARKERS[sub],
                 ms=4,
                 color=SUBLAYER_PALETTE[sub],
+                mfc=fill or SUBLAYER_PALETTE[sub],
                 elinewidth=0.8,
                 capsize=0,
                 zorder=2,
             )
     if "control_accuracy" in d and d["control_accuracy"].notna().any():
-        ax.plot(d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f", lw=1.2)
+        ax.plot(
+            d["depth"], d["control_accuracy"], ls="--", color="#7f7f7f" if kind in (None, "linear") else color, lw=1.2
+        )
     if "majority_accuracy" in d and d["majority_accuracy"].notna().any():
         ax.axhline(float(d["majority_accuracy"].iloc[0]), ls=":", color="black", lw=1.0)
     ax.set_ylim(0, 1)
     ax.set_ylabel(f"{task}\naccuracy")
 
 
-def _selectivity_panel(ax, d: pd.DataFrame, task: str) -> None:
-    """One task's selectivity (accuracy - control accuracy, in points) per site, when known."""
+def _selectivity_panel(ax, d: pd.DataFrame, task: str, kind: str | None = None) -> None:
+    """One task's selectivity (accuracy - control accuracy, in points) per site, when known
+    (``kind``: the probe, as in :func:`_accuracy_panel`)."""
+    color, fill = PROBE_STYLE.get(kind, ("#999999", None))
     if "selectivity" in d and d["selectivity"].notna().any():
-        ax.plot(d["depth"], 100 * d["selectivity"], color="#999999", lw=1, zorder=1)
+        ax.plot(d["depth"], 100 * d["selectivity"], color=color, lw=1, zorder=1)
         for sub in SUBLAYER_ORDER:
             part = d[d["sublayer"] == sub]
             if len(part):
@@ -171,7 +253,8 @@ def _selectivity_panel(ax, d: pd.DataFrame, task: str) -> None:
                     100 * part["selectivity"],
                     s=18,
                     marker=SUBLAYER_MARKERS[sub],
-                    color=SUBLAYER_PALETTE[sub],
+                    edgecolors=SUBLAYER_PALETTE[sub],
+                    facecolors=fill or SUBLAYER_PALETTE[sub],
                     zorder=2,
                 )
         ax.axhline(0, color="black", lw=0.6)
@@ -182,17 +265,17 @@ def plot_tenney(summary: pd.DataFrame, mixing: pd.DataFrame, path) -> Path:
     """Tenney-style summary: Delta bars per depth, mixing weights, E_Delta and E_s."""
     if mixing is None or not len(mixing):
         return _no_mixing_figure(path)
-    tasks = _task_order(mixing["task"])
-    n = max(1, len(tasks))
+    rows = _by_task_and_probe(mixing)
+    n = max(1, len(rows))
     fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 1.1), sharex=True, sharey=True, squeeze=False)
     L = _n_layers(mixing)
-    summ = summary.set_index("task") if summary is not None and len(summary) else pd.DataFrame()
-    for ax, task in zip(axes[:, 0], tasks):
-        dm = mixing[mixing["task"] == task].sort_values("depth")
-        _delta_bars(ax, dm, task)
+    summ = dict(_by_task_and_probe(summary)) if summary is not None and len(summary) else {}
+    for ax, (label, dm) in zip(axes[:, 0], rows):
+        dm = dm.sort_values("depth")
+        _delta_bars(ax, dm, label)
         _mix_weight_line(ax, dm)
-        if task in summ.index:
-            _expected_layer_marks(ax, summ.loc[task], L)
+        if label in summ:
+            _expected_layer_marks(ax, summ[label].iloc[0], L)
     depth_axis(axes[-1, 0], L)
     _tenney_header(fig)
     savefig(fig, path)

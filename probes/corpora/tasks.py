@@ -11,6 +11,10 @@ Task names
     label = the relation.
 ``entity``
     GUM mention spans (MISC ``Entity=``), labelled with their entity type.
+``structural``, ``depth``
+    Hewitt and Manning's structural probes (:mod:`depthscope.probes.structural`): one example
+    per word of each sentence whose CoNLL-U HEADs form a tree (the label: its head's 0-based
+    word index, ``-1`` for the root); the probes read the whole tree of each sentence.
 ``coref``
     edge task over GUM mentions of one document: pairs (m1 before m2, not overlapping, m1 at
     most ``coref_window`` sentences before m2), label ``1`` if both belong to the same
@@ -46,7 +50,9 @@ from depthscope.common.errors import InputError
 from depthscope.probes.corpora.conllu import Corpus, Sentence, Word, read_conllu, read_utf8
 
 WORD_TASKS = ("upos", "xpos")
-PIPELINE_ORDER = ["upos", "xpos", "feats", "deprel", "entity", "coref"]
+#: the structural probes' tasks: whole dependency trees, fitted by :mod:`depthscope.probes.structural`
+TREE_TASKS = ("structural", "depth")
+PIPELINE_ORDER = ["upos", "xpos", "feats", "deprel", "structural", "depth", "entity", "coref"]
 
 
 @dataclass
@@ -161,6 +167,56 @@ def deprel_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
             lab = w.deprel.split(":", 1)[0] if base else w.deprel
             rows.append((si, w.index, w.index + 1, si, head.index, head.index + 1, lab, f"{_key(w)}|{_key(head)}"))
     return _examples(task, "edge", context, rows, edge=True)
+
+
+def tree_heads(sentence) -> np.ndarray | None:
+    """``[n]`` int64: each word's head as a 0-based word index, -1 for the root; None when a
+    word has no HEAD, a HEAD names no word of the sentence, there is not exactly one root, or
+    the HEADs contain a cycle (no tree to probe)."""
+    words = sentence.words
+    index = {w.id: w.index for w in words}
+    heads = np.empty(len(words), dtype=np.int64)
+    for k, w in enumerate(words):
+        if w.head == 0:
+            heads[k] = -1
+        elif w.head in index:
+            heads[k] = index[w.head]
+        else:
+            return None
+    if len(words) == 0 or int((heads < 0).sum()) != 1:
+        return None
+    return heads if _acyclic(heads) else None
+
+
+def _acyclic(heads: np.ndarray) -> bool:
+    """Every word reaches the root by following heads (in at most ``n`` steps)."""
+    n = len(heads)
+    for k in range(n):
+        j, steps = k, 0
+        while j >= 0 and steps <= n:
+            j, steps = int(heads[j]), steps + 1
+        if j >= 0:
+            return False
+    return True
+
+
+def is_tree_task(task: str) -> bool:
+    """True for the structural probes' tasks (:data:`TREE_TASKS`)."""
+    return task in TREE_TASKS
+
+
+def tree_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
+    """One example per word of each sentence whose HEADs form a tree
+    (:func:`tree_heads`), in sentence and word order, labelled
+    with its head's word index (``-1``: the root); sentences without a tree are left out."""
+    rows = []
+    for si, s in enumerate(corpus.sentences):
+        heads = tree_heads(s)
+        if heads is None:
+            continue
+        for w, h in zip(s.words, heads):
+            rows.append((si, w.index, w.index + 1, str(int(h)), _key(w)))
+    return _examples(task, "word", context, rows, edge=False)
 
 
 def entity_task(corpus: Corpus, task: str, context: str) -> TaskExamples:
@@ -403,6 +459,10 @@ def build_task(
     """Examples of ``task`` on ``corpus`` (see the module docstring for task names)."""
     context = context or default_context(task)
     fam = task_family(task)
+    if is_tree_task(task):
+        if is_jiant(corpus):
+            raise InputError(f"{corpus.source}: task {task!r} reads dependency trees: give CoNLL-U files with HEADs")
+        return tree_task(corpus, task, context)
     if is_jiant(corpus):
         return jiant_task(corpus, task, context)
     if fam in WORD_TASKS or fam == "feats":
@@ -416,7 +476,8 @@ def build_task(
     if fam == "coref":
         return coref_task(corpus, task, context, window=coref_window, neg_ratio=coref_neg_ratio, seed=seed)
     raise InputError(
-        f"unknown task {task!r}: use upos, xpos, feats:<Feature>, deprel, deprel:base, entity, coref, "
+        f"unknown task {task!r}: use upos, xpos, feats:<Feature>, deprel, deprel:base, structural, depth, entity, "
+        f"coref, "
         f"or any name with a jiant edge-probing .jsonl file"
     )
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import time
@@ -48,6 +49,7 @@ from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
 from depthscope.common.files import FolderLock, check_writable_dir, is_place_error, output_error, preallocate
 from depthscope.common.progress import progress_bar
+from depthscope.common.shards import meta_digest
 from depthscope.common.stamps import file_digest
 from depthscope.hooks import cache_dir
 from depthscope.probes.config import POOLINGS
@@ -122,6 +124,17 @@ class SpanStore:
         if isinstance(self.feats, np.memmap) and self.feats.nbytes <= max_bytes:
             self.feats = np.array(self.feats)
 
+    def release(self) -> None:
+        """Drop this process's resident pages of the memmap (they stay in the OS page cache, and
+        a later read maps them back): once features are copied into memory the store's pages
+        would otherwise count twice in the process' memory. A no-op for in-memory rows."""
+        mm = getattr(self.feats, "_mmap", None)  # numpy's memmap keeps its mmap.mmap here
+        if isinstance(mm, mmap.mmap) and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # a closed map, or a platform without it: nothing to drop
+                pass
+
     def gather(self, span_ids: np.ndarray, max_len: int = 1):
         """Rows of spans: ``x [B, L, S, D]`` (float32 tensor) and ``mask [B, L]``.
 
@@ -161,9 +174,9 @@ def _store_key(model_id: str, tok: Tokenized, table: SpanTable, sites, pooling, 
 
 
 def _meta_digest(meta: dict) -> str:
-    """sha256 of ``meta`` without its own ``meta_sha256`` (canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    """sha256 of ``meta`` without its own ``meta_sha256``: the shard format's
+    (:func:`depthscope.common.shards.meta_digest`)."""
+    return meta_digest(meta)
 
 
 def _meta_problem(meta, path: Path) -> str | None:

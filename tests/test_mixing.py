@@ -1,0 +1,106 @@
+"""The scalar mix behind E_s (probes/mixing.py: fit_mix, mix_draws, scalar_mix): exact cases
+(identical sites: the mix stays uniform and its probe is scikit-learn's penalised logistic
+regression; gamma recomputed by hand; E_s and the spread on hand-computed weights), the penalty's
+pull to one site reproduced on synthetic features and shown gone with the scale-neutral gamma,
+and the fold refits that give E_s an interval."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from depthscope.probes.mixing import expected_layer_mix, fit_cumulative, fit_mix, mix_draws, mix_spread
+from tests.test_probes_fit import features, synthetic
+
+
+def _standardise(X: torch.Tensor) -> torch.Tensor:
+    return (X - X.mean(1, keepdim=True)) / X.std(1, keepdim=True, unbiased=False)
+
+
+def test_expected_layer_and_spread_by_hand():
+    depths = [0, 0.5, 1.0, 1.5]
+    w = [0.1, 0.2, 0.3, 0.4]  # 0.2 * 0.5 + 0.3 * 1 + 0.4 * 1.5 = 1.0
+    assert expected_layer_mix(depths, w) == pytest.approx(1.0)
+    rows = expected_layer_mix(depths, [w, [0, 0, 0, 2.0], [1, 1, 1, 1]])  # rows renormalised
+    assert np.allclose(rows, [1.0, 1.5, 0.75])
+    assert mix_spread([0, 1, 0, 0]) == pytest.approx(1.0)
+    assert mix_spread([0.25] * 4) == pytest.approx(4.0)
+    assert mix_spread([0.5, 0.5, 0, 0]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_identical_sites_give_the_uniform_mix_and_sklearns_probe(normalise):
+    """Every site the same standardised features: the uniform start is a stationary point in the
+    mixing logits (the mix stays uniform exactly), gamma is 1 (the mix is one unit-scale site) and
+    the probe is scikit-learn's multinomial logistic regression with C = 1 / (2 l2 N)."""
+    g = torch.Generator().manual_seed(0)
+    N, F, C, l2 = 400, 5, 3, 1e-2
+    y = torch.randint(C, (N,), generator=g).numpy()
+    x = torch.randn(N, F, generator=g) + torch.eye(C, F)[y] * 1.5
+    X = _standardise(x[None].repeat(3, 1, 1))
+    fit = fit_mix(X, y, n_classes=C, l2=l2, normalise=normalise)
+    assert fit.converged
+    np.testing.assert_allclose(fit.weights, 1 / 3, atol=1e-7)
+    assert fit.gamma == pytest.approx(1.0, abs=1e-5)
+    ref = LogisticRegression(C=1 / (2 * l2 * N), tol=1e-10, max_iter=10_000).fit(X[0].numpy(), y)
+    _, W, b = fit.state
+    ours = torch.softmax(X[0] @ W + b, -1).numpy()
+    np.testing.assert_allclose(ours, ref.predict_proba(X[0].numpy()), atol=2e-4)
+
+
+def test_gamma_is_the_unit_scale_of_the_fitted_mix():
+    x, y = synthetic(300, S=4, D=6, C=3)
+    X = _standardise(torch.from_numpy(x).permute(1, 0, 2).contiguous())
+    fit = fit_mix(X, y, n_classes=3, l2=3e-2)
+    m = np.einsum("s,snf->nf", fit.weights, X.double().numpy())
+    assert fit.gamma == pytest.approx(1 / np.sqrt(m.var(0).mean()), rel=1e-4)
+    assert fit.gamma > 1  # the sites are not perfectly correlated: the mix is smaller than a site
+
+
+def _equally_informative(seed: int = 1, S: int = 6, n: int = 1000, rho: float = 0.9):
+    """Six sites with the same class signal and noise that is shared to ``rho`` and independent for
+    the rest, standardised per site and dimension as the pipeline does: averaging sites cancels
+    the independent part (a spread mix is at least as informative as one site), but the average
+    has a smaller variance than one site, which the penalty charges for at ``gamma = 1``."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(2, (n,), generator=g)
+    mu = torch.randn(2, 4, generator=g)
+    shared = torch.randn(n, 4, generator=g)
+    X = torch.stack(
+        [0.5 * mu[y] + rho**0.5 * shared + (1 - rho) ** 0.5 * torch.randn(n, 4, generator=g) for _ in range(S)]
+    )
+    return _standardise(X), y.numpy()
+
+
+def test_the_penalty_pulls_a_gamma_one_mix_to_one_site_and_the_neutral_gamma_does_not():
+    X, y = _equally_informative()
+    l2 = 1.0
+    fit1 = fit_mix(X, y, n_classes=2, l2=l2, normalise=False)  # the previous objective: one site (artefact)
+    assert fit1.weights.max() > 0.99 and mix_spread(fit1.weights) < 1.05  # a vertex: softmax logits at infinity
+    fitn = fit_mix(X, y, n_classes=2, l2=l2, normalise=True)  # scale-neutral gamma: spread over the sites
+    assert fitn.weights.max() < 0.7 and mix_spread(fitn.weights) > 3
+    assert fitn.gamma > 1  # the average is smaller than one site: gamma puts it back at unit scale
+    # the spread mix is the better probe of the data: at the same scale it fits train better
+    m1 = np.einsum("s,snf->nf", fit1.weights, X.double().numpy())
+    mn = np.einsum("s,snf->nf", fitn.weights, X.double().numpy())
+    ref = [LogisticRegression(C=10.0).fit(m / m.std(0), y).score(m / m.std(0), y) for m in (m1, mn)]
+    assert ref[1] >= ref[0]
+
+
+def test_fold_refits_give_an_interval_and_fit_cumulative_keeps_them():
+    x, y = synthetic(600, S=4, D=8, C=3)
+    ftr, fte = features(x[:400]), None
+    fte = features(x[400:], ftr)
+    X, yr = ftr.resident, y[:400][ftr.order]
+    fit = fit_mix(X, yr, n_classes=3, l2=1e-2)
+    draws = mix_draws(X, yr, n_classes=3, l2=1e-2, folds=3, seed=0, init=fit.state)
+    assert draws.shape == (3, 4) and np.allclose(draws.sum(1), 1)
+    cum = fit_cumulative(ftr, y[:400], fte, y[400:], n_classes=3, n_eval_classes=3, l2=1e-2, mix_folds=2)
+    np.testing.assert_allclose(cum.mix_weights, fit.weights, atol=1e-4)  # the same fit as above
+    assert cum.mix_draws.shape == (2, 4)
+    depths = [0, 0.5, 1.0, 1.5]
+    lo, hi = cum.mix_range(depths)
+    assert lo <= hi and np.isfinite([lo, hi]).all()
+    assert lo == pytest.approx(expected_layer_mix(depths, cum.mix_draws).min())
