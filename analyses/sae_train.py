@@ -4,7 +4,7 @@ evaluating sparse autoencoders"), streaming rows from an activation store.
 =========================  ==================================================================
 offers                     what
 =========================  ==================================================================
-:class:`SaeTrainConfig`    latents, k, tokens, epochs, batch size, learning rate, AuxK, seed
+:class:`SaeTrainConfig`    (from :mod:`~depthscope.analyses.sae_config`) latents, k, tokens, epochs...
 :func:`train_topk`         rows (any ``[n, d]`` array that reads row blocks) -> trained
                            :class:`~depthscope.hooks.sae.SAE` and a per-step log; resumable
                            from a checkpoint file
@@ -25,51 +25,19 @@ memory-mapped store of any size trains in bounded memory.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from depthscope.analyses.sae_config import SaeTrainConfig
 from depthscope.common.errors import InputError
 from depthscope.common.files import atomic_write
-from depthscope.common.settings import Checked, setting
 from depthscope.hooks.sae import SAE
 
 #: rows read from the store at once (shuffled within, blocks in random order)
 BLOCK_ROWS = 32768
-
-
-@dataclass(frozen=True)
-class SaeTrainConfig(Checked):
-    """What :func:`train_topk` trains; the fields declare the ``sae train`` options."""
-
-    latents: int = setting(4608, "--latents", min=1, max=1 << 20, help="Number of SAE latents (d_sae).")
-    k: int = setting(32, "--k", min=1, max=4096, help="Active latents per token (TopK).")
-    tokens: int = setting(
-        150_000, "--tokens", min=1, max=100_000_000, help="Training tokens read from the text (position 0 left out)."
-    )
-    eval_tokens: int = setting(
-        8192, "--eval-tokens", min=1, max=10_000_000, help="Held-out tokens (documents after the training ones)."
-    )
-    epochs: int = setting(8, "--epochs", min=1, max=1000, help="Passes over the training tokens.")
-    batch_size: int = setting(1024, "--batch-size", min=1, max=65536, help="Tokens per optimiser step.")
-    lr: float = setting(1e-3, "--lr", positive=True, help="Adam learning rate.")
-    aux_coef: float = 1 / 32
-    dead_tokens: int = setting(
-        50_000,
-        "--dead-tokens",
-        min=1,
-        max=1_000_000_000,
-        help="A latent is dead after this many tokens unfired.",
-    )
-    seed: int = setting(0, "--seed", min=0, help="Seed of the initialisation and the row order.")
-    progress: bool = False
-
-    def check(self) -> None:
-        """k at most the number of latents."""
-        if self.k > self.latents:
-            raise InputError(f"--k {self.k} exceeds --latents {self.latents}")
 
 
 def input_scale(rows, *, sample: int = 16384, seed: int = 0) -> float:

@@ -53,7 +53,8 @@ def _bare_trainer(x, steps: int):
 def _training_row(settings: Settings) -> Row:
     import torch
 
-    from depthscope.analyses.sae_train import SaeTrainConfig, train_topk
+    from depthscope.analyses.sae_config import SaeTrainConfig
+    from depthscope.analyses.sae_train import train_topk
 
     steps = 4 if settings.quick else 12
     x = torch.randn(steps * BATCH, D, generator=torch.Generator().manual_seed(1))

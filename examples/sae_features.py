@@ -50,8 +50,8 @@ def main(argv=None):
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.sae import sae_train_job
     from depthscope.analyses.plots.sae import plot_sparse_probing
+    from depthscope.analyses.sae_config import SaeTrainConfig
     from depthscope.analyses.sae_features import feature_lens, sparse_probing
-    from depthscope.analyses.sae_train import SaeTrainConfig
     from depthscope.analyses.text import read_documents
     from depthscope.hooks import load_model, load_sae
     from depthscope.probes import sample_data

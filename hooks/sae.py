@@ -80,6 +80,14 @@ class SAE:
     reshape_hook_z: bool = False
     cfg: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        k = f", k={self.k}" if self.k else ""
+        out = f" -> {self.hook_name_out!r}" if self.hook_name_out else ""
+        return (
+            f"SAE({self.architecture}, d_in={self.d_in}, d_sae={self.d_sae}{k}, hook={self.hook_name!r}{out}, "
+            f"dtype={str(self.dtype).removeprefix('torch.')})"
+        )
+
     @property
     def d_in(self) -> int:
         return self.W_enc.shape[0]

@@ -34,14 +34,18 @@ def numeric_options():
     of every registered command."""
     import inspect
 
-    for cmd in app.registered_commands:
+    groups = [(f"{g.name} ", g.typer_instance) for g in app.registered_groups]  # depthscope sae train
+    for prefix, cmd in [("", c) for c in app.registered_commands] + [
+        (p, c) for p, t in groups for c in t.registered_commands
+    ]:
+        command = prefix + cmd.name
         hints = typing.get_type_hints(cmd.callback)
         for name, p in inspect.signature(cmd.callback).parameters.items():
             kind = Opt(name, hints.get(name), None).kind
             if kind is not None and isinstance(p.default, typer.models.OptionInfo):
                 flag = next(d for d in p.default.param_decls if d.startswith("--"))
                 least = p.default.default if p.default.default is not None else (p.default.min or 1)
-                yield pytest.param(cmd.name, flag, kind, least, id=f"{cmd.name} {flag}")
+                yield pytest.param(command, flag, kind, least, id=f"{command} {flag}")
 
 
 OPTIONS = list(numeric_options())
@@ -73,6 +77,8 @@ def _required(command):
         "sweep": ["--analysis", "probe", "--out", "o"],
         "toy-series": ["--out", "o"],
         "cache": ["--text", "x.txt", "--out", "o"],
+        "layers": ["--text", "x.txt"],
+        "sae train": ["--site", "1.mlp", "--text", "x.txt"],
     }.get(command, [])
 
 
@@ -80,7 +86,7 @@ def _invoke(command, *args):
     """``depthscope command`` with ``args`` in the test's working folder (a text file there)."""
     with open("x.txt", "w") as f:
         f.write("The capital of France is Paris.\n")
-    return runner.invoke(app, [command, *_required(command), *args])
+    return runner.invoke(app, [*command.split(), *_required(command), *args])
 
 
 def _refused(r, flag, *words):

@@ -11,7 +11,7 @@ from rich.console import Console
 from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.sae_train import SaeTrainConfig
+from depthscope.analyses.sae_config import SaeTrainConfig
 from depthscope.common.settings import build
 
 EXTRA = (

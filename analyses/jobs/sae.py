@@ -33,7 +33,8 @@ import torch
 
 from depthscope.analyses.jobs.base import Output
 from depthscope.analyses.plots.sae import plot_sae_training
-from depthscope.analyses.sae_train import SaeTrainConfig, sae_metrics, train_topk
+from depthscope.analyses.sae_config import SaeTrainConfig
+from depthscope.analyses.sae_train import sae_metrics, train_topk
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.activation_cache import CacheSettings, write_activations
