@@ -74,6 +74,7 @@ def probe_table(summary: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     t["E_Δ / depth"] = g("expected_layer_delta") / n_layers
     t["E_Δ argmax accuracy (blocks)"] = g("expected_layer_delta_hard")
     t["E_s (blocks)"] = g("expected_layer_mix")
+    t["E_s spread (sites)"] = g("mix_spread")
     t["total gain (soft, points)"] = 100 * g("total_delta")
     t["best site"] = g("best_label")
     t["best accuracy (%)"] = 100 * g("best_accuracy")

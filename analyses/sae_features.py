@@ -67,9 +67,22 @@ def _labels(wf, task: str, min_count: int, keep: set | None = None):
     return y, keep
 
 
-def _fit(x_train, y_train) -> LogisticRegression:
-    """Logistic regression (lbfgs: deterministic, no seed needed)."""
-    return LogisticRegression(max_iter=2000).fit(x_train, y_train)
+class _Probe:
+    """Logistic regression (scikit-learn's default L2 penalty, lbfgs: deterministic) on features
+    divided by their train standard deviation: SAE activations differ in scale by orders of
+    magnitude, which stalls lbfgs, and the penalty then weighs every feature alike, as the dense
+    probe's standardised stream does."""
+
+    def __init__(self, x, y):
+        self.scale = StandardScaler(with_mean=False).fit(x)
+        self.lr = LogisticRegression(max_iter=2000).fit(self.scale.transform(x), y)
+
+    def predict(self, x):
+        return self.lr.predict(self.scale.transform(x))
+
+
+def _fit(x_train, y_train) -> _Probe:
+    return _Probe(x_train, y_train)
 
 
 def _ranked(f: np.ndarray, y: np.ndarray, tags: list) -> dict:

@@ -16,7 +16,9 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     majority_accuracy, converged, epochs (+ mdl_online_bits, mdl_uniform_bits, mdl_compression with ``mdl=True``).
     ``.summary`` columns: task, expected_layer_delta (+ _lo/_hi: 95% bootstrap interval over test
     examples and fold draws; from the soft accuracy, the mean probability of the gold label),
-    expected_layer_delta_hard (+ _lo/_hi: the same from the argmax accuracy), expected_layer_mix, best_label,
+    expected_layer_delta_hard (+ _lo/_hi: the same from the argmax accuracy), expected_layer_mix (E_s; + _lo/_hi:
+    its range over refits without each of ``mix_folds`` folds), mix_spread (exp entropy of the mix
+    weights, in sites), best_label,
     best_accuracy, n_train, n_test, mix_accuracy, mix_soft_accuracy, best_site, best_depth, best_macro_f1,
     best_selectivity, max_selectivity, n_layers, relative_depth_delta, relative_depth_mix,
     relative_depth_best, majority_accuracy, n_classes, n_test_unseen_labels,

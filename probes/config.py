@@ -205,7 +205,14 @@ class ProbeConfig(Settings):
     )
     #: folds of train the scalar mix is refitted without, one at a time, for E_s's range and the spread
     #: of its weights (0: no refits; each costs about half a mix fit, warm-started; probes/mixing.py)
-    mix_folds: int = setting(0, min=0, max=MAX_FOLDS)
+    mix_folds: int = setting(
+        0,
+        "--mix-folds",
+        min=0,
+        max=MAX_FOLDS,
+        help="Refit the scalar mix without each of this many folds of train: the range of E_s over the "
+        "refits (expected_layer_mix_lo/_hi; 0: none, 2 or more: that many refits).",
+    )
     stack_l2: float = setting(
         1e-2,
         "--stack-l2",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from depthscope.probes.mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix
+from depthscope.probes.mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, mix_spread
 
 #: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (soft accuracy)
 #: and at least ``GAIN_SE`` standard errors of that gain over test examples
@@ -86,6 +86,9 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
             "total_delta",
             "total_delta_se",
             "expected_layer_mix",
+            "expected_layer_mix_lo",
+            "expected_layer_mix_hi",
+            "mix_spread",
             "expected_layer_delta_hard",
             "expected_layer_delta_hard_lo",
             "expected_layer_delta_hard_hi",
@@ -118,6 +121,9 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         "expected_layer_delta_meaningful": ok,
         "expected_layer_delta_note": note,
         "expected_layer_mix": expected_layer_mix(depths, cum.mix_weights),
+        "expected_layer_mix_lo": cum.mix_range(depths)[0],  # refits without each fold (mix_folds >= 2)
+        "expected_layer_mix_hi": cum.mix_range(depths)[1],
+        "mix_spread": mix_spread(cum.mix_weights),  # exp(entropy): sites the weight spreads over
         "expected_layer_delta_hard": expected_layer_delta(depths, cum.accuracy),
         "expected_layer_delta_hard_lo": hard_lo,
         "expected_layer_delta_hard_hi": hard_hi,
