@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from depthscope.analyses.next_token import next_token_nll
 from depthscope.analyses.text import windows
 from depthscope.common.errors import InputError
 from depthscope.probes.corpora.spans import bos_id
@@ -131,12 +131,8 @@ def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int 
     count = np.zeros(held.n_docs, dtype=np.int64)
     for part in _batches(held, batch_size):
         ids, mask = _padded([held.rows[i] for i in part], pad)
-        logits = model.run(ids, mask=mask, hooks=hooks).logits
-        tgt = ids[:, 1:].to(logits.device)
-        per = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tgt.flatten(), reduction="none")
-        valid = mask[:, 1:].to(logits.device)
-        per = (per.view(tgt.shape) * valid).sum(1).double().cpu().numpy()
-        np.add.at(nll, held.doc[part], per)
+        per, valid = next_token_nll(model.run(ids, mask=mask, hooks=hooks).logits, ids, mask)
+        np.add.at(nll, held.doc[part], per.sum(1).double().cpu().numpy())
         np.add.at(count, held.doc[part], valid.sum(1).cpu().numpy())
     return DocLoss(nll, count)
 

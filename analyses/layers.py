@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.next_token import next_token_nll
 from depthscope.analyses.text import token_batches
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
@@ -56,14 +57,11 @@ def next_token_scores(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tenso
     """``(sum of cross-entropies, agreements, predictions, argmax)`` over the positions ``t`` whose
     next token ``t + 1`` is real (``mask`` True at both). ``reference``: the argmax ``[batch, pos - 1]``
     to agree with (None: the agreement is counted against this argmax itself). Float32 reductions."""
-    lg = logits[:, :-1].float()
-    target = ids[:, 1:]
-    scored = mask[:, 1:] & mask[:, :-1]
-    ce = torch.nn.functional.cross_entropy(lg.transpose(1, 2), target, reduction="none")
-    top = lg.argmax(-1)
+    ce, scored = next_token_nll(logits, ids, mask)
+    top = logits[:, :-1].argmax(-1)
     ref = top if reference is None else reference
     agree = (top == ref) & scored
-    return float(ce[scored].double().sum()), int(agree.sum()), int(scored.sum()), top
+    return float(ce.double().sum()), int(agree.sum()), int(scored.sum()), top
 
 
 def layer_interventions(

@@ -373,6 +373,18 @@ def _flat_sites(X: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return X.transpose(1, 2).reshape(S, F_ * N), N, F_
 
 
+def _mix_lbfgs(params: list, max_iters: int) -> torch.optim.LBFGS:
+    """The scalar mix's full-batch L-BFGS (strong-Wolfe line search)."""
+    return torch.optim.LBFGS(
+        params,
+        max_iter=max_iters,
+        history_size=20,
+        tolerance_grad=MIX_GTOL / 10,  # aim lower than the test: float32 sums end a little above
+        tolerance_change=1e-12,
+        line_search_fn="strong_wolfe",
+    )
+
+
 def fit_mix(
     X: torch.Tensor,
     y,
@@ -394,14 +406,7 @@ def fit_mix(
     if init is None:
         init = (torch.zeros(S), torch.zeros(F_, n_classes), torch.zeros(n_classes))
     a, W, b = (t.detach().clone().float().requires_grad_(True) for t in init)
-    opt = torch.optim.LBFGS(
-        [a, W, b],
-        max_iter=max_iters,
-        history_size=20,
-        tolerance_grad=MIX_GTOL / 10,  # aim lower than the test: float32 sums end a little above
-        tolerance_change=1e-12,
-        line_search_fn="strong_wolfe",
-    )
+    opt = _mix_lbfgs([a, W, b], max_iters)
 
     def mixed():
         m = (torch.softmax(a, 0).to(Xf.dtype) @ Xf).float().view(F_, N)
@@ -525,13 +530,11 @@ def fit_cumulative(
         )
         w, b, lg = stack(z_train, y_train, l2=cfg.stack_l2, init=prev)
         prev = (w, b)
-        with torch.no_grad():
-            logits = apply_stack(w, b, test_log_probs)  # [S, N, C]
-            preds = logits.argmax(-1)
-            soft.append(gold_probability(logits, yt).numpy())
-        f1.append(macro_f1(preds, yt, n_eval_classes).numpy())
+        s, f, c = _score_stack(w, b, test_log_probs, yt, n_eval_classes)
+        soft.append(s)
+        f1.append(f)
         ws.append(w.detach().double().numpy())
-        correct.append((preds == yt[None]).numpy())
+        correct.append(c)
         logs.append(lg)
         del z_train
     (mix, mix_log), draws = scalar_mix(
@@ -549,6 +552,16 @@ def fit_cumulative(
         np.stack(soft),
         draws,
     )
+
+
+@torch.no_grad()
+def _score_stack(w, b, test_log_probs: torch.Tensor, yt: torch.Tensor, n_eval_classes: int) -> tuple:
+    """One fold draw's stacked prefixes scored on test: the gold label's probability
+    ``[S, N]``, the macro F1 ``[S]`` and whether the argmax is right ``[S, N]``."""
+    logits = apply_stack(w, b, test_log_probs)  # [S, N, C]
+    preds = logits.argmax(-1)
+    soft = gold_probability(logits, yt).numpy()
+    return soft, macro_f1(preds, yt, n_eval_classes).numpy(), (preds == yt[None]).numpy()
 
 
 def _merge_logs(logs: list) -> TrainLog:

@@ -99,6 +99,24 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     lo, hi = expected_layer_delta_interval(depths, cum.score_draws, seed=seed)
     hard_lo, hard_hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
     score = cum.score
+    return {
+        "expected_layer_delta": expected_layer_delta(depths, score),
+        "expected_layer_delta_lo": lo,
+        "expected_layer_delta_hi": hi,
+        **_total_gain(cum),
+        **_mix_summary(depths, cum),
+        "expected_layer_delta_hard": expected_layer_delta(depths, cum.accuracy),
+        "expected_layer_delta_hard_lo": hard_lo,
+        "expected_layer_delta_hard_hi": hard_hi,
+        "mix_accuracy": float(cum.accuracy[-1]),
+        "mix_soft_accuracy": float(score[-1]),
+    }
+
+
+def _total_gain(cum) -> dict:
+    """The soft score's gain from the first prefix to the last, its paired standard error over
+    test examples, and whether it is large enough for E_Delta to be read as a depth (why not)."""
+    score = cum.score
     gain = float(score[-1] - score[0])
     per_example = cum.score_mean  # [S, N], mean over the fold draws
     diff = per_example[-1] - per_example[0]  # paired, per test example
@@ -113,22 +131,22 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         )
     )
     return {
-        "expected_layer_delta": expected_layer_delta(depths, score),
-        "expected_layer_delta_lo": lo,
-        "expected_layer_delta_hi": hi,
         "total_delta": gain,
         "total_delta_se": se,
         "expected_layer_delta_meaningful": ok,
         "expected_layer_delta_note": note,
+    }
+
+
+def _mix_summary(depths, cum) -> dict:
+    """E_s, its range over the refits without each fold (NaN unless ``mix_folds >= 2``) and the
+    spread of the weights in sites (exp entropy)."""
+    lo, hi = cum.mix_range(depths)
+    return {
         "expected_layer_mix": expected_layer_mix(depths, cum.mix_weights),
-        "expected_layer_mix_lo": cum.mix_range(depths)[0],  # refits without each fold (mix_folds >= 2)
-        "expected_layer_mix_hi": cum.mix_range(depths)[1],
-        "mix_spread": mix_spread(cum.mix_weights),  # exp(entropy): sites the weight spreads over
-        "expected_layer_delta_hard": expected_layer_delta(depths, cum.accuracy),
-        "expected_layer_delta_hard_lo": hard_lo,
-        "expected_layer_delta_hard_hi": hard_hi,
-        "mix_accuracy": float(cum.accuracy[-1]),
-        "mix_soft_accuracy": float(score[-1]),
+        "expected_layer_mix_lo": lo,
+        "expected_layer_mix_hi": hi,
+        "mix_spread": mix_spread(cum.mix_weights),
     }
 
 

@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.jobs.base import Output
+from depthscope.analyses.next_token import next_token_nll
 from depthscope.analyses.plots.sae import plot_sae_training
 from depthscope.analyses.sae_config import SaeTrainConfig
 from depthscope.analyses.sae_train import sae_metrics, train_topk
@@ -98,14 +99,6 @@ def _site_columns(model, point) -> dict:
         return {"site": None, "label": point.name, "layer": point.layer, "sublayer": point.kind, "depth": None}
 
 
-def _token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token cross-entropy over real (target) tokens, and their count."""
-    lp = torch.log_softmax(logits[:, :-1].float(), -1)
-    nll = -lp.gather(-1, ids[:, 1:, None])[..., 0]
-    keep = mask[:, 1:].bool()
-    return float(nll[keep].sum()), int(keep.sum())
-
-
 @torch.no_grad()
 def next_token_losses(model, texts, point: str, sae: SAE, mean: torch.Tensor) -> dict:
     """Token-weighted next-token loss over ``texts`` with the site clean, with ``sae``'s
@@ -123,7 +116,8 @@ def next_token_losses(model, texts, point: str, sae: SAE, mean: torch.Tensor) ->
         batch = texts[a : a + LOSS_BATCH]
         for name, hooks in (("clean", None), ("sae", {point: splice}), ("mean_ablation", {point: ablate})):
             r = model.run(batch, hooks=hooks)
-            s, n = _token_loss(r.logits, r.input_ids, r.mask)
+            nll, scored = next_token_nll(r.logits, r.input_ids, r.mask)
+            s, n = float(nll.double().sum()), int(scored.sum())
             sums[name][0] += s
             sums[name][1] += n
     return {f"lm_loss_{k}": s / max(n, 1) for k, (s, n) in sums.items()}
