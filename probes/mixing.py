@@ -73,12 +73,15 @@ from depthscope.probes.store.features import Features
 STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
-#: L-BFGS iterations a scalar mix may take (each: two products with every site's features)
+#: L-BFGS iterations over the mixing logits a scalar mix may take (each: two products with every site's
+#: features and one warm-started probe solve)
 MIX_MAX_ITERS = 300
 #: how often a scalar mix's L-BFGS may start afresh when its line search stalls before convergence
 MIX_RESTARTS = 4
 #: the largest gradient entry at which a scalar mix counts as converged
 MIX_GTOL = 1e-4
+#: L-BFGS iterations the probe of one mix may take (warm-started from the previous mix's probe)
+PROBE_MAX_ITERS = 500
 
 
 def deltas(scores) -> np.ndarray:
@@ -385,6 +388,66 @@ def _mix_lbfgs(params: list, max_iters: int) -> torch.optim.LBFGS:
     )
 
 
+def _probe_solve(u: torch.Tensor, yt: torch.Tensor, W: torch.Tensor, b: torch.Tensor, l2: float) -> tuple:
+    """The penalised linear probe on fixed features ``u [F, N]`` (feature-major), from ``(W, b)``:
+    ``argmin mean CE(u^T W + b) + l2 ||W||^2`` by full-batch L-BFGS to :data:`MIX_GTOL` / 100 (a
+    convex problem of ``F x C`` weights; a warm start from the previous mix's probe takes a few
+    steps). Returns the detached ``(W, b)``."""
+    W, b = W.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    opt = torch.optim.LBFGS(
+        [W, b],
+        max_iter=PROBE_MAX_ITERS,
+        history_size=20,
+        tolerance_grad=MIX_GTOL / 100,
+        tolerance_change=1e-14,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure():
+        opt.zero_grad()
+        f = torch.nn.functional.cross_entropy(torch.addmm(b, u.T, W), yt) + l2 * (W * W).sum()
+        f.backward()
+        return f
+
+    opt.step(closure)
+    return W.detach(), b.detach()
+
+
+class _ProjectedMix:
+    """The scalar-mix objective as a function of the mixing logits ``a`` alone (variable
+    projection): ``g(a) = min_{W, b} f(a, W, b)``, the probe solved at each ``a``
+    (:func:`_probe_solve`, warm-started from the last one). By the envelope theorem
+    ``dg/da = df/da`` at the solved probe, so one evaluation reads the features twice (the mix,
+    then the gradient of its S weights) however many probe weights there are, and the outer
+    problem has S unknowns instead of ``S + F C``."""
+
+    def __init__(self, Xf: torch.Tensor, shape: tuple, y: torch.Tensor, l2: float, normalise: bool, Wb: tuple):
+        self.Xf, (self.F, self.N), self.y, self.l2, self.normalise = Xf, shape, y, l2, normalise
+        self.W, self.b = Wb
+
+    def mix(self, a: torch.Tensor) -> tuple:
+        """``(m [F, N], gamma)``: the mix of the sites at logits ``a`` and its scale."""
+        m = (torch.softmax(a, 0).to(self.Xf.dtype) @ self.Xf).float().view(self.F, self.N)
+        gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if self.normalise else torch.ones(())
+        return m, gamma
+
+    def __call__(self, a: torch.Tensor) -> tuple:
+        """``(g(a), dg/da, largest probe-gradient entry)``."""
+        p = torch.softmax(a, 0)
+        m, _ = self.mix(a)
+        m.requires_grad_(True)
+        gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if self.normalise else 1.0
+        u = m * gamma
+        self.W, self.b = _probe_solve(u.detach(), self.y, self.W, self.b, self.l2)
+        W, b = self.W.requires_grad_(True), self.b.requires_grad_(True)
+        f = torch.nn.functional.cross_entropy(torch.addmm(b, u.T, W), self.y) + self.l2 * (W * W).sum()
+        gm, gW, gb = torch.autograd.grad(f, (m, W, b))
+        self.W, self.b = W.detach(), b.detach()
+        gp = (self.Xf @ gm.reshape(-1).to(self.Xf.dtype)).float()  # df/d softmax(a)_s = <X_s, df/dm>
+        ga = p * (gp - (p * gp).sum())
+        return f.detach(), ga, max(float(gW.abs().max()), float(gb.abs().max()))
+
+
 def fit_mix(
     X: torch.Tensor,
     y,
@@ -397,48 +460,46 @@ def fit_mix(
 ) -> MixFit:
     """Tenney's scalar mix over the sites of standardised features ``X [S, N, F]`` with a linear
     probe, minimising ``mean CE(gamma * (sum_s softmax(a)_s X_s) W + b) + l2 * ||W||^2`` over
-    ``a, W, b`` by full-batch L-BFGS from the uniform mix and zero weights (or ``init``, another
-    fit's ``state``). ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every
-    step (the module docstring says why); else ``gamma = 1``."""
+    ``a, W, b`` from the uniform mix and zero weights (or ``init``, another fit's ``state``):
+    L-BFGS over the S mixing logits with the probe solved at each (:class:`_ProjectedMix`).
+    ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every step (the module
+    docstring says why); else ``gamma = 1``. Converged: every entry of the joint gradient (mixing
+    logits and probe) at most :data:`MIX_GTOL`."""
     Xf, N, F_ = _flat_sites(X)
     S = X.shape[0]
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
     if init is None:
         init = (torch.zeros(S), torch.zeros(F_, n_classes), torch.zeros(n_classes))
-    a, W, b = (t.detach().clone().float().requires_grad_(True) for t in init)
-    opt = _mix_lbfgs([a, W, b], max_iters)
-
-    def mixed():
-        m = (torch.softmax(a, 0).to(Xf.dtype) @ Xf).float().view(F_, N)
-        gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if normalise else torch.ones(())
-        return m * gamma, gamma
+    a0, W0, b0 = (t.detach().float() for t in init)
+    g = _ProjectedMix(Xf, (F_, N), yt, l2, normalise, (W0, b0))
+    a = a0.clone().requires_grad_(True)
+    opt = _mix_lbfgs([a], max_iters)
+    state = {}
 
     def closure():
-        opt.zero_grad()
-        m, _ = mixed()
-        f = torch.nn.functional.cross_entropy(torch.addmm(b, m.T, W), yt) + l2 * (W * W).sum()
-        f.backward()
+        f, ga, gprobe = g(a.detach())
+        a.grad = ga
+        state.update(f=f, grad=max(float(ga.abs().max()), gprobe))
         return f
 
     iters = 0
     for _ in range(MIX_RESTARTS):  # a stalled line search restarts L-BFGS from where it stopped
         opt.step(closure)
         iters += int(opt.state[opt._params[0]].get("n_iter", 0))
-        f = closure().detach()
-        grad = max(float(t.grad.abs().max()) for t in (a, W, b))
-        if grad <= MIX_GTOL or iters >= max_iters:
+        closure()
+        if state["grad"] <= MIX_GTOL or iters >= max_iters:
             break
         opt.state.clear()
     with torch.no_grad():
-        _, gamma = mixed()
+        _, gamma = g.mix(a.detach())
     return MixFit(
         torch.softmax(a.detach(), 0).double().numpy(),
-        float(gamma.detach()),
-        float(f),
-        grad <= MIX_GTOL,
+        float(gamma),
+        float(state["f"]),
+        state["grad"] <= MIX_GTOL,
         iters,
-        grad,
-        (a.detach(), W.detach(), b.detach()),
+        state["grad"],
+        (a.detach(), g.W, g.b),
     )
 
 
