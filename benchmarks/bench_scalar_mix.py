@@ -17,6 +17,7 @@ its E_s, the spread of its weights (``exp(entropy)`` in sites) and the mix probe
 ===================  =========================================================================
 
     python -m benchmarks.bench_scalar_mix [--tasks upos,deprel,feats:Number] [--seeds 0,1,2]
+        [--methods solver,gamma1,normalised,jiant]
 
 The penalty is the task's (``l2="auto"``, as the main job chooses it). Features are the main
 job's (standardised per site and dimension). Prints one row per task and method.
@@ -35,6 +36,8 @@ from depthscope.hooks.sites import site_frame
 from depthscope.probes import ProbeConfig, prepare_task, sample_data
 from depthscope.probes.fitting import choose_l2
 from depthscope.probes.mixing import _penalised_mix, expected_layer_mix, fit_mix, mix_draws, mix_spread
+
+METHODS = ("solver", "gamma1", "normalised", "jiant")
 
 
 def _accuracy(weights, gamma, state, X, y) -> float:
@@ -102,37 +105,48 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="upos,deprel,feats:Number")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--methods", default=",".join(METHODS), help="a comma-separated subset of " + ", ".join(METHODS))
     args = ap.parse_args(argv)
+    methods = set(args.methods.split(","))
+    if methods - set(METHODS):
+        ap.error(f"unknown method(s) {sorted(methods - set(METHODS))}; choose from {', '.join(METHODS)}")
     torch.manual_seed(0)
     model, data, cfg = load_model(), sample_data(), ProbeConfig()
     depths = site_frame(range(model.n_sites), model.n_layers)["depth"].to_numpy()
     for task in args.tasks.split(","):
         td = prepare_task(model, task, data["ewt_train"], data["ewt_test"], progress=False)
         l2 = choose_l2(td, cfg).l2
-        tr, te = td.feats["train"], td.feats["test"]
-        X, y = tr.resident, td.y["train"][tr.order]
-        Xte, yte = te.resident, td.y["test"][te.order]
+        X, Xte = td.feats["train"].resident, td.feats["test"].resident
         print(f"{task}: {X.shape[1]} train, {Xte.shape[1]} test examples, {X.shape[0]} sites, l2 {l2:g}", flush=True)
+        _fit_methods(task, td, l2, depths, methods, [int(x) for x in args.seeds.split(",")])
+
+
+def _fit_methods(task, td, l2, depths, methods, seeds) -> None:
+    """One task's rows: each of ``methods`` fitted on the task's features."""
+    tr, te = td.feats["train"], td.feats["test"]
+    X, y = tr.resident, td.y["train"][tr.order]
+    Xte, yte = te.resident, td.y["test"][te.order]
+    if "solver" in methods:
         run_cfg = ProbeConfig(l2=l2)
         t = time.perf_counter()
         w, _ = _penalised_mix(tr, td.y["train"], n_classes=td.n_classes, cfg=run_cfg, progress=False, desc="mix")
         _row(task, "solver", depths, w, float("nan"), time.perf_counter() - t)
-        for normalise in (False, True):
+    for normalise in [n for n, m in ((False, "gamma1"), (True, "normalised")) if m in methods]:
+        t = time.perf_counter()
+        fit = fit_mix(X, y, n_classes=td.n_classes, l2=l2, normalise=normalise)
+        secs = time.perf_counter() - t
+        extra = f"gamma {fit.gamma:.2f} obj {fit.objective:.4f} conv {fit.converged} iters {fit.iterations}"
+        if normalise:
             t = time.perf_counter()
-            fit = fit_mix(X, y, n_classes=td.n_classes, l2=l2, normalise=normalise)
-            secs = time.perf_counter() - t
-            extra = f"gamma {fit.gamma:.2f} obj {fit.objective:.4f} conv {fit.converged} iters {fit.iterations}"
-            if normalise:
-                t = time.perf_counter()
-                draws = mix_draws(X, y, n_classes=td.n_classes, l2=l2, folds=2, seed=0, init=fit.state)
-                e = expected_layer_mix(depths, draws)
-                extra += f"  fold refits E_s {e.round(2).tolist()} ({time.perf_counter() - t:.1f} s)"
-            acc = _accuracy(fit.weights, fit.gamma, fit.state, Xte, yte)
-            _row(task, "normalised" if normalise else "gamma1", depths, fit.weights, acc, secs, extra)
-        for seed in map(int, args.seeds.split(",")):
-            t = time.perf_counter()
-            w, gamma, acc, epochs = jiant_mix(X, y, Xte, yte, n_classes=td.n_classes, seed=seed)
-            _row(task, f"jiant s{seed}", depths, w, acc, time.perf_counter() - t, f"gamma {gamma:.2f} epochs {epochs}")
+            draws = mix_draws(X, y, n_classes=td.n_classes, l2=l2, folds=2, seed=0, init=fit.state)
+            e = expected_layer_mix(depths, draws)
+            extra += f"  fold refits E_s {e.round(2).tolist()} ({time.perf_counter() - t:.1f} s)"
+        acc = _accuracy(fit.weights, fit.gamma, fit.state, Xte, yte)
+        _row(task, "normalised" if normalise else "gamma1", depths, fit.weights, acc, secs, extra)
+    for seed in seeds if "jiant" in methods else ():
+        t = time.perf_counter()
+        w, gamma, acc, epochs = jiant_mix(X, y, Xte, yte, n_classes=td.n_classes, seed=seed)
+        _row(task, f"jiant s{seed}", depths, w, acc, time.perf_counter() - t, f"gamma {gamma:.2f} epochs {epochs}")
 
 
 if __name__ == "__main__":
