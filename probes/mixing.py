@@ -267,6 +267,7 @@ def stack(
     max_iters: int = STACK_MAX_ITERS,
     tol=1e-7,
     init: tuple | None = None,
+    reuse: float = 1e-4,
 ):
     """Stacking weights of every prefix: ``(w [S, S] lower-triangular, b [S, C], TrainLog)``
     minimising ``mean CE(sum_{t<=s} w_st z_t + b_s) + l2 * ||w_s||^2`` for each ``s``, from
@@ -274,10 +275,15 @@ def stack(
     fold draw's solution: near this one's, so fewer iterations). ``z_train [S, N, C]``.
 
     Each prefix is a small convex problem (at most ``S + C`` parameters), solved by Newton's
-    method (:func:`~depthscope.probes.solvers.lbfgs.newton`) with the exact Hessian
+    method (:func:`~depthscope.probes.solvers.lbfgs.newton`) with the Hessian
     (:func:`_stack_hessian`): adjacent sites' predictions are nearly collinear, an
     ill-conditioned problem on which first-order methods crawl, while Newton's steps are
-    unaffected by the conditioning. The objective and gradient are float64."""
+    unaffected by the conditioning. The objective and gradient are float64 and use every
+    example; the Hessian only steers the step, so it is formed from every other example (above
+    4096: a sample of the rows, as the subspace solver's Newton system) and a prefix whose last
+    step was a full one with a relative decrease of at most ``reuse`` keeps its Hessian for the
+    next step (``newton``'s ``reuse_below``: the stopping rule's last iterations, at the optimum,
+    cost no Hessian). Neither changes the optimum, only the iterations to it."""
     S, n, C = z_train.shape
     mask = torch.tril(torch.ones(S, S, dtype=torch.float64))
     y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
@@ -286,20 +292,33 @@ def stack(
     target = y.expand(S, n)[..., None]  # [S, N, 1]
     minus_one = torch.full((S, n, 1), -1.0, dtype=torch.float64)
 
-    def fg(x):  # analytic gradient: one [S, S] x [S, N C] product each way
-        w, b = x[:, :S] * mask, x[:, S:]
-        logits = (w @ zflat).view(S, n, C) + b[:, None]
+    def fg(x, active):  # analytic gradient: one [A, S] x [S, N C] product each way, the active prefixes only
+        rows = torch.nonzero(active)[:, 0]
+        A = len(rows)
+        w, b = x[rows, :S] * mask[rows], x[rows, S:]
+        logits = (w @ zflat).view(A, n, C) + b[:, None]
         logp = torch.log_softmax(logits, -1)
-        f = -logp.gather(2, target).squeeze(2).mean(1) + l2 * (w * w).sum(1)
-        r = logp.exp_().scatter_add_(2, target, minus_one)
+        f = torch.zeros(S, dtype=torch.float64)
+        f[rows] = -logp.gather(2, target[:A]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
+        r = logp.exp_().scatter_add_(2, target[:A], minus_one[:A])
         r /= n  # d mean CE / d logits: (softmax - onehot) / N
-        gw = (r.view(S, n * C) @ zflat.T) * mask + 2.0 * l2 * w
-        return f, torch.cat([gw, r.sum(1)], 1)
+        g = torch.zeros(S, S + C, dtype=torch.float64)
+        g[rows, :S] = (r.view(A, n * C) @ zflat.T) * mask[rows] + 2.0 * l2 * w
+        g[rows, S:] = r.sum(1)
+        return f, g
 
     w0, b0 = init if init is not None else (torch.eye(S), torch.zeros(S, C))
     x0 = torch.cat([w0, b0], 1).double()
+    # the Hessian (it only steers the step) from every other example: half its cost, a step or two more
+    z_hess = z_train[:, ::2].contiguous() if n >= 2 * 2048 else z_train
     sol = newton(
-        fg, lambda x, units: _stack_hessian(z_train, x, l2, units=units), x0, max_iters=max_iters, ftol=tol, gtol=1e-4
+        fg,
+        lambda x, units: _stack_hessian(z_hess, x, l2, units=units),
+        x0,
+        max_iters=max_iters,
+        ftol=tol,
+        gtol=1e-4,
+        reuse_below=reuse,
     )
     log = TrainLog.from_solved("newton", sol, max_iters)  # newton stops early only when every prefix converged
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log

@@ -265,39 +265,54 @@ def newton(
     ftol: float = 1e-6,
     gtol: float = 1e-4,
     damping: float = 1e-8,
+    reuse_below: float = 0.0,
 ) -> Solved:
     """Minimise ``U`` independent convex objectives from ``x0 [U, P]`` by Newton's method:
-    ``fg(x) -> (f [U], grad [U, P])`` (float64), ``hess(x, units) -> [len(units), P, P]`` the
-    Hessians of the units still going (``units``: their indices, ascending; any float type: it
+    ``fg(x, active) -> (f [U], grad [U, P])`` (float64; only the units ``active [U]`` are needed:
+    those still going whose line search has not yet passed), ``hess(x, units) -> [len(units), P, P]`` the
+    Hessians of the units asked for (``units``: their indices, ascending; any float type: it
     only sets the direction, the line search and the stopping rule use ``fg``). Each iteration
     solves ``(H + damping * I) d = -g`` per unit (more damping where the Cholesky factorisation
     fails), then backtracks from step 1 until Armijo's condition holds; convergence and freezing
-    of units as in :func:`lbfgs`. ``evals`` counts Hessians (iterations), ``history`` the
-    summed objective after each."""
+    of units as in :func:`lbfgs`. A unit whose last step was a full one with a relative decrease
+    of at most ``reuse_below`` keeps its Hessian for the next step (the point barely moved, so the
+    Hessian barely changed: near the optimum the stopping rule's last iterations then cost no
+    Hessian; any positive definite matrix gives a descent direction, so the optimum is the same).
+    ``evals`` counts iterations, ``history`` the summed objective after each."""
     x = x0.detach().clone().double()
-    f, g = fg(x)
     U = x.shape[0]
+    f, g = fg(x, torch.ones(U, dtype=torch.bool))
     history, iters = [float(f.sum())], 0
     st = Stopping(U)
     done = st.done
+    Hs = torch.zeros(U, x.shape[1], x.shape[1], dtype=torch.float64)  # the Hessians in use
+    fresh = torch.ones(U, dtype=torch.bool)  # units whose Hessian is recomputed this iteration
     while not bool(done.all()) and iters < max_iters:
         act = torch.nonzero(~done)[:, 0]  # the units still going: only their Hessians are computed
-        H = hess(x, act).double()  # [A, P, P]
+        need = act[fresh[act]]
+        if len(need):
+            Hs[need] = hess(x, need).double()
         iters += 1
-        d = _newton_directions(H, g, act, damping)
+        d = _newton_directions(Hs[act], g, act, damping)
         gd = (g * d).sum(1)
         t = torch.where(done | (gd >= 0), torch.zeros(U, dtype=torch.float64), torch.ones(U, dtype=torch.float64))
+        fn, gn, need = f.clone(), g.clone(), t > 0
+        ok = ~need
         for _ in range(MAX_BACKTRACKS):
-            xn = x + t[:, None] * d
-            fn, gn = fg(xn)
-            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
-            if bool(ok.all()):
+            if not bool(need.any()):
                 break
+            xn = x + t[:, None] * d
+            ft, gt = fg(xn, need)
+            fn, gn = torch.where(need, ft, fn), torch.where(need[:, None], gt, gn)
+            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
             t = torch.where(ok, t, t * 0.5)
+            need = ~ok
+        xn = x + t[:, None] * d
         moved = ok & (t > 0)
         xn = torch.where(moved[:, None], xn, x)
         fn = torch.where(moved, fn, f)
         gn = torch.where(moved[:, None], gn, g)
+        fresh = ~(moved & (t == 1) & ((f - fn) <= reuse_below * fn.abs().clamp_min(1e-12)))
         st.update(moved | done, f, fn, gn, ftol=ftol, gtol=gtol, count=iters)
         done = st.done
         x, f, g = xn, fn, gn

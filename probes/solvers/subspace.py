@@ -61,8 +61,9 @@ has stopped (the rule of :mod:`depthscope.probes.solvers.lbfgs`: largest gradien
 and relative decrease ``<= ftol`` twice in a row) is frozen, and the others go on in contiguous
 runs of units (views of the features, no gather). Units are taken in blocks sized so that the
 solver's state (logits, softmax, directions, their images and the Newton system's products:
-about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit) stays under ``STATE_BYTES``. The
-objectives returned are those of the logits carried along
+about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit, and a contiguous copy of the
+block's ``X^T``, which the logit images' product reads faster than a transposed view) stays
+under ``STATE_BYTES``. The objectives returned are those of the logits carried along
 (:class:`~depthscope.probes.solvers.methods.SubspaceSolver` reports a fresh evaluation).
 """
 
@@ -115,7 +116,7 @@ def hessian_rows(n: int, count: int) -> slice:
 def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
     """``(start, stop)`` ranges of units solved one after another so that a block's state fits
     ``STATE_BYTES``."""
-    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C)
+    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C + n * F)  # n F: X^T's copy
     size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
@@ -249,6 +250,7 @@ class _Block:
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
+        self.XT = None  # X^T, contiguous (:meth:`_XT`)
         u, n, F = X.shape
         G = y.shape[1]
         self.u, self.n, self.F, self.G, self.C, self.m = u, n, F, G, C, memory
@@ -294,6 +296,13 @@ class _Block:
     def _X(self, s: slice) -> torch.Tensor:
         return self.X[s] if self.X.dtype == self.dt else self.X[s].to(self.dt)
 
+    def _XT(self, s: slice) -> torch.Tensor:
+        """``X^T [u, F, n]`` of units ``s``, contiguous (made on first use): the logit images'
+        products read it about a third faster than the transposed view of ``X``."""
+        if self.XT is None:
+            self.XT = self.X.transpose(1, 2).to(self.dt).contiguous()
+        return self.XT[s]
+
     # --- one product each way -------------------------------------------------------------
     def gradient(self, s: slice) -> None:
         """Objective and gradient of units ``s`` at their logits (one product)."""
@@ -337,7 +346,7 @@ class _Block:
         carried along accumulate float32 rounding."""
         u = s.stop - s.start
         Wt = self.W[s].transpose(1, 2).contiguous().to(self.dt)
-        Zt = torch.baddbmm(self.b[s].transpose(1, 2).to(self.dt), Wt, self._X(s).transpose(1, 2)).float()
+        Zt = torch.baddbmm(self.b[s].transpose(1, 2).to(self.dt), Wt, self._XT(s)).float()
         self.Z[s] = Zt.view(u, self.G, self.C, self.n)
 
     def direction(self, s: slice) -> None:
@@ -353,9 +362,9 @@ class _Block:
         dt = dc[:, :, :k].reshape(u, G * k, F).to(self.dt)
         if self.dt == torch.float32:  # (X d)^T, into the workspace
             out = self.R[s].view(-1)[: u * G * k * n].view(u, G * k, n)
-            img = torch.bmm(dt, self._X(s).transpose(1, 2), out=out)
+            img = torch.bmm(dt, self._XT(s), out=out)
         else:
-            img = torch.bmm(dt, self._X(s).transpose(1, 2)).float()
+            img = torch.bmm(dt, self._XT(s)).float()
         img = img.view(u, G, k, n)
         A1 = self.A[s, :, :, 1]  # [u, G, C, n]
         A1[:, :, :k] = img
