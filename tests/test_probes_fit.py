@@ -171,8 +171,10 @@ def test_subspace_solver_reaches_the_lbfgs_and_sklearn_optimum():
 
 
 def test_subspace_solver_blocks_give_the_same_fit(monkeypatch):
-    """Units solved in several blocks (a small state budget) fit exactly as in one block."""
-    from depthscope.probes.solvers import subspace
+    """Units solved in several blocks (a small state budget) fit exactly as in one block, and the
+    progress bar counts passes over every unit: each block's pass is its share of one, so three
+    one-unit blocks tick about a third of their summed passes, never more than the longest."""
+    from depthscope.probes.solvers import subspace, training
 
     f, y, l2 = _subspace_case()
     out = []
@@ -180,10 +182,28 @@ def test_subspace_solver_blocks_give_the_same_fit(monkeypatch):
         monkeypatch.setattr(subspace, "STATE_BYTES", budget)
         assert len(subspace.unit_blocks(3, len(f), 20, 2, 5)) == (1 if budget > 1 else 3)
         p = BatchedProbe(n_sites=3, d=20, n_spans=1, n_classes=5, n_heads=2, l2=l2)
-        log = train_probe(p, f, y)
-        out.append((p.W.detach().clone(), p.b.detach().clone(), log.unit_epochs))
+        ticks = []
+        monkeypatch.setattr(training, "progress_bar", lambda *a, ticks=ticks, **k: _Bar(ticks))
+        log = train_probe(p, f, y, progress=True)
+        out.append((p.W.detach().clone(), p.b.detach().clone(), log.unit_epochs, len(ticks)))
     assert torch.allclose(out[0][0], out[1][0], atol=1e-5) and torch.allclose(out[0][1], out[1][1], atol=1e-5)
     assert (out[0][2] == out[1][2]).all()
+    passes = np.asarray(out[1][2])
+    assert out[0][3] == passes.max()  # one block: one tick per pass
+    assert out[1][3] == int(passes.sum() / 3 + 1e-9) <= passes.max()
+
+
+class _Bar:
+    """A progress bar that records its updates."""
+
+    def __init__(self, ticks: list):
+        self.ticks = ticks
+
+    def update(self, n=1):
+        self.ticks.append(n)
+
+    def close(self):
+        pass
 
 
 def test_solver_choice():

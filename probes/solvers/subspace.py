@@ -139,7 +139,9 @@ def fit_softmax(
     and ``b [U, 1, G*C]`` are the start and receive the result. ``settings``: the stopping rule's
     ``tol`` and ``gtol``, and ``max_epochs`` (the pass cap). Returns a :class:`Solved` whose ``x``
     is None (the result is in ``W``, ``b``), ``evals`` the passes of the longest block and
-    ``unit_evals`` each unit's; ``on_pass()`` after each pass."""
+    ``unit_evals`` each unit's; ``on_pass()`` once per pass over every unit (a block's pass counts
+    for its share of the units, so a progress bar of ``max_epochs`` passes is not overrun by the
+    blocks)."""
     U, n, F = X.shape
     G = y.shape[1]
     C = W.shape[2] // G
@@ -150,13 +152,27 @@ def fit_softmax(
     conv = torch.zeros(U, dtype=torch.bool)
     at = torch.zeros(U, dtype=torch.long)
     history: list = []
-    evals = 0
+    evals, done = 0, [0.0]
     for a, z in blocks:
-        sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, on_pass)
+        tick = None if on_pass is None else _share(on_pass, (z - a) / U, done)
+        sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
         f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
         evals = max(evals, sol.evals)
         history = _add_padded(history, sol.history)
     return Solved(None, f, gmax, conv, evals, history, at)
+
+
+def _share(on_pass: Callable, share: float, done: list) -> Callable:
+    """A pass callback worth ``share`` of a whole pass: it adds ``share`` to the running total
+    ``done[0]`` (shared by the blocks) and calls ``on_pass`` once for each whole pass completed."""
+
+    def tick() -> None:
+        before = int(done[0] + 1e-9)
+        done[0] += share
+        for _ in range(int(done[0] + 1e-9) - before):
+            on_pass()
+
+    return tick
 
 
 def _add_padded(a: list, b: list) -> list:
