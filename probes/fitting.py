@@ -109,8 +109,9 @@ def _path(td: TaskData, cfg: ProbeConfig, split: HeldOut, values, start, progres
 
 
 def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
-    """The held-out splits the penalty is chosen on: ``(on, [HeldOut])``
-    (dev, else ``l2_folds`` folds of train), on the sites of :func:`l2_sites` when resident."""
+    """The held-out splits the penalty is chosen on: ``(on, [() -> HeldOut])`` (dev, else
+    ``l2_folds`` folds of train), on the sites of :func:`l2_sites` when resident. Each split is
+    built when called, so only one fold's copy of the features is held at a time."""
     feats = td.feats
     train = feats["train"]
     sites = l2_sites(train.n_sites)
@@ -119,17 +120,18 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
         return f.with_sites(sites) if f.resident is not None and f.sites is None else f
 
     if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
-        return "dev", [HeldOut(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
+        return "dev", [lambda: HeldOut(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
     k, n = cfg.l2_folds, len(train)
     fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
     base = narrow(train)
-    out = []
-    for i in range(k):
+
+    def split(i: int) -> HeldOut:
         tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
         ftr = narrow(base.subset(tr, max_bytes=resident_bytes, seed=cfg.seed))
         fho = narrow(base.subset(ho, max_bytes=resident_bytes, seed=cfg.seed))
-        out.append(HeldOut(ftr, td.y["train"][tr], fho, td.y["train"][ho]))
-    return f"{k} folds of train", out
+        return HeldOut(ftr, td.y["train"][tr], fho, td.y["train"][ho])
+
+    return f"{k} folds of train", [lambda i=i: split(i) for i in range(k)]
 
 
 def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, progress: bool = False) -> L2Choice:
@@ -143,12 +145,15 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
     on, splits = _splits(td, cfg, resident_bytes)
     acc: dict = {}
     states: list = [{} for _ in splits]
-    stuck = 0
+    stuck, n_held = 0, [0] * len(splits)
 
     def run(values, start_at):
         nonlocal stuck
-        for i, split in enumerate(splits):
+        for i, build in enumerate(splits):
+            split = build()
+            n_held[i] = len(split.y_held)
             a, st, n = _path(td, cfg, split, values, states[i].get(start_at), progress)
+            del split
             states[i].update(st)
             stuck += n
             for v, x in a.items():
@@ -166,8 +171,7 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
             run([ladder[i - 1]], top)
         else:
             break
-    n_held = sum(len(split[3]) for split in splits)
-    chosen = tried[pick_l2([acc[v] for v in tried], n_held)]
+    chosen = tried[pick_l2([acc[v] for v in tried], sum(n_held))]
     return L2Choice(float(chosen), on, {float(v): float(acc[v]) for v in tried}, stuck, _mean_state(states, chosen))
 
 

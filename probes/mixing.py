@@ -249,13 +249,13 @@ def out_of_fold(
     y = np.asarray(y_train)
     for k in range(folds):
         tr, ho = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
-        ftr, fho = train.subset(tr, seed=cfg.seed), train.subset(ho, seed=cfg.seed)
+        ftr = train.subset(tr, seed=cfg.seed)
         p = site_probe(train, n_classes, cfg)
         if init is not None:
             p.load_state_dict(init)
         train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **train_kwargs(cfg), desc=f"{desc}fold {k + 1}/{folds}")
-        out[:, torch.from_numpy(ho)] = log_probs(p, fho)[:, :, 0]
-        del ftr, fho
+        del ftr  # one fold's copy at a time: the held-out rows are copied once the fold's probes are fitted
+        out[:, torch.from_numpy(ho)] = log_probs(p, train.subset(ho, seed=cfg.seed))[:, :, 0]
     return out
 
 

@@ -647,7 +647,9 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
 
     monkeypatch.setattr(fitting, "_path", fake_path)
     held = range(10**9)  # so large a held-out set that the one-SE rule picks the best itself
-    monkeypatch.setattr(fitting, "_splits", lambda td, cfg, rb: ("dev", [(None, None, None, held)]))
+    monkeypatch.setattr(
+        fitting, "_splits", lambda td, cfg, rb: ("dev", [lambda: fitting.HeldOut(None, None, None, held)])
+    )
     choice = fitting.choose_l2(None, ProbeConfig())
     assert choice.l2 == chosen and choice.on == "dev" and choice.not_converged == len(calls)
     assert calls[0] == (sorted(L2_GRID, reverse=True), None)

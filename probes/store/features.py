@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from depthscope.common.threads import one_thread
 from depthscope.probes.store.activations import SpanStore
@@ -91,6 +90,7 @@ class Features:
         n = 0
         for a in range(0, len(spans), chunk):
             x, m = self.store.gather(spans[a : a + chunk], self.max_len)
+            self.store.release()  # the chunk is copied: its pages of the store need not stay mapped
             x = x[m]  # [rows, S, D] float32
             k = x.shape[0]
             if k == 0:
@@ -134,6 +134,7 @@ class Features:
                 for k in range(self.n_spans):
                     rows = st.row_start[self.span_ids[idx, k]]
                     x = torch.from_numpy(np.asarray(st.feats[rows])).float().permute(1, 0, 2)  # [S, B, D]
+                    st.release()  # copied: the store's pages would otherwise add up to its size in memory
                     if self.mean is not None:  # in place (a gathered copy): one chunk of temporaries
                         x.sub_(self.mean[:, None]).div_(self.std[:, None])
                     XT[:, k * D : (k + 1) * D, a : a + len(idx)] = x.transpose(1, 2)
@@ -158,30 +159,39 @@ class Features:
         return sub
 
     def with_sites(self, sites) -> Features:
-        """These examples at the store's sites ``sites`` only (resident features: a copy of those rows)."""
+        """These examples at the store's sites ``sites`` only (resident features). Evenly spaced
+        sites (the penalty search's) are a view of this split's features, no memory of their own;
+        other sites a copy of those rows."""
         if self.resident is None:
             raise ValueError("with_sites needs resident features")
         sites = np.asarray(sites, dtype=np.int64)
         sub = Features(self.store, self.span_ids, self.mean, self.std, self.max_len, order=self.order, sites=sites)
-        sub.resident = _take(self.resident, 0, torch.from_numpy(sites))
+        run = _evenly_spaced(sites, self.resident.shape[0])
+        sub.resident = self.resident[run] if run is not None else _take(self.resident, 0, torch.from_numpy(sites))
         return sub
 
     def _gather(self, idx: np.ndarray):
-        xs, ms = [], []
+        """``(x [B, n_spans, L, S, D], mask [B, n_spans, L])`` of examples ``idx`` read from the
+        store, standardised. Each span's rows are copied into one preallocated batch (zero rows
+        where a span is shorter) and standardised in place, so a streamed batch holds about one
+        copy of its rows: a batch of edge examples at every site is hundreds of MB."""
+        got = []
         for k in range(self.n_spans):
-            x, m = self.store.gather(self.span_ids[idx, k], self.max_len)
-            xs.append(x)
-            ms.append(m)
-        L = max(x.shape[1] for x in xs)
-        for k in range(len(xs)):
-            pad = L - xs[k].shape[1]
-            if pad:
-                xs[k] = F.pad(xs[k], (0, 0, 0, 0, 0, pad))
-                ms[k] = F.pad(ms[k], (0, pad), value=False)
-        x = torch.stack(xs, 1)
+            got.append(self.store.gather(self.span_ids[idx, k], self.max_len))
+            self.store.release()  # the rows are copied: a streamed split's pages need not stay mapped
+        L = max(x.shape[1] for x, _ in got)
+        B, _, S, D = got[0][0].shape
+        x = torch.zeros(B, self.n_spans, L, S, D) if L > 1 else torch.empty(B, self.n_spans, 1, S, D)
+        mask = torch.zeros(B, self.n_spans, L, dtype=torch.bool)
+        for k in range(self.n_spans):
+            xk, mk = got[k]
+            got[k] = None  # each span's rows freed once copied into the batch
+            x[:, k, : xk.shape[1]] = xk
+            mask[:, k, : mk.shape[1]] = mk
+            del xk, mk
         if self.mean is not None:
-            x = (x - self.mean) / self.std
-        return x, torch.stack(ms, 1)
+            x.sub_(self.mean).div_(self.std)
+        return x, mask
 
     def batches(self, batch_size: int, rng: np.random.Generator | None = None):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
@@ -202,6 +212,14 @@ class Features:
                 yield idx, self._gather(idx)
 
 
+def _evenly_spaced(sites: np.ndarray, n: int) -> slice | None:
+    """``sites`` (indices below ``n``) as a slice when they are evenly spaced and increasing, else None."""
+    step = np.unique(np.diff(sites))
+    if len(sites) == 0 or sites[0] < 0 or sites[-1] >= n or len(step) > 1 or (len(step) and step[0] <= 0):
+        return None
+    return slice(int(sites[0]), int(sites[-1]) + 1, int(step[0]) if len(step) else 1)
+
+
 def feature_major(X: torch.Tensor) -> bool:
     """True when features ``[S, N, F]`` hold the examples innermost in memory (the resident layout)."""
     return X.stride(1) == 1 and X.shape[2] > 1
@@ -215,7 +233,12 @@ def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
         if dim == 0:
             return XT.index_select(0, idx).transpose(1, 2)
         S, F_, N = XT.shape  # examples: a 2-D selection along rows (much faster than along a 3-D tensor's last dim)
-        return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
+        if XT.is_contiguous():
+            return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
+        out = torch.empty(S, F_, len(idx), dtype=XT.dtype)  # a view of some sites: site by site, no copy of it
+        for s in range(S):
+            torch.index_select(XT[s], 1, idx, out=out[s])
+        return out.transpose(1, 2)
     return X.index_select(dim, idx)
 
 
