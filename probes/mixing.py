@@ -80,6 +80,8 @@ MIX_MAX_ITERS = 300
 MIX_RESTARTS = 4
 #: the largest gradient entry at which a scalar mix counts as converged
 MIX_GTOL = 1e-4
+#: bytes of the fold copy of resident features the out-of-fold refits hold at a time (sites in runs)
+OOF_BYTES = 2.5e8
 #: L-BFGS iterations the probe of one mix may take (warm-started from the previous mix's probe)
 PROBE_MAX_ITERS = 500
 
@@ -249,14 +251,35 @@ def out_of_fold(
     y = np.asarray(y_train)
     for k in range(folds):
         tr, ho = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
-        ftr = train.subset(tr, seed=cfg.seed)
-        p = site_probe(train, n_classes, cfg)
-        if init is not None:
-            p.load_state_dict(init)
-        train_probe(p, ftr, torch.as_tensor(y[tr])[:, None], **train_kwargs(cfg), desc=f"{desc}fold {k + 1}/{folds}")
-        del ftr  # one fold's copy at a time: the held-out rows are copied once the fold's probes are fitted
-        out[:, torch.from_numpy(ho)] = log_probs(p, train.subset(ho, seed=cfg.seed))[:, :, 0]
+        for sites in _site_blocks(train, len(tr), cfg):
+            part = train if sites == slice(0, S) else train.with_sites(np.arange(sites.start, sites.stop))
+            ftr = part.subset(tr, seed=cfg.seed)
+            p = site_probe(part, n_classes, cfg)
+            if init is not None:
+                p.load_state_dict(init if part is train else _state_of_sites(init, sites))
+            yk = torch.as_tensor(y[tr])[:, None]
+            train_probe(p, ftr, yk, **train_kwargs(cfg), desc=f"{desc}fold {k + 1}/{folds}")
+            del ftr  # one copy at a time: the held-out rows are copied once the probes are fitted
+            out[sites, torch.from_numpy(ho)] = log_probs(p, part.subset(ho, seed=cfg.seed))[:, :, 0]
     return out
+
+
+def _state_of_sites(state: dict, sites: slice) -> dict:
+    """A linear per-site probe's state dict (``W [S, F, C]``, ``b [S, 1, C]``, ``l2``) at ``sites``."""
+    return {name: v[sites] if name in ("W", "b") else v for name, v in state.items()}
+
+
+def _site_blocks(train: Features, n_rows: int, cfg: ProbeConfig) -> list:
+    """The runs of sites the out-of-fold refits fit one after another, so that a fold's copy of
+    resident features holds at most :data:`OOF_BYTES` (each site's linear probe is its own
+    problem: the blocks change no fit); one run of every site for streamed features, a subset of
+    the store's sites or MLP probes."""
+    S = train.n_sites
+    if train.resident is None or train.sites is not None or cfg.probe != "linear":
+        return [slice(0, S)]
+    per_site = n_rows * train.resident.shape[2] * train.resident.element_size()
+    k = max(1, int(OOF_BYTES // max(per_site, 1)))
+    return [slice(a, min(S, a + k)) for a in range(0, S, k)]
 
 
 def stack(

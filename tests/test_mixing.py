@@ -104,3 +104,25 @@ def test_fold_refits_give_an_interval_and_fit_cumulative_keeps_them():
     lo, hi = cum.mix_range(depths)
     assert lo <= hi and np.isfinite([lo, hi]).all()
     assert lo == pytest.approx(expected_layer_mix(depths, cum.mix_draws).min())
+
+
+def test_out_of_fold_in_runs_of_sites_equals_one_run(monkeypatch):
+    """The out-of-fold refits fitted a few sites at a time (a small ``OOF_BYTES``: a fold's copy
+    of one site at a time) give the same predictions as all sites at once: each site's probe is
+    its own convex problem, and the runs start from the same full-train probes."""
+    from depthscope.probes import mixing
+    from depthscope.probes.config import ProbeConfig
+    from depthscope.probes.solvers.classifiers import site_probe
+    from depthscope.probes.solvers.training import train_kwargs, train_probe
+
+    x, y = synthetic(400, S=4, D=8, C=3)
+    f = features(x)
+    cfg = ProbeConfig(l2=1e-2)
+    p = site_probe(f, 3, cfg)
+    train_probe(p, f, torch.as_tensor(y)[:, None], **train_kwargs(cfg))
+    init = p.state_dict()
+    whole = mixing.out_of_fold(f, y, n_classes=3, cfg=cfg, init=init)
+    monkeypatch.setattr(mixing, "OOF_BYTES", 1.0)
+    assert len(mixing._site_blocks(f, 200, cfg)) == 4
+    runs = mixing.out_of_fold(f, y, n_classes=3, cfg=cfg, init=init)
+    torch.testing.assert_close(runs, whole, atol=1e-5, rtol=1e-5)
