@@ -309,27 +309,7 @@ def stack(
     cost no Hessian). Neither changes the optimum, only the iterations to it."""
     S, n, C = z_train.shape
     mask = torch.tril(torch.ones(S, S, dtype=torch.float64))
-    y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
-    zflat = z_train.reshape(S, n * C).double()  # float64: cheap here, and no float32 floor on the tolerance
-
-    target = y.expand(S, n)[..., None]  # [S, N, 1]
-    minus_one = torch.full((S, n, 1), -1.0, dtype=torch.float64)
-
-    def fg(x, active):  # analytic gradient: one [A, S] x [S, N C] product each way, the active prefixes only
-        rows = torch.nonzero(active)[:, 0]
-        A = len(rows)
-        w, b = x[rows, :S] * mask[rows], x[rows, S:]
-        logits = (w @ zflat).view(A, n, C) + b[:, None]
-        logp = torch.log_softmax(logits, -1)
-        f = torch.zeros(S, dtype=torch.float64)
-        f[rows] = -logp.gather(2, target[:A]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
-        r = logp.exp_().scatter_add_(2, target[:A], minus_one[:A])
-        r /= n  # d mean CE / d logits: (softmax - onehot) / N
-        g = torch.zeros(S, S + C, dtype=torch.float64)
-        g[rows, :S] = (r.view(A, n * C) @ zflat.T) * mask[rows] + 2.0 * l2 * w
-        g[rows, S:] = r.sum(1)
-        return f, g
-
+    fg = _stack_objective(z_train, y_train, mask, l2)
     w0, b0 = init if init is not None else (torch.eye(S), torch.zeros(S, C))
     x0 = torch.cat([w0, b0], 1).double()
     # the Hessian (it only steers the step) from every other example: half its cost, a step or two more
@@ -345,6 +325,34 @@ def stack(
     )
     log = TrainLog.from_solved("newton", sol, max_iters)  # newton stops early only when every prefix converged
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log
+
+
+def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: float):
+    """The stacking objective of every prefix for :func:`newton`: ``fg(x, active) -> (f [S],
+    grad [S, S + C])`` at ``x [S, S + C]`` (weights masked by ``mask``, then biases), computed for
+    the ``active`` prefixes only (zero elsewhere), analytically: one ``[A, S] x [S, N C]``
+    product each way, in float64 (cheap here, and no float32 floor on the tolerance)."""
+    S, n, C = z_train.shape
+    y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
+    zflat = z_train.reshape(S, n * C).double()
+    target = y.expand(S, n)[..., None]  # [S, N, 1]
+    minus_one = torch.full((S, n, 1), -1.0, dtype=torch.float64)
+
+    def fg(x, active):
+        rows = torch.nonzero(active)[:, 0]
+        A = len(rows)
+        w, b = x[rows, :S] * mask[rows], x[rows, S:]
+        logp = torch.log_softmax((w @ zflat).view(A, n, C) + b[:, None], -1)
+        f = torch.zeros(S, dtype=torch.float64)
+        f[rows] = -logp.gather(2, target[:A]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
+        r = logp.exp_().scatter_add_(2, target[:A], minus_one[:A])
+        r /= n  # d mean CE / d logits: (softmax - onehot) / N
+        g = torch.zeros(S, S + C, dtype=torch.float64)
+        g[rows, :S] = (r.view(A, n * C) @ zflat.T) * mask[rows] + 2.0 * l2 * w
+        g[rows, S:] = r.sum(1)
+        return f, g
+
+    return fg
 
 
 @torch.no_grad()

@@ -256,6 +256,25 @@ def _newton_directions(H: torch.Tensor, g: torch.Tensor, act: torch.Tensor, damp
     return d
 
 
+def _backtrack(fg: Callable, x, f, g, d, t) -> tuple:
+    """Armijo backtracking of every unit along its direction ``d`` from steps ``t`` (0: the unit
+    does not move): each unit's step halves until its objective falls enough, and only the
+    units still searching are evaluated. Returns ``(t, ok, f at x + t d, g there)``; a unit that
+    never passed has ``ok`` False."""
+    gd = (g * d).sum(1)
+    fn, gn, need = f.clone(), g.clone(), t > 0
+    ok = ~need
+    for _ in range(MAX_BACKTRACKS):
+        if not bool(need.any()):
+            break
+        ft, gt = fg(x + t[:, None] * d, need)
+        fn, gn = torch.where(need, ft, fn), torch.where(need[:, None], gt, gn)
+        ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
+        t = torch.where(ok, t, t * 0.5)
+        need = ~ok
+    return t, ok, fn, gn
+
+
 def newton(
     fg: Callable,
     hess: Callable,
@@ -296,17 +315,7 @@ def newton(
         d = _newton_directions(Hs[act], g, act, damping)
         gd = (g * d).sum(1)
         t = torch.where(done | (gd >= 0), torch.zeros(U, dtype=torch.float64), torch.ones(U, dtype=torch.float64))
-        fn, gn, need = f.clone(), g.clone(), t > 0
-        ok = ~need
-        for _ in range(MAX_BACKTRACKS):
-            if not bool(need.any()):
-                break
-            xn = x + t[:, None] * d
-            ft, gt = fg(xn, need)
-            fn, gn = torch.where(need, ft, fn), torch.where(need[:, None], gt, gn)
-            ok = (fn <= f + ARMIJO * t * gd) | (t == 0)
-            t = torch.where(ok, t, t * 0.5)
-            need = ~ok
+        t, ok, fn, gn = _backtrack(fg, x, f, g, d, t)
         xn = x + t[:, None] * d
         moved = ok & (t > 0)
         xn = torch.where(moved[:, None], xn, x)
