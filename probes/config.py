@@ -6,7 +6,7 @@ object                 holds
 ``ProbeConfig``        the classifier and its training: kind, L2 (or ``"auto"``: per task on
                        held-out data), solver, convergence tolerances, the epoch cap, Adam's
                        steps/step size/batch, hidden units, control task, cumulative scoring,
-                       MDL, seed, compute precision
+                       MDL, seed, compute precision, the probe solvers' device
 ``ExtractionConfig``   how activations are taken: pooling, sites, context, store folder and
                        dtype, batch and passage lengths, BOS, memory for resident features
 ``DataConfig``         what data is used: sentence caps per split, train/test overlap, coref
@@ -144,6 +144,11 @@ class ProbeConfig(Settings):
     resident features and their products are stored and computed in: ``float32`` (the default,
     on every machine, so results never depend on the CPU), ``bfloat16``, or ``auto`` (bfloat16
     where the CPU multiplies it natively: :func:`~depthscope.probes.solvers.cpu.resolve_precision`).
+    ``device``: where the resident features are held and the full-batch solvers compute over
+    them: ``cpu`` (the default), ``cuda``, ``cuda:N`` or ``auto`` (the first GPU when torch sees
+    one, else the CPU); the features are copied there once, the probes' parameters stay on the
+    CPU between fits. A GPU that is not there is a
+    :class:`~depthscope.hooks.devices.DeviceError` when the settings are checked.
     """
 
     probe: str = setting(
@@ -234,6 +239,13 @@ class ProbeConfig(Settings):
         help="Feature precision: float32 (the default on every machine), bfloat16, or auto "
         "(bfloat16 only on CPUs with native bf16, see depthscope.probes.solvers.cpu).",
     )
+    device: str = setting(
+        "cpu",
+        "--probe-device",
+        param="probe_device",
+        help="Where the probes' resident features live and their solvers compute: cpu (default), cuda, cuda:N, "
+        "or auto (a GPU when torch sees one). The features are copied there once per task.",
+    )
 
     def check(self) -> None:
         """The solver fits the probe kind; ``l2`` is a penalty (at most :data:`L2_MAX`) or a rule."""
@@ -242,6 +254,27 @@ class ProbeConfig(Settings):
                 f"solver {self.solver!r} fits linear probes; probe={self.probe!r} trains with 'adam' (or 'auto')"
             )
         check_l2("l2", self.l2)
+        if self.device != "cpu":
+            probe_device(self.device)
+
+
+def probe_device(name: str):
+    """The ``torch.device`` of a ``ProbeConfig.device`` value (``cpu``, ``cuda``, ``cuda:N``,
+    ``auto``); a GPU that is not there, or another kind of device, is a
+    :class:`~depthscope.hooks.devices.DeviceError` naming ``--probe-device``. Imports torch (this
+    module does not otherwise: the command line's options are built from it)."""
+    from depthscope.hooks.devices import DeviceError, resolve_device
+
+    try:
+        dev = resolve_device(name)
+    except DeviceError as e:  # its message names the model's --device option
+        msg = str(e).replace("--device", "--probe-device")
+        raise DeviceError(msg if msg.startswith("--probe-device") else f"--probe-device {name}: {msg}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(
+            f"--probe-device {name}: the probe solvers run on cpu or cuda (they compute partly in float64)"
+        )
+    return dev
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,11 @@ def _encode_labels(data: dict, classes: list) -> dict:
 
 
 def encode_task(
-    task, ex_by_split, ext_by_split, *, seed: int = 0, resident_bytes: float = 4e9, dtype=None, stream=()
+    task, ex_by_split, ext_by_split, *, seed: int = 0, resident_bytes: float = 4e9, dtype=None, device=None, stream=()
 ) -> TaskData:
     """Covered examples, encoded labels, control labels and features of one task (``dtype``:
-    the resident features' precision, None: float32). The splits named in ``stream`` are not
+    the resident features' precision, None: float32; ``device``: where they are held, None: the
+    CPU). The splits named in ``stream`` are not
     held in memory (read from the store when used: test, which only the final predictions
     read); the stores' pages are released once the others are copied in (they would count
     twice)."""
@@ -108,6 +109,6 @@ def encode_task(
         if s != "train":
             feats[s].standardise_like(feats["train"])
         if s not in stream:
-            feats[s].make_resident(max_bytes=resident_bytes, seed=seed, dtype=dtype)
+            feats[s].make_resident(max_bytes=resident_bytes, seed=seed, dtype=dtype, device=device)
         feats[s].store.release()
     return TaskData(task, classes, n_eval, y, ctrl, feats, {k: v[0] for k, v in data.items()}, skipped, counts)

@@ -576,7 +576,7 @@ def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, pr
     y = np.asarray(y_train)
     if train.resident is None or cfg.probe != "linear":
         return _penalised_mix(train, y, n_classes=n_classes, cfg=cfg, progress=progress, desc=desc), None
-    X, yr = train.resident, y[train.order]
+    X, yr = train.resident.cpu(), y[train.order]  # the mix's fit runs on the CPU (a copy of GPU-held features)
     l2 = numeric_l2(cfg.l2)
     fit = fit_mix(X, yr, n_classes=n_classes, l2=l2)
     draws = None

@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 
 from depthscope.common.errors import InputError
-from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override
+from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override, probe_device
 from depthscope.probes.corpora.tasks import is_tree_task, pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
 from depthscope.probes.fitting import FitOptions, fit_task
@@ -146,7 +146,7 @@ def run_probes(
     cfg, ext, dat = resolve_configs(config, extraction, data, **overrides)
     if cfg.l2 == "dev" and dev is None:
         raise InputError("l2='dev' picks the penalty on a dev split: pass dev=")
-    run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress)
+    run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress, probe_device(cfg.device))
     kinds = {t: task_probes(t, cfg.probe) for t in tasks}  # probe="both": each task with each kind
     got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     by_site, summary, mixing = [], [], []
@@ -160,19 +160,20 @@ def run_probes(
         if rows["mixing"] is not None:
             mixing.append(rows["mixing"].assign(probe=kind))
         fit_seconds[task if len(kinds[task]) == 1 else f"{task}/{kind}"] = time.perf_counter() - t0
-    return ProbeResults(*tables(by_site, summary, mixing), _run_info(got, run.dtype, fit_seconds, t_start))
+    return ProbeResults(*tables(by_site, summary, mixing), _run_info(got, run, fit_seconds, t_start))
 
 
 @dataclass(frozen=True)
 class _Run:
     """The settings of one :func:`run_probes` call, resolved: the three configs, the features'
-    precision and whether progress is shown."""
+    precision, whether progress is shown and where the resident features live."""
 
     cfg: ProbeConfig
     ext: ExtractionConfig
     dat: DataConfig
     dtype: torch.dtype
     progress: bool
+    device: torch.device = torch.device("cpu")
 
 
 def _probe_task(run: _Run, got, task: str) -> dict:
@@ -191,6 +192,7 @@ def _probe_task(run: _Run, got, task: str) -> dict:
         seed=cfg.seed,
         resident_bytes=ext.resident_bytes,
         dtype=run.dtype,
+        device=run.device,
         stream=("test",),  # only the final predictions read test: one pass over the store, no copy in memory
     )
     ctx = got.model.max_context  # passages were cut at the smaller of max_tokens and the model's context
@@ -209,15 +211,17 @@ def _probe_task(run: _Run, got, task: str) -> dict:
     return rows
 
 
-def _run_info(got, dtype: torch.dtype, fit_seconds: dict, t_start: float) -> dict:
-    """``ProbeResults.info``: the model, its sites, the precision, the activation stores (and
-    whether they were reused), the extraction's size and the time each stage took."""
+def _run_info(got, run: _Run, fit_seconds: dict, t_start: float) -> dict:
+    """``ProbeResults.info``: the model, its sites, the precision and device of the resident
+    features, the activation stores (and whether they were reused), the extraction's size and
+    the time each stage took."""
     stores = got.extractions.items()
     return {
         "model": got.model.name,
         "n_layers": got.model.n_layers,
         "sites": got.sites,
-        "precision": str(dtype).replace("torch.", ""),
+        "precision": str(run.dtype).replace("torch.", ""),
+        "probe_device": str(run.device),
         "stores": {f"{k[0]}/{k[1]}": str(v.store.path) for k, v in stores},
         "stores_reused": {f"{k[0]}/{k[1]}": v.store.reused for k, v in stores},
         "extraction_tokens": {f"{k[0]}/{k[1]}": v.store.meta.get("n_tokens_run") for k, v in stores},
@@ -253,4 +257,5 @@ def prepare_task(
         seed=cfg.seed,
         resident_bytes=ext.resident_bytes,
         dtype=resolve_precision(cfg.precision),
+        device=probe_device(cfg.device),
     )

@@ -149,6 +149,7 @@ def test_run_probes_with_a_config_object_records_precision(tiny_factory, tmp_pat
     )
     want = "float32"  # the default on every machine, whatever the CPU's flags
     assert (res.summary["precision"] == want).all() and res.info["precision"] == want
+    assert res.info["probe_device"] == "cpu"  # ProbeConfig.device's default: features in RAM
     assert res.summary["expected_layer_delta"].isna().all()  # cumulative=False was honoured
     res_bf = run_probes(
         m,

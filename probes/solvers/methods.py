@@ -24,6 +24,7 @@ on the seed. Adam's unit has converged when its epoch objective changed by at mo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -34,8 +35,8 @@ from depthscope.common.threads import threads_for
 from depthscope.probes.solvers.base import Problem, Solver, TrainLog, per_site
 from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.kfac import preconditioner
-from depthscope.probes.solvers.lbfgs import lbfgs
-from depthscope.probes.solvers.objective import objective, trainable
+from depthscope.probes.solvers.lbfgs import Solved, lbfgs
+from depthscope.probes.solvers.objective import features_device, objective, trainable
 from depthscope.probes.solvers.subspace import fit_softmax
 
 #: auto_batch aims at this many Adam steps per ``ADAM_EPOCHS_HINT`` epochs
@@ -51,7 +52,8 @@ class SubspaceSolver(Solver):
     """Per-site linear probes: :func:`~depthscope.probes.solvers.subspace.fit_softmax` on the
     resident features (labels put in their row order), from the probe's current weights; the log
     carries a fresh evaluation of the objective (one forward pass), not the solver's carried
-    logits'."""
+    logits'. Over features on a GPU the fit runs there on copies of the weights, the biases and
+    the penalties (one copy each way per fit), the result copied back into the probe (on the CPU)."""
 
     name = "subspace"
     needs_resident = True
@@ -71,10 +73,22 @@ class SubspaceSolver(Solver):
     def fit(self, problem: Problem) -> TrainLog:
         probe, feats, s = problem.probe, problem.feats, problem.settings
         y_rows = problem.y[torch.from_numpy(np.asarray(feats.order, dtype=np.int64))]
+        dev = features_device(feats)
+        W, b = probe.W.data.to(dev), probe.b.data.to(dev)  # CPU: the probe's own (fitted in place)
         with threads_for(step_work(probe, feats, len(feats))):
-            sol = fit_softmax(feats.resident, y_rows, probe.W.data, probe.b.data, probe.l2, s, on_pass=problem.tick)
+            sol = fit_softmax(feats.resident, y_rows.to(dev), W, b, probe.l2.to(dev), s, on_pass=problem.tick)
+        if dev.type != "cpu":
+            probe.W.data.copy_(W)
+            probe.b.data.copy_(b)
+            sol = _solved_on_cpu(sol)
         f = objective(probe, feats, problem.y)
         return TrainLog.from_solved(self.name, sol, s.max_epochs, objective=f)
+
+
+def _solved_on_cpu(sol: Solved) -> Solved:
+    """``sol`` with its per-unit tensors copied to the CPU (the log reads them as numpy)."""
+    tensors = {f.name: getattr(sol, f.name) for f in dataclasses.fields(sol)}
+    return dataclasses.replace(sol, **{k: t.cpu() for k, t in tensors.items() if isinstance(t, torch.Tensor)})
 
 
 class _FlatParams:
@@ -99,7 +113,9 @@ class _FlatParams:
 class LbfgsSolver(Solver):
     """Linear probes over resident features (per-site or scalar mixes): preconditioned batched
     L-BFGS; each evaluation computes only the units still going and leaves the softmax's
-    curvature for the preconditioner's class factor."""
+    curvature for the preconditioner's class factor. Over features on a GPU each evaluation
+    runs there (:func:`~depthscope.probes.solvers.objective.objective` moves the parameters, not
+    the features); L-BFGS's own small vectors and the preconditioner stay on the CPU."""
 
     name = "lbfgs"
     needs_resident = True

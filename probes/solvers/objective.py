@@ -7,7 +7,12 @@ curvature=, units=)``                    gradient (in ``.grad``), the softmax's 
 ``trainable(probe)``                     the parameters a solver moves
 ``chunk_rows(probe, feats)``             the rows of one full-batch chunk (memory bound)
 ``label_matrix(y)``                      labels as a long ``[N, G]`` tensor
+``features_device(feats)``               where resident features live (the CPU if streamed)
 =======================================  ========================================================
+
+Over resident features on a GPU the objective computes there: the probe's parameters (and
+gradients) are moved to that device for the evaluation and back to the CPU after it (a copy of
+the weights each way, no copy of the features); what it returns and leaves is on the CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ def label_matrix(y) -> torch.Tensor:
     """Labels as class indices ``[N, G]`` (long); a vector becomes one head."""
     y = torch.as_tensor(y, dtype=torch.long)
     return y[:, None] if y.dim() == 1 else y
+
+
+def features_device(feats) -> torch.device:
+    """The device of ``feats``' resident features; the CPU when they are streamed."""
+    return feats.resident.device if feats.resident is not None else torch.device("cpu")
 
 
 def trainable(probe) -> list:
@@ -91,18 +101,38 @@ def objective(
     ``[U, G, C, C]`` at this point (the class factor of the preconditioner). ``units`` (bool
     ``[U]``): only these units are needed; per-site linear probes over resident features then
     compute only them (contiguous runs of units, each one batched product), the others' values
-    (objective, gradient, curvature) are left stale."""
-    y = label_matrix(y)
+    (objective, gradient, curvature) are left stale. Computed where the resident features are
+    (module docstring); the results are on the CPU."""
+    dev = features_device(feats)
+    if dev.type == "cpu":
+        return _objective(probe, feats, label_matrix(y), grad, curvature, units)
+    if curvature is not None and curvature.get("A") is not None:  # the stale units' curvature
+        curvature["A"] = curvature["A"].to(dev)
+    units = units.to(dev) if units is not None else None
+    probe.to(dev)  # in place: the same parameters, their data (and gradients) on the device
+    try:
+        total = _objective(probe, feats, label_matrix(y).to(dev), grad, curvature, units)
+    finally:
+        probe.to("cpu")
+        if curvature is not None and curvature.get("A") is not None:
+            curvature["A"] = curvature["A"].cpu()
+    return total.cpu()
+
+
+def _objective(probe, feats, y, grad, curvature, units) -> torch.Tensor:
+    """:func:`objective` with the probe, labels and features on one device (the tensors made
+    here are put on it)."""
+    dev = y.device
     n, U = len(feats), probe.U
     runs = _unit_runs(probe, feats, units)
-    total = torch.zeros(U, dtype=torch.float64)
-    A = torch.zeros(U, probe.G, probe.C, probe.C) if curvature is not None else None
+    total = torch.zeros(U, dtype=torch.float64, device=dev)
+    A = torch.zeros(U, probe.G, probe.C, probe.C, device=dev) if curvature is not None else None
     if grad:
         for p in trainable(probe):
             p.grad = None
     with torch.set_grad_enabled(grad):
-        for idx, (x, m) in feats.batches(chunk_rows(probe, feats)):
-            yb = y[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+        for idx, (x, m) in feats.batches(chunk_rows(probe, feats), on_device=True):
+            yb = y[torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(dev)]
             for a, b in runs:
                 logits, per_unit = _chunk_loss(probe, x, m, yb, (a, b), n)
                 if A is not None:

@@ -141,24 +141,38 @@ def fit_softmax(
     is None (the result is in ``W``, ``b``), ``evals`` the passes of the longest block and
     ``unit_evals`` each unit's; ``on_pass()`` once per pass over every unit (a block's pass counts
     for its share of the units, so a progress bar of ``max_epochs`` passes is not overrun by the
-    blocks)."""
+    blocks).
+
+    Everything runs on ``X.device``: ``y`` and ``l2`` are moved there, ``W`` and ``b`` must
+    already be there (they are updated in place; a :class:`ValueError` otherwise), and the
+    solver's state is allocated there (the body runs under that device as the default of
+    torch's factory functions, whatever default is set outside). The returned tensors (``f``,
+    ``grad_max``, ``converged``, ``unit_evals``) are on ``X.device`` too."""
+    dev = X.device
+    if W.device != dev or b.device != dev:
+        raise ValueError(
+            f"fit_softmax updates W and b in place: they must be on the features' device {dev}, "
+            f"got W on {W.device} and b on {b.device}"
+        )
+    y, l2 = y.to(dev), l2.to(dev)
     U, n, F = X.shape
     G = y.shape[1]
     C = W.shape[2] // G
     max_passes, ftol, gtol = settings.max_epochs, settings.tol, settings.gtol
     blocks = unit_blocks(U, n, F, G, C, memory)
-    f = torch.zeros(U, dtype=torch.float64)
-    gmax = torch.zeros(U, dtype=torch.float64)
-    conv = torch.zeros(U, dtype=torch.bool)
-    at = torch.zeros(U, dtype=torch.long)
     history: list = []
     evals, done = 0, [0.0]
-    for a, z in blocks:
-        tick = None if on_pass is None else _share(on_pass, (z - a) / U, done)
-        sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
-        f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
-        evals = max(evals, sol.evals)
-        history = _add_padded(history, sol.history)
+    with torch.device(dev):
+        f = torch.zeros(U, dtype=torch.float64)
+        gmax = torch.zeros(U, dtype=torch.float64)
+        conv = torch.zeros(U, dtype=torch.bool)
+        at = torch.zeros(U, dtype=torch.long)
+        for a, z in blocks:
+            tick = None if on_pass is None else _share(on_pass, (z - a) / U, done)
+            sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
+            f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
+            evals = max(evals, sol.evals)
+            history = _add_padded(history, sol.history)
     return Solved(None, f, gmax, conv, evals, history, at)
 
 

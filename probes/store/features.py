@@ -4,8 +4,10 @@
 ``Features(store, span_ids)``      examples' rows (``span_ids[i, k]``: span ``k`` of example ``i``)
 ``.fit_standardiser()``            train mean and std per site and dimension (one pass, stable)
 ``.standardise_like(train)``       other splits reuse train's statistics
-``.make_resident(dtype=...)``      standardised features in RAM ``[S, N, n_spans * D]``
-``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers)
+``.make_resident(...)``            standardised features in memory ``[S, N, n_spans * D]``, in
+                                   ``dtype``, on ``device`` (RAM, or a GPU's: copied there once)
+``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers;
+                                   on the CPU unless ``on_device``)
 ``.subset(idx)``                   the examples ``idx`` (resident rows copied, not re-read)
 ``.with_sites(sites)``             resident features of some sites only
 =================================  ==============================================================
@@ -108,12 +110,17 @@ class Features:
         self.mean, self.std = mean.float(), std.float()
         return self
 
-    def make_resident(self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int | None = None, dtype=None) -> bool:
+    def make_resident(
+        self, *, max_bytes: float = 4e9, seed: int = 0, chunk: int | None = None, dtype=None, device=None
+    ) -> bool:
         """Standardised features in memory, site-major; False if they do not fit (or attn).
 
         ``dtype`` None means float32 (callers pass ``ProbeConfig.precision`` resolved), then a
         2-byte type if float32 does not fit in ``max_bytes`` (recorded as the summary's
-        ``precision``). Standardisation is done in float32 before any rounding."""
+        ``precision``). Standardisation is done in float32, on the CPU, before any rounding.
+        ``device`` (None: the CPU; callers pass ``ProbeConfig.device`` resolved): where the
+        resident tensor lives; each chunk is copied there once as it is read, so the solvers that
+        read ``resident`` compute there with no copy per pass (``max_bytes`` bounds it there)."""
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
@@ -124,7 +131,7 @@ class Features:
         if need * dt.itemsize > max_bytes:
             return False
         self.order = np.random.default_rng(seed).permutation(N)
-        XT = torch.empty(S, F_, N, dtype=dt)  # feature-major in memory (see the class docstring)
+        XT = torch.empty(S, F_, N, dtype=dt, device=device)  # feature-major in memory (see the class docstring)
         st = self.store
         D = self.d
         chunk = chunk or _rows_per_chunk(S * D)
@@ -193,10 +200,13 @@ class Features:
             x.sub_(self.mean).div_(self.std)
         return x, mask
 
-    def batches(self, batch_size: int, rng: np.random.Generator | None = None):
+    def batches(self, batch_size: int, rng: np.random.Generator | None = None, *, on_device: bool = False):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
-        order (resident: fixed shuffled slices visited in random order)."""
+        order (resident: fixed shuffled slices visited in random order). Resident slices are
+        on the CPU (a copy of each batch when the features live on a GPU: the probes of the
+        callers that read batches stay on the CPU), or where the features are with
+        ``on_device`` (callers that compute there: :func:`~depthscope.probes.solvers.objective.objective`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
         if self.resident is not None:
@@ -204,6 +214,7 @@ class Features:
                 starts = rng.permutation(starts)
             for a in starts:
                 X = self.resident[:, a : a + batch_size]
+                X = X if on_device else X.cpu()
                 yield self.order[a : a + batch_size], (X if X.dtype != torch.float16 else X.float(), None)
         else:
             perm = rng.permutation(n) if rng is not None else np.arange(n)
@@ -227,7 +238,9 @@ def feature_major(X: torch.Tensor) -> bool:
 
 def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
     """``X.index_select(dim, idx)`` for resident features ``[S, N, F]`` (``dim`` 0: sites, 1:
-    examples), keeping a feature-major layout feature-major."""
+    examples), keeping a feature-major layout feature-major, on ``X``'s device (``idx`` is
+    moved there)."""
+    idx = idx.to(X.device)
     if feature_major(X):
         XT = X.transpose(1, 2)  # [S, F, N]
         if dim == 0:
@@ -235,7 +248,8 @@ def _take(X: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
         S, F_, N = XT.shape  # examples: a 2-D selection along rows (much faster than along a 3-D tensor's last dim)
         if XT.is_contiguous():
             return XT.reshape(S * F_, N).index_select(1, idx).view(S, F_, len(idx)).transpose(1, 2)
-        out = torch.empty(S, F_, len(idx), dtype=XT.dtype)  # a view of some sites: site by site, no copy of it
+        # a view of some sites: site by site, no copy of it
+        out = torch.empty(S, F_, len(idx), dtype=XT.dtype, device=XT.device)
         for s in range(S):
             torch.index_select(XT[s], 1, idx, out=out[s])
         return out.transpose(1, 2)
