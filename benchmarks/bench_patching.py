@@ -157,7 +157,7 @@ def _head_loop(model, pairs) -> list[tuple[float, float, np.ndarray]]:
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
     out = []
     for p in pairs:
-        c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (p.clean, p.corrupted))
+        c, k = (tok(x, return_tensors="pt")["input_ids"].to(hf.device) for x in (p.clean, p.corrupted))
         t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (p.target, p.foil))
         z = {}
         grabs = [
