@@ -194,17 +194,27 @@ class _Result:
 
 
 # ----------------------------------------------------------------------------- one pair
-def _unchanged(patch: runs.Patch, clean: torch.Tensor, corrupted: torch.Tensor) -> bool:
-    """Whether a patch copies a value equal to the corrupted run's (so it changes nothing)."""
+def _unchanged(patch: runs.Patch, clean: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
+    """Whether a patch copies a value equal to the corrupted run's (so it changes nothing), as a
+    0-d bool tensor on the activations' device: :func:`_unchanged_all` reads them in one transfer."""
     pt, c = patch.point, patch.cell
     a = runs.axes_first(clean, pt, batch=False)
     b = runs.axes_first(corrupted, pt, batch=False)
-    if c.pos is None:
-        return a.shape == b.shape and torch.equal(a, b)
-    a, b = a[c.cpos], b[c.pos]
-    if patch.head is not None:
-        a, b = a[patch.head], b[patch.head]
-    return a.shape == b.shape and torch.equal(a, b)
+    if c.pos is not None:
+        a, b = a[c.cpos], b[c.pos]
+        if patch.head is not None:
+            a, b = a[patch.head], b[patch.head]
+    if a.shape != b.shape:
+        return torch.zeros((), dtype=torch.bool, device=a.device)
+    return (a == b).all()
+
+
+def _unchanged_all(patches: list, clean_acts: dict, corrupted_acts: dict) -> list[bool]:
+    """:func:`_unchanged` of every patch, read back in one transfer (no device sync per patch)."""
+    if not patches:
+        return []
+    flags = [_unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches]
+    return torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
 
 
 def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
@@ -216,7 +226,7 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
         clean_value, corrupted_value = float(fn(clean_logits)[0]), float(fn(corrupted_logits)[0])
     cells = runs.pair_cells(tp.clean_ids, k_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
-    same = [_unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches]
+    same = _unchanged_all(patches, clean_acts, corrupted_acts)
     todo = [i for i, s in enumerate(same) if not s]
     values = np.full(len(patches), corrupted_value)
     reuse = job.reuse and model.is_decoder
@@ -245,8 +255,8 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     value.backward()
     cells = runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
-    est = np.empty(len(patches))
-    for i, p in enumerate(patches):
+    est = []  # 0-d tensors on the model's device, read back in one transfer
+    for p in patches:
         pt, c = p.point, p.cell
         a = runs.axes_first(acts[pt.name].detach().float(), pt, batch=False)
         g = runs.axes_first(run.grad(pt.name)[0].float(), pt, batch=False)
@@ -259,9 +269,10 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
             delta, grad = k[c.cpos] - a[c.pos], g[c.pos]
             if p.head is not None:
                 delta, grad = delta[p.head], grad[p.head]
-        est[i] = float((delta * grad).sum())
+        est.append((delta * grad).sum())
     bar.update(len(patches))
     corrupted_value = float(value.detach())
+    est = torch.stack(est).double().cpu().numpy() if est else np.empty(0)
     return _Result(tp, patches, corrupted_value + est, clean_value, corrupted_value)
 
 
