@@ -23,8 +23,9 @@ model is timing the real one: the work does not depend on the weights' values. T
 features are the random-init 135M's, so their accuracies say nothing; the fits' times and the
 agreement of the three fits' objectives do.
 
-Run: ``python -m benchmarks.bench_gpu --model-dir DIR --out DIR`` (``--quick``: fewer rounds and
-tokens, also on a CPU, to check the script). Prints one table and writes ``gpu.json``.
+Run: ``python -m benchmarks.bench_gpu --out DIR`` (``--model-dir DIR`` where the default model is
+not installed; ``--quick``: fewer rounds and tokens, also on a CPU, to check the script). Prints
+each section's rows as it ends, then the whole table, and writes ``gpu.json``.
 """
 
 from __future__ import annotations
@@ -411,9 +412,25 @@ def sections(args, device: torch.device) -> list[tuple[str, Callable[[], list[Ro
     return [(k, fn) for k, fn in out if not args.only or k in args.only]
 
 
+def default_model_dir(folder: Path) -> Path:
+    """The default model's config and tokenizer written to ``folder`` (no weights): what
+    ``--model-dir`` is when not given, on a machine where the default model is installed."""
+    from depthscope.hooks import load_model
+
+    model = load_model()
+    model.tokenizer.save_pretrained(folder)
+    model.hf_model.config.save_pretrained(folder)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, required=True, help="SmolLM2's config.json and tokenizer")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="a folder with SmolLM2's config.json and tokenizer (default: taken from the installed default model)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu.json")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
@@ -422,6 +439,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", nargs="+", default=None, choices=["gemm", "capture", "lens", "probes", "patching"])
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.model_dir is None:
+        import tempfile
+
+        args.model_dir = default_model_dir(Path(tempfile.mkdtemp(prefix="depthscope-gpu-")))
     rows: list[Row] = []
     for name, fn in sections(args, device):
         t = time.perf_counter()
