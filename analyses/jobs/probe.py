@@ -107,6 +107,7 @@ def run_probe_job(
         "test": str(test) if isinstance(test, (str, Path)) else repr(test),
         "model": info.get("model"),
         "precision": info.get("precision"),
+        "probe_device": info.get("probe_device"),
         "seconds_extract": info.get("seconds_extract"),
         "seconds_total": info.get("seconds_total"),
     }
