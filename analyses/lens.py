@@ -201,20 +201,6 @@ def _group_batches(model, group: list[str], *, batch_size: int, window: int | No
 
 
 # ----------------------------------------------------------------------------- decoding
-def _normalise(Z: torch.Tensor, B: torch.Tensor, zmax: torch.Tensor) -> None:
-    """Logits ``Z`` -> probabilities in ``Z`` and log-probabilities in ``B`` (both in place).
-
-    The normaliser is summed with torch's pairwise (cascade) sum, accurate to ~1e-7 relative
-    in float32; softmax / log_softmax kernels accumulate it sequentially on the CPU, which over a
-    49k vocabulary errs by ~3e-5 (probabilities summing to 1 +- 3e-5, entropies off by 1e-5
-    relative). One exp pass serves both outputs."""
-    torch.sub(Z, zmax, out=B)
-    torch.exp(B, out=Z)
-    s = Z.sum(-1, keepdim=True)
-    B.sub_(s.log())
-    Z.div_(s)
-
-
 class _Decoder:
     """Decodes chunks of ``[tokens, sites, d]`` streams into per-row metrics through the model's
     :class:`~depthscope.hooks.unembed.Unembed`, reusing two float32 ``[rows, vocab]`` buffers for
@@ -236,12 +222,18 @@ class _Decoder:
             self.B = torch.empty(cap, self.V, dtype=torch.float32, device=dev)
 
     def final(self, logits: torch.Tensor):
-        """Per-token reference: log-probs, probs, sum p log p, argmax of the model's own logits."""
+        """Per-token reference: probs, sum p log p, argmax of the model's own logits. ``sum p log
+        p`` is formed as :meth:`run` forms ``sum p log q`` (``sum p B - log s sum p``, the same
+        operations), so a site whose logits are the model's has a KL of exactly 0."""
         logits = logits.float()
         top = logits.argmax(-1)
-        p, lp = logits.clone(), torch.empty_like(logits)
-        _normalise(p, lp, logits.amax(-1, keepdim=True))  # as the lens's own rows (errors cancel in KL)
-        neg_h = (p * lp).sum(-1)  # sum_v p log p
+        p, B = logits.clone(), torch.empty_like(logits)
+        torch.sub(p, logits.amax(-1, keepdim=True), out=B)
+        torch.exp(B, out=p)
+        s = p.sum(-1, keepdim=True)
+        log_s = s.log()
+        p.div_(s)
+        neg_h = (B * p).sum(-1) - log_s[:, 0] * p.sum(-1)  # sum_v p log p
         return p, neg_h, top
 
     def run(
@@ -270,21 +262,29 @@ class _Decoder:
         zmax = Z.amax(-1, keepdim=True)
         out["top1_agreement"] = z_final_top >= zmax.view(C, S)
         zt = Z.gather(1, tgt)
-        torch.gt(Z, zt, out=B)
+        torch.gt(Z, zt, out=B)  # as floats: a bool tensor's sum is ~30x slower on the CPU
         out["target_rank"] = B.sum(-1).view(C, S)  # exact in float32 (< 2^24)
-        _normalise(Z, B, zmax)  # Z = q, B = log q
-        out["target_logprob"] = B.gather(1, tgt).view(C, S)
+        # q = e^B / s with B = z - max z: log q = B - log s. Neither is normalised in place: the
+        # metrics take the normaliser out of the sums (two passes fewer), each sum a cascade
+        # (torch's log_softmax sums its normaliser sequentially on the CPU: ~3e-5 relative at 49k)
+        torch.sub(Z, zmax, out=B)
+        torch.exp(B, out=Z)
+        s = Z.sum(-1, keepdim=True)
+        log_s = s.log()  # [R, 1]
+        out["target_logprob"] = (B.gather(1, tgt) - log_s).view(C, S)
         if topk:
             vals, ids = B.topk(topk, dim=-1)
-            out["topk_logprob"] = vals.view(C, S, topk)
+            out["topk_logprob"] = (vals - log_s).view(C, S, topk)
             out["topk_id"] = ids.view(C, S, topk)
             out["top1_id"] = out["topk_id"][..., 0]
         # row-wise dot products as multiply + sum: torch's sum is a cascade (pairwise) reduction,
         # accurate to ~1e-7 relative; bmm/mm dots over 49k terms err by up to 1e-4 relative.
+        # entropy = -sum q log q = log s - sum(e^B B) / s: two non-negative terms, no cancellation
         torch.mul(Z, B, out=Z)
-        out["entropy"] = -Z.sum(-1).view(C, S)
+        out["entropy"] = (log_s - Z.sum(-1, keepdim=True) / s).view(C, S)
+        # sum_v p log q = sum_v p B - log s sum_v p
         torch.mul(B.view(C, S, V), p.unsqueeze(1), out=B.view(C, S, V))
-        p_logq = B.sum(-1).view(C, S)
+        p_logq = B.sum(-1).view(C, S) - log_s.view(C, S) * p.sum(-1, keepdim=True)
         out["kl_to_final"] = neg_hp.unsqueeze(1) - p_logq
         return out
 
