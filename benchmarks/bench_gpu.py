@@ -124,17 +124,11 @@ def matmul_params(model) -> int:
 
 # ----------------------------------------------------------------------------- capture
 def _capture_arms(model, ids) -> dict:
-    mask = torch.ones_like(ids)
-    hf = model.hf_model
+    """``bare`` (the transformers forward) and ``capture`` (``residual_stream``: every site and the logits)."""
+    from benchmarks.bench_scale import _arms
 
-    def bare():
-        with torch.no_grad():
-            return hf(input_ids=ids, attention_mask=mask, use_cache=False)
-
-    def capture():
-        return model.residual_stream(ids, mask=mask.bool())
-
-    return {"bare": bare, "capture": capture}
+    arms = _arms(model, ids)
+    return {"bare": arms["bare"], "capture": arms["depthscope"]}
 
 
 def _peak_extra(fn: Callable, device: torch.device) -> tuple[int, object]:
