@@ -24,6 +24,7 @@ quick table::
     python -m benchmarks.bench_main_job                         # two runs, a fresh store
     python -m benchmarks.bench_main_job --reference OLD_RUN     # and E_Delta against OLD_RUN
     python -m benchmarks.bench_main_job --runs 1 --json out.json
+    python -m benchmarks.bench_main_job --runs 1 --reference OLD_RUN --run-args "--precision bfloat16"
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -58,10 +60,11 @@ def fresh_cache(folder: Path) -> Path:
     return folder
 
 
-def run_once(out: Path, cache: Path, threads: int) -> dict:
-    """One ``depthscope run`` in a fresh subprocess: wall, CPU (user + sys), peak RSS, run.json."""
+def run_once(out: Path, cache: Path, threads: int, extra: tuple = ()) -> dict:
+    """One ``depthscope run`` (with the options ``extra``) in a fresh subprocess: wall, CPU
+    (user + sys), peak RSS, run.json."""
     exe = Path(sys.executable).with_name("depthscope")
-    cmd = [str(exe), "run", "--out", str(out), "--force", "--threads", str(threads)]
+    cmd = [str(exe), "run", "--out", str(out), "--force", "--threads", str(threads), *extra]
     env = {**os.environ, **ENV, "DEPTHSCOPE_CACHE": str(cache), "OMP_NUM_THREADS": str(threads)}
     log = out.with_suffix(".log")
     t0 = time.perf_counter()
@@ -128,10 +131,12 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2, help="1: the first run only; 2: and a second (store reused)")
     ap.add_argument("--reference", type=Path, help="a run folder (or probes_summary.csv) with the full settings")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--run-args", default="", help='more options for depthscope run, e.g. "--precision bfloat16"')
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="depthscope-main-job-") as tmp:
         cache = fresh_cache(Path(tmp) / "cache")
-        runs = [run_once(Path(tmp) / f"run{i}", cache, args.threads) for i in range(args.runs)]
+        extra = tuple(shlex.split(args.run_args))
+        runs = [run_once(Path(tmp) / f"run{i}", cache, args.threads, extra) for i in range(args.runs)]
     agree = agreement(runs[0]["e_delta"], e_delta(args.reference)) if args.reference else None
     print("\n".join(lines(runs, agree)))
     if args.json:

@@ -26,7 +26,8 @@ EXTRA = (
 )
 RUN = options(
     "model device dtype data out task text prompt target max_train_sentences max_test_sentences max_epochs "
-    "stack_draws stack_folds stack_l2 probe_device seed threads lens_tokens norms_tokens causal causal_tokens force",
+    "stack_draws stack_folds stack_l2 precision probe_device seed threads lens_tokens norms_tokens causal "
+    "causal_tokens force",
     ReportConfig,
     extra=EXTRA,
     helps={
