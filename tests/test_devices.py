@@ -189,6 +189,29 @@ def test_cuda_analyses_tables_on_cpu(folder):
 
 
 @CUDA
+def test_cuda_patching_matches_the_cpu(folder):
+    """Activation, attribution and path patching with the model on the GPU (each reads its
+    per-patch flags and estimates back in one transfer) give the CPU's tables."""
+    from conftest import IOI_PAIRS
+
+    from depthscope.analyses.pairs import PromptPair
+    from depthscope.analyses.patching import activation_patching, attribution_patching
+    from depthscope.analyses.path_patching import path_patching
+
+    cpu, gpu = load_model(folder), load_model(folder, device="cuda")
+    pairs = [PromptPair(*p) for p in IOI_PAIRS[:2]]
+    for fn, kw in [
+        (activation_patching, {}),
+        (activation_patching, {"sites": "heads"}),
+        (attribution_patching, {"sites": "heads"}),
+        (path_patching, {}),
+    ]:
+        a, b = fn(cpu, pairs, **kw), fn(gpu, pairs, **kw)
+        assert len(a) == len(b) > 0
+        np.testing.assert_allclose(b["metric"], a["metric"], rtol=1e-3, atol=1e-4, err_msg=fn.__name__)
+
+
+@CUDA
 def test_cuda_device_map_auto(folder):
     pytest.importorskip("accelerate")
     m = load_model(folder, device_map="auto")
