@@ -14,6 +14,10 @@ probes      per-site softmax probes (subspace solver) on the GPU vs the same fit
             CPU (all cores) vs scikit-learn, on the same standardised features of the EWT sample
 patching    one IOI pair, all residual sites batched vs one forward per site; 100 IOI pairs, every
             head, vs a hook loop
+mainjob     (only when named) ``depthscope run`` on the random-init 135M with the model and the
+            probe fits on the card, vs the same run on all CPU cores
+profile     (only when named) torch.profiler's costliest operators of a bare bfloat16 forward,
+            the same with capture, and the logit lens: no figures, tables in ``--out``
 ==========  ==========================================================================================
 
 The models are random-init Llama configs of the SmolLM2-135M and 360M and TinyLlama-1.1B shapes,
@@ -45,6 +49,8 @@ from benchmarks._common import Row, format_table
 
 NAME = "gpu"
 SHAPES = ("135m", "360m", "1b")
+#: sections that run only when ``--only`` names them (minutes of device time)
+OPT_IN = ("mainjob", "profile")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -355,6 +361,82 @@ def patching_rows(model, args, device: torch.device) -> list[Row]:
     ]
 
 
+# ----------------------------------------------------------------------------- the main job, and profiles
+def _run_main_job(folder: Path, out: Path, device: str, threads: int) -> dict:
+    """One ``depthscope run`` on the model ``folder`` in a fresh subprocess with a fresh activation
+    store (so its extraction counts): wall seconds and the run's stage seconds."""
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-c", "from depthscope.analyses.cli import main; main()"]
+    cmd = [*cli, "run", "--model", str(folder), "--out", str(out), "--force", "--threads", str(threads)]
+    cmd += ["--device", device, "--probe-device", device]
+    env = {**os.environ, "DEPTHSCOPE_CACHE": str(out.parent / f"cache-{out.name}"), "OMP_NUM_THREADS": str(threads)}
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"depthscope run on {device} failed: {proc.stderr[-2000:]}")
+    return {"wall": wall, "seconds": json.loads((out / "run.json").read_text()).get("seconds", {})}
+
+
+def main_job_rows(args, device: torch.device) -> list[Row]:
+    """``depthscope run`` end to end (lens, norms, probes, report) on the random-init 135M saved
+    as a folder: with the model and the probe fits on this device, and on all CPU cores."""
+    import tempfile
+
+    model = build("135m", args.model_dir, torch.float32, torch.device("cpu"))
+    with tempfile.TemporaryDirectory(prefix="depthscope-gpu-main-job-") as tmp:
+        folder = Path(tmp) / "model"
+        model.hf_model.save_pretrained(folder)
+        model.tokenizer.save_pretrained(folder)
+        del model
+        here = _run_main_job(folder, Path(tmp) / "on-device", str(device), os.cpu_count() or 1)
+        cpu = _run_main_job(folder, Path(tmp) / "on-cpu", "cpu", os.cpu_count() or 1)
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in here["seconds"].items() if k != "total")
+    return [
+        Row(
+            f"main job (depthscope run, random-init 135M, bundled sample) on {device} / on the CPU",
+            f"{here['wall']:.0f} s",
+            f"{cpu['wall']:.0f} s ({os.cpu_count()} threads)",
+            cpu["wall"] / here["wall"],
+            "",
+            f"ratio: speed-up; each a fresh process and activation store; on {device}: {stages}",
+        )
+    ]
+
+
+def profile_rows(args, device: torch.device) -> list[Row]:
+    """torch.profiler tables (the 20 costliest operators) of a bare bfloat16 forward, the same
+    forward with capture, and the float32 logit lens, printed and written to ``--out``: where
+    the capture's and the lens's extra time goes. No figures."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from depthscope.analyses.lens import logit_lens
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    batch, tokens = (2, 64) if args.quick else (8, 512)
+    bf = build("135m", args.model_dir, torch.bfloat16, device)
+    fns = _capture_arms(bf, random_ids(bf, batch, tokens, device))
+    fp = build("135m", args.model_dir, torch.float32, device)
+    ids = sample_text_ids(fp, batch * tokens)[None].to(device)
+    fns["lens"] = lambda: logit_lens(fp, ids, window=tokens, batch_size=batch)
+    for name, fn in fns.items():
+        fn()
+        _sync(device)
+        with profile(activities=acts) as prof:
+            fn()
+            _sync(device)
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=20)
+        print(f"--- profile: {name}\n{table}", flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"profile_{name}.txt").write_text(table)
+    return []
+
+
 # ----------------------------------------------------------------------------- main
 def gemm_rows(device: torch.device, quick: bool) -> list[Row]:
     n = 1024 if quick else 8192
@@ -403,7 +485,8 @@ def sections(args, device: torch.device) -> list[tuple[str, Callable[[], list[Ro
         if shape in args.shapes:
             out.append(("capture", lambda s=shape, d=dt: capture_rows(s, d, args, device)))
     out += [("lens", on_135m(lens_rows)), ("patching", on_135m(patching_rows)), ("probes", on_135m(probe_rows))]
-    return [(k, fn) for k, fn in out if not args.only or k in args.only]
+    out += [("mainjob", lambda: main_job_rows(args, device)), ("profile", lambda: profile_rows(args, device))]
+    return [(k, fn) for k, fn in out if (k in args.only if args.only else k not in OPT_IN)]
 
 
 def default_model_dir(folder: Path) -> Path:
@@ -430,7 +513,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
-    ap.add_argument("--only", nargs="+", default=None, choices=["gemm", "capture", "lens", "probes", "patching"])
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        choices=["gemm", "capture", "lens", "probes", "patching", *OPT_IN],
+        help=f"these sections only (default: all but {', '.join(OPT_IN)}, which run only when named)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.model_dir is None:

@@ -41,3 +41,8 @@ def test_bench_gpu_quick_on_cpu(bench_gpu, tmp_path, tiny_tokenizer, one_thread)
     assert all(math.isfinite(x) and x > 0 for x in ratios), rows
     agree = next(r for r in rows if "this machine's CPU" in r["figure"])["note"]
     assert float(agree.rsplit("agree to ", 1)[1].split()[0]) < 1e-4, agree  # the same solver on the same data
+    assert not list(out.glob("profile_*")), "the opt-in sections ran unasked"
+    bench_gpu.main(["--model-dir", str(model_dir), "--quick", "--device", "cpu", "--only", "profile",
+                    "--out", str(out)])  # fmt: skip
+    for arm in ("bare", "capture", "lens"):
+        assert "aten::" in (out / f"profile_{arm}.txt").read_text()
