@@ -159,6 +159,27 @@ def test_probes_fit_on_a_gpu_as_on_the_cpu(solver):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mlp_probe_trains_on_a_gpu_as_on_the_cpu():
+    """An MLP probe (the Adam solver) over features on the GPU trains there, batches sliced on the
+    card, and comes back to the CPU with about the CPU run's objective and predictions (the same
+    seed and batches; float32 sums in another order)."""
+    from depthscope.probes.solvers.training import objective, predict
+
+    fits = {}
+    for device in ("cpu", "cuda"):
+        f = _features(n=400)
+        assert f.make_resident(device=device)
+        y = torch.from_numpy(np.random.default_rng(2).integers(0, 3, (400, 1)))
+        p = BatchedProbe(n_sites=4, d=8, n_spans=1, n_classes=3, kind="mlp", hidden=16, l2=[1e-3])
+        train_probe(p, f, y, solver="adam", max_epochs=60)
+        assert all(q.device.type == "cpu" for q in p.parameters())  # back on the CPU after the fit
+        fits[device] = (objective(p, f, y), predict(p, f)[0])
+    (fc, pc), (fg, pg) = fits["cpu"], fits["cuda"]
+    assert torch.allclose(fc, fg, rtol=1e-2), (fc, fg)
+    assert (pc == pg).float().mean() > 0.95
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_run_probes_on_a_gpu_matches_the_cpu(tiny_factory, tmp_path):
     """The whole probe run (the penalty search on some sites, per-site probes, out-of-fold
     refits, cumulative scoring and the scalar mix with its fold refits) with ``device="cuda"``

@@ -195,7 +195,8 @@ class _Plateau:
 
 class AdamSolver(Solver):
     """Minibatch Adam with step-halving on plateaus (module docstring); works on any probe and on
-    streamed features."""
+    streamed features. Over resident features on a GPU the probe trains there (moved for the fit
+    and back to the CPU after it; batches are slices of the features there, no copy per batch)."""
 
     name = "adam"
 
@@ -205,16 +206,22 @@ class AdamSolver(Solver):
         batch_size = auto_batch(n, ADAM_EPOCHS_HINT, s.batch_size)
         min_epochs = math.ceil(s.min_steps / math.ceil(n / batch_size))
         max_epochs = max(s.max_epochs, min_epochs)
-        opt = _adam(_param_groups(probe, s.lr))
-        rng = np.random.default_rng(s.seed)
-        plateau = _Plateau(probe.U, s.tol)
-        with threads_for(step_work(probe, feats, batch_size)):
-            while plateau.epochs < max_epochs:
-                per_unit = _adam_epoch(probe, feats, problem.y, opt, rng, batch_size)
-                problem.tick()
-                plateau.record(per_unit, opt)
-                if plateau.epochs >= min_epochs and bool(plateau.converged().all()):
-                    break
+        dev = features_device(feats)
+        probe.to(dev)  # in place; a no-op on the CPU
+        try:
+            opt = _adam(_param_groups(probe, s.lr))
+            rng = np.random.default_rng(s.seed)
+            plateau = _Plateau(probe.U, s.tol)
+            y = problem.y.to(dev)
+            with threads_for(step_work(probe, feats, batch_size)):
+                while plateau.epochs < max_epochs:
+                    per_unit = _adam_epoch(probe, feats, y, opt, rng, batch_size)
+                    problem.tick()
+                    plateau.record(per_unit, opt)
+                    if plateau.epochs >= min_epochs and bool(plateau.converged().all()):
+                        break
+        finally:
+            probe.to("cpu")
         return plateau.log(probe.U, max_epochs)
 
 
@@ -230,11 +237,11 @@ def _param_groups(probe, lr: float) -> list:
 def _adam_epoch(probe, feats, y, opt, rng, batch_size) -> np.ndarray:
     """One epoch of minibatch steps; returns each unit's mean objective over the epoch."""
     n = len(feats)
-    run = torch.zeros(probe.U, dtype=torch.float64)
-    for idx, (x, m) in feats.batches(batch_size, rng):
+    run = torch.zeros(probe.U, dtype=torch.float64, device=y.device)
+    for idx, (x, m) in feats.batches(batch_size, rng, on_device=True):
         logits = probe(x, m)  # [U, B, G, C]
         U, B, G, C = logits.shape
-        target = y[idx].unsqueeze(0).expand(U, B, G)
+        target = y[torch.as_tensor(idx, device=y.device)].unsqueeze(0).expand(U, B, G)
         ce = F.cross_entropy(logits.reshape(-1, C), target.reshape(-1), reduction="none").view(U, B * G).sum(1) / B
         opt.zero_grad(set_to_none=True)
         ce.sum().backward()
@@ -242,7 +249,7 @@ def _adam_epoch(probe, feats, y, opt, rng, batch_size) -> np.ndarray:
         opt.step()
         run += ce.detach().double() * (B / n)
     with torch.no_grad():
-        return (run + probe.penalty_per_unit().double()).numpy()
+        return (run + probe.penalty_per_unit().double()).cpu().numpy()
 
 
 def _adam(groups) -> torch.optim.Optimizer:
