@@ -94,6 +94,19 @@ def test_resident_features_subsets_and_sites_keep_their_device():
     assert x.device.type == "meta"
 
 
+def test_features_too_large_for_the_device_are_a_clear_error(monkeypatch):
+    """Features that would not fit the device's free memory (with the solvers' copies) are
+    refused before any copy, naming the sizes and the way out; the CPU is not checked."""
+    import depthscope.hooks.devices as devices
+
+    monkeypatch.setattr(devices, "free_bytes", lambda device: 10_000)
+    f = _features(n=400)
+    with pytest.raises(DeviceError, match=r"--probe-device meta: .* GiB .* free; use --probe-device cpu"):
+        f.make_resident(device="meta")
+    assert f.resident is None
+    assert _features(n=400).make_resident(device="cpu")
+
+
 def test_probe_device_setting_is_checked_before_any_work():
     assert ProbeConfig().device == "cpu" and ProbeConfig().validate().device == "cpu"
     assert ProbeConfig(device="auto").validate().device == "auto"

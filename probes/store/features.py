@@ -130,6 +130,8 @@ class Features:
             dt = torch.bfloat16 if dt == torch.float32 else dt
         if need * dt.itemsize > max_bytes:
             return False
+        if device is not None and torch.device(device).type != "cpu":
+            check_device_room(need * dt.itemsize, torch.device(device))
         self.order = np.random.default_rng(seed).permutation(N)
         XT = torch.empty(S, F_, N, dtype=dt, device=device)  # feature-major in memory (see the class docstring)
         st = self.store
@@ -229,6 +231,26 @@ def _evenly_spaced(sites: np.ndarray, n: int) -> slice | None:
     if len(sites) == 0 or sites[0] < 0 or sites[-1] >= n or len(step) > 1 or (len(step) and step[0] <= 0):
         return None
     return slice(int(sites[0]), int(sites[-1]) + 1, int(step[0]) if len(step) else 1)
+
+
+#: on a GPU the probe solvers hold up to about this many times a task's features at once (the
+#: features, a block's transposed copy, one fold's copy during the refits)
+DEVICE_HEADROOM = 2.0
+
+
+def check_device_room(nbytes: int, device: torch.device) -> None:
+    """Refuse to place ``nbytes`` of features on ``device`` when, with the solvers' copies
+    (:data:`DEVICE_HEADROOM`), they exceed its free memory: a clear error before any copy, not an
+    out-of-memory failure in the middle of a fit."""
+    from depthscope.hooks.devices import DeviceError, free_bytes
+
+    free = free_bytes(device)
+    if free is not None and nbytes * DEVICE_HEADROOM > free:
+        raise DeviceError(
+            f"--probe-device {device}: this task's features need {nbytes / 2**30:.2f} GiB "
+            f"(x{DEVICE_HEADROOM:g} with the solvers' copies) but {device} has {free / 2**30:.2f} GiB free; "
+            "use --probe-device cpu, or probe fewer sites"
+        )
 
 
 def feature_major(X: torch.Tensor) -> bool:
