@@ -46,6 +46,8 @@ import numpy as np
 import torch
 
 from benchmarks._common import Row, format_table
+from benchmarks.bench_scale import SHAPES as SCALE_SHAPES
+from benchmarks.bench_scale import _arms, matmul_params
 
 NAME = "gpu"
 SHAPES = ("135m", "360m", "1b")
@@ -99,11 +101,10 @@ def build(shape: str, model_dir: Path, dtype: torch.dtype, device: torch.device)
     """A random-init Llama of ``shape`` made directly in ``dtype`` on ``device``, as a HookedModel."""
     import transformers as tf
 
-    from benchmarks.bench_scale import SHAPES as SCALE
     from depthscope.hooks import load_model
 
     tok = tf.AutoTokenizer.from_pretrained(model_dir)
-    cfg = tf.AutoConfig.from_pretrained(model_dir) if shape == "135m" else tf.LlamaConfig(**SCALE[shape])
+    cfg = tf.AutoConfig.from_pretrained(model_dir) if shape == "135m" else tf.LlamaConfig(**SCALE_SHAPES[shape])
     torch.manual_seed(0)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -122,17 +123,9 @@ def random_ids(model, batch: int, tokens: int, device: torch.device) -> torch.Te
     return torch.randint(0, model.hf_model.config.vocab_size, (batch, tokens), generator=g).to(device)
 
 
-def matmul_params(model) -> int:
-    from benchmarks.bench_scale import matmul_params as mp
-
-    return mp(model)
-
-
 # ----------------------------------------------------------------------------- capture
 def _capture_arms(model, ids) -> dict:
     """``bare`` (the transformers forward) and ``capture`` (``residual_stream``: every site and the logits)."""
-    from benchmarks.bench_scale import _arms
-
     arms = _arms(model, ids)
     return {"bare": arms["bare"], "capture": arms["depthscope"]}
 
