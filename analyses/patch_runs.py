@@ -18,6 +18,7 @@ Patch, make_patches     one patch (point, cell, head) and all of them for a pair
                         SAE features patched, by point)
 capture                 activations ``[...]`` (batch dropped) and logits of one prompt (SAEs spliced)
 landing_site            the residual site a hook point's write lands in
+to_host                 per-patch 0-d tensors (flags, estimates) read back in one transfer
 axes_first              a view with a point's position (then head) axis first
 hooks_for               the editing hooks of a chunk of patches (one hook per point)
 plan                    chunks of patches within a token budget, each with the first position its
@@ -85,6 +86,14 @@ class PatchPoint:
     @property
     def per_head(self) -> bool:
         return self.head_axis is not None
+
+
+def to_host(values: list) -> list:
+    """0-d tensors, one per patch (flags, estimates) on the model's device, as Python values
+    read back in one transfer: a read per patch would wait for the device once per site or head."""
+    if not values:
+        return []
+    return torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()
 
 
 def landing_site(point: Point) -> int:

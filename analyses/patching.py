@@ -196,7 +196,7 @@ class _Result:
 # ----------------------------------------------------------------------------- one pair
 def _unchanged(patch: runs.Patch, clean: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
     """Whether a patch copies a value equal to the corrupted run's (so it changes nothing), as a
-    0-d bool tensor on the activations' device: :func:`_unchanged_all` reads them in one transfer."""
+    0-d bool tensor on the activations' device (read back with the others by ``runs.to_host``)."""
     pt, c = patch.point, patch.cell
     a = runs.axes_first(clean, pt, batch=False)
     b = runs.axes_first(corrupted, pt, batch=False)
@@ -209,14 +209,6 @@ def _unchanged(patch: runs.Patch, clean: torch.Tensor, corrupted: torch.Tensor) 
     return (a == b).all()
 
 
-def _unchanged_all(patches: list, clean_acts: dict, corrupted_acts: dict) -> list[bool]:
-    """:func:`_unchanged` of every patch, read back in one transfer (no device sync per patch)."""
-    if not patches:
-        return []
-    flags = [_unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches]
-    return torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
-
-
 def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     """Exact patching of one pair: chunks of rows, each with an unpatched row 0 it is measured against."""
     fn, k_ids = tp.metric, tp.corrupted_ids
@@ -226,7 +218,7 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
         clean_value, corrupted_value = float(fn(clean_logits)[0]), float(fn(corrupted_logits)[0])
     cells = runs.pair_cells(tp.clean_ids, k_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
-    same = _unchanged_all(patches, clean_acts, corrupted_acts)
+    same = runs.to_host([_unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches])
     todo = [i for i, s in enumerate(same) if not s]
     values = np.full(len(patches), corrupted_value)
     reuse = job.reuse and model.is_decoder
@@ -255,7 +247,7 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
     value.backward()
     cells = runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
-    est = []  # 0-d tensors on the model's device, read back in one transfer
+    est = []  # 0-d tensors on the model's device, read back together
     for p in patches:
         pt, c = p.point, p.cell
         a = runs.axes_first(acts[pt.name].detach().float(), pt, batch=False)
@@ -272,7 +264,7 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar) -> _Result:
         est.append((delta * grad).sum())
     bar.update(len(patches))
     corrupted_value = float(value.detach())
-    est = torch.stack(est).double().cpu().numpy() if est else np.empty(0)
+    est = np.asarray(runs.to_host(est), dtype=np.float64)
     return _Result(tp, patches, corrupted_value + est, clean_value, corrupted_value)
 
 

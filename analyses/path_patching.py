@@ -283,20 +283,12 @@ def _cell_of(t: torch.Tensor, head: int | None, pos: int | None) -> torch.Tensor
 
 def _unchanged(s: Sender, acts: _Acts) -> torch.Tensor:
     """Whether the sender's clean value equals its corrupted one (so it changes nothing), as a
-    0-d bool tensor where the activations are (:func:`_unchanged_all` reads them at once)."""
+    0-d bool tensor where the activations are (read back with the others by ``runs.to_host``)."""
     a = _cell_of(acts.clean[s.point.name], s.head, acts.cell.cpos)
     b = _cell_of(acts.corrupted[s.point.name], s.head, acts.cell.pos)
     if a.shape != b.shape:
         return torch.zeros((), dtype=torch.bool, device=a.device)
     return (a == b).all()
-
-
-def _unchanged_all(senders: list, acts: _Acts) -> list[bool]:
-    """:func:`_unchanged` of every sender, read back in one transfer (no device sync per sender)."""
-    if not senders:
-        return []
-    flags = [_unchanged(s, acts) for s in senders]
-    return torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
 
 
 def _step2_hook(name: str, acts: _Acts, edits: list[tuple[int, int | None]], freeze: bool, stash: dict | None):
@@ -365,7 +357,7 @@ def _pair_values(model, tp: TokenPair, job: _Job, cell: runs.Cell, bar) -> tuple
     """One pair: its cached values and every sender's patched value (chunks of rows)."""
     acts = _capture(model, tp, job, cell)
     values = np.full(len(job.senders), acts.corrupted_value)
-    same = _unchanged_all(job.senders, acts)
+    same = runs.to_host([_unchanged(s, acts) for s in job.senders])
     todo = [i for i, s in enumerate(job.senders) if _reaches(s, job.receivers) and not same[i]]
     bar.update(len(job.senders) - len(todo))
     for rows, _ in runs.plan([0] * len(todo), tp.corrupted_ids.shape[1], job.batch_tokens):

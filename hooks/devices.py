@@ -7,6 +7,8 @@
                                 ``"float16"``/``"fp16"``/``"half"`` or a ``torch.dtype``
 :func:`check_dtype_on`          refuse a dtype the device cannot compute in
 :func:`check_fits`              refuse a model whose weights exceed the device's free memory
+:func:`short_of`                the device's free bytes when a placement would not fit (the
+                                test behind :func:`check_fits` and the probes' features)
 :func:`parameter_count`         parameters of a transformers config, counted on the meta device
 :func:`require_accelerate`      ``device_map="auto"`` needs accelerate: the install command
 :data:`TOLERANCE`               per-dtype tolerance of a hooked forward vs transformers' own
@@ -145,14 +147,21 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def short_of(nbytes: float, device: torch.device, headroom: float) -> int | None:
+    """``device``'s free bytes when ``nbytes`` times ``headroom`` exceed them; None when they fit
+    or the free memory is unknown. The test behind every refusal of too large a placement."""
+    free = free_bytes(device)
+    return free if free is not None and nbytes * headroom > free else None
+
+
 def check_fits(n_params: int, dtype: torch.dtype, device: torch.device, *, headroom: float = 1.1) -> None:
     """Refuse to load ``n_params`` parameters of ``dtype`` on ``device`` when the weights
     (times ``headroom`` for buffers and the first activations) exceed its free memory."""
     if n_params <= 0:
         return
     need = n_params * torch.empty((), dtype=dtype).element_size()
-    free = free_bytes(device)
-    if free is not None and need * headroom > free:
+    free = short_of(need, device, headroom)
+    if free is not None:
         name = str(dtype).removeprefix("torch.")
         raise ModelTooLarge(
             f"the model has {n_params / 1e9:.2f}B parameters: {need / GiB:.2f} GiB in {name}"

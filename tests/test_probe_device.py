@@ -90,7 +90,7 @@ def test_resident_features_subsets_and_sites_keep_their_device():
     sub = cpu.subset(idx)
     rows = cpu.resident[:, np.argsort(cpu.order)][:, idx[sub.order]]
     assert torch.equal(sub.resident, rows)
-    _, (x, _m) = next(iter(meta.batches(64, on_device=True)))
+    _, (x, _m) = next(iter(meta.batches(64)))
     assert x.device.type == "meta"
 
 

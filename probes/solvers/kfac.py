@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from depthscope.probes.solvers.lbfgs import unit_runs
-from depthscope.probes.solvers.objective import chunk_rows
+from depthscope.probes.solvers.objective import chunk_rows, features_device
 
 #: the preconditioner's scale on a scalar mix's logits, against the identity: their curvature is
 #: orders of magnitude below the weights', so unscaled steps would leave the mix nearly unmoved
@@ -32,20 +32,22 @@ MIX_LOGIT_STEP = 1e3
 @torch.no_grad()
 def feature_gram(probe, feats) -> torch.Tensor:
     """The features' second moments ``[U, F, F]`` per unit (a mix unit: of the uniform mean over
-    its sites); per-site ones are cached on ``feats`` (``feats._gram``)."""
+    its sites); per-site ones are cached on ``feats`` (``feats._gram``). Summed where the
+    features are, returned on the CPU."""
     U, n, Fd = probe.U, len(feats), feats.n_spans * feats.d
     mix = probe.mix_mask
     gram = getattr(feats, "_gram", None) if mix is None else None
     if gram is not None:
         return gram
-    gram = torch.zeros(U, Fd, Fd)
+    dev = features_device(feats)
+    gram = torch.zeros(U, Fd, Fd, device=dev)
+    w = None if mix is None else (mix.float() / mix.float().sum(1, keepdim=True)).to(dev)  # uniform over each prefix
     for _, (x, _m) in feats.batches(chunk_rows(probe, feats)):
         x = x.float()
-        if mix is not None:
-            w = mix.float() / mix.float().sum(1, keepdim=True)  # uniform weights over each prefix
+        if w is not None:
             x = (w @ x.reshape(x.shape[0], -1)).reshape(U, -1, Fd)
         gram.baddbmm_(x.transpose(1, 2), x)
-    gram.div_(n)
+    gram = gram.div_(n).cpu()
     if mix is None:
         feats._gram = gram
     return gram

@@ -36,7 +36,7 @@ from depthscope.probes.solvers.base import Problem, Solver, TrainLog, per_site
 from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.kfac import preconditioner
 from depthscope.probes.solvers.lbfgs import Solved, lbfgs
-from depthscope.probes.solvers.objective import features_device, objective, trainable
+from depthscope.probes.solvers.objective import features_device, objective, on_features_device, trainable
 from depthscope.probes.solvers.subspace import fit_softmax
 
 #: auto_batch aims at this many Adam steps per ``ADAM_EPOCHS_HINT`` epochs
@@ -206,22 +206,17 @@ class AdamSolver(Solver):
         batch_size = auto_batch(n, ADAM_EPOCHS_HINT, s.batch_size)
         min_epochs = math.ceil(s.min_steps / math.ceil(n / batch_size))
         max_epochs = max(s.max_epochs, min_epochs)
-        dev = features_device(feats)
-        probe.to(dev)  # in place; a no-op on the CPU
-        try:
+        with on_features_device(probe, feats) as dev, threads_for(step_work(probe, feats, batch_size)):
             opt = _adam(_param_groups(probe, s.lr))
             rng = np.random.default_rng(s.seed)
             plateau = _Plateau(probe.U, s.tol)
             y = problem.y.to(dev)
-            with threads_for(step_work(probe, feats, batch_size)):
-                while plateau.epochs < max_epochs:
-                    per_unit = _adam_epoch(probe, feats, y, opt, rng, batch_size)
-                    problem.tick()
-                    plateau.record(per_unit, opt)
-                    if plateau.epochs >= min_epochs and bool(plateau.converged().all()):
-                        break
-        finally:
-            probe.to("cpu")
+            while plateau.epochs < max_epochs:
+                per_unit = _adam_epoch(probe, feats, y, opt, rng, batch_size)
+                problem.tick()
+                plateau.record(per_unit, opt)
+                if plateau.epochs >= min_epochs and bool(plateau.converged().all()):
+                    break
         return plateau.log(probe.U, max_epochs)
 
 
@@ -238,7 +233,7 @@ def _adam_epoch(probe, feats, y, opt, rng, batch_size) -> np.ndarray:
     """One epoch of minibatch steps; returns each unit's mean objective over the epoch."""
     n = len(feats)
     run = torch.zeros(probe.U, dtype=torch.float64, device=y.device)
-    for idx, (x, m) in feats.batches(batch_size, rng, on_device=True):
+    for idx, (x, m) in feats.batches(batch_size, rng):
         logits = probe(x, m)  # [U, B, G, C]
         U, B, G, C = logits.shape
         target = y[torch.as_tensor(idx, device=y.device)].unsqueeze(0).expand(U, B, G)

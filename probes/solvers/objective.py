@@ -8,6 +8,7 @@ curvature=, units=)``                    gradient (in ``.grad``), the softmax's 
 ``chunk_rows(probe, feats)``             the rows of one full-batch chunk (memory bound)
 ``label_matrix(y)``                      labels as a long ``[N, G]`` tensor
 ``features_device(feats)``               where resident features live (the CPU if streamed)
+``on_features_device(probe, feats)``     the probe moved there for a block (and back to the CPU)
 =======================================  ========================================================
 
 Over resident features on a GPU the objective computes there: the probe's parameters (and
@@ -16,6 +17,8 @@ the weights each way, no copy of the features); what it returns and leaves is on
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -36,6 +39,22 @@ def label_matrix(y) -> torch.Tensor:
 def features_device(feats) -> torch.device:
     """The device of ``feats``' resident features; the CPU when they are streamed."""
     return feats.resident.device if feats.resident is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_features_device(probe, feats):
+    """The probe moved (in place: the same parameters, their data and gradients) to the device
+    of ``feats``' features for the body, back to the CPU after it, also when the body raises;
+    yields that device. Nothing moves on the CPU."""
+    dev = features_device(feats)
+    if dev.type == "cpu":
+        yield dev
+        return
+    probe.to(dev)
+    try:
+        yield dev
+    finally:
+        probe.to("cpu")
 
 
 def trainable(probe) -> list:
@@ -109,11 +128,10 @@ def objective(
     if curvature is not None and curvature.get("A") is not None:  # the stale units' curvature
         curvature["A"] = curvature["A"].to(dev)
     units = units.to(dev) if units is not None else None
-    probe.to(dev)  # in place: the same parameters, their data (and gradients) on the device
     try:
-        total = _objective(probe, feats, label_matrix(y).to(dev), grad, curvature, units)
+        with on_features_device(probe, feats):
+            total = _objective(probe, feats, label_matrix(y).to(dev), grad, curvature, units)
     finally:
-        probe.to("cpu")
         if curvature is not None and curvature.get("A") is not None:
             curvature["A"] = curvature["A"].cpu()
     return total.cpu()
@@ -131,7 +149,7 @@ def _objective(probe, feats, y, grad, curvature, units) -> torch.Tensor:
         for p in trainable(probe):
             p.grad = None
     with torch.set_grad_enabled(grad):
-        for idx, (x, m) in feats.batches(chunk_rows(probe, feats), on_device=True):
+        for idx, (x, m) in feats.batches(chunk_rows(probe, feats)):
             yb = y[torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(dev)]
             for a, b in runs:
                 logits, per_unit = _chunk_loss(probe, x, m, yb, (a, b), n)

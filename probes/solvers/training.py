@@ -40,7 +40,7 @@ from depthscope.probes.solvers.base import Problem, Solver, TrainLog, TrainSetti
 from depthscope.probes.solvers.classifiers import BatchedProbe
 from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.methods import AdamSolver, LbfgsSolver, SubspaceSolver, auto_batch
-from depthscope.probes.solvers.objective import label_matrix, objective
+from depthscope.probes.solvers.objective import label_matrix, objective, on_features_device
 from depthscope.probes.store.features import Features
 
 __all__ = [
@@ -134,12 +134,13 @@ def fit_probe(
 
 @torch.no_grad()
 def log_probs(probe: BatchedProbe, feats: Features, *, batch_size: int = 1024) -> torch.Tensor:
-    """Log-probabilities ``[U, N, G, C]`` of every class, examples in ``feats``' order."""
+    """Log-probabilities ``[U, N, G, C]`` of every class, examples in ``feats``' order (on the
+    CPU; computed where the features are)."""
     probe.eval()
     out = torch.empty(probe.U, len(feats), probe.G, probe.C)
-    with threads_for(step_work(probe, feats, batch_size)):
+    with on_features_device(probe, feats), threads_for(step_work(probe, feats, batch_size)):
         for idx, (x, m) in feats.batches(batch_size):
-            out[:, torch.from_numpy(np.asarray(idx, dtype=np.int64))] = torch.log_softmax(probe(x, m), -1)
+            out[:, torch.from_numpy(np.asarray(idx, dtype=np.int64))] = torch.log_softmax(probe(x, m), -1).cpu()
     return out
 
 
@@ -153,7 +154,7 @@ def predict(probe: BatchedProbe, feats: Features, y: torch.Tensor | None = None,
     bits = torch.empty(probe.U, n, probe.G) if y is not None else None
     if y is not None:
         y = label_matrix(y)
-    with threads_for(step_work(probe, feats, batch_size)):
+    with on_features_device(probe, feats), threads_for(step_work(probe, feats, batch_size)):
         _predict_loop(probe, feats, y, batch_size, preds, bits)
     return preds, bits
 
@@ -162,7 +163,7 @@ def _predict_loop(probe, feats, y, batch_size, preds, bits) -> None:
     """Fill ``preds`` (and ``bits``, given ``y``) batch by batch."""
     for idx, (x, m) in feats.batches(batch_size):
         ti = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-        logits = probe(x, m)
+        logits = probe(x, m).cpu()  # [U, B, G, C]: small beside the batch's features
         preds[:, ti] = logits.argmax(-1)
         if y is not None:
             logp = torch.log_softmax(logits, -1)

@@ -6,8 +6,8 @@
 ``.standardise_like(train)``       other splits reuse train's statistics
 ``.make_resident(...)``            standardised features in memory ``[S, N, n_spans * D]``, in
                                    ``dtype``, on ``device`` (RAM, or a GPU's: copied there once)
-``.batches(batch_size, rng)``      minibatches for the probes (resident slices or store gathers;
-                                   on the CPU unless ``on_device``)
+``.batches(batch_size, rng)``      minibatches for the probes (resident slices, where the
+                                   features are, or store gathers)
 ``.subset(idx)``                   the examples ``idx`` (resident rows copied, not re-read)
 ``.with_sites(sites)``             resident features of some sites only
 =================================  ==============================================================
@@ -202,13 +202,12 @@ class Features:
             x.sub_(self.mean).div_(self.std)
         return x, mask
 
-    def batches(self, batch_size: int, rng: np.random.Generator | None = None, *, on_device: bool = False):
+    def batches(self, batch_size: int, rng: np.random.Generator | None = None):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
         order (resident: fixed shuffled slices visited in random order). Resident slices are
-        on the CPU (a copy of each batch when the features live on a GPU: the probes of the
-        callers that read batches stay on the CPU), or where the features are with
-        ``on_device`` (callers that compute there: :func:`~depthscope.probes.solvers.objective.objective`)."""
+        on the features' device: callers compute there
+        (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
         if self.resident is not None:
@@ -216,7 +215,6 @@ class Features:
                 starts = rng.permutation(starts)
             for a in starts:
                 X = self.resident[:, a : a + batch_size]
-                X = X if on_device else X.cpu()
                 yield self.order[a : a + batch_size], (X if X.dtype != torch.float16 else X.float(), None)
         else:
             perm = rng.permutation(n) if rng is not None else np.arange(n)
@@ -242,10 +240,10 @@ def check_device_room(nbytes: int, device: torch.device) -> None:
     """Refuse to place ``nbytes`` of features on ``device`` when, with the solvers' copies
     (:data:`DEVICE_HEADROOM`), they exceed its free memory: a clear error before any copy, not an
     out-of-memory failure in the middle of a fit."""
-    from depthscope.hooks.devices import DeviceError, free_bytes
+    from depthscope.hooks.devices import DeviceError, short_of
 
-    free = free_bytes(device)
-    if free is not None and nbytes * DEVICE_HEADROOM > free:
+    free = short_of(nbytes, device, DEVICE_HEADROOM)
+    if free is not None:
         raise DeviceError(
             f"--probe-device {device}: this task's features need {nbytes / 2**30:.2f} GiB "
             f"(x{DEVICE_HEADROOM:g} with the solvers' copies) but {device} has {free / 2**30:.2f} GiB free; "
