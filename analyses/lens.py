@@ -201,6 +201,17 @@ def _group_batches(model, group: list[str], *, batch_size: int, window: int | No
 
 
 # ----------------------------------------------------------------------------- decoding
+def _exp_shifted(Z: torch.Tensor, B: torch.Tensor, zmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``B = Z - zmax`` (log q up to the normaliser) and ``Z = exp(B)``; returns the
+    normaliser ``s`` per row and ``log s``. The sum is torch's cascade (pairwise) sum, ~1e-7
+    relative in float32; softmax / log_softmax kernels sum it sequentially on the CPU, ~3e-5 at a
+    49k vocabulary. Neither buffer is normalised: the metrics take ``s`` out of their sums."""
+    torch.sub(Z, zmax, out=B)
+    torch.exp(B, out=Z)
+    s = Z.sum(-1, keepdim=True)
+    return s, s.log()
+
+
 class _Decoder:
     """Decodes chunks of ``[tokens, sites, d]`` streams into per-row metrics through the model's
     :class:`~depthscope.hooks.unembed.Unembed`, reusing two float32 ``[rows, vocab]`` buffers for
@@ -228,10 +239,7 @@ class _Decoder:
         logits = logits.float()
         top = logits.argmax(-1)
         p, B = logits.clone(), torch.empty_like(logits)
-        torch.sub(p, logits.amax(-1, keepdim=True), out=B)
-        torch.exp(B, out=p)
-        s = p.sum(-1, keepdim=True)
-        log_s = s.log()
+        s, log_s = _exp_shifted(p, B, logits.amax(-1, keepdim=True))
         p.div_(s)
         neg_h = (B * p).sum(-1) - log_s[:, 0] * p.sum(-1)  # sum_v p log p
         return p, neg_h, top
@@ -264,13 +272,7 @@ class _Decoder:
         zt = Z.gather(1, tgt)
         torch.gt(Z, zt, out=B)  # as floats: a bool tensor's sum is ~30x slower on the CPU
         out["target_rank"] = B.sum(-1).view(C, S)  # exact in float32 (< 2^24)
-        # q = e^B / s with B = z - max z: log q = B - log s. Neither is normalised in place: the
-        # metrics take the normaliser out of the sums (two passes fewer), each sum a cascade
-        # (torch's log_softmax sums its normaliser sequentially on the CPU: ~3e-5 relative at 49k)
-        torch.sub(Z, zmax, out=B)
-        torch.exp(B, out=Z)
-        s = Z.sum(-1, keepdim=True)
-        log_s = s.log()  # [R, 1]
+        s, log_s = _exp_shifted(Z, B, zmax)  # q = Z / s, log q = B - log s (both [R, 1])
         out["target_logprob"] = (B.gather(1, tgt) - log_s).view(C, S)
         if topk:
             vals, ids = B.topk(topk, dim=-1)
