@@ -385,6 +385,7 @@ def main_job_rows(args, device: torch.device) -> list[Row]:
         model.tokenizer.save_pretrained(folder)
         del model
         here = _run_main_job(folder, Path(tmp) / "on-device", str(device), os.cpu_count() or 1)
+        print(f"  main job on {device}: {here['wall']:.0f} s wall; stages {here['seconds']}", flush=True)
         cpu = _run_main_job(folder, Path(tmp) / "on-cpu", "cpu", os.cpu_count() or 1)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in here["seconds"].items() if k != "total")
     return [
@@ -478,7 +479,7 @@ def sections(args, device: torch.device) -> list[tuple[str, Callable[[], list[Ro
         if shape in args.shapes:
             out.append(("capture", lambda s=shape, d=dt: capture_rows(s, d, args, device)))
     out += [("lens", on_135m(lens_rows)), ("patching", on_135m(patching_rows)), ("probes", on_135m(probe_rows))]
-    out += [("mainjob", lambda: main_job_rows(args, device)), ("profile", lambda: profile_rows(args, device))]
+    out += [("profile", lambda: profile_rows(args, device)), ("mainjob", lambda: main_job_rows(args, device))]
     return [(k, fn) for k, fn in out if (k in args.only if args.only else k not in OPT_IN)]
 
 
