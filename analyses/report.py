@@ -56,6 +56,7 @@ from depthscope.analyses.report_findings import (
 )
 from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.common.files import atomic_text
+from depthscope.common.runtime import release_memory
 from depthscope.hooks import load_model
 from depthscope.probes import sample_data
 
@@ -208,7 +209,8 @@ class _Say:
 
 class _Clock:
     """Wall-clock and CPU seconds (this process's, all threads) of each named step of the run,
-    and the totals since construction."""
+    and the totals since construction; each step's freed memory goes back to the OS at its end
+    (:func:`~depthscope.common.runtime.release_memory`), so it does not add to the next step's peak."""
 
     def __init__(self):
         self.start, self.cpu_start = time.time(), time.process_time()
@@ -219,6 +221,7 @@ class _Clock:
     def __call__(self, name: str) -> Iterator[None]:
         t, c = time.time(), time.process_time()
         yield
+        release_memory()
         self.steps[name] = time.time() - t
         self.cpu[name] = time.process_time() - c
 
