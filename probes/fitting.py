@@ -26,12 +26,14 @@ it, and every probe is trained to convergence (:mod:`depthscope.probes.solvers.t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from depthscope.common.runtime import release_memory
 from depthscope.probes.config import L2_GRID, L2_LADDER, L2_SITES, ProbeConfig
 from depthscope.probes.encoding import TaskData
 from depthscope.probes.mdl import online_codelength
@@ -78,23 +80,21 @@ def l2_sites(n_sites: int, k: int = L2_SITES) -> np.ndarray:
 
 class HeldOut(NamedTuple):
     """One held-out split of the penalty search: probes train on ``train`` (labels ``y_train``)
-    and are scored on ``held`` (labels ``y_held``)."""
+    and are scored on ``held()`` (labels ``y_held``), built only once the probes are trained, so
+    that a fold's training copy and its held-out copy are never in memory together."""
 
     train: Features
     y_train: np.ndarray
-    held: Features
+    held: Callable[[], Features]
     y_held: np.ndarray
 
 
-def _path(td: TaskData, cfg: ProbeConfig, split: HeldOut, values, start, progress: bool):
-    """Held-out accuracy (mean over sites) of probes trained on ``split.train`` at each penalty
-    of ``values``, in that order, each fit warm-started from the previous optimum (``start``: a
-    state dict to begin from, or None). Returns ``({value: accuracy}, {value: state dict},
-    probes that stopped at the cap unconverged)``."""
-    train, y_train, held, y_held = split
-    yh = torch.from_numpy(np.asarray(y_held))
+def _path(td: TaskData, cfg: ProbeConfig, train: Features, y_train, values, start, progress: bool):
+    """Probes trained on ``train`` at each penalty of ``values``, in that order, each fit
+    warm-started from the previous optimum (``start``: a state dict to begin from, or None).
+    Returns ``({value: state dict}, probes that stopped at the cap unconverged)``."""
     yt = torch.as_tensor(np.asarray(y_train))[:, None]
-    acc, states, prev, stuck = {}, {}, start, 0
+    states, prev, stuck = {}, start, 0
     for v in values:
         p = site_probe(train, td.n_classes, cfg, l2=v)
         if prev is not None:
@@ -102,10 +102,20 @@ def _path(td: TaskData, cfg: ProbeConfig, split: HeldOut, values, start, progres
             p.l2.fill_(v)
         lg = train_probe(p, train, yt, progress=progress, desc=f"{td.task} L2 {v:g}", **train_kwargs(cfg))
         stuck += int((~lg.converged).sum())
+        states[v] = prev = {k: t.clone() for k, t in p.state_dict().items()}
+    return states, stuck
+
+
+def _heldout_accuracy(td: TaskData, cfg: ProbeConfig, held: Features, y_held, states: dict) -> dict:
+    """``{value: accuracy on held, mean over sites}`` of the probes ``states`` (state dicts by penalty)."""
+    yh = torch.from_numpy(np.asarray(y_held))
+    acc = {}
+    for v, st in states.items():
+        p = site_probe(held, td.n_classes, cfg, l2=v)
+        p.load_state_dict(st)
         pred, _ = predict(p, held)
         acc[v] = float(accuracy(pred[:, :, 0], yh).mean())
-        states[v] = prev = {k: t.clone() for k, t in p.state_dict().items()}
-    return acc, states, stuck
+    return acc
 
 
 def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
@@ -120,7 +130,8 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
         return f.with_sites(sites) if f.resident is not None and f.sites is None else f
 
     if "dev" in feats and feats["dev"] is not None and len(feats["dev"]):
-        return "dev", [lambda: HeldOut(narrow(train), td.y["train"], narrow(feats["dev"]), td.y["dev"])]
+        dev = feats["dev"]
+        return "dev", [lambda: HeldOut(narrow(train), td.y["train"], lambda: narrow(dev), td.y["dev"])]
     k, n = cfg.l2_folds, len(train)
     fold = np.random.default_rng([cfg.seed, 4242]).permutation(n) % k
     base = narrow(train)
@@ -128,8 +139,12 @@ def _splits(td: TaskData, cfg: ProbeConfig, resident_bytes: float):
     def split(i: int) -> HeldOut:
         tr, ho = np.flatnonzero(fold != i), np.flatnonzero(fold == i)
         ftr = narrow(base.subset(tr, max_bytes=resident_bytes, seed=cfg.seed))
-        fho = narrow(base.subset(ho, max_bytes=resident_bytes, seed=cfg.seed))
-        return HeldOut(ftr, td.y["train"][tr], fho, td.y["train"][ho])
+        return HeldOut(
+            ftr,
+            td.y["train"][tr],
+            lambda: narrow(base.subset(ho, max_bytes=resident_bytes, seed=cfg.seed)),
+            td.y["train"][ho],
+        )
 
     return f"{k} folds of train", [lambda i=i: split(i) for i in range(k)]
 
@@ -150,10 +165,11 @@ def choose_l2(td: TaskData, cfg: ProbeConfig, *, resident_bytes: float = 4e9, pr
     def run(values, start_at):
         nonlocal stuck
         for i, build in enumerate(splits):
-            split = build()
-            n_held[i] = len(split.y_held)
-            a, st, n = _path(td, cfg, split, values, states[i].get(start_at), progress)
-            del split
+            train, y_train, held, y_held = build()
+            n_held[i] = len(y_held)
+            st, n = _path(td, cfg, train, y_train, values, states[i].get(start_at), progress)
+            del train  # the fold's training copy goes before its held-out copy is made
+            a = _heldout_accuracy(td, cfg, held(), y_held, st)
             states[i].update(st)
             stuck += n
             for v, x in a.items():
@@ -273,8 +289,10 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitO
     the penalty, the per-site probes, cumulative scoring and MDL, then the task's features are
     released."""
     choice = choose_l2(td, cfg, resident_bytes=options.resident_bytes, progress=options.progress)
+    release_memory()  # each phase's freed working set back to the OS: the next allocates other sizes
     cfg = replace(cfg, l2=choice.l2)
     fit = fit_sites(td, cfg, choice.l2, progress=options.progress, start=choice.start)
+    release_memory()
     df = site_rows(td.task, frame, td, _site_scores(td, fit), fit.l2, probe=cfg.probe, pooling=options.pooling)
     df["converged"] = fit.log.converged
     df["epochs"] = fit.log.unit_epochs if fit.log.unit_epochs is not None else fit.log.epochs
@@ -298,6 +316,7 @@ def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitO
         f.resident = None
         f._gram = None
         f.store.release()
+    release_memory()
     return {"by_site": df, "summary": summ, "mixing": mix_df}
 
 

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.common.runtime import release_memory
 from depthscope.probes.config import ProbeConfig, override
 from depthscope.probes.metrics import macro_f1
 from depthscope.probes.solvers.classifiers import numeric_l2, site_probe
@@ -80,6 +81,8 @@ MIX_MAX_ITERS = 300
 MIX_RESTARTS = 4
 #: the largest gradient entry at which a scalar mix counts as converged
 MIX_GTOL = 1e-4
+#: examples per chunk of the stacking objective (bounds its float64 workspace: a few ``[S, chunk, C]``)
+STACK_CHUNK = 2048
 #: bytes of the fold copy of resident features the out-of-fold refits hold at a time (sites in runs)
 OOF_BYTES = 2.5e8
 #: L-BFGS iterations the probe of one mix may take (warm-started from the previous mix's probe)
@@ -327,29 +330,37 @@ def stack(
     return (sol.x[:, :S] * mask).float(), sol.x[:, S:].float(), log
 
 
-def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: float):
+def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: float, chunk: int = STACK_CHUNK):
     """The stacking objective of every prefix for :func:`newton`: ``fg(x, active) -> (f [S],
     grad [S, S + C])`` at ``x [S, S + C]`` (weights masked by ``mask``, then biases), computed for
-    the ``active`` prefixes only (zero elsewhere), analytically: one ``[A, S] x [S, N C]``
-    product each way, in float64 (cheap here, and no float32 floor on the tolerance)."""
+    the ``active`` prefixes only (zero elsewhere), analytically: one ``[A, S] x [S, B C]``
+    product each way per chunk of ``chunk`` examples, in float64 (cheap here, and no float32
+    floor on the tolerance). The chunks bound the workspace: all the prefixes' logits at once
+    would be several ``[S, N, C]`` float64 buffers (0.7 GB for deprel on the bundled sample)."""
     S, n, C = z_train.shape
     y = torch.as_tensor(np.asarray(y_train), dtype=torch.long)
-    zflat = z_train.reshape(S, n * C).double()
-    target = y.expand(S, n)[..., None]  # [S, N, 1]
-    minus_one = torch.full((S, n, 1), -1.0, dtype=torch.float64)
+    parts = [
+        (z_train[:, a : a + chunk].double().reshape(S, -1), y[a : a + chunk].expand(S, -1)[..., None])
+        for a in range(0, n, chunk)
+    ]
 
     def fg(x, active):
         rows = torch.nonzero(active)[:, 0]
         A = len(rows)
         w, b = x[rows, :S] * mask[rows], x[rows, S:]
-        logp = torch.log_softmax((w @ zflat).view(A, n, C) + b[:, None], -1)
+        ce = torch.zeros(A, dtype=torch.float64)
+        gw, gb = torch.zeros(A, S, dtype=torch.float64), torch.zeros(A, C, dtype=torch.float64)
+        for zc, target in parts:
+            logp = torch.log_softmax((w @ zc).view(A, -1, C) + b[:, None], -1)
+            ce -= logp.gather(2, target[:A]).squeeze(2).sum(1)
+            r = logp.exp_().scatter_add_(2, target[:A], torch.full_like(target[:A], -1, dtype=torch.float64))
+            gw += r.view(A, -1) @ zc.T  # d sum CE / d w: (softmax - onehot) times the predictions
+            gb += r.sum(1)
         f = torch.zeros(S, dtype=torch.float64)
-        f[rows] = -logp.gather(2, target[:A]).squeeze(2).mean(1) + l2 * (w * w).sum(1)
-        r = logp.exp_().scatter_add_(2, target[:A], minus_one[:A])
-        r /= n  # d mean CE / d logits: (softmax - onehot) / N
+        f[rows] = ce / n + l2 * (w * w).sum(1)
         g = torch.zeros(S, S + C, dtype=torch.float64)
-        g[rows, :S] = (r.view(A, n * C) @ zflat.T) * mask[rows] + 2.0 * l2 * w
-        g[rows, S:] = r.sum(1)
+        g[rows, :S] = gw / n * mask[rows] + 2.0 * l2 * w
+        g[rows, S:] = gb / n
         return f, g
 
     return fg
@@ -648,6 +659,7 @@ def fit_cumulative(
         correct.append(c)
         logs.append(lg)
         del z_train
+        release_memory()  # the draw's fold copies and stacking buffers
     (mix, mix_log), draws = scalar_mix(
         train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix"
     )

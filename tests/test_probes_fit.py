@@ -596,6 +596,34 @@ def test_stacking_hessian_is_the_exact_hessian():
     assert torch.allclose(_stack_hessian(z, x, l2, units=some), H[some], atol=1e-6)
 
 
+def test_stacking_objective_in_chunks_is_autograds():
+    """The stacking objective sums its examples in chunks (bounded memory): with chunks of 7 of
+    50 examples its values and gradients equal autograd's on the whole batch, for every
+    prefix, and for a subset of active prefixes the others stay zero."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthscope.probes.mixing import _stack_objective
+
+    g = torch.Generator().manual_seed(3)
+    S, n, C, l2 = 4, 50, 3, 1e-2
+    z = torch.log_softmax(torch.randn(S, n, C, generator=g), -1)
+    y = torch.randint(0, C, (n,), generator=g)
+    x = torch.randn(S, S + C, generator=g, dtype=torch.float64) * 0.5
+    mask = torch.tril(torch.ones(S, S, dtype=torch.float64))
+    f, grad = _stack_objective(z, y.numpy(), mask, l2, chunk=7)(x, torch.ones(S, dtype=torch.bool))
+    for s in range(S):
+        v = x[s].clone().requires_grad_(True)
+        w = v[:S] * mask[s]
+        ref = F.cross_entropy(torch.einsum("t,tnc->nc", w, z.double()) + v[S:], y) + l2 * (w * w).sum()
+        (gref,) = torch.autograd.grad(ref, v)
+        assert float(f[s]) == pytest.approx(ref.item(), rel=1e-12)
+        assert torch.allclose(grad[s], gref * torch.cat([mask[s], torch.ones(C, dtype=torch.float64)]), atol=1e-12)
+    active = torch.tensor([False, True, False, True])
+    f2, g2 = _stack_objective(z, y.numpy(), mask, l2, chunk=7)(x, active)
+    assert torch.allclose(f2[active], f[active], rtol=1e-14) and not f2[~active].any() and not g2[~active].any()
+
+
 def _all_units(objective, *a, units=None, **k):
     return objective(*a, **k)
 
@@ -640,15 +668,18 @@ def test_l2_choice_grows_the_grid_while_the_best_is_at_its_end(monkeypatch, peak
 
     calls = []
 
-    def fake_path(td, cfg, split, values, start, progress):
+    def fake_path(td, cfg, train, y_train, values, start, progress):
         calls.append((list(values), start))
-        acc = {v: 0.9 - 0.05 * abs(np.log10(v) - np.log10(peak)) for v in values}
-        return acc, {v: {"at": v} for v in values}, 1
+        return {v: {"at": v} for v in values}, 1
+
+    def fake_accuracy(td, cfg, held, y_held, states):
+        return {v: 0.9 - 0.05 * abs(np.log10(st["at"]) - np.log10(peak)) for v, st in states.items()}
 
     monkeypatch.setattr(fitting, "_path", fake_path)
+    monkeypatch.setattr(fitting, "_heldout_accuracy", fake_accuracy)
     held = range(10**9)  # so large a held-out set that the one-SE rule picks the best itself
     monkeypatch.setattr(
-        fitting, "_splits", lambda td, cfg, rb: ("dev", [lambda: fitting.HeldOut(None, None, None, held)])
+        fitting, "_splits", lambda td, cfg, rb: ("dev", [lambda: fitting.HeldOut(None, None, lambda: None, held)])
     )
     choice = fitting.choose_l2(None, ProbeConfig())
     assert choice.l2 == chosen and choice.on == "dev" and choice.not_converged == len(calls)
@@ -674,6 +705,34 @@ def test_l2_choice_takes_the_strongest_penalty_within_one_standard_error():
     assert pick_l2(acc) == 1 and pick_l2([0.8, 0.8, 0.7]) == 1  # no n: the best, ties to the stronger
 
 
+def test_streamed_predictions_come_in_bounded_batches(monkeypatch):
+    """Predicting on features read from the store takes batches of at most EVAL_BYTES (a batch
+    of edge features at every site would be hundreds of MB), and gives the resident features'
+    predictions and log-probabilities."""
+    import torch
+
+    from depthscope.probes.config import ProbeConfig
+    from depthscope.probes.solvers import training
+    from depthscope.probes.solvers.classifiers import site_probe
+
+    x, y = synthetic(300, S=3, D=8)
+    xt, _ = synthetic(90, S=3, D=8, seed=1)
+    tr = features(x)
+    p = site_probe(tr, 4, ProbeConfig(), l2=1e-2)
+    training.train_probe(p, tr, torch.from_numpy(y)[:, None])
+    resident, streamed = features(xt, tr), features(xt, tr, resident=False)
+    monkeypatch.setattr(training, "EVAL_BYTES", 7 * 3 * 8 * 4)  # 7 rows of 3 sites x 8 floats
+    assert training.eval_rows(streamed, 1024) == 7 and training.eval_rows(resident, 1024) == 1024
+    sizes = []
+    batches = streamed.batches
+    monkeypatch.setattr(streamed, "batches", lambda b, rng=None: sizes.append(b) or batches(b, rng))
+    lp, lp_res = training.log_probs(p, streamed), training.log_probs(p, resident)
+    pred, pred_res = training.predict(p, streamed)[0], training.predict(p, resident)[0]
+    assert sizes == [7, 7]
+    assert torch.allclose(lp, lp_res, atol=1e-5) and torch.equal(pred, pred_res)
+    assert not lp.requires_grad and not lp_res.requires_grad  # predictions carry no autograd graph
+
+
 def test_penalty_search_counts_probes_left_at_the_cap():
     """The penalty search's fits report their probes that stopped at the epoch cap (the summary's
     l2_search_not_converged): all of them at a 2-pass cap, none at the default cap."""
@@ -688,8 +747,11 @@ def test_penalty_search_counts_probes_left_at_the_cap():
     ho = features(xt, tr)
     td = SimpleNamespace(task="toy", n_classes=4)
     for cap, stuck in ((2, 3 * 2), (ProbeConfig().max_epochs, 0)):
-        acc, states, n = fitting._path(td, ProbeConfig(max_epochs=cap), (tr, y, ho, yt), [0.1, 0.01], None, False)
+        cfg = ProbeConfig(max_epochs=cap)
+        states, n = fitting._path(td, cfg, tr, y, [0.1, 0.01], None, False)
+        acc = fitting._heldout_accuracy(td, cfg, ho, yt, states)
         assert n == stuck and set(acc) == set(states) == {0.1, 0.01}
+        assert all(0.25 < a <= 1 for a in acc.values())  # above chance (4 classes) on held-out data
 
 
 def test_subspace_newton_system_is_the_exact_hessian():

@@ -6,6 +6,7 @@
 ``pick_solver(probe, feats)``     the solver a probe is fitted with (``SOLVERS``, ``AUTO``)
 ``predict(probe, feats, y)``      predicted classes ``[U, N, G]`` (and code lengths given ``y``)
 ``log_probs(probe, feats)``       log-probabilities of every class ``[U, N, G, C]``
+``eval_rows(feats, batch_size)``  rows per prediction batch (bounded bytes for streamed features)
 ``objective(probe, feats, y)``    the regularised objective per unit ``[U]`` (mean cross-entropy
                                   summed over heads + the L2 term), full batch
 ``auto_batch(n, epochs)``         the minibatch size of the Adam solver when none is given
@@ -64,6 +65,8 @@ log = logging.getLogger("depthscope.probes")
 SOLVERS: dict[str, type[Solver]] = {s.name: s for s in (SubspaceSolver, LbfgsSolver, AdamSolver)}
 #: ``solver="auto"``: the first of these whose ``fits`` accepts the probe and its features
 AUTO = ("subspace", "lbfgs", "adam")
+#: bytes of one float32 copy of a streamed prediction batch (:func:`eval_rows`)
+EVAL_BYTES = 64 * 2**20
 
 
 def train_kwargs(cfg: ProbeConfig) -> dict:
@@ -132,11 +135,23 @@ def fit_probe(
     return out
 
 
+def eval_rows(feats: Features, batch_size: int) -> int:
+    """Rows per batch when predicting: ``batch_size``, or for features read from the store (not
+    resident) as many as fit :data:`EVAL_BYTES` (a streamed batch is gathered, standardised and
+    pooled, about three float32 copies of ``rows x spans x sites x d``; for an edge task at 61
+    sites, 1024 rows would be 0.9 GB). Predictions do not depend on the batch size."""
+    if feats.resident is not None:
+        return batch_size
+    row = 4 * feats.n_spans * feats.max_len * feats.n_sites * feats.d
+    return max(1, min(batch_size, int(EVAL_BYTES // max(row, 1))))
+
+
 @torch.no_grad()
 def log_probs(probe: BatchedProbe, feats: Features, *, batch_size: int = 1024) -> torch.Tensor:
     """Log-probabilities ``[U, N, G, C]`` of every class, examples in ``feats``' order (on the
     CPU; computed where the features are)."""
     probe.eval()
+    batch_size = eval_rows(feats, batch_size)
     out = torch.empty(probe.U, len(feats), probe.G, probe.C)
     with on_features_device(probe, feats), threads_for(step_work(probe, feats, batch_size)):
         for idx, (x, m) in feats.batches(batch_size):
@@ -149,6 +164,7 @@ def predict(probe: BatchedProbe, feats: Features, y: torch.Tensor | None = None,
     """Predicted classes ``[U, N, G]`` and, with labels ``y [N, G]`` (indices < C), the
     code length ``-log2 p(y)`` of each example ``[U, N, G]`` (else None)."""
     probe.eval()
+    batch_size = eval_rows(feats, batch_size)
     n = len(feats)
     preds = torch.empty(probe.U, n, probe.G, dtype=torch.long)
     bits = torch.empty(probe.U, n, probe.G) if y is not None else None
