@@ -634,9 +634,8 @@ def fit_cumulative(
     penalty and training of the per-site probes (linear); ``test_log_probs [S, N_test, C]``:
     the full-train per-site probes' log-probabilities on test when already computed (else
     fitted here), with ``init`` their state dict (one head) to warm-start the fold probes;
-    ``overrides`` any config field by name. The stacking runs on ``cfg.stack_draws`` fold draws
-    (each draw's Newton solve starting from the previous draw's weights); accuracies, F1 and
-    weights are means over the draws, ``correct`` and ``soft`` keep each draw's."""
+    ``overrides`` any config field by name. Stacked on ``cfg.stack_draws`` fold draws (each
+    Newton solve from the previous draw's weights): accuracies, F1, weights their means."""
     (cfg,) = override([config or ProbeConfig()], overrides)
     yt = torch.as_tensor(np.asarray(y_test))
     if test_log_probs is None:
@@ -658,8 +657,7 @@ def fit_cumulative(
         ws.append(w.detach().double().numpy())
         correct.append(c)
         logs.append(lg)
-        del z_train
-        release_memory()  # the draw's fold copies and stacking buffers
+        z_train = release_memory()  # the draw's predictions, fold copies and stacking buffers go
     (mix, mix_log), draws = scalar_mix(
         train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix"
     )
