@@ -37,13 +37,9 @@ def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29)
         return True
     if os.environ.get("DEPTHSCOPE_NO_MALLOPT"):
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
     _done = ok
     return ok
@@ -53,11 +49,19 @@ def release_memory() -> bool:
     """Return the heap's free memory to the OS (glibc ``malloc_trim(0)``; a no-op returning False
     elsewhere). Costs a walk of the heap's free lists, milliseconds: call it between stages, not
     in loops."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    trim = _libc("malloc_trim", [ctypes.c_size_t])
+    if trim is None:
         return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
     trim(0)
     return True
+
+
+def _libc(name: str, argtypes: list):
+    """The C library's function ``name`` (returning int) with ``argtypes``, or None where the
+    process's C library has none (not glibc)."""
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn

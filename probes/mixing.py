@@ -343,6 +343,7 @@ def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: flo
         (z_train[:, a : a + chunk].double().reshape(S, -1), y[a : a + chunk].expand(S, -1)[..., None])
         for a in range(0, n, chunk)
     ]
+    minus_one = torch.full((S, min(chunk, n), 1), -1.0, dtype=torch.float64)
 
     def fg(x, active):
         rows = torch.nonzero(active)[:, 0]
@@ -353,7 +354,7 @@ def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: flo
         for zc, target in parts:
             logp = torch.log_softmax((w @ zc).view(A, -1, C) + b[:, None], -1)
             ce -= logp.gather(2, target[:A]).squeeze(2).sum(1)
-            r = logp.exp_().scatter_add_(2, target[:A], torch.full_like(target[:A], -1, dtype=torch.float64))
+            r = logp.exp_().scatter_add_(2, target[:A], minus_one[:A, : target.shape[1]])
             gw += r.view(A, -1) @ zc.T  # d sum CE / d w: (softmax - onehot) times the predictions
             gb += r.sum(1)
         f = torch.zeros(S, dtype=torch.float64)
@@ -657,7 +658,8 @@ def fit_cumulative(
         ws.append(w.detach().double().numpy())
         correct.append(c)
         logs.append(lg)
-        z_train = release_memory()  # the draw's predictions, fold copies and stacking buffers go
+        del z_train
+        release_memory()  # the draw's predictions, fold copies and stacking buffers
     (mix, mix_log), draws = scalar_mix(
         train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix"
     )
