@@ -30,7 +30,7 @@ position of a window has no next-token target). Each forward captures all sites 
 positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
 ``[chunk * sites, d] @ [d, vocab]`` matmul into reused buffers, and reduced at once to per-site
 sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logits of one forward)
-and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default), never by
+and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default, 4 GB on a GPU), never by
 the corpus length.
 
 Precision: a bfloat16 (or float16) model is run and decoded in its own dtype (streams, final
@@ -80,6 +80,10 @@ LOGIT_LENS = LogitLens()
 #: 49k vocabulary. Larger chunks keep the unembedding matmul nearer its peak speed; the bound keeps
 #: the buffers' memory fixed whatever the vocabulary.
 DEFAULT_BUFFER_MB = 400
+#: the same budget when the model is on a GPU, at most a quarter of the card's free memory: a
+#: chunk there is ~25 small kernels whatever its size, so ~10x larger chunks cut the launches
+#: the host issues (the lens was bound by them on an H200: docs/benchmarks.md)
+GPU_BUFFER_MB = 4096
 
 METRICS = [
     "kl_to_final",
@@ -291,9 +295,15 @@ class _Decoder:
         return out
 
 
-def _token_chunk(token_chunk: int | None, n_sites: int, vocab: int) -> int:
+def _token_chunk(token_chunk: int | None, n_sites: int, vocab: int, device: torch.device | None = None) -> int:
+    """Positions decoded at once: ``token_chunk``, or as many as the buffers' budget holds
+    (:data:`DEFAULT_BUFFER_MB`; :data:`GPU_BUFFER_MB` on a GPU, within a quarter of its free
+    memory)."""
     if token_chunk is None:
-        rows = DEFAULT_BUFFER_MB * 2**20 // (2 * 4 * vocab)
+        budget = DEFAULT_BUFFER_MB * 2**20
+        if device is not None and device.type == "cuda":
+            budget = min(GPU_BUFFER_MB * 2**20, torch.cuda.mem_get_info(device)[0] // 4)
+        rows = budget // (2 * 4 * vocab)
         return max(1, rows // n_sites)
     if token_chunk < 1:
         raise InputError("token_chunk must be at least 1")
@@ -319,7 +329,7 @@ class Streaming:
     """How :func:`logit_lens` and :func:`logit_lens_tokens` stream their inputs: ``batch_size``
     windows of at most ``window`` tokens per forward (None: min(context, 512); longer documents
     are split), at most ``max_batch_tokens`` padded tokens per forward, ``token_chunk`` positions
-    (x all sites) decoded at once (None: a 400 MB buffer budget), ``first_position=False`` skips
+    (x all sites) decoded at once (None: a 400 MB buffer budget, 4 GB on a GPU), ``first_position=False`` skips
     position 0 of every window (the attention sink), ``max_tokens`` stops after that many
     positions (in input order). Either function takes ``streaming=Streaming(...)`` or any of
     these fields by keyword."""
@@ -443,7 +453,7 @@ def _iter_chunks(model, inputs, settings: _LensSettings, *, target_fn=None, timi
     (the decode buffers are sized once for a chunk). ``target_fn(targets, final_top)`` picks the
     token measured at each position (default: the next token)."""
     n_sites = len(settings.sites)
-    chunk = _token_chunk(settings.token_chunk, n_sites, model.vocab_size)
+    chunk = _token_chunk(settings.token_chunk, n_sites, model.vocab_size, model.device)
     dec = _Decoder(model, chunk * n_sites)
     clock = _Clock()
     with torch.inference_mode():

@@ -185,6 +185,19 @@ def capture_rows(shape: str, dtype: torch.dtype, args, device: torch.device) -> 
             )
         )
         del rs
+        if dtype != torch.float32 and not args.quick:  # host-bound at 8 x 512: does a 4x batch amortise it?
+            big = random_ids(model, 4 * batch, tokens, device)
+            t = interleaved(_capture_arms(model, big), device, args.rounds)
+            rows.append(
+                Row(
+                    f"{name}: capture / bare forward, {4 * batch}x{tokens} tokens",
+                    f"{med(t['capture']) * 1e3:.1f} ms",
+                    f"{med(t['bare']) * 1e3:.1f} ms",
+                    paired(t["capture"], t["bare"]),
+                    "<= 1.05",
+                    "a 4x batch: the hooks' host time over more work on the card",
+                )
+            )
     del model
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
@@ -204,7 +217,7 @@ def sample_text_ids(model, n_tokens: int) -> torch.Tensor:
 
 def lens_rows(model, args, device: torch.device) -> list[Row]:
     """``logit_lens`` over the sample's tokens vs capture plus a bare unembedding of every row."""
-    from depthscope.analyses.lens import logit_lens
+    from depthscope.analyses.lens import _token_chunk, logit_lens
 
     n, window, batch = (64, 32, 2) if args.quick else (4096, 512, 8)
     ids = sample_text_ids(model, n)[None].to(device)
@@ -215,6 +228,11 @@ def lens_rows(model, args, device: torch.device) -> list[Row]:
     def lens():
         return logit_lens(model, ids, window=window, batch_size=batch)
 
+    cpu_chunk = _token_chunk(None, model.n_sites, W.shape[0], torch.device("cpu"))
+
+    def lens_cpu_chunk():  # the CPU's decode chunk on the card (the default before GPU_BUFFER_MB)
+        return logit_lens(model, ids, window=window, batch_size=batch, token_chunk=cpu_chunk)
+
     def floor():
         rs = model.residual_stream(ids.reshape(-1, window), check_finite=False)
         x = rs.resid.reshape(-1, rs.resid.shape[-1])
@@ -223,8 +241,17 @@ def lens_rows(model, args, device: torch.device) -> list[Row]:
                 h = model.unembed.norm(x[c : c + chunk])
                 torch.mm(h, W.t(), out=out[: len(h)])
 
-    t = interleaved({"lens": lens, "floor": floor}, device, args.rounds)
+    t = interleaved({"lens": lens, "floor": floor, "cpu_chunk": lens_cpu_chunk}, device, args.rounds)
+    gpu_chunk = _token_chunk(None, model.n_sites, W.shape[0], device)
     return [
+        Row(
+            f"135m fp32: logit lens, GPU decode chunk / CPU decode chunk, {n} tokens",
+            f"{med(t['lens']) * 1e3:.0f} ms",
+            f"{med(t['cpu_chunk']) * 1e3:.0f} ms",
+            paired(t["lens"], t["cpu_chunk"]),
+            "",
+            f"{gpu_chunk} against {cpu_chunk} positions x {model.n_sites} sites per decode",
+        ),
         Row(
             f"135m fp32: logit lens / floor (capture + bare unembedding), {n} tokens",
             f"{med(t['lens']) * 1e3:.0f} ms",
@@ -232,7 +259,7 @@ def lens_rows(model, args, device: torch.device) -> list[Row]:
             paired(t["lens"], t["floor"]),
             "<= 1.5",
             f"{model.n_sites} sites x {n} tokens, vocab {W.shape[0]}; windows of {window}, {batch} per forward",
-        )
+        ),
     ]
 
 

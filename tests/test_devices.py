@@ -189,6 +189,22 @@ def test_cuda_analyses_tables_on_cpu(folder):
 
 
 @CUDA
+def test_cuda_lens_decodes_larger_chunks_with_the_same_numbers(folder):
+    """On a GPU the lens's default chunk is larger than the CPU's (fewer launches), within a
+    quarter of the card's free memory, and gives what one position per chunk gives."""
+    from depthscope.analyses.lens import _token_chunk, logit_lens
+
+    gpu = load_model(folder, device="cuda")
+    cuda = torch.device("cuda")
+    on_gpu, on_cpu = _token_chunk(None, 61, 49152, cuda), _token_chunk(None, 61, 49152, torch.device("cpu"))
+    assert on_gpu > 4 * on_cpu
+    assert on_gpu * 61 * 49152 * 8 <= torch.cuda.mem_get_info(cuda)[0] // 4
+    big, one = logit_lens(gpu, TEXTS), logit_lens(gpu, TEXTS, token_chunk=1)
+    for col in ("kl_to_final", "entropy", "cross_entropy", "top1_agreement"):
+        np.testing.assert_allclose(big[col], one[col], rtol=1e-5, atol=1e-6)
+
+
+@CUDA
 def test_cuda_patching_matches_the_cpu(folder):
     """Activation, attribution and path patching with the model on the GPU (each reads its
     per-patch flags and estimates back in one transfer) give the CPU's tables."""
