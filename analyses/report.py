@@ -86,6 +86,7 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     out.mkdir(parents=True, exist_ok=True)
     say, clock = _Say(progress), _Clock()
     say(f"loading model {cfg.model or 'default (SmolLM2-135M-Instruct)'}")
+    ours = model is None  # a model loaded here is freed once the probes' activations are extracted
     with clock("load"):
         model = model or load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     inputs = _inputs(cfg)
@@ -98,6 +99,8 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
         _norms(model, cfg, inputs.texts, output, say)
     with clock("probes"):
         say(f"probes: {', '.join(inputs.tasks)}")
+        if ours and not cfg.causal:  # nothing after the extraction needs it: hand over the only reference
+            model = _once(model)
         probe_result = run_probe_job(model, inputs.probe_job, output, progress=progress)
     meta["probe_precision"] = probe_result.summary["precision"]
     if cfg.causal:
@@ -114,6 +117,14 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     path = render_report(out)
     say(f"done in {meta['seconds']['total']:.0f} s: {path}")
     return path
+
+
+def _once(model):
+    """A loader (:func:`~depthscope.probes.store.extraction.resolve_model`) that returns ``model``
+    once and keeps no reference to it: the probes then hold the job's only reference, which they
+    drop after extracting the activations, so the model's memory is free while they train."""
+    held = [model]
+    return lambda: held.pop()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ use to the next, whose allocations have other sizes, and would otherwise add to 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 
 M_TRIM_THRESHOLD = -1
@@ -46,9 +47,11 @@ def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29)
 
 
 def release_memory() -> bool:
-    """Return the heap's free memory to the OS (glibc ``malloc_trim(0)``; a no-op returning False
-    elsewhere). Costs a walk of the heap's free lists, milliseconds: call it between stages, not
-    in loops."""
+    """Collect unreachable reference cycles (a dropped model's modules and their hooks form
+    some), then return the heap's free memory to the OS (glibc ``malloc_trim(0)``; that part is a
+    no-op returning False elsewhere). Costs a garbage collection and a walk of the heap's free
+    lists, tens of milliseconds: call it between stages, not in loops."""
+    gc.collect()
     trim = _libc("malloc_trim", [ctypes.c_size_t])
     if trim is None:
         return False

@@ -50,6 +50,7 @@ import pandas as pd
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.common.runtime import release_memory
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override, probe_device
 from depthscope.probes.corpora.tasks import is_tree_task, pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
@@ -149,6 +150,7 @@ def run_probes(
     run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress, probe_device(cfg.device))
     kinds = {t: task_probes(t, cfg.probe) for t in tasks}  # probe="both": each task with each kind
     got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
+    release_memory()  # a model loaded from a spec or a loader is no longer held: its memory goes back
     by_site, summary, mixing = [], [], []
     fit_seconds = {}
     order = sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t)))

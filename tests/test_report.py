@@ -259,3 +259,37 @@ def test_a_figure_is_drawn_once_for_its_png_and_svg(tmp_path):
     assert len(calls) == 1 and png.is_file() and ET.parse(png.with_suffix(".svg")).getroot().tag.endswith("svg")
     out.figure(plain, name="two")
     assert len(calls) == 3 and (tmp_path / "two.svg").is_file()
+
+
+def test_a_model_the_job_loaded_is_freed_before_the_probes_train(tiny_llama_dir, tmp_path, monkeypatch):
+    """The job's only reference goes to the probes as a one-shot loader: once its activations are
+    extracted nothing holds the model, so its memory is free while the probes train."""
+    import weakref
+
+    import depthscope.analyses.report as report
+    import depthscope.probes.run as probe_run
+
+    refs, alive_at_fit = [], []
+    load, fit = report.load_model, probe_run.fit_task
+
+    def loading(*a, **kw):
+        m = load(*a, **kw)
+        refs.append(weakref.ref(m))
+        return m
+
+    def fitting(*a, **kw):
+        alive_at_fit.append(refs[0]() is not None)
+        return fit(*a, **kw)
+
+    monkeypatch.setattr(report, "load_model", loading)
+    monkeypatch.setattr(probe_run, "fit_task", fitting)
+    cfg = ReportConfig(
+        model=str(tiny_llama_dir),
+        tasks=["upos"],
+        lens_tokens=100,
+        norms_tokens=100,
+        data=DataConfig(max_train_sentences=20, max_test_sentences=10),
+        probe=ProbeConfig(max_epochs=3, l2=1e-3, cumulative=False),
+    )
+    run_report(tmp_path / "out", cfg, progress=False)
+    assert len(refs) == 1 and alive_at_fit == [False]

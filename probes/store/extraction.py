@@ -1,10 +1,11 @@
 """Corpora and task examples in, one activation extraction per split and context out.
 
 ===================================  ============================================================
-``load_and_extract(model, tasks,     the model, corpora (capped, test/train overlap handled),
-splits, extraction, data, seed=,     each task's examples per split, and ONE extraction per
-progress=)``                         split x context for the union of the tasks' spans:
-                                     an :class:`Extracted` (``splits``: :class:`Splits`)
+``load_and_extract(model, tasks,     the model's name and size (not the model), corpora (capped,
+splits, extraction, data, seed=,     test/train overlap handled), each task's examples per split,
+progress=)``                         and ONE extraction per split x context for the union of the
+                                     tasks' spans: an :class:`Extracted` (``splits``:
+                                     :class:`Splits`)
 ``span_ids(examples, extraction)``   each example's span rows in the store, and which are usable
 ===================================  ============================================================
 
@@ -54,13 +55,24 @@ class Extraction:
     lookup: dict
 
 
+class ModelInfo(NamedTuple):
+    """What the fitting reads of the model once its activations are extracted: its name, its
+    layers, its context (None: unbounded)."""
+
+    name: str
+    n_layers: int
+    max_context: int | None
+
+
 @dataclass
 class Extracted:
-    """What :func:`load_and_extract` hands to the fitting: the model and its sites
-    (``frame``: the tidy site columns), corpora by split, test sentences that overlapped train,
-    examples ``[task][split]``, each task's context, extractions ``[(split, context)]``."""
+    """What :func:`load_and_extract` hands to the fitting: the model's :class:`ModelInfo` and its
+    sites (``frame``: the tidy site columns), corpora by split, test sentences that overlapped
+    train, examples ``[task][split]``, each task's context, extractions ``[(split, context)]``.
+    It holds no reference to the model, so a model loaded from a spec or a loader is freed before
+    the probes train (half a gigabyte for the default model)."""
 
-    model: object
+    model: ModelInfo
     sites: list
     frame: pd.DataFrame
     corpora: dict
@@ -275,6 +287,7 @@ def load_and_extract(
             group = [examples[t][split] for t in tasks if context_of[t] == ctx]
             desc = f"{split} activations ({ctx})"
             extractions[(split, ctx)] = _extract_split(m, corpus, group, ctx, run, desc)
+    info = ModelInfo(m.name, m.n_layers, m.max_context)
     return Extracted(
-        m, run.sites, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
+        info, run.sites, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
     )
