@@ -46,12 +46,14 @@ def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29)
     return ok
 
 
-def release_memory() -> bool:
-    """Collect unreachable reference cycles (a dropped model's modules and their hooks form
-    some), then return the heap's free memory to the OS (glibc ``malloc_trim(0)``; that part is a
-    no-op returning False elsewhere). Costs a garbage collection and a walk of the heap's free
-    lists, tens of milliseconds: call it between stages, not in loops."""
-    gc.collect()
+def release_memory(collect: bool = False) -> bool:
+    """Return the heap's free memory to the OS (glibc ``malloc_trim(0)``; a no-op returning False
+    elsewhere). Costs a walk of the heap's free lists, milliseconds: call it between stages, not
+    in loops. ``collect``: first collect unreachable reference cycles (``gc.collect``, a few
+    hundred milliseconds with torch and transformers loaded), where a large object in a cycle
+    was just dropped: a model's modules and their hooks form some."""
+    if collect:
+        gc.collect()
     trim = _libc("malloc_trim", [ctypes.c_size_t])
     if trim is None:
         return False

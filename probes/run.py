@@ -150,7 +150,7 @@ def run_probes(
     run = _Run(cfg, ext, dat, resolve_precision(cfg.precision), progress, probe_device(cfg.device))
     kinds = {t: task_probes(t, cfg.probe) for t in tasks}  # probe="both": each task with each kind
     got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
-    release_memory()  # a model loaded from a spec or a loader is no longer held: its memory goes back
+    release_memory(collect=True)  # a model loaded from a spec or a loader is no longer held: its memory goes back
     by_site, summary, mixing = [], [], []
     fit_seconds = {}
     order = sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t)))
