@@ -56,7 +56,7 @@ from depthscope.analyses.report_findings import (
 )
 from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.common.files import atomic_text
-from depthscope.common.runtime import release_memory
+from depthscope.common.runtime import peak_memory, release_memory, reset_peak_memory
 from depthscope.hooks import load_model
 from depthscope.probes import sample_data
 
@@ -111,6 +111,7 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
             report_causal(model, inputs.probe_job, cfg.causal_tokens, output, progress=progress)
     meta["seconds"] = clock.seconds()
     meta["cpu_seconds"] = clock.cpu_seconds()
+    meta["peak_memory_gib"] = clock.peak_gib()
     meta["protocol"] = _protocol(cfg)
     atomic_text(out / "run.json", json.dumps(meta, indent=1))
     say("writing report")
@@ -219,22 +220,34 @@ class _Say:
 
 
 class _Clock:
-    """Wall-clock and CPU seconds (this process's, all threads) of each named step of the run,
-    and the totals since construction; each step's freed memory goes back to the OS at its end
-    (:func:`~depthscope.common.runtime.release_memory`), so it does not add to the next step's peak."""
+    """Wall-clock and CPU seconds (this process's, all threads) and the peak resident memory of
+    each named step of the run, and the totals since construction; each step's freed memory goes
+    back to the OS at its end (:func:`~depthscope.common.runtime.release_memory`), so it does not
+    add to the next step's peak."""
 
     def __init__(self):
         self.start, self.cpu_start = time.time(), time.process_time()
         self.steps: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t, c = time.time(), time.process_time()
+        reset_peak_memory()
         yield
+        self.peak[name] = peak_memory()
         release_memory()
         self.steps[name] = time.time() - t
         self.cpu[name] = time.process_time() - c
+
+    def peak_gib(self) -> dict[str, float]:
+        """Each step's peak resident memory in GiB, to a hundredth (``run.json``'s
+        ``peak_memory_gib``; where the peak cannot be reset, a step's figure is the process's
+        peak so far), and the largest."""
+        out = {k: round(v / 2**30, 2) for k, v in self.peak.items()}
+        out["total"] = max(out.values(), default=0.0)
+        return out
 
     def seconds(self) -> dict[str, float]:
         """Each step's seconds and the total, rounded to a tenth (as ``run.json`` records them)."""

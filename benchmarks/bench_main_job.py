@@ -6,8 +6,8 @@ figure        what is measured
 first run     ``depthscope run --out OUT`` on the embedded default model and the bundled EWT
               sample, into a fresh activation store: wall seconds, CPU seconds (user + sys of
               the process), peak resident memory (the kernel's ``ru_maxrss`` of that process)
-stages        each stage's wall and CPU seconds from the run's ``run.json`` (``seconds``,
-              ``cpu_seconds``)
+stages        each stage's wall and CPU seconds and peak resident memory from the run's
+              ``run.json`` (``seconds``, ``cpu_seconds``, ``peak_memory_gib``)
 second run    the same command again (the activation store is reused: no extraction forward)
 agreement     each task's soft ``E_Delta`` (``probes_summary``) against a reference run with the
               full settings (``--reference DIR``, a run folder or a ``probes_summary.csv``):
@@ -82,6 +82,7 @@ def run_once(out: Path, cache: Path, threads: int, extra: tuple = ()) -> dict:
         "peak_rss_bytes": usage.ru_maxrss * 1024,
         "seconds": meta.get("seconds", {}),
         "cpu_seconds": meta.get("cpu_seconds", {}),
+        "peak_memory_gib": meta.get("peak_memory_gib", {}),
         "e_delta": e_delta(out),
     }
 
@@ -111,7 +112,8 @@ def lines(runs: list, agree: dict | None) -> list[str]:
         )
     for i, r in enumerate(runs):
         stages = ", ".join(
-            f"{k} {v:.1f} s wall / {r['cpu_seconds'].get(k, float('nan')):.1f} CPU-s"
+            f"{k} {v:.1f} s wall / {r['cpu_seconds'].get(k, float('nan')):.1f} CPU-s / "
+            f"{r['peak_memory_gib'].get(k, float('nan')):.2f} GiB peak"
             for k, v in r["seconds"].items()
             if k != "total"
         )

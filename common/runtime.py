@@ -15,6 +15,10 @@ memory of every stage at once.
 Jobs call it where one stage's working set ends and another's begins (after the lens, the
 norms, each probe task and each phase of its fit): the blocks a stage kept for reuse are of no
 use to the next, whose allocations have other sizes, and would otherwise add to its peak.
+
+:func:`peak_memory` is the process's peak resident memory since :func:`reset_peak_memory`
+(Linux: ``VmHWM``, reset through ``/proc/self/clear_refs``), so a job can record each stage's
+own peak; elsewhere it is the peak since the process started (``ru_maxrss``).
 """
 
 from __future__ import annotations
@@ -70,3 +74,33 @@ def _libc(name: str, argtypes: list):
         return None
     fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
+
+
+def reset_peak_memory() -> bool:
+    """Start a new peak-memory window for :func:`peak_memory` (Linux 4.0 and later: write ``5``
+    to ``/proc/self/clear_refs``); False where that is not possible (the window then runs from
+    the process's start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory() -> int:
+    """Peak resident memory in bytes since :func:`reset_peak_memory` (``VmHWM``), or since the
+    process started where there is no ``/proc`` (``ru_maxrss``: kilobytes on Linux, bytes on
+    macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -428,6 +428,23 @@ def test_release_memory_returns_what_the_tuned_heap_keeps():
     assert released < kept - 300 * 2**20  # and release_memory returned them
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets the peak through /proc (Linux)")
+def test_peak_memory_window_starts_at_each_reset():
+    """peak_memory counts from the last reset_peak_memory: 300 MB touched and freed shows in the
+    window it was in and not in the next one."""
+    from depthscope.common.runtime import peak_memory, reset_peak_memory
+
+    assert reset_peak_memory()
+    base = peak_memory()
+    block = torch.ones(300 * 2**20 // 4)  # touched: resident
+    in_window = peak_memory()
+    del block
+    assert reset_peak_memory()
+    after = peak_memory()
+    assert in_window > base + 250 * 2**20
+    assert after < in_window - 250 * 2**20
+
+
 def test_tune_allocator_is_idempotent_and_can_be_refused(monkeypatch):
     import depthscope.common.runtime as rt
 

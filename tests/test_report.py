@@ -51,6 +51,9 @@ def test_report_files_and_tables(report_dir):
     assert set(summ["task"]) == {"upos", "deprel", "feats:Number"}
     meta = json.loads((report_dir / "run.json").read_text())
     assert meta["n_layers"] == 2 and meta["seconds"]["total"] > 0
+    peak = meta["peak_memory_gib"]  # each stage's own peak, and the largest
+    assert set(peak) == set(meta["seconds"]) and min(peak.values()) > 0
+    assert peak["total"] == max(v for k, v in peak.items() if k != "total")
 
 
 def test_report_text_is_computed_from_the_tables(report_dir, tmp_path):
