@@ -221,9 +221,16 @@ def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = 
     cfg = config or CausalConfig()
     tasks, train, test, texts = _inputs(cfg)
     got = load_and_extract(
-        model, tasks, Splits(train, test), cfg.extraction, cfg.data, seed=cfg.probe.seed, progress=progress
+        model,
+        tasks,
+        Splits(train, test),
+        cfg.extraction,
+        cfg.data,
+        seed=cfg.probe.seed,
+        progress=progress,
+        keep_model=True,
     )
-    m = got.model
+    m = got.loaded  # the loss under erasure runs the model again
     if texts is None:
         texts = [s.text for s in got.corpora["test"].sentences]
     window = min(int(cfg.extraction.max_tokens), int(m.max_context or cfg.extraction.max_tokens))

@@ -68,9 +68,10 @@ class ModelInfo(NamedTuple):
 class Extracted:
     """What :func:`load_and_extract` hands to the fitting: the model's :class:`ModelInfo` and its
     sites (``frame``: the tidy site columns), corpora by split, test sentences that overlapped
-    train, examples ``[task][split]``, each task's context, extractions ``[(split, context)]``.
-    It holds no reference to the model, so a model loaded from a spec or a loader is freed before
-    the probes train (half a gigabyte for the default model)."""
+    train, examples ``[task][split]``, each task's context, extractions ``[(split, context)]``,
+    and ``loaded``: the model itself only when the caller asked to keep it (``keep_model``), so
+    that otherwise a model loaded from a spec or a loader is freed before the probes train (half
+    a gigabyte for the default model)."""
 
     model: ModelInfo
     sites: list
@@ -81,6 +82,7 @@ class Extracted:
     context_of: dict
     extractions: dict
     seconds: float
+    loaded: object = None
 
     def for_task(self, task: str) -> dict:
         """The extraction of each split in ``task``'s context."""
@@ -268,9 +270,11 @@ def load_and_extract(
     *,
     seed: int = 0,
     progress: bool = True,
+    keep_model: bool = False,
 ) -> Extracted:
     """Model, corpora, task examples and one extraction per split x context. The data are read
-    and checked (files, tasks, labels) before the model loads: bad data fail fast."""
+    and checked (files, tasks, labels) before the model loads: bad data fail fast.
+    ``keep_model``: the result holds the model (``loaded``), for callers that run it again."""
     corpora = _corpora(splits, data, seed)
     # here, not in a helper: the overlap warning points at the caller of run_probes (stacklevel)
     corpora["test"], n_overlap = drop_overlap(corpora["train"], corpora["test"], data.overlap)
@@ -288,6 +292,6 @@ def load_and_extract(
             desc = f"{split} activations ({ctx})"
             extractions[(split, ctx)] = _extract_split(m, corpus, group, ctx, run, desc)
     info = ModelInfo(m.name, m.n_layers, m.max_context)
-    return Extracted(
-        info, run.sites, frame, corpora, n_overlap, examples, context_of, extractions, time.perf_counter() - t_ex
-    )
+    seconds = time.perf_counter() - t_ex
+    loaded = m if keep_model else None
+    return Extracted(info, run.sites, frame, corpora, n_overlap, examples, context_of, extractions, seconds, loaded)
