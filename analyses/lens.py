@@ -30,8 +30,8 @@ position of a window has no next-token target). Each forward captures all sites 
 positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
 ``[chunk * sites, d] @ [d, vocab]`` matmul into reused buffers, and reduced at once to per-site
 sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logits of one forward)
-and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default, 4 GB on a GPU), never by
-the corpus length.
+and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default, 4 GB on a
+GPU), never by the corpus length.
 
 Precision: a bfloat16 (or float16) model is run and decoded in its own dtype (streams, final
 norm, unembedding matmul), a 16 MB block of logits at a time copied into the float32 buffers
@@ -329,10 +329,10 @@ class Streaming:
     """How :func:`logit_lens` and :func:`logit_lens_tokens` stream their inputs: ``batch_size``
     windows of at most ``window`` tokens per forward (None: min(context, 512); longer documents
     are split), at most ``max_batch_tokens`` padded tokens per forward, ``token_chunk`` positions
-    (x all sites) decoded at once (None: a 400 MB buffer budget, 4 GB on a GPU), ``first_position=False`` skips
-    position 0 of every window (the attention sink), ``max_tokens`` stops after that many
-    positions (in input order). Either function takes ``streaming=Streaming(...)`` or any of
-    these fields by keyword."""
+    (x all sites) decoded at once (None: a 400 MB buffer budget, 4 GB on a GPU),
+    ``first_position=False`` skips position 0 of every window (the attention sink),
+    ``max_tokens`` stops after that many positions (in input order). Either function takes
+    ``streaming=Streaming(...)`` or any of these fields by keyword."""
 
     batch_size: int = 8
     window: int | None = None

@@ -1,11 +1,11 @@
 """Corpora and task examples in, one activation extraction per split and context out.
 
 ===================================  ============================================================
-``load_and_extract(model, tasks,     the model's name and size (not the model), corpora (capped,
-splits, extraction, data, seed=,     test/train overlap handled), each task's examples per split,
-progress=)``                         and ONE extraction per split x context for the union of the
-                                     tasks' spans: an :class:`Extracted` (``splits``:
-                                     :class:`Splits`)
+``load_and_extract(model, tasks,     the model's name and size (the model itself only with
+splits, extraction, data, seed=,     ``keep_model``), corpora (capped, test/train overlap
+progress=, keep_model=)``            handled), each task's examples per split, and ONE
+                                     extraction per split x context for the union of the tasks'
+                                     spans: an :class:`Extracted` (``splits``: :class:`Splits`)
 ``span_ids(examples, extraction)``   each example's span rows in the store, and which are usable
 ===================================  ============================================================
 
