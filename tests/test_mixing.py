@@ -50,6 +50,33 @@ def test_identical_sites_give_the_uniform_mix_and_sklearns_probe(normalise):
     np.testing.assert_allclose(ours, ref.predict_proba(X[0].numpy()), atol=2e-4)
 
 
+@pytest.mark.parametrize("normalise", [False, True])
+def test_projected_mix_gradient_is_autograds(normalise):
+    """The mix objective's hand-written gradient (df/dm through the probe and gamma, then the
+    softmax of the logits) equals autograd's on the same solved probe, and the objective and the
+    probe's largest gradient entry are autograd's too."""
+    from depthscope.probes.mixing import _flat_sites, _ProjectedMix
+
+    g = torch.Generator().manual_seed(3)
+    S, N, F, C, l2 = 5, 300, 7, 4, 1e-2
+    X = torch.randn(S, F, N, generator=g).mul_(torch.linspace(0.5, 2.0, S)[:, None, None]).transpose(1, 2)
+    y = torch.randint(C, (N,), generator=g)
+    Xf, n, f_ = _flat_sites(X)
+    a = torch.randn(S, generator=g)
+    W0, b0 = 0.1 * torch.randn(F, C, generator=g), torch.zeros(C)
+    obj = _ProjectedMix(Xf, (f_, n), y, l2, normalise, (W0, b0))
+    f, ga, gprobe = obj(a)
+    W, b = obj.W.clone().requires_grad_(True), obj.b.clone().requires_grad_(True)  # the solved probe
+    ar = a.clone().requires_grad_(True)
+    m = (torch.softmax(ar, 0) @ Xf).view(f_, n)
+    gamma = torch.rsqrt(m.var(1, unbiased=False).mean()) if normalise else 1.0
+    fr = torch.nn.functional.cross_entropy(torch.addmm(b, (gamma * m).T, W), y) + l2 * (W * W).sum()
+    ga_ref, gW, gb = torch.autograd.grad(fr, (ar, W, b))
+    assert float(f) == pytest.approx(float(fr), rel=1e-6)
+    torch.testing.assert_close(ga, ga_ref, rtol=1e-4, atol=1e-7)
+    assert gprobe == pytest.approx(max(float(gW.abs().max()), float(gb.abs().max())), rel=1e-3, abs=1e-8)
+
+
 def test_gamma_is_the_unit_scale_of_the_fitted_mix():
     x, y = synthetic(300, S=4, D=6, C=3)
     X = _standardise(torch.from_numpy(x).permute(1, 0, 2).contiguous())
