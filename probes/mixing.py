@@ -485,11 +485,10 @@ class _ProjectedMix:
 
     The gradient is written out rather than left to autograd, so that an evaluation allocates
     nothing of the mix's size: the mix ``m``, the scaled mix ``u = gamma m`` and ``df/dm`` live
-    in three ``[F, N]`` float32 buffers made once (autograd's half-dozen temporaries of that size
-    per evaluation, 37 MB each for deprel, fragmented the heap and raised the job's peak by
-    half a gigabyte). With ``Z = u^T W + b`` and ``G = (softmax(Z) - Y) / N``: ``D = df/du = W
-    G^T``, and through ``gamma = (mean_f var_n m)^(-1/2)``,
-    ``df/dm = gamma D - (gamma^3 / (F N)) <D, m> (m - mean_n m)``."""
+    in three ``[F, N]`` float32 buffers made once (autograd would make half a dozen temporaries
+    of that size per evaluation, 37 MB each for deprel, and their reuse fragments the heap). With
+    ``Z = u^T W + b`` and ``G = (softmax(Z) - Y) / N``: ``D = df/du = W G^T``, and through
+    ``gamma = (mean_f var_n m)^(-1/2)``, ``df/dm = gamma D - (gamma^3 / (F N)) <D, m> (m - mean_n m)``."""
 
     def __init__(self, Xf: torch.Tensor, shape: tuple, y: torch.Tensor, l2: float, normalise: bool, Wb: tuple):
         self.Xf, (self.F, self.N), self.y, self.l2, self.normalise = Xf, shape, y, l2, normalise
