@@ -36,6 +36,7 @@ from depthscope.hooks.sites import site_frame
 from depthscope.probes import ProbeConfig, prepare_task, sample_data
 from depthscope.probes.fitting import choose_l2
 from depthscope.probes.mixing import _penalised_mix, expected_layer_mix, fit_mix, mix_draws, mix_spread
+from depthscope.probes.store.span_rows import dense
 
 METHODS = ("solver", "gamma1", "normalised", "jiant")
 
@@ -124,8 +125,8 @@ def main(argv=None) -> None:
 def _fit_methods(task, td, l2, depths, methods, seeds) -> None:
     """One task's rows: each of ``methods`` fitted on the task's features."""
     tr, te = td.feats["train"], td.feats["test"]
-    X, y = tr.resident, td.y["train"][tr.order]
-    Xte, yte = te.resident, td.y["test"][te.order]
+    X, y = tr.resident, td.y["train"][tr.order]  # span rows for an edge task: the mix reads them as the job does
+    Xte, yte = dense(te.resident), td.y["test"][te.order]
     if "solver" in methods:
         run_cfg = ProbeConfig(l2=l2)
         t = time.perf_counter()
@@ -145,7 +146,7 @@ def _fit_methods(task, td, l2, depths, methods, seeds) -> None:
         _row(task, "normalised" if normalise else "gamma1", depths, fit.weights, acc, secs, extra)
     for seed in seeds if "jiant" in methods else ():
         t = time.perf_counter()
-        w, gamma, acc, epochs = jiant_mix(X, y, Xte, yte, n_classes=td.n_classes, seed=seed)
+        w, gamma, acc, epochs = jiant_mix(dense(X), y, Xte, yte, n_classes=td.n_classes, seed=seed)
         _row(task, f"jiant s{seed}", depths, w, acc, time.perf_counter() - t, f"gamma {gamma:.2f} epochs {epochs}")
 
 

@@ -68,6 +68,7 @@ from depthscope.probes.solvers.classifiers import numeric_l2, site_probe
 from depthscope.probes.solvers.lbfgs import newton
 from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs, train_probe
 from depthscope.probes.store.features import Features
+from depthscope.probes.store.span_rows import SpanRows
 
 #: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
 #: collinear, and the ridge spreads the weight among them (steadier weights from one fold draw to the next)
@@ -432,10 +433,30 @@ class MixFit:
     state: tuple = None  # (a, W, b) tensors, to warm-start another fit
 
 
-def _flat_sites(X: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``X [S, N, F]`` as ``[S, F * N]`` (feature-major: a view of resident features) and (N, F)."""
-    S, N, F_ = X.shape
-    return X.transpose(1, 2).reshape(S, F_ * N), N, F_
+class _FlatSites:
+    """Resident features ``X [S, N, F]`` as ``[S, F * N]`` (feature-major: a view), with the
+    scalar mix's two passes over them (:class:`~depthscope.probes.store.span_rows.SpanRows` has
+    the same two for span rows)."""
+
+    def __init__(self, X: torch.Tensor):
+        S, N, F_ = self.shape = X.shape
+        self.Xf, self.dtype = X.transpose(1, 2).reshape(S, F_ * N), X.dtype
+        self.F, self.N = F_, N
+
+    def mix(self, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_s p_s X_s`` as ``[F, N]`` float32 (into ``out`` when given)."""
+        if out is not None and self.dtype == torch.float32:
+            return torch.mv(self.Xf.T, p.to(self.dtype), out=out.view(-1)).view(self.F, self.N)
+        return (p.to(self.dtype) @ self.Xf).float().view(self.F, self.N)
+
+    def mix_grad(self, D: torch.Tensor) -> torch.Tensor:
+        """``<X_s, D>`` per site ``[S]`` (float32) for ``D [F, N]``."""
+        return (self.Xf @ D.view(-1).to(self.dtype)).float()
+
+
+def _sites(X) -> _FlatSites | SpanRows:
+    """The scalar mix's view of resident features (span rows are read as they are)."""
+    return X if isinstance(X, SpanRows) else _FlatSites(X)
 
 
 def _mix_lbfgs(params: list, max_iters: int) -> torch.optim.LBFGS:
@@ -490,19 +511,16 @@ class _ProjectedMix:
     ``Z = u^T W + b`` and ``G = (softmax(Z) - Y) / N``: ``D = df/du = W G^T``, and through
     ``gamma = (mean_f var_n m)^(-1/2)``, ``df/dm = gamma D - (gamma^3 / (F N)) <D, m> (m - mean_n m)``."""
 
-    def __init__(self, Xf: torch.Tensor, shape: tuple, y: torch.Tensor, l2: float, normalise: bool, Wb: tuple):
-        self.Xf, (self.F, self.N), self.y, self.l2, self.normalise = Xf, shape, y, l2, normalise
+    def __init__(self, sites, y: torch.Tensor, l2: float, normalise: bool, Wb: tuple):
+        _, self.N, self.F = sites.shape
+        self.sites, self.y, self.l2, self.normalise = sites, y, l2, normalise
         self.W, self.b = Wb
         self.m, self.u, self.d = (torch.empty(self.F, self.N) for _ in range(3))
 
     def mix(self, a: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
         """``(m [F, N], gamma)``: the mix of the sites at logits ``a`` (into ``out`` when given)
         and its scale."""
-        p = torch.softmax(a, 0).to(self.Xf.dtype)
-        if out is not None and self.Xf.dtype == torch.float32:
-            m = torch.mv(self.Xf.T, p, out=out.view(-1)).view(self.F, self.N)
-        else:
-            m = (p @ self.Xf).float().view(self.F, self.N)
+        m = self.sites.mix(torch.softmax(a, 0), out=out)
         gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if self.normalise else torch.ones(())
         return m, gamma
 
@@ -525,7 +543,7 @@ class _ProjectedMix:
         if self.normalise:
             c = float(gamma) ** 3 / (self.F * self.N) * float(torch.dot(D.view(-1), m.view(-1)))
             D.mul_(gamma).sub_(m, alpha=c).add_(m.mean(1, keepdim=True), alpha=c)  # df/dm
-        gp = (self.Xf @ D.view(-1).to(self.Xf.dtype)).float()  # df/d softmax(a)_s = <X_s, df/dm>
+        gp = self.sites.mix_grad(D)  # df/d softmax(a)_s = <X_s, df/dm>
         ga = p * (gp - (p * gp).sum())
         return f, ga, max(float(gW.abs().max()), float(gb.abs().max()))
 
@@ -540,20 +558,20 @@ def fit_mix(
     init: tuple | None = None,
     max_iters: int = MIX_MAX_ITERS,
 ) -> MixFit:
-    """Tenney's scalar mix over the sites of standardised features ``X [S, N, F]`` with a linear
+    """Tenney's scalar mix over the sites of standardised features ``X [S, N, F]`` (a tensor,
+    or :class:`~depthscope.probes.store.span_rows.SpanRows`, read as they are) with a linear
     probe, minimising ``mean CE(gamma * (sum_s softmax(a)_s X_s) W + b) + l2 * ||W||^2`` over
     ``a, W, b`` from the uniform mix and zero weights (or ``init``, another fit's ``state``):
     L-BFGS over the S mixing logits with the probe solved at each (:class:`_ProjectedMix`).
     ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every step (the module
     docstring says why); else ``gamma = 1``. Converged: every entry of the joint gradient (mixing
     logits and probe) at most :data:`MIX_GTOL`."""
-    Xf, N, F_ = _flat_sites(X)
-    S = X.shape[0]
+    S, _, F_ = X.shape
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
     if init is None:
         init = (torch.zeros(S), torch.zeros(F_, n_classes), torch.zeros(n_classes))
     a0, W0, b0 = (t.detach().float() for t in init)
-    g = _ProjectedMix(Xf, (F_, N), yt, l2, normalise, (W0, b0))
+    g = _ProjectedMix(_sites(X), yt, l2, normalise, (W0, b0))
     a = a0.clone().requires_grad_(True)
     opt = _mix_lbfgs([a], max_iters)
     state = {}
@@ -594,7 +612,7 @@ def mix_draws(X: torch.Tensor, y, *, n_classes: int, l2: float, folds: int, seed
     out = []
     for k in range(folds):
         keep = torch.from_numpy(np.flatnonzero(fold != k))
-        Xk = X.index_select(1, keep)
+        Xk = X.take_rows(keep) if isinstance(X, SpanRows) else X.index_select(1, keep)
         out.append(fit_mix(Xk, np.asarray(y)[keep.numpy()], n_classes=n_classes, l2=l2, init=init).weights)
     return np.stack(out)
 

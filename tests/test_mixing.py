@@ -55,16 +55,16 @@ def test_projected_mix_gradient_is_autograds(normalise):
     """The mix objective's hand-written gradient (df/dm through the probe and gamma, then the
     softmax of the logits) equals autograd's on the same solved probe, and the objective and the
     probe's largest gradient entry are autograd's too."""
-    from depthscope.probes.mixing import _flat_sites, _ProjectedMix
+    from depthscope.probes.mixing import _FlatSites, _ProjectedMix
 
     g = torch.Generator().manual_seed(3)
     S, N, F, C, l2 = 5, 300, 7, 4, 1e-2
     X = torch.randn(S, F, N, generator=g).mul_(torch.linspace(0.5, 2.0, S)[:, None, None]).transpose(1, 2)
     y = torch.randint(C, (N,), generator=g)
-    Xf, n, f_ = _flat_sites(X)
+    Xf, n, f_ = X.transpose(1, 2).reshape(S, F * N), N, F
     a = torch.randn(S, generator=g)
     W0, b0 = 0.1 * torch.randn(F, C, generator=g), torch.zeros(C)
-    obj = _ProjectedMix(Xf, (f_, n), y, l2, normalise, (W0, b0))
+    obj = _ProjectedMix(_FlatSites(X), y, l2, normalise, (W0, b0))
     f, ga, gprobe = obj(a)
     W, b = obj.W.clone().requires_grad_(True), obj.b.clone().requires_grad_(True)  # the solved probe
     ar = a.clone().requires_grad_(True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from depthscope.probes.solvers.lbfgs import unit_runs
+from depthscope.probes.store.span_rows import DENSE_BYTES, SpanRows
 
 #: memory for one full-batch chunk's activations (logits, mixed features)
 CHUNK_BYTES = 2.5e8
@@ -66,7 +67,10 @@ def chunk_rows(probe, feats) -> int:
     """Examples per full-batch chunk: the logits (and a scalar mix's mixed features) of every
     unit fit ``CHUNK_BYTES``."""
     width = probe.G * probe.C + (feats.n_spans * feats.d if probe.mix_mask is not None else 0)
-    return int(max(64, min(len(feats), CHUNK_BYTES // (4 * probe.U * max(width, 1)))))
+    rows = int(max(64, min(len(feats), CHUNK_BYTES // (4 * probe.U * max(width, 1)))))
+    if isinstance(feats.resident, SpanRows):  # each chunk is a dense copy of its examples
+        rows = min(rows, feats.resident.rows_within(DENSE_BYTES))
+    return rows
 
 
 def _unit_runs(probe, feats, units) -> list:

@@ -77,6 +77,7 @@ import torch
 from depthscope.probes.solvers.base import TrainSettings
 from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stopping
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
+from depthscope.probes.store.span_rows import SpanRows
 
 #: memory for one block of units' solver state (logits, directions, their images): blocks of 7
 #: (deprel) to 15 (upos) sites of the default model's two-head probes on the bundled EWT sample
@@ -134,7 +135,9 @@ def fit_softmax(
     memory: int = MEMORY,
 ) -> Solved:
     """Fit ``U`` linear softmax probes over features ``X [U, n, F]`` (any float type: the two
-    products run in it, everything else in float32/float64) with labels ``y [n, G]`` (class
+    products run in it, everything else in float32/float64; a
+    :class:`~depthscope.probes.store.span_rows.SpanRows` is read as one dense copy per block of
+    units, within the block's ``STATE_BYTES``) with labels ``y [n, G]`` (class
     indices, rows aligned with ``X``), ``G`` heads with penalties ``l2 [G]``; ``W [U, F, G*C]``
     and ``b [U, 1, G*C]`` are the start and receive the result. ``settings``: the stopping rule's
     ``tol`` and ``gtol``, and ``max_epochs`` (the pass cap). Returns a :class:`Solved` whose ``x``
@@ -169,7 +172,9 @@ def fit_softmax(
         at = torch.zeros(U, dtype=torch.long)
         for a, z in blocks:
             tick = None if on_pass is None else _share(on_pass, (z - a) / U, done)
-            sol = _Block(X[a:z], y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
+            Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
+            sol = _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
+            del Xb
             f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
             evals = max(evals, sol.evals)
             history = _add_padded(history, sol.history)

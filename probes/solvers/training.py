@@ -43,6 +43,7 @@ from depthscope.probes.solvers.cpu import step_work
 from depthscope.probes.solvers.methods import AdamSolver, LbfgsSolver, SubspaceSolver, auto_batch
 from depthscope.probes.solvers.objective import label_matrix, objective, on_features_device
 from depthscope.probes.store.features import Features
+from depthscope.probes.store.span_rows import DENSE_BYTES, SpanRows
 
 __all__ = [
     "AUTO",
@@ -140,6 +141,8 @@ def eval_rows(feats: Features, batch_size: int) -> int:
     resident) as many as fit :data:`EVAL_BYTES` (a streamed batch is gathered, standardised and
     pooled, about three float32 copies of ``rows x spans x sites x d``; for an edge task at 61
     sites, 1024 rows would be 0.9 GB). Predictions do not depend on the batch size."""
+    if isinstance(feats.resident, SpanRows):  # each batch is a dense copy of its examples
+        return min(batch_size, feats.resident.rows_within(DENSE_BYTES))
     if feats.resident is not None:
         return batch_size
     row = 4 * feats.n_spans * feats.max_len * feats.n_sites * feats.d

@@ -5,7 +5,8 @@
 ``.fit_standardiser()``            train mean and std per site and dimension (one pass, stable)
 ``.standardise_like(train)``       other splits reuse train's statistics
 ``.make_resident(...)``            standardised features in memory ``[S, N, n_spans * D]``, in
-                                   ``dtype``, on ``device`` (RAM, or a GPU's: copied there once)
+                                   ``dtype``, on ``device`` (RAM, or a GPU's: copied there once);
+                                   edge examples whose spans recur as :class:`SpanRows`
 ``.batches(batch_size, rng)``      minibatches for the probes (resident slices, where the
                                    features are, or store gathers)
 ``.subset(idx)``                   the examples ``idx`` (resident rows copied, not re-read)
@@ -15,7 +16,10 @@
 Features are standardised per site and dimension with the train split's mean and standard
 deviation (so the scale growth of a pre-norm residual stream does not decide which site a
 scalar mix prefers), and edge tasks concatenate the two spans' vectors (as jiant does):
-``[pool(span1); pool(span2)]``.
+``[pool(span1); pool(span2)]``. Where the examples' spans recur (a dependency arc's head is
+another arc's dependent), resident features hold each distinct span once
+(:class:`~depthscope.probes.store.span_rows.SpanRows`, half the memory for arcs) and the solvers
+read dense copies of a block of sites or a batch of examples.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from depthscope.common.threads import one_thread
 from depthscope.probes.store.activations import SpanStore
+from depthscope.probes.store.span_rows import SpanRows, factor, worth_factoring
 
 
 @dataclass
@@ -43,6 +48,9 @@ class Features:
     ``[S, F, N]`` tensor, :func:`feature_major`): both products of a full-batch linear probe's
     pass, ``X W`` and ``X^T G``, are faster with the examples innermost (``bench_probe_fit``
     measures the products' floor).
+    When the examples' spans recur enough to save a quarter of that (:func:`worth_factoring`),
+    ``resident`` is a :class:`SpanRows` instead: each distinct span's standardised row once, and
+    every example's index into them (the same values, in the same order, read as dense copies).
     Without it (attention pooling, or too large), minibatches are gathered from the store.
     """
 
@@ -51,7 +59,7 @@ class Features:
     mean: torch.Tensor | None = None  # [S, D]
     std: torch.Tensor | None = None
     max_len: int = 1
-    resident: torch.Tensor | None = None  # [S, N, n_spans * D], rows in ``order``
+    resident: torch.Tensor | SpanRows | None = None  # [S, N, n_spans * D], rows in ``order``
     order: np.ndarray | None = None
     sites: np.ndarray | None = None  # a subset of the store's sites (resident features only)
 
@@ -120,11 +128,16 @@ class Features:
         ``precision``). Standardisation is done in float32, on the CPU, before any rounding.
         ``device`` (None: the CPU; callers pass ``ProbeConfig.device`` resolved): where the
         resident tensor lives; each chunk is copied there once as it is read, so the solvers that
-        read ``resident`` compute there with no copy per pass (``max_bytes`` bounds it there)."""
+        read ``resident`` compute there with no copy per pass (``max_bytes`` bounds it there).
+        Edge examples whose spans recur are held as :class:`SpanRows` (``max_bytes`` then
+        bounds the distinct spans' rows)."""
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
-        need = N * S * F_
+        rows = self.store.row_start[self.span_ids]  # [N, n_spans]
+        distinct = len(np.unique(rows))
+        factored = worth_factoring(N, self.n_spans, distinct)
+        need = distinct * S * self.d if factored else N * S * F_
         dt = torch.float32 if dtype is None else dtype
         if need * dt.itemsize > max_bytes:
             dt = torch.bfloat16 if dt == torch.float32 else dt
@@ -133,29 +146,50 @@ class Features:
         if device is not None and torch.device(device).type != "cpu":
             check_device_room(need * dt.itemsize, torch.device(device))
         self.order = np.random.default_rng(seed).permutation(N)
-        XT = torch.empty(S, F_, N, dtype=dt, device=device)  # feature-major in memory (see the class docstring)
-        st = self.store
-        D = self.d
-        chunk = chunk or _rows_per_chunk(S * D)
         with one_thread():
-            for a in range(0, N, chunk):
-                idx = self.order[a : a + chunk]
-                for k in range(self.n_spans):
-                    rows = st.row_start[self.span_ids[idx, k]]
-                    x = torch.from_numpy(np.asarray(st.feats[rows])).float().permute(1, 0, 2)  # [S, B, D]
-                    st.release()  # copied: the store's pages would otherwise add up to its size in memory
-                    if self.mean is not None:  # in place (a gathered copy): one chunk of temporaries
-                        x.sub_(self.mean[:, None]).div_(self.std[:, None])
-                    XT[:, k * D : (k + 1) * D, a : a + len(idx)] = x.transpose(1, 2)
-        self.resident = XT.transpose(1, 2)
+            if factored:
+                uniq, idx = factor(rows[self.order])
+                words = self._standardised(uniq, dt, device, chunk)
+                self.resident = SpanRows(words, idx.to(words.device))
+            else:
+                self.resident = self._concatenated(dt, device, chunk)
         return True
+
+    def _standardised(self, rows: np.ndarray, dt, device, chunk: int | None) -> torch.Tensor:
+        """The store's ``rows`` standardised, feature-major ``[S, D, len(rows)]`` in ``dt`` on
+        ``device``, read in chunks (each copied there once)."""
+        st, S, D = self.store, self.n_sites, self.d
+        out = torch.empty(S, D, len(rows), dtype=dt, device=device)
+        chunk = chunk or _rows_per_chunk(S * D)
+        for a in range(0, len(rows), chunk):
+            x = torch.from_numpy(np.asarray(st.feats[rows[a : a + chunk]])).float().permute(1, 0, 2)  # [S, B, D]
+            st.release()  # copied: the store's pages would otherwise add up to its size in memory
+            if self.mean is not None:  # in place (a gathered copy): one chunk of temporaries
+                x.sub_(self.mean[:, None]).div_(self.std[:, None])
+            out[:, :, a : a + x.shape[1]] = x.transpose(1, 2)
+        return out
+
+    def _concatenated(self, dt, device, chunk: int | None) -> torch.Tensor:
+        """The examples' spans' rows concatenated, ``[S, N, n_spans * D]`` (feature-major: the
+        transposed view of a contiguous ``[S, F, N]``), rows in ``order``."""
+        st, S, D = self.store, self.n_sites, self.d
+        XT = torch.empty(S, self.n_spans * D, len(self), dtype=dt, device=device)
+        chunk = chunk or _rows_per_chunk(S * D)
+        for a in range(0, len(self), chunk):
+            idx = self.order[a : a + chunk]
+            for k in range(self.n_spans):
+                XT[:, k * D : (k + 1) * D, a : a + len(idx)] = self._standardised(
+                    st.row_start[self.span_ids[idx, k]], dt, device, len(idx)
+                )
+        return XT.transpose(1, 2)
 
     def subset(self, idx: np.ndarray, *, max_bytes: float = 4e9, seed: int = 0) -> Features:
         """The examples ``idx`` with this split's standardisation: resident rows are copied from
-        memory (same dtype), in a ``seed``-shuffled order like every resident tensor (the probe
-        solver forms its curvature from a contiguous part of the rows:
-        :func:`~depthscope.probes.solvers.subspace.hessian_rows`), else the subset is made resident from
-        the store when it fits."""
+        memory (same dtype; :class:`SpanRows` share their rows and copy only the indices), in a
+        ``seed``-shuffled order like every resident tensor (the probe solver forms its curvature
+        from a contiguous part of the rows:
+        :func:`~depthscope.probes.solvers.subspace.hessian_rows`), else the subset is made
+        resident from the store when it fits."""
         idx = np.asarray(idx, dtype=np.int64)
         sub = Features(self.store, self.span_ids[idx], self.mean, self.std, self.max_len, sites=self.sites)
         if self.resident is None:
@@ -164,7 +198,11 @@ class Features:
         pos = np.empty(len(self), dtype=np.int64)
         pos[self.order] = np.arange(len(self))  # example -> row of the resident tensor
         sub.order = np.random.default_rng(seed).permutation(len(idx))
-        sub.resident = _take(self.resident, 1, torch.from_numpy(pos[idx[sub.order]]))
+        rows = torch.from_numpy(pos[idx[sub.order]])
+        if isinstance(self.resident, SpanRows):
+            sub.resident = self.resident.take_rows(rows)
+        else:
+            sub.resident = _take(self.resident, 1, rows)
         return sub
 
     def with_sites(self, sites) -> Features:
@@ -176,7 +214,12 @@ class Features:
         sites = np.asarray(sites, dtype=np.int64)
         sub = Features(self.store, self.span_ids, self.mean, self.std, self.max_len, order=self.order, sites=sites)
         run = _evenly_spaced(sites, self.resident.shape[0])
-        sub.resident = self.resident[run] if run is not None else _take(self.resident, 0, torch.from_numpy(sites))
+        if isinstance(self.resident, SpanRows):
+            sub.resident = self.resident.take_sites(run if run is not None else torch.from_numpy(sites))
+        elif run is not None:
+            sub.resident = self.resident[run]
+        else:
+            sub.resident = _take(self.resident, 0, torch.from_numpy(sites))
         return sub
 
     def _gather(self, idx: np.ndarray):
@@ -205,8 +248,8 @@ class Features:
     def batches(self, batch_size: int, rng: np.random.Generator | None = None):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
-        order (resident: fixed shuffled slices visited in random order). Resident slices are
-        on the features' device: callers compute there
+        order (resident: fixed shuffled slices visited in random order; a dense copy of the
+        slice for :class:`SpanRows`). Resident slices are on the features' device: callers compute there
         (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
@@ -214,7 +257,8 @@ class Features:
             if rng is not None:
                 starts = rng.permutation(starts)
             for a in starts:
-                X = self.resident[:, a : a + batch_size]
+                rows = slice(a, a + batch_size)
+                X = self.resident.dense(rows=rows) if isinstance(self.resident, SpanRows) else self.resident[:, rows]
                 yield self.order[a : a + batch_size], (X if X.dtype != torch.float16 else X.float(), None)
         else:
             perm = rng.permutation(n) if rng is not None else np.arange(n)
