@@ -57,9 +57,15 @@ def test_edge_features_are_held_once_per_span_and_read_as_their_concatenation(mo
     assert torch.equal(dense(rows.subset(idx).resident), cat.subset(idx).resident)
     for sites in ([0, 2], [3, 1], [1, 2, 3]):  # evenly spaced (a view) or not (a copy)
         assert torch.equal(dense(rows.with_sites(sites).resident), cat.with_sites(sites).resident)
-    got = [(i.tolist(), x) for i, (x, _) in rows.batches(50)]
-    ref = [(i.tolist(), x) for i, (x, _) in cat.batches(50)]
-    assert [i for i, _ in got] == [i for i, _ in ref] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, ref))
+    for rng in (None, np.random.default_rng(0)):  # evaluation (in span order) and training batches
+        seen = np.zeros(len(span_ids), dtype=int)
+        pos = np.argsort(rows.order)  # example -> its row in the resident order
+        for i, (x, _) in rows.batches(50, rng):
+            assert x.shape == (4, len(i), 12) and torch.equal(x, cat.resident[:, pos[i]])
+            seen[i] += 1
+        assert (seen == 1).all()
+    first = np.concatenate([store.row_start[span_ids[i, 0]] for i, _ in rows.batches(50)])
+    assert (np.diff(first) >= 0).all()  # evaluation batches go in the order of the first span's row
 
 
 def test_unique_spans_are_not_factored():

@@ -8,6 +8,7 @@
 ``.mix(p, out)`` / ``.mix_grad(D)``   ``sum_s p_s X_s`` and ``<X_s, D>`` per site, over the span
                                       rows once (the scalar mix's two passes)
 ``.rows_within(nbytes)``              examples whose dense copy fits ``nbytes``
+``.local_order()``                    the examples in the order of their first span's row
 ``dense(X)``                          resident features as a tensor (a copy of span rows')
 ``factor(span_rows)``                 distinct rows and each example's index into them
 ``worth_factoring(N, K, R)``          whether span rows save a quarter of the memory or more
@@ -99,6 +100,14 @@ class SpanRows:
 
     def float(self) -> SpanRows:
         return SpanRows(self.words.float(), self.idx)
+
+    def local_order(self) -> torch.Tensor:
+        """The examples sorted by their first span's row (stable): a run of them reads a
+        contiguous range of span rows for the first span, and for the others rows close by (an
+        arc's head is in its dependent's sentence), where the shuffled order reads rows from
+        everywhere (a batch of a few hundred examples then touches most of the span rows'
+        memory)."""
+        return torch.argsort(self.idx[0], stable=True)
 
     def rows_within(self, nbytes: float) -> int:
         """Examples whose dense copy at every site takes at most ``nbytes`` (at least 1)."""
