@@ -38,7 +38,8 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     raw float32 features ``[sites, n_words, d_model]`` and an index table (sentence, word, form,
     gold columns) from a CoNLL-U path, parsed sentences or lists of words, for your own probes.
 ``read_conllu``, ``build_task``, ``control_labels``, ``expected_layer_delta``,
-``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``, ``Features``, ``train_probe``,
+``expected_layer_mix``, ``online_codelength``, ``BatchedProbe``, ``Features`` (and ``SpanRows``,
+its resident pair features held once per span), ``train_probe``,
 ``predict``, ``accuracy``, ``macro_f1``, ``resolve_precision``: the building blocks.
 
 Rooms (sub-packages), lowest first: ``corpora`` (CoNLL-U and jiant readers, tasks, spans to
@@ -101,6 +102,7 @@ _EXPORTS = {
     "train_probe": "solvers.training",
     "TrainSettings": "solvers.base",
     "Resident": "store.features",
+    "SpanRows": "store.span_rows",
     "WordFeatures": "store.words",
     "word_features": "store.words",
 }
@@ -187,6 +189,7 @@ __all__ = [
     "POOLINGS",
     "BatchedProbe",
     "Features",
+    "SpanRows",
     "train_probe",
     "TrainSettings",
     "Resident",

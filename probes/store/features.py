@@ -250,7 +250,8 @@ class Features:
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
         order (resident: fixed shuffled slices visited in random order; a dense copy of the
         slice for :class:`SpanRows`, whose batches without ``rng`` go in the order of their first
-        span's row, so that each reads nearby span rows). Resident slices are on the features' device: callers compute there
+        span's row, so that each reads nearby span rows). Resident slices are on the features'
+        device: callers compute there
         (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
