@@ -5,7 +5,7 @@
                                       spans: ``X[s, i, k*D:(k+1)*D] = words[s, :, idx[k, i]]``
 ``.dense(sites, rows)``               those features as a tensor, feature-major (a gathered copy)
 ``.take_rows(pos)`` / ``.take_sites``  examples ``pos`` / some sites (the span rows shared)
-``.mix(p, out)`` / ``.mix_grad(D)``   ``sum_s p_s X_s`` and ``<X_s, D>`` per site, over the span
+``.mix(p, out)`` / ``.mix_grad(G)``   ``sum_s p_s X_s`` and ``<X_s, G>`` per site, over the span
                                       rows once (the scalar mix's two passes)
 ``.rows_within(nbytes)``              examples whose dense copy fits ``nbytes``
 ``.local_order()``                    the examples in the order of their first span's row
@@ -125,14 +125,14 @@ class SpanRows:
             torch.index_select(mw, 1, self.idx[k], out=out[k * D : (k + 1) * D])
         return out
 
-    def mix_grad(self, D_: torch.Tensor) -> torch.Tensor:
-        """``<X_s, D_>`` for every site ``[S]`` (float32) for ``D_ [K*D, N]``: ``D_``'s columns
+    def mix_grad(self, G: torch.Tensor) -> torch.Tensor:
+        """``<X_s, G>`` for every site ``[S]`` (float32) for ``G [K*D, N]``: ``G``'s columns
         summed onto the span rows they were gathered from, then one product with the rows."""
         S, D, R = self.words.shape
         K, _ = self.idx.shape
         onto = torch.zeros(D, R, device=self.device)
         for k in range(K):
-            onto.index_add_(1, self.idx[k], D_[k * D : (k + 1) * D])
+            onto.index_add_(1, self.idx[k], G[k * D : (k + 1) * D])
         return (self.words.reshape(S, D * R) @ onto.view(-1).to(self.dtype)).float()
 
 
