@@ -124,3 +124,29 @@ def test_scalar_mix_on_span_rows_is_the_concatenations(monkeypatch):
         for X in (rows.resident, cat.resident)
     ]
     np.testing.assert_allclose(draws[0], draws[1], atol=5e-4)
+
+
+def test_span_rows_keep_their_device():
+    """Made resident on a device (meta stands in for a GPU), the span rows and their indices
+    are there, and so are subsets, site selections and dense copies."""
+    store, span_ids, _ = _arcs()
+    f = Features(store, span_ids).fit_standardiser()
+    assert f.make_resident(device="meta") and isinstance(f.resident, SpanRows)
+    for g in (f, f.subset(np.arange(0, 240, 3)), f.with_sites([0, 2]), f.with_sites([1, 3, 0])):
+        assert g.resident.words.device.type == "meta" and g.resident.idx.device.type == "meta"
+        assert g.resident.dense(sites=slice(0, 2)).device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_span_rows_fit_on_a_gpu_as_on_the_cpu():
+    store, span_ids, y = _arcs()
+    yt, fits = torch.from_numpy(y), {}
+    for device in ("cpu", "cuda"):
+        f = Features(store, span_ids).fit_standardiser()
+        assert f.make_resident(device=device) and isinstance(f.resident, SpanRows)
+        p = site_probe(f, 3, ProbeConfig(l2=1e-2), l2=1e-2)
+        train_probe(p, f, yt, solver="subspace", tol=1e-7, gtol=1e-5, max_epochs=300)
+        fits[device] = (p.W.detach().cpu(), log_probs(p, f))
+        assert list(f.batches(64))[0][1][0].device.type == device
+    torch.testing.assert_close(fits["cpu"][0], fits["cuda"][0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(fits["cpu"][1], fits["cuda"][1], rtol=0, atol=1e-3)
