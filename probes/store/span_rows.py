@@ -29,7 +29,7 @@ the gradient summed onto the rows it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class SpanRows:
 
     words: torch.Tensor
     idx: torch.Tensor
+    #: a float32 ``[D, R]`` workspace of the scalar mix's passes, made on first use
+    scratch: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -119,7 +121,11 @@ class SpanRows:
         mix (one pass over them), gathered for each span."""
         S, D, R = self.words.shape
         K, N = self.idx.shape
-        mw = (p.to(self.dtype) @ self.words.reshape(S, D * R)).float().view(D, R)
+        flat = self.words.reshape(S, D * R)
+        if self.dtype == torch.float32:
+            mw = torch.mv(flat.T, p.float(), out=self._scratch().view(-1)).view(D, R)
+        else:
+            mw = (p.to(self.dtype) @ flat).float().view(D, R)
         out = torch.empty(K * D, N, device=self.device) if out is None else out
         for k in range(K):
             torch.index_select(mw, 1, self.idx[k], out=out[k * D : (k + 1) * D])
@@ -130,10 +136,18 @@ class SpanRows:
         summed onto the span rows they were gathered from, then one product with the rows."""
         S, D, R = self.words.shape
         K, _ = self.idx.shape
-        onto = torch.zeros(D, R, device=self.device)
+        onto = self._scratch().zero_()
         for k in range(K):
             onto.index_add_(1, self.idx[k], G[k * D : (k + 1) * D])
         return (self.words.reshape(S, D * R) @ onto.view(-1).to(self.dtype)).float()
+
+    def _scratch(self) -> torch.Tensor:
+        """The ``[D, R]`` float32 workspace (made once: the mix evaluates these passes dozens of
+        times, and a fresh buffer each time would fragment the heap)."""
+        _, D, R = self.words.shape
+        if self.scratch is None:
+            self.scratch = torch.empty(D, R, device=self.device)
+        return self.scratch
 
 
 def dense(X) -> torch.Tensor:
