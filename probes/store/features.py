@@ -134,10 +134,9 @@ class Features:
         if self.tokens:
             return False
         N, S, F_ = len(self), self.n_sites, self.n_spans * self.d
-        rows = self.store.row_start[self.span_ids]  # [N, n_spans]
-        distinct = len(np.unique(rows))
-        factored = worth_factoring(N, self.n_spans, distinct)
-        need = distinct * S * self.d if factored else N * S * F_
+        uniq, idx = factor(self.store.row_start[self.span_ids])  # distinct store rows, [n_spans, N]
+        factored = worth_factoring(N, self.n_spans, len(uniq))
+        need = len(uniq) * S * self.d if factored else N * S * F_
         dt = torch.float32 if dtype is None else dtype
         if need * dt.itemsize > max_bytes:
             dt = torch.bfloat16 if dt == torch.float32 else dt
@@ -148,18 +147,17 @@ class Features:
         self.order = np.random.default_rng(seed).permutation(N)
         with one_thread():
             if factored:
-                uniq, idx = factor(rows[self.order])
-                words = self._standardised(uniq, dt, device, chunk)
-                self.resident = SpanRows(words, idx.to(words.device))
+                words = torch.empty(S, self.d, len(uniq), dtype=dt, device=device)
+                self._standardised(uniq, words, chunk)
+                self.resident = SpanRows(words, idx[:, torch.from_numpy(self.order)].to(words.device))
             else:
                 self.resident = self._concatenated(dt, device, chunk)
         return True
 
-    def _standardised(self, rows: np.ndarray, dt, device, chunk: int | None) -> torch.Tensor:
-        """The store's ``rows`` standardised, feature-major ``[S, D, len(rows)]`` in ``dt`` on
-        ``device``, read in chunks (each copied there once)."""
+    def _standardised(self, rows: np.ndarray, out: torch.Tensor, chunk: int | None) -> None:
+        """The store's ``rows`` standardised into ``out [S, D, len(rows)]`` (feature-major, any
+        dtype and device), read in chunks (each copied there once)."""
         st, S, D = self.store, self.n_sites, self.d
-        out = torch.empty(S, D, len(rows), dtype=dt, device=device)
         chunk = chunk or _rows_per_chunk(S * D)
         for a in range(0, len(rows), chunk):
             x = torch.from_numpy(np.asarray(st.feats[rows[a : a + chunk]])).float().permute(1, 0, 2)  # [S, B, D]
@@ -167,7 +165,6 @@ class Features:
             if self.mean is not None:  # in place (a gathered copy): one chunk of temporaries
                 x.sub_(self.mean[:, None]).div_(self.std[:, None])
             out[:, :, a : a + x.shape[1]] = x.transpose(1, 2)
-        return out
 
     def _concatenated(self, dt, device, chunk: int | None) -> torch.Tensor:
         """The examples' spans' rows concatenated, ``[S, N, n_spans * D]`` (feature-major: the
@@ -177,9 +174,9 @@ class Features:
         chunk = chunk or _rows_per_chunk(S * D)
         for a in range(0, len(self), chunk):
             idx = self.order[a : a + chunk]
-            for k in range(self.n_spans):
-                XT[:, k * D : (k + 1) * D, a : a + len(idx)] = self._standardised(
-                    st.row_start[self.span_ids[idx, k]], dt, device, len(idx)
+            for k in range(self.n_spans):  # straight into the span's block of rows: no temporary
+                self._standardised(
+                    st.row_start[self.span_ids[idx, k]], XT[:, k * D : (k + 1) * D, a : a + len(idx)], None
                 )
         return XT.transpose(1, 2)
 
