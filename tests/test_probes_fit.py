@@ -594,6 +594,8 @@ def test_stacking_hessian_is_the_exact_hessian():
     # the Newton loop asks only for the prefixes still going: the same rows
     some = torch.tensor([0, 2])
     assert torch.allclose(_stack_hessian(z, x, l2, units=some), H[some], atol=1e-6)
+    # summed over chunks of examples (the last one short): the same Hessian
+    assert torch.allclose(_stack_hessian(z, x, l2, chunk=7), H, atol=1e-6)
 
 
 def test_stacking_objective_in_chunks_is_autograds():

@@ -66,6 +66,8 @@ def test_edge_features_are_held_once_per_span_and_read_as_their_concatenation(mo
         assert (seen == 1).all()
     first = np.concatenate([store.row_start[span_ids[i, 0]] for i, _ in rows.batches(50)])
     assert (np.diff(first) >= 0).all()  # evaluation batches go in the order of the first span's row
+    # evaluation batches are gathered into one reused block, not a new allocation per batch
+    assert len({x.untyped_storage().data_ptr() for _, (x, _) in rows.batches(50)}) == 1
 
 
 def test_unique_spans_are_not_factored():

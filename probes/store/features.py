@@ -247,16 +247,18 @@ class Features:
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
         order (resident: fixed shuffled slices visited in random order; a dense copy of the
         slice for :class:`SpanRows`, whose batches without ``rng`` go in the order of their first
-        span's row, so that each reads nearby span rows). Resident slices are on the features'
-        device: callers compute there
+        span's row, so that each reads nearby span rows, and are gathered into one buffer reused
+        from batch to batch: a batch's inputs are valid until the next is drawn). Resident slices
+        are on the features' device: callers compute there
         (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
         if isinstance(self.resident, SpanRows) and rng is None:  # in span order: each batch reads nearby rows
             by_span = self.resident.local_order()
+            buffer = self.resident.batch_buffer(min(batch_size, n))
             for a in starts:
                 rows = by_span[a : a + batch_size]
-                yield self.order[rows.cpu().numpy()], (self.resident.dense(rows=rows), None)
+                yield self.order[rows.cpu().numpy()], (self.resident.dense(rows=rows, buffer=buffer), None)
         elif self.resident is not None:
             if rng is not None:
                 starts = rng.permutation(starts)

@@ -3,7 +3,8 @@
 ====================================  ===========================================================
 ``SpanRows(words, idx)``              the features ``X [S, N, K*D]`` of ``N`` examples of ``K``
                                       spans: ``X[s, i, k*D:(k+1)*D] = words[s, :, idx[k, i]]``
-``.dense(sites, rows)``               those features as a tensor, feature-major (a gathered copy)
+``.dense(sites, rows, buffer)``       those features as a tensor, feature-major (a gathered copy,
+                                      into ``buffer`` when given: ``.batch_buffer(n)``)
 ``.take_rows(pos)`` / ``.take_sites``  examples ``pos`` / some sites (the span rows shared)
 ``.mix(p, out)`` / ``.mix_grad(G)``   ``sum_s p_s X_s`` and ``<X_s, G>`` per site, over the span
                                       rows once (the scalar mix's two passes)
@@ -70,19 +71,31 @@ class SpanRows:
         """Bytes held: the span rows and the indices."""
         return self.words.numel() * self.words.element_size() + self.idx.numel() * self.idx.element_size()
 
-    def dense(self, sites: slice = slice(None), rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    def dense(
+        self, sites: slice = slice(None), rows: slice | torch.Tensor = slice(None), buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The features of ``sites`` and examples ``rows`` as a tensor ``[s, n, K*D]`` laid out
         feature-major (the transposed view of a contiguous ``[s, K*D, n]``, as resident
-        features are): one gathered copy."""
+        features are): one gathered copy, written into the start of ``buffer`` (a 1-D tensor of
+        the span rows' dtype and device, at least that size) when given, so that a loop over
+        batches reuses one block of memory instead of allocating one per batch."""
         words = self.words[sites]
         idx = self.idx[:, rows]
         s, D, _ = words.shape
         K, n = idx.shape
-        out = torch.empty(s, K * D, n, dtype=words.dtype, device=words.device)
+        if buffer is None:
+            out = torch.empty(s, K * D, n, dtype=words.dtype, device=words.device)
+        else:
+            out = buffer[: s * K * D * n].view(s, K * D, n)
         for k in range(K):
             for j in range(s):  # a 2-D selection along rows, site by site (words may be a view)
                 torch.index_select(words[j], 1, idx[k], out=out[j, k * D : (k + 1) * D])
         return out.transpose(1, 2)
+
+    def batch_buffer(self, n: int) -> torch.Tensor:
+        """A 1-D workspace for :meth:`dense` copies of up to ``n`` examples at every site."""
+        S, D, _ = self.words.shape
+        return torch.empty(S * self.idx.shape[0] * D * n, dtype=self.words.dtype, device=self.words.device)
 
     def take_rows(self, pos: torch.Tensor) -> SpanRows:
         """Examples ``pos`` (indices into this one's), sharing the span rows: no copy of features."""
