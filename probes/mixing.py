@@ -82,7 +82,7 @@ MIX_MAX_ITERS = 300
 MIX_RESTARTS = 4
 #: the largest gradient entry at which a scalar mix counts as converged
 MIX_GTOL = 1e-4
-#: examples per chunk of the stacking objective (bounds its float64 workspace: a few ``[S, chunk, C]``)
+#: examples per chunk of the stacking objective (its float64 workspace: two ``[S, chunk, C]`` buffers)
 STACK_CHUNK = 1024
 #: bytes of the fold copy of resident features the out-of-fold refits hold at a time (sites in runs)
 OOF_BYTES = 2.5e8
