@@ -54,7 +54,7 @@ numbers; relative depth = E / n_layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -347,7 +347,6 @@ def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: flo
     chunk = min(chunk, n)
     zbuf = torch.empty(S * chunk * C, dtype=torch.float64)
     lbuf = torch.empty(S * chunk * C, dtype=torch.float64)
-    targets = [y[a : a + chunk].expand(S, -1)[..., None] for a in range(0, n, chunk)]
     minus_one = torch.full((S, chunk, 1), -1.0, dtype=torch.float64)
 
     def fg(x, active):
@@ -356,13 +355,13 @@ def _stack_objective(z_train: torch.Tensor, y_train, mask: torch.Tensor, l2: flo
         w, b = x[rows, :S] * mask[rows], x[rows, S:]
         ce = torch.zeros(A, dtype=torch.float64)
         gw, gb = torch.zeros(A, S, dtype=torch.float64), torch.zeros(A, C, dtype=torch.float64)
-        for j, a in enumerate(range(0, n, chunk)):
+        for a in range(0, n, chunk):
             B = min(chunk, n - a)
             zc = zbuf[: S * B * C].view(S, B * C)
             zc.view(S, B, C).copy_(z_train[:, a : a + B])
             logp = torch.mm(w, zc, out=lbuf[: A * B * C].view(A, B * C)).view(A, B, C).add_(b[:, None])
             logp.sub_(torch.logsumexp(logp, -1, keepdim=True))  # log_softmax in place
-            target = targets[j][:A]
+            target = y[a : a + B].expand(A, -1)[..., None]
             ce -= logp.gather(2, target).squeeze(2).sum(1)
             r = logp.exp_().scatter_add_(2, target, minus_one[:A, :B])
             gw += r.view(A, -1) @ zc.T  # d sum CE / d w: (softmax - onehot) times the predictions
@@ -693,23 +692,11 @@ def fit_cumulative(
         train_probe(p, train, torch.as_tensor(np.asarray(y_train))[:, None], desc=desc, **train_kwargs(cfg))
         test_log_probs = log_probs(p, test)[:, :, 0]
         init = p.state_dict()
-    R = cfg.stack_draws
-    f1, ws, correct, soft, logs, prev = [], [], [], [], [], None
-    for r in range(R):
-        z_train = out_of_fold(
-            train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
-        )
-        release_memory()  # the fold copies the heap kept: the stacking allocates other sizes
-        w, b, lg = stack(z_train, y_train, l2=cfg.stack_l2, init=prev)
-        prev = (w, b)
-        s, f, c = _score_stack(w, b, test_log_probs, yt, n_eval_classes)
-        soft.append(s)
-        f1.append(f)
-        ws.append(w.detach().double().numpy())
-        correct.append(c)
-        logs.append(lg)
-        del z_train
-        release_memory()  # the draw's predictions, fold copies and stacking buffers
+
+    def score(w, b):  # one draw's stacked prefixes on test
+        return _score_stack(w, b, test_log_probs, yt, n_eval_classes)
+
+    f1, ws, correct, soft, logs = _stacked_draws(train, y_train, n_classes, cfg, init, score, desc)
     (mix, mix_log), draws = scalar_mix(
         train, y_train, n_classes=n_classes, cfg=cfg, progress=progress, desc=f"{desc} mix"
     )
@@ -725,6 +712,31 @@ def fit_cumulative(
         np.stack(soft),
         draws,
     )
+
+
+def _stacked_draws(train, y_train, n_classes: int, cfg, init, score: Callable, desc: str):
+    """The cumulative probes of each of ``cfg.stack_draws`` fold draws: out-of-fold predictions,
+    stacked (each Newton solve from the previous draw's weights) and scored on test by
+    ``score(w, b) -> (soft accuracy, F1, correct)``. Returns the
+    per-draw lists ``(f1, weights, correct, soft accuracy, logs)``."""
+    R = cfg.stack_draws
+    f1, ws, correct, soft, logs, prev = [], [], [], [], [], None
+    for r in range(R):
+        z_train = out_of_fold(
+            train, y_train, n_classes=n_classes, cfg=cfg, init=init, draw=r, desc=f"{desc} draw {r + 1}/{R} "
+        )
+        release_memory()  # the fold copies the heap kept: the stacking allocates other sizes
+        w, b, lg = stack(z_train, y_train, l2=cfg.stack_l2, init=prev)
+        prev = (w, b)
+        s_, f, c = score(w, b)
+        soft.append(s_)
+        f1.append(f)
+        ws.append(w.detach().double().numpy())
+        correct.append(c)
+        logs.append(lg)
+        del z_train
+        release_memory()  # the draw's predictions, fold copies and stacking buffers
+    return f1, ws, correct, soft, logs
 
 
 @torch.no_grad()

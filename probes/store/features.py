@@ -245,32 +245,44 @@ class Features:
     def batches(self, batch_size: int, rng: np.random.Generator | None = None):
         """Yield ``(example indices, inputs)``; inputs are ``(X [S, B, n*D], None)`` when
         resident, else ``(x [B, n, L, S, D], mask [B, n, L])``. With ``rng``: random
-        order (resident: fixed shuffled slices visited in random order; a dense copy of the
-        slice for :class:`SpanRows`, whose batches without ``rng`` go in the order of their first
-        span's row, so that each reads nearby span rows, and are gathered into one buffer reused
-        from batch to batch: a batch's inputs are valid until the next is drawn). Resident slices
-        are on the features' device: callers compute there
-        (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
+        order (resident: fixed shuffled slices visited in random order; for :class:`SpanRows`
+        dense copies gathered into one buffer reused from batch to batch, so a batch's inputs are
+        valid until the next is drawn, and without ``rng`` in the order of their first span's
+        row, so that each reads nearby span rows). Resident slices are on the features' device:
+        callers compute there (:func:`~depthscope.probes.solvers.objective.on_features_device`)."""
         n = len(self)
         starts = np.arange(0, n, batch_size)
-        if isinstance(self.resident, SpanRows) and rng is None:  # in span order: each batch reads nearby rows
-            by_span = self.resident.local_order()
-            buffer = self.resident.batch_buffer(min(batch_size, n))
-            for a in starts:
-                rows = by_span[a : a + batch_size]
-                yield self.order[rows.cpu().numpy()], (self.resident.dense(rows=rows, buffer=buffer), None)
+        if isinstance(self.resident, SpanRows):
+            yield from self._span_batches(batch_size, rng)
         elif self.resident is not None:
             if rng is not None:
                 starts = rng.permutation(starts)
             for a in starts:
-                rows = slice(a, a + batch_size)
-                X = self.resident.dense(rows=rows) if isinstance(self.resident, SpanRows) else self.resident[:, rows]
+                X = self.resident[:, a : a + batch_size]
                 yield self.order[a : a + batch_size], (X if X.dtype != torch.float16 else X.float(), None)
         else:
             perm = rng.permutation(n) if rng is not None else np.arange(n)
             for a in starts:
                 idx = np.sort(perm[a : a + batch_size])
                 yield idx, self._gather(idx)
+
+    def _span_batches(self, batch_size: int, rng: np.random.Generator | None):
+        """:meth:`batches` of :class:`SpanRows`: dense copies gathered into one buffer, in the
+        order of each example's first span's row without ``rng`` (each batch reads nearby span
+        rows), else fixed shuffled slices in random order."""
+        n = len(self)
+        starts = np.arange(0, n, batch_size)
+        by_span = self.resident.local_order() if rng is None else None
+        if rng is not None:
+            starts = rng.permutation(starts)
+        buffer = self.resident.batch_buffer(min(batch_size, n))
+        for a in starts:
+            if by_span is None:
+                rows, idx = slice(a, a + batch_size), self.order[a : a + batch_size]
+            else:
+                rows = by_span[a : a + batch_size]
+                idx = self.order[rows.cpu().numpy()]
+            yield idx, (self.resident.dense(rows=rows, buffer=buffer), None)
 
 
 def _evenly_spaced(sites: np.ndarray, n: int) -> slice | None:
