@@ -68,6 +68,7 @@ from depthscope.probes.solvers.classifiers import numeric_l2, site_probe
 from depthscope.probes.solvers.lbfgs import newton
 from depthscope.probes.solvers.training import TrainLog, log_probs, train_kwargs, train_probe
 from depthscope.probes.store.features import Features
+from depthscope.probes.store.site_sums import site_inner, weighted_sum
 from depthscope.probes.store.span_rows import SpanRows
 
 #: the default ridge on the stacking weights (``ProbeConfig.stack_l2``): adjacent sites' predictions are nearly
@@ -455,13 +456,11 @@ class _FlatSites:
 
     def mix(self, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_s p_s X_s`` as ``[F, N]`` float32 (into ``out`` when given)."""
-        if out is not None and self.dtype == torch.float32:
-            return torch.mv(self.Xf.T, p.to(self.dtype), out=out.view(-1)).view(self.F, self.N)
-        return (p.to(self.dtype) @ self.Xf).float().view(self.F, self.N)
+        return weighted_sum(self.Xf, p, None if out is None else out.view(-1)).view(self.F, self.N)
 
     def mix_grad(self, D: torch.Tensor) -> torch.Tensor:
         """``<X_s, D>`` per site ``[S]`` (float32) for ``D [F, N]``."""
-        return (self.Xf @ D.view(-1).to(self.dtype)).float()
+        return site_inner(self.Xf, D.reshape(-1))
 
 
 def _sites(X) -> _FlatSites | SpanRows:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from depthscope.probes.store.site_sums import site_inner, weighted_sum
+
 #: bytes of the dense copy of a batch of examples the evaluation loops gather at a time
 DENSE_BYTES = 64 * 2**20
 
@@ -135,10 +137,7 @@ class SpanRows:
         S, D, R = self.words.shape
         K, N = self.idx.shape
         flat = self.words.reshape(S, D * R)
-        if self.dtype == torch.float32:
-            mw = torch.mv(flat.T, p.float(), out=self._scratch().view(-1)).view(D, R)
-        else:
-            mw = (p.to(self.dtype) @ flat).float().view(D, R)
+        mw = weighted_sum(flat, p, self._scratch().view(-1)).view(D, R)
         out = torch.empty(K * D, N, device=self.device) if out is None else out
         for k in range(K):
             torch.index_select(mw, 1, self.idx[k], out=out[k * D : (k + 1) * D])
@@ -152,7 +151,7 @@ class SpanRows:
         onto = self._scratch().zero_()
         for k in range(K):
             onto.index_add_(1, self.idx[k], G[k * D : (k + 1) * D])
-        return (self.words.reshape(S, D * R) @ onto.view(-1).to(self.dtype)).float()
+        return site_inner(self.words.reshape(S, D * R), onto.view(-1))
 
     def _scratch(self) -> torch.Tensor:
         """The ``[D, R]`` float32 workspace (made once: the mix evaluates these passes dozens of
