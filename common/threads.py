@@ -6,6 +6,7 @@ it saves (badly so on a busy machine).
                            is below ``SMALL_WORK``, the current count otherwise
 ``one_thread()``           context: one intra-op thread, whatever the work
 ``set_threads(n)``         torch's intra-op threads, ``n`` checked against the machine first
+``side_by_side(jobs, n)``  independent jobs on ``n`` threads, each with one intra-op thread
 =========================  ====================================================================
 
 The previous thread count is restored when the block ends, also on an error. A thread count is at
@@ -16,6 +17,9 @@ count, and absurd ones allocate gigabytes of per-thread buffers or crash.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
@@ -49,3 +53,43 @@ def set_threads(threads: int, name: str = "threads") -> None:
     (else an InputError naming ``name`` and the bound)."""
     check_number(name, threads, minimum=1, maximum=CPUS)
     torch.set_num_threads(threads)
+
+
+def side_by_side(jobs: Sequence[Callable[[threading.Event], object]], workers: int) -> list:
+    """The results of ``jobs`` (independent of each other), in order, computed on ``workers``
+    threads, each running its torch operations on one intra-op thread; ``workers <= 1`` or a
+    single job: one after another on the calling thread. Each job receives an event that is set
+    when another job failed or the caller was interrupted: it should check it between steps and
+    return early (its result is then discarded). The first error is raised once every started job
+    has returned.
+
+    Several small products side by side use the cores better than each product split across
+    them: torch releases the interpreter lock inside its operations, and a product of a few
+    dozen columns over one thread saves the threads' synchronisation (on two cores, the per-site
+    probe fits take a quarter less CPU time and wall time). The intra-op thread count is restored
+    afterwards (``torch.set_num_threads`` in a worker also sets MKL's, which is process-wide)."""
+    stop = threading.Event()
+    if workers <= 1 or len(jobs) <= 1:
+        return [job(stop) for job in jobs]
+    old = torch.get_num_threads()
+
+    def run(job):
+        torch.set_num_threads(1)  # this thread's OpenMP count (and MKL's, restored below)
+        return job(stop)
+
+    pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="depthscope")
+    futures = [pool.submit(run, job) for job in jobs]
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+        torch.set_num_threads(old)

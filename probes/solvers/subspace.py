@@ -4,7 +4,7 @@
 ``fit_softmax(X, y, W, b, l2, settings)``        minimise each unit's regularised softmax objective
                                                from ``W [U, F, G*C]``, ``b [U, 1, G*C]`` in place;
                                                a :class:`~depthscope.probes.solvers.lbfgs.Solved`
-``unit_blocks(U, n, F, G, C)``                 the unit ranges solved one after another (memory)
+``unit_blocks(U, n, F, G, C, ...)``            the unit ranges solved ``workers`` at a time (memory)
 ``newton_system(P, A, gram, l2)``              the per-class subspace's Hessian (the Newton step's)
 ``damped_solve(H, grad)``                      the damped Newton direction of that system
 ``hessian_rows(n, count)``                     the rows pass ``count`` forms that Hessian from
@@ -63,17 +63,23 @@ runs of units (views of the features, no gather). Units are taken in blocks size
 solver's state (logits, softmax, directions, their images and the Newton system's products:
 about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit, and a contiguous copy of the
 block's ``X^T``, which the logit images' product reads faster than a transposed view) stays
-under ``STATE_BYTES``. The objectives returned are those of the logits carried along
+under ``STATE_BYTES``. On the CPU the blocks are solved side by side, one per intra-op thread
+(each block's products on one thread: :func:`~depthscope.common.threads.side_by_side`), with
+``STATE_BYTES`` shared by the blocks in flight; a unit's result does not depend on the blocks.
+The objectives returned are those of the logits carried along
 (:class:`~depthscope.probes.solvers.methods.SubspaceSolver` reports a fresh evaluation).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from depthscope.common.threads import side_by_side
 from depthscope.probes.solvers.base import TrainSettings
 from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stopping
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
@@ -114,11 +120,11 @@ def hessian_rows(n: int, count: int) -> slice:
     return slice(j * h, (j + 1) * h if j < k - 1 else n)
 
 
-def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY) -> list:
-    """``(start, stop)`` ranges of units solved one after another so that a block's state fits
-    ``STATE_BYTES``."""
+def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY, workers: int = 1) -> list:
+    """``(start, stop)`` ranges of units solved ``workers`` at a time so that the blocks in
+    flight hold at most ``STATE_BYTES`` of state together."""
     per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C + n * F)  # n F: X^T's copy
-    size = max(1, int(STATE_BYTES // max(per_unit, 1.0)))
+    size = max(1, int(STATE_BYTES // max(per_unit * max(workers, 1), 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
 
@@ -162,34 +168,49 @@ def fit_softmax(
     G = y.shape[1]
     C = W.shape[2] // G
     max_passes, ftol, gtol = settings.max_epochs, settings.tol, settings.gtol
-    blocks = unit_blocks(U, n, F, G, C, memory)
+    workers = torch.get_num_threads() if dev.type == "cpu" else 1
+    blocks = unit_blocks(U, n, F, G, C, memory, workers)
+    done, lock = [0.0], threading.Lock()
+
+    def solve(a: int, z: int, stop: threading.Event) -> Solved:
+        tick = _share(on_pass, (z - a) / U, done, lock, stop)
+        with torch.device(dev):
+            Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
+            return _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
+
+    sols = side_by_side([functools.partial(solve, a, z) for a, z in blocks], workers)
     history: list = []
-    evals, done = 0, [0.0]
     with torch.device(dev):
         f = torch.zeros(U, dtype=torch.float64)
         gmax = torch.zeros(U, dtype=torch.float64)
         conv = torch.zeros(U, dtype=torch.bool)
         at = torch.zeros(U, dtype=torch.long)
-        for a, z in blocks:
-            tick = None if on_pass is None else _share(on_pass, (z - a) / U, done)
-            Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
-            sol = _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
-            del Xb
-            f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
-            evals = max(evals, sol.evals)
-            history = _add_padded(history, sol.history)
-    return Solved(None, f, gmax, conv, evals, history, at)
+    for (a, z), sol in zip(blocks, sols):
+        f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
+        history = _add_padded(history, sol.history)
+    return Solved(None, f, gmax, conv, max(sol.evals for sol in sols), history, at)
 
 
-def _share(on_pass: Callable, share: float, done: list) -> Callable:
-    """A pass callback worth ``share`` of a whole pass: it adds ``share`` to the running total
-    ``done[0]`` (shared by the blocks) and calls ``on_pass`` once for each whole pass completed."""
+class _Stopped(Exception):
+    """Another block of units failed, or the caller was interrupted: this block stops."""
+
+
+def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, stop: threading.Event):
+    """A block's pass callback, worth ``share`` of a whole pass: it stops the block when ``stop``
+    is set (:func:`~depthscope.common.threads.side_by_side`), adds ``share`` to the running total
+    ``done[0]`` (shared by the blocks, under ``lock``: blocks may run side by side) and calls
+    ``on_pass`` once for each whole pass completed."""
 
     def tick() -> None:
-        before = int(done[0] + 1e-9)
-        done[0] += share
-        for _ in range(int(done[0] + 1e-9) - before):
-            on_pass()
+        if stop.is_set():
+            raise _Stopped
+        if on_pass is None:
+            return
+        with lock:
+            before = int(done[0] + 1e-9)
+            done[0] += share
+            for _ in range(int(done[0] + 1e-9) - before):
+                on_pass()
 
     return tick
 
