@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from depthscope.common.threads import side_by_side
+from depthscope.common.threads import Stopped, side_by_side
 from depthscope.probes.solvers import subspace
 from depthscope.probes.solvers.classifiers import BatchedProbe
 from depthscope.probes.solvers.training import train_probe
@@ -47,15 +47,17 @@ def test_jobs_run_on_their_own_threads_with_one_intra_op_thread_each(two_threads
 def test_the_first_error_stops_the_other_jobs_and_is_raised(two_threads):
     stopped = threading.Event()
 
-    def slow(stop):
-        for _ in range(500):  # at most 5 s: the failing job sets the event long before
-            if stop.is_set():
+    def slow(crew):
+        for _ in range(500):  # at most 5 s: the failing job stops it long before
+            try:
+                crew.step()
+            except Stopped:
                 stopped.set()
-                raise RuntimeError("stopped")  # raised after the first error: not the one reported
+                raise
             time.sleep(0.01)
         return "finished"
 
-    def failing(stop):
+    def failing(crew):
         time.sleep(0.05)
         raise ValueError("bad block")
 
@@ -65,13 +67,43 @@ def test_the_first_error_stops_the_other_jobs_and_is_raised(two_threads):
     assert torch.get_num_threads() == 2
 
 
+def test_the_last_running_job_takes_every_thread(two_threads):
+    """While a job waits to start, each running job steps on one thread; once none waits, the
+    one still running steps on both."""
+    release = threading.Event()
+    threads = []
+
+    def quick(crew):
+        crew.step()
+        threads.append(("quick", torch.get_num_threads()))
+        release.wait(5)
+        return 0
+
+    def long(crew):
+        crew.step()
+        threads.append(("long, others waiting", torch.get_num_threads()))
+        release.set()
+        for _ in range(200):  # until the two quick jobs are done (they take milliseconds)
+            time.sleep(0.01)
+            crew.step()
+            if torch.get_num_threads() == 2:
+                break
+        threads.append(("long, alone", torch.get_num_threads()))
+        return 1
+
+    assert side_by_side([long, quick, quick], workers=2) == [1, 0, 0]
+    assert threads[0] == ("long, others waiting", 1) or threads[0][0] == "quick"
+    assert ("long, others waiting", 1) in threads and ("long, alone", 2) in threads
+    assert torch.get_num_threads() == 2
+
+
 def test_blocks_solved_side_by_side_fit_as_one_thread_does(monkeypatch, two_threads):
-    """Three one-unit blocks (a small state budget), solved on two threads and on one: the same
-    weights, passes and objectives (each unit is its own problem)."""
+    """Three one-unit blocks (a state budget of two units), solved on two threads and on one:
+    the same optima (each unit is its own problem)."""
     from depthscope.common import threads
 
     f, y, l2 = _subspace_case()
-    monkeypatch.setattr(subspace, "STATE_BYTES", 1.0)
+    monkeypatch.setattr(subspace, "STATE_BYTES", 2 * subspace.unit_bytes(len(f), 20, 2, 5))  # two units
     monkeypatch.setattr(threads, "SMALL_WORK", 0.0)  # the small case keeps its threads
     calls = []
     real = subspace.side_by_side
@@ -84,9 +116,10 @@ def test_blocks_solved_side_by_side_fit_as_one_thread_does(monkeypatch, two_thre
         p = BatchedProbe(n_sites=3, d=20, n_spans=1, n_classes=5, n_heads=2, l2=l2)
         log = train_probe(p, f, y)
         out.append((p.W.detach().clone(), p.b.detach().clone(), log))
-    assert calls == [(3, 2), (3, 1)]
+    assert calls == [(3, 2), (2, 1)]  # two threads: one-unit blocks, two at a time; one: two-unit blocks
     (W2, b2, log2), (W1, b1, log1) = out
-    torch.testing.assert_close(W2, W1, rtol=0, atol=1e-6)
-    torch.testing.assert_close(b2, b1, rtol=0, atol=1e-6)
-    assert (log2.unit_epochs == log1.unit_epochs).all() and log2.converged.all()
+    assert log2.converged.all() and log1.converged.all()
+    # the last block's products move to two threads, so rounding differs: the same optima
     assert abs(log2.objective - log1.objective).max() <= 1e-6 * abs(log1.objective).max()
+    torch.testing.assert_close(W2, W1, rtol=0, atol=2e-4)
+    torch.testing.assert_close(b2, b1, rtol=0, atol=2e-4)

@@ -65,7 +65,9 @@ about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit, and a contiguous 
 block's ``X^T``, which the logit images' product reads faster than a transposed view) stays
 under ``STATE_BYTES``. On the CPU the blocks are solved side by side, one per intra-op thread
 (each block's products on one thread: :func:`~depthscope.common.threads.side_by_side`), with
-``STATE_BYTES`` shared by the blocks in flight; a unit's result does not depend on the blocks.
+``STATE_BYTES`` shared by the blocks in flight, and the last blocks running share the threads
+(:class:`~depthscope.common.threads.Crew`); a unit is the same problem in any block, and only
+float rounding differs with the threads its products ran on.
 The objectives returned are those of the logits carried along
 (:class:`~depthscope.probes.solvers.methods.SubspaceSolver` reports a fresh evaluation).
 """
@@ -79,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from depthscope.common.threads import side_by_side
+from depthscope.common.threads import Crew, side_by_side
 from depthscope.probes.solvers.base import TrainSettings
 from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stopping
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
@@ -120,11 +122,15 @@ def hessian_rows(n: int, count: int) -> slice:
     return slice(j * h, (j + 1) * h if j < k - 1 else n)
 
 
+def unit_bytes(n: int, F: int, G: int, C: int, memory: int = MEMORY) -> float:
+    """The solver's state for one unit, in bytes (``n F``: its share of the block's copy of ``X^T``)."""
+    return 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C + n * F)
+
+
 def unit_blocks(U: int, n: int, F: int, G: int, C: int, memory: int = MEMORY, workers: int = 1) -> list:
     """``(start, stop)`` ranges of units solved ``workers`` at a time so that the blocks in
     flight hold at most ``STATE_BYTES`` of state together."""
-    per_unit = 4.0 * ((10 + 2 * memory) * n * G * C + (4 + memory) * F * G * C + n * F)  # n F: X^T's copy
-    size = max(1, int(STATE_BYTES // max(per_unit * max(workers, 1), 1.0)))
+    size = max(1, int(STATE_BYTES // max(unit_bytes(n, F, G, C, memory) * max(workers, 1), 1.0)))
     return [(a, min(U, a + size)) for a in range(0, U, size)]
 
 
@@ -169,11 +175,12 @@ def fit_softmax(
     C = W.shape[2] // G
     max_passes, ftol, gtol = settings.max_epochs, settings.tol, settings.gtol
     workers = torch.get_num_threads() if dev.type == "cpu" else 1
+    workers = max(1, min(workers, int(STATE_BYTES // unit_bytes(n, F, G, C, memory))))  # a unit each at least
     blocks = unit_blocks(U, n, F, G, C, memory, workers)
     done, lock = [0.0], threading.Lock()
 
-    def solve(a: int, z: int, stop: threading.Event) -> Solved:
-        tick = _share(on_pass, (z - a) / U, done, lock, stop)
+    def solve(a: int, z: int, crew: Crew) -> Solved:
+        tick = _share(on_pass, (z - a) / U, done, lock, crew)
         with torch.device(dev):
             Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
             return _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
@@ -191,19 +198,15 @@ def fit_softmax(
     return Solved(None, f, gmax, conv, max(sol.evals for sol in sols), history, at)
 
 
-class _Stopped(Exception):
-    """Another block of units failed, or the caller was interrupted: this block stops."""
-
-
-def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, stop: threading.Event):
-    """A block's pass callback, worth ``share`` of a whole pass: it stops the block when ``stop``
-    is set (:func:`~depthscope.common.threads.side_by_side`), adds ``share`` to the running total
-    ``done[0]`` (shared by the blocks, under ``lock``: blocks may run side by side) and calls
-    ``on_pass`` once for each whole pass completed."""
+def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, crew: Crew):
+    """A block's pass callback, worth ``share`` of a whole pass: it takes the block's step of
+    the crew of blocks (:meth:`~depthscope.common.threads.Crew.step`: stop, or this pass's
+    threads), adds ``share`` to the running total ``done[0]`` (shared by the blocks, under
+    ``lock``: blocks may run side by side) and calls ``on_pass`` once for each whole pass
+    completed."""
 
     def tick() -> None:
-        if stop.is_set():
-            raise _Stopped
+        crew.step()
         if on_pass is None:
             return
         with lock:
