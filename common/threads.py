@@ -6,7 +6,7 @@ it saves (badly so on a busy machine).
                            is below ``SMALL_WORK``, the current count otherwise
 ``one_thread()``           context: one intra-op thread, whatever the work
 ``set_threads(n)``         torch's intra-op threads, ``n`` checked against the machine first
-``side_by_side(jobs, n)``  independent jobs on ``n`` threads, each with its share of them
+``side_by_side(jobs, n)``  independent jobs on ``n`` threads, each with one intra-op thread
 =========================  ====================================================================
 
 The previous thread count is restored when the block ends, also on an error. A thread count is at
@@ -56,62 +56,35 @@ def set_threads(threads: int, name: str = "threads") -> None:
 
 
 class Stopped(Exception):
-    """Raised by :meth:`Crew.step` in a job of :func:`side_by_side` once another job failed or
-    the caller was interrupted."""
+    """Raised by a job of :func:`side_by_side` that found its stop event set: another job failed
+    or the caller was interrupted."""
 
 
-class Crew:
-    """What each job of :func:`side_by_side` shares with the others: :meth:`step`, to call
-    between its steps."""
-
-    def __init__(self, workers: int, jobs: int):
-        self.workers, self.pending, self.running = workers, jobs, 0
-        self.stop, self.lock = threading.Event(), threading.Lock()
-
-    def step(self) -> None:
-        """Raise :class:`Stopped` once the jobs are stopped; else set this thread's intra-op
-        threads to its share of the workers: one while jobs wait to start, and the workers split
-        among the jobs still running once none waits (the last job's products use every thread,
-        instead of leaving the others idle)."""
-        if self.stop.is_set():
-            raise Stopped
-        with self.lock:
-            want = 1 if self.pending else max(1, self.workers // max(self.running, 1))
-        if self.workers > 1 and torch.get_num_threads() != want:
-            torch.set_num_threads(want)
-
-    def _run(self, job: Callable):
-        with self.lock:
-            self.pending -= 1
-            self.running += 1
-        torch.set_num_threads(1)  # this thread's OpenMP count (and MKL's, process-wide: restored after)
-        try:
-            return job(self)
-        finally:
-            with self.lock:
-                self.running -= 1
-
-
-def side_by_side(jobs: Sequence[Callable[[Crew], object]], workers: int) -> list:
+def side_by_side(jobs: Sequence[Callable[[threading.Event], object]], workers: int) -> list:
     """The results of ``jobs`` (independent of each other), in order, computed on ``workers``
-    threads; ``workers <= 1`` or a single job: one after another on the calling thread. Each job
-    receives the :class:`Crew` and calls its :meth:`~Crew.step` between steps: while jobs wait to
-    start, each job's torch operations run on one intra-op thread, and once none waits the
-    running ones share the workers; after a job failed (or the caller was interrupted) the step
-    raises :class:`Stopped`. The first error is raised once every started job has returned.
+    threads, each running its torch operations on one intra-op thread; ``workers <= 1`` or a
+    single job: one after another on the calling thread, its thread count unchanged. Each job
+    receives an event that is set once another job failed or the caller was interrupted: it
+    should check it between steps and stop (raising :class:`Stopped`, say). The first error is
+    raised once every started job has returned.
 
     Several small products side by side use the cores better than each product split across
     them: torch releases the interpreter lock inside its operations, and a product of a few
-    dozen columns on one thread saves the threads' synchronisation. The intra-op thread count
-    is restored afterwards (``torch.set_num_threads`` in a worker also sets MKL's, which is
-    process-wide)."""
-    crew = Crew(workers, len(jobs))
+    dozen columns on one thread saves the threads' synchronisation. Each job's arithmetic is
+    that of one thread whatever ``workers`` is, so its results do not depend on the schedule.
+    The intra-op thread count is restored afterwards (``torch.set_num_threads`` in a worker
+    also sets MKL's, which is process-wide)."""
+    stop = threading.Event()
     if workers <= 1 or len(jobs) <= 1:
-        crew.workers = 1
-        return [job(crew) for job in jobs]
+        return [job(stop) for job in jobs]
     old = torch.get_num_threads()
+
+    def run(job):
+        torch.set_num_threads(1)  # this thread's OpenMP count (and MKL's, restored below)
+        return job(stop)
+
     pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="depthscope")
-    futures = [pool.submit(crew._run, job) for job in jobs]
+    futures = [pool.submit(run, job) for job in jobs]
     try:
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
@@ -119,7 +92,7 @@ def side_by_side(jobs: Sequence[Callable[[Crew], object]], workers: int) -> list
                 raise f.exception()
         return [f.result() for f in futures]
     except BaseException:
-        crew.stop.set()
+        stop.set()
         raise
     finally:
         for f in futures:

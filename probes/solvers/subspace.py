@@ -65,9 +65,10 @@ about ``10 + 2 memory`` copies of ``n x G*C`` floats per unit, and a contiguous 
 block's ``X^T``, which the logit images' product reads faster than a transposed view) stays
 under ``STATE_BYTES``. On the CPU the blocks are solved side by side, one per intra-op thread
 (each block's products on one thread: :func:`~depthscope.common.threads.side_by_side`), with
-``STATE_BYTES`` shared by the blocks in flight, and the last blocks running share the threads
-(:class:`~depthscope.common.threads.Crew`); a unit is the same problem in any block, and only
-float rounding differs with the threads its products ran on.
+``STATE_BYTES`` shared by the blocks in flight, when there are at least ``BALANCE`` blocks per
+thread (with fewer, the last ones would leave threads idle: the blocks then run one after
+another, each product on every thread). A unit's arithmetic does not depend on its block, so
+side by side a fit is the same whatever the thread count and the schedule.
 The objectives returned are those of the logits carried along
 (:class:`~depthscope.probes.solvers.methods.SubspaceSolver` reports a fresh evaluation).
 """
@@ -81,7 +82,7 @@ from dataclasses import dataclass
 
 import torch
 
-from depthscope.common.threads import Crew, side_by_side
+from depthscope.common.threads import Stopped, side_by_side
 from depthscope.probes.solvers.base import TrainSettings
 from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stopping
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
@@ -90,6 +91,8 @@ from depthscope.probes.store.span_rows import SpanRows
 #: memory for one block of units' solver state (logits, directions, their images): blocks of 7
 #: (deprel) to 15 (upos) sites of the default model's two-head probes on the bundled EWT sample
 STATE_BYTES = 2.5e8
+#: blocks of units run side by side only when each thread has at least this many to solve
+BALANCE = 4
 #: a class absent from the labels stops descending when its mean probability is this times gtol
 ABSENT_TOL = 0.01
 #: the smallest eigenvalue of the directions' correlation matrix below which the memory is dropped
@@ -177,10 +180,12 @@ def fit_softmax(
     workers = torch.get_num_threads() if dev.type == "cpu" else 1
     workers = max(1, min(workers, int(STATE_BYTES // unit_bytes(n, F, G, C, memory))))  # a unit each at least
     blocks = unit_blocks(U, n, F, G, C, memory, workers)
+    if len(blocks) < BALANCE * workers:  # too few to keep the threads busy: each product on all of them
+        workers, blocks = 1, unit_blocks(U, n, F, G, C, memory)
     done, lock = [0.0], threading.Lock()
 
-    def solve(a: int, z: int, crew: Crew) -> Solved:
-        tick = _share(on_pass, (z - a) / U, done, lock, crew)
+    def solve(a: int, z: int, stop: threading.Event) -> Solved:
+        tick = _share(on_pass, (z - a) / U, done, lock, stop)
         with torch.device(dev):
             Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
             return _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
@@ -198,15 +203,15 @@ def fit_softmax(
     return Solved(None, f, gmax, conv, max(sol.evals for sol in sols), history, at)
 
 
-def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, crew: Crew):
-    """A block's pass callback, worth ``share`` of a whole pass: it takes the block's step of
-    the crew of blocks (:meth:`~depthscope.common.threads.Crew.step`: stop, or this pass's
-    threads), adds ``share`` to the running total ``done[0]`` (shared by the blocks, under
-    ``lock``: blocks may run side by side) and calls ``on_pass`` once for each whole pass
-    completed."""
+def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, stop: threading.Event):
+    """A block's pass callback, worth ``share`` of a whole pass: it stops the block once
+    ``stop`` is set (:func:`~depthscope.common.threads.side_by_side`), adds ``share`` to the
+    running total ``done[0]`` (shared by the blocks, under ``lock``: blocks may run side by side)
+    and calls ``on_pass`` once for each whole pass completed."""
 
     def tick() -> None:
-        crew.step()
+        if stop.is_set():
+            raise Stopped
         if on_pass is None:
             return
         with lock:
