@@ -9,7 +9,8 @@ batch pays for zeroing new pages each time; on probe fitting that is a large sha
 Blocks from ``mmap_threshold`` (256 MB) up are still mapped: copies of whole feature sets and
 all-site activations are made once per stage, and a freed one returns to the OS at once rather
 than staying in the heap, where blocks of changing sizes would fragment it and hold the peak
-memory of every stage at once.
+memory of every stage at once. Every thread allocates from that one heap (glibc gives each thread
+that allocates a heap of its own by default, and each would keep its own freed blocks).
 
 :func:`release_memory` hands the heap's free pages back to the OS (glibc's ``malloc_trim``).
 Jobs call it where one stage's working set ends and another's begins (after the lens, the
@@ -29,14 +30,17 @@ import os
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 _done = False
 
 
 def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29) -> bool:
-    """Raise glibc's mmap and trim thresholds (Linux/glibc only; a no-op elsewhere or when
-    ``DEPTHSCOPE_NO_MALLOPT`` is set). Returns True when applied. The cost: memory freed by
-    the process stays reserved for its later allocations, up to ``trim_threshold`` above the
-    heap's top and blocks below ``mmap_threshold``."""
+    """Raise glibc's mmap and trim thresholds and keep one heap for every thread (Linux/glibc
+    only; a no-op elsewhere or when ``DEPTHSCOPE_NO_MALLOPT`` is set). Returns True when
+    applied. The cost: memory freed by the process stays reserved for its later allocations, up
+    to ``trim_threshold`` above the heap's top and blocks below ``mmap_threshold``. One heap,
+    because threads that allocate (the probe solver's blocks side by side) would otherwise each
+    keep freed blocks in a heap of their own, on top of the main one."""
     global _done
     if _done:
         return True
@@ -45,7 +49,11 @@ def tune_allocator(mmap_threshold: int = 1 << 28, trim_threshold: int = 1 << 29)
     mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
     if mallopt is None:
         return False
-    ok = mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    ok = (
+        mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+        and mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+        and mallopt(M_ARENA_MAX, 1) == 1
+    )
     _done = ok
     return ok
 
