@@ -451,7 +451,7 @@ class _FlatSites:
 
     def __init__(self, X: torch.Tensor):
         S, N, F_ = self.shape = X.shape
-        self.Xf, self.dtype = X.transpose(1, 2).reshape(S, F_ * N), X.dtype
+        self.Xf = X.transpose(1, 2).reshape(S, F_ * N)
         self.F, self.N = F_, N
 
     def mix(self, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -177,11 +177,7 @@ def fit_softmax(
     G = y.shape[1]
     C = W.shape[2] // G
     max_passes, ftol, gtol = settings.max_epochs, settings.tol, settings.gtol
-    workers = torch.get_num_threads() if dev.type == "cpu" else 1
-    workers = max(1, min(workers, int(STATE_BYTES // unit_bytes(n, F, G, C, memory))))  # a unit each at least
-    blocks = unit_blocks(U, n, F, G, C, memory, workers)
-    if len(blocks) < BALANCE * workers:  # too few to keep the threads busy: each product on all of them
-        workers, blocks = 1, unit_blocks(U, n, F, G, C, memory)
+    workers, blocks = _schedule(dev, U, n, F, G, C, memory)
     done, lock = [0.0], threading.Lock()
 
     def solve(a: int, z: int, stop: threading.Event) -> Solved:
@@ -201,6 +197,19 @@ def fit_softmax(
         f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
         history = _add_padded(history, sol.history)
     return Solved(None, f, gmax, conv, max(sol.evals for sol in sols), history, at)
+
+
+def _schedule(dev: torch.device, U: int, n: int, F: int, G: int, C: int, memory: int) -> tuple:
+    """``(workers, blocks)``: the threads that solve blocks side by side (on the CPU, one per
+    intra-op thread, at most as many as hold one unit each within ``STATE_BYTES``) and the
+    blocks' unit ranges; one worker, each product on every thread, when the blocks would be
+    fewer than ``BALANCE`` per thread."""
+    workers = torch.get_num_threads() if dev.type == "cpu" else 1
+    workers = max(1, min(workers, int(STATE_BYTES // unit_bytes(n, F, G, C, memory))))
+    blocks = unit_blocks(U, n, F, G, C, memory, workers)
+    if len(blocks) < BALANCE * workers:  # too few to keep the threads busy
+        return 1, unit_blocks(U, n, F, G, C, memory)
+    return workers, blocks
 
 
 def _share(on_pass: Callable | None, share: float, done: list, lock: threading.Lock, stop: threading.Event):

@@ -27,29 +27,33 @@ CHUNK = 16384
 def weighted_sum(flat: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_s p_s flat[s]`` as ``[M]`` float32 for ``flat [S, M]`` and weights ``p [S]`` (into
     ``out`` when given)."""
-    S, M = flat.shape
     p = p.to(device=flat.device, dtype=torch.float32)
-    out = torch.empty(M, device=flat.device) if out is None else out
+    out = torch.empty(flat.shape[1], device=flat.device) if out is None else out
     if flat.dtype == torch.float32:
         return torch.mv(flat.T, p, out=out)
-    buf = torch.empty(S, min(CHUNK, M), device=flat.device)
-    for j in range(0, M, CHUNK):
-        part = buf[:, : min(CHUNK, M - j)]
-        part.copy_(flat[:, j : j + part.shape[1]])
-        torch.mv(part.T, p, out=out[j : j + part.shape[1]])
+    for cols, part in _float32_chunks(flat):
+        torch.mv(part.T, p, out=out[cols])
     return out
 
 
 def site_inner(flat: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``<flat[s], d>`` for every site, ``[S]`` float32, for ``flat [S, M]`` and ``d [M]``."""
-    S, M = flat.shape
     d = d.to(device=flat.device, dtype=torch.float32)
     if flat.dtype == torch.float32:
         return torch.mv(flat, d)
-    acc = torch.zeros(S, device=flat.device)
+    acc = torch.zeros(flat.shape[0], device=flat.device)
+    for cols, part in _float32_chunks(flat):
+        acc.addmv_(part, d[cols])
+    return acc
+
+
+def _float32_chunks(flat: torch.Tensor):
+    """``(columns, float32 copy of flat[:, columns])`` for consecutive chunks of :data:`CHUNK`
+    columns, each copied into the same buffer (valid until the next chunk is drawn)."""
+    S, M = flat.shape
     buf = torch.empty(S, min(CHUNK, M), device=flat.device)
     for j in range(0, M, CHUNK):
-        part = buf[:, : min(CHUNK, M - j)]
-        part.copy_(flat[:, j : j + part.shape[1]])
-        acc.addmv_(part, d[j : j + part.shape[1]])
-    return acc
+        cols = slice(j, min(j + CHUNK, M))
+        part = buf[:, : cols.stop - j]
+        part.copy_(flat[:, cols])
+        yield cols, part
