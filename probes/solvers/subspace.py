@@ -88,8 +88,9 @@ from depthscope.probes.solvers.lbfgs import ARMIJO, MAX_BACKTRACKS, Solved, Stop
 from depthscope.probes.solvers.lbfgs import unit_runs as _runs
 from depthscope.probes.store.span_rows import SpanRows
 
-#: memory for one block of units' solver state (logits, directions, their images): blocks of 7
-#: (deprel) to 15 (upos) sites of the default model's two-head probes on the bundled EWT sample
+#: memory for the solver state of the blocks of units in flight (logits, directions, their
+#: images): one block of 3 (deprel) to 7 (upos) sites of the default model's two-head probes on
+#: the bundled EWT sample, or two side by side of 1 to 3
 STATE_BYTES = 2.5e8
 #: blocks of units run side by side only when each thread has at least this many to solve
 BALANCE = 4
