@@ -60,12 +60,12 @@ class Stopping:
     in the module docstring): ``done`` units are frozen, ``converged`` ones passed the test,
     ``at`` holds the evaluation count at which each unit stopped."""
 
-    def __init__(self, U: int):
-        self.small = torch.zeros(U, dtype=torch.long)  # consecutive small relative decreases
-        self.fails = torch.zeros(U, dtype=torch.long)  # consecutive failed line searches
-        self.converged = torch.zeros(U, dtype=torch.bool)
-        self.done = torch.zeros(U, dtype=torch.bool)
-        self.at = torch.zeros(U, dtype=torch.long)
+    def __init__(self, U: int, device: torch.device | None = None):
+        self.small = torch.zeros(U, dtype=torch.long, device=device)  # consecutive small relative decreases
+        self.fails = torch.zeros(U, dtype=torch.long, device=device)  # consecutive failed line searches
+        self.converged = torch.zeros(U, dtype=torch.bool, device=device)
+        self.done = torch.zeros(U, dtype=torch.bool, device=device)
+        self.at = torch.zeros(U, dtype=torch.long, device=device)
 
     def update(self, accepted, f_prev, f, g, *, ftol: float, gtol: float, count: int) -> None:
         """After one iteration: ``accepted [U]`` (the line search found a decrease, or the unit

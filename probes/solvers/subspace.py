@@ -164,8 +164,8 @@ def fit_softmax(
 
     Everything runs on ``X.device``: ``y`` and ``l2`` are moved there, ``W`` and ``b`` must
     already be there (they are updated in place; a :class:`ValueError` otherwise), and the
-    solver's state is allocated there (the body runs under that device as the default of
-    torch's factory functions, whatever default is set outside). The returned tensors (``f``,
+    solver's state is allocated there (each allocation names the device, whatever default is
+    set outside). The returned tensors (``f``,
     ``grad_max``, ``converged``, ``unit_evals``) are on ``X.device`` too."""
     dev = X.device
     if W.device != dev or b.device != dev:
@@ -183,17 +183,15 @@ def fit_softmax(
 
     def solve(a: int, z: int, stop: threading.Event) -> Solved:
         tick = _share(on_pass, (z - a) / U, done, lock, stop)
-        with torch.device(dev):
-            Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
-            return _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
+        Xb = X.dense(sites=slice(a, z)) if isinstance(X, SpanRows) else X[a:z]  # span rows: a block's copy
+        return _Block(Xb, y, W[a:z], b[a:z], l2, C, memory, gtol).run(max_passes, ftol, tick)
 
     sols = side_by_side([functools.partial(solve, a, z) for a, z in blocks], workers)
     history: list = []
-    with torch.device(dev):
-        f = torch.zeros(U, dtype=torch.float64)
-        gmax = torch.zeros(U, dtype=torch.float64)
-        conv = torch.zeros(U, dtype=torch.bool)
-        at = torch.zeros(U, dtype=torch.long)
+    f = torch.zeros(U, dtype=torch.float64, device=dev)
+    gmax = torch.zeros(U, dtype=torch.float64, device=dev)
+    conv = torch.zeros(U, dtype=torch.bool, device=dev)
+    at = torch.zeros(U, dtype=torch.long, device=dev)
     for (a, z), sol in zip(blocks, sols):
         f[a:z], gmax[a:z], conv[a:z], at[a:z] = sol.f, sol.grad_max, sol.converged, sol.unit_evals
         history = _add_padded(history, sol.history)
@@ -270,9 +268,9 @@ def damped_solve(H: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     B = H.shape[0]
     diag = H.diagonal(dim1=1, dim2=2).abs()
     floor = 1e-12 * diag.amax(1, keepdim=True).clamp_min(1e-30)
-    damp = torch.full((B, 1), 1e-8, dtype=torch.float64)  # relative to each diagonal entry
+    damp = torch.full((B, 1), 1e-8, dtype=torch.float64, device=H.device)  # relative to each diagonal entry
     d = torch.zeros_like(grad)
-    todo = torch.ones(B, dtype=torch.bool)
+    todo = torch.ones(B, dtype=torch.bool, device=H.device)
     for _k in range(8):
         Lh, info = torch.linalg.cholesky_ex(H + torch.diag_embed(damp * diag + floor))
         ok = (info == 0) & todo
@@ -324,6 +322,8 @@ class _Block:
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
+        self.dev = dev = X.device  # every array below is made there (explicitly: a torch.device
+        # context would route each of the solver's many small calls through Python)
         self.XT = None  # X^T, contiguous (:meth:`_XT`)
         u, n, F = X.shape
         G = y.shape[1]
@@ -333,39 +333,40 @@ class _Block:
         # the logits are invariant to one shift of all of a head's biases: the most frequent
         # class's bias is held fixed (its direction left out of the subspace)
         counts = torch.stack([torch.bincount(y[:, g], minlength=C) for g in range(G)])  # [G, C]
-        self.free_b = torch.ones(G, C, dtype=torch.bool)
-        self.free_b[torch.arange(G), counts.argmax(1)] = False
+        self.free_b = torch.ones(G, C, dtype=torch.bool, device=dev)
+        self.free_b[torch.arange(G, device=dev), counts.argmax(1)] = False
         self.absent = counts == 0  # [G, C]: their biases' optimum is -inf (see step)
         self.gtol = gtol
         self.l2 = l2.float()
         self.l2col = l2.float().repeat_interleave(C)  # [G*C]
         J, K = 1 + memory, 2 + memory
-        self.Z = torch.empty(u, G, C, n)
+        self.Z = torch.empty(u, G, C, n, device=dev)
         if bool(W.any()):
             self.refresh(slice(0, u))
         else:  # from zero weights the logits are the biases (the product would add zeros)
             self.Z.copy_(b.view(u, G, C, 1).expand(u, G, C, n))
         # class-major: per class, its columns of the directions, and (slot J) of the weights
-        self.VW = torch.zeros(u, G, C, J + 1, F)
-        self.A = torch.zeros(u, G, C, K, n)
+        self.VW = torch.zeros(u, G, C, J + 1, F, device=dev)
+        self.A = torch.zeros(u, G, C, K, n, device=dev)
         self.A[:, :, :, 0] = 1.0
         # the products' columns per head: C - 1 where a product is large enough to gain from it
         self.k = C - 1 if n * F >= SKIP_LAST_MIN and C > 1 else C
         self.logp_of = None  # the units whose logits' log-softmax the workspace M holds (step)
         self.count = 0  # passes made (the Newton system's rows: hessian_rows)
-        self.steps = torch.zeros(u, dtype=torch.long)  # steps taken per unit (memory slots held: min(steps, m))
-        self.f = torch.zeros(u, dtype=torch.float64)
-        self.gW = torch.zeros(u, F, G * C)
-        self.gb = torch.zeros(u, G * C)
-        self.g_head = torch.zeros(u, G)  # largest gradient entry per unit and head (the stopping test's)
-        self.P = torch.zeros(u, G, C, n)
-        self.phi = torch.zeros(u, G, dtype=torch.float64)
-        self.wsq = torch.zeros(u, G, dtype=torch.float64)  # ||W_g||^2 per unit and head
+        # steps taken per unit (memory slots held: min(steps, m))
+        self.steps = torch.zeros(u, dtype=torch.long, device=dev)
+        self.f = torch.zeros(u, dtype=torch.float64, device=dev)
+        self.gW = torch.zeros(u, F, G * C, device=dev)
+        self.gb = torch.zeros(u, G * C, device=dev)
+        self.g_head = torch.zeros(u, G, device=dev)  # largest gradient entry per unit and head (the stopping test's)
+        self.P = torch.zeros(u, G, C, n, device=dev)
+        self.phi = torch.zeros(u, G, dtype=torch.float64, device=dev)
+        self.wsq = torch.zeros(u, G, dtype=torch.float64, device=dev)  # ||W_g||^2 per unit and head
         # workspace: the residual (also the new direction's image), the trial logits, the trial
         # step's image, and P A (also the trial's log-softmax)
-        self.R, self.T, self.S = (torch.empty(u, G, C, n) for _ in range(3))
-        self.M = torch.empty(u, G, C, K, n)
-        self.minus = torch.full((u, G, 1, n), -1.0 / n)
+        self.R, self.T, self.S = (torch.empty(u, G, C, n, device=dev) for _ in range(3))
+        self.M = torch.empty(u, G, C, K, n, device=dev)
+        self.minus = torch.full((u, G, 1, n), -1.0 / n, device=dev)
 
     def _X(self, s: slice) -> torch.Tensor:
         return self.X[s] if self.X.dtype == self.dt else self.X[s].to(self.dt)
@@ -406,7 +407,7 @@ class _Block:
             Rk = self.T[s].view(-1)[: u * G * k * n].view(u, G, k, n).copy_(Rk)
         gk = torch.bmm(Rk.reshape(u, G * k, n).to(self.dt), self._X(s)).float()  # (R^T X)^T: X's feature-major layout
         if k < C:
-            gt = torch.empty(u, G, C, F)
+            gt = torch.empty(u, G, C, F, device=self.dev)
             gt[:, :, :k] = gk.view(u, G, k, F)
             torch.sum(gk.view(u, G, k, F), 2, out=gt[:, :, k]).neg_()
             gk = gt
@@ -501,13 +502,15 @@ class _Block:
         dependent (they would be combined with large cancelling coefficients, and the logits
         carried along would drift from ``X W + b``)."""
         B, C, J = sub.B, self.C, sub.J
-        used = (torch.arange(J)[None, :] <= self.steps[sub.s][:, None]).repeat_interleave(self.G, 0)  # [B, J]
+        slots = torch.arange(J, device=self.dev)
+        used = (slots[None, :] <= self.steps[sub.s][:, None]).repeat_interleave(self.G, 0)  # [B, J]
         used = used[:, None, :].expand(B, C, J)
         norm = sub.gram.diagonal(dim1=2, dim2=3).clamp_min(1e-300).sqrt()
         corr = sub.gram / (norm[..., :, None] * norm[..., None, :])
         both = used[..., :, None] & used[..., None, :]
-        corr = torch.where(both, corr, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~used).double())
-        eye = torch.eye(J, dtype=torch.float64)  # not positive definite after the shift: an eigenvalue below it
+        corr = torch.where(both, corr, 0.0) + torch.diag_embed((~used).double())
+        # not positive definite after the shift: an eigenvalue below it
+        eye = torch.eye(J, dtype=torch.float64, device=self.dev)
         used = used & (torch.linalg.cholesky_ex(corr - MIN_CORR_EIG * eye)[1] == 0)[..., None]
         used[..., 0] = True
         return used
@@ -536,7 +539,7 @@ class _Block:
         H = newton_system(self.P[s].view(B, C, self.n)[..., r], sub.A[..., r], sub.gram, sub.l2, work=work)
         grad = grad.view(B, C * K) * keep
         pair = keep[:, :, None] & keep[:, None, :]
-        H = torch.where(pair, H, torch.zeros((), dtype=torch.float64)) + torch.diag_embed((~keep).double())
+        H = torch.where(pair, H, 0.0) + torch.diag_embed((~keep).double())
         d = damped_solve(H, grad) * keep
         gd = (grad * d).sum(1)
         return d.view(B, C, K), gd
@@ -565,8 +568,8 @@ class _Block:
         B = sub.B
         phi = self.phi[sub.s].reshape(B)  # at theta = 0: the gradient's evaluation
         t = (gd < 0).double()
-        val = torch.empty(B, dtype=torch.float64)
-        todo = torch.ones(B, dtype=torch.bool)  # the rows whose step changed (all, then the failed)
+        val = torch.empty(B, dtype=torch.float64, device=self.dev)
+        todo = torch.ones(B, dtype=torch.bool, device=self.dev)  # the rows whose step changed (all, then the failed)
         for _k in range(MAX_BACKTRACKS):
             theta = t[:, None, None] * d
             runs = _runs(todo)
@@ -579,7 +582,7 @@ class _Block:
             todo = ~ok
         failed = ~ok & (gd < 0)
         if bool(failed.any()):
-            theta = torch.where(failed[:, None, None], torch.zeros((), dtype=torch.float64), theta)
+            theta = torch.where(failed[:, None, None], 0.0, theta)
             sub.S.view(B, self.C, self.n)[failed] = 0.0
             sub.T[failed] = sub.Z0[failed]
             sub.L[failed] = torch.log_softmax(sub.Z0[failed], 1)
@@ -604,7 +607,7 @@ class _Block:
             self.Z[s] = sub.T.view(u, G, C, n)
         ok = ~(failed.view(u, G) & (self.g_head[s] > self.gtol)).any(1)
         if self.m > 0:
-            ui = torch.arange(s.start, s.stop)
+            ui = torch.arange(s.start, s.stop, device=self.dev)
             k = 1 + self.steps[s] % self.m
             self.VW[ui, :, :, k] = sW.view(u, G, C, F)
             self.A[ui, :, :, 1 + k] = sub.S.view(u, G, C, n)  # its image
@@ -613,14 +616,14 @@ class _Block:
 
     def run(self, max_passes: int, ftol: float, on_pass) -> Solved:
         u = self.u
-        st = Stopping(u)
+        st = Stopping(u, device=self.dev)
         self.gradient(slice(0, u))
         passes, history = 1, [float(self.f.sum())]
         if on_pass is not None:
             on_pass()
         while not bool(st.done.all()) and passes < max_passes:
             f_prev = self.f.clone()
-            moved = torch.ones(u, dtype=torch.bool)
+            moved = torch.ones(u, dtype=torch.bool, device=self.dev)
             for a, z in _runs(~st.done):
                 s = slice(a, z)
                 if passes % REFRESH == 0:
