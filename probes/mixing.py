@@ -524,13 +524,15 @@ class _ProjectedMix:
         _, self.N, self.F = sites.shape
         self.sites, self.y, self.l2, self.normalise = sites, y, l2, normalise
         self.W, self.b = Wb
-        self.m, self.u, self.d = (torch.empty(self.F, self.N) for _ in range(3))
+        self.dev = y.device  # the features' (fit_mix puts the labels and the start there)
+        self.m, self.u, self.d = (torch.empty(self.F, self.N, device=self.dev) for _ in range(3))
 
     def mix(self, a: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
         """``(m [F, N], gamma)``: the mix of the sites at logits ``a`` (into ``out`` when given)
         and its scale."""
         m = self.sites.mix(torch.softmax(a, 0), out=out)
-        gamma = torch.rsqrt(m.var(1, unbiased=False).mean().clamp_min(1e-12)) if self.normalise else torch.ones(())
+        var = m.var(1, unbiased=False).mean().clamp_min(1e-12)
+        gamma = torch.rsqrt(var) if self.normalise else torch.ones((), device=self.dev)
         return m, gamma
 
     @torch.no_grad()
@@ -545,7 +547,7 @@ class _ProjectedMix:
         Z = torch.addmm(b, u.T, W)  # [N, C]
         f = torch.nn.functional.cross_entropy(Z, self.y) + self.l2 * (W * W).sum()
         G = torch.softmax(Z, 1)
-        G[torch.arange(self.N), self.y] -= 1.0
+        G[torch.arange(self.N, device=self.dev), self.y] -= 1.0
         G /= self.N
         gW, gb = torch.mm(u, G) + 2 * self.l2 * W, G.sum(0)
         D = torch.mm(W, G.T, out=self.d)  # df/du [F, N]
@@ -574,12 +576,15 @@ def fit_mix(
     L-BFGS over the S mixing logits with the probe solved at each (:class:`_ProjectedMix`).
     ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every step (the module
     docstring says why); else ``gamma = 1``. Converged: every entry of the joint gradient (mixing
-    logits and probe) at most :data:`MIX_GTOL`."""
+    logits and probe) at most :data:`MIX_GTOL`. The fit runs on ``X``'s device (a GPU's, for
+    features held there: no copy to the CPU); ``weights`` come back as a NumPy array, ``state``
+    stays on that device."""
     S, _, F_ = X.shape
-    yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    dev = X.device
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.long, device=dev)
     if init is None:
-        init = (torch.zeros(S), torch.zeros(F_, n_classes), torch.zeros(n_classes))
-    a0, W0, b0 = (t.detach().float() for t in init)
+        init = (torch.zeros(S, device=dev), torch.zeros(F_, n_classes, device=dev), torch.zeros(n_classes, device=dev))
+    a0, W0, b0 = (t.detach().float().to(dev) for t in init)
     g = _ProjectedMix(_sites(X), yt, l2, normalise, (W0, b0))
     a = a0.clone().requires_grad_(True)
     opt = _mix_lbfgs([a], max_iters)
@@ -602,7 +607,7 @@ def fit_mix(
     with torch.no_grad():
         _, gamma = g.mix(a.detach())
     return MixFit(
-        torch.softmax(a.detach(), 0).double().numpy(),
+        torch.softmax(a.detach(), 0).double().cpu().numpy(),
         float(gamma),
         float(state["f"]),
         state["grad"] <= MIX_GTOL,
@@ -621,7 +626,7 @@ def mix_draws(X: torch.Tensor, y, *, n_classes: int, l2: float, folds: int, seed
     out = []
     for k in range(folds):
         keep = torch.from_numpy(np.flatnonzero(fold != k))
-        Xk = X.take_rows(keep) if isinstance(X, SpanRows) else X.index_select(1, keep)
+        Xk = X.take_rows(keep) if isinstance(X, SpanRows) else X.index_select(1, keep.to(X.device))
         out.append(fit_mix(Xk, np.asarray(y)[keep.numpy()], n_classes=n_classes, l2=l2, init=init).weights)
     return np.stack(out)
 
@@ -635,7 +640,7 @@ def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, pr
     y = np.asarray(y_train)
     if train.resident is None or cfg.probe != "linear":
         return _penalised_mix(train, y, n_classes=n_classes, cfg=cfg, progress=progress, desc=desc), None
-    X, yr = train.resident.cpu(), y[train.order]  # the mix's fit runs on the CPU (a copy of GPU-held features)
+    X, yr = train.resident, y[train.order]  # the mix's fit runs where the features are held
     l2 = numeric_l2(cfg.l2)
     fit = fit_mix(X, yr, n_classes=n_classes, l2=l2)
     draws = None

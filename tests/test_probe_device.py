@@ -1,7 +1,7 @@
-"""The probe solvers follow the features' device: the subspace solver allocates where its
+"""The probe solvers and the scalar mix follow the features' device: they allocate where the
 features are (whatever default device is set outside), resident features and their subsets stay
 on the device they were made on, and ``ProbeConfig.device`` is checked before any work. On a
-machine with a CUDA GPU the last test fits the same probes there and on the CPU."""
+machine with a CUDA GPU the CUDA tests fit the same probes and mixes there and on the CPU."""
 
 from __future__ import annotations
 
@@ -211,3 +211,46 @@ def test_run_probes_on_a_gpu_matches_the_cpu(tiny_factory, tmp_path):
     assert np.allclose(cpu.by_site["accuracy"], gpu.by_site["accuracy"], atol=0.02)
     assert (cpu.summary["l2"] == gpu.summary["l2"]).all()
     assert np.allclose(cpu.summary["expected_layer_mix"], gpu.summary["expected_layer_mix"], atol=0.05)
+
+
+def test_scalar_mix_runs_on_the_features_device_whatever_the_default():
+    """The scalar mix computes where its features are (on a GPU for features held there): every
+    buffer it makes names that device, so under an outer ``torch.device("meta")`` context a fit
+    over CPU features is bit-identical to one without it, for dense features and span rows."""
+    from depthscope.probes.mixing import fit_mix, mix_draws
+    from depthscope.probes.store.span_rows import SpanRows
+
+    X, y, *_ = _problem(n=300, S=4, D=10)
+    rows = SpanRows(X.transpose(1, 2).contiguous(), torch.stack([torch.arange(300), torch.arange(300).flip(0)]))
+    for feats, labels in ((X, y[:, 0]), (rows, y[:, 0])):
+        fits = []
+        for outer in (None, "meta"):
+            if outer is None:
+                fits.append(fit_mix(feats, labels.numpy(), n_classes=4, l2=1e-2, max_iters=30))
+            else:
+                with torch.device(outer):
+                    fits.append(fit_mix(feats, labels.numpy(), n_classes=4, l2=1e-2, max_iters=30))
+        plain, under_meta = fits
+        assert np.array_equal(plain.weights, under_meta.weights) and plain.objective == under_meta.objective
+        assert all(t.device.type == "cpu" for t in under_meta.state)
+        assert plain.iterations > 1  # it did fit
+        kw = dict(n_classes=4, l2=1e-2, folds=2, seed=0, init=plain.state)  # the refits without each fold
+        draws = mix_draws(feats, labels.numpy(), **kw)
+        with torch.device("meta"):
+            assert np.array_equal(mix_draws(feats, labels.numpy(), **kw), draws)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scalar_mix_fits_on_a_gpu_as_on_the_cpu():
+    """The scalar mix over features held on the GPU (dense, and span rows) fits there, no copy to
+    the CPU, with the CPU fit's weights and objective up to float32 sums in another order."""
+    from depthscope.probes.mixing import fit_mix
+    from depthscope.probes.store.span_rows import SpanRows
+
+    X, y, *_ = _problem(n=300, S=4, D=10)
+    idx = torch.stack([torch.arange(300), torch.arange(300).flip(0)])
+    for make in (lambda d: X.to(d), lambda d: SpanRows(X.transpose(1, 2).contiguous(), idx).to(d)):
+        cpu, gpu = (fit_mix(make(d), y[:, 0].numpy(), n_classes=4, l2=1e-2) for d in ("cpu", "cuda"))
+        assert gpu.state[0].device.type == "cuda" and cpu.converged and gpu.converged
+        assert np.allclose(cpu.weights, gpu.weights, atol=1e-3), np.abs(cpu.weights - gpu.weights).max()
+        assert abs(cpu.objective - gpu.objective) <= 1e-5 * abs(cpu.objective)
