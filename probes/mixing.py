@@ -526,6 +526,7 @@ class _ProjectedMix:
         self.W, self.b = Wb
         self.dev = y.device  # the features' (fit_mix puts the labels and the start there)
         self.m, self.u, self.d = (torch.empty(self.F, self.N, device=self.dev) for _ in range(3))
+        self.rows = torch.arange(self.N, device=self.dev)  # with y: each example's gold entry
 
     def mix(self, a: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
         """``(m [F, N], gamma)``: the mix of the sites at logits ``a`` (into ``out`` when given)
@@ -547,7 +548,7 @@ class _ProjectedMix:
         Z = torch.addmm(b, u.T, W)  # [N, C]
         f = torch.nn.functional.cross_entropy(Z, self.y) + self.l2 * (W * W).sum()
         G = torch.softmax(Z, 1)
-        G[torch.arange(self.N, device=self.dev), self.y] -= 1.0
+        G[self.rows, self.y] -= 1.0
         G /= self.N
         gW, gb = torch.mm(u, G) + 2 * self.l2 * W, G.sum(0)
         D = torch.mm(W, G.T, out=self.d)  # df/du [F, N]

@@ -322,8 +322,9 @@ class _Block:
 
     def __init__(self, X, y, W, b, l2, C, memory, gtol):
         self.X, self.W, self.b = X, W, b  # W, b: views of the caller's tensors, updated in place
-        self.dev = dev = X.device  # every array below is made there (explicitly: a torch.device
-        # context would route each of the solver's many small calls through Python)
+        # every array is made on the features' device by name: a torch.device context instead
+        # would route each of the solver's many small calls through Python
+        self.dev = dev = X.device
         self.XT = None  # X^T, contiguous (:meth:`_XT`)
         u, n, F = X.shape
         G = y.shape[1]
@@ -340,6 +341,8 @@ class _Block:
         self.l2 = l2.float()
         self.l2col = l2.float().repeat_interleave(C)  # [G*C]
         J, K = 1 + memory, 2 + memory
+        self.slots = torch.arange(J, device=dev)  # the direction slots, and their identity (_memory_used)
+        self.eye = torch.eye(J, dtype=torch.float64, device=dev)
         self.Z = torch.empty(u, G, C, n, device=dev)
         if bool(W.any()):
             self.refresh(slice(0, u))
@@ -502,16 +505,14 @@ class _Block:
         dependent (they would be combined with large cancelling coefficients, and the logits
         carried along would drift from ``X W + b``)."""
         B, C, J = sub.B, self.C, sub.J
-        slots = torch.arange(J, device=self.dev)
-        used = (slots[None, :] <= self.steps[sub.s][:, None]).repeat_interleave(self.G, 0)  # [B, J]
+        used = (self.slots[None, :] <= self.steps[sub.s][:, None]).repeat_interleave(self.G, 0)  # [B, J]
         used = used[:, None, :].expand(B, C, J)
         norm = sub.gram.diagonal(dim1=2, dim2=3).clamp_min(1e-300).sqrt()
         corr = sub.gram / (norm[..., :, None] * norm[..., None, :])
         both = used[..., :, None] & used[..., None, :]
         corr = torch.where(both, corr, 0.0) + torch.diag_embed((~used).double())
         # not positive definite after the shift: an eigenvalue below it
-        eye = torch.eye(J, dtype=torch.float64, device=self.dev)
-        used = used & (torch.linalg.cholesky_ex(corr - MIN_CORR_EIG * eye)[1] == 0)[..., None]
+        used = used & (torch.linalg.cholesky_ex(corr - MIN_CORR_EIG * self.eye)[1] == 0)[..., None]
         used[..., 0] = True
         return used
 
