@@ -34,7 +34,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -55,8 +55,11 @@ from depthscope.analyses.report_findings import (
     probe_table,
 )
 from depthscope.analyses.samples import conllu_documents, sample_texts
+from depthscope.common.digest import model_digest
 from depthscope.common.files import atomic_text
+from depthscope.common.resume import Stages, stage_key
 from depthscope.common.runtime import peak_memory, release_memory, reset_peak_memory
+from depthscope.common.stamps import file_digest
 from depthscope.hooks import load_model
 from depthscope.probes import sample_data
 
@@ -80,7 +83,10 @@ __all__ = [
 # ---------------------------------------------------------------------------- the job
 def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progress: bool = True, model=None) -> Path:
     """Run every analysis and write tables, plots, ``report.md`` and ``report.html``; returns the
-    path of ``report.html``."""
+    path of ``report.html``. With ``config.resume`` (the default) each stage it finishes (the
+    lens, the norms, each probe task, the causal section) is recorded in ``out_dir``, and a stage an earlier run there
+    finished with the same weights, text or data, settings and code is reused instead of computed
+    (:mod:`depthscope.common.resume`; ``run.json``'s ``reused`` names them)."""
     cfg = config or ReportConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,23 +98,38 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     inputs = _inputs(cfg)
     meta = _run_meta(model, cfg, inputs)
     output = Output(out)  # one writer per table and figure across the three jobs
+    stages = _Stages(Stages(out, reuse=cfg.resume), model, output, say)
     if model.unembed.decodes_stream:
         with clock("lens"):
-            _lens(model, cfg, inputs.texts, output, say)
+            docs, lens = _cap_texts(inputs.texts, model.tokenizer, cfg.lens_tokens), LensConfig(prompt=cfg.prompt)
+            stages.run("lens", lambda: _lens(model, cfg, docs, lens, output, say), docs=docs, config=lens)
     with clock("norms"):
-        _norms(model, cfg, inputs.texts, output, say)
+        docs = _cap_texts(inputs.texts, model.tokenizer, cfg.norms_tokens)
+        norms = NormsConfig(prompt=cfg.prompt, target=cfg.target)
+        stages.run("norms", lambda: _norms(model, cfg, docs, norms, output, say), docs=docs, config=norms)
     with clock("probes"):
         say(f"probes: {', '.join(inputs.tasks)}")
         if ours and not cfg.causal:  # nothing after the extraction needs it: hand over the only reference
             model = _once(model)
         probe_result = run_probe_job(model, inputs.probe_job, output, progress=progress)
     meta["probe_precision"] = probe_result.summary["precision"]
+    stages.reused += [f"probes {t}" for t in probe_result.summary["reused"]]
+    if probe_result.summary["reused"]:
+        say(f"probes reused from an earlier run in this folder: {', '.join(probe_result.summary['reused'])}")
     if cfg.causal:
         from depthscope.analyses.jobs.causal import report_causal  # lazy: only --causal pays for concept_erasure
 
         with clock("causal"):
             say(f"causal: LEACE erasure per site, loss on {cfg.causal_tokens} held-out tokens")
-            report_causal(model, inputs.probe_job, cfg.causal_tokens, output, progress=progress)
+            job, files = inputs.probe_job, [f for f in (inputs.train, inputs.test, cfg.dev) if f]
+            stages.run(
+                "causal",
+                lambda: report_causal(model, job, cfg.causal_tokens, output, progress=progress),
+                data=[file_digest(f) for f in files],
+                job=replace(job, resume=True),  # whether the run may reuse stages is not an input
+                tokens=cfg.causal_tokens,
+            )
+    meta["reused"] = stages.reused
     meta["seconds"] = clock.seconds()
     meta["cpu_seconds"] = clock.cpu_seconds()
     meta["peak_memory_gib"] = clock.peak_gib()
@@ -147,7 +168,14 @@ def _inputs(cfg: ReportConfig) -> _Inputs:
     test = cfg.test or str(sample["ewt_test"])
     texts = list(cfg.texts) if cfg.texts else conllu_documents(train) + conllu_documents(test)
     probe_job = ProbeJobConfig(
-        tasks=cfg.tasks, train=train, test=test, dev=cfg.dev, probe=cfg.probe, extraction=cfg.extraction, data=cfg.data
+        tasks=cfg.tasks,
+        train=train,
+        test=test,
+        dev=cfg.dev,
+        probe=cfg.probe,
+        extraction=cfg.extraction,
+        data=cfg.data,
+        resume=cfg.resume,
     )
     return _Inputs(train, test, texts, probe_job, resolve_inputs(probe_job)[0])
 
@@ -181,18 +209,39 @@ def _protocol(cfg: ReportConfig) -> str:
     )
 
 
-def _lens(model, cfg: ReportConfig, texts: Sequence[str], output: Output, say: _Say) -> None:
-    """The logit lens over the first ``cfg.lens_tokens`` tokens of ``texts``."""
-    docs = _cap_texts(texts, model.tokenizer, cfg.lens_tokens)
+def _lens(model, cfg: ReportConfig, docs: Sequence[str], lens: LensConfig, output: Output, say: _Say) -> None:
+    """The logit lens over ``docs`` (the first ``cfg.lens_tokens`` tokens of the text)."""
     say(f"logit lens over {len(docs)} documents (at most {cfg.lens_tokens} tokens) at {model.n_sites} sites")
-    lens_job(model, docs, LensConfig(prompt=cfg.prompt), output)
+    lens_job(model, docs, lens, output)
 
 
-def _norms(model, cfg: ReportConfig, texts: Sequence[str], output: Output, say: _Say) -> None:
-    """Contribution norms over the first ``cfg.norms_tokens`` tokens of ``texts``."""
-    docs = _cap_texts(texts, model.tokenizer, cfg.norms_tokens)
+def _norms(model, cfg: ReportConfig, docs: Sequence[str], norms: NormsConfig, output: Output, say: _Say) -> None:
+    """Contribution norms over ``docs`` (the first ``cfg.norms_tokens`` tokens of the text)."""
     say(f"contribution norms over {len(docs)} documents (at most {cfg.norms_tokens} tokens)")
-    norms_job(model, docs, NormsConfig(prompt=cfg.prompt, target=cfg.target), output)
+    norms_job(model, docs, norms, output)
+
+
+class _Stages:
+    """The report's lens, norms and causal stages, each run or reused (:mod:`depthscope.common.resume`):
+    reused when an earlier run in the folder wrote its files from the same weights (their digest),
+    the same device, documents and settings, and the same code."""
+
+    def __init__(self, stages: Stages, model, output: Output, say: _Say):
+        self.stages, self.output, self.say, self.reused = stages, output, say, []
+        param = next(model.hf_model.parameters(), None)
+        self.model = (model_digest(model), str(param.device) if param is not None else "") if stages else None
+
+    def run(self, name: str, compute, **inputs) -> None:
+        """``compute()`` unless stage ``name`` with these ``inputs`` can be reused; then record it."""
+        key = stage_key(stage=name, model=self.model, **inputs) if self.stages else None
+        if key and self.stages.files(name, key) is not None:
+            self.say(f"{name}: reused from an earlier run in this folder (same model, text, settings and code)")
+            self.reused.append(name)
+            return
+        n = len(self.output.written)
+        compute()
+        if key:
+            self.stages.record_files(name, key, self.output.written[n:])
 
 
 def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:

@@ -295,6 +295,11 @@ def intro_text(meta: dict, lens_by_site: pd.DataFrame | None, norms: pd.DataFram
         intro += BANDS.format(counts=counts)
     if meta.get("seconds"):
         intro += f" Run time: {meta['seconds'].get('total', '?')} s."
+    if meta.get("reused"):
+        intro += (
+            f" Reused from an earlier run in this folder, with the same model, data, settings and code: "
+            f"{', '.join(meta['reused'])}."
+        )
     return intro
 
 

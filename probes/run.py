@@ -42,15 +42,18 @@ Documented handling of bad input
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
 import torch
 
 from depthscope.common.errors import InputError
+from depthscope.common.resume import Stages, stage_key
 from depthscope.common.runtime import release_memory
+from depthscope.common.stamps import file_digest
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override, probe_device
 from depthscope.probes.corpora.tasks import is_tree_task, pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
@@ -130,6 +133,7 @@ def run_probes(
     extraction: ExtractionConfig | None = None,
     data: DataConfig | None = None,
     progress: bool = True,
+    stages: Stages | None = None,
     **overrides,
 ) -> ProbeResults:
     """Probe every site of ``model`` for each task; see the module docstring.
@@ -140,7 +144,10 @@ def run_probes(
     ``.jsonl``), a list or a comma-separated
     string. ``train``/``test``/``dev``: CoNLL-U or jiant JSONL paths, or parsed
     :class:`Corpus` objects. ``config`` / ``extraction`` / ``data``: the settings (None: the
-    defaults); ``**overrides``: any of their fields by name.
+    defaults); ``**overrides``: any of their fields by name. ``stages``: the records of an output
+    folder (:class:`~depthscope.common.resume.Stages`): each task's tables are kept there as it
+    finishes, and a task whose model, data, settings and code are those of a kept one is read
+    back instead of fitted again (its ``seconds_fit`` is 0 and ``info["reused"]`` names it).
     """
     t_start = time.perf_counter()
     tasks = task_list(tasks)
@@ -152,17 +159,78 @@ def run_probes(
     got = load_and_extract(model, tasks, Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     release_memory(collect=True)  # a model loaded from a spec or a loader is no longer held: its memory goes back
     by_site, summary, mixing = [], [], []
-    fit_seconds = {}
+    fit_seconds, reused = {}, []
+    stages = stages or Stages(None)
+    sources = _source_digests(Splits(train, test, dev)) if stages else None  # None: inputs a key cannot name
     order = sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t)))
     for task, kind in [(t, k) for t in order for k in kinds[t]]:
         t0 = time.perf_counter()
-        rows = _probe_task(replace(run, cfg=replace(cfg, probe=kind)), got, task)
+        name = task if len(kinds[task]) == 1 else f"{task}/{kind}"
+        task_run = replace(run, cfg=replace(cfg, probe=kind))
+        key = _task_key(task_run, got, task, sources) if sources is not None else None
+        rows = _kept_rows(stages.tables(f"probes {name}", key)) if key else None
+        if rows is None:
+            rows = _probe_task(task_run, got, task)
+            if key:
+                stages.keep_tables(f"probes {name}", key, _rows_tables(rows))
+        else:
+            reused.append(name)
+            log.info("probes %s: reused from an earlier run in %s", name, stages.folder)
         by_site.append(rows["by_site"])
         summary.append(rows["summary"])
         if rows["mixing"] is not None:
             mixing.append(rows["mixing"].assign(probe=kind))
-        fit_seconds[task if len(kinds[task]) == 1 else f"{task}/{kind}"] = time.perf_counter() - t0
-    return ProbeResults(*tables(by_site, summary, mixing), _run_info(got, run, fit_seconds, t_start))
+        fit_seconds[name] = 0.0 if name in reused else time.perf_counter() - t0
+    info = {**_run_info(got, run, fit_seconds, t_start), "reused": reused}
+    return ProbeResults(*tables(by_site, summary, mixing), info)
+
+
+def _source_digests(splits: Splits) -> dict | None:
+    """sha256 of each data file of ``splits``; None when a split is given as a parsed corpus
+    (its content has no file to name it, so its results are not kept)."""
+    out = {}
+    for split, source in splits._asdict().items():
+        if source is None:
+            continue
+        if not isinstance(source, (str, os.PathLike)):
+            return None
+        out[split] = file_digest(source)
+    return out
+
+
+def _task_key(run: _Run, got, task: str, sources: dict) -> str:
+    """What one task's tables depend on: the data files' contents, the activation stores (each
+    keyed by the model's weights, the token ids and the spans), the settings, the features'
+    precision and device, and the code (:func:`~depthscope.common.resume.stage_key`)."""
+    extractions = (
+        got.extractions
+        if task not in got.context_of
+        else {(s, got.context_of[task]): ext for s, ext in got.for_task(task).items()}
+    )
+    stores = {f"{s}/{c}": ext.store.path.name for (s, c), ext in extractions.items()}
+    return stage_key(
+        task=task,
+        sources=sources,
+        stores=stores,
+        model=got.model.name,
+        probe=asdict(run.cfg),
+        extraction=asdict(run.ext),
+        data=asdict(run.dat),
+        dtype=str(run.dtype),
+        device=str(run.device),
+    )
+
+
+def _rows_tables(rows: dict) -> dict:
+    """One task's rows as tables to keep: its summary (a dict) as a one-row table."""
+    return {"by_site": rows["by_site"], "summary": pd.DataFrame([rows["summary"]]), "mixing": rows["mixing"]}
+
+
+def _kept_rows(kept: dict | None) -> dict | None:
+    """The rows :func:`_rows_tables` kept, as :func:`_probe_task` returns them."""
+    if kept is None or kept.get("by_site") is None or kept.get("summary") is None or len(kept["summary"]) != 1:
+        return None
+    return {"by_site": kept["by_site"], "summary": kept["summary"].iloc[0].to_dict(), "mixing": kept.get("mixing")}
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ def test_cli_writes_and_resumes(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     acts = open_activations(tmp_path / "o")
     assert list(acts) == ["0.mlp", "2.z"] and acts.n_documents == len(TEXTS) and "6 / " in out
     code, _, err = run_cli(args + ["--points", "1.mlp"], monkeypatch, capsys)
-    assert code != 0 and "another cache run" in err and "Traceback" not in err
+    assert code != 0 and "another depthscope cache" in err and "Traceback" not in err
     code, _, err = run_cli([*args[:-4], "--out", tmp_path / "q", "--points", "1.scores"], monkeypatch, capsys)
     assert code != 0 and "cannot be cached per token" in err and "Traceback" not in err
     code, _, err = run_cli(["cache", "-t", tmp_path / "none.txt", "--out", tmp_path / "p"], monkeypatch, capsys)

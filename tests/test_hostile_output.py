@@ -96,7 +96,7 @@ def test_folder_of_another_run_is_refused_unless_forced(tmp_path, monkeypatch):
     claim(out, "lens", {"model": "a", "text": "t"})
     claim(out, "lens", {"model": "a", "text": "t"})  # the same run again: fine
     claim(out, "norms", {"model": "b", "text": "t"})  # another command's names: fine
-    with pytest.raises(OutputError, match="another lens run"):
+    with pytest.raises(OutputError, match="another depthscope lens"):
         prepare_output(out, "lens", {"model": "b", "text": "t"})
     claim(out, "lens", {"model": "b", "text": "t"}, force=True)
     report = tmp_path / "report"

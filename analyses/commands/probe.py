@@ -20,7 +20,7 @@ from depthscope.common.settings import build
 PROBE = options(
     "task train test dev model device dtype probe probe_rank pooling sites max_train_sentences max_test_sentences "
     "max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 mix_folds precision probe_device mdl "
-    "overlap store_dir store_dtype bos shards engine workers seed threads plots out force",
+    "overlap store_dir store_dtype bos shards engine workers seed threads plots out resume force",
     ProbeJobConfig,
 )
 
@@ -52,6 +52,11 @@ def probe(o) -> None:
     for line in jobs.convergence_warnings(summary):
         Console(stderr=True).print(f"[yellow]warning:[/] {line}")
     typer.echo(f"precision: {result.summary['precision']}")
+    if result.summary["reused"]:
+        typer.echo(
+            f"reused from an earlier run in {o.out} (same model, data, settings and code): "
+            f"{', '.join(result.summary['reused'])}; --no-resume computes them again"
+        )
     for p in result.files:
         typer.echo(f"wrote {p}")
 

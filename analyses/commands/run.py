@@ -27,7 +27,7 @@ EXTRA = (
 RUN = options(
     "model device dtype data out task text prompt target max_train_sentences max_test_sentences max_epochs "
     "stack_draws stack_folds stack_l2 precision probe_device seed threads lens_tokens norms_tokens causal "
-    "causal_tokens force",
+    "causal_tokens resume force",
     ReportConfig,
     extra=EXTRA,
     helps={
@@ -62,7 +62,8 @@ def run(o) -> None:
     check_report_folder(o.out, o.model, files, o.force)
     train, test, dev = (files + [None] * 3)[:3]
     cfg = build(ReportConfig, o, model=o.model, device=o.device, dtype=o.dtype, train=train, test=test, dev=dev)
-    prepare_out(o.out, "run", None, o.force)
+    identity = {"model": str(o.model) if o.model else "default", "train": train or "bundled", "test": test or "bundled"}
+    prepare_out(o.out, "run", identity, o.force)  # a killed run's folder takes only a run of the same model and data
     prepare_store()  # the probes' activation store in the cache
     if o.text:
         cfg = dataclasses.replace(cfg, texts=read_documents(o.text))

@@ -79,11 +79,7 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     try:
         marker = folder / MARKER
         marker_existed = marker.is_file()
-        try:
-            old = json.loads(marker.read_text()) if marker.is_file() else {}
-        except (OSError, ValueError):
-            old = {}
-        old = old if isinstance(old, dict) else {}
+        old = _marker(folder)
         if not force:
             owners = [c for c in old if c in EXCLUSIVE and c != command]
             if owners:
@@ -94,7 +90,7 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
             if identity is not None and command in old and old[command] not in (None, identity):
                 was = ", ".join(f"{k} {v}" for k, v in old[command].items())
                 raise OutputError(
-                    f"{folder} holds the results of another {command} run ({was}); use another --out or --force"
+                    f"{folder} holds the results of another depthscope {command} ({was}); use another --out or --force"
                 )
         old[command] = identity
         atomic_text(marker, json.dumps(old, indent=1, default=str))
@@ -104,16 +100,29 @@ def prepare_output(out, command: str, identity: dict | None = None, *, force: bo
     return OutputClaim(folder, lock, created, marker_existed)
 
 
+def _marker(folder: Path) -> dict:
+    """The commands and identities a folder's :data:`MARKER` records (``{}``: none, or unreadable)."""
+    try:
+        old = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) else {}
+
+
 def check_report_folder(out: Path, model: str | None, files: list[str], force: bool) -> None:
-    """Refuse to mix two reports' files in one folder: ``out`` must be new, empty, or hold a
-    ``depthscope run`` of the same model and data (``files``: its train, test ... paths), unless
-    ``force``; else an :class:`~depthscope.common.errors.InputError`."""
+    """Refuse to mix two reports' files in one folder: ``out`` must be new, empty, hold a
+    ``depthscope run`` of the same model and data (``files``: its train, test ... paths), or one
+    that was killed before its end (its marker names ``run``; :func:`prepare_output` then compares
+    the identity it recorded), unless ``force``; else an
+    :class:`~depthscope.common.errors.InputError`."""
     run_json = out / "run.json"
     if out.exists() and not out.is_dir():
         return  # prepare_output says it is a file
     if not out.exists() or not any(not p.name.startswith(".depthscope") for p in out.iterdir()) or force:
         return
     if not run_json.is_file():
+        if "run" in _marker(out):  # a run killed before its end: its stage records say what it can reuse
+            return
         raise InputError(f"{out} is not empty and holds no depthscope run; use another --out or --force")
     old = json.loads(run_json.read_text())
     same_model = (model or "default") in (old.get("model_source"), old.get("model")) or (

@@ -323,13 +323,21 @@ def _data_file(name: str, what: str) -> object:
     return setting(None, f"--{name}", cli_type=Path | None, help=what)
 
 
+RESUME_HELP = (
+    "Reuse what an earlier run in --out finished with the same model, data, settings and depthscope code "
+    "(a killed run continues; --no-resume computes everything again, and records it for the next run)."
+)
+
+
 @dataclass(frozen=True)
 class ProbeJobConfig(Checked):
     """What the probe job runs: ``tasks`` (None:
     :data:`~depthscope.analyses.jobs.probe.DEFAULT_TASKS`, + entity and coref with GUM-style
     data), ``train`` / ``test`` / ``dev`` files (None: the bundled sample; no
-    dev), the settings objects, and ``plots``. Checked on construction (the settings, and that
-    the data files exist, before the model loads); the fields declare the ``probe`` options."""
+    dev), the settings objects, ``plots``, and ``resume`` (keep each task's tables in the output
+    folder as it finishes, and reuse those of a run with the same inputs:
+    :mod:`depthscope.common.resume`). Checked on construction (the settings, and that the data
+    files exist, before the model loads); the fields declare the ``probe`` options."""
 
     tasks: Sequence[str] | None = _tasks(
         "Comma-separated tasks: upos, xpos, feats:Number, feats:Tense, ..., deprel, deprel:base, structural, "
@@ -346,6 +354,7 @@ class ProbeJobConfig(Checked):
     extraction: ExtractionConfig = setting(factory=ExtractionConfig)
     data: DataConfig = setting(factory=DataConfig)
     plots: bool = setting(True, "--plots/--no-plots", help="Draw the figures.")
+    resume: bool = setting(True, "--resume/--no-resume", help=RESUME_HELP)
 
     def check(self) -> None:
         """The settings objects, and the data files exist."""
@@ -427,7 +436,8 @@ class ReportConfig(Checked):
     """What ``depthscope run`` runs: the model (None: the embedded default), the probe data files
     (None: the bundled EWT sample), the running text for the lens and norms (None: the probe
     data's text, capped at ``lens_tokens`` / ``norms_tokens``), the prompt and DLA target,
-    the probe job's settings, and ``causal`` (the causal section on ``causal_tokens`` tokens).
+    the probe job's settings, ``causal`` (the causal section on ``causal_tokens`` tokens), and
+    ``resume`` (reuse the stages an earlier run in the folder finished with the same inputs).
     Checked on construction; the fields with a flag declare ``run`` options (the model's are
     :class:`ModelSpec`'s, the data files and the text ``run``'s own)."""
 
@@ -454,6 +464,7 @@ class ReportConfig(Checked):
     causal_tokens: int = setting(
         1000, "--causal-tokens", min=1, help="Held-out tokens (test sentences) for the causal section's loss."
     )
+    resume: bool = setting(True, "--resume/--no-resume", help=RESUME_HELP)
     # the probe section's settings: the same objects, with the same defaults, as `depthscope probe`
     probe: ProbeConfig = setting(factory=ProbeConfig)
     extraction: ExtractionConfig = setting(factory=ExtractionConfig)

@@ -8,7 +8,9 @@
 ``run_probe_job(model, config,     runs :func:`depthscope.probes.run_probes` and writes
 out, progress=)``                  ``probes_by_site``, ``probes_summary``, ``probes_mixing``
                                    (Parquet + CSV) and ``probes_overview.png``,
-                                   ``probes_accuracy.png``, ``probes_tenney.png`` through ``out``; a :class:`JobResult`
+                                   ``probes_accuracy.png``, ``probes_tenney.png`` through ``out``; a :class:`JobResult`;
+                                   each task's tables are kept in ``out`` as it finishes and reused
+                                   by a rerun with the same inputs (``config.resume``)
 ``write_outputs(results, out,      the writing half: the three tables and two figures of a
 plots=)``                          :class:`~depthscope.probes.ProbeResults` (the only writer)
 ``resolve_inputs(config)``         the tasks and files a config means
@@ -30,6 +32,7 @@ from rich.table import Table
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
+from depthscope.common.resume import Stages
 from depthscope.probes import run_probes, sample_data
 from depthscope.probes.run import task_list
 
@@ -83,9 +86,12 @@ def run_probe_job(
     model, config: ProbeJobConfig | None = None, out: Output | None = None, *, progress: bool = True
 ) -> JobResult:
     """Probe every site of ``model`` (a HookedModel or a spec) and write the probe tables and
-    figures; ``out`` None (or ``Output(None)``) computes without writing."""
+    figures; ``out`` None (or ``Output(None)``) computes without writing. Each task's tables are
+    kept in ``out``'s folder as it finishes; with ``config.resume`` (the default) those an earlier
+    run kept with the same inputs are reused (:mod:`depthscope.common.resume`)."""
     cfg = config or ProbeJobConfig()
     out = out if out is not None else Output(None)
+    stages = Stages(out.folder, reuse=cfg.resume)
     tasks, train, test = resolve_inputs(cfg)
     n_before = len(out.written)
     res = run_probes(
@@ -98,6 +104,7 @@ def run_probe_job(
         extraction=cfg.extraction,
         data=cfg.data,
         progress=progress,
+        stages=stages,
     )
     tables = write_outputs(res, out, plots=cfg.plots)
     info = res.info
@@ -110,6 +117,7 @@ def run_probe_job(
         "probe_device": info.get("probe_device"),
         "seconds_extract": info.get("seconds_extract"),
         "seconds_total": info.get("seconds_total"),
+        "reused": info.get("reused", []),
     }
     return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
 
