@@ -8,7 +8,10 @@ first run     ``depthscope run --out OUT`` on the embedded default model and the
               the process), peak resident memory (the kernel's ``ru_maxrss`` of that process)
 stages        each stage's wall and CPU seconds and peak resident memory from the run's
               ``run.json`` (``seconds``, ``cpu_seconds``, ``peak_memory_gib``)
-second run    the same command again (the activation store is reused: no extraction forward)
+second run    the same command again into a new folder (the activation store is reused: no
+              extraction forward)
+resumed       the same command in the first run's folder: every stage it finished is reused
+              (:mod:`depthscope.common.resume`), so this times loading, checking and the report
 agreement     each task's soft ``E_Delta`` (``probes_summary``) against a reference run with the
               full settings (``--reference DIR``, a run folder or a ``probes_summary.csv``):
               within ``AGREE_BLOCKS``
@@ -104,20 +107,20 @@ def agreement(got: dict, ref: dict) -> dict:
 def lines(runs: list, agree: dict | None) -> list[str]:
     """The printed table: per run the totals against the goals, then the stages."""
     out = ["| run | wall s | CPU s | peak RSS GiB | goals (60 s / 150 CPU-s / 3 GiB) |", "|---|---|---|---|---|"]
-    for i, r in enumerate(runs):
+    for r in runs:
         met = r["wall_s"] <= GOAL_WALL, r["cpu_s"] <= GOAL_CPU, r["peak_rss_bytes"] <= GOAL_RSS
+        goals = " / ".join("yes" if m else "NO" for m in met) if r["label"] != "resumed" else "- (no goal)"
         out.append(
-            f"| {'first' if i == 0 else 'again'} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-            f"{r['peak_rss_bytes'] / 2**30:.2f} | {' / '.join('yes' if m else 'NO' for m in met)} |"
+            f"| {r['label']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_bytes'] / 2**30:.2f} | {goals} |"
         )
-    for i, r in enumerate(runs):
+    for r in runs:
         stages = ", ".join(
             f"{k} {v:.1f} s wall / {r['cpu_seconds'].get(k, float('nan')):.1f} CPU-s / "
             f"{r['peak_memory_gib'].get(k, float('nan')):.2f} GiB peak"
             for k, v in r["seconds"].items()
             if k != "total"
         )
-        out.append(f"stages ({'first' if i == 0 else 'again'}): {stages}")
+        out.append(f"stages ({r['label']}): {stages}")
     out.append("E_Delta: " + ", ".join(f"{t} {v:.3f}" for t, v in runs[0]["e_delta"].items()))
     if agree is not None:
         out.append(
@@ -130,7 +133,9 @@ def lines(runs: list, agree: dict | None) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=2, help="1: the first run only; 2: and a second (store reused)")
+    ap.add_argument(
+        "--runs", type=int, default=2, help="1: the first run, 2: and a second (store reused); then one resumed"
+    )
     ap.add_argument("--reference", type=Path, help="a run folder (or probes_summary.csv) with the full settings")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     ap.add_argument("--run-args", default="", help='more options for depthscope run, e.g. "--precision bfloat16"')
@@ -139,6 +144,9 @@ def main(argv=None) -> int:
         cache = fresh_cache(Path(tmp) / "cache")
         extra = tuple(shlex.split(args.run_args))
         runs = [run_once(Path(tmp) / f"run{i}", cache, args.threads, extra) for i in range(args.runs)]
+        for r, label in zip(runs, ("first", "again")):
+            r["label"] = label
+        runs.append({**run_once(Path(tmp) / "run0", cache, args.threads, extra), "label": "resumed"})
     agree = agreement(runs[0]["e_delta"], e_delta(args.reference)) if args.reference else None
     print("\n".join(lines(runs, agree)))
     if args.json:
