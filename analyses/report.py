@@ -57,9 +57,8 @@ from depthscope.analyses.report_findings import (
 from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.common.digest import model_digest
 from depthscope.common.files import atomic_text
-from depthscope.common.resume import Stages, stage_key
+from depthscope.common.resume import Stages, file_digests, stage_key
 from depthscope.common.runtime import peak_memory, release_memory, reset_peak_memory
-from depthscope.common.stamps import file_digest
 from depthscope.hooks import load_model
 from depthscope.probes import sample_data
 
@@ -121,11 +120,11 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
 
         with clock("causal"):
             say(f"causal: LEACE erasure per site, loss on {cfg.causal_tokens} held-out tokens")
-            job, files = inputs.probe_job, [f for f in (inputs.train, inputs.test, cfg.dev) if f]
+            job = inputs.probe_job
             stages.run(
                 "causal",
                 lambda: report_causal(model, job, cfg.causal_tokens, output, progress=progress),
-                data=[file_digest(f) for f in files],
+                data=file_digests({"train": inputs.train, "test": inputs.test, "dev": cfg.dev}),
                 job=replace(job, resume=True),  # whether the run may reuse stages is not an input
                 tokens=cfg.causal_tokens,
             )

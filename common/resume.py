@@ -4,6 +4,7 @@
 :func:`code_digest()`          sha256 of depthscope's own source files (``common``, ``hooks``,
                                ``probes``, ``analyses``): work done by other code is never reused
 :func:`stage_key(**parts)`     the digest of a stage's inputs (``parts``, as JSON) and of the code
+:func:`file_digests(sources)`  sha256 of each input file, for a key (None: an input is no file)
 :class:`Stages(folder)`        the records in ``folder/.depthscope-stages``: ``files(name, key)``
                                and ``record_files(name, key, paths)`` for a stage that writes
                                files of its own; ``tables(name, key)`` and ``keep_tables(name,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -64,6 +66,20 @@ def stage_key(**parts) -> str:
     :func:`code_digest`."""
     text = json.dumps({"code": code_digest(), **parts}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_digests(sources: Mapping[str, object]) -> dict | None:
+    """sha256 of each named input file (None values skipped): what a key says of data read from
+    files. None when an input is not a path (a parsed corpus in memory has no file to name its
+    content, so nothing computed from it is kept)."""
+    out = {}
+    for name, source in sources.items():
+        if source is None:
+            continue
+        if not isinstance(source, (str, os.PathLike)):
+            return None
+        out[name] = file_digest(source)
+    return out
 
 
 def _file_name(name: str) -> str:

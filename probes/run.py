@@ -42,7 +42,6 @@ Documented handling of bad input
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -51,9 +50,8 @@ import pandas as pd
 import torch
 
 from depthscope.common.errors import InputError
-from depthscope.common.resume import Stages, stage_key
+from depthscope.common.resume import Stages, file_digests, stage_key
 from depthscope.common.runtime import release_memory
-from depthscope.common.stamps import file_digest
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig, override, probe_device
 from depthscope.probes.corpora.tasks import is_tree_task, pipeline_rank
 from depthscope.probes.encoding import TaskData, encode_task
@@ -161,41 +159,34 @@ def run_probes(
     by_site, summary, mixing = [], [], []
     fit_seconds, reused = {}, []
     stages = stages or Stages(None)
-    sources = _source_digests(Splits(train, test, dev)) if stages else None  # None: inputs a key cannot name
+    sources = file_digests(Splits(train, test, dev)._asdict()) if stages else None  # None: nothing kept
     order = sorted(tasks, key=lambda t: (pipeline_rank(t), tasks.index(t)))
     for task, kind in [(t, k) for t in order for k in kinds[t]]:
         t0 = time.perf_counter()
         name = task if len(kinds[task]) == 1 else f"{task}/{kind}"
-        task_run = replace(run, cfg=replace(cfg, probe=kind))
-        key = _task_key(task_run, got, task, sources) if sources is not None else None
-        rows = _kept_rows(stages.tables(f"probes {name}", key)) if key else None
-        if rows is None:
-            rows = _probe_task(task_run, got, task)
-            if key:
-                stages.keep_tables(f"probes {name}", key, _rows_tables(rows))
-        else:
-            reused.append(name)
-            log.info("probes %s: reused from an earlier run in %s", name, stages.folder)
+        rows, kept = _task_rows(replace(run, cfg=replace(cfg, probe=kind)), got, task, name, stages, sources)
         by_site.append(rows["by_site"])
         summary.append(rows["summary"])
         if rows["mixing"] is not None:
             mixing.append(rows["mixing"].assign(probe=kind))
-        fit_seconds[name] = 0.0 if name in reused else time.perf_counter() - t0
+        reused += [name] if kept else []
+        fit_seconds[name] = 0.0 if kept else time.perf_counter() - t0
     info = {**_run_info(got, run, fit_seconds, t_start), "reused": reused}
     return ProbeResults(*tables(by_site, summary, mixing), info)
 
 
-def _source_digests(splits: Splits) -> dict | None:
-    """sha256 of each data file of ``splits``; None when a split is given as a parsed corpus
-    (its content has no file to name it, so its results are not kept)."""
-    out = {}
-    for split, source in splits._asdict().items():
-        if source is None:
-            continue
-        if not isinstance(source, (str, os.PathLike)):
-            return None
-        out[split] = file_digest(source)
-    return out
+def _task_rows(run: _Run, got, task: str, name: str, stages: Stages, sources: dict | None) -> tuple:
+    """``(rows, reused)``: one task's rows read back from ``stages`` when a run kept them with the
+    same key (:func:`_task_key`), else fitted (:func:`_probe_task`) and kept there."""
+    key = _task_key(run, got, task, sources) if sources is not None else None
+    rows = _kept_rows(stages.tables(f"probes {name}", key)) if key else None
+    if rows is not None:
+        log.info("probes %s: reused from an earlier run in %s", name, stages.folder)
+        return rows, True
+    rows = _probe_task(run, got, task)
+    if key:
+        stages.keep_tables(f"probes {name}", key, _rows_tables(rows))
+    return rows, False
 
 
 def _task_key(run: _Run, got, task: str, sources: dict) -> str:
