@@ -37,6 +37,7 @@ import argparse
 import collections
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -62,12 +63,12 @@ MATVEC = ("addmv", "mv")
 def label(frame) -> tuple[str, str, str]:
     """``(stage, task, phase)`` of the product called under ``frame``: the outermost stage and
     phase functions on the stack, and the task of the enclosing ``fit_task`` (its ``td``)."""
-    names = []
+    frames = []
     while frame is not None:
-        names.append(frame)
+        frames.append(frame)
         frame = frame.f_back
     stage = task = phase = ""
-    for f in reversed(names):
+    for f in reversed(frames):
         name = f.f_code.co_name
         if not stage and name in STAGES:
             stage = STAGES[name]
@@ -100,7 +101,7 @@ def counting_mode():
             if packet in flop_registry:
                 n = flop_registry[packet](*args, **kwargs, out_val=out)
             elif name in MATVEC:
-                n = 2 * args[-2].numel() if name == "addmv" else 2 * args[0].numel()
+                n = 2 * (args[1] if name == "addmv" else args[0]).numel()  # addmv(input, mat, vec)
             else:
                 return out
             key = label(sys._getframe(1))
@@ -204,8 +205,6 @@ def main(argv=None) -> int:
     ap.add_argument("--run-args", default="", help='more options for depthscope run, e.g. "--precision bfloat16"')
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
-    import shlex
-
     import torch
 
     from benchmarks.bench_main_job import fresh_cache
