@@ -21,11 +21,11 @@ CPU seconds       each stage's CPU seconds (the run's ``run.json``); each phase'
 
 The job runs in this process with one intra-op thread, so every product runs on the calling
 thread, where the counting mode sees it, in a fresh activation store (the extraction forward
-counts). Counting walks the Python stack at each product, which costs a few percent of CPU time:
-compare CPU seconds with ``bench_main_job``, not with this run. ``--run-args`` takes
-``depthscope run`` options for the :class:`~depthscope.analyses.jobs.configs.ReportConfig`
-(``--precision bfloat16``, ``--tasks upos``). It takes as long as the job on one thread (ten
-minutes or more on the embedded model)::
+counts). Counting passes every torch operation through Python and walks the stack at each
+product, which adds CPU time: time the job with ``bench_main_job``, not with this run.
+``--tasks`` picks the probe tasks; ``--run-args`` passes more ``depthscope run`` options
+(``--precision bfloat16``, ``--lens-tokens 500``). It takes as long as the job on one thread
+(ten minutes or more on the embedded model)::
 
     python -m benchmarks.bench_job_flops
     python -m benchmarks.bench_job_flops --tasks upos --json flops.json
