@@ -215,8 +215,11 @@ def main(argv=None) -> int:
         os.environ["DEPTHSCOPE_CACHE"] = str(fresh_cache(Path(tmp) / "cache"))  # a fresh store: the extraction counts
         try:
             mode, meta = count_job(Path(tmp) / "run", run_args)
-        finally:
-            os.environ.pop("DEPTHSCOPE_CACHE") if old is None else os.environ.update(DEPTHSCOPE_CACHE=old)
+        finally:  # the caller's cache again
+            if old is None:
+                del os.environ["DEPTHSCOPE_CACHE"]
+            else:
+                os.environ["DEPTHSCOPE_CACHE"] = old
     rates = {"float32": peak_rate(torch.float32), "bfloat16": peak_rate(torch.bfloat16)}
     rows = table(mode, meta, rates)
     print("\n".join(lines(rows, rates)))
