@@ -63,19 +63,16 @@ MATVEC = ("addmv", "mv")
 def label(frame) -> tuple[str, str, str]:
     """``(stage, task, phase)`` of the product called under ``frame``: the outermost stage and
     phase functions on the stack, and the task of the enclosing ``fit_task`` (its ``td``)."""
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
     stage = task = phase = ""
-    for f in reversed(frames):
-        name = f.f_code.co_name
-        if not stage and name in STAGES:
+    while frame is not None:  # inner to outer: each match overrides, so the outermost one stays
+        name = frame.f_code.co_name
+        if name in STAGES:
             stage = STAGES[name]
-        elif not task and name == "fit_task" and "td" in f.f_locals:
-            task = str(f.f_locals["td"].task)
-        elif not phase and name in PHASES:
+        elif name == "fit_task" and "td" in frame.f_locals:
+            task = str(frame.f_locals["td"].task)
+        elif name in PHASES:
             phase = PHASES[name]
+        frame = frame.f_back
     if stage == "probes" and not phase:
         phase = "cumulative, other" if task else "other"
     return stage or "other", task, phase
