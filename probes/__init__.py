@@ -26,7 +26,8 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     total_delta, total_delta_se, expected_layer_delta_meaningful, expected_layer_delta_note (why
     not), l2, l2_chosen_on, l2_heldout_accuracy, l2_search_not_converged (probes of the penalty
     search left at the cap), converged, hit_max_epochs, n_not_converged,
-    epochs_sites, epochs_cumulative (the stacking's passes), epochs_mix, max_epochs, solver.
+    epochs_sites, epochs_cumulative (the stacking's passes), epochs_mix, mix_starts, mix_note (two scalar-mix
+    optima the data cannot tell apart, else empty), max_epochs, solver.
     ``.mixing`` columns: task, site, label, layer, sublayer, depth, mix_weight,
     cumulative_score (soft accuracy), cumulative_accuracy, cumulative_macro_f1, delta (of the
     cumulative_score), gamma.

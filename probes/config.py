@@ -69,6 +69,7 @@ UNIT = Limit(1.0, "a learning rate or tolerance above 1 does not converge to any
 MAX_EPOCHS = Limit(100_000, "probes converge in tens to hundreds of passes; more would only run for days")
 #: fold draws and folds: each draw refits every site probe on each fold
 MAX_DRAWS = Limit(100, "each draw refits every site probe on each fold; 100 draws take 100 x the time of one")
+MAX_STARTS = Limit(16, "each start costs one scalar-mix fit; on the bundled sample every start found the same mix")
 MAX_FOLDS = Limit(20, "each fold refits every site probe; beyond 20 the fold probes differ by under 5% of the data")
 #: memory for resident features: at most this machine's (never below the 4 GB default, which
 #: streams what does not fit)
@@ -217,6 +218,17 @@ class ProbeConfig(Settings):
         max=MAX_FOLDS,
         help="Refit the scalar mix without each of this many folds of train: the range of E_s over the "
         "refits (expected_layer_mix_lo/_hi; 0: none, 2 or more: that many refits).",
+    )
+    #: starts of the scalar mix's fit on all of train (the uniform mix, then seeded random mixes; the lowest
+    #: objective is kept, and the summary's mix_note says when two starts end at different mixes that tie).
+    #: One by default: on the bundled sample a second start found the same mix (docs/tenney_comparison.md)
+    mix_starts: int = setting(
+        1,
+        "--mix-starts",
+        min=1,
+        max=MAX_STARTS,
+        help="Starts of the scalar mix's fit (the uniform mix, then seeded random ones): the lowest objective "
+        "is kept, and mix_note says when two tie at different weights. Each start costs one mix fit.",
     )
     stack_l2: float = setting(
         1e-2,

@@ -391,10 +391,12 @@ def _training_summary(cfg: ProbeConfig, choice: L2Choice, sites: TrainLog, cumul
         "epochs_sites": sites.epochs,
         "epochs_cumulative": cum.epochs if cum is not None else np.nan,
         "epochs_mix": cum_mix.epochs if cum_mix is not None else np.nan,
+        "mix_note": cum_mix.note if cum_mix is not None else "",
         "max_epochs": cfg.max_epochs,
         "stack_draws": cfg.stack_draws if cum is not None else np.nan,
         "stack_folds": cfg.stack_folds if cum is not None else np.nan,
         "stack_l2": cfg.stack_l2 if cum is not None else np.nan,
+        "mix_starts": cfg.mix_starts if cum_mix is not None else np.nan,
         "seed": cfg.seed,
         "solver": sites.solver,
     }

@@ -1,7 +1,7 @@
 """Tenney et al. (2019)'s two summaries: scalar mixing weights and cumulative scoring.
 
-Scalar mix (``E_s``): a probe reads ``gamma * sum_s softmax(a)_s x_s`` over all sites and is
-trained jointly with the weights (Tenney's scalar mix); the *expected layer* of the mix is
+Scalar mix (``E_s``): a probe reads ``gamma * sum_s s_s x_s`` over all sites, the weights ``s``
+on the simplex (Tenney's softmax weights), trained jointly with them; the *expected layer* of the mix is
 ``E_s = sum_s depth(s) * s_s``. The sites' features are standardised, but a mix of them is not:
 ``var(sum_s s_s x_s) = s^T C s`` is below 1 inside the simplex unless the sites are perfectly
 correlated, so with ``gamma`` fixed at 1 every spread mix hands the probe *smaller* features,
@@ -12,8 +12,11 @@ data's; ``docs/tenney_comparison.md``, Scalar mix, measures it). :func:`fit_mix`
 reaches the probe at the scale of one standardised site, the penalty sees the same features'
 scale wherever the weights are, and a one-site mix is unchanged (gamma 1). It is Tenney's
 trainable ``gamma`` held at the value that makes the penalty scale-neutral (a free, unpenalised
-``gamma`` would grow without end against the penalised weights). :func:`mix_draws` refits the mix
-without each fold of train, for an interval of E_s and the spread of the weights.
+``gamma`` would grow without end against the penalised weights). The weights are fitted on the
+simplex itself (SLSQP, from several starts: :func:`fit_mix`), so the mix found is the optimum to
+the fit's tolerance on any CPU: over softmax logits, whose gradient vanishes at a vertex, the fit
+could stop at one where the kernels rounded it there. :func:`mix_draws` refits the mix without
+each fold of train, for an interval of E_s and the spread of the weights.
 
 Cumulative scoring (``E_Delta``): ``P(s)`` predicts from sites ``0..s``;
 ``Delta(s) = score(P(s)) - score(P(s-1))`` is what site ``s`` adds, and the *expected layer*
@@ -76,13 +79,29 @@ from depthscope.probes.store.span_rows import SpanRows
 STACK_L2 = ProbeConfig.stack_l2
 #: Newton iterations the stacking may take (each: one Hessian per prefix, about S^3 N C / 3 products)
 STACK_MAX_ITERS = 50
-#: L-BFGS iterations over the mixing logits a scalar mix may take (each: two products with every site's
-#: features and one warm-started probe solve)
+#: SLSQP iterations over the mixing weights one start of a scalar mix may take (each: two products
+#: with every site's features and one warm-started probe solve, and a few more in its line search)
 MIX_MAX_ITERS = 300
-#: how often a scalar mix's L-BFGS may start afresh when its line search stalls before convergence
-MIX_RESTARTS = 4
-#: the largest gradient entry at which a scalar mix counts as converged
+#: starts of a scalar mix fitted from scratch (the uniform mix, then seeded random mixes): on the bundled
+#: sample's three tasks a second start ended at the same mix (E_s within 0.007 block), so one is the default
+MIX_STARTS = 1
+#: the largest probe-gradient entry at which a mix counts as converged (each probe solve stops at a tenth)
 MIX_GTOL = 1e-4
+#: the largest simplex gap (:func:`simplex_gap`, in the objective's gradient per unit weight) at which a mix
+#: counts as converged
+MIX_GAP = 1e-4
+#: how often one start's SLSQP may begin afresh when it stops before the convergence test holds
+MIX_RESTARTS = 4
+#: SLSQP's precision goal for the objective (summed in float64; the optimum is flat to about 1e-8)
+MIX_FTOL = 1e-10
+#: a weight below this is 0 (a site the mix does not use)
+MIX_ZERO = 1e-9
+#: ends of two starts whose objectives are this close are one optimum to the objective's resolution (the
+#: float32 mix rounds differently for each split of weight between two equal sites: 1e-8 apart), and
+#: the earlier start's end is kept, whichever rounds lower
+MIX_FNOISE = 1e-7
+#: objectives this close count as tied optima, and weights this far apart as different mixes (:func:`fit_mix`'s note)
+MIX_FTIE, MIX_WTOL = 1e-6, 0.02
 #: examples per chunk of the stacking objective (its float64 workspace: two ``[S, chunk, C]`` buffers)
 STACK_CHUNK = 1024
 #: bytes of the fold copy of resident features the out-of-fold refits hold at a time (sites in runs)
@@ -431,9 +450,10 @@ def apply_stack(w: torch.Tensor, b: torch.Tensor, z: torch.Tensor) -> torch.Tens
 
 @dataclass
 class MixFit:
-    """A scalar mix fitted by :func:`fit_mix`: ``weights [S]`` (softmax), ``gamma`` (the scale that
-    made the mix unit-scale on train; 1 without normalising), the final ``objective``, whether it
-    ``converged`` (largest gradient entry <= :data:`MIX_GTOL`) and the ``iterations`` taken."""
+    """A scalar mix fitted by :func:`fit_mix`: ``weights [S]`` (on the simplex), ``gamma`` (the
+    scale that made the mix unit-scale on train; 1 without normalising), the final ``objective``,
+    whether it ``converged`` (:func:`fit_mix`'s test) and the
+    ``iterations`` taken (all starts)."""
 
     weights: np.ndarray
     gamma: float
@@ -441,7 +461,9 @@ class MixFit:
     converged: bool
     iterations: int
     grad_max: float = float("nan")
-    state: tuple = None  # (a, W, b) tensors, to warm-start another fit
+    state: tuple = None  # (a, W, b) tensors, to warm-start another fit (a: log weights)
+    optima: list = None  # every start's end: (weights [S], objective)
+    note: str = ""  # two optima the data cannot tell apart (fit_mix), else empty
 
 
 class _FlatSites:
@@ -468,21 +490,9 @@ def _sites(X) -> _FlatSites | SpanRows:
     return X if isinstance(X, SpanRows) else _FlatSites(X)
 
 
-def _mix_lbfgs(params: list, max_iters: int) -> torch.optim.LBFGS:
-    """The scalar mix's full-batch L-BFGS (strong-Wolfe line search)."""
-    return torch.optim.LBFGS(
-        params,
-        max_iter=max_iters,
-        history_size=20,
-        tolerance_grad=MIX_GTOL / 10,  # aim lower than the test: float32 sums end a little above
-        tolerance_change=1e-12,
-        line_search_fn="strong_wolfe",
-    )
-
-
 def _probe_solve(u: torch.Tensor, yt: torch.Tensor, W: torch.Tensor, b: torch.Tensor, l2: float) -> tuple:
     """The penalised linear probe on fixed features ``u [F, N]`` (feature-major), from ``(W, b)``:
-    ``argmin mean CE(u^T W + b) + l2 ||W||^2`` by full-batch L-BFGS to :data:`MIX_GTOL` / 100 (a
+    ``argmin mean CE(u^T W + b) + l2 ||W||^2`` by full-batch L-BFGS to :data:`MIX_GTOL` / 10 (a
     convex problem of ``F x C`` weights; a warm start from the previous mix's probe takes a few
     steps). Returns the detached ``(W, b)``."""
     W, b = W.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
@@ -490,14 +500,15 @@ def _probe_solve(u: torch.Tensor, yt: torch.Tensor, W: torch.Tensor, b: torch.Te
         [W, b],
         max_iter=PROBE_MAX_ITERS,
         history_size=20,
-        tolerance_grad=MIX_GTOL / 100,
+        tolerance_grad=MIX_GTOL / 10,
         tolerance_change=1e-14,
         line_search_fn="strong_wolfe",
     )
 
     def closure():
         opt.zero_grad()
-        f = torch.nn.functional.cross_entropy(torch.addmm(b, u.T, W), yt) + l2 * (W * W).sum()
+        # float64 sums: a float32 loss stops L-BFGS (its change reads 0) with the gradient still 1e-4
+        f = torch.nn.functional.cross_entropy(torch.addmm(b, u.T, W).double(), yt) + l2 * W.double().square().sum()
         f.backward()
         return f
 
@@ -506,10 +517,10 @@ def _probe_solve(u: torch.Tensor, yt: torch.Tensor, W: torch.Tensor, b: torch.Te
 
 
 class _ProjectedMix:
-    """The scalar-mix objective as a function of the mixing logits ``a`` alone (variable
-    projection): ``g(a) = min_{W, b} f(a, W, b)``, the probe solved at each ``a``
+    """The scalar-mix objective as a function of the mixing weights ``p`` alone (variable
+    projection): ``g(p) = min_{W, b} f(p, W, b)``, the probe solved at each ``p``
     (:func:`_probe_solve`, warm-started from the last one). By the envelope theorem
-    ``dg/da = df/da`` at the solved probe, so one evaluation reads the features twice (the mix,
+    ``dg/dp = df/dp`` at the solved probe, so one evaluation reads the features twice (the mix,
     then the gradient of its S weights) however many probe weights there are, and the outer
     problem has S unknowns instead of ``S + F C``.
 
@@ -518,7 +529,8 @@ class _ProjectedMix:
     in three ``[F, N]`` float32 buffers made once (autograd would make half a dozen temporaries
     of that size per evaluation, 37 MB each for deprel, and their reuse fragments the heap). With
     ``Z = u^T W + b`` and ``G = (softmax(Z) - Y) / N``: ``D = df/du = W G^T``, and through
-    ``gamma = (mean_f var_n m)^(-1/2)``, ``df/dm = gamma D - (gamma^3 / (F N)) <D, m> (m - mean_n m)``."""
+    ``gamma = (mean_f var_n m)^(-1/2)``, ``df/dm = gamma D - (gamma^3 / (F N)) <D, m> (m - mean_n m)``;
+    ``df/dp_s = <X_s, df/dm>``."""
 
     def __init__(self, sites, y: torch.Tensor, l2: float, normalise: bool, Wb: tuple):
         _, self.N, self.F = sites.shape
@@ -528,25 +540,27 @@ class _ProjectedMix:
         self.m, self.u, self.d = (torch.empty(self.F, self.N, device=self.dev) for _ in range(3))
         self.rows = torch.arange(self.N, device=self.dev)  # with y: each example's gold entry
 
-    def mix(self, a: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
-        """``(m [F, N], gamma)``: the mix of the sites at logits ``a`` (into ``out`` when given)
-        and its scale."""
-        m = self.sites.mix(torch.softmax(a, 0), out=out)
+    def mix(self, p: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
+        """``(m [F, N], gamma)``: the mix of the sites with weights ``p`` (into ``out`` when
+        given) and its scale."""
+        m = self.sites.mix(p, out=out)
         var = m.var(1, unbiased=False).mean().clamp_min(1e-12)
         gamma = torch.rsqrt(var) if self.normalise else torch.ones((), device=self.dev)
         return m, gamma
 
     @torch.no_grad()
-    def __call__(self, a: torch.Tensor) -> tuple:
-        """``(g(a), dg/da, largest probe-gradient entry)``."""
-        p = torch.softmax(a, 0)
-        m, gamma = self.mix(a, out=self.m)
+    def __call__(self, p: torch.Tensor) -> tuple:
+        """``(g(p), dg/dp [S], largest probe-gradient entry)`` at weights ``p [S]`` (float32, on
+        the features' device)."""
+        m, gamma = self.mix(p, out=self.m)
         u = torch.mul(m, gamma, out=self.u)
         with torch.enable_grad():
             self.W, self.b = _probe_solve(u, self.y, self.W, self.b, self.l2)
         W, b = self.W, self.b
         Z = torch.addmm(b, u.T, W)  # [N, C]
-        f = torch.nn.functional.cross_entropy(Z, self.y) + self.l2 * (W * W).sum()
+        # the objective summed in float64: the mix's optimum is flat, and the line search compares
+        # values that differ in their eighth digit (the [N, C] copy is small beside the features)
+        f = torch.nn.functional.cross_entropy(Z.double(), self.y) + self.l2 * W.double().square().sum()
         G = torch.softmax(Z, 1)
         G[self.rows, self.y] -= 1.0
         G /= self.N
@@ -555,9 +569,83 @@ class _ProjectedMix:
         if self.normalise:
             c = float(gamma) ** 3 / (self.F * self.N) * float(torch.dot(D.view(-1), m.view(-1)))
             D.mul_(gamma).sub_(m, alpha=c).add_(m.mean(1, keepdim=True), alpha=c)  # df/dm
-        gp = self.sites.mix_grad(D)  # df/d softmax(a)_s = <X_s, df/dm>
-        ga = p * (gp - (p * gp).sum())
-        return f, ga, max(float(gW.abs().max()), float(gb.abs().max()))
+        gp = self.sites.mix_grad(D)  # df/dp_s = <X_s, df/dm>
+        return f, gp, max(float(gW.abs().max()), float(gb.abs().max()))
+
+
+def simplex_gap(p, gp) -> float:
+    """How far weights ``p [S]`` on the simplex are from stationary for a function with gradient
+    ``gp = dg/dp``: the largest first-order decrease per unit weight moved from a used site to
+    another, ``max_{s: p_s > 0} gp_s - min_t gp_t`` (the KKT conditions: every used site has the
+    smallest gradient). Zero at a minimum; at a vertex it is the gain of moving toward the best
+    other site, which the softmax-logit gradient ``p * (gp - p.gp)`` hides (it vanishes there)."""
+    p, gp = np.asarray(p, dtype=np.float64), np.asarray(gp, dtype=np.float64)
+    used = p > MIX_ZERO
+    return float(gp[used].max() - gp.min()) if used.any() else float("inf")
+
+
+def _converged(p, gp, gprobe: float) -> bool:
+    """The mix's convergence test: simplex gap at most :data:`MIX_GAP`, probe gradient at most
+    :data:`MIX_GTOL`."""
+    return simplex_gap(p, gp) <= MIX_GAP and gprobe <= MIX_GTOL
+
+
+def _simplex_slsqp(g: _ProjectedMix, p0: np.ndarray, max_iters: int) -> tuple:
+    """One descent of ``g`` over the simplex from ``p0``: scipy's SLSQP over the weights ``p``
+    themselves (bounds ``0 <= p_s <= 1``, ``sum p = 1``), whose dense quasi-Newton model of the
+    ``S x S`` Hessian suits the few, strongly correlated sites (neighbouring layers make the
+    objective nearly flat along many directions). Working on ``p`` rather than softmax logits, a
+    site the optimum does not use ends at exactly 0, and a vertex or face that is no minimum has a
+    gradient that leaves it (the logits' gradient ``p * (gp - p.gp)`` vanishes there, which let
+    an L-BFGS over logits stop on one). A descent that SLSQP ends short of the convergence test
+    (a line search lost in float32 rounding) starts afresh from its end, up to
+    :data:`MIX_RESTARTS` times. Returns ``(p [S], objective, dg/dp [S], probe gradient,
+    iterations)`` at the end point (evaluated again there, so the probe in ``g`` is the end's)."""
+    from scipy.optimize import minimize  # lazy: scipy comes with scikit-learn; only a mix fit needs it
+
+    dev, S = g.dev, len(p0)
+
+    def fun(q):
+        q = np.maximum(q, 0.0)  # SLSQP may step a hair outside its bounds
+        p = q / q.sum()
+        f, gp, _ = g(torch.as_tensor(p, dtype=torch.float32, device=dev))
+        return float(f), gp.double().cpu().numpy()
+
+    one = {"type": "eq", "fun": lambda q: q.sum() - 1.0, "jac": lambda q: np.ones_like(q)}
+    p, iters = np.asarray(p0, dtype=np.float64), 0
+    for _ in range(MIX_RESTARTS):
+        res = minimize(
+            fun,
+            p,
+            jac=True,
+            method="SLSQP",
+            bounds=[(0.0, 1.0)] * S,
+            constraints=[one],
+            options={"maxiter": max(max_iters - iters, 1), "ftol": MIX_FTOL},
+        )
+        iters += int(res.nit)
+        p = _on_simplex(res.x)
+        f, gp, gprobe = g(torch.as_tensor(p, dtype=torch.float32, device=dev))
+        gp = gp.double().cpu().numpy()
+        if _converged(p, gp, gprobe) or iters >= max_iters:
+            break
+    return p, float(f), gp, gprobe, iters
+
+
+def _on_simplex(q) -> np.ndarray:
+    """``q`` clipped to ``[0, inf)``, weights below :data:`MIX_ZERO` set to 0, renormalised."""
+    p = np.maximum(np.asarray(q, dtype=np.float64), 0.0)
+    p /= p.sum()
+    p[p < MIX_ZERO] = 0.0
+    return p / p.sum()
+
+
+def _starts(S: int, init_p: np.ndarray | None, n: int, seed: int) -> list:
+    """The mix's starting weights: ``init_p`` (another fit's weights) or the uniform mix, then
+    ``n - 1`` seeded random points of the simplex (Dirichlet(1)), the same on every machine."""
+    first = np.full(S, 1.0 / S) if init_p is None else np.asarray(init_p, dtype=np.float64)
+    rng = np.random.default_rng([seed, 31415])
+    return [first] + [rng.dirichlet(np.ones(S)) for _ in range(max(n, 1) - 1)]
 
 
 def fit_mix(
@@ -568,53 +656,78 @@ def fit_mix(
     l2: float,
     normalise: bool = True,
     init: tuple | None = None,
-    max_iters: int = MIX_MAX_ITERS,
+    starts: int | None = None,
+    seed: int = 0,
 ) -> MixFit:
     """Tenney's scalar mix over the sites of standardised features ``X [S, N, F]`` (a tensor,
     or :class:`~depthscope.probes.store.span_rows.SpanRows`, read as they are) with a linear
-    probe, minimising ``mean CE(gamma * (sum_s softmax(a)_s X_s) W + b) + l2 * ||W||^2`` over
-    ``a, W, b`` from the uniform mix and zero weights (or ``init``, another fit's ``state``):
-    L-BFGS over the S mixing logits with the probe solved at each (:class:`_ProjectedMix`).
-    ``normalise``: ``gamma = 1 / sqrt(mean_d var(mix_d))`` on ``X`` at every step (the module
-    docstring says why); else ``gamma = 1``. Converged: every entry of the joint gradient (mixing
-    logits and probe) at most :data:`MIX_GTOL`. The fit runs on ``X``'s device (a GPU's, for
-    features held there: no copy to the CPU); ``weights`` come back as a NumPy array, ``state``
+    probe, minimising ``mean CE(gamma * (sum_s p_s X_s) W + b) + l2 * ||W||^2`` over the weights
+    ``p`` on the simplex and the probe ``W, b``: SLSQP over ``p`` with the probe solved at each
+    (:class:`_ProjectedMix`, :func:`_simplex_slsqp`). ``normalise``: ``gamma = 1 /
+    sqrt(mean_d var(mix_d))`` on ``X`` at every step (the module docstring says why); else
+    ``gamma = 1``.
+
+    The objective is flat over the simplex (equally informative sites differ in it by a few
+    1e-4) and need not be convex in ``p``, so the fit descends from ``starts`` points (None:
+    :data:`MIX_STARTS` from scratch, 1 from ``init``, another fit's ``state``): the first is
+    ``init``'s weights or the uniform mix, the others seeded random mixes (``seed``). It keeps the
+    lowest objective (an end within :data:`MIX_FNOISE` of it from an earlier start wins the tie);
+    ``optima`` lists every start's end (weights, objective), and ``note`` says when two ends with
+    objectives within :data:`MIX_FTIE` have weights more than :data:`MIX_WTOL` apart (two optima
+    the data cannot tell apart). Converged: the kept end's :func:`simplex_gap` at most
+    :data:`MIX_GAP` and its probe gradient at most :data:`MIX_GTOL` (``grad_max``: the larger).
+    The fit runs on ``X``'s device (a GPU's, for features held there: no copy to the CPU);
+    ``weights`` come back as a NumPy array, ``state``
     stays on that device."""
     S, _, F_ = X.shape
     dev = X.device
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long, device=dev)
     if init is None:
-        init = (torch.zeros(S, device=dev), torch.zeros(F_, n_classes, device=dev), torch.zeros(n_classes, device=dev))
-    a0, W0, b0 = (t.detach().float().to(dev) for t in init)
-    g = _ProjectedMix(_sites(X), yt, l2, normalise, (W0, b0))
-    a = a0.clone().requires_grad_(True)
-    opt = _mix_lbfgs([a], max_iters)
-    state = {}
+        init_p, W0, b0 = None, torch.zeros(F_, n_classes, device=dev), torch.zeros(n_classes, device=dev)
+    else:
+        a0, W0, b0 = (t.detach().float().to(dev) for t in init)
+        init_p = torch.softmax(a0, 0).double().cpu().numpy()
+    n = (MIX_STARTS if init is None else 1) if starts is None else int(starts)
+    ends = []
+    for p0 in _starts(S, init_p, n, seed):
+        g = _ProjectedMix(_sites(X), yt, l2, normalise, (W0, b0))
+        ends.append((*_simplex_slsqp(g, p0, MIX_MAX_ITERS), g))
+    return _best_end(ends)
 
-    def closure():
-        f, ga, gprobe = g(a.detach())
-        a.grad = ga
-        state.update(f=f, grad=max(float(ga.abs().max()), gprobe))
-        return f
 
-    iters = 0
-    for _ in range(MIX_RESTARTS):  # a stalled line search restarts L-BFGS from where it stopped
-        opt.step(closure)
-        iters += int(opt.state[opt._params[0]].get("n_iter", 0))
-        closure()
-        if state["grad"] <= MIX_GTOL or iters >= max_iters:
-            break
-        opt.state.clear()
+def _best_end(ends: list) -> MixFit:
+    """The :class:`MixFit` of the lowest objective among the starts' ends ``(p, f, gp, gprobe,
+    iterations, objective function)``; among ends within :data:`MIX_FNOISE` of it, the earliest
+    start's (ties resolved the same way whatever the rounding: the uniform or warm start wins)."""
+    low = min(e[1] for e in ends)
+    p, f, gp, gprobe, _, g = next(e for e in ends if e[1] - low <= MIX_FNOISE)
+    dev = g.dev
     with torch.no_grad():
-        _, gamma = g.mix(a.detach())
+        _, gamma = g.mix(torch.as_tensor(p, dtype=torch.float32, device=dev))
+    a = torch.as_tensor(np.log(np.maximum(p, 1e-30)), dtype=torch.float32, device=dev)  # logits of p
     return MixFit(
-        torch.softmax(a.detach(), 0).double().cpu().numpy(),
+        p,
         float(gamma),
-        float(state["f"]),
-        state["grad"] <= MIX_GTOL,
-        iters,
-        state["grad"],
-        (a.detach(), g.W, g.b),
+        f,
+        _converged(p, gp, gprobe),
+        sum(e[4] for e in ends),
+        max(simplex_gap(p, gp), gprobe),
+        (a, g.W, g.b),
+        [(e[0], e[1]) for e in ends],
+        _ties(ends),
+    )
+
+
+def _ties(ends: list) -> str:
+    """A sentence when two starts ended within :data:`MIX_FTIE` of the lowest objective with
+    weights more than :data:`MIX_WTOL` apart; else empty."""
+    near = [e[0] for e in ends if e[1] - min(e[1] for e in ends) <= MIX_FTIE]
+    far = max((float(np.abs(w - near[0]).max()) for w in near[1:]), default=0.0)
+    if far <= MIX_WTOL:
+        return ""
+    return (
+        f"two scalar-mix optima within {MIX_FTIE:g} of the objective have weights up to {far:.3f} apart: "
+        "the data do not single out one mix, and E_s between them is not determined"
     )
 
 
@@ -643,17 +756,18 @@ def scalar_mix(train: Features, y_train, *, n_classes: int, cfg: ProbeConfig, pr
         return _penalised_mix(train, y, n_classes=n_classes, cfg=cfg, progress=progress, desc=desc), None
     X, yr = train.resident, y[train.order]  # the mix's fit runs where the features are held
     l2 = numeric_l2(cfg.l2)
-    fit = fit_mix(X, yr, n_classes=n_classes, l2=l2)
+    fit = fit_mix(X, yr, n_classes=n_classes, l2=l2, starts=cfg.mix_starts, seed=cfg.seed)
     draws = None
     if cfg.mix_folds >= 2:
         draws = mix_draws(X, yr, n_classes=n_classes, l2=l2, folds=cfg.mix_folds, seed=cfg.seed, init=fit.state)
     log = TrainLog(
-        "lbfgs",
+        "lbfgs-b",
         fit.iterations,
         np.array([fit.converged]),
         np.array([fit.objective]),
         np.array([fit.grad_max]),
         not fit.converged,
+        note=fit.note,
     )
     return (fit.weights, log), draws
 

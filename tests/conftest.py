@@ -44,6 +44,30 @@ def _isolate_cache() -> None:
 
 _isolate_cache()
 
+#: CPUs ``--fake-cpu`` can stand in for: the flags and torch capability the precision rule reads
+FAKE_CPUS = {
+    "amx": ("amx_bf16 amx_tile amx_int8 avx512_bf16 avx512f avx512bw avx512vl avx2 fma", "AMX"),
+    "avx512-bf16": ("avx512_bf16 avx512f avx512bw avx512vl avx2 fma", "AVX512"),
+    "avx2": ("avx2 fma", "AVX2"),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fake-cpu",
+        choices=sorted(FAKE_CPUS),
+        default=None,
+        help="run as if on this CPU: DEPTHSCOPE_CPU_FLAGS / DEPTHSCOPE_CPU_CAPABILITY for this process and the "
+        "commands it starts (what the precision rule reads; the kernels' rounding stays this machine's, which "
+        "ATEN_CPU_CAPABILITY=default changes)",
+    )
+
+
+def pytest_configure(config):
+    fake = config.getoption("--fake-cpu", default=None)
+    if fake:
+        os.environ["DEPTHSCOPE_CPU_FLAGS"], os.environ["DEPTHSCOPE_CPU_CAPABILITY"] = FAKE_CPUS[fake]
+
 
 @pytest.fixture(autouse=True)
 def _own_working_directory(tmp_path, monkeypatch):

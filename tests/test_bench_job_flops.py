@@ -66,7 +66,12 @@ def test_job_on_a_tiny_llama(bench, tiny_llama_dir, tmp_path, one_thread):
     assert {r["stage"] for r in stages} == {"lens", "norms", "probes"}
     total = rows[("total", "", "")]
     assert total["tflop"] == pytest.approx(sum(r["tflop"] for r in stages))
-    assert all(r["tflop"] > 0 and r["floor_cpu_s_bfloat16"] <= r["floor_cpu_s_float32"] * 1.5 for r in stages)
+    # each floor is the stage's count over the rate measured in the same run (the rates themselves are this
+    # machine's and its load's, so no ratio between them is asserted: a busy core moves them)
+    for r in stages:
+        assert r["tflop"] > 0
+        for dtype in ("float32", "bfloat16"):
+            assert r[f"floor_cpu_s_{dtype}"] == pytest.approx(r["tflop"] * 1e12 / got["rates"][dtype], rel=1e-9)
     # the lens decodes its text (capped at 40 tokens: at least 30 here) at each of the 7 sites (3 layers)
     # through the 64 x vocab unembedding
     from transformers import AutoConfig

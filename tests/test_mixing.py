@@ -52,8 +52,8 @@ def test_identical_sites_give_the_uniform_mix_and_sklearns_probe(normalise):
 
 @pytest.mark.parametrize("normalise", [False, True])
 def test_projected_mix_gradient_is_autograds(normalise):
-    """The mix objective's hand-written gradient (df/dm through the probe and gamma, then the
-    softmax of the logits) equals autograd's on the same solved probe, and the objective and the
+    """The mix objective's hand-written gradient in the weights (df/dm through the probe and
+    gamma, then the sites) equals autograd's on the same solved probe, and the objective and the
     probe's largest gradient entry are autograd's too."""
     from depthscope.probes.mixing import _FlatSites, _ProjectedMix
 
@@ -62,18 +62,18 @@ def test_projected_mix_gradient_is_autograds(normalise):
     X = torch.randn(S, F, N, generator=g).mul_(torch.linspace(0.5, 2.0, S)[:, None, None]).transpose(1, 2)
     y = torch.randint(C, (N,), generator=g)
     Xf, n, f_ = X.transpose(1, 2).reshape(S, F * N), N, F
-    a = torch.randn(S, generator=g)
+    p = torch.softmax(torch.randn(S, generator=g), 0)
     W0, b0 = 0.1 * torch.randn(F, C, generator=g), torch.zeros(C)
     obj = _ProjectedMix(_FlatSites(X), y, l2, normalise, (W0, b0))
-    f, ga, gprobe = obj(a)
+    f, gp, gprobe = obj(p)
     W, b = obj.W.clone().requires_grad_(True), obj.b.clone().requires_grad_(True)  # the solved probe
-    ar = a.clone().requires_grad_(True)
-    m = (torch.softmax(ar, 0) @ Xf).view(f_, n)
+    pr = p.clone().requires_grad_(True)
+    m = (pr @ Xf).view(f_, n)
     gamma = torch.rsqrt(m.var(1, unbiased=False).mean()) if normalise else 1.0
     fr = torch.nn.functional.cross_entropy(torch.addmm(b, (gamma * m).T, W), y) + l2 * (W * W).sum()
-    ga_ref, gW, gb = torch.autograd.grad(fr, (ar, W, b))
+    gp_ref, gW, gb = torch.autograd.grad(fr, (pr, W, b))
     assert float(f) == pytest.approx(float(fr.detach()), rel=1e-6)
-    torch.testing.assert_close(ga, ga_ref, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(gp, gp_ref, rtol=1e-4, atol=1e-7)
     assert gprobe == pytest.approx(max(float(gW.abs().max()), float(gb.abs().max())), rel=1e-3, abs=1e-8)
 
 
@@ -114,6 +114,63 @@ def test_the_penalty_pulls_a_gamma_one_mix_to_one_site_and_the_neutral_gamma_doe
     mn = np.einsum("s,snf->nf", fitn.weights, X.double().numpy())
     ref = [LogisticRegression(C=10.0).fit(m / m.std(0), y).score(m / m.std(0), y) for m in (m1, mn)]
     assert ref[1] >= ref[0]
+
+
+#: the scale-neutral mix of ``_equally_informative()`` at l2 = 1, solved in float64 to 1e-12 by
+#: scipy's L-BFGS-B over the simplex from four starts (all ended here, objective 0.66611948801)
+OPTIMUM = np.array([0.19703, 0.0, 0.08247, 0.61442, 0.03727, 0.06879])
+#: the vertex a fresh clone's CI reported on a CPU with avx512_bf16 and AMX (issue 59)
+AMX_VERTEX = np.array([4.5e-04, 2.7e-06, 1.1e-04, 0.99927, 6.8e-05, 1.1e-04])
+
+
+def _warm(weights, F: int = 4, C: int = 2) -> tuple:
+    return torch.tensor(np.log(weights), dtype=torch.float32), torch.zeros(F, C), torch.zeros(C)
+
+
+def test_the_vertex_another_cpu_stopped_at_is_no_optimum_and_every_start_reaches_the_optimum():
+    """The vertex that an AMX CPU reported has a higher objective than the spread optimum and a
+    simplex gap that the softmax-logit gradient hid (it vanishes at a vertex); the fit from that
+    vertex, from the uniform mix, from every vertex and from seeded random mixes ends at the float64
+    optimum, as do fits on the same examples in other orders (float32 sums in other orders, as
+    another CPU's kernels round)."""
+    from depthscope.probes.mixing import _FlatSites, _ProjectedMix, simplex_gap
+
+    X, y = _equally_informative()
+    g = _ProjectedMix(_FlatSites(X), torch.as_tensor(y), 1.0, True, (torch.zeros(4, 2), torch.zeros(2)))
+    f_vertex, gp, _ = g(torch.tensor(AMX_VERTEX, dtype=torch.float32))
+    p = torch.tensor(AMX_VERTEX, dtype=torch.float32)
+    assert float((p * (gp - (p * gp).sum())).abs().max()) < 1e-4  # the old test called this converged
+    assert simplex_gap(AMX_VERTEX, gp.numpy()) > 1e-3  # but moving weight off site 3 lowers the objective
+    fit = fit_mix(X, y, n_classes=2, l2=1.0, normalise=True)
+    assert fit.converged and fit.objective < float(f_vertex) - 3e-4
+    assert fit.objective == pytest.approx(0.66611948801, abs=2e-9)
+    np.testing.assert_allclose(fit.weights, OPTIMUM, atol=2e-3)
+    starts = [AMX_VERTEX, *np.clip(np.eye(6), 1e-6, None), *np.random.default_rng(5).dirichlet(np.ones(6), 3)]
+    for w in starts:
+        other = fit_mix(X, y, n_classes=2, l2=1.0, init=_warm(w / w.sum()))
+        assert other.converged, w
+        np.testing.assert_allclose(other.weights, OPTIMUM, atol=2e-3, err_msg=str(w))
+    for seed in range(3):
+        perm = np.random.default_rng(seed).permutation(X.shape[1])
+        other = fit_mix(X[:, torch.from_numpy(perm)], y[perm], n_classes=2, l2=1.0)
+        np.testing.assert_allclose(other.weights, OPTIMUM, atol=2e-3)
+
+
+def test_two_starts_that_tie_are_noted_and_the_first_start_is_kept():
+    """Two copies of one site: every split of the weight between them is the same mix, so the
+    starts end at different weights with the same objective; the fit keeps the first start's (the
+    uniform mix's: the copies share equally) and says that E_s is not determined."""
+    x, y = synthetic(300, S=3, D=6, C=3)
+    X = _standardise(torch.from_numpy(x).permute(1, 0, 2).contiguous())
+    X = torch.cat([X, X[2:]])  # site 3 is site 2 again
+    fit = fit_mix(X, y, n_classes=3, l2=3e-2, starts=5)
+    assert fit.converged and len(fit.optima) == 5
+    assert fit.weights[2] == pytest.approx(fit.weights[3], abs=1e-6)
+    assert "two scalar-mix optima" in fit.note
+    once = fit_mix(X, y, n_classes=3, l2=3e-2, starts=1)
+    assert once.note == "" and np.allclose(once.weights, fit.weights)
+    plain = fit_mix(X[:3], y, n_classes=3, l2=3e-2, starts=3)
+    assert plain.note == ""  # distinct sites: one optimum, whatever the start
 
 
 def test_fold_refits_give_an_interval_and_fit_cumulative_keeps_them():

@@ -293,6 +293,27 @@ def test_precision_rule_is_deterministic(monkeypatch):
         resolve_precision("half")
 
 
+def test_cpu_flags_and_capability_can_be_stood_in_for(monkeypatch):
+    """DEPTHSCOPE_CPU_FLAGS / DEPTHSCOPE_CPU_CAPABILITY replace /proc/cpuinfo and torch's
+    capability for the rule (``pytest --fake-cpu amx`` sets them): an AMX CPU resolves "auto" to
+    bfloat16, an AVX2 one to float32, and unset they are this machine's again."""
+    from depthscope.probes.solvers import cpu
+
+    monkeypatch.delenv("DEPTHSCOPE_PROBE_DTYPE", raising=False)
+    monkeypatch.setenv("DEPTHSCOPE_CPU_FLAGS", "amx_bf16,amx_tile avx512_bf16")
+    monkeypatch.setenv("DEPTHSCOPE_CPU_CAPABILITY", "AMX")
+    assert cpu.cpu_flags() == {"amx_bf16", "amx_tile", "avx512_bf16"} and cpu.torch_capability() == "AMX"
+    assert cpu.resolve_precision("auto") == torch.bfloat16
+    monkeypatch.setenv("DEPTHSCOPE_CPU_FLAGS", "avx2 fma")
+    monkeypatch.setenv("DEPTHSCOPE_CPU_CAPABILITY", "AVX2")
+    assert cpu.resolve_precision("auto") == torch.float32
+    monkeypatch.delenv("DEPTHSCOPE_CPU_FLAGS")
+    monkeypatch.delenv("DEPTHSCOPE_CPU_CAPABILITY")
+    assert cpu.cpu_flags() == cpu._proc_flags() and cpu.torch_capability() == str(
+        torch.backends.cpu.get_cpu_capability()
+    )
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_penalty_gradient_added_in_place_equals_autograd(kind):
     """The L2 gradient train_probe adds in place is the gradient of penalty()."""

@@ -19,8 +19,8 @@ from depthscope.common.settings import build
 
 PROBE = options(
     "task train test dev model device dtype probe probe_rank pooling sites max_train_sentences max_test_sentences "
-    "max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 mix_folds precision probe_device mdl "
-    "overlap store_dir store_dtype bos shards engine workers seed threads plots out resume force",
+    "max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 mix_folds mix_starts precision "
+    "probe_device mdl overlap store_dir store_dtype bos shards engine workers seed threads plots out resume force",
     ProbeJobConfig,
 )
 

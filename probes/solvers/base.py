@@ -87,7 +87,9 @@ class TrainLog:
     (bool per unit); ``objective [U]`` (final regularised objective per unit); ``grad_max [U]``
     (largest gradient entry, full-batch solvers; NaN for Adam); ``hit_cap`` (stopped by
     ``max_epochs`` with some unit not converged); ``history`` (summed objective per pass);
-    ``unit_epochs [U]`` (the passes each unit took; ``epochs`` for every unit with Adam)."""
+    ``unit_epochs [U]`` (the passes each unit took; ``epochs`` for every unit with Adam);
+    ``note``: what the solver found that the numbers do not show (e.g. two scalar-mix optima
+    within tolerance), else empty."""
 
     solver: str
     epochs: int
@@ -97,6 +99,7 @@ class TrainLog:
     hit_cap: bool
     history: list = field(default_factory=list)
     unit_epochs: np.ndarray | None = None
+    note: str = ""
 
     @classmethod
     def from_solved(cls, solver: str, sol, max_epochs: int, objective=None) -> TrainLog:

@@ -18,6 +18,10 @@ to bfloat16 where it is fast, by this rule:
    at equal probe accuracy (``benchmarks/bench_probes.py`` measures both);
 3. else ``float32``: on anything uncertain (no ``/proc/cpuinfo``, other flags, AVX2 only).
 
+``DEPTHSCOPE_CPU_FLAGS`` (flags separated by spaces or commas) and ``DEPTHSCOPE_CPU_CAPABILITY``
+(e.g. ``AMX``) stand in for ``/proc/cpuinfo`` and torch's capability, so the rule can be tried as
+another CPU would resolve it (``pytest --fake-cpu amx`` sets both for a test run).
+
 The rule reads CPU flags, never a timing, so one machine always resolves ``auto`` the same way,
 and the summary records the precision used (``precision``). Only the
 feature matrices and their products are bf16; standardisation happens in float32 first and
@@ -35,9 +39,20 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 ENV = "DEPTHSCOPE_PROBE_DTYPE"
 
 
-@functools.cache
+FLAGS_ENV, CAPABILITY_ENV = "DEPTHSCOPE_CPU_FLAGS", "DEPTHSCOPE_CPU_CAPABILITY"
+
+
 def cpu_flags() -> frozenset:
-    """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none)."""
+    """The CPU feature flags: ``DEPTHSCOPE_CPU_FLAGS`` when set, else ``/proc/cpuinfo``'s (empty
+    where there is none)."""
+    forced = os.environ.get(FLAGS_ENV)
+    if forced is not None:
+        return frozenset(forced.replace(",", " ").split())
+    return _proc_flags()
+
+
+@functools.cache
+def _proc_flags() -> frozenset:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -49,6 +64,10 @@ def cpu_flags() -> frozenset:
 
 
 def torch_capability() -> str:
+    """torch's CPU capability (``AVX2``, ``AVX512``, ``AMX``...; ``DEPTHSCOPE_CPU_CAPABILITY`` when set)."""
+    forced = os.environ.get(CAPABILITY_ENV, "").strip()
+    if forced:
+        return forced
     try:
         return str(torch.backends.cpu.get_cpu_capability())
     except Exception:  # an old torch, or no CPU backend info: uncertain
