@@ -11,49 +11,39 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-_EXPORTS = {
-    # logit lens (analyses/lens.py, analyses/lenses.py, analyses/tuned_lens.py)
-    "logit_lens": "lens",
-    "logit_lens_tokens": "lens",
-    "Streaming": "lens",
-    "LogitLens": "lenses",
-    "TunedLens": "lenses",
-    "train_tuned_lens": "tuned_lens",
-    "TunedLensTraining": "tuned_lens_config",
-    # contribution norms (analyses/norms/)
-    "contribution_norms": "norms",
-    "direct_logit_attribution": "norms",
-    "norms_by_position": "norms",
-    "fit_growth_rate": "norms",
-    "head_write_norms": "heads",
-    "norm_weighted_attention": "heads",
-    # patching over prompt pairs and datasets (analyses/patching.py, analyses/path_patching.py)
-    "activation_patching": "patching",
-    "attribution_patching": "patching",
-    "patch_pairs": "patching",
-    "mean_over_pairs": "patching",
-    "PromptPair": "patching",
-    "read_pairs": "patching",
-    "logit_diff": "patching",
-    "path_patching": "path_patching",
-    # main job and sweeps (analyses/report.py, analyses/sweep.py)
-    "run_report": "report",
-    "sweep": "sweep",
-    "RayEngine": "sweep_ray",
-    # shared plumbing
+#: the rooms, each exporting its own names (its ``__init__``); every one of them is exported here too
+ROOMS = ("lens", "norms", "circuits", "causal", "features", "sweeps", "probing", "report")
+#: names of the shared modules at the top of analyses/, and jobs that the docs name
+_SHARED = {
     "write_table": "tables",
     "read_documents": "text",
     "token_batches": "text",
+    "sae_train_job": "jobs.sae",
 }
 
+
+def _exports() -> dict[str, str]:
+    """Every room's exported names (their ``__init__`` imports nothing heavy), and the shared ones."""
+    out = {}
+    for room in ROOMS:
+        for name in importlib.import_module(f"{__name__}.{room}").__all__:
+            if name in out:
+                raise ImportError(f"depthscope.analyses: {name!r} is exported by the rooms {out[name]} and {room}")
+            out[name] = room
+    return {**out, **_SHARED}
+
+
+_EXPORTS = _exports()
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    """An exported name from its module, or one of the package's modules (``analyses.patching``)."""
+    """An exported name from its room, or one of the package's modules (``analyses.circuits``)."""
     mod = _EXPORTS.get(name)
     if mod is not None:
-        return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+        value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+        globals()[name] = value  # the next lookup is a plain attribute
+        return value
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'depthscope.analyses' has no attribute {name!r}")

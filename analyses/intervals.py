@@ -1,6 +1,9 @@
-"""95% intervals for per-site means over a corpus, clustered by document, from running sums.
+"""95% intervals for per-site means over a corpus, clustered by document, from running sums; and
+the convention every interval in depthscope follows: it names its n and its method
+(:func:`provenance`: ``ci_n``, ``ci_unit``, ``ci_method`` columns) and is NaN below
+:data:`MIN_UNITS` units, with a table note (:func:`too_few_note`) that says why.
 
-The dataset-level tables (:func:`~depthscope.analyses.lens.logit_lens`,
+The dataset-level tables (:func:`~depthscope.analyses.lens.logit.logit_lens`,
 :func:`~depthscope.analyses.norms.contribution_norms`) report per-site means of per-token values.
 Tokens of one text are not independent draws (they share a topic, a register and, within a
 window, a context), so a standard error that counts tokens as independent would be too small.
@@ -35,9 +38,42 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
-__all__ = ["ClusterSums", "t_quantile", "interval_columns", "pick_clusters"]
+__all__ = [
+    "ClusterSums",
+    "t_quantile",
+    "interval_columns",
+    "pick_clusters",
+    "MIN_UNITS",
+    "provenance",
+    "too_few",
+    "too_few_note",
+]
 
 LEVEL = 0.95
+#: the fewest independent units (pairs, documents, examples) an interval is reported for: below it a
+#: percentile bootstrap or a t interval is not trustworthy, so the interval columns are NaN and the
+#: table's notes say why (a method valid at smaller n may be used instead, named in ``ci_method``)
+MIN_UNITS = 10
+
+
+def provenance(n, unit: str, method: str) -> dict:
+    """The columns every table with an interval carries beside it: ``ci_n`` (how many ``unit`` the
+    interval resamples or clusters over), ``ci_unit`` (``"pairs"``, ``"documents"``, ``"examples"``...)
+    and ``ci_method`` (e.g. ``"percentile bootstrap over pairs, 1000 resamples"``)."""
+    return {"ci_n": n, "ci_unit": unit, "ci_method": method}
+
+
+def too_few(n, min_units: int = MIN_UNITS) -> np.ndarray | bool:
+    """Whether an interval over ``n`` units is withheld (NaN): fewer than ``min_units``."""
+    return np.asarray(n) < min_units if np.ndim(n) else int(n) < min_units
+
+
+def too_few_note(n: int, unit: str, what: str = "the interval", min_units: int = MIN_UNITS) -> str:
+    """The table note that says why an interval is NaN."""
+    return (
+        f"{what} is not given (NaN): it rests on {n} {unit}, fewer than {min_units}; with so few "
+        f"{unit} a bootstrap or t interval would understate the uncertainty"
+    )
 
 
 class ClusterSums:

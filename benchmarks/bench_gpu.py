@@ -218,7 +218,7 @@ def sample_text_ids(model, n_tokens: int) -> torch.Tensor:
 
 def lens_rows(model, args, device: torch.device) -> list[Row]:
     """``logit_lens`` over the sample's tokens vs capture plus a bare unembedding of every row."""
-    from depthscope.analyses.lens import _token_chunk, logit_lens
+    from depthscope.analyses.lens.logit import _token_chunk, logit_lens
 
     n, window, batch = (64, 32, 2) if args.quick else (4096, 512, 8)
     ids = sample_text_ids(model, n)[None].to(device)
@@ -337,7 +337,7 @@ def patching_rows(model, args, device: torch.device) -> list[Row]:
     """One pair over all residual sites, and a dataset of IOI pairs over every head, each against
     its plain loop of forwards."""
     from benchmarks.bench_patching import CLEAN, CORRUPTED, _head_loop, _one_per_site, ioi_pairs
-    from depthscope.analyses.patching import activation_patching
+    from depthscope.analyses.circuits.patching import activation_patching
 
     tok = model.tokenizer
     target, foil = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
@@ -449,7 +449,7 @@ def profile_rows(args, device: torch.device) -> list[Row]:
     the capture's and the lens's extra time goes. No figures."""
     from torch.profiler import ProfilerActivity, profile
 
-    from depthscope.analyses.lens import logit_lens
+    from depthscope.analyses.lens.logit import logit_lens
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

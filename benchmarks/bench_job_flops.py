@@ -131,7 +131,7 @@ def count_job(out: Path, run_args: list[str]):
     ``run_report`` under :func:`counting_mode`; the mode and the run's ``run.json``."""
     from typer.main import get_command
 
-    import depthscope.analyses.report as report
+    import depthscope.analyses.report.main_job as report
     from depthscope.analyses.cli import app
 
     mode, real = counting_mode(), report.run_report

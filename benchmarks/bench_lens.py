@@ -27,7 +27,7 @@ def _sizes(quick: bool) -> tuple[int, int, int]:
 def run(settings: Settings) -> list[Row]:
     import torch
 
-    from depthscope.analyses.lens import logit_lens
+    from depthscope.analyses.lens.logit import logit_lens
 
     n, window, batch = _sizes(settings.quick)
     model = float32_model()

@@ -1,6 +1,6 @@
 """SAEs: TopK training throughput and the cost of splicing an SAE into a forward pass (issue 38).
 
-Training: :func:`depthscope.analyses.sae_train.train_topk` (AuxK loss, dead-latent counters,
+Training: :func:`depthscope.analyses.features.training.train_topk` (AuxK loss, dead-latent counters,
 decoder renormalisation, rows read a block at a time from an ``[n, d]`` array, the log) against a
 bare PyTorch TopK step written here (encode, top-k, decode, MSE, Adam, renormalise: the least a
 trainer does), both on the same random rows of the default model's width (d 576, 4608 latents,
@@ -53,8 +53,8 @@ def _bare_trainer(x, steps: int):
 def _training_row(settings: Settings) -> Row:
     import torch
 
-    from depthscope.analyses.sae_config import SaeTrainConfig
-    from depthscope.analyses.sae_train import train_topk
+    from depthscope.analyses.features.config import SaeTrainConfig
+    from depthscope.analyses.features.training import train_topk
 
     steps = 4 if settings.quick else 12
     x = torch.randn(steps * BATCH, D, generator=torch.Generator().manual_seed(1))

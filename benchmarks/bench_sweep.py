@@ -41,7 +41,7 @@ N_CHECKPOINTS = 6
 
 
 def _series(root: Path) -> list:
-    from depthscope.analyses.sweep import discover_checkpoints
+    from depthscope.analyses.sweeps.series import discover_checkpoints
     from depthscope.hooks import load_model
     from depthscope.hooks.toy import train_tiny_series
 
@@ -64,8 +64,8 @@ def run(quick: bool = False) -> list[dict]:
     import ray
     import torch
 
-    from depthscope.analyses.sweep import sweep
-    from depthscope.analyses.sweep_ray import RayEngine
+    from depthscope.analyses.sweeps.ray_engine import RayEngine
+    from depthscope.analyses.sweeps.series import sweep
 
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -5,7 +5,7 @@ command line's ``--help`` and the torch-free config modules inside each room dep
 ``__getattr__, __dir__ = lazy_exports(__name__, {"name": "module", ...})`` in a package's
 ``__init__``; the module is relative to the package (``"logit"``) or absolute
 (``"depthscope.common.digest"``). A name that is not exported resolves to a submodule of the
-package when one has that name (``depthscope.analyses.lens.plots``), else AttributeError. An
+package when one has that name (``depthscope.analyses.lens.logit.plots``), else AttributeError. An
 exported name never names a submodule of its package (``tests/test_api_names.py`` checks every
 ``__all__``), so ``from package import name`` gives the same object whether or not the submodule
 was imported before.

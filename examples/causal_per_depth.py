@@ -45,12 +45,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from depthscope.analyses import write_table
-    from depthscope.analyses.causal import causal_tests
-    from depthscope.analyses.causal_config import CausalConfig
-    from depthscope.analyses.plots.causal import plot_causal
-    from depthscope.hooks import load_model
-    from depthscope.hooks.sites import parse_sites
+    from depthscope.analyses import CausalConfig, causal_tests, plot_causal, write_table
+    from depthscope.hooks import load_model, parse_sites
     from depthscope.probes import DataConfig, ExtractionConfig
 
     out = Path(args.out)

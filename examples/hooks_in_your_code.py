@@ -44,9 +44,8 @@ def main(argv=None):
     import torch
 
     from depthscope.analyses import write_table
-    from depthscope.analyses.plots.style import depth_axis, plt, savefig
-    from depthscope.hooks import load_model
-    from depthscope.hooks.sites import site_frame
+    from depthscope.analyses.style import depth_axis, plt, savefig
+    from depthscope.hooks import load_model, site_frame
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -74,11 +74,11 @@ def _positions(tokenizer, clean: str, corrupted: str, io: str, s: str) -> dict[s
 
 
 def build_pairs(tokenizer, n_pairs: int = 12, names=NAMES, templates=TEMPLATES, seed: int = 0) -> list:
-    """``n_pairs`` IOI :class:`~depthscope.analyses.pairs.PromptPair` s cycling through
+    """``n_pairs`` IOI :class:`~depthscope.analyses.circuits.pairs.PromptPair` s cycling through
     ``templates`` (so lengths differ), the two names drawn from the single-token ``names``
     (seeded), the first clause's order alternating (IO first, then S first). Target: the
     indirect object; foil: the subject."""
-    from depthscope.analyses.pairs import PromptPair
+    from depthscope.analyses import PromptPair
 
     ok = single_token_names(tokenizer, names)
     if len(ok) < 2:
@@ -128,9 +128,14 @@ def main(argv=None):
     args = parse_args(argv)
     import pandas as pd
 
-    from depthscope.analyses import write_table
-    from depthscope.analyses.patching import activation_patching, attribution_patching
-    from depthscope.analyses.plots.patching import plot_attribution_vs_exact, plot_patching_heads, plot_patching_sites
+    from depthscope.analyses import (
+        activation_patching,
+        attribution_patching,
+        plot_attribution_vs_exact,
+        plot_patching_heads,
+        plot_patching_sites,
+        write_table,
+    )
     from depthscope.hooks import load_model
 
     out = Path(args.out)

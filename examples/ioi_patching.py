@@ -56,12 +56,13 @@ def main(argv=None):
     args = parse_args(argv)
     import pandas as pd
 
-    from depthscope.analyses import write_table
-    from depthscope.analyses.patching import activation_patching, attribution_patching
-    from depthscope.analyses.plots.patching import (
+    from depthscope.analyses import (
+        activation_patching,
+        attribution_patching,
         plot_attribution_vs_exact,
         plot_patching_heads,
         plot_patching_sites,
+        write_table,
     )
     from depthscope.hooks import load_model
 
@@ -70,7 +71,7 @@ def main(argv=None):
     model = load_model(args.model)
     print(f"model {model.name}: {model.n_layers} blocks, d_model {model.d_model}")
     # A (target, foil) pair means logit(target) - logit(foil) at the last token; any function
-    # logits [batch, pos, vocab] -> [batch] works too (see depthscope.analyses.patching).
+    # logits [batch, pos, vocab] -> [batch] works too (see depthscope.analyses.circuits.patching).
     metric = (args.target, args.foil)
     common = dict(clean=args.clean, corrupted=args.corrupted, metric=metric)
 

@@ -7,7 +7,7 @@ What it shows
        steps as Hugging Face folders ``step0/``, ``step50/``, ... (about a minute on a CPU). Or
        your own series with ``--checkpoint-dir`` (sub-folders ``step100/``, ``checkpoint-200/``,
        or ``.gguf`` files; the step is read from the name).
-    2. ``depthscope.analyses.sweep.sweep(checkpoints, "lens", ...)`` runs the logit lens
+    2. ``depthscope.analyses.sweeps.series.sweep(checkpoints, "lens", ...)`` runs the logit lens
        (``logit_lens``) on each checkpoint over held-out text (the EWT test sentences) and writes
        one combined tidy table with ``checkpoint`` and ``step`` columns. Each checkpoint's
        tables are written as it finishes, so an interrupted run resumes where it stopped.
@@ -53,8 +53,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from depthscope.analyses.plots.sweep import plot_checkpoint_heatmap, plot_final_site_over_training
-    from depthscope.analyses.sweep import discover_checkpoints, sweep
+    from depthscope.analyses import discover_checkpoints, plot_checkpoint_heatmap, plot_final_site_over_training, sweep
     from depthscope.probes import read_conllu, sample_data
 
     out = Path(args.out)
@@ -72,8 +71,7 @@ def main(argv=None):
         else:
             import transformers
 
-            from depthscope.hooks import load_model
-            from depthscope.hooks.toy import train_tiny_series
+            from depthscope.hooks import load_model, train_tiny_series
 
             transformers.utils.logging.disable_progress_bar()  # no bar per saved checkpoint
 

@@ -52,7 +52,7 @@ def main(argv=None):
     from sklearn.preprocessing import StandardScaler
 
     from depthscope.analyses import write_table
-    from depthscope.analyses.plots.style import lineplot_by_sublayer, plt, savefig
+    from depthscope.analyses.style import lineplot_by_sublayer, plt, savefig
     from depthscope.hooks import load_model
     from depthscope.probes import read_conllu, sample_data, word_features
 

@@ -46,13 +46,16 @@ def main(argv=None):
     args = parse_args(argv)
     import pandas as pd
 
-    from depthscope.analyses import write_table
+    from depthscope.analyses import (
+        SaeTrainConfig,
+        feature_lens,
+        plot_sparse_probing,
+        read_documents,
+        sae_train_job,
+        sparse_probing,
+        write_table,
+    )
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.sae import sae_train_job
-    from depthscope.analyses.plots.sae import plot_sparse_probing
-    from depthscope.analyses.sae_config import SaeTrainConfig
-    from depthscope.analyses.sae_features import feature_lens, sparse_probing
-    from depthscope.analyses.text import read_documents
     from depthscope.hooks import load_model, load_sae
     from depthscope.probes import sample_data
 

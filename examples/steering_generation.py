@@ -78,7 +78,7 @@ def main(argv=None):
     import torch
 
     from depthscope.analyses import write_table
-    from depthscope.analyses.plots.style import plt, savefig
+    from depthscope.analyses.style import plt, savefig
     from depthscope.hooks import load_model
 
     out = Path(args.out)

@@ -44,8 +44,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from depthscope.analyses import write_table
-    from depthscope.analyses.plots.probes import plot_probe_curves, plot_tenney
+    from depthscope.analyses import plot_probe_curves, plot_tenney, write_table
     from depthscope.hooks import load_model
     from depthscope.probes import run_probes, sample_data
 

@@ -65,6 +65,7 @@ _EXPORTS = {
     "CacheSettings": "activation_cache",
     "open_activations": "activation_cache",
     "write_activations": "activation_cache",
+    "train_tiny_series": "toy",
 }
 
 _SUBMODULES = {
@@ -101,6 +102,7 @@ __all__ = [
     "CacheSettings",
     "open_activations",
     "write_activations",
+    "train_tiny_series",
     "HookContext",
     "Generation",
     "Point",

@@ -32,13 +32,21 @@ RANKS = {
     "analyses.text": 7,
     "analyses.intervals": 7,
     "analyses.samples": 7,
-    "analyses": 8,  # computations: lens, lenses, tuned lens, norms, heads, patching, sweeps
-    "analyses.plots": 9,
+    "analyses.defaults": 7,
+    "analyses": 8,  # the rooms' science and settings: lens, norms, circuits, causal, features, sweeps, probing
+    "analyses.style": 9,  # the figures: each room's plots, drawn from its tables
+    "analyses.lens.plots": 9,
+    "analyses.norms.plots": 9,
+    "analyses.circuits.plots": 9,
+    "analyses.circuits.path_plots": 9,
+    "analyses.causal.plots": 9,
+    "analyses.causal.layer_plots": 9,
+    "analyses.features.plots": 9,
+    "analyses.sweeps.plots": 9,
+    "analyses.probing.plots": 9,
     "analyses.jobs": 10,
     "analyses.report": 11,  # orchestration of the main job, then rendering
-    "analyses.report_findings": 11,
-    "analyses.report_data": 11,
-    "analyses.templates": 11,
+    "analyses.report.config": 8,  # its settings, which the jobs' index gathers
     "analyses.commands": 12,
     "analyses.cli": 12,
 }

@@ -1,4 +1,4 @@
-"""Causal erasure per depth (``depthscope.analyses.causal``) against independent references: the
+"""Causal erasure per depth (``depthscope.analyses.causal.used``) against independent references: the
 eraser against concept_erasure's own ``LeaceEraser``, the erasing write hook against a plain PyTorch
 forward hook on the transformers module, the loss against transformers' ``labels=`` loss, the
 erased probe against the majority baseline, and the command's errors. Tiny models only (fast tier)."""
@@ -13,14 +13,14 @@ import torch
 from concept_erasure import LeaceEraser
 from conftest import run_cli
 
-from depthscope.analyses.causal import causal_tests
-from depthscope.analyses.causal_config import CausalConfig
-from depthscope.analyses.causal_erasure import fit_erasure, one_hot, random_erasure
-from depthscope.analyses.causal_loss import DocLoss, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.causal.config import CausalConfig
+from depthscope.analyses.causal.erasure import fit_erasure, one_hot, random_erasure
+from depthscope.analyses.causal.loss import DocLoss, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.causal.used import causal_tests
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.causal import report_causal
 from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
-from depthscope.analyses.report_data import build_page
+from depthscope.analyses.report.data import build_page
 from depthscope.common.errors import InputError
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 

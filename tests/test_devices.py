@@ -96,7 +96,7 @@ def test_half_precision_close_to_float32(folder, dtype):
 def test_analyses_in_half_precision_give_float_tables(folder, dtype):
     """Lens and norms on a half-precision model: finite float64/float32 metrics that agree with the
     float32 model's to the dtype's rounding (reductions are taken in float32 or wider)."""
-    from depthscope.analyses.lens import logit_lens
+    from depthscope.analyses.lens.logit import logit_lens
     from depthscope.analyses.norms import contribution_norms
 
     m32, mh = load_model(folder), load_model(folder, dtype=dtype)
@@ -113,7 +113,7 @@ def test_analyses_in_half_precision_give_float_tables(folder, dtype):
 def test_patching_and_probes_in_half_precision(folder, dtype):
     """Activation patching and probe features of a half-precision model: float tables close to
     float32's (mean-pooled probe features are summed in float32 whatever the model's dtype)."""
-    from depthscope.analyses.patching import activation_patching
+    from depthscope.analyses.circuits.patching import activation_patching
     from depthscope.probes import run_probes, sample_data
 
     s = sample_data()
@@ -178,7 +178,7 @@ def test_cuda_exact_vs_transformers(folder, dtype):
 
 @CUDA
 def test_cuda_analyses_tables_on_cpu(folder):
-    from depthscope.analyses.lens import logit_lens
+    from depthscope.analyses.lens.logit import logit_lens
     from depthscope.analyses.norms import contribution_norms
 
     cpu, gpu = load_model(folder), load_model(folder, device="cuda")
@@ -192,7 +192,7 @@ def test_cuda_analyses_tables_on_cpu(folder):
 def test_cuda_lens_decodes_larger_chunks_with_the_same_numbers(folder):
     """On a GPU the lens's default chunk is larger than the CPU's (fewer launches), within a
     quarter of the card's free memory, and gives what one position per chunk gives."""
-    from depthscope.analyses.lens import _token_chunk, logit_lens
+    from depthscope.analyses.lens.logit import _token_chunk, logit_lens
 
     gpu = load_model(folder, device="cuda")
     cuda = torch.device("cuda")
@@ -210,9 +210,9 @@ def test_cuda_patching_matches_the_cpu(folder):
     per-patch flags and estimates back in one transfer) give the CPU's tables."""
     from conftest import IOI_PAIRS
 
-    from depthscope.analyses.pairs import PromptPair
-    from depthscope.analyses.patching import activation_patching, attribution_patching
-    from depthscope.analyses.path_patching import path_patching
+    from depthscope.analyses.circuits.pairs import PromptPair
+    from depthscope.analyses.circuits.patching import activation_patching, attribution_patching
+    from depthscope.analyses.circuits.paths import path_patching
 
     cpu, gpu = load_model(folder), load_model(folder, device="cuda")
     pairs = [PromptPair(*p) for p in IOI_PAIRS[:2]]

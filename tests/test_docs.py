@@ -286,7 +286,7 @@ def gen_site():
 
 
 def test_rst_roles_become_code_spans(gen_site):
-    text = "see :func:`~depthscope.analyses.lens.logit_lens` and :class:`HookedModel`, ``x``"
+    text = "see :func:`~depthscope.analyses.lens.logit.logit_lens` and :class:`HookedModel`, ``x``"
     assert gen_site.rst_roles_to_markdown(text) == "see `logit_lens` and `HookedModel`, ``x``"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_points import make_family
 
-from depthscope.analyses.heads import norm_weighted_attention
+from depthscope.analyses.norms.heads import norm_weighted_attention
 from depthscope.hooks import load_model
 
 

@@ -131,8 +131,8 @@ def _config_classes():
         ReportConfig,
         SweepJobConfig,
     )
-    from depthscope.analyses.sweep_ray import RayEngine
-    from depthscope.analyses.tuned_lens_config import TunedLensTraining
+    from depthscope.analyses.lens.config import TunedLensTraining
+    from depthscope.analyses.sweeps.ray_engine import RayEngine
     from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
     return [
@@ -280,7 +280,7 @@ def test_l2_is_bounded_where_a_probe_means_something(value):
 
 @pytest.mark.parametrize("value,words", [("2.5", "whole number"), ("1e-9", "at least 0.01"), ("1e308", "at most 16")])
 def test_gpus_per_task(value, words):
-    from depthscope.analyses.sweep_ray import RayEngine
+    from depthscope.analyses.sweeps.ray_engine import RayEngine
 
     _refused(_invoke("sweep", "--engine", "ray", "--gpus-per-task", value), "--gpus-per-task", words)
     with pytest.raises(InputError, match="gpus_per_task"):
@@ -295,7 +295,7 @@ def test_training_bytes_are_the_tensors_the_trainer_allocates():
     (``X`` [trained sites, n, d] and the final streams [n, d], float32), measured on real tensors."""
     import torch
 
-    from depthscope.analyses.tuned_lens_config import TunedLensTraining, training_bytes
+    from depthscope.analyses.lens.config import TunedLensTraining, training_bytes
 
     cfg = TunedLensTraining(cache_tokens=300, tokens_per_step=7)
     trained, d, vocab = 5, 24, 100
@@ -307,7 +307,7 @@ def test_training_bytes_are_the_tensors_the_trainer_allocates():
 
 
 def test_check_memory_refuses_what_does_not_fit_and_names_what_would():
-    from depthscope.analyses.tuned_lens_config import TunedLensTraining, check_memory, training_bytes
+    from depthscope.analyses.lens.config import TunedLensTraining, check_memory, training_bytes
 
     shape = dict(sites=61, d_model=576, vocab=49152)  # SmolLM2-135M: 30 layers, 2L+1 sites
     cfg = TunedLensTraining(cache_tokens=2**24, tokens_per_step=2**16)

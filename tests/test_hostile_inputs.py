@@ -210,7 +210,7 @@ def tiny_dirs(tmp_path_factory, tiny_tokenizer):
 
 
 def test_patching_an_encoder_is_refused(tiny_factory):
-    from depthscope.analyses.patching import activation_patching
+    from depthscope.analyses.circuits.patching import activation_patching
 
     bert = tiny_factory("bert", n_layers=2, d_model=32)
     with pytest.raises(InputError, match="is an encoder .* patch a decoder"):
@@ -261,7 +261,7 @@ def test_a_nan_replacement_is_named_even_when_the_output_stays_finite(tiny_llama
 def test_json_past_the_parser_limits_is_a_clear_error(tmp_path, body):
     """Nesting past Python's stack and integers past 4300 digits are bad JSON lines (file:line),
     in jiant files and in pairs files alike."""
-    from depthscope.analyses.pairs import read_pairs
+    from depthscope.analyses.circuits.pairs import read_pairs
     from depthscope.probes import read_jiant
 
     path = tmp_path / "bad.jsonl"

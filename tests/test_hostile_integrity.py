@@ -251,7 +251,7 @@ def one_row(model):
 
 
 def test_sweep_duplicates_need_identical_weights(tiny_tokenizer, tmp_path):
-    from depthscope.analyses.sweep import Checkpoint, combine, sweep
+    from depthscope.analyses.sweeps.series import Checkpoint, combine, sweep
     from depthscope.hooks import load_model
 
     def save(name, edit=False):

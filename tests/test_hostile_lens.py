@@ -15,8 +15,8 @@ from conftest import run_cli
 from safetensors import SafetensorError
 
 from depthscope.analyses import TunedLens, train_tuned_lens
-from depthscope.analyses import lenses as L
-from depthscope.analyses import tuned_lens as T
+from depthscope.analyses.lens import lenses as L
+from depthscope.analyses.lens import tuned as T
 from depthscope.common.errors import CheckpointError, NonFiniteActivationError, OutputError
 from depthscope.common.files import is_place_error, output_error
 

@@ -85,8 +85,8 @@ def _lens_files(folder):
 def test_a_full_disk_during_a_lens_save_leaves_no_part(tiny_llama, tmp_path, monkeypatch):
     """A disk that fills while the second file of a save is written: a first save leaves nothing,
     a later one leaves the previous lens and checkpoint byte for byte; no staging folder remains."""
-    import depthscope.analyses.lenses as lenses
-    from depthscope.analyses.tuned_lens import SAVED_FILES, train_tuned_lens
+    import depthscope.analyses.lens.lenses as lenses
+    from depthscope.analyses.lens.tuned import SAVED_FILES, train_tuned_lens
 
     out = tmp_path / "lens"
     kw = dict(steps=2, tokens_per_step=4, cache_tokens=32, checkpoint_every=1, progress=False, resume=False)
@@ -118,7 +118,7 @@ def test_a_full_disk_during_a_lens_save_leaves_no_part(tiny_llama, tmp_path, mon
 
 
 def test_too_little_space_for_the_lens_is_refused_before_the_streams(tiny_llama, tmp_path, monkeypatch):
-    import depthscope.analyses.tuned_lens as tl
+    import depthscope.analyses.lens.tuned as tl
 
     def no_compute(*a, **k):
         raise AssertionError("the streams were captured before the space was checked")
@@ -143,14 +143,14 @@ def test_too_little_space_for_the_lens_is_refused_before_the_streams(tiny_llama,
     ],
 )
 def test_resources_the_cluster_lacks_are_refused(cluster, gpus, match):
-    from depthscope.analyses.sweep_ray import RayUnavailable, check_resources
+    from depthscope.analyses.sweeps.ray_engine import RayUnavailable, check_resources
 
     with pytest.raises(RayUnavailable, match=match):
         check_resources(cluster, gpus)
 
 
 def test_resources_the_cluster_has_pass():
-    from depthscope.analyses.sweep_ray import check_resources
+    from depthscope.analyses.sweeps.ray_engine import check_resources
 
     check_resources({"CPU": 1.0}, 0.0)
     check_resources({"CPU": 2.0, "GPU": 1.0}, 0.5)
@@ -159,7 +159,7 @@ def test_resources_the_cluster_has_pass():
 
 def test_a_gpu_sweep_on_a_cluster_without_gpus_submits_nothing(monkeypatch):
     """The check runs on the cluster's own resources, before a single task is submitted."""
-    import depthscope.analyses.sweep_ray as sr
+    import depthscope.analyses.sweeps.ray_engine as sr
 
     def never(*a, **k):
         raise AssertionError("a task was submitted to a cluster that cannot run it")

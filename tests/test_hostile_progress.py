@@ -75,7 +75,7 @@ def test_a_long_single_line_is_tokenized_once_per_stage_and_every_token_is_used(
 
 
 def test_top_k_builds_its_columns_at_once_and_is_bounded_by_the_vocabulary(tiny_factory):
-    from depthscope.analyses.lens import logit_lens_tokens
+    from depthscope.analyses.lens.logit import logit_lens_tokens
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
     with warnings.catch_warnings():

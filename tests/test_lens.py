@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import run_cli
 
 from depthscope.analyses import logit_lens, logit_lens_tokens
-from depthscope.analyses.lens import METRICS
+from depthscope.analyses.lens.logit import METRICS
 from depthscope.analyses.text import read_documents
 from depthscope.hooks import InputError, UnsupportedArchitecture, load_model
 
@@ -183,7 +183,7 @@ def test_streaming_does_not_change_results(tiny_llama, monkeypatch):
     cols = [c for c in small.columns if c not in ("label", "sublayer", "lens")]
     np.testing.assert_allclose(small[cols].to_numpy(float), big[cols].to_numpy(float), rtol=1e-5, atol=1e-6)
     # long document lists are tokenized in groups: same numbers, same document numbering
-    import depthscope.analyses.lens as L
+    import depthscope.analyses.lens.logit as L
 
     monkeypatch.setattr(L, "DOC_GROUP", 2)
     grouped = logit_lens(tiny_llama, ["", *docs], batch_size=16, token_chunk=64)
@@ -428,7 +428,7 @@ def test_cli_bad_inputs(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_show_token():
-    from depthscope.analyses.plots.lens import show_token
+    from depthscope.analyses.lens.plots import show_token
 
     assert show_token(" Paris") == "␣Paris" and show_token("\n") == "\\n" and show_token("") == "∅"
     assert show_token("abcdefghijklmnopq", 8) == "abcdefg…"

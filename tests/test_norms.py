@@ -541,7 +541,7 @@ def _explicit_values(hm, texts):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_head_write_norms_match_explicit_heads(tiny_factory, docs, family):
-    from depthscope.analyses.heads import head_write_norms
+    from depthscope.analyses.norms.heads import head_write_norms
 
     hm = tiny_factory(family, seed=7)
     texts = docs[:3]
@@ -562,7 +562,7 @@ def test_head_write_norms_match_explicit_heads(tiny_factory, docs, family):
 
 
 def test_head_writes_real_model(default_model, short_docs):
-    from depthscope.analyses.heads import head_write_norms
+    from depthscope.analyses.norms.heads import head_write_norms
 
     df = head_write_norms(default_model, short_docs[:2])
     assert len(df) == 2 * 30 * 9
@@ -579,7 +579,7 @@ def test_head_writes_real_model(default_model, short_docs):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_norm_weighted_attention(tiny_factory, family):
-    from depthscope.analyses.heads import norm_weighted_attention
+    from depthscope.analyses.norms.heads import norm_weighted_attention
 
     hm = tiny_factory(family, seed=8)
     before = hm.hf_model.config._attn_implementation
@@ -613,7 +613,7 @@ def test_norm_weighted_attention(tiny_factory, family):
 
 
 def test_heads_refuse_post_norm(tiny_factory):
-    from depthscope.analyses.heads import head_write_norms
+    from depthscope.analyses.norms.heads import head_write_norms
 
     with pytest.raises(UnsupportedArchitecture, match="post-norm"):
         head_write_norms(tiny_factory("bert"), ["some text"])
@@ -656,7 +656,7 @@ def test_cli_writes_tables_and_plots(default_model, tmp_path):
 
 
 def test_plots_refuse_empty_tables(tmp_path):
-    from depthscope.analyses.plots import norms as plots
+    from depthscope.analyses.norms import plots
 
     for fn in (
         plots.plot_stream_growth,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import IOI_PAIRS, run_cli
 
-from depthscope.analyses.pairs import PromptPair, mean_over_pairs, read_pairs
-from depthscope.analyses.patching import PAIR_KEYS, activation_patching, attribution_patching, patch_pairs
+from depthscope.analyses.circuits.pairs import PromptPair, mean_over_pairs, read_pairs
+from depthscope.analyses.circuits.patching import PAIR_KEYS, activation_patching, attribution_patching, patch_pairs
 from depthscope.common.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

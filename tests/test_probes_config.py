@@ -38,7 +38,7 @@ def test_probe_command_defaults_are_the_config_defaults():
 
 
 def test_run_command_and_report_share_the_defaults():
-    from depthscope.analyses.report import ReportConfig
+    from depthscope.analyses.report.main_job import ReportConfig
 
     d = command_defaults("run")
     assert d["max_epochs"] == ProbeConfig().max_epochs  # one protocol: the report trains as `probe` does

@@ -216,7 +216,7 @@ def test_the_end_line_is_written_when_the_loop_fails(log_mode, capsys):
 
 
 def test_a_real_stage_writes_lines_in_a_log(tiny_factory, monkeypatch, capfd):
-    """The lens job's bar (analyses/lens.py) through the same helper: lines on a non-terminal."""
+    """The lens job's bar (analyses/lens/logit.py) through the same helper: lines on a non-terminal."""
     from depthscope.analyses.jobs import Output
     from depthscope.analyses.jobs.configs import LensConfig
     from depthscope.analyses.jobs.lens import lens_job

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
-from depthscope.analyses.report import ReportConfig, lens_findings, probe_findings, render_report, run_report
+from depthscope.analyses.report.main_job import ReportConfig, lens_findings, probe_findings, render_report, run_report
 from depthscope.probes import DataConfig, ProbeConfig
 
 
@@ -241,7 +241,7 @@ def test_a_figure_is_drawn_once_for_its_png_and_svg(tmp_path):
     import xml.etree.ElementTree as ET
 
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.plots.style import plt, savefig
+    from depthscope.analyses.style import plt, savefig
 
     calls = []
 
@@ -269,7 +269,7 @@ def test_a_model_the_job_loaded_is_freed_before_the_probes_train(tiny_llama_dir,
     extracted nothing holds the model, so its memory is free while the probes train."""
     import weakref
 
-    import depthscope.analyses.report as report
+    import depthscope.analyses.report.main_job as report
     import depthscope.probes.run as probe_run
 
     refs, alive_at_fit = [], []

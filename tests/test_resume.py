@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from conftest import run_cli
 
-from depthscope.analyses.report import ReportConfig, run_report
+from depthscope.analyses.report.main_job import ReportConfig, run_report
 from depthscope.common import resume
 from depthscope.common.resume import Stages, stage_key
 from depthscope.probes import DataConfig, ProbeConfig

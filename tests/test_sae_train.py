@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from depthscope.analyses.sae_config import SaeTrainConfig
-from depthscope.analyses.sae_features import _site_rows, feature_lens, sparse_probing
-from depthscope.analyses.sae_train import sae_metrics, train_topk
+from depthscope.analyses.features.config import SaeTrainConfig
+from depthscope.analyses.features.probing import _site_rows, feature_lens, sparse_probing
+from depthscope.analyses.features.training import sae_metrics, train_topk
 from depthscope.common.errors import InputError
 from depthscope.hooks import SAE, load_sae
 from depthscope.probes import sample_data

@@ -85,7 +85,7 @@ def test_sharded_feats_indexing():
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 def test_shards_written_by_ray_tasks(folder, tmp_path):
-    from depthscope.analyses.sweep_ray import RayEngine
+    from depthscope.analyses.sweeps.ray_engine import RayEngine
 
     model = load_model(folder)
     tok, table = spans_of(model)

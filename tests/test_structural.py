@@ -257,7 +257,7 @@ def test_tree_task_refuses_jiant_in_python():
 def test_linear_and_mlp_in_one_run(tiny_factory, tmp_path, monkeypatch):
     from matplotlib.colors import to_hex
 
-    from depthscope.analyses.plots import probes as plots
+    from depthscope.analyses.probing import plots
     from depthscope.probes import run_probes
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
@@ -289,7 +289,7 @@ def test_tree_tasks_refuse_an_mlp_probe(tiny_factory, tmp_path):
 
 
 def test_tree_rows_plot(tmp_path, monkeypatch):
-    from depthscope.analyses.plots import probes as plots
+    from depthscope.analyses.probing import plots
 
     frame = pd.DataFrame({"site": [0, 1, 2], "label": ["embed", "0.attn", "0.mlp"], "layer": [-1, 0, 0]})
     frame["sublayer"], frame["depth"] = ["embed", "attn", "mlp"], [0.0, 0.5, 1.0]

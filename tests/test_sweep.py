@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from depthscope.analyses.sweep import (
+from depthscope.analyses.sweeps.series import (
     OutputConflict,
     SweepError,
     combine,
@@ -143,7 +143,7 @@ def test_output_conflict(series, tmp_path):
 
 
 def test_sweep_plots(series, tmp_path):
-    from depthscope.analyses.plots.sweep import plot_checkpoint_heatmap, plot_final_site_over_training
+    from depthscope.analyses.sweeps.plots import plot_checkpoint_heatmap, plot_final_site_over_training
 
     cks = discover_checkpoints(checkpoint_dir=series)
     df = sweep(cks, stream_and_loss, tmp_path / "out", texts=TEXT[:2], progress=False).tables["by_site"]
@@ -192,7 +192,7 @@ def test_norms_sweep_plots_the_tokens_after_the_first(series, tmp_path, monkeypa
     ``rest`` rows only, so the attention sink at position 0 is not averaged into it."""
     from depthscope.analyses.jobs.configs import SweepJobConfig
     from depthscope.analyses.jobs.sweep import sweep_job
-    from depthscope.analyses.plots import sweep as sweep_plots
+    from depthscope.analyses.sweeps import plots as sweep_plots
 
     drawn = []
     real = sweep_plots.plot_checkpoint_heatmap

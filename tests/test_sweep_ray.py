@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 import torch
 
-from depthscope.analyses.sweep import discover_checkpoints, sweep
-from depthscope.analyses.sweep_ray import RayEngine, RayUnavailable
+from depthscope.analyses.sweeps.ray_engine import RayEngine, RayUnavailable
+from depthscope.analyses.sweeps.series import discover_checkpoints, sweep
 
 TEXT = [
     "The cat sat on the mat. The dog sat on the log. The cat and the dog sat together.",

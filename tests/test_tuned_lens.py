@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli
 
 from depthscope.analyses import TunedLens, logit_lens, train_tuned_lens
-from depthscope.analyses import tuned_lens as T
+from depthscope.analyses.lens import tuned as T
 from depthscope.analyses.text import read_documents
 from depthscope.hooks import CheckpointError, InputError
 

@@ -1,5 +1,5 @@
 """The one decoding object (hooks/unembed.py), the one weight digest (common/digest.py) and the
-lens objects (analyses/lenses.py): Unembed reproduces the Hugging Face model's own logits, the
+lens objects (analyses/lens/lenses.py): Unembed reproduces the Hugging Face model's own logits, the
 frozen-norm variant splits a logit exactly into per-site parts, LogitLens and an identity
 TunedLens give the same table, and every weight digest comes from one function."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from depthscope.analyses import logit_lens
-from depthscope.analyses.lenses import LogitLens, TunedLens
+from depthscope.analyses.lens.lenses import LogitLens, TunedLens
 from depthscope.hooks import UnsupportedArchitecture
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -110,7 +110,7 @@ def test_logit_lens_and_identity_tuned_lens_give_the_same_table(tiny_llama):
 
 
 def test_one_digest_function(tiny_factory):
-    import depthscope.analyses.lenses as lenses
+    import depthscope.analyses.lens.lenses as lenses
     import depthscope.probes.store.activations as activations
     from depthscope.common import digest
 
@@ -128,7 +128,7 @@ def test_one_digest_function(tiny_factory):
 def test_lens_with_an_older_digest_is_refused_clearly(tiny_llama, tmp_path):
     import json
 
-    from depthscope.analyses.lenses import LensMismatchError
+    from depthscope.analyses.lens.lenses import LensMismatchError
 
     folder = TunedLens.identity(tiny_llama).save(tmp_path / "lens")
     meta = json.loads((folder / "tuned_lens.json").read_text())

@@ -1,6 +1,6 @@
 """``depthscope causal``: is what a site encodes used? LEACE erasure at every residual site, its effect
 on linear probes and on the model's next-token loss. The options are the fields of
-:class:`~depthscope.analyses.causal_config.CausalConfig` and the probe, extraction and data
+:class:`~depthscope.analyses.causal.config.CausalConfig` and the probe, extraction and data
 configurations it holds; the work is :func:`~depthscope.analyses.jobs.causal.causal_job`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from depthscope.analyses.causal_config import CausalConfig
+from depthscope.analyses.causal.config import CausalConfig
 from depthscope.analyses.commands import common
 from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
 from depthscope.analyses.commands.options import command, opt, options

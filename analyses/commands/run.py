@@ -54,7 +54,7 @@ def data_files(data: list[Path] | None) -> list[str]:
 def run(o) -> None:
     """Run the logit lens, contribution norms and probes on one model and write tables, plots and
     a report (report.md, report.html) answering which depth encodes which property."""
-    from depthscope.analyses.report import run_report  # lazy: it imports torch
+    from depthscope.analyses.report.main_job import run_report  # lazy: it imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
     set_threads(o.threads)

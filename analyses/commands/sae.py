@@ -1,6 +1,6 @@
 """``depthscope sae train``: a TopK sparse autoencoder at one hook point, trained on a text's
 activations and saved in SAELens's layout; the options are the fields of
-:class:`~depthscope.analyses.sae_train.SaeTrainConfig`, the work is
+:class:`~depthscope.analyses.features.training.SaeTrainConfig`, the work is
 :func:`depthscope.analyses.jobs.sae.sae_train_job`."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from rich.console import Console
 
 from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
 from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.features.config import SaeTrainConfig
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.sae_config import SaeTrainConfig
 from depthscope.common.settings import build
 
 EXTRA = (

@@ -74,7 +74,7 @@ def sweep_cmd(o) -> None:
     (checkpoints/NAME.failed.json) and the sweep goes on; the exit status is 1 if any failed.
     """
     from depthscope.analyses.jobs.sweep import sweep_job  # lazy: the job imports torch
-    from depthscope.analyses.sweep import discover_checkpoints  # lazy: imports pandas, --help must not
+    from depthscope.analyses.sweeps.series import discover_checkpoints  # lazy: imports pandas, --help must not
     from depthscope.hooks import load_model  # lazy: imports torch
     from depthscope.hooks.devices import resolve_device, resolve_dtype  # lazy: imports torch
 

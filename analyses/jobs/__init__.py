@@ -1,7 +1,7 @@
 """The jobs layer: each analysis is computed, and its tables and figures written, by one function.
 
 Both the command line (``analyses/commands/``) and the main job (``depthscope run``,
-``analyses/report.py``) call these functions, so every table and figure has exactly one
+``analyses/report/main_job.py``) call these functions, so every table and figure has exactly one
 writer and one name. A job takes a model, a configuration object and an :class:`Output`, and
 returns a :class:`JobResult`. The configuration is a frozen dataclass checked on construction
 whose fields declare each setting once (default, bounds, flag, help:

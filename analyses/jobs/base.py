@@ -180,7 +180,7 @@ class Output:
         self._claim(name)
         if self.folder is None:
             return None
-        from depthscope.analyses.plots.style import svg_twin  # lazy: matplotlib, --help must not import it
+        from depthscope.analyses.style import svg_twin  # lazy: matplotlib, --help must not import it
 
         path = self.folder / f"{name}.png"
         svg = path.with_suffix(".svg")

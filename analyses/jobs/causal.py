@@ -1,9 +1,9 @@
 """The causal job: LEACE erasure at every site, its effect on probes and on the model's loss, written once.
 
 =================================  ===========================================================
-``CausalConfig``                   (in :mod:`depthscope.analyses.causal_config`) tasks, data,
+``CausalConfig``                   (in :mod:`depthscope.analyses.causal.config`) tasks, data,
                                    held-out text, controls, bootstrap and the probe settings
-``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.causal_tests` and
+``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.used.causal_tests` and
 progress=)``                       writes ``causal`` (Parquet + CSV), ``causal_summary.json``
                                    and ``causal_encoded_used.png`` through ``out``; a :class:`JobResult`
 ``report_causal(model, probe_job,   the report's causal section (``depthscope run --causal``):
@@ -23,12 +23,12 @@ from dataclasses import replace
 
 from rich.table import Table
 
-from depthscope.analyses.causal import causal_tests
-from depthscope.analyses.causal_config import WORD_POOLINGS, CausalConfig
+from depthscope.analyses.causal.config import WORD_POOLINGS, CausalConfig
+from depthscope.analyses.causal.plots import plot_causal
+from depthscope.analyses.causal.used import causal_tests
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.analyses.jobs.probe import resolve_inputs
-from depthscope.analyses.plots.causal import plot_causal
 from depthscope.probes.corpora.tasks import task_family
 
 TABLE = "causal"

@@ -24,12 +24,12 @@ from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
-from depthscope.analyses.lens import LOGIT_LENS, logit_lens, logit_lens_tokens
-from depthscope.analyses.lenses import TunedLens
-from depthscope.analyses.plots.lens import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
+from depthscope.analyses.lens.lenses import TunedLens
+from depthscope.analyses.lens.logit import LOGIT_LENS, logit_lens, logit_lens_tokens
+from depthscope.analyses.lens.plots import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
+from depthscope.analyses.lens.tuned import train_tuned_lens
 from depthscope.analyses.tables import site_first
 from depthscope.analyses.text import windows
-from depthscope.analyses.tuned_lens import train_tuned_lens
 
 
 def sites_table(by_site) -> Table:

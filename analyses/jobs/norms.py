@@ -18,11 +18,16 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-from depthscope.analyses.heads import head_write_norms
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import NormsConfig
-from depthscope.analyses.norms import contribution_norms, direct_logit_attribution, norms_by_position, norms_summary
-from depthscope.analyses.plots import norms as plots
+from depthscope.analyses.norms import (
+    contribution_norms,
+    direct_logit_attribution,
+    norms_by_position,
+    norms_summary,
+    plots,
+)
+from depthscope.analyses.norms.heads import head_write_norms
 
 
 def _summary(model, df, dla, heads_df, config: NormsConfig) -> dict:

@@ -30,10 +30,9 @@ import pandas as pd
 from rich.table import Table
 from scipy.stats import spearmanr
 
-from depthscope.analyses.jobs.base import JobResult, Output
-from depthscope.analyses.jobs.configs import PatchConfig
-from depthscope.analyses.pairs import mean_over_pairs, read_pairs
-from depthscope.analyses.patching import (
+from depthscope.analyses.circuits import plots
+from depthscope.analyses.circuits.pairs import mean_over_pairs, read_pairs
+from depthscope.analyses.circuits.patching import (
     PAIR_KEYS,
     activation_patching,
     attribution_patching,
@@ -41,7 +40,8 @@ from depthscope.analyses.patching import (
     logprob,
     patch_pairs,
 )
-from depthscope.analyses.plots import patching as plots
+from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.analyses.jobs.configs import PatchConfig
 
 #: table name per part: points patched whole, and per-head points
 TABLES = {"sites": "patching_by_site", "heads": "patching_by_head"}
@@ -250,9 +250,9 @@ def _figures(out: Output, table, parts: dict, rhos: dict) -> None:
 def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
     """Path patching from ``senders`` to ``receivers`` over the pairs file (or the one prompt
     pair): ``path_patching`` (means over pairs) and ``path_patching_pairs``, and its heatmap."""
-    from depthscope.analyses.pairs import PromptPair
-    from depthscope.analyses.path_patching import PATH_KEYS, path_patch_pairs  # lazy: optional part of the job
-    from depthscope.analyses.plots.path_patching import plot_path_patching
+    from depthscope.analyses.circuits.pairs import PromptPair
+    from depthscope.analyses.circuits.path_plots import plot_path_patching
+    from depthscope.analyses.circuits.paths import PATH_KEYS, path_patch_pairs  # lazy: optional part of the job
 
     if config.pairs is not None:
         pairs = read_pairs(config.pairs)

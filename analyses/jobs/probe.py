@@ -31,7 +31,7 @@ from rich.table import Table
 
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
-from depthscope.analyses.plots.probes import plot_overview, plot_probe_curves, plot_tenney
+from depthscope.analyses.probing.plots import plot_overview, plot_probe_curves, plot_tenney
 from depthscope.common.resume import Stages
 from depthscope.probes import run_probes, sample_data
 from depthscope.probes.run import task_list

@@ -31,11 +31,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.features.config import SaeTrainConfig
+from depthscope.analyses.features.plots import plot_sae_training
+from depthscope.analyses.features.training import sae_metrics, train_topk
 from depthscope.analyses.jobs.base import Output
 from depthscope.analyses.next_token import next_token_nll
-from depthscope.analyses.plots.sae import plot_sae_training
-from depthscope.analyses.sae_config import SaeTrainConfig
-from depthscope.analyses.sae_train import sae_metrics, train_topk
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.activation_cache import CacheSettings, write_activations

@@ -2,7 +2,7 @@
 
 | name | what |
 |---|---|
-| :func:`sweep_inputs` | the keyword inputs of :func:`depthscope.analyses.sweep.sweep` for the analysis |
+| :func:`sweep_inputs` | the keyword inputs of :func:`depthscope.analyses.sweeps.series.sweep` for the analysis |
 | :func:`sweep_job` | runs the sweep (resumable, local or Ray) and draws ``sweep_<metric>*.png`` |
 
 Its settings (the analysis, its inputs: text or probe data, and the plotted metric) are
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from depthscope.analyses.jobs.base import JobResult
 from depthscope.analyses.jobs.configs import DEFAULT_METRIC, SweepJobConfig
-from depthscope.analyses.plots import sweep as sweep_plots
 from depthscope.analyses.samples import sample_texts
-from depthscope.analyses.sweep import sweep
+from depthscope.analyses.sweeps import plots as sweep_plots
+from depthscope.analyses.sweeps.series import sweep
 from depthscope.analyses.text import read_documents
 from depthscope.probes import sample_data
 
@@ -39,9 +39,10 @@ def sweep_inputs(config: SweepJobConfig) -> dict:
 
 
 def sweep_job(checkpoints, config: SweepJobConfig, out: Path, *, load=None, engine=None) -> JobResult:
-    """Sweep ``config.analysis`` over ``checkpoints`` into ``out`` (see :func:`~depthscope.analyses.sweep.sweep`:
-    resumable, failures recorded) and draw the checkpoint heatmaps and curves. ``engine`` (None:
-    the config's, ``config.ray`` when ``config.engine`` is ``ray``) runs the checkpoints. Summary:
+    """Sweep ``config.analysis`` over ``checkpoints`` into ``out`` (see
+    :func:`~depthscope.analyses.sweeps.series.sweep`: resumable, failures recorded) and draw the
+    checkpoint heatmaps and curves. ``engine`` (None: the config's, ``config.ray`` when
+    ``config.engine`` is ``ray``) runs the checkpoints. Summary:
     the names of the checkpoints done, skipped (already finished) and failed (with their errors)."""
     out = Path(out)
     if engine is None and config.engine == "ray":

@@ -1,6 +1,5 @@
-"""Contribution norms: how much each sublayer writes into the residual stream, relative to it.
-
-One file per analysis:
+"""The norms room. Contribution norms: how much each sublayer writes into the residual stream,
+relative to it. One file per analysis:
 
 =====================  ========================================================================
 ``contribution.py``    :func:`contribution_norms`: per-site means over a dataset
@@ -9,6 +8,9 @@ One file per analysis:
 ``dla.py``             :func:`direct_logit_attribution`: the logit split into sublayer parts
 ``metrics.py``         the per-token metrics they share (:data:`NORM_METRICS`)
 ``streaming.py``       batching, capture and the finiteness check they share
+``heads.py``           :func:`head_write_norms`, :func:`norm_weighted_attention`: per head
+``config.py``          :class:`NormsConfig` (``depthscope norms``)
+``plots.py``           the norms figures, drawn from the tables
 =====================  ========================================================================
 
 The residual stream of a pre-norm decoder is a sum: the embedding plus every sublayer's write.
@@ -76,7 +78,7 @@ norm with its scale frozen at the final stream, plus a constant (norm bias and u
 bias). The parts sum to the model's own logit; the sum is checked on every call.
 
 Per-head writes and norm-weighted attention (Kobayashi et al. 2020) live in
-:mod:`depthscope.analyses.heads`; figures in :mod:`depthscope.analyses.plots.norms`.
+:mod:`depthscope.analyses.norms.heads`; figures in :mod:`depthscope.analyses.norms.plots`.
 
 Precision. Passes over the ``[sites, batch, pos, d_model]`` tensor run in float32 (the model's
 own precision); the update is materialised once per batch, and every ratio is formed in float64
@@ -88,18 +90,25 @@ to ~3e-6 absolute; ``block_influence`` uses a cancellation-free form, so at the 
 
 from __future__ import annotations
 
-from depthscope.analyses.norms.by_position import norms_by_position
-from depthscope.analyses.norms.contribution import contribution_norms
-from depthscope.analyses.norms.dla import direct_logit_attribution
-from depthscope.analyses.norms.growth import fit_growth_rate, norms_summary
-from depthscope.analyses.norms.metrics import NORM_METRICS, POSITION_GROUPS
+from depthscope.common.lazy import lazy_exports
 
-__all__ = [
-    "contribution_norms",
-    "norms_by_position",
-    "direct_logit_attribution",
-    "fit_growth_rate",
-    "norms_summary",
-    "NORM_METRICS",
-    "POSITION_GROUPS",
-]
+_EXPORTS = {
+    "contribution_norms": "contribution",
+    "norms_by_position": "by_position",
+    "direct_logit_attribution": "dla",
+    "fit_growth_rate": "growth",
+    "norms_summary": "growth",
+    "NORM_METRICS": "metrics",
+    "POSITION_GROUPS": "metrics",
+    "head_write_norms": "heads",
+    "norm_weighted_attention": "heads",
+    "NormsConfig": "config",
+    "plot_stream_growth": "plots",
+    "plot_update_norms": "plots",
+    "plot_relative_update": "plots",
+    "plot_position_heatmap": "plots",
+    "plot_dla": "plots",
+    "plot_head_writes": "plots",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

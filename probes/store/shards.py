@@ -125,7 +125,7 @@ def extract_sharded(
     """The store of ``table`` written as ``n_shards`` shards (see the module docstring).
 
     ``engine``: None runs the missing shards here with ``model``; a
-    :class:`~depthscope.analyses.sweep_ray.RayEngine`-like object with ``workers`` runs one Ray
+    :class:`~depthscope.analyses.sweeps.ray_engine.RayEngine`-like object with ``workers`` runs one Ray
     task per missing shard, each loading the model with ``load()`` (a picklable loader such as
     ``functools.partial(load_model, spec, dtype=...)``). ``extract_kw``: ``sites``, ``pooling``,
     ``dtype``, ``batch_tokens``, ``max_tokens`` as for :func:`~.activations.extract_spans`."""

@@ -1,0 +1,250 @@
+"""Encoded vs used, per depth: LEACE concept erasure at each residual site, and what it costs the model.
+
+>>> from depthscope.analyses.causal.used import causal_tests
+>>> from depthscope.analyses.causal.config import CausalConfig
+>>> res = causal_tests(model, CausalConfig(tasks=["upos"]))
+>>> res.table[["label", "accuracy", "accuracy_erased", "majority", "used", "used_lo", "used_hi"]]
+
+=====================================  ===========================================================
+``causal_tests(model, config,          one row per task and site (:data:`COLUMNS`): a
+progress=)``                           :class:`CausalResult`
+``site_accuracy(td, x_train, x_test,   the project's linear probes (the L2 search of
+cfg, l2=)``                            :func:`~depthscope.probes.fitting.choose_l2`, then
+                                       :func:`~depthscope.probes.fitting.fit_sites`) on raw
+                                       ``[N, sites, d]`` features: test accuracy per site, and L2
+``word_matrix(features)``              the raw (unstandardised) word vectors ``[N, sites, d]`` of
+                                       a split, read from the probes' activation store
+=====================================  ===========================================================
+
+Method, per task: the train and test words are extracted exactly as ``depthscope probe`` does
+(:func:`~depthscope.probes.store.extraction.load_and_extract`: one vector per word, ``pooling``
+last/first/mean of its subwords, in sentence context with the BOS token prepended). At each site:
+
+1. ``accuracy``: a linear probe trained on the train words, scored on the test words
+   (``majority``: always answering train's most frequent label);
+2. LEACE (:mod:`depthscope.analyses.causal.erasure`) fitted on the train words' vectors and
+   labels; ``accuracy_erased``: a linear probe trained on erased train vectors and scored on
+   erased test vectors, at the L2 of step 1 (LEACE guarantees it cannot beat a constant on
+   train, so it is at ``majority`` up to sampling);
+3. the same eraser applied by a write hook at that site (``model.run(hooks={site: fn})``) to
+   EVERY token position of the held-out text except the leading BOS token (the eraser is fitted
+   on word vectors and applied to all subword tokens: the concept is removed wherever the model
+   could read it from the stream); ``lm_loss`` (no hook), ``lm_loss_erased``, and
+   ``lm_loss_control_mean`` / ``_std`` / ``_min`` / ``_max`` over ``controls`` random erasures of
+   the same rank (:func:`~depthscope.analyses.causal.erasure.random_erasure`);
+4. ``used = (lm_loss_erased - lm_loss_control_mean) / lm_loss`` with its bootstrap interval
+   ``used_lo``, ``used_hi`` over held-out documents (:mod:`depthscope.analyses.causal.loss`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+import torch
+
+from depthscope.analyses.causal.config import CausalConfig
+from depthscope.analyses.causal.erasure import fit_erasure, random_erasure
+from depthscope.analyses.causal.loss import DocLoss, HeldOut, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.text import read_documents
+from depthscope.common.errors import InputError
+from depthscope.common.progress import track
+from depthscope.hooks.sites import site_labels
+from depthscope.probes import sample_data
+from depthscope.probes.config import ProbeConfig
+from depthscope.probes.encoding import TaskData, encode_task
+from depthscope.probes.fitting import choose_l2, fit_sites
+from depthscope.probes.run import task_list
+from depthscope.probes.store.extraction import Splits, load_and_extract
+from depthscope.probes.store.features import Features
+
+DEFAULT_TASKS = ("upos",)
+#: the table's columns after the shared site columns
+COLUMNS = (
+    "task",
+    "accuracy",
+    "majority",
+    "accuracy_erased",
+    "rank",
+    "lm_loss",
+    "lm_loss_erased",
+    "lm_loss_control_mean",
+    "lm_loss_control_std",
+    "lm_loss_control_min",
+    "lm_loss_control_max",
+    "used",
+    "used_lo",
+    "used_hi",
+)
+
+
+@dataclass
+class CausalResult:
+    """``table``: one row per task and site (the shared site columns, then :data:`COLUMNS` and the
+    counts ``n_train, n_test, n_lm_docs, n_lm_tokens``, ``controls``, ``pooling``, ``l2``); ``info``:
+    the model, the data, the timing."""
+
+    table: pd.DataFrame
+    info: dict = field(default_factory=dict)
+
+
+def word_matrix(features: Features) -> torch.Tensor:
+    """The raw word vectors ``[N, sites, d]`` (float32) of ``features``' examples (one span each)."""
+    rows = features.store.row_start[features.span_ids[:, 0]]
+    return torch.from_numpy(np.asarray(features.store.feats[rows], dtype=np.float32))
+
+
+def _resident(like: Features, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, seed: int) -> Features:
+    """``x [N, S, d]`` standardised with ``mean``/``std`` ``[S, d]`` as resident probe features,
+    feature-major and in a seeded shuffled order, as :meth:`Features.make_resident` lays them out."""
+    f = Features(like.store, like.span_ids)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n, s, d = x.shape
+    xt = torch.empty(s, d, n)
+    idx = torch.from_numpy(order)
+    for k in range(s):
+        xt[k] = ((x[idx, k] - mean[k]) / std[k]).T
+    f.order, f.resident = order, xt.transpose(1, 2)
+    return f
+
+
+def _standardiser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-site, per-dimension mean and std over the rows of ``x [N, S, d]`` (a constant
+    dimension gets std 1, as :meth:`Features.fit_standardiser`)."""
+    mean, std = x.mean(0), x.std(0, unbiased=False)
+    return mean, torch.where(std > 1e-6 * (mean.abs() + 1), std, torch.ones_like(std))
+
+
+def site_accuracy(
+    td: TaskData, x_train: torch.Tensor, x_test: torch.Tensor, cfg: ProbeConfig, l2: float | None = None
+) -> tuple[np.ndarray, float]:
+    """Test accuracy per site of linear probes trained on ``x_train`` (standardised with its own
+    statistics, ``x_test`` likewise) with ``td``'s labels, and the L2 used (None: chosen as
+    ``depthscope probe`` chooses it)."""
+    mean, std = _standardiser(x_train)
+    feats = {
+        "train": _resident(td.feats["train"], x_train, mean, std, cfg.seed),
+        "test": _resident(td.feats["test"], x_test, mean, std, cfg.seed),
+    }
+    data = replace(td, feats=feats)
+    cfg = replace(cfg, control=False)
+    if l2 is None:
+        l2 = choose_l2(data, cfg).l2
+    fit = fit_sites(data, replace(cfg, l2=l2), l2)
+    y = torch.from_numpy(td.y["test"])
+    return (fit.test == y).double().mean(1).numpy(), float(l2)
+
+
+def _inputs(cfg: CausalConfig) -> tuple:
+    """``(tasks, train, test, texts or None)``: the defaults filled in, the text read."""
+    tasks = task_list(cfg.tasks) if cfg.tasks else list(DEFAULT_TASKS)
+    sample = sample_data()
+    train, test = cfg.train or sample["ewt_train"], cfg.test or sample["ewt_test"]
+    texts = read_documents(cfg.text) if cfg.text is not None else None
+    return tasks, train, test, texts
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The held-out text and its clean loss, shared by every task and site."""
+
+    text: HeldOut
+    clean: DocLoss
+
+
+def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfig) -> dict:
+    """The loss columns of one site: ``erasers[0]`` the LEACE eraser, the rest its controls."""
+    start = held.text.start
+    losses = [doc_nll(model, held.text, {label: e.hook(start)}, batch_size=cfg.batch_size) for e in erasers]
+    erased, controls = losses[0], losses[1:]
+    c = np.array([x.mean for x in controls])
+    lo, hi = used_interval(held.clean, erased, controls, cfg.bootstrap, seed=cfg.probe.seed)
+    return {
+        "lm_loss": held.clean.mean,
+        "lm_loss_erased": erased.mean,
+        "lm_loss_control_mean": float(c.mean()),
+        "lm_loss_control_std": float(c.std(ddof=1)) if len(c) > 1 else 0.0,
+        "lm_loss_control_min": float(c.min()),
+        "lm_loss_control_max": float(c.max()),
+        "used": used_score(held.clean, erased, controls),
+        "used_lo": lo,
+        "used_hi": hi,
+    }
+
+
+def _erasers(td: TaskData, x_train: torch.Tensor, cfg: CausalConfig) -> list:
+    """Per site: ``[LEACE eraser, control 1, ..., control n]``."""
+    out = []
+    for s in range(x_train.shape[1]):
+        er, fitter = fit_erasure(x_train[:, s], td.y["train"], td.n_classes)
+        seeds = [cfg.probe.seed * 100_003 + 1009 * s + j for j in range(cfg.controls)]
+        out.append([er] + [random_erasure(fitter, er.rank, sd) for sd in seeds])
+    return out
+
+
+def _erase_inplace(x: torch.Tensor, erasers: list) -> None:
+    """``x[:, s] = erasers[s][0](x[:, s])`` for every site ``s``."""
+    for s, es in enumerate(erasers):
+        x[:, s] = es[0](x[:, s])
+
+
+def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress: bool) -> pd.DataFrame:
+    """One task's rows: probes before and after erasure, then the loss of each site's edit."""
+    td = encode_task(task, got.examples[task], got.for_task(task), seed=cfg.probe.seed, resident_bytes=0)
+    if td.feats["train"].n_spans != 1:
+        raise InputError(f"task {task!r} labels pairs of spans: causal erasure needs a word task (one span)")
+    x_train, x_test = word_matrix(td.feats["train"]), word_matrix(td.feats["test"])
+    acc, l2 = site_accuracy(td, x_train, x_test, cfg.probe)
+    erasers = _erasers(td, x_train, cfg)
+    _erase_inplace(x_train, erasers)
+    _erase_inplace(x_test, erasers)
+    acc_erased, _ = site_accuracy(td, x_train, x_test, cfg.probe, l2)
+    del x_train, x_test
+    labels = [site_labels(model.n_layers)[i] for i in got.sites]
+    pairs = track(list(zip(labels, erasers)), desc=f"{task}: erase per site", unit="site", enabled=progress)
+    effects = [_site_effect(model, held, label, es, cfg) for label, es in pairs]
+    df = got.frame.copy()
+    df.insert(0, "task", task)
+    df["accuracy"], df["majority"], df["accuracy_erased"] = acc, td.majority_accuracy, acc_erased
+    df["rank"] = [es[0].rank for es in erasers]
+    df = pd.concat([df.reset_index(drop=True), pd.DataFrame(effects)], axis=1)
+    n_train, n_test = len(td.y["train"]), len(td.y["test"])
+    return df.assign(n_train=n_train, n_test=n_test, controls=cfg.controls, l2=l2)
+
+
+def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = False) -> CausalResult:
+    """Encoded vs used at every site of ``model`` (a HookedModel, a spec, or a loader called once
+    the data are checked) for each task; see the module docstring."""
+    t0 = time.perf_counter()
+    cfg = config or CausalConfig()
+    tasks, train, test, texts = _inputs(cfg)
+    got = load_and_extract(
+        model,
+        tasks,
+        Splits(train, test),
+        cfg.extraction,
+        cfg.data,
+        seed=cfg.probe.seed,
+        progress=progress,
+        keep_model=True,
+    )
+    m = got.loaded  # the loss under erasure runs the model again
+    if texts is None:
+        texts = [s.text for s in got.corpora["test"].sentences]
+    window = min(int(cfg.extraction.max_tokens), int(m.max_context or cfg.extraction.max_tokens))
+    text = held_out(m, texts, window=window, bos=cfg.extraction.bos, max_tokens=cfg.max_text_tokens)
+    held = _Held(text, doc_nll(m, text, batch_size=cfg.batch_size))
+    tables = [_task_table(m, got, task, held, cfg, progress) for task in tasks]
+    table = pd.concat(tables, ignore_index=True)
+    table = table.assign(n_lm_docs=text.n_docs, n_lm_tokens=text.n_tokens, pooling=cfg.extraction.pooling)
+    info = {
+        "model": m.name,
+        "tasks": tasks,
+        "train": str(train),
+        "test": str(test),
+        "text": str(cfg.text) if cfg.text is not None else "test sentences",
+        "seconds": time.perf_counter() - t0,
+    }
+    return CausalResult(table, info)
