@@ -33,6 +33,9 @@ data=DataConfig(), progress=True, **overrides) -> ProbeResults``
     cumulative_score), gamma.
 ``ProbeConfig``, ``ExtractionConfig``, ``DataConfig``: the settings and their (only) defaults.
 ``prepare_task(...) -> TaskData``: one task's labels and standardised features, no fitting.
+``probe_sites(td, frame, config, FitOptions(pooling)) -> SiteProbes``: ``run_probes``'s per-site
+    probes of a prepared task (the penalty, the probes, their ``by_site`` rows), for analyses that
+    report the project's probe beside their own (sparse probing's dense probe).
 ``sample_data() -> dict``: paths of the bundled UD excerpts (``ewt_train``, ``ewt_test``,
     ``gum_train``, ``gum_test``).
 ``word_features(model, sentences, sites=None, pooling="last", standardize=False) -> WordFeatures``:
@@ -92,6 +95,9 @@ _EXPORTS = {
     "fit_cumulative": "mixing",
     "ProbeResults": "run",
     "prepare_task": "run",
+    "FitOptions": "fitting",
+    "SiteProbes": "fitting",
+    "probe_sites": "fitting",
     "run_probes": "run",
     "PIPELINE_ORDER": "corpora.tasks",
     "TaskExamples": "corpora.tasks",
@@ -170,6 +176,9 @@ __all__ = [
     "PIPELINE_ORDER",
     "ProbeResults",
     "prepare_task",
+    "probe_sites",
+    "SiteProbes",
+    "FitOptions",
     "TaskData",
     "sample_data",
     "read_conllu",

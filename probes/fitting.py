@@ -10,6 +10,9 @@ options)``                               ``mixing`` rows (None without cumulativ
 ``fit_sites(td, config, l2, progress=,  per-site probes: the task's labels and its control
 start=)``                                labels as two heads of one batched fit, scored on test:
                                          a :class:`SiteFit`; ``start``: a warm start
+``probe_sites(td, frame, config,         the penalty, the per-site probes at it and their
+options)``                               ``by_site`` rows: a :class:`SiteProbes` (the first
+                                         half of ``fit_task``; sparse probing's dense probe)
 ``warm_start(probe, start)``             start a per-site probe's real head from the penalty
                                          search's probes at the chosen value (fewer passes,
                                          the same optimum)
@@ -31,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
+import pandas as pd
 import torch
 
 from depthscope.common.runtime import release_memory
@@ -284,18 +288,40 @@ class FitOptions:
     progress: bool = False
 
 
-def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitOptions) -> dict:
-    """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`):
-    the penalty, the per-site probes, cumulative scoring and MDL, then the task's features are
-    released."""
+@dataclass
+class SiteProbes:
+    """One task's per-site probes as :func:`~depthscope.probes.run_probes` fits them: the penalty
+    (``choice``), the fit (``fit``: predictions, log, the real head's weights) and the ``by_site``
+    rows (``by_site``, the shared site columns and the scores)."""
+
+    choice: L2Choice
+    fit: SiteFit
+    by_site: pd.DataFrame
+
+
+def probe_sites(td: TaskData, frame, cfg: ProbeConfig, options: FitOptions) -> SiteProbes:
+    """The per-site probes of one task, the first half of :func:`fit_task`: the penalty
+    (:func:`choose_l2`), the per-site probes at it (:func:`fit_sites`, warm-started from the
+    search) and their ``by_site`` rows (``frame``: the shared site columns of the features'
+    sites). Every entry point that reports a per-site probe (``run_probes``, sparse probing's
+    dense probe) calls this, so their numbers agree at the same sites, data and settings."""
     choice = choose_l2(td, cfg, resident_bytes=options.resident_bytes, progress=options.progress)
     release_memory()  # each phase's freed working set back to the OS: the next allocates other sizes
-    cfg = replace(cfg, l2=choice.l2)
-    fit = fit_sites(td, cfg, choice.l2, progress=options.progress, start=choice.start)
+    fit = fit_sites(td, replace(cfg, l2=choice.l2), choice.l2, progress=options.progress, start=choice.start)
     release_memory()
     df = site_rows(td.task, frame, td, _site_scores(td, fit), fit.l2, probe=cfg.probe, pooling=options.pooling)
     df["converged"] = fit.log.converged
     df["epochs"] = fit.log.unit_epochs if fit.log.unit_epochs is not None else fit.log.epochs
+    return SiteProbes(choice, fit, df)
+
+
+def fit_task(td: TaskData, frame, n_layers: int, cfg: ProbeConfig, options: FitOptions) -> dict:
+    """``{"by_site", "summary", "mixing"}`` of one task (see :func:`~depthscope.probes.run_probes`):
+    the penalty and the per-site probes (:func:`probe_sites`), cumulative scoring and MDL, then
+    the task's features are released."""
+    sites = probe_sites(td, frame, cfg, options)
+    choice, fit, df = sites.choice, sites.fit, sites.by_site
+    cfg = replace(cfg, l2=choice.l2)
     cum = _cumulative(td, cfg, fit, options.progress)
     if cum is None:
         cum_summ, mix_df = cumulative_summary(None, None, cfg.seed), None

@@ -304,11 +304,13 @@ def prepare_task(
     extraction: ExtractionConfig | None = None,
     data: DataConfig | None = None,
     progress: bool = True,
+    stream: tuple = (),
     **overrides,
 ) -> TaskData:
     """One task's :class:`TaskData` (labels, control labels, standardised features per split)
     without fitting anything: for benchmarks and custom probes. Settings as in
-    :func:`run_probes`."""
+    :func:`run_probes`; ``stream``: splits left in the store and read when used (as
+    ``run_probes`` reads ``("test",)``), the others held in memory."""
     cfg, ext, dat = resolve_configs(config, extraction, data, **overrides)
     got = load_and_extract(model, [task], Splits(train, test, dev), ext, dat, seed=cfg.seed, progress=progress)
     return encode_task(
@@ -319,4 +321,5 @@ def prepare_task(
         resident_bytes=ext.resident_bytes,
         dtype=resolve_precision(cfg.precision),
         device=probe_device(cfg.device),
+        stream=tuple(stream),
     )

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from depthscope.analyses.features.config import SaeTrainConfig
-from depthscope.analyses.features.probing import _site_rows, feature_lens, sparse_probing
 from depthscope.analyses.features.training import sae_metrics, train_topk
 from depthscope.common.errors import InputError
-from depthscope.hooks import SAE, load_sae
-from depthscope.probes import sample_data
+from depthscope.hooks import load_sae
 from tests.conftest import run_cli
 
 
@@ -88,37 +85,3 @@ def test_sae_train_command(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     assert not (out / "activations").exists() and not (out / "checkpoint.pt").exists()
     code, _, err = run_cli(args[:-2] + ["--tokens", "10000000"], monkeypatch, capsys)
     assert code == 2 and "give more text or lower them" in err
-
-
-def test_sparse_probing_finds_a_planted_feature():
-    """Features = relu(x) (identity SAE); dimension 3 is on exactly for tag A, so it is A's best
-    single feature and one feature separates A from B perfectly."""
-    rng = np.random.default_rng(0)
-    y = np.array(["A", "B"] * 200)
-    x = rng.normal(size=(400, 8)).astype(np.float32) * 0.1
-    x[:, 3] = np.where(y == "A", 2.0, -1.0)
-    eye = torch.eye(8)
-    sae = SAE(eye, torch.zeros(8), eye, torch.zeros(8), architecture="standard", apply_b_dec_to_input=False)
-    by_k, by_tag = _site_rows(x[:300], y[:300], x[300:], y[300:], sae, (1, 2))
-    assert by_k[0]["accuracy"] == 1.0
-    a1 = next(r for r in by_tag if r["tag"] == "A" and r["k"] == 1)
-    assert a1["feature"] == 3 and a1["f1"] == 1.0
-
-
-def test_sparse_probing_and_feature_lens_on_a_tiny_model(tiny_factory):
-    m = tiny_factory("llama")
-    g = torch.Generator().manual_seed(0)
-    d = m.d_model
-    sae = SAE(torch.randn(d, 128, generator=g), torch.zeros(128), torch.randn(128, d, generator=g), torch.zeros(d))
-    data = sample_data()
-    res = sparse_probing(m, {"1.mlp": sae, 2: sae}, data["ewt_train"], data["ewt_test"], ks=(1, 4), min_count=20)
-    assert sorted(res.by_k["label"].unique()) == ["0.mlp", "1.mlp"]
-    assert set(res.by_k.columns) >= {"site", "label", "layer", "sublayer", "depth", "k", "accuracy", "dense_accuracy"}
-    assert (res.by_k.groupby("label")["n_features"].diff().dropna() >= 0).all()
-    lens = feature_lens(m, sae, [5, 7], top=3)
-    hf = m.hf_model
-    with torch.no_grad():
-        ref = hf.lm_head(hf.model.norm(sae.W_dec[[5, 7]]))
-    assert lens[lens.feature == 7].token_id.tolist() == ref[1].topk(3).indices.tolist()
-    with pytest.raises(InputError, match="out of range"):
-        feature_lens(m, sae, [128])
