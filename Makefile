@@ -3,7 +3,7 @@ VENV ?= .venv
 OUT ?= depthscope-report
 PYTEST_ARGS ?=
 
-.PHONY: setup report test test-fast lint check-wheel docs bench clean
+.PHONY: setup report test test-fast lint check-wheel docs bench clean tunedlens-venv
 
 setup:
 	bash scripts/bootstrap.sh
@@ -31,6 +31,10 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# the environment tests/test_tuned_lens_interop.py runs the tuned-lens package in (the test skips without it)
+tunedlens-venv: setup
+	PYTHON=$(VENV)/bin/python bash scripts/tunedlens_venv.sh
 
 bench: setup
 	$(VENV)/bin/python -m benchmarks $(BENCH_ARGS)

@@ -390,6 +390,7 @@ CLAIMS = {
         len(ns["lens"]) == 61
         and ns["tuned"].site_labels == ["10.mlp", "20.mlp"]
         and set(ns["both"]["lens"]) == {"tuned"}
+        and ns["back"].sites == list(range(0, 60, 2)) + [60]
     ),
     "norms.md": lambda ns: abs(float(ns["diff"]["contribution"].sum()) - float(ns["diff"]["logit"].iloc[0])) < 1e-3,
     "probing.md": lambda ns: (

@@ -5,6 +5,8 @@
                    document), :func:`logit_lens_tokens` (per token of a prompt)
 ``lenses.py``      :class:`LogitLens`, :class:`TunedLens`: small interchangeable lenses
 ``tuned.py``       :func:`train_tuned_lens` (Belrose et al. 2023)
+``interop.py``     :func:`import_tuned_lens`, :func:`export_tuned_lens`: the ``tuned-lens``
+                   package's folders (translators at block inputs = sites 0, 2, .., 2L-2)
 ``config.py``      :class:`TunedLensTraining`, :class:`LensConfig`, :class:`LensTrainConfig`
 ``plots.py``       the lens figures, drawn from the tables
 =================  ==================================================================
@@ -23,6 +25,9 @@ _EXPORTS = {
     "TunedLens": "lenses",
     "LensMismatchError": "lenses",
     "train_tuned_lens": "tuned",
+    "import_tuned_lens": "interop",
+    "export_tuned_lens": "interop",
+    "block_input_sites": "interop",
     "TunedLensTraining": "config",
     "LensConfig": "config",
     "LensTrainConfig": "config",

@@ -11,7 +11,9 @@ take any lens object; the default is the plain :class:`LogitLens`.
                       ``translate(xs, sites)``, ``logits(model, xs, sites)``
 :class:`LogitLens`    no translation (nostalgebraist 2020)
 :class:`TunedLens`    an affine translator per site, saved as a folder (Belrose et al. 2023);
-                      trained by :func:`depthscope.analyses.lens.tuned.train_tuned_lens`
+                      trained by :func:`depthscope.analyses.lens.tuned.train_tuned_lens`;
+                      ``load`` also reads the ``tuned-lens`` package's folders
+                      (:mod:`depthscope.analyses.lens.interop`, which also writes them)
 :func:`model_info`    what identifies the model a lens belongs to (fingerprint, name, digest)
 ====================  ===========================================================================
 """
@@ -225,11 +227,23 @@ class TunedLens(Lens):
     def load(cls, path, model=None, *, strict: bool = True) -> TunedLens:
         """Read a saved lens (its folder, or either file in it); with ``model``, check it fits. A
         tensors file whose sha256 differs from the recorded one, or with NaN/inf weights, is refused
-        (:class:`~depthscope.common.errors.CheckpointError`)."""
+        (:class:`~depthscope.common.errors.CheckpointError`). A folder in the ``tuned-lens``
+        package's format (``config.json``, ``params.pt``) is read for ``model`` by
+        :func:`~depthscope.analyses.lens.interop.import_tuned_lens`."""
         path = Path(path)
-        if path.suffix in (".json", ".safetensors"):
+        if path.suffix in (".json", ".safetensors", ".pt"):
             path = path.parent
         meta_p, params_p = path / META_FILE, path / PARAMS_FILE
+        if not meta_p.is_file():
+            # interop imports this module: imported here, where a folder is not depthscope's own
+            from depthscope.analyses.lens.interop import import_tuned_lens, is_tuned_lens_folder
+
+            if is_tuned_lens_folder(path):
+                if model is None:
+                    raise InputError(
+                        f"{path} is a tuned-lens package lens: load it for a model, TunedLens.load(path, model)"
+                    )
+                return import_tuned_lens(path, model, strict=strict)
         if not meta_p.is_file() or not params_p.is_file():
             raise CheckpointError(f"no tuned lens at {path} (expected {META_FILE} and {PARAMS_FILE})")
         try:
