@@ -101,6 +101,8 @@ def test_bad_input_is_refused_before_extraction(tiny_llama):
         sparse_probing(tiny_llama, {"1.mlp": _sae(d)}, *args, min_count=0)
     with pytest.raises(InputError, match="unknown probe setting"):
         sparse_probing(tiny_llama, {"1.mlp": _sae(d)}, *args, nonsense=1)
+    with pytest.raises(InputError, match="pass dev="):
+        sparse_probing(tiny_llama, {"1.mlp": _sae(d)}, *args, l2="dev")
     with pytest.raises(InputError, match="at least one SAE"):
         sparse_probing(tiny_llama, {}, *args)
 

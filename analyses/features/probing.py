@@ -244,6 +244,8 @@ def sparse_probing(
     if "sites" in settings:
         raise InputError("sparse probing probes the SAEs' sites: give them as the keys of saes, not sites=")
     cfg, ext, dat = resolve_configs(**settings)
+    if cfg.l2 == "dev" and dev is None:
+        raise InputError("l2='dev' picks the penalty on a dev split: pass dev=")
     if cfg.probe not in ("linear", "mlp"):
         raise InputError(f"the dense probe is one kind, 'linear' or 'mlp'; got probe={cfg.probe!r}")
     _check_task(task, ext)
