@@ -77,10 +77,11 @@ def _weight_index(folder: Path) -> dict[str, Path]:
 class BlockStreamer:
     """Reads blocks' parameters from the checkpoint's safetensors files on demand.
 
-    ``names[l]`` lists block ``l``'s parameters as ``(module, attribute, file key)``. A block's
-    tensors are read into memory (from the memory-mapped file, in a worker thread when read
-    ahead), converted to ``dtype`` and moved to ``device``, then assigned to its modules for one
-    forward (:meth:`enter`) and replaced by ``meta`` tensors after (:meth:`leave`)."""
+    ``names[l]`` lists block ``l``'s parameters as ``(module, attribute, name)``. A block's
+    tensors are read into memory in the files' dtype (from the memory-mapped file, in a worker
+    thread when read ahead), converted to ``dtype`` and moved to ``device`` when the forward
+    reaches the block, assigned to its modules for that forward (:meth:`enter`) and replaced by
+    ``meta`` tensors after (:meth:`leave`)."""
 
     def __init__(self, index: dict[str, Path], names: list[list[tuple]], dtype: torch.dtype, device):
         self.index, self.names, self.dtype, self.device = index, names, dtype, torch.device(device)
@@ -100,9 +101,9 @@ class BlockStreamer:
         for path, items in by_file.items():
             with safe_open(str(path), framework="pt") as h:
                 for i, key in items:
-                    t = h.get_tensor(key)
+                    t = h.get_tensor(key)  # in the file's dtype: a block read ahead holds no wider copy
                     self.bytes_read += t.numel() * t.element_size()
-                    out[i] = t.to(self.dtype).to(self.device)
+                    out[i] = t
         self.reads += 1
         return [out[i] for i in range(len(self.names[layer]))]
 
@@ -121,6 +122,7 @@ class BlockStreamer:
         if next_layer is not None:
             self.prefetch(next_layer)
         for (module, attr, _), t in zip(self.names[layer], tensors):
+            t = t.to(self.dtype).to(self.device)  # as from_pretrained converts it
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
 
     def leave(self, layer: int) -> None:
