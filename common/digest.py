@@ -55,5 +55,7 @@ def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], extra: dict | None
 
 def model_digest(model) -> str:
     """Digest of a :class:`~depthscope.hooks.HookedModel`: its fingerprint (architecture and
-    tokenizer) and every named parameter of the transformers model, in full."""
-    return digest_tensors(model.hf_model.named_parameters(), extra=model.fingerprint())
+    tokenizer) and every named parameter of the transformers model, in full (a streamed model's as
+    read from its files: the same digest as the model in memory)."""
+    named = model.named_weights() if hasattr(model, "named_weights") else model.hf_model.named_parameters()
+    return digest_tensors(named, extra=model.fingerprint())

@@ -206,7 +206,7 @@ class ResolvedArch:
 
     family: str
     layout: str
-    blocks: nn.ModuleList
+    blocks: nn.ModuleList  # the model's own list: the block at each position (block_order rearranges it)
     attn: list[nn.Module]
     mlp: list[nn.Module]
     ln1: list[nn.Module | None]
@@ -233,6 +233,11 @@ class ResolvedArch:
     d_head: int | None = None
     sandwich: bool = False  # a norm after each sublayer (OLMo-2, Gemma-2/3)
     # --- end of hook-point fields --------------------------------------------------------------
+    by_index: list = field(default_factory=list)  # block l's module, wherever block_order runs it
+
+    def __post_init__(self):
+        if not self.by_index:
+            self.by_index = list(self.blocks)
 
 
 def _first(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:

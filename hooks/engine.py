@@ -213,7 +213,10 @@ class Engine:
 
     def module_of(self, point: Point) -> nn.Module | None:
         """The module a point is read at (the registry's ``module`` field of the architecture)."""
-        found = getattr(self.arch, spec_of(point.kind).module)
+        module = spec_of(point.kind).module
+        found = getattr(self.arch, module)
+        if module == "blocks" and point.kind != "embed":
+            found = self.arch.by_index  # l.mlp is block l's output wherever block_order runs it
         if isinstance(found, (list, nn.ModuleList)):
             return found[max(point.layer, 0)] if found else None
         return found
@@ -449,7 +452,7 @@ def _resid_mid(eng: Engine, point: Point, site: nn.Module) -> None:
         def keep_input(mod, args, kwargs):
             eng.resid_pre[layer] = _hidden(args, kwargs)
 
-        eng.pre_hook(eng.arch.blocks[layer], keep_input, with_kwargs=True)
+        eng.pre_hook(eng.arch.by_index[layer], keep_input, with_kwargs=True)  # block l, wherever it runs
 
     def hook(mod, args, output):
         out = _first(output)

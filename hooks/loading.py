@@ -56,6 +56,7 @@ from depthscope.common.errors import CheckpointError, DefaultModelMissing, Model
 from depthscope.common.progress import spinner
 from depthscope.common.stamps import file_digest, verify_stamps, write_stamps
 from depthscope.hooks.devices import (
+    ModelTooLarge,
     check_dtype_on,
     check_fits,
     require_accelerate,
@@ -124,6 +125,7 @@ def load_model(
     device_map: str | dict | None = None,
     trust_remote_code: bool = False,
     use_cache: bool = True,
+    stream: bool | None = False,
 ) -> HookedModel:
     """Load a model as a :class:`HookedModel` (see the module docstring for ``spec``).
 
@@ -132,7 +134,13 @@ def load_model(
     ``device_map="auto"`` spreads the weights over the visible GPUs through accelerate (then
     ``device`` is not used). Models in memory keep their dtype and device unless these are given.
     A model whose weights exceed the device's free memory is refused with the sizes
-    (:mod:`depthscope.hooks.devices`)."""
+    (:mod:`depthscope.hooks.devices`). ``stream=True`` keeps one block's weights resident at a time,
+    read from the checkpoint's safetensors files as the forward reaches it
+    (:mod:`depthscope.hooks.streaming`: exact, for models larger than memory); ``stream=None``
+    streams only when the weights would not fit in memory. Streaming reads a folder (or a GGUF's
+    cached conversion) on one device, not ``device_map``, models in memory or bridges."""
+    if stream:
+        _check_stream_request(spec, device_map)
     if isinstance(spec, HookedModel):
         return spec if device is None and dtype is None else _placed(spec, device, dtype)
     if _is_bridge(spec):
@@ -156,7 +164,7 @@ def load_model(
     else:
         dev = resolve_device(device)
         check_dtype_on(dev, dtype)
-        device = Placement(dev, dtype, None)
+        device = Placement(dev, dtype, None, stream)
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_NAMES):
         return _load_gguf(default_gguf_path(), dtype, device, use_cache, name="smollm2-135m")
     if not isinstance(spec, (str, os.PathLike)):
@@ -177,6 +185,16 @@ def load_model(
     return _load_hub_cached(str(spec), dtype, device, trust_remote_code)
 
 
+def _check_stream_request(spec, device_map) -> None:
+    """``stream=True`` reads a checkpoint's files onto one device: not a model in memory, not a device_map."""
+    if isinstance(spec, HookedModel) or _is_bridge(spec) or _is_hf_model(spec):
+        raise ModelSpecError(
+            "stream=True reads a checkpoint folder's safetensors files; this model is already in memory"
+        )
+    if device_map is not None:
+        raise ModelSpecError("stream=True keeps one block at a time on one device: leave out device_map")
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a loaded model goes: one ``device``, or accelerate's ``device_map``; in ``dtype``."""
@@ -184,14 +202,27 @@ class Placement:
     device: torch.device | None
     dtype: torch.dtype
     device_map: str | dict | None = None
+    stream: bool | None = False  # True: stream the blocks; None: only when the weights do not fit
 
     def from_pretrained_kwargs(self) -> dict:
         return {"device_map": self.device_map} if self.device_map is not None else {}
 
-    def check_params(self, n_params: int) -> None:
-        """Refuse, before reading any weights, a model of ``n_params`` too large for the device."""
+    def check_params(self, n_params: int) -> bool:
+        """Refuse, before reading any weights, a model of ``n_params`` too large for the device;
+        True when it is to be streamed instead (``stream=True``, or ``None`` and it does not fit)."""
+        if self.stream:
+            return True
         if self.device is not None:
-            check_fits(n_params, self.dtype, self.device)
+            try:
+                check_fits(n_params, self.dtype, self.device)
+            except ModelTooLarge:
+                if self.stream is None:
+                    log.warning(
+                        "the weights do not fit in %s's free memory: streaming them block by block", self.device
+                    )
+                    return True
+                raise
+        return False
 
     def put(self, model):
         """The loaded transformers model in ``dtype`` on ``device`` (checked to fit first when it
@@ -324,18 +355,20 @@ def _weight_files(folder: Path) -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> None:
+def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> bool:
     """Check, before any weight is read: the parameter count (a meta-device build) against the
     device's memory, the tokenizer against the embedding rows, the checkpoint's shapes against the
-    config (:mod:`depthscope.hooks.model_checks`)."""
+    config (:mod:`depthscope.hooks.model_checks`). True when the model is to be streamed."""
     meta = meta_model(config, cls)
+    streamed = device.stream is True
     if meta is not None:
-        device.check_params(sum(p.numel() for p in meta.parameters()))
+        streamed = device.check_params(sum(p.numel() for p in meta.parameters()))
     rows = embedding_rows(meta) if meta is not None else getattr(config, "vocab_size", None)
     check_vocab(tokenizer, rows, str(folder))
     files = _weight_files(folder)
     if getattr(config, "quantization_config", None) is None:  # quantised tensors are packed: other shapes, names
         check_weights(meta, files, str(folder))
+    return streamed
 
 
 @_quietly
@@ -355,7 +388,8 @@ def _load_folder(path: Path, dtype, device, trust_remote_code, use_cache) -> Hoo
     config = _read_config(cfg_file, path, trust_remote_code)
     cls = _auto_class(config)
     tok = _load_tokenizer(path, trust_remote_code=trust_remote_code)
-    _preflight(config, cls, device, path, tok)
+    if _preflight(config, cls, device, path, tok):
+        return _streamed(path, cls, config, tok, device, name=path.name, source=str(path))
     kw = dict(
         dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True, **device.from_pretrained_kwargs()
     )
@@ -414,6 +448,12 @@ def _serve_cached(target: Path, gguf: Path, dtype, device, name: str | None) -> 
     if not _cache_present(target):
         return None
     if _cache_intact(target, gguf):
+        if device.stream:
+            config = AutoConfig.from_pretrained(target, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            return _streamed(
+                target, AutoModelForCausalLM, config, tok, device, name=name or gguf.stem, source=str(gguf)
+            )
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 target, dtype=dtype, local_files_only=True, use_safetensors=True, **device.from_pretrained_kwargs()
@@ -468,6 +508,21 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             return _load_gguf(path, dtype, device, use_cache, name)
         device = Placement(resolve_device("auto"), dtype)
     return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
+
+
+def _streamed(folder: Path, cls, config, tok, device: Placement, *, name: str, source: str) -> HookedModel:
+    """The model of ``folder`` with its blocks streamed (:mod:`depthscope.hooks.streaming`)."""
+    from depthscope.hooks.streaming import load_streamed
+
+    try:
+        hf, streamer = load_streamed(folder, cls, config, device.dtype, device.device)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot stream the checkpoint in {folder}: {type(e).__name__}: {e}") from e
+    model = HookedModel(hf, tok, name=name, source=source)
+    model.streamer = streamer
+    return model
 
 
 def _check_gguf_header(path: Path) -> None:

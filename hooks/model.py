@@ -92,6 +92,8 @@ class HookedModel:
         # builds no graph); call hf_model.requires_grad_(True) to train the model itself
         self.hf_model.requires_grad_(False)
         self.tokenizer = tokenizer
+        #: the block streamer of a model loaded with ``stream=True`` (:mod:`depthscope.hooks.streaming`), else None
+        self.streamer = None
         self.arch: ResolvedArch = resolve(hf_model)
         self.n_layers = len(self.arch.blocks)
         self.n_sites = 2 * self.n_layers + 1
@@ -116,6 +118,25 @@ class HookedModel:
                 tokenizer.pad_token = tokenizer.eos_token
 
     # ------------------------------------------------------------------ metadata
+    @property
+    def streamed(self) -> bool:
+        """Whether the blocks' weights are streamed from disk (``load_model(..., stream=True)``)."""
+        return self.streamer is not None
+
+    def named_weights(self):
+        """Every parameter as ``(name, tensor)``, as ``hf_model.named_parameters()`` gives them for the
+        model in memory; a streamed model's blocks are read from its files one tensor at a time."""
+        if self.streamer is None:
+            return self.hf_model.named_parameters()
+        from depthscope.hooks.streaming import named_weights
+
+        return named_weights(self.streamer)
+
+    def refuse_streamed(self, what: str, why: str) -> None:
+        """A clear error for what a streamed model cannot do."""
+        if self.streamer is not None:
+            raise InputError(f"{what} is refused on a streamed model ({self.name}): {why}; load it without stream=True")
+
     def __repr__(self) -> str:
         return (
             f"HookedModel({self.name!r}, family={self.arch.family}, layout={self.arch.layout}, "
@@ -300,6 +321,8 @@ class HookedModel:
         ``cache_to=DIR`` (the one other keyword): the cached points of every token of the documents
         ``inputs`` are written to disk chunk by chunk and the store is returned
         (:mod:`depthscope.hooks.activation_cache`)."""
+        if grad:
+            self.refuse_streamed("grad=True", "a backward needs every block's weights held for the whole graph")
         kw = dict(cache=cache, hooks=hooks, grad=grad, padding_side=padding_side, mask=mask)
         if to_disk:
             return _run_to_disk(self, inputs, saes, kw, **to_disk)
@@ -323,6 +346,7 @@ class HookedModel:
         """Greedy (or any transformers ``generate`` setting) continuation of ``prompts`` with
         ``hooks`` at every step (``cache`` keeps points per step); returns the new tokens and text.
         See :mod:`depthscope.hooks.generate`. ``saes`` as in :meth:`run`, at every step."""
+        self.refuse_streamed("generation", "each new token would read every block's weights again")
         kw = dict(max_new_tokens=max_new_tokens, padding_side=padding_side, mask=mask, **generation_kwargs)
         if saes:
             return generate_with_saes(

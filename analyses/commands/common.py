@@ -23,16 +23,17 @@ def release_outputs() -> None:
         _CLAIMS.pop().release()
 
 
-def load(model: str | None, device: str = "cpu", dtype: str = "float32"):
-    """``load_model(model, device=device, dtype=dtype)``: bad names and absent devices are clear errors."""
+def load(model: str | None, device: str = "cpu", dtype: str = "float32", stream: bool = False):
+    """``load_model(model, device=device, dtype=dtype, stream=stream)``: bad names and absent devices are
+    clear errors."""
     from depthscope.hooks import load_model  # lazy: it imports torch, --help must not
 
-    return load_model(model, device=device, dtype=dtype)
+    return load_model(model, device=device, dtype=dtype, stream=stream)
 
 
 def load_model(o):
-    """The model the options ``o`` name (``o.model`` on ``o.device`` in ``o.dtype``)."""
-    return load(o.model, o.device, o.dtype)
+    """The model the options ``o`` name (``o.model`` on ``o.device`` in ``o.dtype``; streamed with ``--stream``)."""
+    return load(o.model, o.device, o.dtype, bool(getattr(o, "stream", False)))
 
 
 def set_threads(threads: int | None) -> None:

@@ -84,7 +84,7 @@ __all__ = [
 @dataclass(frozen=True)
 class ModelSpec(Checked):
     """Which model a job runs, where, in what precision, and torch's CPU threads: the ``--model``,
-    ``--device``, ``--dtype`` and ``--threads`` options of every command that loads a model."""
+    ``--device``, ``--dtype``, ``--threads`` and ``--stream`` options of every command that loads a model."""
 
     model: str | None = setting(
         None,
@@ -107,6 +107,12 @@ class ModelSpec(Checked):
         max=CPUS,
         help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine; at most "
         "4 per CPU).",
+    )
+    stream: bool = setting(
+        False,
+        "--stream/--no-stream",
+        help="Stream the blocks' weights from the checkpoint's safetensors files, one block resident at a time "
+        "(models larger than memory; exact). Without it a model too large for memory is refused.",
     )
 
 

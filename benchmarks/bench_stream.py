@@ -1,0 +1,256 @@
+"""Models larger than memory: the lens and the activation cache of a 13B-shaped Llama streamed block by
+block (``load_model(..., stream=True)``, :mod:`depthscope.hooks.streaming`), against two floors.
+
+==========================  ===================================================================
+``build [DIR]``             a random-weight Llama-2-13B-shaped checkpoint in bfloat16 (hidden
+                            5120, MLP 13824, 40 layers, 40 heads; SmolLM2's tokenizer and its
+                            vocabulary of 49152): 13.2B parameters, 26.4 GB, written one tensor
+                            at a time, one shard per block
+``lens DIR --tokens N``     ``logit_lens`` of N held-out tokens (UD English EWT test text) on the
+                            streamed model, in a fresh process: peak resident memory (VmHWM),
+                            seconds, seconds per token, bytes read
+``cache DIR --tokens N``    the activation cache (every residual site) of the same text, likewise
+``floors DIR --tokens N``   the disk's read rate on the checkpoint's files (each file's page cache
+                            dropped first), and the CPU's peak rate on the lens's own product
+                            shapes (a block's ``[N, 5120] x [5120, 13824]``, the unembedding's
+                            ``[N, 5120] x [5120, 49152]``), best of three
+``table DIR``               all of them, and the row: time per token over the slower floor
+                            (reading the weights once per forward at the disk's rate; the
+                            products at the peak rate)
+==========================  ===================================================================
+
+The weights are bfloat16 on disk; the model computes in ``--dtype`` (default float32: a CPU without
+native bfloat16, like the development machine's AVX2 EPYC, multiplies bfloat16 matrices tens of
+times slower than float32, so its floor would be the bfloat16 kernel's, not the machine's). The
+memory bound checked is :func:`~depthscope.hooks.streaming.stream_plan`'s (two blocks, the
+resident tensors, the activations, 2 GB) and the 6 GB of issue 58.
+
+    python -m benchmarks.bench_stream build /tmp/depthscope-13b
+    python -m benchmarks.bench_stream table /tmp/depthscope-13b --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    num_key_value_heads=40,
+    vocab_size=49152,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)
+GB = 1e9
+
+
+def build(folder: Path) -> Path:
+    """Write the 13B-shaped checkpoint: config, tokenizer, one safetensors shard per block (+ one for
+    the rest), the weights drawn from N(0, 0.02) (norm gains 1), one tensor in memory at a time."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from depthscope.hooks import load_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = tf.LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    cfg.save_pretrained(folder)
+    load_model().tokenizer.save_pretrained(folder)  # SmolLM2's (49152 ids)
+    with torch.device("meta"):
+        meta = tf.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    shards: dict[str, dict] = {}
+    for name, p in meta.named_parameters():
+        shard = f"block-{name.split('.')[2]:>03}.safetensors" if ".layers." in name else "rest.safetensors"
+        shards.setdefault(shard, {})[name] = p.shape
+    weight_map = {}
+    for shard, tensors in shards.items():
+        out = {}
+        for name, shape in tensors.items():
+            t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g).mul_(0.02)
+            out[name] = t.to(torch.bfloat16)
+            weight_map[name] = shard
+        save_file(out, str(folder / shard), metadata={"format": "pt"})
+        print(f"wrote {shard}", flush=True)
+    total = sum(p.numel() * 2 for p in meta.parameters())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return folder
+
+
+def _text(tokens: int) -> list[str]:
+    """Held-out documents (UD English EWT test sentences) of at least ``tokens`` tokens in all."""
+    from benchmarks._common import ud_sentences
+
+    return ud_sentences("en_ewt-ud-test.conllu", max(8, tokens // 4))
+
+
+def _vmhwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_in_process(what: str, folder: Path, tokens: int, dtype: str) -> dict:
+    """``lens`` or ``cache`` on the streamed model, here (call it in a fresh process: the peak is this
+    process's). One forward: all ``tokens`` through each block before the next."""
+    import tempfile
+
+    import torch
+
+    from depthscope.hooks import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(folder, dtype=dtype, stream=True)
+    load_s = time.perf_counter() - t0
+    ids = model.tokenizer("\n".join(_text(tokens)), return_tensors="pt")["input_ids"][:, :tokens]
+    t0 = time.perf_counter()
+    if what == "lens":
+        from depthscope.analyses import logit_lens
+
+        logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024))
+    else:
+        from depthscope.hooks import write_activations
+
+        with tempfile.TemporaryDirectory() as d:
+            docs = [model.tokenizer.decode(ids[0])]
+            write_activations(model, docs, "resid", Path(d) / "store")
+    seconds = time.perf_counter() - t0
+    return {
+        "what": what,
+        "tokens": int(ids.shape[1]),
+        "dtype": dtype,
+        "load_s": round(load_s, 1),
+        "seconds": round(seconds, 1),
+        "s_per_token": seconds / ids.shape[1],
+        "peak_gb": _vmhwm() / GB,
+        "bytes_read_gb": model.streamer.bytes_read / GB,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _fresh(what: str, folder: Path, tokens: int, dtype: str) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_stream",
+            "_one",
+            what,
+            str(folder),
+            "--tokens",
+            str(tokens),
+            "--dtype",
+            dtype,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def disk_rate(folder: Path, limit: float = 8 * GB) -> float:
+    """Bytes per second reading the checkpoint's shards (up to ``limit`` bytes), each file's page
+    cache dropped first (``posix_fadvise(DONTNEED)``) so the disk, not memory, serves the read."""
+    files = sorted(folder.glob("block-*.safetensors"))
+    done, t0 = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb") as h:
+            os.posix_fadvise(h.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            while chunk := h.read(1 << 24):
+                done += len(chunk)
+        if done >= limit:
+            break
+    return done / (time.perf_counter() - t0)
+
+
+def peak_rate(tokens: int, dtype: str, rounds: int = 3) -> float:
+    """The best FLOP/s of the lens's own product shapes in ``dtype``."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    best = 0.0
+    for n, k in ((SHAPE["hidden_size"], SHAPE["intermediate_size"]), (SHAPE["hidden_size"], SHAPE["vocab_size"])):
+        a, b = torch.randn(tokens, n, dtype=dt), torch.randn(n, k, dtype=dt)
+        a @ b
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * tokens * n * k / (time.perf_counter() - t0))
+    return best
+
+
+def floors(folder: Path, tokens: int, dtype: str) -> dict:
+    """Per token: the read floor (the weights once per forward of ``tokens``) and the compute floor
+    (a forward's products, ``2 x matmul parameters``, plus the lens's unembedding at every site)."""
+    d, ff, L, V = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    block = 4 * d * d + 3 * d * ff
+    weight_bytes = (L * block + 2 * V * d) * 2  # bfloat16 on disk
+    forward_flop = 2 * (L * block + V * d)  # per token: the blocks and the output unembedding
+    lens_flop = 2 * (2 * L + 1) * d * V  # per token: the unembedding at every site
+    rate, peak = disk_rate(folder), peak_rate(tokens, dtype)
+    return {
+        "disk_gb_s": rate / GB,
+        "peak_gflop_s": peak / 1e9,
+        "read_s_per_token": weight_bytes / rate / tokens,
+        "compute_s_per_token": (forward_flop + lens_flop) / peak,
+        "cache_compute_s_per_token": forward_flop / peak,
+    }
+
+
+def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
+    f = floors(folder, tokens, dtype)
+    rows = []
+    for what in ("lens", "cache"):
+        r = _fresh(what, folder, tokens, dtype)
+        compute = f["compute_s_per_token"] if what == "lens" else f["cache_compute_s_per_token"]
+        floor = max(compute, f["read_s_per_token"])
+        r.update(floor_s_per_token=floor, share_of_floor=floor / r["s_per_token"], **f)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    print("| run | tokens | peak GB | s/token | read floor | compute floor | floor/actual (goal >= 0.8) |")
+    for r in rows:
+        compute = r["compute_s_per_token"] if r["what"] == "lens" else r["cache_compute_s_per_token"]
+        print(
+            f"| {r['what']} | {r['tokens']} | {r['peak_gb']:.2f} | {r['s_per_token']:.3f} | "
+            f"{r['read_s_per_token']:.3f} | {compute:.3f} | {r['share_of_floor']:.2f} |"
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=("build", "lens", "cache", "floors", "table", "_one"))
+    ap.add_argument("rest", nargs="*")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    a = ap.parse_args(argv)
+    if a.step == "_one":
+        print(json.dumps(run_in_process(a.rest[0], Path(a.rest[1]), a.tokens, a.dtype)))
+        return
+    folder = Path(a.rest[0] if a.rest else "/tmp/depthscope-13b")
+    if a.step == "build":
+        build(folder)
+    elif a.step in ("lens", "cache"):
+        print(json.dumps(_fresh(a.step, folder, a.tokens, a.dtype)))
+    elif a.step == "floors":
+        print(json.dumps(floors(folder, a.tokens, a.dtype)))
+    else:
+        table(folder, a.tokens, a.dtype)
+
+
+if __name__ == "__main__":
+    main()

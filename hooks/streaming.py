@@ -1,0 +1,358 @@
+"""Layer streaming: a model larger than memory, one block's weights resident at a time, exact.
+
+>>> model = load_model("path/to/13b", dtype="bfloat16", stream=True)   # or --stream
+>>> model.residual_stream(texts)   # every analysis runs as on a model in memory
+
+=============================  ================================================================
+:func:`load_streamed`          a :class:`~depthscope.hooks.model.HookedModel` whose blocks live in
+                               the checkpoint's safetensors files: everything outside the blocks
+                               (embeddings, final norm, unembedding, buffers) is resident
+:class:`BlockStreamer`         reads a block's tensors from the (memory-mapped) files, puts them
+                               into the block for one forward and drops them after; reads the
+                               next block ahead in a thread while the current one computes
+:class:`StreamedBlock`         stands for a block in the model's own block list: its forward has
+                               the streamer load the block, runs it, and releases it
+:func:`stream_plan`            the sizes that bound a streamed run's memory (what ``depthscope
+                               info`` prints before it runs)
+=============================  ================================================================
+
+How it stays exact. The model is the transformers model of the checkpoint, built with its
+parameters on the ``meta`` device (its buffers real, computed as ``from_pretrained`` computes
+them). The resident parameters are read from the files at load time; a block's parameters are
+read when the forward reaches it, converted to the model's dtype exactly as ``from_pretrained``
+converts them, and placed into the block's own modules. The block then runs its own forward with
+its own kernels, so every hook point, every analysis and every number is the same as with the
+whole model in memory, bit for bit at the same dtype and device (``tests/test_streaming.py``
+checks it on the families). Nothing but the weights' residence changes.
+
+Order and cost. Each forward streams the blocks once, in the order the model runs them (also
+under :func:`~depthscope.hooks.block_order.block_order`): one read of the block weights per
+forward. So a pass over a text should be few, large forwards: every row of a forward goes
+through block ``l`` before any goes through ``l + 1``. The lens and the activation cache size
+their forwards by :func:`stream_plan` when the model is streamed. On a CPU the products of a
+forward of a few hundred tokens through a 13B model take minutes, its weights' read seconds.
+
+Memory. At most two blocks are resident (the one computing, the one read ahead), plus the
+resident tensors and the forward's activations: :func:`stream_plan` gives the bound.
+Generation and gradients are refused on a streamed model (each step would read every block
+again; a backward would need every block's weights held for the whole graph).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from depthscope.common.errors import CheckpointError, InputError
+from depthscope.hooks.arch import resolve
+
+#: the streamer's reads ahead: one block (two blocks resident at most)
+READ_AHEAD = 1
+
+
+def _weight_index(folder: Path) -> dict[str, Path]:
+    """Tensor name in the files -> the safetensors file holding it (``model.safetensors.index.json``
+    or every ``*.safetensors`` file's header)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: folder / v for k, v in wm.items()}
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    if not out:
+        raise CheckpointError(f"{folder}: streaming reads safetensors files, and there are none")
+    return out
+
+
+class BlockStreamer:
+    """Reads blocks' parameters from the checkpoint's safetensors files on demand.
+
+    ``names[l]`` lists block ``l``'s parameters as ``(module, attribute, name)``. A block's
+    tensors are read into memory in the files' dtype (from the memory-mapped file, in a worker
+    thread when read ahead), converted to ``dtype`` and moved to ``device`` when the forward
+    reaches the block, assigned to its modules for that forward (:meth:`enter`) and replaced by
+    ``meta`` tensors after (:meth:`leave`)."""
+
+    def __init__(self, index: dict[str, Path], names: list[list[tuple]], dtype: torch.dtype, device):
+        self.index, self.names, self.dtype, self.device = index, names, dtype, torch.device(device)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="depthscope-stream")
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.lock = threading.Lock()
+        self.reads = 0  # blocks read so far (a test counts them)
+        self.bytes_read = 0
+
+    def _read(self, layer: int) -> list[torch.Tensor]:
+        from safetensors import safe_open
+
+        out, by_file = {}, {}
+        for i, (_, _, name) in enumerate(self.names[layer]):
+            path, key = self.index[name]
+            by_file.setdefault(path, []).append((i, key))
+        for path, items in by_file.items():
+            with safe_open(str(path), framework="pt") as h:
+                for i, key in items:
+                    t = h.get_tensor(key)  # in the file's dtype: a block read ahead holds no wider copy
+                    self.bytes_read += t.numel() * t.element_size()
+                    out[i] = t
+        self.reads += 1
+        return [out[i] for i in range(len(self.names[layer]))]
+
+    def prefetch(self, layer: int) -> None:
+        """Start reading block ``layer`` in the worker thread (no-op when it is already pending)."""
+        with self.lock:
+            if layer not in self.pending:
+                self.pending[layer] = self.pool.submit(self._read, layer)
+
+    def enter(self, layer: int, next_layer: int | None) -> None:
+        """Block ``layer``'s parameters in place (waiting for its read), and ``next_layer`` read ahead."""
+        self.prefetch(layer)
+        with self.lock:
+            fut = self.pending.pop(layer)
+        tensors = fut.result()
+        if next_layer is not None:
+            self.prefetch(next_layer)
+        for (module, attr, _), t in zip(self.names[layer], tensors):
+            t = t.to(self.dtype).to(self.device)  # as from_pretrained converts it
+            module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+
+    def leave(self, layer: int) -> None:
+        """Block ``layer``'s parameters back to ``meta`` tensors (their memory freed)."""
+        for module, attr, _ in self.names[layer]:
+            p = module._parameters[attr]
+            module._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+
+    def drain(self) -> None:
+        """Forget reads ahead that no forward took (a forward stopped early, or raised)."""
+        with self.lock:
+            pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            fut.cancel()
+
+
+class StreamedBlock(nn.Module):
+    """Stands for block ``layer`` in the model's block list: loads it, runs it, releases it. Every
+    other attribute is the block's (``attention_type``, ``layer_idx``...), so the model's own
+    forward loop treats it as the block."""
+
+    def __init__(self, block: nn.Module, layer: int, streamer: BlockStreamer, blocks: nn.ModuleList):
+        super().__init__()
+        self.block = block
+        object.__setattr__(self, "_stream", (layer, streamer, blocks))  # not submodules: no cycle
+
+    def forward(self, *args, **kwargs):
+        layer, streamer, blocks = self._stream
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise InputError(
+                "gradients through a streamed model are refused: a backward needs every block's weights "
+                "held for the whole graph; load the model without stream=True"
+            )
+        streamer.enter(layer, _next_layer(blocks, self))
+        try:
+            return self.block(*args, **kwargs)
+        finally:
+            streamer.leave(layer)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)
+
+
+def _next_layer(blocks: nn.ModuleList, me: nn.Module) -> int | None:
+    """The block index of the streamed block that runs after ``me`` in the list (None: the last)."""
+    seen = False
+    for b in blocks:
+        inner = b
+        while not isinstance(inner, StreamedBlock) and hasattr(inner, "block"):
+            inner = inner.block  # block_order's Identity wraps a streamed block
+        if seen and isinstance(inner, StreamedBlock):
+            return inner._stream[0]
+        seen = seen or inner is me
+    return None
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Bytes of a streamed model: ``block`` (the largest block's weights), ``resident`` (everything
+    else), ``activation_per_token`` (the forward's largest per-token tensors: the stream, the MLP's
+    hidden layer and one site captured per layer); :meth:`peak` for a forward of ``tokens``."""
+
+    block: int
+    resident: int
+    activation_per_token: int
+    n_blocks: int
+
+    def peak(self, tokens: int, slack: int = 2 * 2**30) -> int:
+        """The memory bound of a forward of ``tokens`` tokens: two blocks (computing, read ahead),
+        the resident tensors, the activations, and ``slack`` for the runtime."""
+        return 2 * self.block + self.resident + tokens * self.activation_per_token + slack
+
+    def tokens_within(self, budget: int, slack: int = 2 * 2**30) -> int:
+        """The most tokens of one forward whose :meth:`peak` stays within ``budget`` bytes (at least 1)."""
+        room = budget - (2 * self.block + self.resident + slack)
+        return max(1, room // max(self.activation_per_token, 1))
+
+
+def stream_plan(config, dtype: torch.dtype, capture_sites: int = 0) -> StreamPlan:
+    """The sizes of a streamed model of transformers ``config`` in ``dtype`` (from the config alone,
+    before any weight is read); ``capture_sites``: residual sites kept per token (float32)."""
+    d = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+    ff = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * d)
+    L = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+    vocab = int(getattr(config, "vocab_size", 0))
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 1))
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    d_head = int(getattr(config, "head_dim", 0) or d // max(heads, 1))
+    size = torch.finfo(dtype).bits // 8
+    attn = d * heads * d_head + 2 * d * kv * d_head + heads * d_head * d
+    mlp = 3 * d * ff  # gated MLPs; a plain MLP has 2: the bound stays an upper bound
+    block = (attn + mlp + 4 * d) * size
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    resident = (vocab * d * (1 if tied else 2) + d) * size
+    per_token = (4 * d + 2 * ff) * 4 + vocab * 4 + capture_sites * d * 4
+    return StreamPlan(block, resident, per_token, L)
+
+
+def load_streamed(folder: Path, hf_cls, config, dtype: torch.dtype, device):
+    """``(transformers model, streamer)`` for ``folder``: its parameters outside the blocks
+    (the block list :func:`~depthscope.hooks.arch.resolve` finds) and its blocks' vectors (norm gains, biases: a few
+    kilobytes a block, and analyses read norm gains between forwards) resident; the blocks' matrices
+    streamed from the safetensors files."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        hf = hf_cls.from_config(config, dtype=dtype)
+    hf.eval()
+    index = _renamed(_weight_index(folder), hf, folder)
+    _buffers_like_from_pretrained(hf, dtype)
+    blocks = resolve(hf).blocks
+    block_path = next(n for n, m in hf.named_modules() if m is blocks)
+    tied = _tied_names(hf)
+    missing = [n for n, _ in hf.named_parameters(remove_duplicate=False) if n not in index and n not in tied]
+    if missing:
+        raise CheckpointError(
+            f"cannot stream {folder}: {len(missing)} parameters have no tensor of the same name in its "
+            f"safetensors files (e.g. {missing[:3]}); load it without --stream"
+        )
+    prefix = block_path + "."
+    names: list[list[tuple]] = [[] for _ in blocks]
+    resident, order = [], []
+    for full, param in hf.named_parameters():
+        if full in tied:  # the input embedding's tensor (named there), as named_parameters lists it in memory
+            continue
+        module_name, _, attr = full.rpartition(".")
+        ref = (hf.get_submodule(module_name), attr, full)
+        if full.startswith(prefix) and param.dim() >= 2:
+            layer = int(full[len(prefix) :].split(".", 1)[0])
+            order.append((full, layer, len(names[layer])))
+            names[layer].append(ref)
+        else:
+            order.append((full, None, ref))
+            if full in index:
+                resident.append(ref)
+    streamer = BlockStreamer(index, names, dtype, device)
+    streamer.order = order
+    _load_resident(streamer, resident)
+    if tied:
+        hf.tie_weights()
+    _buffers_to(hf, device)
+    for i in range(len(blocks)):
+        blocks[i] = StreamedBlock(blocks[i], i, streamer, blocks)
+    return hf, streamer
+
+
+def named_weights(streamer: BlockStreamer):
+    """Every parameter of the streamed model as ``(name, tensor)`` in the order, names and values
+    of the same model in memory (``named_parameters``): resident ones as they are, a block's read
+    from the files one tensor at a time (for :func:`~depthscope.common.digest.model_digest`: a
+    streamed model's digest is the in-memory model's)."""
+    from safetensors import safe_open
+
+    for full, layer, ref in streamer.order:
+        if layer is None:
+            module, attr, _ = ref
+            yield full, module._parameters[attr]
+            continue
+        path, key = streamer.index[streamer.names[layer][ref][2]]
+        with safe_open(str(path), framework="pt") as h:
+            yield full, h.get_tensor(key).to(streamer.dtype)
+
+
+def _renamed(index: dict[str, Path], hf, folder: Path) -> dict:
+    """The index keyed by the model's parameter names: the checkpoint's tensor names through the
+    renames transformers applies when it loads this model (``conversion_mapping``: e.g. GPT-NeoX's
+    ``embed_out`` is ``lm_head``). Values are ``(file, name in the file)``. A checkpoint whose tensors
+    transformers converts (splits, fuses, reshapes) is refused: only renamed tensors stream."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # an older transformers: the checkpoint's names are the model's
+        return {k: (f, k) for k, f in index.items()}
+    transforms = get_model_conversion_mapping(hf)
+    out = {}
+    for key, f in index.items():
+        name = key
+        for t in transforms:
+            renamed, matched = t.rename_source_key(name)
+            if matched is None:
+                continue
+            if not isinstance(t, WeightRenaming):
+                raise CheckpointError(
+                    f"cannot stream {folder}: transformers converts its tensor {key!r} when it loads it "
+                    f"({type(t).__name__}); load it without --stream"
+                )
+            name = renamed
+        out[name] = (f, key)
+    return out
+
+
+def _buffers_like_from_pretrained(hf: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers in ``dtype``, as ``from_pretrained(dtype=...)`` leaves them (the rotary
+    frequencies of a bfloat16 Llama are bfloat16 there)."""
+    for module in hf.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
+
+
+def _tied_names(hf) -> set[str]:
+    """Names of the output-embedding parameters a model ties to its input embedding (not in its files)."""
+    if not getattr(hf.config, "tie_word_embeddings", False) or hf.get_output_embeddings() is None:
+        return set()
+    out = hf.get_output_embeddings()
+    name = next(n for n, m in hf.named_modules() if m is out)
+    return {f"{name}.{attr}" for attr, p in out.named_parameters(recurse=False)}
+
+
+def _buffers_to(hf: nn.Module, device) -> None:
+    """Every buffer on ``device`` (``module.to`` would also try to move the parameters left on meta)."""
+    for module in hf.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != torch.device(device):
+                module._buffers[name] = buf.to(device)
+
+
+def _load_resident(streamer: BlockStreamer, resident: list) -> None:
+    """The parameters outside the blocks, and the blocks' vectors, read once (as a block's are)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list] = {}
+    for module, attr, name in resident:
+        path, key = streamer.index[name]
+        by_file.setdefault(path, []).append((module, attr, key))
+    for path, refs in by_file.items():
+        with safe_open(str(path), framework="pt") as h:
+            for module, attr, key in refs:
+                t = h.get_tensor(key).to(streamer.dtype).to(streamer.device)
+                module._parameters[attr] = nn.Parameter(t, requires_grad=False)
