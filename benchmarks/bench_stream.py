@@ -17,12 +17,16 @@ block (``load_model(..., stream=True)``, :mod:`depthscope.hooks.streaming`), aga
 ``table DIR``               all of them, and the row: time per token over the slower floor
                             (reading the weights once per forward at the disk's rate; the
                             products at the peak rate)
+``exact [DIR]``             a 1.1B-parameter Llama (TinyLlama's shape: hidden 2048, MLP 5632,
+                            22 layers, 32 heads, 4 key/value heads) built like ``build``, its
+                            logit lens and every residual site of the same text in memory and
+                            streamed, in one process: equal bit for bit (``torch.equal``)
 ==========================  ===================================================================
 
 The weights are bfloat16 on disk; the model computes in ``--dtype`` (default float32: a CPU without
 native bfloat16, like the development machine's AVX2 EPYC, multiplies bfloat16 matrices tens of
 times slower than float32, so its floor would be the bfloat16 kernel's, not the machine's). The
-memory bound checked is :func:`~depthscope.hooks.streaming.stream_plan`'s (two blocks, the
+memory bound checked is :func:`~depthscope.hooks.streaming.stream_plan`'s (the largest block, the
 resident tensors, the activations, 2 GB) and the 6 GB of issue 58.
 
     python -m benchmarks.bench_stream build /tmp/depthscope-13b
@@ -50,11 +54,19 @@ SHAPE = dict(
     tie_word_embeddings=False,
     rms_norm_eps=1e-5,
 )
+SHAPE_1B = dict(
+    SHAPE,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+)
 GB = 1e9
 
 
-def build(folder: Path) -> Path:
-    """Write the 13B-shaped checkpoint: config, tokenizer, one safetensors shard per block (+ one for
+def build(folder: Path, shape: dict = SHAPE) -> Path:
+    """Write the 13B-shaped checkpoint (or ``shape``'s): config, tokenizer, one safetensors shard per block (+ one for
     the rest), the weights drawn from N(0, 0.02) (norm gains 1), one tensor in memory at a time."""
     import torch
     import transformers as tf
@@ -63,7 +75,7 @@ def build(folder: Path) -> Path:
     from depthscope.hooks import load_model
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = tf.LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    cfg = tf.LlamaConfig(**shape, architectures=["LlamaForCausalLM"], dtype="bfloat16")
     cfg.save_pretrained(folder)
     load_model().tokenizer.save_pretrained(folder)  # SmolLM2's (49152 ids)
     with torch.device("meta"):
@@ -211,6 +223,38 @@ def floors(folder: Path, tokens: int, dtype: str) -> dict:
     }
 
 
+def exact(folder: Path, tokens: int, dtype: str) -> dict:
+    """The 1.1B model's logit lens and residual sites in memory and streamed: every value equal."""
+    import torch
+
+    from depthscope.analyses import logit_lens
+    from depthscope.hooks import load_model
+
+    if not (folder / "config.json").exists():
+        build(folder, SHAPE_1B)
+    out = {}
+    for stream in (False, True):
+        model = load_model(folder, dtype=dtype, stream=stream)
+        ids = model.tokenizer("\n".join(_text(tokens)), return_tensors="pt")["input_ids"][:, :tokens]
+        t0 = time.perf_counter()
+        lens = logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024))
+        sites = model.residual_stream(ids, check_finite=False)
+        out[stream] = (lens, sites, time.perf_counter() - t0)
+        del model
+    (lens0, sites0, s0), (lens1, sites1, s1) = out[False], out[True]
+    numeric = lens0.select_dtypes("number").columns
+    return {
+        "what": "exact",
+        "tokens": tokens,
+        "dtype": dtype,
+        "lens_equal": bool(lens0[numeric].equals(lens1[numeric])),
+        "sites_equal": bool(torch.equal(sites0.resid, sites1.resid)),
+        "logits_equal": bool(torch.equal(sites0.logits, sites1.logits)),
+        "in_memory_s": round(s0, 1),
+        "streamed_s": round(s1, 1),
+    }
+
+
 def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
     f = floors(folder, tokens, dtype)
     rows = []
@@ -233,13 +277,16 @@ def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("build", "lens", "cache", "floors", "table", "_one"))
+    ap.add_argument("step", choices=("build", "lens", "cache", "floors", "table", "exact", "_one"))
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args(argv)
     if a.step == "_one":
         print(json.dumps(run_in_process(a.rest[0], Path(a.rest[1]), a.tokens, a.dtype)))
+        return
+    if a.step == "exact":
+        print(json.dumps(exact(Path(a.rest[0] if a.rest else "/tmp/depthscope-1b"), a.tokens, a.dtype)))
         return
     folder = Path(a.rest[0] if a.rest else "/tmp/depthscope-13b")
     if a.step == "build":

@@ -7,9 +7,9 @@
 :func:`load_streamed`          a :class:`~depthscope.hooks.model.HookedModel` whose blocks live in
                                the checkpoint's safetensors files: everything outside the blocks
                                (embeddings, final norm, unembedding, buffers) is resident
-:class:`BlockStreamer`         reads a block's tensors from the (memory-mapped) files, puts them
-                               into the block for one forward and drops them after; reads the
-                               next block ahead in a thread while the current one computes
+:class:`BlockStreamer`         reads a block's tensors from the files, puts them into the block
+                               for one forward and drops them after; reads the next block ahead
+                               into the page cache in a thread while the current one computes
 :class:`StreamedBlock`         stands for a block in the model's own block list: its forward has
                                the streamer load the block, runs it, and releases it
 :func:`stream_plan`            the sizes that bound a streamed run's memory (what ``depthscope
@@ -32,7 +32,8 @@ through block ``l`` before any goes through ``l + 1``. The lens and the activati
 their forwards by :func:`stream_plan` when the model is streamed. On a CPU the products of a
 forward of a few hundred tokens through a 13B model take minutes, its weights' read seconds.
 
-Memory. At most two blocks are resident (the one computing, the one read ahead), plus the
+Memory. One block is resident (the one computing; the block read ahead sits in the operating
+system's page cache, which the kernel reclaims under pressure, not in the process), plus the
 resident tensors and the forward's activations: :func:`stream_plan` gives the bound.
 Generation and gradients are refused on a streamed model (each step would read every block
 again; a backward would need every block's weights held for the whole graph).
@@ -51,9 +52,6 @@ from torch import nn
 
 from depthscope.common.errors import CheckpointError, InputError
 from depthscope.hooks.arch import resolve
-
-#: the streamer's reads ahead: one block (two blocks resident at most)
-READ_AHEAD = 1
 
 
 def _weight_index(folder: Path) -> dict[str, Path]:
@@ -74,56 +72,117 @@ def _weight_index(folder: Path) -> dict[str, Path]:
     return out
 
 
+#: safetensors dtype names -> torch dtypes (the header's ``dtype`` of each tensor)
+_FILE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+#: bytes per read when the read-ahead warms the page cache
+_CHUNK = 1 << 24
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's data start (8 + header length) and its header (name -> dtype, shape,
+    data_offsets relative to the data start)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    head.pop("__metadata__", None)
+    return 8 + n, head
+
+
 class BlockStreamer:
     """Reads blocks' parameters from the checkpoint's safetensors files on demand.
 
-    ``names[l]`` lists block ``l``'s parameters as ``(module, attribute, name)``. A block's
-    tensors are read into memory in the files' dtype (from the memory-mapped file, in a worker
-    thread when read ahead), converted to ``dtype`` and moved to ``device`` when the forward
-    reaches the block, assigned to its modules for that forward (:meth:`enter`) and replaced by
-    ``meta`` tensors after (:meth:`leave`)."""
+    ``names[l]`` lists block ``l``'s parameters as ``(module, attribute, name)``. When the forward
+    reaches a block (:meth:`enter`), each of its tensors is read from its file with a plain read (no
+    memory map: the process holds only what it reads), converted to ``dtype`` and moved to
+    ``device`` one tensor at a time, and assigned to its module for that forward; :meth:`leave`
+    replaces them by ``meta`` tensors. The next block is read ahead in a worker thread into the
+    operating system's page cache only (reclaimable memory, not the process's), so its read at
+    :meth:`enter` costs a copy, not a disk access, and one block is resident at a time."""
 
-    def __init__(self, index: dict[str, Path], names: list[list[tuple]], dtype: torch.dtype, device):
+    def __init__(self, index: dict[str, tuple[Path, str]], names: list[list[tuple]], dtype: torch.dtype, device):
         self.index, self.names, self.dtype, self.device = index, names, dtype, torch.device(device)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="depthscope-stream")
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.lock = threading.Lock()
+        self.headers: dict[Path, tuple[int, dict]] = {}
         self.reads = 0  # blocks read so far (a test counts them)
         self.bytes_read = 0
 
-    def _read(self, layer: int) -> list[torch.Tensor]:
-        from safetensors import safe_open
+    def _where(self, name: str) -> tuple[Path, int, int, dict]:
+        """(file, absolute byte offset, byte length, header entry) of tensor ``name``."""
+        path, key = self.index[name]
+        if path not in self.headers:
+            self.headers[path] = _header(path)
+        start, head = self.headers[path]
+        entry = head[key]
+        begin, end = entry["data_offsets"]
+        return path, start + begin, end - begin, entry
 
-        out, by_file = {}, {}
-        for i, (_, _, name) in enumerate(self.names[layer]):
-            path, key = self.index[name]
-            by_file.setdefault(path, []).append((i, key))
-        for path, items in by_file.items():
+    def _warm(self, layer: int) -> None:
+        """Read block ``layer``'s byte ranges through a small buffer: the pages land in the page cache."""
+        buf = bytearray(_CHUNK)
+        for _, _, name in self.names[layer]:
+            path, offset, length, _ = self._where(name)
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                while length > 0:
+                    got = f.readinto(memoryview(buf)[: min(length, _CHUNK)])
+                    if not got:
+                        break
+                    length -= got
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` read from its file in the file's dtype (its own bytes, exactly)."""
+        path, offset, length, entry = self._where(name)
+        dtype = _FILE_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            from safetensors import safe_open
+
             with safe_open(str(path), framework="pt") as h:
-                for i, key in items:
-                    t = h.get_tensor(key)  # in the file's dtype: a block read ahead holds no wider copy
-                    self.bytes_read += t.numel() * t.element_size()
-                    out[i] = t
-        self.reads += 1
-        return [out[i] for i in range(len(self.names[layer]))]
+                return h.get_tensor(self.index[name][1])
+        buf = bytearray(length)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view, done = memoryview(buf), 0
+            while done < length:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise CheckpointError(f"{path}: tensor {name} is cut short ({done} of {length} bytes)")
+                done += got
+        self.bytes_read += length
+        if not length:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
 
     def prefetch(self, layer: int) -> None:
-        """Start reading block ``layer`` in the worker thread (no-op when it is already pending)."""
+        """Start warming block ``layer`` in the worker thread (no-op when it is already pending)."""
         with self.lock:
             if layer not in self.pending:
-                self.pending[layer] = self.pool.submit(self._read, layer)
+                self.pending[layer] = self.pool.submit(self._warm, layer)
 
     def enter(self, layer: int, next_layer: int | None) -> None:
-        """Block ``layer``'s parameters in place (waiting for its read), and ``next_layer`` read ahead."""
-        self.prefetch(layer)
+        """Block ``layer``'s parameters in place, and ``next_layer`` read ahead."""
         with self.lock:
-            fut = self.pending.pop(layer)
-        tensors = fut.result()
+            fut = self.pending.pop(layer, None)
+        if fut is not None:
+            fut.result()  # its pages are cached: the reads below copy, and the two reads never overlap
         if next_layer is not None:
             self.prefetch(next_layer)
-        for (module, attr, _), t in zip(self.names[layer], tensors):
-            t = t.to(self.dtype).to(self.device)  # as from_pretrained converts it
+        for module, attr, name in self.names[layer]:
+            t = self._tensor(name).to(self.dtype).to(self.device)  # as from_pretrained converts it
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        self.reads += 1
 
     def leave(self, layer: int) -> None:
         """Block ``layer``'s parameters back to ``meta`` tensors (their memory freed)."""
@@ -194,13 +253,13 @@ class StreamPlan:
     n_blocks: int
 
     def peak(self, tokens: int, slack: int = 2 * 2**30) -> int:
-        """The memory bound of a forward of ``tokens`` tokens: two blocks (computing, read ahead),
-        the resident tensors, the activations, and ``slack`` for the runtime."""
-        return 2 * self.block + self.resident + tokens * self.activation_per_token + slack
+        """The memory bound of a forward of ``tokens`` tokens: the largest block, the resident
+        tensors, the activations, and ``slack`` for the runtime (issue 58's bound)."""
+        return self.block + self.resident + tokens * self.activation_per_token + slack
 
     def tokens_within(self, budget: int, slack: int = 2 * 2**30) -> int:
         """The most tokens of one forward whose :meth:`peak` stays within ``budget`` bytes (at least 1)."""
-        room = budget - (2 * self.block + self.resident + slack)
+        room = budget - (self.block + self.resident + slack)
         return max(1, room // max(self.activation_per_token, 1))
 
 

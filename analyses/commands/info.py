@@ -36,8 +36,8 @@ def info(o) -> None:
 
 
 def _expected_peak(m, tokens: int) -> str:
-    """The memory a forward of ``tokens`` tokens is bounded by, before it runs: streamed, two blocks,
-    the resident tensors, the activations and 2 GB (:func:`~depthscope.hooks.streaming.stream_plan`);
+    """The memory a forward of ``tokens`` tokens is bounded by, before it runs: streamed, the largest
+    block, the resident tensors, the activations and 2 GB (:func:`~depthscope.hooks.streaming.stream_plan`);
     in memory, the weights and the activations."""
     from depthscope.hooks.streaming import stream_plan
 
@@ -45,8 +45,8 @@ def _expected_peak(m, tokens: int) -> str:
     gib = 2**30
     if m.streamed:
         return (
-            f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (two blocks "
-            f"{2 * plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
+            f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
+            f"{plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
             f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime)"
         )
     weights = sum(p.numel() * p.element_size() for p in m.hf_model.parameters())
