@@ -330,6 +330,8 @@ def edge_frame(es: EdgeScores, model_name: str, *, per_pair: bool = False) -> pd
         metric=es.metric,
         n_pairs=n,
         n_edges=es.graph.n_edges,
+        n_layers=es.graph.n_layers,
+        n_heads=es.graph.n_heads,
         clean_metric=float(es.clean.mean()),
         corrupted_metric=float(es.corrupted.mean()),
     )

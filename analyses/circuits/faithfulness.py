@@ -3,12 +3,12 @@
 =====================  =========================================================================
 offers                 what
 =====================  =========================================================================
-faithfulness           the curve: one row per size k (percent of the graph's edges) with f(k),
+circuit_faithfulness   the curve: one row per size k (percent of the graph's edges) with f(k),
                        the same for seeded random circuits (mean and spread), and in ``attrs``
                        CPR and CMD of both
 faithfulness_curve     the same from a prepared :class:`~depthscope.analyses.circuits.evaluate.CircuitEvaluator`
 areas                  (CPR, CMD) of a curve, as MIB computes them
-stability              the Jaccard overlap of top-k circuits over bootstrap resamples of the pairs
+circuit_stability      the Jaccard overlap of top-k circuits over bootstrap resamples of the pairs
 smallest_faithful      the smallest circuit on a curve with f >= a threshold (None: none)
 top_circuit            the in-circuit matrix of the top n edges by |score| (pruned as MIB does)
 FRACTIONS              k = 0, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100 % (as fractions)
@@ -38,16 +38,16 @@ import numpy as np
 import pandas as pd
 
 from depthscope.analyses.circuits.evaluate import BATCH_TOKENS, CircuitEvaluator
-from depthscope.analyses.circuits.graph import CircuitGraph, prune
+from depthscope.analyses.circuits.graph import CircuitGraph, prune_circuit
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import check_number
 
 __all__ = [
-    "faithfulness",
+    "circuit_faithfulness",
     "faithfulness_curve",
     "areas",
-    "stability",
+    "circuit_stability",
     "smallest_faithful",
     "top_circuit",
     "edge_scores_of",
@@ -97,7 +97,7 @@ def edge_scores_of(graph: CircuitGraph, edges: pd.DataFrame) -> np.ndarray:
 def top_circuit(graph: CircuitGraph, scores: np.ndarray, n: int, *, pruned: bool = True) -> np.ndarray:
     """The in-circuit matrix ``[senders, receivers]`` of the ``n`` edges with the largest
     ``|score|`` (``scores`` per edge in ``graph.edge_index`` order; ties in that order), pruned
-    (:func:`~depthscope.analyses.circuits.graph.prune`) unless ``pruned`` is False."""
+    (:func:`~depthscope.analyses.circuits.graph.prune_circuit`) unless ``pruned`` is False."""
     order = np.argsort(-np.abs(scores), kind="stable")[:n]
     return _matrix(graph, order, pruned)
 
@@ -106,7 +106,7 @@ def _matrix(graph: CircuitGraph, edge_ids: np.ndarray, pruned: bool) -> np.ndarr
     kept = np.zeros(graph.mask.shape, dtype=bool)
     s, r = graph.edge_index
     kept[s[edge_ids], r[edge_ids]] = True
-    return prune(graph, kept) if pruned else kept
+    return prune_circuit(graph, kept) if pruned else kept
 
 
 def areas(fractions, f) -> tuple[float, float]:
@@ -131,7 +131,7 @@ def _f(values: float, full: float, empty: float) -> float:
 def faithfulness_curve(
     ev: CircuitEvaluator, scores: np.ndarray, *, random_draws: int = 5, seed: int = 0, fractions=FRACTIONS
 ) -> pd.DataFrame:
-    """The faithfulness table (:func:`faithfulness`) of per-edge ``scores`` on a prepared evaluator."""
+    """The faithfulness table (:func:`circuit_faithfulness`) of per-edge ``scores`` on a prepared evaluator."""
     check_number("random_draws", random_draws, minimum=0, maximum=MAX_DRAWS)
     graph = ev.graph
     E = graph.n_edges
@@ -200,7 +200,7 @@ def _row(frac: float, n: int, kept: int, value: float, rand: list[float], full: 
     }
 
 
-def faithfulness(
+def circuit_faithfulness(
     model,
     pairs,
     edges: pd.DataFrame,
@@ -228,7 +228,7 @@ def faithfulness(
     return df
 
 
-def stability(per_pair: np.ndarray, fractions=FRACTIONS, *, n_boot: int = 100, seed: int = 0) -> pd.DataFrame:
+def circuit_stability(per_pair: np.ndarray, fractions=FRACTIONS, *, n_boot: int = 100, seed: int = 0) -> pd.DataFrame:
     """How stable the top-k edge sets are across the pairs: for ``n_boot`` bootstrap resamples of
     the pairs (rows of ``per_pair`` ``[pairs, edges]``), the Jaccard overlap of the resample's top-k
     set by ``|mean score|`` with the whole dataset's. One row per fraction > 0 and < 1: ``k``,
@@ -263,7 +263,7 @@ def stability(per_pair: np.ndarray, fractions=FRACTIONS, *, n_boot: int = 100, s
 
 
 def smallest_faithful(curve: pd.DataFrame, threshold: float = 0.8):
-    """The row of the smallest circuit on ``curve`` (a :func:`faithfulness` table) whose ``f``
+    """The row of the smallest circuit on ``curve`` (a :func:`circuit_faithfulness` table) whose ``f``
     is at least ``threshold`` (a ``pandas.Series``), or None when there is none."""
     ok = curve[(curve["f"] >= threshold) & (curve["n_edges"] > 0)].sort_values("n_edges")
     return ok.iloc[0] if len(ok) else None

@@ -7,8 +7,8 @@ CircuitGraph           the senders, the receivers and the mask of real edges of 
 circuit_graph          the graph of a HookedModel, or of a transformers config (no weights needed)
 edge_matrix            an in-circuit matrix ``[senders, receivers]`` from an edge table or a list
                        of ``(sender, receiver)``
-prune                  MIB's pruning: drop the edges of nodes with no incoming or no outgoing edge
-mib_name, mib_json     the names and the JSON of EAP-IG's ``Graph`` (``Graph.from_json`` reads it)
+prune_circuit          MIB's pruning: drop the edges of nodes with no incoming or no outgoing edge
+mib_name, mib_graph    the names and the JSON of EAP-IG's ``Graph`` (``Graph.from_json`` reads it)
 =====================  =========================================================================
 
 Senders (what writes into the residual stream), in forward order: ``embed`` (the input of block
@@ -34,7 +34,6 @@ stream and has no edges of its own. Encoders (BERT) are refused too (no next-tok
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -48,9 +47,9 @@ __all__ = [
     "CircuitGraph",
     "circuit_graph",
     "edge_matrix",
-    "prune",
+    "prune_circuit",
     "mib_name",
-    "mib_json",
+    "mib_graph",
     "RECEIVER_KINDS",
 ]
 
@@ -286,7 +285,7 @@ def edge_matrix(graph: CircuitGraph, edges) -> np.ndarray:
     return out
 
 
-def prune(graph: CircuitGraph, kept: np.ndarray) -> np.ndarray:
+def prune_circuit(graph: CircuitGraph, kept: np.ndarray) -> np.ndarray:
     """MIB's pruning of a circuit (``kept``: bool ``[senders, receivers]``): repeatedly drop the
     nodes with no outgoing edge, or with no incoming edge into any of their inputs (``embed``
     always counts as fed), and every edge from or into a dropped node, until nothing changes.
@@ -326,10 +325,10 @@ def mib_name(sender: str, receiver: str | None = None) -> str:
     return node(sender, False) if receiver is None else f"{node(sender, False)}->{node(receiver, True)}"
 
 
-def mib_json(graph: CircuitGraph, scores: np.ndarray, in_circuit: np.ndarray, d_model: int) -> str:
-    """The graph in the JSON of EAP-IG's ``Graph.to_json`` (``cfg``, ``nodes`` with ``in_graph``,
-    ``edges`` with ``score`` and ``in_graph``), so ``Graph.from_json`` of the EAP-IG and MIB code
-    reads a depthscope circuit. ``scores`` and ``in_circuit`` are ``[senders, receivers]``."""
+def mib_graph(graph: CircuitGraph, scores: np.ndarray, in_circuit: np.ndarray, d_model: int) -> dict:
+    """The graph as the JSON object of EAP-IG's ``Graph.to_json`` (``cfg``, ``nodes`` with
+    ``in_graph``, ``edges`` with ``score`` and ``in_graph``), so ``Graph.from_json`` of the EAP-IG
+    and MIB code reads a depthscope circuit. ``scores`` and ``in_circuit`` are ``[senders, receivers]``."""
     cfg = {
         "n_layers": graph.n_layers,
         "n_heads": graph.n_heads,
@@ -344,4 +343,4 @@ def mib_json(graph: CircuitGraph, scores: np.ndarray, in_circuit: np.ndarray, d_
         alive[s] |= on
     nodes = {mib_name(n): {"in_graph": bool(alive[i])} for i, n in enumerate(graph.senders)}
     nodes["logits"] = {"in_graph": True}
-    return json.dumps({"cfg": cfg, "nodes": nodes, "edges": edges})
+    return {"cfg": cfg, "nodes": nodes, "edges": edges}
