@@ -188,3 +188,69 @@ def ablated_metric(model, clean, corrupted, t: int, f: int, graph, sender: str, 
     finally:
         for h in handles:
             h.remove()
+
+
+def circuit_metric(model, clean, corrupted, t: int, f: int, graph, kept, ablated=None) -> float:
+    """The metric of the clean run through a circuit (``kept``: bool ``[senders, receivers]``), by
+    hand: each receiver reads ``x + sum over its cut edges of (a_u(ablated) - a_u(this run))``,
+    every sender's write taken in this same run (the definition, one receiver at a time);
+    ``ablated``: the senders' ablated writes (default: their writes on ``corrupted``)."""
+    model = ungroup(model)
+    layers, final, family = parts(model)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d_head = cfg.hidden_size // H
+    ablated = sender_writes(model, corrupted) if ablated is None else ablated
+    cur: dict[int, torch.Tensor] = {}
+    cut = graph.mask & ~kept
+    handles = []
+
+    def fed(x, receiver: str):
+        r = graph.receiver_index[receiver]
+        extra = sum((ablated[s] - cur[s] for s in range(len(graph.senders)) if cut[s, r]), torch.zeros_like(x[0]))
+        return x + extra[None]
+
+    def pre0(m, a, k):
+        cur[0] = _hidden(a, k)[0]
+
+    handles.append(layers[0].register_forward_pre_hook(pre0, with_kwargs=True))
+    for i, layer in enumerate(layers):
+        ln1, ln2, projs, o_proj, mlp = block(layer, family)
+        start = graph.attn_start(i)
+        seen: dict[str, torch.Tensor] = {}
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda m, a, k, seen=seen: seen.__setitem__("pre", _hidden(a, k)), with_kwargs=True
+            )
+        )
+        for part, proj in enumerate(projs):
+
+            def swap(m, a, out, part=part, proj=proj, ln1=ln1, i=i, seen=seen):
+                new = out.clone()
+                for h in range(H):
+                    where = head_slice(family, part, h, H, d_head)
+                    x = fed(seen["pre"], f"{i}.{'qkv'[part]}.{h}")
+                    new[..., where] = linear(proj, ln1(x))[..., where]
+                return new
+
+            handles.append(proj.register_forward_hook(swap))
+
+        def heads(m, a, start=start, o_proj=o_proj):
+            z = a[0][0]
+            W = o_proj.weight if type(o_proj).__name__ == "Conv1D" else o_proj.weight.T
+            for h in range(H):
+                cur[start + h] = z[:, h * d_head : (h + 1) * d_head] @ W[h * d_head : (h + 1) * d_head]
+
+        handles.append(o_proj.register_forward_pre_hook(heads))
+        handles.append(ln2.register_forward_pre_hook(lambda m, a, seen=seen: seen.__setitem__("mid", a[0])))
+        handles.append(
+            mlp.register_forward_pre_hook(lambda m, a, i=i, ln2=ln2, seen=seen: (ln2(fed(seen["mid"], f"{i}.mlp_in")),))
+        )
+        handles.append(mlp.register_forward_hook(lambda m, a, o, start=start: cur.__setitem__(start + H, o[0])))
+    handles.append(final.register_forward_pre_hook(lambda m, a: (fed(a[0], "logits"),)))
+    try:
+        with torch.no_grad():
+            return float(metric(model(clean).logits, t, f)[0])
+    finally:
+        for h in handles:
+            h.remove()

@@ -53,6 +53,7 @@ from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph
 from depthscope.analyses.circuits.graph_runs import (
     GraphBatch,
     LayerParts,
+    first_difference,
     graph_batches,
     layer_parts,
     stack_senders,
@@ -216,14 +217,6 @@ def _contract(graph: CircuitGraph, delta: torch.Tensor, layer_grads: list, logit
     full[:, :, -1] = torch.bmm(diff, logits_grad.reshape(B, P * d, 1))[:, :, 0]
     s, r = graph.edge_index
     return full[:, torch.as_tensor(s, device=full.device), torch.as_tensor(r, device=full.device)].cpu().numpy()
-
-
-def first_difference(batch: GraphBatch) -> int | None:
-    """The first position at which some pair's clean and corrupted ids differ (None: nowhere).
-    A causal model computes the same values before it in both runs, so every sender's
-    difference is zero there and those positions add nothing to any score."""
-    differs = (batch.clean != batch.corrupted).any(dim=0).nonzero()
-    return int(differs[0, 0]) if len(differs) else None
 
 
 def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: int):

@@ -38,6 +38,8 @@ counterfactual values kept between circuits).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 import torch
@@ -45,6 +47,7 @@ import torch
 from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph, edge_matrix
 from depthscope.analyses.circuits.graph_runs import (
     GraphBatch,
+    first_difference,
     graph_batches,
     layer_parts,
     project,
@@ -63,59 +66,114 @@ BATCH_TOKENS = 512
 KEEP_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class _Sum:
+    """How one group of receivers (a layer's changed q, k or v heads, an MLP input, the logits)
+    gets its update: ``sign * sum_k m[k, r] delta[..., idx[k], :]``, plus the running sum of every
+    upstream sender's difference when ``from_all`` (then ``m`` holds the *kept* edges, subtracted:
+    the cheaper side when most upstream edges are cut)."""
+
+    cols: list[int]  # the receivers' offsets in their group (heads, or [0])
+    idx: torch.Tensor  # sender indices
+    m: torch.Tensor  # [len(idx), len(cols)] float
+    from_all: bool
+
+
+def _sum(cut: np.ndarray, kept: np.ndarray, n: int, device) -> _Sum | None:
+    """The :class:`_Sum` of receivers whose columns are ``cut``/``kept`` ``[S, cols]`` (the first
+    ``n`` senders upstream); None when no edge into them is cut."""
+    changed = np.nonzero(cut.any(axis=0))[0]
+    if not len(changed):
+        return None
+    c, k = cut[:n, changed], kept[:n, changed]
+    use_kept = k.any(axis=1).sum() < c.any(axis=1).sum()
+    m = k if use_kept else c
+    idx = np.nonzero(m.any(axis=1))[0]
+    return _Sum(
+        changed.tolist(),
+        torch.as_tensor(idx, dtype=torch.long, device=device),
+        torch.as_tensor(m[idx], dtype=torch.float32, device=device),
+        bool(use_kept),
+    )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one circuit changes, worked out once on the host: per receiver group (``(layer,
+    part)`` for q, k, v; ``(layer, "mlp")``; ``"logits"``) its :class:`_Sum`, which layers need
+    per-copy keys or values (``split``) and the copies a run needs."""
+
+    sums: dict
+    split: list[bool]
+    copies: int
+
+
+def _plan(graph: CircuitGraph, kept: np.ndarray, device) -> _Plan:
+    cut, kept = graph.mask & ~kept, graph.mask & kept
+    sums, split = {}, []
+    rep = graph.n_heads // (graph.n_kv_heads or graph.n_heads)
+    H = graph.n_heads
+    for layer in range(graph.n_layers):
+        base, need = layer * graph.per_layer, False
+        for i, part in enumerate("qkv"):
+            cols = slice(base + i * H, base + (i + 1) * H)
+            sums[(layer, part)] = _sum(cut[:, cols], kept[:, cols], graph.upstream(base), device)
+            if part != "q" and rep > 1:  # a group's query heads reading different inputs
+                grouped = cut[:, cols].T.reshape(-1, rep, cut.shape[0])
+                need |= not bool((grouped == grouped[:, :1]).all())
+        split.append(need)
+        col = slice(base + 3 * H, base + 3 * H + 1)
+        sums[(layer, "mlp")] = _sum(cut[:, col], kept[:, col], graph.upstream(base + 3 * H), device)
+    sums["logits"] = _sum(cut[:, -1:], kept[:, -1:], len(graph.senders), device)
+    return _Plan(sums, split, rep if any(split) else 1)
+
+
 class _Patch:
-    """The hooks of one patched run of a batch of ``B`` pairs in ``copies`` copies: ``ablated``
-    ``[B, P, S, d]`` (or ``[1, 1, S, d]``), ``cut`` the ablated edges ``[S, R]`` (float)."""
+    """The hooks of one patched run of a batch of ``rows`` pairs in ``plan.copies`` copies:
+    ``ablated`` the senders' ablated writes ``[B, P', S, d]`` (or ``[1, 1, S, d]``) at the
+    positions ``start:`` (before them every sender's difference is zero)."""
 
-    def __init__(self, ev: CircuitEvaluator, ablated: torch.Tensor, cut: torch.Tensor, rows: int, copies: int):
-        self.ev, self.g, self.cut, self.copies, self.rows = ev, ev.graph, cut, copies, rows
+    def __init__(self, ev: CircuitEvaluator, plan: _Plan, ablated: torch.Tensor, rows: int, start: int):
+        self.ev, self.g, self.plan, self.rows, self.start = ev, ev.graph, plan, rows, start
+        self.copies = plan.copies
         self.ablated = ablated
-        self.delta = None  # [B, P, S, d]: ablated - this run's write, filled as the senders write
+        self.delta = None  # [B, P', S, d]: ablated - this run's write, filled as the senders write
+        self.running = None  # [B, P', d]: the sum of the differences noted so far
+        self.before_attn: dict[int, torch.Tensor] = {}  # running at a layer's q (parallel MLPs read it)
         self.resid: dict[str, torch.Tensor] = {}
-        self.split = [self._needs_split(layer) for layer in range(self.g.n_layers)]
 
-    # -- which heads change
-    def _cols(self, layer: int, part: str) -> slice:
-        base = layer * self.g.per_layer + "qkv".index(part) * self.g.n_heads
-        return slice(base, base + self.g.n_heads)
-
-    def _needs_split(self, layer: int) -> bool:
-        """Whether a group's query heads need different keys or values in this layer."""
-        if self.copies == 1:
-            return False
-        for part in "kv":
-            cols = self.cut[:, self._cols(layer, part)].T  # [H, S]
-            grouped = cols.view(-1, self.copies, cols.shape[1])
-            if not bool((grouped == grouped[:, :1]).all()):
-                return True
-        return False
-
-    def _update(self, cols) -> torch.Tensor:
-        """sum over ablated senders of their differences, per receiver in ``cols``: ``[B, P, n, d]``."""
-        cut = self.cut[:, cols]
-        n = int(cut.nonzero()[:, 0].max()) + 1
-        return torch.einsum("bpsd,sr->bprd", self.delta[:, :, :n], cut[:n])
+    def _update(self, key) -> tuple[list[int], torch.Tensor] | None:
+        """(receivers changed, their updates ``[B, P', n, d]``) of one receiver group, or None."""
+        plan = self.plan.sums.get(key)
+        if plan is None:
+            return None
+        part = torch.matmul(plan.m.T, self.delta.index_select(2, plan.idx)) if len(plan.idx) else 0
+        if not plan.from_all:
+            return plan.cols, part
+        total = self.before_attn[key[0]] if key != "logits" and key[1] == "mlp" and self.g.parallel else self.running
+        return plan.cols, total.unsqueeze(2) - part
 
     def _expand(self, t: torch.Tensor) -> torch.Tensor:
         """A per-pair tensor ``[B, ...]`` repeated to every copy ``[copies * B, ...]``."""
         return t.repeat(self.copies, *([1] * (t.dim() - 1))) if self.copies > 1 else t
 
-    # -- senders
-    def sender(self, start: int):
-        def fn(t, ctx):
-            w = t[: self.rows]
-            if self.delta is None:
-                self.delta = torch.zeros(
-                    *w.shape[:2], len(self.g.senders), w.shape[-1], dtype=torch.float32, device=w.device
-                )
-            w = w.float() if w.dim() == 4 else w.float().unsqueeze(2)
-            a = self.ablated[:, :, start : start + w.shape[2]]
-            self.delta[:, :, start : start + w.shape[2]] = a - w
-            if ctx.kind == "embed":
-                self.resid["pre0"] = t
-            return None
+    def _note(self, start: int, writes: torch.Tensor) -> None:
+        """The differences of the senders ``start ...`` from their writes ``[B, P, n, d]``."""
+        writes = writes[:, self.start :].float()
+        if self.delta is None:
+            B, P, _, d = writes.shape
+            self.delta = torch.zeros(B, P, len(self.g.senders), d, dtype=torch.float32, device=writes.device)
+            self.running = torch.zeros(B, P, d, dtype=torch.float32, device=writes.device)
+        n = writes.shape[2]
+        diff = self.ablated[:, :, start : start + n] - writes
+        self.delta[:, :, start : start + n] = diff
+        self.running += diff.sum(2)
 
-        return fn
+    # -- senders and the stream
+    def embed(self, t, ctx):
+        self._note(0, t[: self.rows].unsqueeze(2))
+        self.resid["pre0"] = t
+        return None
 
     def keep(self, key: str):
         def fn(t, ctx):
@@ -124,20 +182,46 @@ class _Patch:
 
         return fn
 
+    def mlp_out(self, layer: int):
+        def fn(t, ctx):
+            self._note(self.g.attn_start(layer) + self.g.n_heads, t[: self.rows].unsqueeze(2))
+            return None
+
+        return fn
+
+    def z(self, layer: int):
+        """``l.z``: in a split layer each head's output from the copy that carried its keys and
+        values (all copies equal again); then the heads' writes noted (from the first copy)."""
+        parts = self.ev.parts[layer]
+
+        def fn(t, ctx):
+            new = None
+            if self.plan.split[layer]:
+                view = t.view(self.copies, self.rows, *t.shape[1:])
+                heads = torch.arange(t.shape[2], device=t.device)
+                own = view[heads % self.copies, :, :, heads]  # [H, B, P, d_head]
+                new = self._expand(own.permute(1, 2, 0, 3))
+            z = (t if new is None else new)[: self.rows]
+            self._note(self.g.attn_start(layer), parts.head_writes(z))
+            return new
+
+        return fn
+
     # -- receivers
     def qkv(self, layer: int, part: str):
         parts = self.ev.parts[layer]
 
         def fn(t, ctx):
-            cols = self._cols(layer, part)
-            heads = self.cut[:, cols].any(0).nonzero()[:, 0]
-            if not len(heads):
+            if part == "q":
+                self.before_attn[layer] = self.running.clone()
+            todo = self._update((layer, part))
+            if todo is None:
                 return None
-            x = self.resid[f"pre{layer}"][: self.rows]
-            upd = self._update(cols)[:, :, heads]
-            h = heads.tolist()
-            new_heads = project(parts.ln1, x.unsqueeze(2) + upd.to(x.dtype), parts.w[part][h], _pick(parts.b[part], h))
-            return self._write(t, part, h, new_heads, layer)
+            heads, upd = todo
+            x = self.resid[f"pre{layer}"][: self.rows, self.start :]
+            b = None if parts.b[part] is None else parts.b[part][heads]
+            values = project(parts.ln1, x.unsqueeze(2) + upd.to(x.dtype), parts.w[part][heads], b)
+            return self._write(t, part, heads, values, layer)
 
         return fn
 
@@ -145,75 +229,55 @@ class _Patch:
         """``t`` (this layer's q, k or v, ``[copies * B, P, heads_part, d_head]``) with the heads
         that changed replaced: a query head directly; a key/value head of a group by the value of
         the group's head that each copy carries (its first head when the group needs no split)."""
-        values = values.to(t.dtype)
+        values, at = values.to(t.dtype), self.start
         new = t.clone()
         if part == "q" or t.shape[2] == self.g.n_heads:
             for i, h in enumerate(heads):
-                new[:, :, h] = self._expand(values[:, :, i])
+                new[:, at:, h] = self._expand(values[:, :, i])
             return new
         rep = self.g.n_heads // t.shape[2]
         view = new.view(self.copies, self.rows, *t.shape[1:])
         for i, h in enumerate(heads):
             g, r = divmod(h, rep)
-            if self.split[layer]:
-                view[r, :, :, g] = values[:, :, i]
+            if self.plan.split[layer]:
+                view[r, :, at:, g] = values[:, :, i]
             elif r == 0:  # no split: the group's heads all read the same input
-                view[:, :, :, g] = values[:, :, i]
+                view[:, :, at:, g] = values[:, :, i]
         return new
-
-    def collapse(self, layer: int):
-        """``l.z`` of a split layer: each head's output from the copy that carried its keys and values."""
-
-        def fn(t, ctx):
-            if not self.split[layer]:
-                return None
-            view = t.view(self.copies, self.rows, *t.shape[1:])
-            heads = torch.arange(t.shape[2], device=t.device)
-            own = view[heads % self.copies, :, :, heads]  # [H, B, P, d_head]
-            return self._expand(own.permute(1, 2, 0, 3))
-
-        return fn
 
     def mlp_in(self, layer: int):
         parts = self.ev.parts[layer]
-        col = layer * self.g.per_layer + 3 * self.g.n_heads
 
         def fn(t, ctx):
-            if not bool(self.cut[:, col].any()):
+            todo = self._update((layer, "mlp"))
+            if todo is None:
                 return None
-            base = self.resid[f"pre{layer}" if self.g.parallel else f"mid{layer}"][: self.rows]
-            new = parts.ln2(base + self._update(slice(col, col + 1))[:, :, 0].to(base.dtype))
-            return self._expand(new.to(t.dtype))
+            base = self.resid[f"pre{layer}" if self.g.parallel else f"mid{layer}"][: self.rows, self.start :]
+            new = t.clone()
+            new[:, self.start :] = self._expand(parts.ln2(base + todo[1][:, :, 0].to(base.dtype)).to(t.dtype))
+            return new
 
         return fn
 
-    def last(self):
-        def fn(t, ctx):
-            if not bool(self.cut[:, -1].any()):
-                return None
-            return t + self._expand(self._update(slice(-1, None))[:, :, 0].to(t.dtype))
-
-        return fn
+    def last(self, t, ctx):
+        todo = self._update("logits")
+        if todo is None:
+            return None
+        new = t.clone()
+        new[:, self.start :] += self._expand(todo[1][:, :, 0].to(t.dtype))
+        return new
 
     def hooks(self) -> dict:
-        g, out = self.g, {}
-        out["embed"] = self.sender(0)
+        g, out = self.g, {"embed": self.embed}
         for layer in range(g.n_layers):
-            start = g.attn_start(layer)
             for part in "qkv":
                 out[f"{layer}.{part}"] = self.qkv(layer, part)
-            if self.split[layer]:
-                out[f"{layer}.z"] = self.collapse(layer)
-            out[f"{layer}.heads"] = self.sender(start)
+            out[f"{layer}.z"] = self.z(layer)
             out[f"{layer}.attn"] = self.keep(f"mid{layer}")
             out[f"{layer}.mlp_in"] = self.mlp_in(layer)
-            out[f"{layer}.mlp_out"] = self.sender(start + g.n_heads)
-            out[f"{layer}.mlp"] = [self.keep(f"pre{layer + 1}")] + ([self.last()] if layer == g.n_layers - 1 else [])
+            out[f"{layer}.mlp_out"] = self.mlp_out(layer)
+            out[f"{layer}.mlp"] = [self.keep(f"pre{layer + 1}")] + ([self.last] if layer == g.n_layers - 1 else [])
         return out
-
-
-def _pick(b: torch.Tensor | None, heads: list[int]) -> torch.Tensor | None:
-    return None if b is None else b[heads]
 
 
 class CircuitEvaluator:
@@ -295,24 +359,30 @@ class CircuitEvaluator:
         )
         if kept.shape != self.graph.mask.shape:
             raise InputError(f"a circuit matrix must have shape {self.graph.mask.shape}, got {kept.shape}")
-        cut_np = self.graph.mask & ~kept
-        if not cut_np.any():
+        if not (self.graph.mask & ~kept).any():
             return self.clean().copy()
         out = np.zeros(self.n_pairs)
-        device = self.model.device
-        cut = torch.as_tensor(cut_np, dtype=torch.float32, device=device)
-        n_rep = self.graph.n_heads // (self.graph.n_kv_heads or self.graph.n_heads)
+        plan = _plan(self.graph, kept, self.model.device)
         for i, b in enumerate(self.batches):
-            ablated = self._ablated(i, b)
             rows = b.clean.shape[0]
-            patch = _Patch(self, ablated, cut, rows, n_rep)
-            if not any(patch.split):
-                patch = _Patch(self, ablated, cut, rows, 1)
-            ids = b.clean.repeat(patch.copies, 1)
+            start = self._start(b)
+            if start >= b.clean.shape[1]:  # the same prompts: ablated and clean writes are the same
+                out[b.index] = self.clean()[b.index]
+                continue
+            patch = _Patch(self, plan, self._ablated(i, b)[:, start:], rows, start)
             with torch.no_grad():
-                logits = self.model.run(ids, hooks=patch.hooks()).logits[:rows]
+                logits = self.model.run(b.clean.repeat(plan.copies, 1), hooks=patch.hooks()).logits[:rows]
             out[b.index] = b.metric(logits).float().cpu().numpy()
         return out
+
+    def _start(self, b: GraphBatch) -> int:
+        """The first position at which an ablated write can differ from this run's: under
+        counterfactual ablation the first at which a pair's prompts differ (a causal model computes
+        the same before it in both runs, in every circuit), else 0."""
+        if self.ablation != "counterfactual":
+            return 0
+        first = first_difference(b)
+        return b.clean.shape[1] if first is None else first
 
 
 def evaluate_circuit(

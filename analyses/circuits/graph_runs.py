@@ -7,6 +7,7 @@ offers                 what
 GraphBatch             pairs of one token length, their ids ``[B, P]`` and their metric
 graph_batches          the pairs of a dataset checked (equal clean/corrupted token lengths, as
                        MIB requires) and grouped into batches of one length
+first_difference       the first position at which a batch's clean and corrupted ids differ
 SENDER_POINTS          the hook points whose values are the senders' writes
 sender_points          their names for a model with ``n_layers`` blocks
 stack_senders          the senders' writes ``[B, P, senders, d_model]`` from a run's cache
@@ -42,6 +43,7 @@ from depthscope.hooks.arch import linear_weight, read_qkv
 __all__ = [
     "GraphBatch",
     "graph_batches",
+    "first_difference",
     "SENDER_POINTS",
     "sender_points",
     "stack_senders",
@@ -102,6 +104,14 @@ def graph_batches(model, pairs, metric, batch_tokens: int, what: str) -> tuple[l
             corrupted = torch.cat([tp.corrupted_ids for tp in chunk])
             batches.append(GraphBatch(chunk, clean, corrupted))
     return tps, batches
+
+
+def first_difference(batch: GraphBatch) -> int | None:
+    """The first position at which some pair's clean and corrupted ids differ (None: nowhere).
+    A causal model computes the same values before it in both runs, so every sender's
+    difference is zero there and those positions add nothing to any score."""
+    differs = (batch.clean != batch.corrupted).any(dim=0).nonzero()
+    return int(differs[0, 0]) if len(differs) else None
 
 
 def sender_points(n_layers: int) -> list[str]:
