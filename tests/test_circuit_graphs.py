@@ -248,3 +248,31 @@ def test_circuit_command_refuses_unequal_lengths(tiny_llama_dir, tmp_path, monke
     code, _, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 2 and "pair 0" in stderr and "same number of tokens" in stderr
     assert "Traceback" not in stderr
+
+
+def test_interactive_page_works_in_a_headless_browser(tiny, tmp_path):
+    """The page opened from disk in headless Chromium: its script runs without network, draws the
+    edges and shows an edge's sender, receiver and score when hovered (``#selftest``)."""
+    import shutil
+    import subprocess
+
+    from depthscope.analyses.circuits import circuit_html
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless browser (apt-get install -y chromium)")
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    page = circuit_html(edges, tmp_path / "circuit.html", n_edges=20)
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.resolve().as_uri() + "#selftest"]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert 'data-edges="20"' in dom, dom[-2000:]
+    top = edges.reindex(edges["score"].abs().sort_values(ascending=False).index).iloc[0]
+    import re
+
+    tip = re.search(r'data-selftest="([^"]*)"', dom)
+    assert tip is not None, dom[-2000:]
+    assert tip.group(1).strip(), "the hovered edge's tooltip is empty"
+    assert any(name in tip.group(1) for name in edges["sender"].unique()), tip.group(1)
+    assert str(top["sender"]) in dom
