@@ -276,3 +276,22 @@ def test_interactive_page_works_in_a_headless_browser(tiny, tmp_path):
     assert tip.group(1).strip(), "the hovered edge's tooltip is empty"
     assert any(name in tip.group(1) for name in edges["sender"].unique()), tip.group(1)
     assert str(top["sender"]) in dom
+
+
+def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
+    """Without a faithful circuit of at most 500 edges, the drawing takes the most faithful size
+    that still holds edges after pruning (the top 100 edges may prune to none)."""
+    import pandas as pd
+
+    from depthscope.analyses.jobs.circuit import _drawn
+    from depthscope.analyses.jobs.configs import CircuitConfig
+
+    (tmp_path / "p.jsonl").write_text('{"clean": "a", "corrupted": "b"}')
+    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"))
+    curve = pd.DataFrame(
+        {"n_edges": [0, 123, 246, 616, 1232], "n_edges_pruned": [0, 0, 181, 503, 1099], "f": [0, 0, 0.58, 0.72, 0.9]}
+    )
+    n, why = _drawn(curve, config)
+    assert n == 246 and "most faithful" in why
+    n, why = _drawn(curve.assign(n_edges_pruned=[0, 0, 0, 503, 1099]), config)
+    assert n == 100 and "top 100" in why

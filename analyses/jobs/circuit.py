@@ -54,6 +54,15 @@ def _drawn(curve: pd.DataFrame, config: CircuitConfig) -> tuple[int, str]:
     best = smallest_faithful(curve, config.threshold)
     if best is not None and int(best["n_edges_pruned"]) <= DRAW_AUTO_MAX:
         return int(best["n_edges"]), f"the smallest circuit with f >= {config.threshold:g}"
+    # else the most faithful size that still holds edges after pruning (the top few edges of a
+    # deep model often join no path from the input to the logits, and prune to nothing)
+    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX)]
+    if len(small):
+        row = small.loc[small["f"].idxmax()]
+        return int(row["n_edges"]), (
+            f"the most faithful circuit of at most {DRAW_AUTO_MAX} edges (f {row['f']:.2f}; "
+            f"none with f >= {config.threshold:g})"
+        )
     return (
         DRAW_FALLBACK,
         f"the top {DRAW_FALLBACK} edges (no circuit with f >= {config.threshold:g} of at most {DRAW_AUTO_MAX} edges)",
