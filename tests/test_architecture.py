@@ -39,6 +39,8 @@ RANKS = {
     "analyses.norms.plots": 9,
     "analyses.circuits.plots": 9,
     "analyses.circuits.path_plots": 9,
+    "analyses.circuits.graph_plots": 9,
+    "analyses.circuits.graph_html": 9,
     "analyses.causal.plots": 9,
     "analyses.causal.layer_plots": 9,
     "analyses.features.plots": 9,

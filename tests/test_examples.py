@@ -29,6 +29,19 @@ TIMEOUT = 600  # seconds per script: a hung run fails instead of blocking the su
 
 # script -> (cheap arguments for the tiny model, files it must write under --out)
 FAST = {
+    "circuit_graphs.py": (
+        ["--n-pairs", "2", "--random-draws", "1"],
+        [
+            "ioi_pairs.jsonl",
+            "edges.csv",
+            "edges.parquet",
+            "faithfulness.csv",
+            "faithfulness.parquet",
+            "faithfulness_curve.png",
+            "circuit.png",
+            "circuit.html",
+        ],
+    ),
     "ioi_dataset.py": (
         ["--n-pairs", "4", "--sites", "embed,1.mlp"],
         [

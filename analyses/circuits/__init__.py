@@ -6,9 +6,19 @@
 ``runs.py``         the patch plan and the batched patched forwards both methods share
 ``patching.py``     :func:`activation_patching`, :func:`attribution_patching`
 ``paths.py``        :func:`path_patching` (Wang et al. 2022)
-``config.py``       :class:`PatchConfig` (``depthscope patch``)
+``config.py``       :class:`PatchConfig` (``depthscope patch``), :class:`CircuitConfig`
+                    (``depthscope circuit``)
 ``plots.py``,       the patching heatmaps, the attribution scatter, the path-patching
 ``path_plots.py``   figure, drawn from the tables
+``graph.py``        circuits as graphs: :class:`CircuitGraph` (MIB's senders, receivers and
+                    real edges), :func:`circuit_graph`, :func:`prune_circuit`, MIB's JSON
+``graph_runs.py``   batches of equal-length pairs, senders' writes, receivers' projections
+``eap.py``          :func:`edge_attribution` (EAP, EAP-IG), :func:`score_edges`
+``evaluate.py``     :func:`evaluate_circuit` (exact), :class:`CircuitEvaluator`
+``faithfulness.py`` :func:`circuit_faithfulness` (f(k), CPR, CMD, random circuits),
+                    :func:`circuit_stability` (Jaccard over bootstrap resamples)
+``graph_plots.py``, the faithfulness curve and the circuit drawn as a graph; the circuit
+``graph_html.py``   as a self-contained interactive page and as JSON
 ==================  =================================================================
 """
 
@@ -34,6 +44,26 @@ _EXPORTS = {
     "plot_patching_heads": "plots",
     "plot_attribution_vs_exact": "plots",
     "plot_path_patching": "path_plots",
+    "CircuitConfig": "config",
+    "CircuitGraph": "graph",
+    "circuit_graph": "graph",
+    "edge_matrix": "graph",
+    "prune_circuit": "graph",
+    "mib_graph": "graph",
+    "edge_attribution": "eap",
+    "score_edges": "eap",
+    "EdgeScores": "eap",
+    "evaluate_circuit": "evaluate",
+    "CircuitEvaluator": "evaluate",
+    "circuit_faithfulness": "faithfulness",
+    "faithfulness_curve": "faithfulness",
+    "circuit_stability": "faithfulness",
+    "smallest_faithful": "faithfulness",
+    "top_circuit": "faithfulness",
+    "plot_faithfulness": "graph_plots",
+    "plot_circuit": "graph_plots",
+    "circuit_html": "graph_html",
+    "circuit_json": "graph_html",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

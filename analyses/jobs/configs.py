@@ -15,6 +15,7 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`LensTrainConfig`   ``lens/config.py``: :func:`~depthscope.analyses.jobs.lens.lens_train_job`
 :class:`NormsConfig`       ``norms/config.py``: :func:`~depthscope.analyses.jobs.norms.norms_job`
 :class:`PatchConfig`       ``circuits/config.py``: :func:`~depthscope.analyses.jobs.patch.patch_job`
+:class:`CircuitConfig`     ``circuits/config.py``: :func:`~depthscope.analyses.jobs.circuit.circuit_job`
 :class:`ProbeJobConfig`    ``probing/config.py``: :func:`~depthscope.analyses.jobs.probe.run_probe_job`
 :class:`SweepJobConfig`    ``sweeps/config.py``: :func:`~depthscope.analyses.jobs.sweep.sweep_job`
 :class:`ReportConfig`      ``report/config.py``: :func:`~depthscope.analyses.report.main_job.run_report`
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from depthscope.analyses.causal.config import CausalConfig, LayersConfig
-from depthscope.analyses.circuits.config import PatchConfig
+from depthscope.analyses.circuits.config import CircuitConfig, PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
     DEFAULT_TARGET,
@@ -68,6 +69,7 @@ __all__ = [
     "TEXT_FIELDS",
     "CacheConfig",
     "CausalConfig",
+    "CircuitConfig",
     "LayersConfig",
     "LensConfig",
     "LensTrainConfig",

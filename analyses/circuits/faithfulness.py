@@ -1,0 +1,269 @@
+"""Faithfulness of the top-scored circuits (MIB's circuit track): f(k), CPR, CMD, random circuits, stability.
+
+=====================  =========================================================================
+offers                 what
+=====================  =========================================================================
+circuit_faithfulness   the curve: one row per size k (percent of the graph's edges) with f(k),
+                       the same for seeded random circuits (mean and spread), and in ``attrs``
+                       CPR and CMD of both
+faithfulness_curve     the same from a prepared :class:`~depthscope.analyses.circuits.evaluate.CircuitEvaluator`
+areas                  (CPR, CMD) of a curve, as MIB computes them
+circuit_stability      the Jaccard overlap of top-k circuits over bootstrap resamples of the pairs
+smallest_faithful      the smallest circuit on a curve with f >= a threshold (None: none)
+top_circuit            the in-circuit matrix of the top n edges by |score| (pruned as MIB does)
+FRACTIONS              k = 0, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100 % (as fractions)
+=====================  =========================================================================
+
+For the circuit ``C_k`` of the top ``k`` percent of edges by ``|score|`` (``floor(k / 100 * E)``
+edges of the ``E`` real ones, then pruned as MIB prunes: edges of nodes without an incoming or an
+outgoing edge dropped), its faithfulness is
+
+    f(k) = (m(C_k) - m(empty)) / (m(full) - m(empty))
+
+with each ``m`` the mean over pairs of the metric (a ratio of means, as MIB): ``m(full)`` the
+clean runs, ``m(empty)`` the circuit without edges (under counterfactual ablation, the corrupted
+runs). **CPR** is the area under ``f`` and **CMD** the area under ``|1 - f|``, both by the
+trapezoidal rule over the ten sizes 0.1 % ... 100 % on a linear axis of fractions (MIB's
+``evaluate_area_under_curve``; ``k = 0`` is shown, not integrated). The random baseline draws
+``random_draws`` edge sets of each size uniformly (seed ``seed``), pruned alike; its curve is the
+mean of the draws (``f_random``) with their standard deviation, minimum and maximum, and its CPR
+and CMD are those of the mean curve. Stability: for ``n_boot`` resamples of the pairs (with
+replacement, seeded), the Jaccard overlap of each resample's top-k edge set (by the mean score over
+the resample, unpruned) with the whole dataset's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from depthscope.analyses.circuits.evaluate import BATCH_TOKENS, CircuitEvaluator
+from depthscope.analyses.circuits.graph import CircuitGraph, prune_circuit
+from depthscope.common.errors import InputError
+from depthscope.common.progress import progress_bar
+from depthscope.common.settings import check_number
+
+__all__ = [
+    "circuit_faithfulness",
+    "faithfulness_curve",
+    "areas",
+    "circuit_stability",
+    "smallest_faithful",
+    "top_circuit",
+    "edge_scores_of",
+    "FRACTIONS",
+]
+
+#: circuit sizes as fractions of the graph's edges: k = 0, then MIB's ten sizes
+FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+MAX_DRAWS, MAX_BOOT = 100, 100_000
+
+
+def n_of(fraction: float, n_edges: int) -> int:
+    """Edges in a circuit of ``fraction`` of the graph (MIB: ``int(fraction * n)``)."""
+    return int(fraction * n_edges)
+
+
+def edge_scores_of(graph: CircuitGraph, edges: pd.DataFrame) -> np.ndarray:
+    """Each real edge's score, in ``graph.edge_index`` order, from a table with ``sender``,
+    ``receiver`` and ``score`` covering every edge of the graph once (an
+    :func:`~depthscope.analyses.circuits.eap.edge_attribution` result)."""
+    missing = [c for c in ("sender", "receiver", "score") if c not in getattr(edges, "columns", ())]
+    if missing:
+        raise InputError(f"faithfulness needs a table of edge scores (sender, receiver, score); it has no {missing}")
+    si, ri = graph.sender_index, graph.receiver_index
+    try:
+        s = np.array([si[x] for x in edges["sender"]], dtype=np.int64)
+        r = np.array([ri[x] for x in edges["receiver"]], dtype=np.int64)
+    except KeyError as e:
+        raise InputError(
+            f"the edge table names {e.args[0]!r}, which is no sender or receiver of this model's graph"
+        ) from None
+    scores = np.asarray(edges["score"], dtype=np.float64)
+    if not np.isfinite(scores).all():
+        raise InputError("the edge table has scores that are NaN or infinite")
+    full = np.full(graph.mask.shape, np.nan)
+    full[s, r] = scores
+    es, er = graph.edge_index
+    out = full[es, er]
+    if len(edges) != graph.n_edges or np.isnan(out).any() or not graph.mask[s, r].all():
+        raise InputError(
+            f"the edge table must score each of the graph's {graph.n_edges} edges once (an edge_attribution "
+            f"result for this model); it has {len(edges)} rows"
+        )
+    return out
+
+
+def top_circuit(graph: CircuitGraph, scores: np.ndarray, n: int, *, pruned: bool = True) -> np.ndarray:
+    """The in-circuit matrix ``[senders, receivers]`` of the ``n`` edges with the largest
+    ``|score|`` (``scores`` per edge in ``graph.edge_index`` order; ties in that order), pruned
+    (:func:`~depthscope.analyses.circuits.graph.prune_circuit`) unless ``pruned`` is False."""
+    order = np.argsort(-np.abs(scores), kind="stable")[:n]
+    return _matrix(graph, order, pruned)
+
+
+def _matrix(graph: CircuitGraph, edge_ids: np.ndarray, pruned: bool) -> np.ndarray:
+    kept = np.zeros(graph.mask.shape, dtype=bool)
+    s, r = graph.edge_index
+    kept[s[edge_ids], r[edge_ids]] = True
+    return prune_circuit(graph, kept) if pruned else kept
+
+
+def areas(fractions, f) -> tuple[float, float]:
+    """(CPR, CMD): the trapezoidal areas under ``f`` and under ``|1 - f|`` over the sizes with
+    fraction > 0 (MIB's ``evaluate_area_under_curve``, linear axis); NaN when ``f`` is."""
+    x, y = np.asarray(fractions, dtype=float), np.asarray(f, dtype=float)
+    keep = x > 0
+    x, y = x[keep], y[keep]
+    if len(x) < 2 or not np.isfinite(y).all():
+        return float("nan"), float("nan")
+    dx = np.diff(x)
+    cpr = float(np.sum(dx * (y[1:] + y[:-1]) / 2))
+    gap = np.abs(1 - y)
+    return cpr, float(np.sum(dx * (gap[1:] + gap[:-1]) / 2))
+
+
+def _f(values: float, full: float, empty: float) -> float:
+    gap = full - empty
+    return float((values - empty) / gap) if gap != 0 else float("nan")
+
+
+def faithfulness_curve(
+    ev: CircuitEvaluator, scores: np.ndarray, *, random_draws: int = 5, seed: int = 0, fractions=FRACTIONS
+) -> pd.DataFrame:
+    """The faithfulness table (:func:`circuit_faithfulness`) of per-edge ``scores`` on a prepared evaluator."""
+    check_number("random_draws", random_draws, minimum=0, maximum=MAX_DRAWS)
+    graph = ev.graph
+    E = graph.n_edges
+    full = float(ev.clean().mean())
+    empty = float(ev.metrics(np.zeros(graph.mask.shape, dtype=bool)).mean())
+    rng = np.random.default_rng(seed)
+    rows = []
+    todo = sum(1 + random_draws for f in fractions if 0 < n_of(f, E) < E)
+    with progress_bar(todo, desc="faithfulness", unit="circuit") as bar:
+        for frac in fractions:
+            n = n_of(frac, E)
+            kept = top_circuit(graph, scores, n)
+            value = _evaluate(ev, kept, n, E, full, empty)
+            if 0 < n < E:
+                draws = [rng.choice(E, n, replace=False) for _ in range(random_draws)]
+                rand = [_evaluate(ev, _matrix(graph, d, True), n, E, full, empty) for d in draws]
+                bar.update(1 + random_draws)
+            else:  # the empty and the full circuit: every draw is that circuit
+                rand = [value] * random_draws
+            rows.append(_row(frac, n, int(kept.sum()), value, rand, full, empty))
+    df = pd.DataFrame(rows)
+    df["n_pairs"] = ev.n_pairs
+    df["ablation"] = ev.ablation
+    cpr, cmd = areas(df["fraction"], df["f"])
+    cpr_r, cmd_r = areas(df["fraction"], df["f_random"]) if random_draws else (float("nan"), float("nan"))
+    df.attrs.update(
+        cpr=cpr,
+        cmd=cmd,
+        cpr_random=cpr_r,
+        cmd_random=cmd_r,
+        full_metric=full,
+        empty_metric=empty,
+        ablation=ev.ablation,
+        metric=ev.what,
+        n_edges=E,
+        random_draws=int(random_draws),
+        seed=int(seed),
+    )
+    return df
+
+
+def _evaluate(ev: CircuitEvaluator, kept: np.ndarray, n: int, E: int, full: float, empty: float) -> float:
+    """The mean metric of one circuit (the full and the empty circuit without a forward)."""
+    if n >= E:
+        return full
+    if not kept.any():
+        return empty
+    return float(ev.metrics(kept).mean())
+
+
+def _row(frac: float, n: int, kept: int, value: float, rand: list[float], full: float, empty: float) -> dict:
+    fr = np.array([_f(v, full, empty) for v in rand])
+    some = len(fr) > 0
+    return {
+        "k": 100 * frac,
+        "fraction": frac,
+        "n_edges": n,
+        "n_edges_pruned": kept,
+        "metric": value,
+        "f": _f(value, full, empty),
+        "f_random": float(fr.mean()) if some else float("nan"),
+        "f_random_std": float(fr.std(ddof=1)) if len(fr) > 1 else float("nan"),
+        "f_random_min": float(fr.min()) if some else float("nan"),
+        "f_random_max": float(fr.max()) if some else float("nan"),
+        "n_random": len(fr),
+    }
+
+
+def circuit_faithfulness(
+    model,
+    pairs,
+    edges: pd.DataFrame,
+    ablation: str = "counterfactual",
+    *,
+    random_draws: int = 5,
+    seed: int = 0,
+    metric=None,
+    batch_tokens: int = BATCH_TOKENS,
+) -> pd.DataFrame:
+    """The faithfulness curve of the circuits made of the top-scored ``edges`` (module docstring).
+
+    ``edges``: the table of :func:`~depthscope.analyses.circuits.eap.edge_attribution` (every edge,
+    with ``score``); ``pairs``, ``ablation``, ``metric``, ``batch_tokens`` as in
+    :func:`~depthscope.analyses.circuits.evaluate.evaluate_circuit`.
+
+    Returns one row per size in :data:`FRACTIONS`: ``k`` (percent), ``fraction``, ``n_edges``
+    (the top edges taken), ``n_edges_pruned`` (what remains after pruning), ``metric`` (mean over
+    pairs), ``f``, ``f_random`` with ``f_random_std``, ``f_random_min``, ``f_random_max`` over
+    ``n_random`` draws, ``n_pairs`` and ``ablation``. ``attrs``: ``cpr``, ``cmd``, ``cpr_random``,
+    ``cmd_random``, ``full_metric``, ``empty_metric``."""
+    ev = CircuitEvaluator(model, pairs, ablation, metric=metric, batch_tokens=batch_tokens)
+    df = faithfulness_curve(ev, edge_scores_of(ev.graph, edges), random_draws=random_draws, seed=seed)
+    df.attrs.update(model=str(model.name), method=edges.attrs.get("method"))
+    return df
+
+
+def circuit_stability(per_pair: np.ndarray, fractions=FRACTIONS, *, n_boot: int = 100, seed: int = 0) -> pd.DataFrame:
+    """How stable the top-k edge sets are across the pairs: for ``n_boot`` bootstrap resamples of
+    the pairs (rows of ``per_pair`` ``[pairs, edges]``), the Jaccard overlap of the resample's top-k
+    set by ``|mean score|`` with the whole dataset's. One row per fraction > 0 and < 1: ``k``,
+    ``fraction``, ``n_edges``, ``jaccard`` (mean over resamples), ``jaccard_low`` and
+    ``jaccard_high`` (2.5 and 97.5 percentiles), ``n_boot``."""
+    check_number("n_boot", n_boot, minimum=1, maximum=MAX_BOOT)
+    per_pair = np.asarray(per_pair, dtype=np.float64)
+    n, E = per_pair.shape
+    sizes = [(f, n_of(f, E)) for f in fractions if 0 < n_of(f, E) < E]
+    whole = np.argsort(-np.abs(per_pair.mean(axis=0)), kind="stable")
+    ref = {k: np.isin(np.arange(E), whole[:k]) for _, k in sizes}
+    rng = np.random.default_rng(seed)
+    jac = np.zeros((n_boot, len(sizes)))
+    for b in range(n_boot):
+        w = rng.multinomial(n, np.full(n, 1.0 / n)) / n
+        order = np.argsort(-np.abs(w @ per_pair), kind="stable")
+        for j, (_, k) in enumerate(sizes):
+            mine = np.zeros(E, dtype=bool)
+            mine[order[:k]] = True
+            jac[b, j] = (mine & ref[k]).sum() / (mine | ref[k]).sum()
+    return pd.DataFrame(
+        {
+            "k": [100 * f for f, _ in sizes],
+            "fraction": [f for f, _ in sizes],
+            "n_edges": [k for _, k in sizes],
+            "jaccard": jac.mean(axis=0),
+            "jaccard_low": np.quantile(jac, 0.025, axis=0),
+            "jaccard_high": np.quantile(jac, 0.975, axis=0),
+            "n_boot": n_boot,
+        }
+    )
+
+
+def smallest_faithful(curve: pd.DataFrame, threshold: float = 0.8):
+    """The row of the smallest circuit on ``curve`` (a :func:`circuit_faithfulness` table) whose ``f``
+    is at least ``threshold`` (a ``pandas.Series``), or None when there is none."""
+    ok = curve[(curve["f"] >= threshold) & (curve["n_edges"] > 0)].sort_values("n_edges")
+    return ok.iloc[0] if len(ok) else None

@@ -1,0 +1,183 @@
+"""The circuit job (``depthscope circuit``): every edge scored, the top circuits' faithfulness, the circuit drawn.
+
+=========================  ======================================================================
+:func:`circuit_job`        a pairs file in; written: ``edges`` (one row per edge, mean score over
+                           pairs, ``in_circuit`` marking the drawn circuit), ``faithfulness`` (f
+                           per size k with the random circuits' mean and spread and the top
+                           circuits' stability), ``circuit_summary.json``, ``circuit_graph.json``
+                           (the drawn circuit: nodes, edges, scores), ``circuit_mib.json`` (the
+                           whole graph in EAP-IG's ``Graph`` JSON, the drawn circuit in it),
+                           figures ``faithfulness_curve`` and ``circuit`` (PNG and SVG) and
+                           ``circuit.html`` (interactive, self-contained)
+:func:`summary_table`      the console table of its summary (``depthscope circuit`` prints it)
+=========================  ======================================================================
+
+The drawn circuit is the top ``draw_edges`` edges by |score|, pruned as MIB prunes; by default
+the smallest circuit of the curve with f >= ``threshold`` when it has at most
+:data:`DRAW_AUTO_MAX` edges after pruning, else the top :data:`DRAW_FALLBACK` edges. Its settings
+are :class:`~depthscope.analyses.jobs.configs.CircuitConfig`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+from rich.markup import escape
+from rich.table import Table
+
+from depthscope.analyses.circuits.eap import edge_frame, score_edges
+from depthscope.analyses.circuits.evaluate import CircuitEvaluator
+from depthscope.analyses.circuits.faithfulness import (
+    circuit_stability,
+    faithfulness_curve,
+    smallest_faithful,
+    top_circuit,
+)
+from depthscope.analyses.circuits.graph import mib_graph
+from depthscope.analyses.circuits.graph_html import circuit_html, circuit_json
+from depthscope.analyses.circuits.graph_plots import plot_circuit, plot_faithfulness
+from depthscope.analyses.circuits.pairs import read_pairs
+from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.analyses.jobs.configs import CircuitConfig
+
+__all__ = ["circuit_job", "summary_table", "DRAW_AUTO_MAX", "DRAW_FALLBACK"]
+
+DRAW_AUTO_MAX, DRAW_FALLBACK = 500, 100
+
+
+def _drawn(curve: pd.DataFrame, config: CircuitConfig) -> tuple[int, str]:
+    """How many top edges the drawn circuit takes, and why."""
+    if config.draw_edges is not None:
+        return config.draw_edges, "--draw-edges"
+    best = smallest_faithful(curve, config.threshold)
+    if best is not None and int(best["n_edges_pruned"]) <= DRAW_AUTO_MAX:
+        return int(best["n_edges"]), f"the smallest circuit with f >= {config.threshold:g}"
+    # else the most faithful size that still holds edges after pruning (the top few edges of a
+    # deep model often join no path from the input to the logits, and prune to nothing)
+    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX)]
+    if len(small):
+        row = small.loc[small["f"].idxmax()]
+        return int(row["n_edges"]), (
+            f"the most faithful circuit of at most {DRAW_AUTO_MAX} edges (f {row['f']:.2f}; "
+            f"none with f >= {config.threshold:g})"
+        )
+    return (
+        DRAW_FALLBACK,
+        f"the top {DRAW_FALLBACK} edges (no circuit with f >= {config.threshold:g} of at most {DRAW_AUTO_MAX} edges)",
+    )
+
+
+def _with_stability(curve: pd.DataFrame, es, config: CircuitConfig) -> pd.DataFrame:
+    """The curve with the top circuits' stability (``jaccard``, ``jaccard_low``, ``jaccard_high``;
+    NaN where not measured: sizes 0 and 100 %, one pair, ``bootstrap`` 0)."""
+    cols = ["jaccard", "jaccard_low", "jaccard_high"]
+    if config.bootstrap and es.per_pair.shape[0] > 1:
+        st = circuit_stability(es.per_pair, n_boot=config.bootstrap, seed=config.seed)
+        out = curve.merge(st[["fraction", *cols]], on="fraction", how="left")
+    else:
+        out = curve.assign(**{c: np.nan for c in cols})
+    out["n_boot"] = config.bootstrap if config.bootstrap and es.per_pair.shape[0] > 1 else 0
+    out["method"] = es.method
+    out.attrs.update(curve.attrs)
+    return out
+
+
+def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
+    """Score, evaluate and draw (module docstring); the summary holds CPR and CMD of the top and
+    the random circuits, the smallest faithful circuit and its heads, and the top edges."""
+    pairs = read_pairs(config.pairs)
+    t0 = time.perf_counter()
+    es = score_edges(model, pairs, config.method, config.steps, batch_tokens=config.batch_tokens)
+    scored = time.perf_counter() - t0
+    edges = edge_frame(es, model.name)
+    ev = CircuitEvaluator(model, pairs, config.ablation, batch_tokens=config.batch_tokens)
+    curve = faithfulness_curve(ev, es.mean, random_draws=config.random_draws, seed=config.seed)
+    curve.attrs.update(model=str(model.name), method=es.method)
+    curve = _with_stability(curve, es, config)
+    n_draw, why = _drawn(curve, config)
+    kept = top_circuit(es.graph, es.mean, n_draw)
+    s, r = es.graph.edge_index
+    edges["in_circuit"] = kept[s, r]
+    out.table(edges, "edges")
+    out.table(curve, "faithfulness")
+    summary = _summary(model, es, edges, curve, config, (n_draw, why, int(kept.sum())), scored)
+    out.json(summary, "circuit_summary")
+    out.json(circuit_json(edges), "circuit_graph")
+    out.json(mib_graph(es.graph, es.matrix(), kept, model.d_model), "circuit_mib")
+    if config.plots:
+        out.figure(plot_faithfulness, curve, name="faithfulness_curve", threshold=config.threshold)
+        out.figure(plot_circuit, edges, name="circuit")
+        if out.folder is not None:
+            out.written.append(circuit_html(edges, out.folder / "circuit.html"))
+    return JobResult(tables={"edges": edges, "faithfulness": curve}, summary=summary, files=list(out.written))
+
+
+def _heads(edges: pd.DataFrame) -> list[str]:
+    """The heads of the drawn circuit (``layer.head``), in forward order."""
+    on = edges[edges["in_circuit"]]
+    names = set(on["sender"]) | {
+        f"{x.split('.')[0]}.heads.{x.split('.')[2]}" for x in on["receiver"] if x.count(".") == 2
+    }
+    heads = sorted((int(n.split(".")[0]), int(n.split(".")[2])) for n in names if ".heads." in n)
+    return [f"{layer}.{h}" for layer, h in heads]
+
+
+def _summary(model, es, edges, curve, config, drawn, scored: float) -> dict:
+    best = smallest_faithful(curve, config.threshold)
+    a = curve.attrs
+    top = edges.reindex(edges["score"].abs().sort_values(ascending=False, kind="stable").index[:10])
+    n_draw, why, n_kept = drawn
+    return {
+        "model": str(model.name),
+        "method": es.method,
+        "steps": es.steps,
+        "ablation": config.ablation,
+        "metric": es.metric,
+        "n_pairs": int(es.per_pair.shape[0]),
+        "n_edges": int(es.graph.n_edges),
+        "clean_metric": float(es.clean.mean()),
+        "corrupted_metric": float(es.corrupted.mean()),
+        "empty_metric": a["empty_metric"],
+        "cpr": a["cpr"],
+        "cmd": a["cmd"],
+        "cpr_random": a["cpr_random"],
+        "cmd_random": a["cmd_random"],
+        "random_draws": config.random_draws,
+        "threshold": config.threshold,
+        "smallest_faithful": None
+        if best is None
+        else {
+            "k": float(best["k"]),
+            "n_edges": int(best["n_edges"]),
+            "n_edges_pruned": int(best["n_edges_pruned"]),
+            "f": float(best["f"]),
+        },
+        "drawn": {"top_edges": n_draw, "n_edges_pruned": n_kept, "why": why, "heads": _heads(edges)},
+        "top_edges": [[x.sender, x.receiver, float(x.score)] for x in top.itertuples()],
+        "scoring_seconds": round(scored, 2),
+    }
+
+
+def summary_table(name: str, s: dict) -> Table:
+    """The console table of a circuit job's summary (``depthscope circuit`` prints it)."""
+    t = Table("quantity", "value", title=f"circuit of {name}: {s['method']}, {s['ablation']} ablation")
+    t.add_row("pairs / edges", f"{s['n_pairs']} / {s['n_edges']}")
+    t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f} ({escape(s['metric'])})")
+    t.add_row("CPR / CMD", f"{s['cpr']:.3f} / {s['cmd']:.3f}")
+    t.add_row(
+        "random circuits: CPR / CMD", f"{s['cpr_random']:.3f} / {s['cmd_random']:.3f} ({s['random_draws']} draws)"
+    )
+    best = s["smallest_faithful"]
+    t.add_row(
+        f"smallest circuit with f >= {s['threshold']:g}",
+        "none"
+        if best is None
+        else f"{best['k']:g}% ({best['n_edges']} edges, {best['n_edges_pruned']} after pruning): f {best['f']:.3f}",
+    )
+    d = s["drawn"]
+    t.add_row("drawn", f"{d['n_edges_pruned']} edges ({d['why']}); heads {', '.join(d['heads'][:12]) or 'none'}")
+    for sender, receiver, score in s["top_edges"][:5]:
+        t.add_row(f"{sender} -> {receiver}", f"{score:+.4f}")
+    return t

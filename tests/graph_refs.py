@@ -1,0 +1,256 @@
+"""Plain-torch references for circuits as graphs (tests only): transformers models, torch hooks on
+their modules, nothing of depthscope's engine.
+
+A receiver's input gradient is measured by brute force: the receiver gets its own copy of the
+residual stream ``x + delta`` (delta a zero leaf), its projection recomputed from that copy by hand
+(``F.linear`` / GPT-2's ``x W + b``), and ``dm/d delta`` read after one backward. Grouped-query
+Llamas are first *ungrouped* (every query head its own key/value head, the weights repeated), an
+equivalent model in which a query head's key and value inputs are separate tensors. The senders'
+writes are read with forward hooks: block 0's input, each head's term of the output projection,
+each MLP's output. :func:`reference_scores` is EAP from those pieces; :func:`ablated_metric` is the
+clean run with one edge's receiver fed ``x + a_u(corrupted) - a_u(clean)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def parts(model):
+    """(layers, final norm, family) of a tiny transformers model."""
+    kind = type(model).__name__
+    if kind.startswith("GPT2"):
+        return model.transformer.h, model.transformer.ln_f, "gpt2"
+    if kind.startswith("GPTNeoX"):
+        return model.gpt_neox.layers, model.gpt_neox.final_layer_norm, "neox"
+    return model.model.layers, model.model.norm, "llama"
+
+
+def block(layer, family):
+    """(ln1, ln2, qkv projections (3 modules, fused ones three times), output projection, mlp)."""
+    if family == "gpt2":
+        a = layer.attn
+        return layer.ln_1, layer.ln_2, (a.c_attn,) * 3, a.c_proj, layer.mlp
+    if family == "neox":
+        a = layer.attention
+        return layer.input_layernorm, layer.post_attention_layernorm, (a.query_key_value,) * 3, a.dense, layer.mlp
+    a = layer.self_attn
+    return layer.input_layernorm, layer.post_attention_layernorm, (a.q_proj, a.k_proj, a.v_proj), a.o_proj, layer.mlp
+
+
+def linear(module, x):
+    """A Linear or GPT-2 Conv1D applied by hand (no module call: no hooks run)."""
+    if type(module).__name__ == "Conv1D":
+        return x @ module.weight + module.bias
+    return F.linear(x, module.weight, module.bias)
+
+
+def head_slice(family, part: int, head: int, n_heads: int, d_head: int) -> slice:
+    """Where head ``head``'s query (0), key (1) or value (2) sits in its projection's output."""
+    if family == "gpt2":
+        start = part * n_heads * d_head + head * d_head
+    elif family == "neox":
+        start = head * 3 * d_head + part * d_head
+    else:
+        start = head * d_head
+    return slice(start, start + d_head)
+
+
+def ungroup(model):
+    """A Llama whose key/value heads are one per query head (weights repeated): the same function."""
+    import transformers as tf
+
+    cfg = model.config
+    rep = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    if rep == 1:
+        return model
+    new = tf.LlamaForCausalLM(tf.LlamaConfig(**{**cfg.to_dict(), "num_key_value_heads": cfg.num_attention_heads}))
+    state = model.state_dict()
+    dh = cfg.hidden_size // cfg.num_attention_heads
+    for k, v in list(state.items()):
+        if k.endswith(("k_proj.weight", "v_proj.weight")):
+            state[k] = v.view(cfg.num_key_value_heads, dh, -1).repeat_interleave(rep, 0).reshape(-1, v.shape[-1])
+        if k.endswith(("k_proj.bias", "v_proj.bias")):
+            state[k] = v.view(cfg.num_key_value_heads, dh).repeat_interleave(rep, 0).reshape(-1)
+    new.load_state_dict(state)
+    return new.eval()
+
+
+def metric(logits, target: int, foil: int):
+    return logits[:, -1, target] - logits[:, -1, foil]
+
+
+def _hidden(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def sender_writes(model, ids) -> list[torch.Tensor]:
+    """The senders' writes ``[P, d]`` in the graph's order: block 0's input, then per layer each
+    head's term of the output projection (no bias) and the MLP's output."""
+    layers, _, family = parts(model)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    out, handles = {}, []
+    handles.append(
+        layers[0].register_forward_pre_hook(lambda m, a, k: out.__setitem__("embed", _hidden(a, k)), with_kwargs=True)
+    )
+    for i, layer in enumerate(layers):
+        _, _, _, o_proj, mlp = block(layer, family)
+        handles.append(o_proj.register_forward_pre_hook(lambda m, a, i=i: out.__setitem__(f"z{i}", a[0])))
+        handles.append(mlp.register_forward_hook(lambda m, a, o, i=i: out.__setitem__(f"m{i}", o)))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    writes = [out["embed"][0]]
+    for i, layer in enumerate(layers):
+        o_proj = block(layer, family)[3]
+        z = out[f"z{i}"][0]
+        dh = z.shape[-1] // H
+        W = o_proj.weight if type(o_proj).__name__ == "Conv1D" else o_proj.weight.T  # [H*dh, d]
+        writes += [z[:, h * dh : (h + 1) * dh] @ W[h * dh : (h + 1) * dh] for h in range(H)]
+        writes.append(out[f"m{i}"][0])
+    return writes
+
+
+def _receiver_hooks(model, receiver: str, extra: torch.Tensor):
+    """Hooks feeding ``receiver`` the stream plus ``extra`` ``[1, P, d]`` (a zero leaf, or an
+    ablation's difference); returns the handles."""
+    layers, final, family = parts(model)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    if receiver == "logits":
+        return [final.register_forward_pre_hook(lambda m, a: (a[0] + extra,))]
+    layer_s, kind, *head = receiver.split(".")
+    layer = layers[int(layer_s)]
+    ln1, ln2, projs, _, mlp = block(layer, family)
+    if kind == "mlp_in":
+        base = {}
+        h1 = ln2.register_forward_pre_hook(lambda m, a: base.__setitem__("x", a[0]))
+        h2 = mlp.register_forward_pre_hook(lambda m, a: (ln2(base["x"] + extra),))
+        return [h1, h2]
+    part, h = "qkv".index(kind), int(head[0])
+    proj = projs[part]
+    pre = {}
+    h1 = layer.register_forward_pre_hook(lambda m, a, k: pre.__setitem__("x", _hidden(a, k)), with_kwargs=True)
+
+    def swap(m, a, out):
+        d_head = cfg.hidden_size // H
+        where = head_slice(family, part, h, H, d_head)
+        new = out.clone()
+        new[..., where] = linear(proj, ln1(pre["x"] + extra))[..., where]
+        return new
+
+    return [h1, proj.register_forward_hook(swap)]
+
+
+def receiver_gradient(model, ids, target: int, foil: int, receiver: str) -> torch.Tensor:
+    """dm/dx_receiver ``[P, d]`` on ``ids`` by a zero perturbation of that receiver's own input."""
+    delta = torch.zeros(1, ids.shape[1], model.config.hidden_size, requires_grad=True)
+    handles = _receiver_hooks(model, receiver, delta)
+    try:
+        metric(model(ids).logits, target, foil).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return delta.grad[0]
+
+
+def reference_scores(model, pairs, graph) -> dict[tuple[str, str], float]:
+    """EAP by brute force: mean over pairs of sum_p (a_u(corr) - a_u(clean)) . dm/dx_v, every edge.
+    ``pairs``: (clean ids [1, P], corrupted ids, target id, foil id)."""
+    model = ungroup(model)
+    total: dict[tuple[str, str], float] = {}
+    for clean, corrupted, t, f in pairs:
+        diff = [a - b for a, b in zip(sender_writes(model, corrupted), sender_writes(model, clean))]
+        for r, receiver in enumerate(graph.receivers):
+            g = receiver_gradient(model, clean, t, f, receiver)
+            for s in range(int(graph.prev[r])):
+                key = (graph.senders[s], receiver)
+                total[key] = total.get(key, 0.0) + float((diff[s] * g).sum().detach()) / len(pairs)
+    return total
+
+
+def ablated_metric(model, clean, corrupted, t: int, f: int, graph, sender: str, receiver: str) -> float:
+    """The clean run's metric with one edge ablated: ``receiver`` reads the stream plus
+    ``a_sender(corrupted) - a_sender(clean)`` (the sender's own value is the clean one: nothing
+    upstream of it is ablated)."""
+    model = ungroup(model)
+    s = graph.sender_index[sender]
+    diff = (sender_writes(model, corrupted)[s] - sender_writes(model, clean)[s])[None]
+    handles = _receiver_hooks(model, receiver, diff)
+    try:
+        with torch.no_grad():
+            return float(metric(model(clean).logits, t, f)[0])
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def circuit_metric(model, clean, corrupted, t: int, f: int, graph, kept, ablated=None) -> float:
+    """The metric of the clean run through a circuit (``kept``: bool ``[senders, receivers]``), by
+    hand: each receiver reads ``x + sum over its cut edges of (a_u(ablated) - a_u(this run))``,
+    every sender's write taken in this same run (the definition, one receiver at a time);
+    ``ablated``: the senders' ablated writes (default: their writes on ``corrupted``)."""
+    model = ungroup(model)
+    layers, final, family = parts(model)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d_head = cfg.hidden_size // H
+    ablated = sender_writes(model, corrupted) if ablated is None else ablated
+    cur: dict[int, torch.Tensor] = {}
+    cut = graph.mask & ~kept
+    handles = []
+
+    def fed(x, receiver: str):
+        r = graph.receiver_index[receiver]
+        extra = sum((ablated[s] - cur[s] for s in range(len(graph.senders)) if cut[s, r]), torch.zeros_like(x[0]))
+        return x + extra[None]
+
+    def pre0(m, a, k):
+        cur[0] = _hidden(a, k)[0]
+
+    handles.append(layers[0].register_forward_pre_hook(pre0, with_kwargs=True))
+    for i, layer in enumerate(layers):
+        ln1, ln2, projs, o_proj, mlp = block(layer, family)
+        start = graph.attn_start(i)
+        seen: dict[str, torch.Tensor] = {}
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda m, a, k, seen=seen: seen.__setitem__("pre", _hidden(a, k)), with_kwargs=True
+            )
+        )
+        for part, proj in enumerate(projs):
+
+            def swap(m, a, out, part=part, proj=proj, ln1=ln1, i=i, seen=seen):
+                new = out.clone()
+                for h in range(H):
+                    where = head_slice(family, part, h, H, d_head)
+                    x = fed(seen["pre"], f"{i}.{'qkv'[part]}.{h}")
+                    new[..., where] = linear(proj, ln1(x))[..., where]
+                return new
+
+            handles.append(proj.register_forward_hook(swap))
+
+        def heads(m, a, start=start, o_proj=o_proj):
+            z = a[0][0]
+            W = o_proj.weight if type(o_proj).__name__ == "Conv1D" else o_proj.weight.T
+            for h in range(H):
+                cur[start + h] = z[:, h * d_head : (h + 1) * d_head] @ W[h * d_head : (h + 1) * d_head]
+
+        handles.append(o_proj.register_forward_pre_hook(heads))
+        handles.append(ln2.register_forward_pre_hook(lambda m, a, seen=seen: seen.__setitem__("mid", a[0])))
+        handles.append(
+            mlp.register_forward_pre_hook(lambda m, a, i=i, ln2=ln2, seen=seen: (ln2(fed(seen["mid"], f"{i}.mlp_in")),))
+        )
+        handles.append(mlp.register_forward_hook(lambda m, a, o, start=start: cur.__setitem__(start + H, o[0])))
+    handles.append(final.register_forward_pre_hook(lambda m, a: (fed(a[0], "logits"),)))
+    try:
+        with torch.no_grad():
+            return float(metric(model(clean).logits, t, f)[0])
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,297 @@
+"""Circuits as graphs: MIB's graph and edge counts, EAP scores and exact circuit evaluation against
+plain-torch references on transformers models (tests/graph_refs.py), faithfulness, the command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from depthscope.analyses.circuits import edge_attribution, evaluate_circuit
+from depthscope.analyses.circuits.evaluate import CircuitEvaluator
+from depthscope.analyses.circuits.faithfulness import areas, circuit_faithfulness
+from depthscope.analyses.circuits.graph import circuit_graph
+from depthscope.analyses.circuits.pairs import PromptPair
+from depthscope.common.errors import InputError
+from tests import graph_refs as ref
+from tests.conftest import make_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ["llama", "gpt2", "gpt_neox"]
+
+
+# ----------------------------------------------------------------------------- the graph
+def test_mib_edge_counts_from_configs():
+    """MIB's edge counts, from configs alone (no weights)."""
+    import transformers as tf
+
+    gpt2 = tf.GPT2Config(n_layer=12, n_head=12, n_embd=768)
+    qwen = tf.Qwen2Config(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896)
+    smol = tf.LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert circuit_graph(gpt2).n_edges == 32491
+    assert circuit_graph(qwen).n_edges == 179749
+    assert circuit_graph(smol).n_edges == 123211
+
+
+def test_graph_of_model_matches_its_config(tiny_factory):
+    model = tiny_factory("llama")
+    g = circuit_graph(model)
+    # 3 layers, 4 query heads: senders embed + 3 * (4 + 1); receivers 3 * (3 * 4 + 1) + logits
+    assert len(g.senders) == 16 and len(g.receivers) == 40
+    assert g.n_edges == int(g.mask.sum())
+    assert g.n_edges == circuit_graph(make_tiny("llama").config).n_edges
+
+
+# ----------------------------------------------------------------------------- data
+def _pairs(vocab: int, n: int = 2, length: int = 6, seed: int = 0):
+    """(PromptPairs of token ids, the same as (clean, corrupted, target, foil) tensors) that differ
+    from position 2 on (so the skipped prefix is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    out, raw = [], []
+    for _ in range(n):
+        clean = torch.randint(5, vocab, (length,), generator=g)
+        corrupted = clean.clone()
+        corrupted[2:] = torch.randint(5, vocab, (length - 2,), generator=g)
+        t, f = (int(x) for x in torch.randint(5, vocab, (2,), generator=g))
+        out.append(PromptPair(clean.tolist(), corrupted.tolist(), t, f))
+        raw.append((clean[None], corrupted[None], t, f))
+    return out, raw
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_tokenizer):
+    """family -> (HookedModel, the transformers model it wraps)."""
+    from depthscope.hooks import load_model
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            n = len(tiny_tokenizer)  # two copies of one seeded model: the engine's and the reference's
+            cache[family] = (
+                load_model(make_tiny(family, vocab_size=n), tokenizer=tiny_tokenizer),
+                make_tiny(family, vocab_size=n),
+            )
+        return cache[family]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- EAP
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eap_matches_brute_force_reference(tiny, family):
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size)
+    df = edge_attribution(model, pairs, "eap")
+    g = circuit_graph(model)
+    assert len(df) == g.n_edges
+    want = ref.reference_scores(hf, raw, g)
+    got = {(s, r): v for s, r, v in zip(df["sender"], df["receiver"], df["score"])}
+    keys = sorted(want)
+    a, b = np.array([got[k] for k in keys]), np.array([want[k] for k in keys])
+    assert np.abs(b).max() > 1e-3  # the scores are not all zero
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
+
+
+def test_eap_ig_differs_from_eap_and_is_finite(tiny):
+    """EAP-IG's gradients are averaged along the corrupted-to-clean input path: other scores."""
+    model, hf = tiny("gpt2")
+    pairs, _ = _pairs(hf.config.vocab_size, n=1)
+    eap = edge_attribution(model, pairs, "eap")
+    ig = edge_attribution(model, pairs, "eap-ig", steps=4)
+    assert np.isfinite(ig["score"]).all()
+    assert not np.allclose(eap["score"], ig["score"])
+
+
+def test_unequal_lengths_are_refused_naming_the_pair(tiny):
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    bad = PromptPair([7, 8, 9, 10], [7, 8, 9], 11, 12)
+    with pytest.raises(InputError, match="pair 2.*4 tokens.*3"):
+        edge_attribution(model, [*pairs, bad])
+    with pytest.raises(InputError, match="pair 2"):
+        evaluate_circuit(model, [*pairs, bad], [])
+
+
+# ----------------------------------------------------------------------------- evaluation
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_edges_is_clean_and_none_is_corrupted(tiny, family):
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size)
+    g = circuit_graph(model)
+    ev = CircuitEvaluator(model, pairs)
+    full = ev.metrics(g.mask.copy())
+    none = ev.metrics(np.zeros_like(g.mask))
+    with torch.no_grad():
+        clean = [float(ref.metric(hf(c).logits, t, f)[0]) for c, _, t, f in raw]
+        corrupted = [float(ref.metric(hf(k).logits, t, f)[0]) for _, k, t, f in raw]
+    np.testing.assert_allclose(full, clean, atol=1e-4)
+    np.testing.assert_allclose(none, corrupted, atol=2e-4)
+    assert np.abs(np.array(clean) - corrupted).max() > 2e-2  # the two ends differ
+
+
+@pytest.mark.parametrize("receiver", ["1.q.3", "2.k.1", "1.v.2", "2.mlp_in", "logits"])
+def test_one_ablated_edge_matches_plain_torch(tiny, receiver):
+    model, hf = tiny("llama")  # grouped: query heads of a group read different k/v inputs
+    pairs, raw = _pairs(hf.config.vocab_size, n=1)
+    g = circuit_graph(model)
+    sender = "0.heads.1"
+    kept = g.mask.copy()
+    kept[g.sender_index[sender], g.receiver_index[receiver]] = False
+    got = CircuitEvaluator(model, pairs).metrics(kept)[0]
+    c, k, t, f = raw[0]
+    want = ref.ablated_metric(hf, c, k, t, f, g, sender, receiver)
+    with torch.no_grad():
+        clean = float(ref.metric(hf(c).logits, t, f)[0])
+    assert abs(want - clean) > 1e-5  # the edge matters
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("density", [0.1, 0.7])
+def test_random_circuits_match_the_definition(tiny, family, density):
+    """Random circuits (sparse: the kept side is summed; dense: the cut side) against the
+    definition computed receiver by receiver in plain torch."""
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size, n=2)
+    g = circuit_graph(model)
+    rng = np.random.default_rng(1)
+    kept = g.mask & (rng.random(g.mask.shape) < density)
+    got = CircuitEvaluator(model, pairs).metrics(kept)
+    want = [ref.circuit_metric(hf, c, k, t, f, g, kept) for c, k, t, f in raw]
+    np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+@pytest.mark.parametrize("ablation", ["mean", "zero"])
+def test_other_ablations_match_the_definition(tiny, ablation):
+    model, hf = tiny("llama")
+    pairs, raw = _pairs(hf.config.vocab_size, n=2)
+    g = circuit_graph(model)
+    kept = g.mask & (np.random.default_rng(2).random(g.mask.shape) < 0.5)
+    got = CircuitEvaluator(model, pairs, ablation).metrics(kept)
+    hf1 = ref.ungroup(hf)
+    if ablation == "zero":
+        values = [torch.zeros_like(w) for w in ref.sender_writes(hf1, raw[0][0])]
+    else:
+        per = [ref.sender_writes(hf1, c) for c, _, _, _ in raw]
+        values = [torch.stack([p[s].mean(0) for p in per]).mean(0).expand_as(per[0][s]) for s in range(len(per[0]))]
+    want = [ref.circuit_metric(hf, c, k, t, f, g, kept, ablated=values) for c, k, t, f in raw]
+    np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+def test_evaluate_circuit_table(tiny):
+    model, hf = tiny("gpt2")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    df = evaluate_circuit(model, pairs, [("embed", "logits"), ("0.heads.0", "1.q.2")])
+    assert list(df["n_edges"].unique()) == [2]
+    assert set(df.columns) >= {"pair", "metric", "clean_metric", "corrupted_metric", "ablation"}
+    with pytest.raises(InputError):
+        evaluate_circuit(model, pairs, [("1.heads.0", "0.q.2")])  # no edge: the sender is downstream
+
+
+# ----------------------------------------------------------------------------- faithfulness
+def test_areas_of_a_known_curve():
+    """Trapezoids over the sizes above k = 0 (k = 0 is shown, not integrated)."""
+    cpr, cmd = areas([0.0, 0.25, 0.5, 1.0], [0.3, 0.0, 1.0, 1.0])
+    assert cpr == pytest.approx(0.25 * 0.5 + 0.5 * 1.0)
+    assert cmd == pytest.approx(0.25 * 0.5)
+
+
+def test_faithfulness_ends_and_random_band(tiny):
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=2)
+    assert list(curve["k"]) == [0, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]
+    assert curve["f"].iloc[0] == pytest.approx(0.0) and curve["f"].iloc[-1] == pytest.approx(1.0)
+    assert curve["f_random"].notna().all()
+    assert np.isfinite([curve.attrs["cpr"], curve.attrs["cmd"], curve.attrs["cpr_random"]]).all()
+
+
+# ----------------------------------------------------------------------------- the command
+def test_circuit_command_writes_its_outputs(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from tests.conftest import run_cli
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"clean": "the cat sat on the mat", "corrupted": "the dog sat on the mat", "target": " mat", "foil": " cat"},
+        {"clean": "the dog ran to the park", "corrupted": "the cat ran to the park", "target": " mat", "foil": " cat"},
+    ]
+    pairs.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--method", "eap", "--out", out]
+    code, stdout, stderr = run_cli([*args, "--random-draws", "1", "--bootstrap", "2"], monkeypatch, capsys)
+    assert code == 0, stderr
+    names = {p.name for p in out.iterdir()}
+    want = ["edges.parquet", "edges.csv", "faithfulness.parquet", "circuit_summary.json", "circuit_graph.json"]
+    assert set(want + ["circuit_mib.json", "circuit.html"]) <= names, names
+    assert any(n.endswith(".png") for n in names) and any(n.endswith(".svg") for n in names)
+    import pandas as pd
+
+    edges = pd.read_parquet(out / "edges.parquet")
+    assert len(edges) == circuit_graph(make_tiny("llama").config).n_edges
+    assert len(pd.read_parquet(out / "faithfulness.parquet")) == 11
+    page = (out / "circuit.html").read_text().replace("http://www.w3.org/2000/svg", "")  # the SVG namespace
+    assert "<script" in page and "http" not in page  # self-contained: nothing fetched
+
+
+def test_circuit_command_refuses_unequal_lengths(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from tests.conftest import run_cli
+
+    pairs = tmp_path / "pairs.jsonl"
+    row = {"clean": "the cat sat on the mat", "corrupted": "the cat sat", "target": " mat", "foil": " cat"}
+    pairs.write_text(json.dumps(row))
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out"]
+    code, _, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and "pair 0" in stderr and "same number of tokens" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_interactive_page_works_in_a_headless_browser(tiny, tmp_path):
+    """The page opened from disk in headless Chromium: its script runs without network, draws the
+    edges and shows an edge's sender, receiver and score when hovered (``#selftest``)."""
+    import shutil
+    import subprocess
+
+    from depthscope.analyses.circuits import circuit_html
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless browser (apt-get install -y chromium)")
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    page = circuit_html(edges, tmp_path / "circuit.html", n_edges=20)
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.resolve().as_uri() + "#selftest"]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert 'data-edges="20"' in dom, dom[-2000:]
+    top = edges.reindex(edges["score"].abs().sort_values(ascending=False).index).iloc[0]
+    import re
+
+    tip = re.search(r'data-selftest="([^"]*)"', dom)
+    assert tip is not None, dom[-2000:]
+    assert tip.group(1).strip(), "the hovered edge's tooltip is empty"
+    assert any(name in tip.group(1) for name in edges["sender"].unique()), tip.group(1)
+    assert str(top["sender"]) in dom
+
+
+def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
+    """Without a faithful circuit of at most 500 edges, the drawing takes the most faithful size
+    that still holds edges after pruning (the top 100 edges may prune to none)."""
+    import pandas as pd
+
+    from depthscope.analyses.jobs.circuit import _drawn
+    from depthscope.analyses.jobs.configs import CircuitConfig
+
+    (tmp_path / "p.jsonl").write_text('{"clean": "a", "corrupted": "b"}')
+    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"))
+    curve = pd.DataFrame(
+        {"n_edges": [0, 123, 246, 616, 1232], "n_edges_pruned": [0, 0, 181, 503, 1099], "f": [0, 0, 0.58, 0.72, 0.9]}
+    )
+    n, why = _drawn(curve, config)
+    assert n == 246 and "most faithful" in why
+    n, why = _drawn(curve.assign(n_edges_pruned=[0, 0, 0, 503, 1099]), config)
+    assert n == 100 and "top 100" in why
