@@ -12,8 +12,9 @@
                                into the page cache in a thread while the current one computes
 :class:`StreamedBlock`         stands for a block in the model's own block list: its forward has
                                the streamer load the block, runs it, and releases it
-:func:`stream_plan`            the sizes that bound a streamed run's memory (what ``depthscope
-                               info`` prints before it runs)
+:func:`stream_plan`            the sizes that bound a streamed run's memory
+:func:`expected_peak`          that bound (or the in-memory model's) in words, for a forward of
+                               ``tokens`` tokens: what ``depthscope info`` prints before it runs
 =============================  ================================================================
 
 How it stays exact. The model is the transformers model of the checkpoint, built with its
@@ -281,6 +282,24 @@ def stream_plan(config, dtype: torch.dtype, capture_sites: int = 0) -> StreamPla
     resident = (vocab * d * (1 if tied else 2) + d) * size
     per_token = (4 * d + 2 * ff) * 4 + vocab * 4 + capture_sites * d * 4
     return StreamPlan(block, resident, per_token, L)
+
+
+def expected_peak(m, tokens: int) -> str:
+    """The memory a forward of ``tokens`` tokens is bounded by, before it runs: streamed, the largest
+    block, the resident tensors, the activations and 2 GB (:func:`~depthscope.hooks.streaming.stream_plan`);
+    in memory, the weights and the activations."""
+    plan = stream_plan(m.hf_model.config, m.dtype, capture_sites=m.n_sites)
+    gib = 2**30
+    if m.streamed:
+        return (
+            f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
+            f"{plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
+            f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime)"
+        )
+    weights = sum(p.numel() * p.element_size() for p in m.hf_model.parameters())
+    acts = tokens * plan.activation_per_token
+    peak = (weights + acts) / gib + 0.5
+    return f"in memory: expected peak {peak:.2f} GiB for {tokens} tokens (weights {weights / gib:.2f} GiB)"
 
 
 def load_streamed(folder: Path, hf_cls, config, dtype: torch.dtype, device):

@@ -19,10 +19,12 @@ def info(o) -> None:
     """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
     import torch  # lazy: --help must not import torch
 
+    from depthscope.hooks.streaming import expected_peak
+
     m = load_model(o)
     console = Console()
     console.print(repr(m))
-    console.print(_expected_peak(m, len(m.tokenize([o.prompt])[0][0]) if m.tokenizer is not None else 16))
+    console.print(expected_peak(m, len(m.tokenize([o.prompt])[0][0]) if m.tokenizer is not None else 16))
     rs = m.residual_stream([o.prompt])
     table = Table("site", "label", "depth", "||h|| (last token)", "lens top-1 (last token)")
     frame = rs.site_frame()
@@ -33,26 +35,6 @@ def info(o) -> None:
         tok = repr(m.tokenizer.decode([t])) if t is not None and m.tokenizer is not None else "-"
         table.add_row(str(row.site), row.label, f"{row.depth:g}", f"{float(h.norm()):.1f}", tok)
     console.print(table)
-
-
-def _expected_peak(m, tokens: int) -> str:
-    """The memory a forward of ``tokens`` tokens is bounded by, before it runs: streamed, the largest
-    block, the resident tensors, the activations and 2 GB (:func:`~depthscope.hooks.streaming.stream_plan`);
-    in memory, the weights and the activations."""
-    from depthscope.hooks.streaming import stream_plan
-
-    plan = stream_plan(m.hf_model.config, m.dtype, capture_sites=m.n_sites)
-    gib = 2**30
-    if m.streamed:
-        return (
-            f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
-            f"{plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
-            f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime)"
-        )
-    weights = sum(p.numel() * p.element_size() for p in m.hf_model.parameters())
-    acts = tokens * plan.activation_per_token
-    peak = (weights + acts) / gib + 0.5
-    return f"in memory: expected peak {peak:.2f} GiB for {tokens} tokens (weights {weights / gib:.2f} GiB)"
 
 
 def register(app: typer.Typer) -> None:
