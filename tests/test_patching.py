@@ -16,6 +16,7 @@ from depthscope.analyses.circuits.patching import (
     PATCH_COLUMNS,
     activation_patching,
     attribution_patching,
+    last_position,
     logit,
     logit_diff,
     logprob,
@@ -122,15 +123,17 @@ def ref_patched(hf, ids, site: int, value, pos, cpos, metric):
             h.remove()
 
 
-def ref_table(model, clean, corrupted, tokens, sites, positions):
-    """The patched metric of every (site, position) patch, one forward each."""
+def ref_table(model, clean, corrupted, tokens, sites, positions, metric_at=None):
+    """The patched metric of every (site, position) patch, one forward each: the logit difference
+    of ``tokens`` at the last position, or the logit at ``metric_at`` = (position, token)."""
     hf, tok = model.hf_model, model.tokenizer
     c = tok(clean, return_tensors="pt")["input_ids"]
     k = tok(corrupted, return_tensors="pt")["input_ids"]
-    t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in tokens)
+    if metric_at is None:
+        t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in tokens)
 
     def metric(lg):
-        return lg[:, -1, t] - lg[:, -1, f]
+        return lg[:, -1, t] - lg[:, -1, f] if metric_at is None else lg[:, metric_at[0], metric_at[1]]
 
     clean_sites = ref_sites(hf, c)
     if positions == "last":
@@ -363,7 +366,7 @@ def test_fraction_recovered_fixed_points(tiny_llama):
     assert float(last.iloc[0]) == pytest.approx(1.0, abs=1e-5)
     assert every["position"].isna().all() and (every["token"] == "").all()
     same = activation_patching(tiny_llama, CLEAN, CLEAN, (" Mary", " John"))
-    assert same["fraction_recovered"].isna().all() and "undefined" in same.attrs["notes"]
+    assert same["fraction_recovered"].isna().all() and any("undefined" in n for n in same.attrs["notes"])
 
 
 # ----------------------------------------------------------------------------- attribution
@@ -459,9 +462,39 @@ def test_metric_helpers_and_callables(tiny_llama):
     for name, m in metrics.items():
         df = activation_patching(tiny_llama, CLEAN, CORRUPTED, m, sites="embed")
         assert df["clean_metric"].iloc[0] == pytest.approx(want[name], rel=1e-5), name
-    by_fn = activation_patching(tiny_llama, CLEAN, CORRUPTED, lambda lg: lg[:, -1, t] - lg[:, -1, f], sites="resid")
-    by_pair = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="resid")
-    np.testing.assert_allclose(by_fn["metric"], by_pair["metric"], rtol=0, atol=0)
+    # a function of the logits gets every position (no shared prefix) unless marked as reading the last one
+    seen = []
+
+    def diff(lg):
+        seen.append(lg.shape[1])
+        return lg[:, -1, t] - lg[:, -1, f]
+
+    kw = dict(sites="resid", positions="each")
+    by_fn = activation_patching(tiny_llama, CLEAN, CORRUPTED, diff, **kw)
+    n_pos = ids.shape[1]
+    assert set(seen) == {n_pos}
+    full = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), reuse_prefix=False, **kw)
+    np.testing.assert_allclose(by_fn["metric"], full["metric"], rtol=0, atol=0)
+    seen.clear()
+    marked = activation_patching(tiny_llama, CLEAN, CORRUPTED, last_position(diff), **kw)
+    by_pair = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), **kw)
+    assert min(seen) < n_pos  # the shared prefix: the recomputed positions only
+    np.testing.assert_allclose(marked["metric"], by_pair["metric"], rtol=0, atol=0)
+    with pytest.raises(InputError, match="marks a metric function"):
+        last_position(" Mary")
+
+
+def test_a_metric_of_an_earlier_position_reads_that_position(tiny_llama):
+    """A metric that reads position 3 sees the patched run there (full logits), as a plain forward
+    with the patch does: patches at position 3 and before move it, later ones leave it exactly."""
+    tok = tiny_llama.tokenizer
+    t = tok(" Mary", add_special_tokens=False)["input_ids"][0]
+    df = activation_patching(
+        tiny_llama, CLEAN, CORRUPTED, lambda lg: lg[:, 3, t], sites="embed,1.mlp", positions="each"
+    )
+    ref, _, corrupted = ref_table(tiny_llama, CLEAN, CORRUPTED, None, [0, 4], "each", metric_at=(3, t))
+    np.testing.assert_allclose(df["metric"], ref, rtol=0, atol=2e-6)
+    assert (df.loc[df["position"] > 3, "metric"] == corrupted).all()
 
 
 def test_bad_input(tiny_llama):
