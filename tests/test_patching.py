@@ -233,6 +233,36 @@ def test_batched_table_equals_plain_hooks_one_at_a_time(tiny_factory, family, po
     assert len(df) == model.n_sites * (n_pos if positions == "each" else 1)
 
 
+@pytest.mark.parametrize("family,positions,corrupted", [("llama", "each", CORRUPTED), ("gpt2", "last", LONGER)])
+def test_noise_direction_equals_plain_hooks_one_at_a_time(tiny_factory, family, positions, corrupted):
+    """direction="noise": the corrupted run's values patched into the clean run; the reference is the
+    plain-hook patching of ``ref_table`` with the clean prompt as the run patched."""
+    model = tiny_factory(family)
+    kw = dict(positions=positions, batch_tokens=40, direction="noise")
+    df = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), **kw)
+    sites = list(range(model.n_sites))
+    ref, corrupted_value, clean_value = ref_table(model, corrupted, CLEAN, (" Mary", " John"), sites, positions)
+    assert list(df.columns) == PATCH_COLUMNS and (df["direction"] == "noise").all() and len(df) == len(ref)
+    scale = max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=2e-6 * scale)
+    assert df["clean_metric"].iloc[0] == pytest.approx(clean_value, abs=2e-6 * scale)
+    assert df["corrupted_metric"].iloc[0] == pytest.approx(corrupted_value, abs=2e-6 * scale)
+    expected = (df["metric"] - corrupted_value) / (clean_value - corrupted_value)
+    np.testing.assert_allclose(df["fraction_recovered"], expected, atol=1e-4)
+    n_clean, n_corrupted = (len(model.tokenizer(x)["input_ids"]) for x in (CLEAN, corrupted))
+    if positions == "last":  # the table names the corrupted and the clean index whatever the direction
+        assert (df["position"] == n_corrupted - 1).all() and (df["clean_position"] == n_clean - 1).all()
+    else:  # before the prompts differ nothing changes: exactly the clean value, fraction 1
+        first = next(
+            i for i, (a, b) in enumerate(zip(*(model.tokenizer(x)["input_ids"] for x in (CLEAN, corrupted)))) if a != b
+        )
+        before = df[df["position"] < first]
+        assert len(before) and (before["metric"] == before["clean_metric"]).all()
+        assert (before["fraction_recovered"] == 1).all()
+    denoise = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), positions=positions)
+    assert not np.allclose(denoise["metric"], df["metric"])  # a different question, other values
+
+
 def test_default_model_some_sites_equal_plain_hooks(default_model):
     sites = ["embed", "5.attn", "17.mlp", "21.attn", "29.mlp"]
     df = activation_patching(default_model, CLEAN, CORRUPTED, (" Mary", " John"), sites=sites)
@@ -284,6 +314,9 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
     }
     assert (df.loc[df["kind"] == "mlp_out", "sublayer"] == "mlp").all()
     assert (df.loc[df["kind"] == "z", "sublayer"] == "attn").all()
+    # label is the site the write lands in, as in every table; the hook point is in point
+    assert (df["label"] == df["layer"].astype(str) + "." + df["sublayer"]).all()
+    assert (df["point"] == df["layer"].astype(str) + "." + df["kind"]).all()
     scale = max(1.0, np.abs(ref).max())
     # z and the writes: bit-identical on CPU; heads go through heads.sum() + bias instead of the projection
     np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=2e-6 * scale)
@@ -370,16 +403,19 @@ def test_fraction_recovered_fixed_points(tiny_llama):
 
 
 # ----------------------------------------------------------------------------- attribution
-def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama, direction):
     """(clean - corrupted) . grad at embed, a block output, an attention write and each head's z
     (positions 'all'), with the gradients from autograd through the plain transformers model; a
-    head's write is linear in its z, so the l.heads estimate equals the l.z one."""
+    head's write is linear in its z, so the l.heads estimate equals the l.z one. Noising, the
+    roles swap: (corrupted - clean) . grad at the clean run."""
     hf, tok = tiny_llama.hf_model, tiny_llama.tokenizer
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
+    if direction == "noise":  # the reference below patches c's values into k's run
+        c, k = k, c
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
-    est = attribution_patching(
-        tiny_llama, CLEAN, CORRUPTED, (t, f), sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"], positions="all"
-    )
+    sites = ["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"]
+    est = attribution_patching(tiny_llama, CLEAN, CORRUPTED, (t, f), sites=sites, positions="all", direction=direction)
     clean_sites, corr_sites = ref_sites(hf, c), ref_sites(hf, k)
     clean_pts, corr_pts = ref_points(hf, c), ref_points(hf, k)
     emb = hf.model.embed_tokens(k).detach().requires_grad_(True)
@@ -412,7 +448,7 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
         *per_head.tolist(),
     ]
     assert est["point"].tolist() == ["embed", *["1.z"] * 4, *["1.heads"] * 4, "1.mlp", "2.attn_out"]  # forward order
-    got = (est["metric"] - est["corrupted_metric"]).to_numpy()
+    got = (est["metric"] - est["corrupted_metric" if direction == "denoise" else "clean_metric"]).to_numpy()
     order = {p: i for i, p in enumerate(["embed", "1.mlp", "2.attn_out"])}
     lookup = [
         order[p] if p in order else (3 + int(h) if p == "1.z" else 7 + int(h))
@@ -421,6 +457,7 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
     np.testing.assert_allclose(got, np.array(want)[lookup], rtol=1e-4, atol=1e-7)
     assert np.abs(got).min() > 1e-6  # none of them is trivially zero
     assert (est["method"] == "attribution").all() and list(est.columns) == PATCH_COLUMNS
+    assert (est["direction"] == direction).all()
 
 
 def test_attribution_agrees_with_exact_on_ioi(default_model):
@@ -537,6 +574,13 @@ def test_aliases_name_the_same_points(tiny_llama):
     b = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="1.z,2.mlp_out,0.attn")
     assert a["point"].tolist() == b["point"].tolist() == ["0.attn", *["1.z"] * 4, "2.mlp_out"]
     np.testing.assert_array_equal(a["metric"], b["metric"])
+    # the stream's words: resid_pre of block l is the site before it, resid_mid l.attn, resid_post l.mlp
+    words = activation_patching(
+        tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="0.resid_pre,1.resid_pre,1.resid_mid,2.resid_post"
+    )
+    assert words["point"].tolist() == words["label"].tolist() == ["embed", "0.mlp", "1.attn", "2.mlp"]
+    with pytest.raises(InputError, match="'hook_embed' is TransformerLens's token embedding alone"):
+        activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="hook_embed")
 
 
 # ----------------------------------------------------------------------------- plots and CLI

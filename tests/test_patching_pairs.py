@@ -273,6 +273,32 @@ def test_dataset_arguments_are_checked(tiny_llama):
         activation_patching(tiny_llama, "missing.jsonl")
     with pytest.raises(InputError, match="give a corrupted prompt"):
         activation_patching(tiny_llama, PAIRS[0].clean)
+    for empty in ([], ()):
+        with pytest.raises(InputError, match="the pair list is empty"):
+            activation_patching(tiny_llama, empty)
+        with pytest.raises(InputError, match="the pair list is empty"):
+            attribution_patching(tiny_llama, empty)
+    with pytest.raises(InputError, match="unexpected keyword argument.*batch_tokens"):
+        attribution_patching(tiny_llama, PAIRS, batch_tokens=10)  # no batched forwards to bound
+    with pytest.raises(InputError, match="direction must be one of denoise, noise"):
+        activation_patching(tiny_llama, PAIRS, direction="both")
+
+
+def test_a_missing_named_position_names_the_pair_and_its_line(tiny_llama, tmp_path):
+    rows = [
+        {"clean": p.clean, "corrupted": p.corrupted, "target": p.target, "foil": p.foil, "positions": {"END": -1}}
+        for p in PAIRS[:3]
+    ]
+    del rows[1]["positions"]
+    rows[2]["positions"] = {"S2": 9, "END": -1}
+    path = tmp_path / "named.jsonl"
+    path.write_text("\n" + "\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")  # a blank first line
+    with pytest.raises(InputError, match=r"pair 1 \(named\.jsonl:3\) has no position 'END' \(it names no positions\)"):
+        activation_patching(tiny_llama, path, sites="embed", positions="END")
+    with pytest.raises(InputError, match=r"pair 0 \(named\.jsonl:2\) has no position 'S2' \(it names \['END'\]\)"):
+        patch_pairs(tiny_llama, path, sites="embed", positions="S2,END")
+    with pytest.raises(InputError, match=r"pair 1 has no position 'END'"):  # from a list: its index
+        activation_patching(tiny_llama, read_pairs(path)[:1] + [PAIRS[1]], sites="embed", positions="END")
 
 
 def test_cli_pairs_writes_means_and_per_pair_tables(tiny_llama_dir, tmp_path, monkeypatch, capsys):

@@ -376,4 +376,16 @@ def test_cli_path_method_writes_means_pairs_and_heatmap(tiny_llama_dir, tmp_path
     assert (out / "path_patching_heads.png").is_file() and set(per["pair"]) == set(range(len(PAIRS)))
     api = path_patching(load_model(str(tiny_llama_dir)), PAIRS, "heads", "2.q", positions="all")
     np.testing.assert_allclose(means["fraction_recovered"], api["fraction_recovered"], atol=1e-6, equal_nan=True)
-    assert set(means["receiver"]) == {"2.q"}
+    assert set(means["receiver"]) == {"2.q"} and set(means["direction"]) == {"denoise"}
+    # --direction noise, to the MLP's input (the new word): the same as the API's noise direction
+    noise = ["--receivers", "2.mlp_in", "--direction", "noise", "--no-plots", "--out", tmp_path / "n", "--threads", "1"]
+    code, _, err = run_cli([*args[:-2], *noise], monkeypatch, capsys)
+    assert code == 0, err
+    got = pd.read_parquet(tmp_path / "n" / "path_patching.parquet")
+    api = path_patching(load_model(str(tiny_llama_dir)), PAIRS, "heads", "2.mlp_in", direction="noise")
+    assert set(got["direction"]) == {"noise"} and set(got["receiver"]) == {"2.mlp_in"}
+    np.testing.assert_allclose(got["metric"], api["metric"], atol=1e-6, equal_nan=True)
+    # the old spelling of the MLP receiver: a clear error with the new word, no traceback
+    old = ["--receivers", "2.mlp", "--out", tmp_path / "old", "--threads", "1"]
+    code, _, err = run_cli([*args[:-2], *old], monkeypatch, capsys)
+    assert code == 2 and "'2.mlp_in'" in err and "Traceback" not in err
