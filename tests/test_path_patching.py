@@ -332,6 +332,7 @@ def test_plot(tiny_llama, tmp_path):
         (dict(receivers="2.resid_post"), r"residual stream after block 2.*'2\.mlp_in'"),
         (dict(senders="1.mlp_in"), r"'1\.mlp_in' \(mlp_in\) cannot be a sender"),
         (dict(direction="backwards"), "direction must be one of denoise, noise"),
+        (dict(batch_token=10), r"unexpected keyword argument\(s\) \['batch_token'\]: path patching takes"),
         (dict(senders="heads", receivers="0.q"), "no sender comes before the receivers"),
         (dict(senders="3.heads"), r"unknown sender '3\.heads': layer 3 out of range"),
         (dict(senders="1.pattern"), r"'1\.pattern' \(pattern\) cannot be a sender"),

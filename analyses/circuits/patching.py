@@ -175,13 +175,8 @@ class PatchOptions:
     def of(cls, kw: dict, method: str = "activation") -> PatchOptions:
         """The options of ``kw``; an error names any that ``method`` does not take (attribution
         patching runs no batched forwards: no ``batch_tokens``, no ``reuse_prefix``)."""
-        allowed = OPTIONS[method]
-        extra = sorted(set(kw) - set(allowed))
-        if extra:
-            raise InputError(
-                f"unexpected keyword argument(s) {extra}: {method} patching takes {', '.join(allowed)} as keywords"
-            )
-        return cls(**kw)
+        defaults = {k: getattr(cls, k) for k in OPTIONS[method]}
+        return cls(**runs.keyword_options(kw, defaults, f"{method} patching"))
 
 
 #: the keyword options each method takes

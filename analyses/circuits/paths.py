@@ -102,6 +102,8 @@ POSITIONS = ("all", "last")
 PATH_COLUMNS = [*PATCH_COLUMNS, "receiver"]
 #: the columns naming one path patch across pairs (what :func:`mean_over_pairs` groups by)
 PATH_KEYS = ["point", "head", "position_name", "method", "direction", "receiver"]
+#: the keyword options of path patching and their defaults
+OPTIONS = {"direction": "denoise", "batch_tokens": 2048}
 #: the note of a table with senders at or after every receiver
 LATE = (
     "senders at or after every receiver are not measured (metric and fraction_recovered NaN): no path "
@@ -413,22 +415,23 @@ def path_patch_pairs(
     positions: str = "all",
     *,
     metric=None,
-    batch_tokens: int = 2048,
-    direction: str = "denoise",
+    **options,
 ) -> pd.DataFrame:
     """Path patching over a dataset of prompt pairs, one row per pair and sender (a ``pair`` column).
 
     ``pairs``: what :func:`~depthscope.analyses.circuits.pairs.as_pairs` accepts (PromptPairs, dicts,
     ``(clean, corrupted)`` tuples, a ``.jsonl`` path); each pair's ``target`` and ``foil`` make
     its metric, ``metric`` serves pairs without a target. ``senders``, ``receivers``,
-    ``freeze_mlps``, ``positions`` and ``direction`` as in the module docstring; ``batch_tokens``
-    bounds the tokens of one forward. Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is
+    ``freeze_mlps`` and ``positions`` as in the module docstring. ``options``: ``direction``
+    (``"denoise"``, the default, or ``"noise"``: see the module docstring) and ``batch_tokens``
+    (2048: the tokens of one forward). Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is
     the patched value (NaN for a sender at or after every receiver: not measured).
     :func:`path_patching` gives the means over pairs."""
     runs.require_decoder(model, "path patching")
     if isinstance(pairs, (list, tuple)) and not pairs:
         raise InputError("the pair list is empty: give at least one prompt pair")
-    job = _job(model, senders, receivers, freeze_mlps, str(positions), batch_tokens, direction)
+    opts = runs.keyword_options(options, OPTIONS, "path patching")
+    job = _job(model, senders, receivers, freeze_mlps, str(positions), opts["batch_tokens"], opts["direction"])
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     _cells([job.oriented(tp) for tp in tps], job)
     out = run_pairs(model, tps, job, _pair_values, "path", total=len(job.senders), extra={"receiver": job.label})
@@ -447,15 +450,14 @@ def path_patching(
     positions: str = "all",
     *,
     metric=None,
-    batch_tokens: int = 2048,
-    direction: str = "denoise",
+    **options,
 ) -> pd.DataFrame:
     """The means over pairs of :func:`path_patch_pairs`: one row per sender with ``metric``,
     ``clean_metric``, ``corrupted_metric`` means, ``fraction_recovered`` = ``(mean patched - mean
     corrupted) / (mean clean - mean corrupted)``, its 95% bootstrap interval over pairs
     (``fraction_low``, ``fraction_high``; NaN below 10 pairs, the notes say why), ``n_pairs`` and
     the interval's ``ci_n``, ``ci_unit``, ``ci_method``; ``receiver`` holds the receivers'
-    normalised spec, ``method`` is ``"path"`` and ``direction`` the direction. Arguments as in
-    :func:`path_patch_pairs`."""
-    kw = dict(metric=metric, batch_tokens=batch_tokens, direction=direction)
-    return means(path_patch_pairs(model, pairs, senders, receivers, freeze_mlps, positions, **kw), PATH_KEYS)
+    normalised spec, ``method`` is ``"path"`` and ``direction`` the direction. Arguments and
+    ``options`` (``direction``, ``batch_tokens``) as in :func:`path_patch_pairs`."""
+    per_pair = path_patch_pairs(model, pairs, senders, receivers, freeze_mlps, positions, metric=metric, **options)
+    return means(per_pair, PATH_KEYS)

@@ -19,6 +19,7 @@ offers                  what
 ======================  ==========================================================================
 Job, DIRECTIONS         what one call computes, shared by every method: the positions mode, the
                         token budget per forward and the direction (methods add their fields)
+keyword_options         a method's keyword options (``**options``) with their defaults, checked
 PatchPoint              a hook point as patched: its name, kind, the residual site its write lands
                         in, and which axes are the position and the head (``LAYOUT``)
 patch_point             the PatchPoint of a registry point
@@ -144,6 +145,15 @@ def landing_site(point: Point) -> int:
     if point.is_resid:
         return point.site
     return 2 * point.layer + (1 if _RANK[point.kind] <= _RANK["attn"] else 2)
+
+
+def keyword_options(kw: dict, defaults: dict, what: str) -> dict:
+    """``defaults`` updated by the keyword options ``kw``; an error names any that ``what`` does
+    not take (so a misspelt option is never ignored)."""
+    extra = sorted(set(kw) - set(defaults))
+    if extra:
+        raise InputError(f"unexpected keyword argument(s) {extra}: {what} takes {', '.join(defaults)} as keywords")
+    return {**defaults, **kw}
 
 
 def patch_point(point: Point) -> PatchPoint:
