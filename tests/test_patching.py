@@ -665,6 +665,18 @@ def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
     assert len(heads) == 2 * 3 * 4 * 14 and heads["head"].notna().all()
     assert pd.read_csv(out / "patching_by_site.csv")["metric"].to_numpy() == pytest.approx(sites["metric"].to_numpy())
     assert "Traceback" not in se and "Spearman" in so
+    # --direction noise: the corrupted values into the clean run, as the API computes them
+    noise = ["patch", "--sites", "resid", "--direction", "noise", "--no-plots", "--no-attribution", "--model", tiny_dir]
+    code, so, se = run_cli([*noise, "--out", tmp_path / "noise", "--threads", "1"], monkeypatch, capsys)
+    assert code == 0, se
+    got = pd.read_parquet(tmp_path / "noise" / "patching_by_site.parquet")
+    from depthscope.hooks import load_model
+
+    api = activation_patching(
+        load_model(str(tiny_dir)), CLEAN, CORRUPTED, (" Mary", " John"), sites="resid", direction="noise"
+    )
+    assert set(got["direction"]) == {"noise"} and len(got) == len(api) == 7
+    np.testing.assert_allclose(got["metric"], api["metric"], rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
