@@ -66,6 +66,12 @@ that reads and replaces the tensor there. Adding a hook point is one :class:`Poi
 ``REGISTRY`` (plus, for a tensor no capture reads yet, one capture function in the engine).
 
 ``blocks.l.hook_resid_pre`` is the previous residual site, as in :func:`~depthscope.hooks.sites.parse_site`.
+The stream's TransformerLens words are names too: ``l.resid_pre`` (the stream entering block l:
+``embed`` for l = 0, else ``(l-1).mlp``), ``l.resid_mid`` (= ``l.attn``) and ``l.resid_post``
+(= ``l.mlp``); each parses to the residual site it names. ``hook_embed`` is refused: in
+TransformerLens it is the token embedding alone (``W_E[tokens]``, with ``hook_pos_embed`` apart),
+which differs from ``embed`` (the input of block 0: token plus position embeddings in GPT-2, their
+LayerNorm in BERT), so accepting it as ``embed`` would read a different tensor than its name says.
 Heads are the query heads (grouped-query models: K/V shared by a group are expanded in ``l.pattern``,
 ``l.scores``, ``l.z``, ``l.heads``), except in ``l.k``, ``l.v`` and ``l.rot_k``, which hold the key/value
 heads as the model has them. Fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``)
@@ -143,6 +149,17 @@ POINT_KINDS = RESID_KINDS + SUB_KINDS
 _TL_SUB = {k: _SPECS[k].tl for k in (*SUB_KINDS, "attn", "mlp")}  # the order the error message lists them in
 _FROM_TL = {v: k for k, v in _TL_SUB.items()}
 _NAME = re.compile(r"^(\d+)\.(" + "|".join(BLOCK_ORDER) + r")$")
+#: the stream's TransformerLens words as ``l.<word>``: the residual site each names (``resid_pre``:
+#: the site before block l, so ``0.resid_pre`` is ``embed``)
+RESID_WORDS = {"resid_pre": 0, "resid_mid": 1, "resid_post": 2}
+_WORD = re.compile(r"^(\d+)\.(" + "|".join(RESID_WORDS) + r")$")
+#: why ``hook_embed`` is not a name of ``embed`` (TransformerLens's token embedding alone)
+HOOK_EMBED = (
+    "'hook_embed' is TransformerLens's token embedding alone (W_E[tokens], the position embedding apart in "
+    "hook_pos_embed), which depthscope does not hook; 'embed' (blocks.0.hook_resid_pre, 0.resid_pre) is the "
+    "input of block 0: the token embedding in rotary models, token plus position embeddings in GPT-2, their "
+    "LayerNorm in BERT"
+)
 _TL = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(v) for v in _TL_SUB.values()) + r"|hook_resid_pre)$")
 
 
@@ -211,7 +228,8 @@ def _unknown(name, n_layers: int, why: str = "") -> InputError:
     last = n_layers - 1
     err = InputError(
         f"unknown hook point {name!r}{why}. Valid names: 'embed', '<l>.<kind>' with l in 0..{last} and kind in "
-        f"{list(BLOCK_ORDER)} (e.g. '{last}.pattern'), a residual site index 0..{2 * n_layers}; TransformerLens "
+        f"{list(BLOCK_ORDER)} (e.g. '{last}.pattern'), '<l>.resid_pre', '<l>.resid_mid', '<l>.resid_post', a "
+        f"residual site index 0..{2 * n_layers}; TransformerLens "
         f"aliases: " + ", ".join(f"blocks.<l>.{v}" for v in ["hook_resid_pre", *_TL_SUB.values()])
     )
     err.why = why
@@ -232,24 +250,31 @@ def parse_point(name: str | int | Point, n_layers: int) -> Point:
     if not isinstance(name, str):
         raise _unknown(name, n_layers)
     s = name.strip()
-    if s in ("embed", "hook_embed", "resid_pre0"):
+    if s in ("embed", "resid_pre0"):
         return Point("embed", -1)
+    if s == "hook_embed":
+        raise InputError(HOOK_EMBED)
+    m = _WORD.match(s)
+    if m:  # l.resid_pre / l.resid_mid / l.resid_post: the residual site it names
+        layer = _in_range(name, int(m.group(1)), n_layers)
+        return _from_site(2 * layer + RESID_WORDS[m.group(2)])
     m = _NAME.match(s)
     if m:
-        layer, kind = int(m.group(1)), m.group(2)
-    else:
-        m = _TL.match(s)
-        if not m:
-            raise _unknown(name, n_layers)
-        layer = int(m.group(1))
-        if m.group(2) == "hook_resid_pre":
-            if not 0 <= layer < n_layers:
-                raise _unknown(name, n_layers, f": layer {layer} out of range 0..{n_layers - 1}")
-            return _from_site(2 * layer)
-        kind = _FROM_TL[m.group(2)]
+        return Point(m.group(2), _in_range(name, int(m.group(1)), n_layers))
+    m = _TL.match(s)
+    if not m:
+        raise _unknown(name, n_layers)
+    layer = _in_range(name, int(m.group(1)), n_layers)
+    if m.group(2) == "hook_resid_pre":
+        return _from_site(2 * layer)
+    return Point(_FROM_TL[m.group(2)], layer)
+
+
+def _in_range(name, layer: int, n_layers: int) -> int:
+    """``layer``, or the unknown-point error when the model has no such block."""
     if not 0 <= layer < n_layers:
         raise _unknown(name, n_layers, f": layer {layer} out of range 0..{n_layers - 1}")
-    return Point(kind, layer)
+    return layer
 
 
 def _from_site(index: int) -> Point:

@@ -15,7 +15,9 @@ The integer ``site`` index is the position in that order (embed 0, ``l.attn`` = 
 ``l.mlp`` = 2l+2). Depth is in block units, so the numbers compare with layer numbers of
 papers such as Tenney et al. (2019). TransformerLens names are accepted as aliases:
 ``blocks.{l}.hook_resid_pre`` (= the previous site), ``hook_resid_mid`` (= ``l.attn``),
-``hook_resid_post`` (= ``l.mlp``).
+``hook_resid_post`` (= ``l.mlp``), and so are their short forms ``l.resid_pre``, ``l.resid_mid``,
+``l.resid_post``. ``hook_embed`` is refused: TransformerLens's token embedding alone is not the
+input of block 0 in GPT-2 or BERT (:data:`~depthscope.hooks.points.HOOK_EMBED`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
+
+from depthscope.hooks.points import HOOK_EMBED
 
 SITE_COLUMNS = ["site", "label", "layer", "sublayer", "depth"]
 
@@ -62,7 +66,7 @@ def site_from_index(index: int, n_layers: int) -> Site:
 
 
 _LABEL = re.compile(r"^(\d+)\.(attn|mlp)$")
-_TL = re.compile(r"^blocks\.(\d+)\.hook_resid_(pre|mid|post)$")
+_TL = re.compile(r"^(?:blocks\.(\d+)\.hook_|(\d+)\.)resid_(pre|mid|post)$")
 
 
 def parse_site(name: str | int, n_layers: int) -> int:
@@ -70,8 +74,10 @@ def parse_site(name: str | int, n_layers: int) -> int:
     if isinstance(name, int):
         return site_from_index(name, n_layers).index
     name = str(name).strip()
-    if name in ("embed", "hook_embed", "resid_pre0"):
+    if name in ("embed", "resid_pre0"):
         return 0
+    if name == "hook_embed":
+        raise KeyError(HOOK_EMBED)
     m = _LABEL.match(name)
     if m:
         layer, sub = int(m.group(1)), m.group(2)
@@ -83,9 +89,9 @@ def parse_site(name: str | int, n_layers: int) -> int:
                 return parse_site(int(name), n_layers)
             raise KeyError(
                 f"unknown site {name!r}: use 'embed', '<layer>.attn', '<layer>.mlp', an index "
-                f"0..{2 * n_layers}, or blocks.<layer>.hook_resid_pre|mid|post"
+                f"0..{2 * n_layers}, '<layer>.resid_pre|mid|post' or blocks.<layer>.hook_resid_pre|mid|post"
             )
-        layer, kind = int(m.group(1)), m.group(2)
+        layer, kind = int(m.group(1) or m.group(2)), m.group(3)
         idx = {"pre": 2 * layer, "mid": 2 * layer + 1, "post": 2 * layer + 2}[kind]
     if not 0 <= layer < n_layers:
         raise KeyError(f"site {name!r}: layer {layer} out of range 0..{n_layers - 1}")

@@ -375,6 +375,8 @@ CLAIMS = {
         tuple(ns["heads"].nlargest(1, "fraction_recovered")[["point", "head"]].iloc[0]) == ("23.heads", 3)
         and ns["rho"] > 0.9
         and tuple(ns["direct"].nlargest(1, "fraction_recovered")[["point", "head"]].iloc[0]) == ("23.heads", 3)
+        and tuple(ns["noised"].nsmallest(1, "fraction_recovered")[["point", "head"]].iloc[0]) == ("23.heads", 3)
+        and set(ns["noised"]["direction"]) == {"noise"}
     ),
     "index.md": lambda ns: tuple(ns["rs"].resid.shape) == (61, 1, 5, 576),
     "getting-started.md": lambda ns: ns["model"].n_sites == 61 and ns["model"].labels[:2] == ["embed", "0.attn"],

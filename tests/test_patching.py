@@ -16,6 +16,7 @@ from depthscope.analyses.circuits.patching import (
     PATCH_COLUMNS,
     activation_patching,
     attribution_patching,
+    last_position,
     logit,
     logit_diff,
     logprob,
@@ -122,15 +123,17 @@ def ref_patched(hf, ids, site: int, value, pos, cpos, metric):
             h.remove()
 
 
-def ref_table(model, clean, corrupted, tokens, sites, positions):
-    """The patched metric of every (site, position) patch, one forward each."""
+def ref_table(model, clean, corrupted, tokens, sites, positions, metric_at=None):
+    """The patched metric of every (site, position) patch, one forward each: the logit difference
+    of ``tokens`` at the last position, or the logit at ``metric_at`` = (position, token)."""
     hf, tok = model.hf_model, model.tokenizer
     c = tok(clean, return_tensors="pt")["input_ids"]
     k = tok(corrupted, return_tensors="pt")["input_ids"]
-    t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in tokens)
+    if metric_at is None:
+        t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in tokens)
 
     def metric(lg):
-        return lg[:, -1, t] - lg[:, -1, f]
+        return lg[:, -1, t] - lg[:, -1, f] if metric_at is None else lg[:, metric_at[0], metric_at[1]]
 
     clean_sites = ref_sites(hf, c)
     if positions == "last":
@@ -230,6 +233,36 @@ def test_batched_table_equals_plain_hooks_one_at_a_time(tiny_factory, family, po
     assert len(df) == model.n_sites * (n_pos if positions == "each" else 1)
 
 
+@pytest.mark.parametrize("family,positions,corrupted", [("llama", "each", CORRUPTED), ("gpt2", "last", LONGER)])
+def test_noise_direction_equals_plain_hooks_one_at_a_time(tiny_factory, family, positions, corrupted):
+    """direction="noise": the corrupted run's values patched into the clean run; the reference is the
+    plain-hook patching of ``ref_table`` with the clean prompt as the run patched."""
+    model = tiny_factory(family)
+    kw = dict(positions=positions, batch_tokens=40, direction="noise")
+    df = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), **kw)
+    sites = list(range(model.n_sites))
+    ref, corrupted_value, clean_value = ref_table(model, corrupted, CLEAN, (" Mary", " John"), sites, positions)
+    assert list(df.columns) == PATCH_COLUMNS and (df["direction"] == "noise").all() and len(df) == len(ref)
+    scale = max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=2e-6 * scale)
+    assert df["clean_metric"].iloc[0] == pytest.approx(clean_value, abs=2e-6 * scale)
+    assert df["corrupted_metric"].iloc[0] == pytest.approx(corrupted_value, abs=2e-6 * scale)
+    expected = (df["metric"] - corrupted_value) / (clean_value - corrupted_value)
+    np.testing.assert_allclose(df["fraction_recovered"], expected, atol=1e-4)
+    n_clean, n_corrupted = (len(model.tokenizer(x)["input_ids"]) for x in (CLEAN, corrupted))
+    if positions == "last":  # the table names the corrupted and the clean index whatever the direction
+        assert (df["position"] == n_corrupted - 1).all() and (df["clean_position"] == n_clean - 1).all()
+    else:  # before the prompts differ nothing changes: exactly the clean value, fraction 1
+        first = next(
+            i for i, (a, b) in enumerate(zip(*(model.tokenizer(x)["input_ids"] for x in (CLEAN, corrupted)))) if a != b
+        )
+        before = df[df["position"] < first]
+        assert len(before) and (before["metric"] == before["clean_metric"]).all()
+        assert (before["fraction_recovered"] == 1).all()
+    denoise = activation_patching(model, CLEAN, corrupted, (" Mary", " John"), positions=positions)
+    assert not np.allclose(denoise["metric"], df["metric"])  # a different question, other values
+
+
 def test_default_model_some_sites_equal_plain_hooks(default_model):
     sites = ["embed", "5.attn", "17.mlp", "21.attn", "29.mlp"]
     df = activation_patching(default_model, CLEAN, CORRUPTED, (" Mary", " John"), sites=sites)
@@ -281,6 +314,9 @@ def test_points_below_the_stream_equal_plain_hooks(tiny_factory, family, positio
     }
     assert (df.loc[df["kind"] == "mlp_out", "sublayer"] == "mlp").all()
     assert (df.loc[df["kind"] == "z", "sublayer"] == "attn").all()
+    # label is the site the write lands in, as in every table; the hook point is in point
+    assert (df["label"] == df["layer"].astype(str) + "." + df["sublayer"]).all()
+    assert (df["point"] == df["layer"].astype(str) + "." + df["kind"]).all()
     scale = max(1.0, np.abs(ref).max())
     # z and the writes: bit-identical on CPU; heads go through heads.sum() + bias instead of the projection
     np.testing.assert_allclose(df["metric"].to_numpy(), ref, rtol=0, atol=2e-6 * scale)
@@ -363,20 +399,23 @@ def test_fraction_recovered_fixed_points(tiny_llama):
     assert float(last.iloc[0]) == pytest.approx(1.0, abs=1e-5)
     assert every["position"].isna().all() and (every["token"] == "").all()
     same = activation_patching(tiny_llama, CLEAN, CLEAN, (" Mary", " John"))
-    assert same["fraction_recovered"].isna().all() and "undefined" in same.attrs["notes"]
+    assert same["fraction_recovered"].isna().all() and any("undefined" in n for n in same.attrs["notes"])
 
 
 # ----------------------------------------------------------------------------- attribution
-def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama, direction):
     """(clean - corrupted) . grad at embed, a block output, an attention write and each head's z
     (positions 'all'), with the gradients from autograd through the plain transformers model; a
-    head's write is linear in its z, so the l.heads estimate equals the l.z one."""
+    head's write is linear in its z, so the l.heads estimate equals the l.z one. Noising, the
+    roles swap: (corrupted - clean) . grad at the clean run."""
     hf, tok = tiny_llama.hf_model, tiny_llama.tokenizer
     c, k = (tok(x, return_tensors="pt")["input_ids"] for x in (CLEAN, CORRUPTED))
+    if direction == "noise":  # the reference below patches c's values into k's run
+        c, k = k, c
     t, f = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
-    est = attribution_patching(
-        tiny_llama, CLEAN, CORRUPTED, (t, f), sites=["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"], positions="all"
-    )
+    sites = ["embed", "1.mlp", "2.attn_out", "1.z", "1.heads"]
+    est = attribution_patching(tiny_llama, CLEAN, CORRUPTED, (t, f), sites=sites, positions="all", direction=direction)
     clean_sites, corr_sites = ref_sites(hf, c), ref_sites(hf, k)
     clean_pts, corr_pts = ref_points(hf, c), ref_points(hf, k)
     emb = hf.model.embed_tokens(k).detach().requires_grad_(True)
@@ -409,7 +448,7 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
         *per_head.tolist(),
     ]
     assert est["point"].tolist() == ["embed", *["1.z"] * 4, *["1.heads"] * 4, "1.mlp", "2.attn_out"]  # forward order
-    got = (est["metric"] - est["corrupted_metric"]).to_numpy()
+    got = (est["metric"] - est["corrupted_metric" if direction == "denoise" else "clean_metric"]).to_numpy()
     order = {p: i for i, p in enumerate(["embed", "1.mlp", "2.attn_out"])}
     lookup = [
         order[p] if p in order else (3 + int(h) if p == "1.z" else 7 + int(h))
@@ -418,6 +457,7 @@ def test_attribution_gradient_equals_autograd_through_transformers(tiny_llama):
     np.testing.assert_allclose(got, np.array(want)[lookup], rtol=1e-4, atol=1e-7)
     assert np.abs(got).min() > 1e-6  # none of them is trivially zero
     assert (est["method"] == "attribution").all() and list(est.columns) == PATCH_COLUMNS
+    assert (est["direction"] == direction).all()
 
 
 def test_attribution_agrees_with_exact_on_ioi(default_model):
@@ -459,9 +499,39 @@ def test_metric_helpers_and_callables(tiny_llama):
     for name, m in metrics.items():
         df = activation_patching(tiny_llama, CLEAN, CORRUPTED, m, sites="embed")
         assert df["clean_metric"].iloc[0] == pytest.approx(want[name], rel=1e-5), name
-    by_fn = activation_patching(tiny_llama, CLEAN, CORRUPTED, lambda lg: lg[:, -1, t] - lg[:, -1, f], sites="resid")
-    by_pair = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="resid")
-    np.testing.assert_allclose(by_fn["metric"], by_pair["metric"], rtol=0, atol=0)
+    # a function of the logits gets every position (no shared prefix) unless marked as reading the last one
+    seen = []
+
+    def diff(lg):
+        seen.append(lg.shape[1])
+        return lg[:, -1, t] - lg[:, -1, f]
+
+    kw = dict(sites="resid", positions="each")
+    by_fn = activation_patching(tiny_llama, CLEAN, CORRUPTED, diff, **kw)
+    n_pos = ids.shape[1]
+    assert set(seen) == {n_pos}
+    full = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), reuse_prefix=False, **kw)
+    np.testing.assert_allclose(by_fn["metric"], full["metric"], rtol=0, atol=0)
+    seen.clear()
+    marked = activation_patching(tiny_llama, CLEAN, CORRUPTED, last_position(diff), **kw)
+    by_pair = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), **kw)
+    assert min(seen) < n_pos  # the shared prefix: the recomputed positions only
+    np.testing.assert_allclose(marked["metric"], by_pair["metric"], rtol=0, atol=0)
+    with pytest.raises(InputError, match="marks a metric function"):
+        last_position(" Mary")
+
+
+def test_a_metric_of_an_earlier_position_reads_that_position(tiny_llama):
+    """A metric that reads position 3 sees the patched run there (full logits), as a plain forward
+    with the patch does: patches at position 3 and before move it, later ones leave it exactly."""
+    tok = tiny_llama.tokenizer
+    t = tok(" Mary", add_special_tokens=False)["input_ids"][0]
+    df = activation_patching(
+        tiny_llama, CLEAN, CORRUPTED, lambda lg: lg[:, 3, t], sites="embed,1.mlp", positions="each"
+    )
+    ref, _, corrupted = ref_table(tiny_llama, CLEAN, CORRUPTED, None, [0, 4], "each", metric_at=(3, t))
+    np.testing.assert_allclose(df["metric"], ref, rtol=0, atol=2e-6)
+    assert (df.loc[df["position"] > 3, "metric"] == corrupted).all()
 
 
 def test_bad_input(tiny_llama):
@@ -504,6 +574,13 @@ def test_aliases_name_the_same_points(tiny_llama):
     b = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="1.z,2.mlp_out,0.attn")
     assert a["point"].tolist() == b["point"].tolist() == ["0.attn", *["1.z"] * 4, "2.mlp_out"]
     np.testing.assert_array_equal(a["metric"], b["metric"])
+    # the stream's words: resid_pre of block l is the site before it, resid_mid l.attn, resid_post l.mlp
+    words = activation_patching(
+        tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="0.resid_pre,1.resid_pre,1.resid_mid,2.resid_post"
+    )
+    assert words["point"].tolist() == words["label"].tolist() == ["embed", "0.mlp", "1.attn", "2.mlp"]
+    with pytest.raises(InputError, match="'hook_embed' is TransformerLens's token embedding alone"):
+        activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), sites="hook_embed")
 
 
 # ----------------------------------------------------------------------------- plots and CLI
@@ -588,6 +665,18 @@ def test_cli_writes_table_and_figures(tiny_dir, tmp_path, monkeypatch, capsys):
     assert len(heads) == 2 * 3 * 4 * 14 and heads["head"].notna().all()
     assert pd.read_csv(out / "patching_by_site.csv")["metric"].to_numpy() == pytest.approx(sites["metric"].to_numpy())
     assert "Traceback" not in se and "Spearman" in so
+    # --direction noise: the corrupted values into the clean run, as the API computes them
+    noise = ["patch", "--sites", "resid", "--direction", "noise", "--no-plots", "--no-attribution", "--model", tiny_dir]
+    code, so, se = run_cli([*noise, "--out", tmp_path / "noise", "--threads", "1"], monkeypatch, capsys)
+    assert code == 0, se
+    got = pd.read_parquet(tmp_path / "noise" / "patching_by_site.parquet")
+    from depthscope.hooks import load_model
+
+    api = activation_patching(
+        load_model(str(tiny_dir)), CLEAN, CORRUPTED, (" Mary", " John"), sites="resid", direction="noise"
+    )
+    assert set(got["direction"]) == {"noise"} and len(got) == len(api) == 7
+    np.testing.assert_allclose(got["metric"], api["metric"], rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

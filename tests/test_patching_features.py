@@ -79,7 +79,12 @@ def test_feature_patches_equal_plain_hooks(llama, sae):
     assert len(still) == 2 and delta[moved[0]].abs() > 0.05
     df = patch_pairs(llama, [p], sites=SITE, positions="S2", saes={"1.mlp": sae}, features=moved + still)
     assert df["feature"].tolist() == moved + still and df["head"].isna().all() and (df["position"] == s2).all()
-    assert (df["kind"] == "sae.features").all() and (df["label"] == SITE).all() and (df["site"] == 4).all()
+    assert (
+        (df["kind"] == "sae.features").all()
+        and (df["point"] == SITE).all()
+        and (df["label"] == "1.mlp").all()
+        and (df["site"] == 4).all()
+    )
     for j in moved:
 
         def add(h, j=j):

@@ -93,7 +93,14 @@ def test_dataset_means_equal_the_plain_reference(tiny_llama):
         mean = np.mean([r[2][(int(row.layer), int(row.head))] for r in ref])
         assert row.metric == pytest.approx(mean, abs=1e-5)
         assert row.fraction_recovered == pytest.approx((mean - corrupted) / (clean - corrupted), abs=1e-4)
-        assert row.fraction_low <= row.fraction_recovered + 1e-9 <= row.fraction_high + 2e-9
+    # four pairs are too few for an interval: NaN, with its provenance and a note that says why
+    assert df[["fraction_low", "fraction_high"]].isna().all().all()
+    assert (
+        (df["ci_n"] == 4).all()
+        and (df["ci_unit"] == "pairs").all()
+        and (df["ci_method"].str.contains("bootstrap")).all()
+    )
+    assert any("rests on 4 pairs, fewer than 10" in n for n in df.attrs["notes"])
     # the prompts differ in length: the position index is not shared, its name is
     assert df["position"].isna().all() and (df["position_name"] == "last").all()
     assert (df["token"] == " to").all()  # every pair's last token is " to"
@@ -114,15 +121,24 @@ def test_per_pair_table_and_means(tiny_llama):
 
 
 def test_bootstrap_interval(tiny_llama):
-    # the same pair four times: every resample is the same dataset, so the interval is a point
-    same = activation_patching(tiny_llama, [PAIRS[0]] * 4, sites="1.attn")
+    # the same pair ten times: every resample is the same dataset, so the interval is a point
+    same = activation_patching(tiny_llama, [PAIRS[0]] * 10, sites="1.attn")
     row = same.iloc[0]
     assert row.fraction_low == pytest.approx(row.fraction_recovered, abs=1e-9)
     assert row.fraction_high == pytest.approx(row.fraction_recovered, abs=1e-9)
+    assert (row.ci_n, row.ci_unit) == (10, "pairs") and same.attrs["notes"] == []
     one = activation_patching(tiny_llama, PAIRS[:1], sites="1.attn")  # one pair: no interval
     assert np.isnan(one["fraction_low"]).all() and np.isnan(one["fraction_high"]).all()
-    many = activation_patching(tiny_llama, PAIRS, sites="resid")
-    assert (many["fraction_high"] - many["fraction_low"] > 0).any()
+    # ten pairs (the four distinct ones, repeated): an interval of some width around the estimate
+    ten = (PAIRS * 3)[:10]
+    many = activation_patching(tiny_llama, ten, sites="resid")
+    assert (many["fraction_high"] - many["fraction_low"] > 0).any() and (many["n_pairs"] == 10).all()
+    ok = many["fraction_low"].notna()
+    assert (many.loc[ok, "fraction_low"] <= many.loc[ok, "fraction_recovered"] + 1e-9).all()
+    assert (many.loc[ok, "fraction_recovered"] <= many.loc[ok, "fraction_high"] + 1e-9).all()
+    # nine are too few: the same means, no interval, and a note
+    nine = activation_patching(tiny_llama, ten[:9], sites="resid")
+    assert nine[["fraction_low", "fraction_high"]].isna().all().all() and len(nine.attrs["notes"]) == 1
 
 
 def test_named_positions_align_pairs_of_different_lengths(tiny_llama):
@@ -257,6 +273,32 @@ def test_dataset_arguments_are_checked(tiny_llama):
         activation_patching(tiny_llama, "missing.jsonl")
     with pytest.raises(InputError, match="give a corrupted prompt"):
         activation_patching(tiny_llama, PAIRS[0].clean)
+    for empty in ([], ()):
+        with pytest.raises(InputError, match="the pair list is empty"):
+            activation_patching(tiny_llama, empty)
+        with pytest.raises(InputError, match="the pair list is empty"):
+            attribution_patching(tiny_llama, empty)
+    with pytest.raises(InputError, match="unexpected keyword argument.*batch_tokens"):
+        attribution_patching(tiny_llama, PAIRS, batch_tokens=10)  # no batched forwards to bound
+    with pytest.raises(InputError, match="direction must be one of denoise, noise"):
+        activation_patching(tiny_llama, PAIRS, direction="both")
+
+
+def test_a_missing_named_position_names_the_pair_and_its_line(tiny_llama, tmp_path):
+    rows = [
+        {"clean": p.clean, "corrupted": p.corrupted, "target": p.target, "foil": p.foil, "positions": {"END": -1}}
+        for p in PAIRS[:3]
+    ]
+    del rows[1]["positions"]
+    rows[2]["positions"] = {"S2": 9, "END": -1}
+    path = tmp_path / "named.jsonl"
+    path.write_text("\n" + "\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")  # a blank first line
+    with pytest.raises(InputError, match=r"pair 1 \(named\.jsonl:3\) has no position 'END' \(it names no positions\)"):
+        activation_patching(tiny_llama, path, sites="embed", positions="END")
+    with pytest.raises(InputError, match=r"pair 0 \(named\.jsonl:2\) has no position 'S2' \(it names \['END'\]\)"):
+        patch_pairs(tiny_llama, path, sites="embed", positions="S2,END")
+    with pytest.raises(InputError, match=r"pair 1 has no position 'END'"):  # from a list: its index
+        activation_patching(tiny_llama, read_pairs(path)[:1] + [PAIRS[1]], sites="embed", positions="END")
 
 
 def test_cli_pairs_writes_means_and_per_pair_tables(tiny_llama_dir, tmp_path, monkeypatch, capsys):

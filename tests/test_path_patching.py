@@ -119,12 +119,12 @@ def direct_reference(model, pairs, senders):
 
 
 def _receiver_modules(hf, spec):
-    """(module, output columns or None) of each receiver ``<l>.q|k|v[.<h>]`` or ``<l>.mlp``."""
+    """(module, output columns or None) of each receiver ``<l>.q|k|v[.<h>]`` or ``<l>.mlp_in``."""
     out = []
     for name in spec.split(","):
         parts = name.split(".")
         layer = hf.model.layers[int(parts[0])]
-        if parts[1] == "mlp":
+        if parts[1] == "mlp_in":  # the MLP's input, replaced as its output (a function of the input alone)
             out.append((layer.mlp, None))
             continue
         proj = getattr(layer.self_attn, f"{parts[1]}_proj")
@@ -188,9 +188,12 @@ def path_reference(model, pairs, senders, receivers, freeze, last):
     return out
 
 
-def _check_means(df, ref, rows, atol=1e-4):
-    """The table's rows ``rows`` (one per reference sender, in order) against the reference means."""
+def _check_means(df, ref, rows, atol=1e-4, noise=False):
+    """The table's rows ``rows`` (one per reference sender, in order) against the reference means;
+    ``noise``: the reference ran on the flipped pairs (its first value is the corrupted metric)."""
     clean, corrupted = np.mean([r[0] for r in ref]), np.mean([r[1] for r in ref])
+    if noise:
+        clean, corrupted = corrupted, clean
     np.testing.assert_allclose(df["clean_metric"], clean, atol=1e-5)
     np.testing.assert_allclose(df["corrupted_metric"], corrupted, atol=1e-5)
     want = np.mean([r[2] for r in ref], axis=0)
@@ -207,7 +210,8 @@ def test_heads_to_logits_with_frozen_mlps_is_the_direct_path(tiny_llama, positio
     ref = direct_reference(tiny_llama, PAIRS, [("heads", layer, h) for layer, h in heads])
     assert list(zip(df["layer"], df["head"])) == heads
     assert (df["receiver"] == "logits").all() and (df["method"] == "path").all() and (df["n_pairs"] == 3).all()
-    assert (df["position_name"] == positions).all() and (df["point"] == df["label"]).all()
+    assert (df["position_name"] == positions).all() and (df["direction"] == "denoise").all()
+    assert (df["label"] == [f"{layer}.attn" for layer, _ in heads]).all() and (df["point"] != df["label"]).all()
     _check_means(df, ref, df.index)
     assert (df["fraction_recovered"].abs() > 1e-3).all()  # every head has some effect here
 
@@ -222,16 +226,19 @@ def test_sublayer_and_residual_senders_to_logits(tiny_llama):
     _check_means(df, direct_reference(tiny_llama, PAIRS, ref_senders), df.index)
     # the embedding differs at the swapped name only, which has no direct path to the last logits
     assert df["fraction_recovered"].iloc[0] == 0 and (df["fraction_recovered"].iloc[1:].abs() > 1e-3).all()
+    # the stream's TransformerLens words name the same sites (0.resid_post and 1.resid_pre are one)
+    words = path_patching(tiny_llama, PAIRS, "0.resid_pre,0.resid_mid,0.resid_post,1.resid_pre,2.resid_mid", "logits")
+    assert words["point"].tolist() == ["embed", "0.attn", "0.mlp", "2.attn"]
 
 
 @pytest.mark.parametrize(
     ("receivers", "freeze", "positions"),
-    [("2.q", False, "all"), ("2.q.1,2.k.1", True, "last"), ("2.mlp", False, "all"), ("2.mlp", True, "last")],
+    [("2.q", False, "all"), ("2.q.1,2.k.1", True, "last"), ("2.mlp_in", False, "all"), ("2.mlp_in", True, "last")],
 )
 def test_heads_to_queries_keys_and_mlps_equal_the_plain_reference(sharp_llama, receivers, freeze, positions):
     kw = dict(freeze_mlps=freeze, positions=positions)
     df = path_patching(sharp_llama, PAIRS, "heads", receivers, **kw)
-    mlp = receivers.endswith("mlp")
+    mlp = receivers.endswith("mlp_in")
     reach = df["layer"] < 2 if not mlp else df["layer"] <= 2
     senders = [(int(r.layer), int(r.head)) for r in df[reach].itertuples()]
     ref = path_reference(sharp_llama, PAIRS, senders, receivers, freeze, positions == "last")
@@ -244,24 +251,59 @@ def test_heads_to_queries_keys_and_mlps_equal_the_plain_reference(sharp_llama, r
         effect = (rows["metric"] - rows["corrupted_metric"]).to_numpy()
         np.testing.assert_allclose(effect, np.array(patched) - corrupted, rtol=1e-4, atol=1e-7)
         assert np.median(np.abs(effect)) > 1e-5  # well above the tolerance
-    # heads at or after the receivers reach none of them: exactly the corrupted value
+    # heads at or after the receivers reach none of them: not measured (NaN), and the notes say so
     late = df[~reach]
     assert len(late) == (4 if not mlp else 0)
-    assert (late["metric"] == late["corrupted_metric"]).all() and (late["fraction_recovered"] == 0).all()
+    assert late[["metric", "fraction_recovered", "fraction_low", "fraction_high"]].isna().all().all()
+    assert any("not measured" in n for n in df.attrs["notes"]) == (not mlp)
+    assert df.loc[reach, "metric"].notna().all()
+
+
+def _flipped(pairs):
+    """The pairs with their prompts exchanged: the plain references run the noise direction on them."""
+    return [PromptPair(p.corrupted, p.clean, p.target, p.foil) for p in pairs]
+
+
+@pytest.mark.parametrize(
+    ("receivers", "freeze", "positions"), [("logits", True, "last"), ("2.q", False, "all"), ("2.mlp_in", True, "last")]
+)
+def test_noise_direction_equals_the_plain_reference(sharp_llama, receivers, freeze, positions):
+    """direction="noise" (Wang et al.): the clean run with every head frozen at its clean value except
+    the sender, set to its corrupted value; the plain references run the same steps on the clean
+    prompt, i.e. on the pairs with their prompts exchanged."""
+    kw = dict(freeze_mlps=freeze, positions=positions)
+    df = path_patching(sharp_llama, PAIRS, "heads", receivers, direction="noise", **kw)
+    assert (df["direction"] == "noise").all() and len(df) == 12
+    if receivers == "logits":  # with frozen MLPs: the direct path, the clean final residual plus the delta
+        reach = df["layer"] >= 0
+        ref = direct_reference(
+            sharp_llama, _flipped(PAIRS), [("heads", int(r.layer), int(r.head)) for r in df.itertuples()]
+        )
+    else:
+        reach = df["layer"] < 2 if receivers == "2.q" else df["layer"] <= 2
+        senders = [(int(r.layer), int(r.head)) for r in df[reach].itertuples()]
+        ref = path_reference(sharp_llama, _flipped(PAIRS), senders, receivers, freeze, positions == "last")
+    _check_means(df, ref, df.index[reach], noise=True)
+    effect = df.loc[reach, "metric"] - df.loc[reach, "clean_metric"]
+    assert np.median(np.abs(effect)) > 1e-4  # noising moves the clean metric, well above the tolerance
+    assert df.loc[~reach, "metric"].isna().all()
+    # a different question from denoising: other values
+    denoise = path_patching(sharp_llama, PAIRS, "heads", receivers, **kw)
+    assert not np.allclose(denoise.loc[reach, "metric"], df.loc[reach, "metric"])
 
 
 def test_per_pair_rows_means_and_chunks(tiny_llama):
-    kw = dict(senders="0.heads,1.mlp_out", receivers="2.v,2.mlp", positions="all")
+    kw = dict(senders="0.heads,1.mlp_out", receivers="2.v,2.mlp_in", positions="all")
     per = path_patch_pairs(tiny_llama, PAIRS, **kw)
     assert per["pair"].tolist() == [0] * 5 + [1] * 5 + [2] * 5
-    assert (per["receiver"] == "2.v,2.mlp").all() and per.attrs["receivers"] == "2.v,2.mlp"
+    assert (per["receiver"] == "2.v,2.mlp_in").all() and per.attrs["receivers"] == "2.v,2.mlp_in"
     means = path_patching(tiny_llama, PAIRS, **kw)
     pd.testing.assert_frame_equal(means, mean_over_pairs(per, PATH_KEYS), check_exact=False, atol=1e-9)
     one_row = path_patch_pairs(tiny_llama, PAIRS, batch_tokens=1, **kw)  # every sender its own forward
     np.testing.assert_allclose(one_row["metric"], per["metric"], atol=1e-5)
     # the same receivers in another order and spelling are the same spec
-    again = path_patching(tiny_llama, PAIRS[:1], "0.heads.2", ["2.mlp", " 2.v", "2.v.1"])
-    assert again["receiver"].tolist() == ["2.v,2.mlp"]
+    again = path_patching(tiny_llama, PAIRS[:1], "0.heads.2", ["2.mlp_in", " 2.v", "2.v.1"])
+    assert again["receiver"].tolist() == ["2.v,2.mlp_in"]
 
 
 def test_same_last_token_embedding_gives_exactly_the_corrupted_value(tiny_llama):
@@ -285,7 +327,12 @@ def test_plot(tiny_llama, tmp_path):
     ("kw", "match"),
     [
         (dict(senders="2.heads.0", receivers="1.q"), r"sender\(s\) 2\.heads\.0 come at or after every receiver"),
-        (dict(senders="0.heads,2.mlp_out", receivers="2.mlp"), r"2\.mlp_out come at or after"),
+        (dict(senders="0.heads,2.mlp_out", receivers="2.mlp_in"), r"2\.mlp_out come at or after"),
+        (dict(receivers="2.mlp"), r"receiver '2\.mlp' is the residual stream after block 2.*'2\.mlp_in'"),
+        (dict(receivers="2.resid_post"), r"residual stream after block 2.*'2\.mlp_in'"),
+        (dict(senders="1.mlp_in"), r"'1\.mlp_in' \(mlp_in\) cannot be a sender"),
+        (dict(direction="backwards"), "direction must be one of denoise, noise"),
+        (dict(batch_token=10), r"unexpected keyword argument\(s\) \['batch_token'\]: path patching takes"),
         (dict(senders="heads", receivers="0.q"), "no sender comes before the receivers"),
         (dict(senders="3.heads"), r"unknown sender '3\.heads': layer 3 out of range"),
         (dict(senders="1.pattern"), r"'1\.pattern' \(pattern\) cannot be a sender"),
@@ -330,4 +377,16 @@ def test_cli_path_method_writes_means_pairs_and_heatmap(tiny_llama_dir, tmp_path
     assert (out / "path_patching_heads.png").is_file() and set(per["pair"]) == set(range(len(PAIRS)))
     api = path_patching(load_model(str(tiny_llama_dir)), PAIRS, "heads", "2.q", positions="all")
     np.testing.assert_allclose(means["fraction_recovered"], api["fraction_recovered"], atol=1e-6, equal_nan=True)
-    assert set(means["receiver"]) == {"2.q"}
+    assert set(means["receiver"]) == {"2.q"} and set(means["direction"]) == {"denoise"}
+    # --direction noise, to the MLP's input (the new word): the same as the API's noise direction
+    noise = ["--receivers", "2.mlp_in", "--direction", "noise", "--no-plots", "--out", tmp_path / "n", "--threads", "1"]
+    code, _, err = run_cli([*args[:-2], *noise], monkeypatch, capsys)
+    assert code == 0, err
+    got = pd.read_parquet(tmp_path / "n" / "path_patching.parquet")
+    api = path_patching(load_model(str(tiny_llama_dir)), PAIRS, "heads", "2.mlp_in", direction="noise")
+    assert set(got["direction"]) == {"noise"} and set(got["receiver"]) == {"2.mlp_in"}
+    np.testing.assert_allclose(got["metric"], api["metric"], atol=1e-6, equal_nan=True)
+    # the old spelling of the MLP receiver: a clear error with the new word, no traceback
+    old = ["--receivers", "2.mlp", "--out", tmp_path / "old", "--threads", "1"]
+    code, _, err = run_cli([*args[:-2], *old], monkeypatch, capsys)
+    assert code == 2 and "'2.mlp_in'" in err and "Traceback" not in err

@@ -196,6 +196,41 @@ def test_names_aliases_and_order():
     assert parse_points(None, 2) == []
 
 
+def test_stream_words_name_the_residual_sites(tiny_llama):
+    """l.resid_pre (the stream entering block l), l.resid_mid (= l.attn) and l.resid_post (= l.mlp),
+    wherever points and sites are parsed; model.run reads the same tensor under either name."""
+    from depthscope.hooks.sites import parse_site
+
+    for name, point in [
+        ("0.resid_pre", Point("embed", -1)),
+        ("2.resid_pre", Point("mlp", 1)),
+        ("2.resid_mid", Point("attn", 2)),
+        ("0.resid_post", Point("mlp", 0)),
+        (" 1.resid_mid ", Point("attn", 1)),
+    ]:
+        assert parse_point(name, 3) == point, name
+        assert parse_site(name, 3) == point.site == parse_site(point.name, 3), name
+    assert [p.name for p in parse_points(["1.resid_pre", "0.mlp", "0.resid_post"], 3)] == ["0.mlp"]
+    with pytest.raises(InputError, match=r"layer 3 out of range 0\.\.2"):
+        parse_point("3.resid_pre", 3)
+    with pytest.raises(KeyError, match="out of range"):
+        parse_site("3.resid_post", 3)
+    run = tiny_llama.run(TEXTS[:1], cache=["1.resid_pre", "0.mlp", "2.resid_mid"])
+    assert torch.equal(run["1.resid_pre"], run["0.mlp"]) and torch.equal(run["2.resid_mid"], run["2.attn"])
+
+
+def test_hook_embed_is_refused_with_what_to_use():
+    """TransformerLens's hook_embed is W_E[tokens] alone, not depthscope's embed (block 0's input:
+    plus position embeddings in GPT-2, their LayerNorm in BERT): refused, naming 'embed'."""
+    from depthscope.hooks.sites import parse_site
+
+    with pytest.raises(InputError, match=r"token embedding alone.*'embed' \(blocks\.0\.hook_resid_pre"):
+        parse_point("hook_embed", 3)
+    with pytest.raises(KeyError, match="token embedding alone"):
+        parse_site("hook_embed", 3)
+    assert parse_point("blocks.0.hook_resid_pre", 3) == parse_point("resid_pre0", 3) == Point("embed", -1)
+
+
 BAD_NAMES = ["3.pattern", "blocks.0.hook_pattern", "0.attention", "blocks.9.hook_attn_out", 99, "x"]
 
 

@@ -3,7 +3,10 @@
 ==================  =================================================================
 ``pairs.py``        :class:`PromptPair`, :func:`read_pairs` (JSONL), means over pairs
 ``prompts.py``      token metrics (:func:`logit_diff`, ...), tokenised pairs
-``runs.py``         the patch plan and the batched patched forwards both methods share
+``runs.py``         the patch plan, the batched patched forwards and the job every method
+                    shares (positions, token budget, direction: ``denoise`` | ``noise``)
+``results.py``      the tables every method returns: one pair's rows, the loop over pairs,
+                    the means over pairs with their notes
 ``patching.py``     :func:`activation_patching`, :func:`attribution_patching`
 ``paths.py``        :func:`path_patching` (Wang et al. 2022)
 ``config.py``       :class:`PatchConfig` (``depthscope patch``), :class:`CircuitConfig`
@@ -34,6 +37,7 @@ _EXPORTS = {
     "logit": "prompts",
     "prob": "prompts",
     "logprob": "prompts",
+    "last_position": "prompts",
     "activation_patching": "patching",
     "attribution_patching": "patching",
     "patch_pairs": "patching",

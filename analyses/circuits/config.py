@@ -18,9 +18,10 @@ class PatchConfig(Checked):
     (``activation`` patching, or ``path`` patching from ``senders`` to ``receivers``), the hook
     points (comma-separated names or group words; None: every residual site and every head, see
     :mod:`depthscope.analyses.jobs.patch`), the positions mode (``last`` | ``all`` | ``each`` |
-    names of positions the pairs give; None: a default per part), whether to add the attribution
-    estimate, the tokens per forward and the figures. Checked on construction; the fields declare
-    the ``patch`` options."""
+    names of positions the pairs give; None: a default per part), the ``direction`` (``denoise``:
+    clean values into the corrupted run; ``noise``: corrupted values into the clean run), whether
+    to add the attribution estimate, the tokens per forward and the figures. Checked on
+    construction; the fields declare the ``patch`` options."""
 
     clean: str = setting(
         IOI_CLEAN, "--clean", help="The clean prompt (default: the IOI example with 'John' as the giver)."
@@ -60,14 +61,14 @@ class PatchConfig(Checked):
     senders: str = setting(
         "heads",
         "--senders",
-        help="Path patching: whose clean output is sent ('heads', '<l>.heads', '<l>.heads.<h>', '<l>.mlp_out', "
-        "'<l>.attn_out', residual sites), comma-separated.",
+        help="Path patching: whose output is sent ('heads', '<l>.heads', '<l>.heads.<h>', '<l>.mlp_out', "
+        "'<l>.attn_out', the stream at residual sites: 'embed', '<l>.attn', '<l>.mlp'), comma-separated.",
     )
     receivers: str = setting(
         "logits",
         "--receivers",
         help="Path patching: where it is received, patched together: 'logits', or '<l>.q', '<l>.k', '<l>.v' "
-        "(every head of layer l, or '<l>.q.<h>' one head) and '<l>.mlp', comma-separated.",
+        "(every head of layer l, or '<l>.q.<h>' one head) and '<l>.mlp_in' (the MLP's input), comma-separated.",
     )
     freeze_mlps: bool = setting(
         False,
@@ -89,6 +90,14 @@ class PatchConfig(Checked):
         help="Comma-separated hook points or group words (e.g. 'embed,10.attn,23.heads' or "
         "'resid,attn_out,mlp_out,heads,z'). Default: every residual site and every attention head "
         "('resid,heads'), as in the README's IOI example.",
+    )
+    direction: str = setting(
+        "denoise",
+        "--direction",
+        choices=("denoise", "noise"),
+        help="denoise: patch clean values into the corrupted run (what an activation or path suffices to "
+        "restore); noise: corrupted values into the clean run (what the clean behaviour needs; Wang et al.'s "
+        "path patching). fraction_recovered is (patched - corrupted) / (clean - corrupted) either way.",
     )
     attribution: bool = setting(
         True,

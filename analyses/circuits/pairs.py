@@ -25,6 +25,10 @@ values ``c_i`` and ``k_i``, the dataset's fraction recovered is
 robust to pairs with a small gap, unlike the mean of per-pair ratios). Its interval is the
 percentile bootstrap over pairs (``BOOTSTRAP`` resamples, seed 0: the same table twice gives
 the same interval): pairs are resampled whole, so every patch of a resample uses the same pairs.
+Following :mod:`depthscope.analyses.intervals`, the interval names its n and method (``ci_n``,
+``ci_unit``, ``ci_method``) and is NaN below :data:`~depthscope.analyses.intervals.MIN_UNITS`
+pairs, with a sentence in ``df.attrs["notes"]`` that says why: a bootstrap over a handful of
+pairs can only resample those few and understates the uncertainty.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.common.errors import InputError
 
 __all__ = [
@@ -51,6 +56,10 @@ __all__ = [
 
 #: bootstrap resamples of the interval over pairs, and its level
 BOOTSTRAP, LEVEL = 1000, 0.95
+#: the interval's method, as its ``ci_method`` column names it
+CI_METHOD = f"percentile bootstrap over pairs, {BOOTSTRAP} resamples, seed 0"
+#: the columns a means table adds after the per-pair table's (the interval, its n and method)
+MEAN_COLUMNS = ["fraction_low", "fraction_high", "n_pairs", "ci_n", "ci_unit", "ci_method"]
 #: the most pairs one call reads (a bound on what a typed path can make depthscope hold)
 MAX_PAIRS = 1_000_000
 _FIELDS = ("clean", "corrupted", "target", "foil", "positions")
@@ -58,13 +67,15 @@ _FIELDS = ("clean", "corrupted", "target", "foil", "positions")
 
 @dataclass(frozen=True)
 class PromptPair:
-    """One clean/corrupted prompt pair with its metric tokens and optional named positions."""
+    """One clean/corrupted prompt pair with its metric tokens and optional named positions;
+    ``where`` (not compared) says where it was read from, for messages (``pairs.jsonl:5``)."""
 
     clean: str | Sequence[int]
     corrupted: str | Sequence[int]
     target: str | int | None = None
     foil: str | int | None = None
     positions: Mapping[str, int | Sequence[int]] | None = field(default=None, hash=False)
+    where: str | None = field(default=None, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "a pair") -> PromptPair:
@@ -104,7 +115,7 @@ def read_pairs(path) -> list[PromptPair]:
                 except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting past the stack
                     why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:80]}"
                     raise InputError(f"{p}:{n}: not a JSON object ({why})") from None
-                out.append(PromptPair.from_dict(obj, f"{p}:{n}"))
+                out.append(replace(PromptPair.from_dict(obj, f"{p}:{n}"), where=f"{p.name}:{n}"))
                 if len(out) > MAX_PAIRS:
                     raise InputError(f"{p}: more than {MAX_PAIRS} pairs; split the file")
     except UnicodeDecodeError as e:
@@ -176,8 +187,10 @@ def mean_over_pairs(per_pair: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
 
     ``keys``: the columns naming a patch (e.g. ``point, head, position_name``). ``metric``,
     ``clean_metric`` and ``corrupted_metric`` become means over pairs, ``fraction_recovered``
-    the ratio of means, ``fraction_low`` / ``fraction_high`` its bootstrap interval and
-    ``n_pairs`` the number of pairs; every other column keeps the value all pairs share (the
+    the ratio of means, ``fraction_low`` / ``fraction_high`` its bootstrap interval (NaN below
+    ``MIN_UNITS`` pairs, with a sentence in ``attrs["notes"]``), ``n_pairs`` the number of pairs
+    and ``ci_n``, ``ci_unit``, ``ci_method`` the interval's provenance; NaN patched values (not
+    measured) stay NaN. Every other column keeps the value all pairs share (the
     site columns, a position index or token when every pair has the same), missing otherwise.
     Rows come in the order of the patches' first appearance. Every patch must have exactly one
     row per pair (it raises otherwise). Keys the table does not have are left out (``feature``
@@ -203,7 +216,15 @@ def mean_over_pairs(per_pair: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
     out["clean_metric"], out["corrupted_metric"] = clean.mean(), corrupted.mean()
     gap = clean.mean() - corrupted.mean()
     out["fraction_recovered"] = (out["metric"] - corrupted.mean()) / gap if gap != 0 else np.nan
-    out["fraction_low"], out["fraction_high"] = _bootstrap(patched, clean, corrupted)
-    out["n_pairs"] = len(pairs)
-    order = [c for c in df.columns if c != "pair"] + ["fraction_low", "fraction_high", "n_pairs"]
-    return out[order].reset_index(drop=True)
+    n = len(pairs)
+    withheld = too_few(n)
+    nan = np.full(n_patches, np.nan)
+    out["fraction_low"], out["fraction_high"] = (nan, nan) if withheld else _bootstrap(patched, clean, corrupted)
+    out["n_pairs"] = n
+    for k, v in provenance(n, "pairs", CI_METHOD).items():
+        out[k] = v
+    order = [c for c in df.columns if c != "pair"] + MEAN_COLUMNS
+    out = out[order].reset_index(drop=True)
+    what = "the interval over pairs (fraction_low, fraction_high)"
+    out.attrs["notes"] = [too_few_note(n, "pairs", what)] if withheld else []
+    return out

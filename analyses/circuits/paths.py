@@ -19,7 +19,8 @@ offers                     what
 =========================  =====================================================================
 path_patching              the means over pairs: one row per sender, the table of
                            :func:`~depthscope.analyses.circuits.patching.activation_patching` on a
-                           dataset plus ``receiver`` (``method = "path"``)
+                           dataset plus ``receiver`` (``method = "path"``; the columns of
+                           :mod:`~depthscope.analyses.circuits.results`)
 path_patch_pairs           the per-pair rows those means come from (a ``pair`` column)
 parse_senders              the senders a ``senders`` argument names (:class:`Sender`)
 parse_receivers            the receivers a ``receivers`` argument names (:class:`Receiver`) and
@@ -28,22 +29,32 @@ PATH_COLUMNS, PATH_KEYS    the per-pair table's columns (without ``pair``); the 
                            one row across pairs (what the means group by)
 =========================  =====================================================================
 
+Directions. ``direction="denoise"`` (the default) is the above: clean senders into the corrupted
+run, every other head frozen at its corrupted value, measuring what a path suffices to restore.
+``direction="noise"`` is Wang et al.'s own: the same three steps on the clean prompt, every head
+frozen at its clean value except the sender, set to its *corrupted* value, measuring what the
+clean behaviour needs from that path. ``fraction_recovered`` is ``(patched - corrupted) / (clean
+- corrupted)`` either way: noising, 1 means the path carries nothing the behaviour needs.
+
 Senders: ``heads`` (every head of every layer), ``<l>.heads`` (every head of layer l, one row
 each), ``<l>.heads.<h>`` (one head), ``<l>.attn_out`` / ``<l>.mlp_out`` (a whole sublayer write;
-an MLP sender is set to its clean value, not frozen), and residual sites ``embed``, ``<l>.attn``,
-``<l>.mlp`` (the stream there set to clean; later heads, and MLPs with ``freeze_mlps``, frozen);
-a list or a comma-separated string. Receivers: ``logits``, or ``<l>.q``, ``<l>.k``, ``<l>.v``
-(every head of layer l: the per-head projection outputs before rotary embedding; ``k`` and ``v``
-count key/value heads), ``<l>.q.<h>`` (one head) and ``<l>.mlp`` (the MLP of layer l: its write
-is a function of its input only, so patching the write equals patching the input), all patched
-together in step 3.
+an MLP sender is set to its clean value, not frozen), and the stream at residual sites ``embed``,
+``<l>.attn``, ``<l>.mlp`` (or ``<l>.resid_pre``, ``<l>.resid_mid``, ``<l>.resid_post``: the stream
+there set to clean; later heads, and MLPs with ``freeze_mlps``, frozen); a list or a
+comma-separated string. Receivers: ``logits``, or ``<l>.q``, ``<l>.k``, ``<l>.v`` (every head of
+layer l: the per-head projection outputs before rotary embedding; ``k`` and ``v`` count key/value
+heads), ``<l>.q.<h>`` (one head) and ``<l>.mlp_in`` (the input of the MLP of layer l, replaced
+as the MLP's write: a function of its input only, so replacing the write equals replacing the
+input), all patched together in step 3. ``<l>.mlp`` is the stream after block l, a sender; as a
+receiver it is refused with the word to use (it once meant the MLP's input there).
 
 Order. A sender reaches a receiver only when the receiver comes after it in the forward (a head
 of layer l reaches the queries of layers > l and the MLPs of layers >= l). A sender named on its
 own (``2.heads``, ``1.mlp_out``...) that reaches no receiver is refused (:class:`InputError`), as
 is a call in which no sender reaches one; the group word ``heads`` keeps its heads at or after
-the receivers, whose rows hold exactly the corrupted value (fraction 0), so its heatmap stays
-whole. A sender whose clean value equals the corrupted one gives exactly the corrupted value too.
+the receivers as rows that are not measured (``metric`` and ``fraction_recovered`` NaN, with a
+note), so its heatmap keeps its shape. A sender whose source value equals the patched run's
+gives exactly the patched run's value (fraction 0 denoising, 1 noising).
 
 Positions (of the sender): ``"all"`` (default) every position, which needs clean and corrupted
 prompts of the same token length within each pair (pairs may differ from each other);
@@ -52,10 +63,10 @@ replaced at every position.
 
 Values. Every forward holds one row per sender plus a row 0 without any sender (all heads
 frozen, the receivers patched with that row's own step-2 values): a row's patched value is the
-corrupted metric plus its difference from row 0, so freezing's float rounding cancels. Rows go
+unpatched metric plus its difference from row 0, so freezing's float rounding cancels. Rows go
 through the model in chunks of ``batch_tokens`` tokens; memory holds one pair's cached writes
 and one chunk. ``fraction_recovered`` over pairs is ``(mean patched - mean corrupted) / (mean
-clean - mean corrupted)`` with a bootstrap interval
+clean - mean corrupted)`` with a bootstrap interval over pairs, NaN below 10 pairs
 (:func:`~depthscope.analyses.circuits.pairs.mean_over_pairs`).
 """
 
@@ -69,14 +80,11 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.circuits import runs
-from depthscope.analyses.circuits.pairs import as_pairs, mean_over_pairs
-from depthscope.analyses.circuits.patching import PATCH_COLUMNS
-from depthscope.analyses.circuits.prompts import TokenPair, describe_metrics, pair_fraction, token_texts, tokenize_pairs
+from depthscope.analyses.circuits.pairs import as_pairs
+from depthscope.analyses.circuits.prompts import TokenPair, tokenize_pairs
+from depthscope.analyses.circuits.results import PATCH_COLUMNS, add_note, means, run_pairs
 from depthscope.common.errors import InputError
-from depthscope.common.progress import progress_bar
-from depthscope.common.settings import TOKENS, check_number
 from depthscope.hooks.points import Point, parse_point
-from depthscope.hooks.sites import site_frame
 
 __all__ = [
     "path_patching",
@@ -93,11 +101,21 @@ __all__ = [
 POSITIONS = ("all", "last")
 PATH_COLUMNS = [*PATCH_COLUMNS, "receiver"]
 #: the columns naming one path patch across pairs (what :func:`mean_over_pairs` groups by)
-PATH_KEYS = ["point", "head", "position_name", "method", "receiver"]
+PATH_KEYS = ["point", "head", "position_name", "method", "direction", "receiver"]
+#: the keyword options of path patching and their defaults
+OPTIONS = {"direction": "denoise", "batch_tokens": 2048}
+#: the note of a table with senders at or after every receiver
+LATE = (
+    "senders at or after every receiver are not measured (metric and fraction_recovered NaN): no path "
+    "leads from them to the receivers"
+)
 SENDER_KINDS = ("embed", "heads", "attn_out", "attn", "mlp_out", "mlp")
 _HEAD = re.compile(r"^(.+)\.(\d+)$")
-_SENDERS = "'heads', '<l>.heads', '<l>.heads.<h>', '<l>.attn_out', '<l>.mlp_out', '<l>.attn', '<l>.mlp' or 'embed'"
-_RECEIVERS = "'logits', or '<l>.q', '<l>.k', '<l>.v', '<l>.q.<h>', '<l>.k.<h>', '<l>.v.<h>' and '<l>.mlp'"
+_SENDERS = (
+    "'heads', '<l>.heads', '<l>.heads.<h>', '<l>.attn_out', '<l>.mlp_out', or the stream at a residual site: "
+    "'embed', '<l>.attn', '<l>.mlp' (also '<l>.resid_pre', '<l>.resid_mid', '<l>.resid_post')"
+)
+_RECEIVERS = "'logits', or '<l>.q', '<l>.k', '<l>.v', '<l>.q.<h>', '<l>.k.<h>', '<l>.v.<h>' and '<l>.mlp_in'"
 
 
 @dataclass(frozen=True)
@@ -112,31 +130,34 @@ class Sender:
 
 @dataclass(frozen=True)
 class Receiver:
-    """One receiver: the hook point replaced in step 3 (``l.q``/``l.k``/``l.v``, or ``l.mlp_out``
-    for the MLP of layer l) and the head (None: every head of that point)."""
+    """One receiver: the hook point replaced in step 3 (``l.q``/``l.k``/``l.v``; for the MLP of
+    layer l, named ``l.mlp_in``, its write ``l.mlp_out``: a function of the MLP's input alone, so
+    replacing it equals replacing the input) and the head (None: every head of that point)."""
 
     point: Point
     head: int | None = None
 
     @property
     def name(self) -> str:
-        base = f"{self.point.layer}.mlp" if self.point.kind == "mlp_out" else self.point.name
+        base = f"{self.point.layer}.mlp_in" if self.point.kind == "mlp_out" else self.point.name
         return base if self.head is None else f"{base}.{self.head}"
 
 
 @dataclass(frozen=True)
-class _Job:
-    senders: list[Sender]
-    receivers: list[Receiver]  # empty: the logits
-    label: str  # the receivers' normalised spec
-    freeze_mlps: bool
-    positions: str
-    batch_tokens: int
+class _Job(runs.Job):
+    """What one call computes besides the shared settings: the senders, the receivers (empty: the
+    logits) and their normalised spec, and whether MLPs are frozen."""
+
+    senders: tuple[Sender, ...] = ()
+    receivers: tuple[Receiver, ...] = ()
+    label: str = "logits"
+    freeze_mlps: bool = False
 
 
 @dataclass(frozen=True)
 class _Acts:
-    """One pair's cached values (batch dropped), its patched cell and its metric values."""
+    """One pair's cached values (batch dropped), its patched cell and its metric values (written
+    for denoise: ``clean`` is the source run, ``corrupted`` the run patched)."""
 
     clean: dict[str, torch.Tensor]
     corrupted: dict[str, torch.Tensor]
@@ -217,10 +238,16 @@ def parse_receivers(model, receivers) -> tuple[list[Receiver], str]:
         except InputError as e:
             why = getattr(e, "why", "")
             raise InputError(f"unknown receiver {spec!r}{why}: receivers are {_RECEIVERS}") from None
-        if point.kind not in ("q", "k", "v", "mlp") or point.layer < 0:
+        if point.kind == "mlp":  # the word of the stream after block l, once also the MLP's input here
+            raise InputError(
+                f"receiver {spec!r} is the residual stream after block {point.layer}, not a receiver; the input of "
+                f"the MLP of layer {point.layer} is '{point.layer}.mlp_in' (the MLP receiver was once spelled "
+                f"'{point.layer}.mlp', which names the stream everywhere else)"
+            )
+        if point.kind not in ("q", "k", "v", "mlp_in") or point.layer < 0:
             raise InputError(f"{spec!r} ({point.kind}) cannot be a receiver: receivers are {_RECEIVERS}")
         _check_head(head, arch.n_heads if point.kind == "q" else arch.n_kv_heads or arch.n_heads, spec, "receiver")
-        point = Point("mlp_out", point.layer) if point.kind == "mlp" else point
+        point = Point("mlp_out", point.layer) if point.kind == "mlp_in" else point
         out[(point, head)] = Receiver(point, head)
     whole = {p for p, h in out if h is None}  # a whole layer's receiver covers its single heads
     kept = sorted((r for (p, h), r in out.items() if h is None or p not in whole), key=_receiver_order)
@@ -252,17 +279,19 @@ def _check_order(senders: list[Sender], receivers: list[Receiver], label: str) -
         raise InputError(f"no sender comes before the receivers ({label}): every value would be the corrupted one")
 
 
-def _job(model, senders, receivers, freeze_mlps, positions, batch_tokens) -> _Job:
+def _job(model, senders, receivers, freeze_mlps, positions, batch_tokens, direction) -> _Job:
     if positions not in POSITIONS:
         raise InputError(f"positions must be one of {', '.join(POSITIONS)} for path patching, got {positions!r}")
-    check_number("batch_tokens", batch_tokens, maximum=TOKENS)
+    runs.Job(positions, batch_tokens, direction)  # the shared settings, checked before the specs
     ss = parse_senders(model, senders)
     rs, label = parse_receivers(model, receivers)
     _check_order(ss, rs, label)
-    return _Job(ss, rs, label, bool(freeze_mlps), positions, int(batch_tokens))
+    return _Job(positions, int(batch_tokens), direction, tuple(ss), tuple(rs), label, bool(freeze_mlps))
 
 
 # ----------------------------------------------------------------------------- one pair
+# Written for the denoise direction (clean values into the corrupted run); results.measure hands
+# these functions the flipped pair for noise (see the runs module).
 def _capture(model, tp: TokenPair, job: _Job, cell: runs.Cell) -> _Acts:
     """Step 1: the heads' writes (MLP writes, the senders' points) of the clean and corrupted runs."""
     names = {f"{layer}.heads" for layer in range(model.n_layers)} | {s.point.name for s in job.senders}
@@ -281,14 +310,9 @@ def _cell_of(t: torch.Tensor, head: int | None, pos: int | None) -> torch.Tensor
     return t if pos is None else t[pos]
 
 
-def _unchanged(s: Sender, acts: _Acts) -> torch.Tensor:
-    """Whether the sender's clean value equals its corrupted one (so it changes nothing), as a
-    0-d bool tensor where the activations are (read back with the others by ``runs.to_host``)."""
-    a = _cell_of(acts.clean[s.point.name], s.head, acts.cell.cpos)
-    b = _cell_of(acts.corrupted[s.point.name], s.head, acts.cell.pos)
-    if a.shape != b.shape:
-        return torch.zeros((), dtype=torch.bool, device=a.device)
-    return (a == b).all()
+def _patch(s: Sender, cell: runs.Cell) -> runs.Patch:
+    """A sender as a patch of its point at the pair's cell (what the table and the unchanged check read)."""
+    return runs.Patch(runs.patch_point(s.point), cell, s.head)
 
 
 def _step2_hook(name: str, acts: _Acts, edits: list[tuple[int, int | None]], freeze: bool, stash: dict | None):
@@ -353,50 +377,32 @@ def _chunk_values(model, tp: TokenPair, job: _Job, acts: _Acts, chunk: list[Send
     return acts.corrupted_value + (out[1:] - out[0])
 
 
-def _pair_values(model, tp: TokenPair, job: _Job, cell: runs.Cell, bar) -> tuple[_Acts, np.ndarray]:
-    """One pair: its cached values and every sender's patched value (chunks of rows)."""
+def _pair_values(model, tp: TokenPair, job: _Job, bar):
+    """One pair: every sender's patched value (chunks of rows); senders that reach no receiver
+    are not measured (NaN). Returns (patches, values, clean value, corrupted value)."""
+    cell = runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions)[0]
     acts = _capture(model, tp, job, cell)
+    patches = [_patch(s, cell) for s in job.senders]
     values = np.full(len(job.senders), acts.corrupted_value)
-    same = runs.to_host([_unchanged(s, acts) for s in job.senders])
-    todo = [i for i, s in enumerate(job.senders) if _reaches(s, job.receivers) and not same[i]]
+    same = runs.to_host([runs.unchanged(p, acts.clean[p.point.name], acts.corrupted[p.point.name]) for p in patches])
+    reach = [_reaches(s, job.receivers) for s in job.senders]
+    values[~np.asarray(reach, dtype=bool)] = np.nan
+    todo = [i for i in range(len(job.senders)) if reach[i] and not same[i]]
     bar.update(len(job.senders) - len(todo))
     for rows, _ in runs.plan([0] * len(todo), tp.corrupted_ids.shape[1], job.batch_tokens):
         idx = [todo[r] for r in rows]
         values[idx] = _chunk_values(model, tp, job, acts, [job.senders[i] for i in idx])
         bar.update(len(idx))
-    return acts, values
+    return patches, values, acts.clean_value, acts.corrupted_value
 
 
-# ----------------------------------------------------------------------------- tables
-def _table(model, tp: TokenPair, job: _Job, acts: _Acts, values: np.ndarray) -> pd.DataFrame:
-    """One pair's rows, one per sender, in the columns of :data:`PATH_COLUMNS`."""
-    ss, cell, n = job.senders, acts.cell, len(job.senders)
-    df = site_frame([runs.landing_site(s.point) for s in ss], model.n_layers)
-    df["label"] = df["point"] = [s.point.name for s in ss]
-    df["kind"] = ["resid" if s.point.is_resid else s.point.kind for s in ss]
-    df["head"] = pd.array([s.head for s in ss], dtype="Int64")
-    df["position"] = pd.array([cell.pos] * n, dtype="Int64")
-    df["clean_position"] = pd.array([cell.cpos] * n, dtype="Int64")
-    df["position_name"] = cell.name
-    df["token"] = token_texts(model, tp.corrupted_ids)(cell.pos)
-    df["clean_token"] = token_texts(model, tp.clean_ids)(cell.cpos)
-    df["metric"] = np.asarray(values, dtype=float)
-    df["clean_metric"], df["corrupted_metric"] = acts.clean_value, acts.corrupted_value
-    df["fraction_recovered"] = pair_fraction(tp, acts.clean_value, acts.corrupted_value, df["metric"].to_numpy())
-    df["method"] = "path"
-    df["receiver"] = job.label
-    return df[PATH_COLUMNS]
-
-
-def _cells(tps: list[TokenPair], positions: str) -> list[runs.Cell]:
-    """Each pair's patched cell, checked before any forward (``all``: same lengths within a pair)."""
-    out = []
+def _cells(tps: list[TokenPair], job: _Job) -> None:
+    """Each pair's patched cell checked before any forward (``all``: same lengths within a pair)."""
     for tp in tps:
         try:
-            out.append(runs.pair_cells(tp.clean_ids, tp.corrupted_ids, positions)[0])
+            runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions)
         except InputError as e:
-            raise InputError(f"pair {tp.index}: {e}") from None
-    return out
+            raise InputError(f"{tp.where}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -409,30 +415,29 @@ def path_patch_pairs(
     positions: str = "all",
     *,
     metric=None,
-    batch_tokens: int = 2048,
+    **options,
 ) -> pd.DataFrame:
     """Path patching over a dataset of prompt pairs, one row per pair and sender (a ``pair`` column).
 
     ``pairs``: what :func:`~depthscope.analyses.circuits.pairs.as_pairs` accepts (PromptPairs, dicts,
     ``(clean, corrupted)`` tuples, a ``.jsonl`` path); each pair's ``target`` and ``foil`` make
     its metric, ``metric`` serves pairs without a target. ``senders``, ``receivers``,
-    ``freeze_mlps`` and ``positions`` as in the module docstring; ``batch_tokens`` bounds the
-    tokens of one forward. Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is the
-    patched value. :func:`path_patching` gives the means over pairs."""
+    ``freeze_mlps`` and ``positions`` as in the module docstring. ``options``: ``direction``
+    (``"denoise"``, the default, or ``"noise"``: see the module docstring) and ``batch_tokens``
+    (2048: the tokens of one forward). Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is
+    the patched value (NaN for a sender at or after every receiver: not measured).
+    :func:`path_patching` gives the means over pairs."""
     runs.require_decoder(model, "path patching")
-    job = _job(model, senders, receivers, freeze_mlps, str(positions), batch_tokens)
+    if isinstance(pairs, (list, tuple)) and not pairs:
+        raise InputError("the pair list is empty: give at least one prompt pair")
+    opts = runs.keyword_options(options, OPTIONS, "path patching")
+    job = _job(model, senders, receivers, freeze_mlps, str(positions), opts["batch_tokens"], opts["direction"])
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
-    cells = _cells(tps, job.positions)
-    tables = []
-    with progress_bar(len(job.senders) * len(tps), desc="path patching", unit="patch") as bar:  # closed on error too
-        for tp, cell in zip(tps, cells):
-            acts, values = _pair_values(model, tp, job, cell, bar)
-            t = _table(model, tp, job, acts, values)
-            t.insert(0, "pair", tp.index)
-            tables.append(t)
-    out = pd.concat(tables, ignore_index=True)
-    out.attrs.update(model=str(model.name), metric=describe_metrics(tps), positions=job.positions, method="path")
-    out.attrs.update(receivers=job.label, freeze_mlps=job.freeze_mlps, n_pairs=len(tps))
+    _cells([job.oriented(tp) for tp in tps], job)
+    out = run_pairs(model, tps, job, _pair_values, "path", total=len(job.senders), extra={"receiver": job.label})
+    out.attrs.update(receivers=job.label, freeze_mlps=job.freeze_mlps)
+    if not all(_reaches(s, job.receivers) for s in job.senders):
+        add_note(out, LATE)
     return out
 
 
@@ -445,18 +450,14 @@ def path_patching(
     positions: str = "all",
     *,
     metric=None,
-    batch_tokens: int = 2048,
+    **options,
 ) -> pd.DataFrame:
     """The means over pairs of :func:`path_patch_pairs`: one row per sender with ``metric``,
     ``clean_metric``, ``corrupted_metric`` means, ``fraction_recovered`` = ``(mean patched - mean
     corrupted) / (mean clean - mean corrupted)``, its 95% bootstrap interval over pairs
-    (``fraction_low``, ``fraction_high``) and ``n_pairs``; ``receiver`` holds the receivers'
-    normalised spec and ``method`` is ``"path"``. Arguments as in :func:`path_patch_pairs`."""
-    per_pair = path_patch_pairs(
-        model, pairs, senders, receivers, freeze_mlps, positions, metric=metric, batch_tokens=batch_tokens
-    )
-    out = mean_over_pairs(per_pair, PATH_KEYS)
-    out.attrs.update(per_pair.attrs)
-    if out["fraction_recovered"].isna().all():
-        out.attrs["notes"] = "mean clean and corrupted metrics are equal: fraction_recovered is undefined (NaN)"
-    return out
+    (``fraction_low``, ``fraction_high``; NaN below 10 pairs, the notes say why), ``n_pairs`` and
+    the interval's ``ci_n``, ``ci_unit``, ``ci_method``; ``receiver`` holds the receivers'
+    normalised spec, ``method`` is ``"path"`` and ``direction`` the direction. Arguments and
+    ``options`` (``direction``, ``batch_tokens``) as in :func:`path_patch_pairs`."""
+    per_pair = path_patch_pairs(model, pairs, senders, receivers, freeze_mlps, positions, metric=metric, **options)
+    return means(per_pair, PATH_KEYS)

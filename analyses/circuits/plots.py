@@ -78,8 +78,10 @@ def _positions(d: pd.DataFrame) -> pd.Series:
 
 
 def _title(df: pd.DataFrame, text: str) -> str:
-    """``text``, then the clean and corrupted metric values and the model, one per line."""
-    bits = [text]
+    """``text`` (with the direction when it is ``noise``), then the clean and corrupted metric
+    values and the model, one per line."""
+    noising = "direction" in df.columns and len(df) and (df["direction"] == "noise").all()
+    bits = [f"{text}, noising (corrupted values into the clean run)" if noising else text]
     metric = df.attrs.get("metric")
     if metric is None and "clean_metric" in df.columns:
         metric = "metric"
@@ -100,15 +102,15 @@ def plot_patching_sites(
     points left out), columns the patched positions labelled with their tokens (``clean→corrupted``
     where the prompts differ)."""
     what = "plot_patching_sites"
-    _need(df, ["site", "label", "head", "position", value], what)
+    _need(df, ["site", "point", "head", "position", value], what)
     d = _one_method(df, method, what)
     d = d[d["head"].isna()]
     if not len(d):
         raise InputError(f"{what}: only per-head rows; use plot_patching_heads")
     d = d.assign(_pos=_positions(d))
-    rows = list(dict.fromkeys(d.sort_values("site", kind="stable")["label"]))
+    rows = list(dict.fromkeys(d.sort_values("site", kind="stable")["point"]))  # forward order
     order = list(dict.fromkeys(d["_pos"]))  # the table's order: forward order of positions
-    grid = d.pivot_table(index="label", columns="_pos", values=value, aggfunc="first").reindex(rows)[order]
+    grid = d.pivot_table(index="point", columns="_pos", values=value, aggfunc="first").reindex(rows)[order]
     cols = d.drop_duplicates("_pos").set_index("_pos")
     xlabels = [_position_label(cols.loc[p]) for p in grid.columns]
     vals = grid.to_numpy(float)

@@ -9,6 +9,10 @@ logit_diff, logit,         its constructors
 prob, logprob
 bind_metric                ``fn(logits [batch, pos, vocab]) -> [batch]`` and a description from a
                            ``(target, foil)`` pair, a TokenMetric or any function of the logits
+last_position              mark a metric function as reading the last position only (so patching
+                           may hand it the logits of the recomputed positions only)
+reads_last_position        whether a metric reads the last position only: the token metrics, and
+                           functions marked by :func:`last_position`
 prompt_ids                 token ids ``[1, pos]`` of one prompt (a string or token ids), checked
                            against the vocabulary and the context
 TokenPair                  a :class:`~depthscope.analyses.circuits.pairs.PromptPair` as the model sees it
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +42,8 @@ __all__ = [
     "prob",
     "logprob",
     "bind_metric",
+    "last_position",
+    "reads_last_position",
     "prompt_ids",
     "TokenPair",
     "tokenize_pairs",
@@ -108,6 +114,31 @@ def _single_token(model, token, what: str) -> int:
     return model.token_id(token, what)
 
 
+#: the attribute that marks a metric function as reading the logits' last position only
+LAST_POSITION = "reads_last_position"
+
+
+def last_position(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn``, marked as reading the last position of its logits only (``logits[:, -1]``): patching
+    with a shared key/value prefix may then pass it the logits of the recomputed positions only,
+    which is faster; an unmarked function gets the logits of every position. Returns ``fn``."""
+    if not callable(fn):
+        raise InputError(f"last_position marks a metric function, got {type(fn).__name__}")
+    try:
+        setattr(fn, LAST_POSITION, True)
+    except (AttributeError, TypeError):
+        raise InputError(f"cannot mark {fn!r} (it takes no attributes); wrap it in a def") from None
+    return fn
+
+
+def reads_last_position(metric) -> bool:
+    """Whether a metric reads the last position only: a ``(target, foil)`` pair or a
+    :class:`TokenMetric` does, a function only when marked by :func:`last_position`."""
+    if isinstance(metric, TokenMetric) or (isinstance(metric, tuple) and len(metric) == 2):
+        return True
+    return getattr(metric, LAST_POSITION, False) is True
+
+
 def bind_metric(model, metric) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
     """(fn(logits [batch, pos, vocab]) -> [batch], description) from any accepted metric."""
     if isinstance(metric, tuple) and len(metric) == 2:
@@ -173,7 +204,9 @@ def prompt_ids(model, prompt: Prompt, what: str) -> torch.Tensor:
 class TokenPair:
     """A pair as the model sees it: ids ``[1, pos]`` on the model's device, the metric
     ``fn(logits [batch, pos, vocab]) -> [batch]`` and its description, named positions as
-    ``name -> (clean index, corrupted index)`` (non-negative), and its index in the dataset."""
+    ``name -> (clean index, corrupted index)`` (non-negative), its index in the dataset, whether
+    the metric reads the last position only (:func:`reads_last_position`) and where the pair
+    comes from in messages (``pair 3`` or ``pair 3 (pairs.jsonl:5)``)."""
 
     index: int
     clean_ids: torch.Tensor
@@ -181,6 +214,15 @@ class TokenPair:
     metric: Callable[[torch.Tensor], torch.Tensor]
     what: str
     positions: dict[str, tuple[int, int]] | None = None
+    last_only: bool = True
+    where: str = ""
+
+    def flipped(self) -> TokenPair:
+        """The pair with its prompts exchanged (clean <-> corrupted, named positions too): patching
+        the flipped pair's clean values into its corrupted run patches this pair's corrupted values
+        into its clean run (the ``noise`` direction)."""
+        named = {n: (k, c) for n, (c, k) in self.positions.items()} if self.positions else self.positions
+        return replace(self, clean_ids=self.corrupted_ids, corrupted_ids=self.clean_ids, positions=named)
 
 
 def _index(value, n_clean: int, n_corrupted: int, where: str) -> tuple[int, int]:
@@ -201,16 +243,18 @@ def _index(value, n_clean: int, n_corrupted: int, where: str) -> tuple[int, int]
 def tokenize_pairs(model, pairs: Sequence[PromptPair], metric=None) -> list[TokenPair]:
     """Token ids, metric and positions of each pair. A pair's own ``target`` (and ``foil``)
     make its metric; pairs without a target use ``metric`` (any metric patching accepts), and
-    it is an error when neither is there."""
+    it is an error when neither is there. Errors name the pair (its index, and its file and line
+    when it was read from one)."""
     shared = bind_metric(model, metric) if metric is not None else None
     out = []
     for i, p in enumerate(pairs):
-        where = f"pair {i}"
+        where = f"pair {i}" + (f" ({p.where})" if getattr(p, "where", None) else "")
         c, k = prompt_ids(model, p.clean, f"clean ({where})"), prompt_ids(model, p.corrupted, f"corrupted ({where})")
         if p.target is not None:
             fn, what = bind_metric(model, logit_diff(p.target, p.foil) if p.foil is not None else logprob(p.target))
+            last = True
         elif shared is not None:
-            fn, what = shared
+            (fn, what), last = shared, reads_last_position(metric)
         else:
             raise InputError(f"{where} has no target token and no metric was given")
         named = None
@@ -218,7 +262,7 @@ def tokenize_pairs(model, pairs: Sequence[PromptPair], metric=None) -> list[Toke
             named = {
                 str(n): _index(v, c.shape[1], k.shape[1], f"{where}, position {n!r}") for n, v in p.positions.items()
             }
-        out.append(TokenPair(i, c, k, fn, what, named))
+        out.append(TokenPair(i, c, k, fn, what, named, last, where))
     return out
 
 

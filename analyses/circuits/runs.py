@@ -1,21 +1,36 @@
 """How patches run: hook points as patched, positions per pair, editing hooks, batched forwards.
 
-The machinery under :mod:`depthscope.analyses.circuits.patching` (and path patching): a patch copies the
-clean run's activation at one hook point, position (and head) into one batch row of the
-corrupted prompt; many rows go through the model in one forward, each changed only by its own
-editing hook cells.
+The machinery under :mod:`depthscope.analyses.circuits.patching` and
+:mod:`~depthscope.analyses.circuits.paths` (and any method that patches one pair's activations,
+such as edge attribution): a patch copies the *source* run's activation at one hook point,
+position (and head) into one batch row of the *base* run; many rows go through the model in one
+forward, each changed only by its own editing hook cells.
+
+Directions. ``denoise`` (the default) patches clean values into the corrupted run: the source is
+the clean prompt, the base the corrupted one. ``noise`` patches corrupted values into the clean
+run (Wang et al.'s path patching). Every primitive here is written for ``denoise``, with the
+TokenPair's ``clean_ids`` as the source and ``corrupted_ids`` as the base; :meth:`Job.oriented`
+turns a pair round for ``noise`` (:meth:`~depthscope.analyses.circuits.prompts.TokenPair.flipped`)
+and :meth:`Cell.flipped` turns its cells back for the table. So a :class:`Cell`'s ``pos`` is the
+base run's position and ``cpos`` the source run's.
 
 ======================  ==========================================================================
 offers                  what
 ======================  ==========================================================================
+Job, DIRECTIONS         what one call computes, shared by every method: the positions mode, the
+                        token budget per forward and the direction (methods add their fields)
+keyword_options         a method's keyword options (``**options``) with their defaults, checked
 PatchPoint              a hook point as patched: its name, kind, the residual site its write lands
                         in, and which axes are the position and the head (``LAYOUT``)
+patch_point             the PatchPoint of a registry point
 parse_patch_points      the points a ``sites`` argument names (names, aliases, group words, the
                         sub-points of SAEs spliced in: ``6.mlp.sae.features``)
 require_decoder         refuse an encoder: patching measures next-token logits
 Cell, pair_cells        the positions patched in one pair: ``last``, ``all``, ``each`` or names
 Patch, make_patches     one patch (point, cell, head) and all of them for a pair (``features``: the
                         SAE features patched, by point)
+unchanged               whether a patch copies a value equal to the base run's (so it changes
+                        nothing and is not run)
 capture                 activations ``[...]`` (batch dropped) and logits of one prompt (SAEs spliced)
 landing_site            the residual site a hook point's write lands in
 to_host                 per-patch 0-d tensors (flags, estimates) read back in one transfer
@@ -48,13 +63,17 @@ from dataclasses import dataclass
 
 import torch
 
+from depthscope.analyses.circuits.prompts import TokenPair
 from depthscope.common.errors import InputError
+from depthscope.common.settings import TOKENS, check_number
 from depthscope.hooks.arch import cache_keyword, returned_cache
 from depthscope.hooks.engine import Engine, normalise_hooks
 from depthscope.hooks.points import REGISTRY, SUB_KINDS, Point, parse_point, parse_points
 from depthscope.hooks.sae_splice import SUB_POINTS, plan_splices, sub_name
 
 POSITIONS = ("last", "all", "each")
+#: the patching directions: clean values into the corrupted run, or corrupted values into the clean run
+DIRECTIONS = ("denoise", "noise")
 #: group words: every residual site, or one kind below the stream at every layer
 KINDS = ("resid", *SUB_KINDS)
 #: (position axis, head axis) of the kinds that are not ``[batch, pos, ...]``
@@ -69,6 +88,30 @@ FEATURES = "sae.features"
 #: kinds whose tensor spans every key position, cached ones included (no shared prefix)
 FULL_KEYS = ("rot_k",)
 _RANK = {s.kind: i for i, s in enumerate(REGISTRY)}
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one patching call computes, the part every method shares: the ``positions`` mode, the
+    tokens per forward (``batch_tokens``) and the ``direction`` (:data:`DIRECTIONS`). Each method
+    subclasses it with its own fields (the points patched, the senders and receivers...)."""
+
+    positions: str
+    batch_tokens: int = 2048
+    direction: str = "denoise"
+
+    def __post_init__(self) -> None:
+        check_number("batch_tokens", self.batch_tokens, maximum=TOKENS)
+        if self.direction not in DIRECTIONS:
+            raise InputError(
+                f"direction must be one of {', '.join(DIRECTIONS)} (denoise: clean values into the corrupted run; "
+                f"noise: corrupted values into the clean run), got {self.direction!r}"
+            )
+
+    def oriented(self, tp: TokenPair) -> TokenPair:
+        """The pair as the primitives see it: as given for ``denoise`` (clean is the source), its
+        prompts exchanged for ``noise`` (the corrupted prompt is the source)."""
+        return tp.flipped() if self.direction == "noise" else tp
 
 
 @dataclass(frozen=True)
@@ -104,7 +147,17 @@ def landing_site(point: Point) -> int:
     return 2 * point.layer + (1 if _RANK[point.kind] <= _RANK["attn"] else 2)
 
 
-def _patch_point(point: Point) -> PatchPoint:
+def keyword_options(kw: dict, defaults: dict, what: str) -> dict:
+    """``defaults`` updated by the keyword options ``kw``; an error names any that ``what`` does
+    not take (so a misspelt option is never ignored)."""
+    extra = sorted(set(kw) - set(defaults))
+    if extra:
+        raise InputError(f"unexpected keyword argument(s) {extra}: {what} takes {', '.join(defaults)} as keywords")
+    return {**defaults, **kw}
+
+
+def patch_point(point: Point) -> PatchPoint:
+    """The PatchPoint of a registry point (``kind`` ``resid`` for a residual site)."""
     kind = "resid" if point.is_resid else point.kind
     pos, head = LAYOUT.get(point.kind, (1, None))
     return PatchPoint(point.name, kind, landing_site(point), point.order, pos, head)
@@ -138,14 +191,14 @@ def _parse_one(name, n_layers: int, saes=None) -> list[PatchPoint]:
     if sae is not None:
         return [sae]
     if key == "resid":
-        return [_patch_point(p) for p in parse_points("resid", n_layers)]
+        return [patch_point(p) for p in parse_points("resid", n_layers)]
     if key in KINDS:
-        return [_patch_point(Point(key, layer)) for layer in range(n_layers)]
+        return [patch_point(Point(key, layer)) for layer in range(n_layers)]
     bad_layer = _out_of_range(key, n_layers)
     if bad_layer:
         raise InputError(bad_layer)
     try:
-        return [_patch_point(parse_point(key, n_layers))]
+        return [patch_point(parse_point(key, n_layers))]
     except InputError as e:
         raise InputError(f"{e}; group words (every layer): {', '.join(KINDS)}") from None
 
@@ -194,11 +247,17 @@ def parse_patch_points(model, sites, saes=None) -> list[PatchPoint]:
 @dataclass(frozen=True)
 class Cell:
     """A patched position of one pair: its ``name`` (``last``, ``all``, an index or a named
-    position), the corrupted position and the clean one (None, None: every position)."""
+    position), the base run's position ``pos`` and the source run's ``cpos`` (None, None: every
+    position). In the ``denoise`` direction, and in the tables, those are the corrupted and the
+    clean position."""
 
     name: str
     pos: int | None
     cpos: int | None
+
+    def flipped(self) -> Cell:
+        """The cell with its two positions exchanged (a ``noise`` cell as the table reads it)."""
+        return Cell(self.name, self.cpos, self.pos)
 
 
 def pair_cells(clean: torch.Tensor, corrupted: torch.Tensor, positions: str, named=None) -> list[Cell]:
@@ -250,6 +309,22 @@ def make_patches(
             heads = _checked_features(pt.name, features[pt.name], len(heads))
         out += [Patch(pt, c, h) for c in cells for h in heads]
     return out
+
+
+def unchanged(patch: Patch, source: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Whether a patch copies a value equal to the base run's at its cells (so it changes nothing:
+    its value is exactly the base run's, with no forward), as a 0-d bool tensor on the activations'
+    device (read back with the others by :func:`to_host`). ``source``, ``base``: the point's
+    activations of the two runs, batch dropped."""
+    pt, c = patch.point, patch.cell
+    a, b = axes_first(source, pt, batch=False), axes_first(base, pt, batch=False)
+    if c.pos is not None:
+        a, b = a[c.cpos], b[c.pos]
+    if patch.head is not None:
+        a, b = (a[patch.head], b[patch.head]) if c.pos is not None else (a[:, patch.head], b[:, patch.head])
+    if a.shape != b.shape:
+        return torch.zeros((), dtype=torch.bool, device=a.device)
+    return (a == b).all()
 
 
 def _checked_features(name: str, wanted, n: int) -> list[int]:

@@ -15,8 +15,8 @@ from depthscope.analyses.jobs.configs import PatchConfig
 from depthscope.common.settings import build
 
 PATCH = options(
-    "clean corrupted target foil pairs method senders receivers freeze_mlps positions sites attribution batch_tokens "
-    "threads plots model device dtype out force",
+    "clean corrupted target foil pairs method senders receivers freeze_mlps positions sites direction attribution "
+    "batch_tokens threads plots model device dtype out force",
     PatchConfig,
 )
 
@@ -47,6 +47,7 @@ def patch(o) -> None:
     holds the means over pairs with bootstrap intervals, patching_pairs the
     rows per pair. --method path: path patching from --senders to
     --receivers, other heads frozen (path_patching[_pairs].parquet).
+    --direction noise patches corrupted values into the clean run instead.
     """
     from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
 

@@ -31,7 +31,7 @@ from rich.table import Table
 from scipy.stats import spearmanr
 
 from depthscope.analyses.circuits import plots
-from depthscope.analyses.circuits.pairs import mean_over_pairs, read_pairs
+from depthscope.analyses.circuits.pairs import read_pairs
 from depthscope.analyses.circuits.patching import (
     PAIR_KEYS,
     activation_patching,
@@ -40,6 +40,8 @@ from depthscope.analyses.circuits.patching import (
     logprob,
     patch_pairs,
 )
+from depthscope.analyses.circuits.results import add_note
+from depthscope.analyses.circuits.results import means as pair_means
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import PatchConfig
 
@@ -88,11 +90,13 @@ def _pair_job(model, config: PatchConfig, out: Output) -> JobResult:
     calls, note = _plan(model, config)
     exact, estimate = [], []
     for sites, positions in calls:
-        exact.append(activation_patching(*args, sites=sites, positions=positions, batch_tokens=config.batch_tokens))
+        kw = dict(sites=sites, positions=positions, direction=config.direction)
+        exact.append(activation_patching(*args, batch_tokens=config.batch_tokens, **kw))
         if config.attribution:
-            estimate.append(attribution_patching(*args, sites=sites, positions=positions))
+            estimate.append(attribution_patching(*args, **kw))
     attrs = dict(exact[0].attrs)
     attrs["positions"] = ", ".join(dict.fromkeys(e.attrs["positions"] for e in exact))
+    attrs["notes"] = list(dict.fromkeys(n for t in exact + estimate for n in t.attrs.get("notes", [])))
     everything = pd.concat(exact + estimate, ignore_index=True)
     everything.attrs.update(attrs)
     per_head = everything["head"].notna()
@@ -103,7 +107,7 @@ def _pair_job(model, config: PatchConfig, out: Output) -> JobResult:
         t.attrs.update(attrs)
         tables[TABLES[part]] = t
         out.table(t, TABLES[part])
-    summary = _summary(model, everything, parts, "; ".join(n for n in (note, attrs.get("notes", "")) if n))
+    summary = _summary(model, everything, parts, "; ".join(n for n in (note, *attrs["notes"]) if n))
     if config.attribution:
         summary["spearman_attribution_vs_exact"] = {part: _spearman(everything[rows]) for part, rows in parts.items()}
     if config.plots:
@@ -210,23 +214,22 @@ def _dataset_job(model, config: PatchConfig, out: Output) -> JobResult:
     pairs = read_pairs(config.pairs)
     per = []
     for sites, positions in _dataset_calls(config, pairs):
-        kw = dict(sites=sites, positions=positions)
+        kw = dict(sites=sites, positions=positions, direction=config.direction)
         per.append(patch_pairs(model, pairs, batch_tokens=config.batch_tokens, **kw))
         if config.attribution:
             per.append(patch_pairs(model, pairs, method="attribution", **kw))
     per_pair = pd.concat(per, ignore_index=True)
     per_pair.attrs.update(per[0].attrs, positions=", ".join(dict.fromkeys(p.attrs["positions"] for p in per)))
-    means = mean_over_pairs(per_pair, PAIR_KEYS)
-    means.attrs.update(per_pair.attrs)
+    means = pair_means(per_pair, PAIR_KEYS)
     per_head = means["head"].notna()
     parts = {part: rows for part, rows in (("sites", ~per_head), ("heads", per_head)) if rows.any()}
     rhos = {part: _spearman(means[rows]) for part, rows in parts.items()} if config.attribution else {}
-    notes = [f"attribution vs exact, {part}: Spearman {rho:.3f}" for part, rho in rhos.items() if rho is not None]
-    if notes:
-        means.attrs["notes"] = "; ".join(notes)
+    for part, rho in rhos.items():
+        if rho is not None:
+            add_note(means, f"attribution vs exact, {part}: Spearman {rho:.3f}")
     out.table(means, "patching")
     out.table(per_pair, "patching_pairs")
-    summary = _summary(model, means, parts, means.attrs.get("notes", ""))
+    summary = _summary(model, means, parts, "; ".join(means.attrs["notes"]))
     summary["n_pairs"] = len(pairs)
     if rhos:
         summary["spearman_attribution_vs_exact"] = rhos
@@ -258,13 +261,12 @@ def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
         pairs = read_pairs(config.pairs)
     else:
         pairs = [PromptPair(config.clean, config.corrupted, config.target, config.foil)]
-    kw = dict(positions=config.positions or "all", batch_tokens=config.batch_tokens)
+    kw = dict(positions=config.positions or "all", batch_tokens=config.batch_tokens, direction=config.direction)
     per_pair = path_patch_pairs(model, pairs, config.senders, config.receivers, config.freeze_mlps, **kw)
-    means = mean_over_pairs(per_pair, PATH_KEYS)
-    means.attrs.update(per_pair.attrs)
+    means = pair_means(per_pair, PATH_KEYS)
     out.table(means, "path_patching")
     out.table(per_pair, "path_patching_pairs")
-    summary = _summary(model, means, {"senders": means["method"].notna()}, "")
+    summary = _summary(model, means, {"senders": means["method"].notna()}, "; ".join(means.attrs["notes"]))
     summary["n_pairs"], summary["receivers"] = len(pairs), config.receivers
     if config.plots and means["head"].notna().any():
         out.figure(plot_path_patching, means, name="path_patching_heads")
