@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import BATCH, Checked, Limit, comma_list, setting
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
@@ -105,16 +106,11 @@ class CausalConfig(Checked):
 @dataclass(frozen=True)
 class LayersConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.layers.layers_job` computes: every block skipped and
-    every pair of neighbouring blocks swapped, scored on the text (``source``: its name, recorded
-    in the summary). Checked on construction; the fields declare the ``layers`` options."""
+    every pair of neighbouring blocks swapped, scored on the text read under ``text`` (the BOS
+    rule, window, stride and caps every free-text analysis shares); ``source``: its name, recorded
+    in the summary. Checked on construction; the fields declare the ``layers`` options."""
 
-    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Lines per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=2,
-        help="Split lines into windows of at most this many tokens (default min(context, 512)).",
-    )
-    max_docs: int | None = setting(None, "--max-docs", min=1, help="Use only the first this many lines of the text.")
+    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Windows per forward pass.")
+    text: TextWindows = setting(factory=TextWindows)
     progress: bool = False
     source: str | None = None
