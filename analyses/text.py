@@ -251,6 +251,21 @@ class RowReader:
             )
         self.end, self.n_tokens, self.n_docs = start, 0, 0
 
+    def n_windows(self, n: int) -> int:
+        """The windows of a document of ``n`` tokens (as the tokenizer makes them)."""
+        body = n - (1 if self.lead.own and n else 0)
+        return 0 if body <= 0 else 1 + max(0, -(-(body - self.body) // self.stride))
+
+    def positions(self, n: int) -> int:
+        """The counted positions of a document of ``n`` tokens (as the tokenizer makes them), before
+        any cap: each row's from its ``first`` on."""
+        body, k, lead = n - (1 if self.lead.own and n else 0), self.n_windows(n), self.lead.length
+        if k == 0:
+            return 0
+        if self.stride == self.body:  # no overlap: every row counts from position ``skip``
+            return body + k * (lead - self.skip)
+        return body + lead - self.skip  # later windows count only their new tokens
+
     def __iter__(self) -> Iterator[Row]:
         cap = self.text.max_tokens
         d0, offset = self.start

@@ -108,3 +108,19 @@ def test_one_clean_loss_in_layers_causal_and_sae_evaluation(llama, text):
         assert causal == pytest.approx(_hf_loss(llama, held.rows), abs=1e-5)
     if text.max_tokens is not None:
         assert held.n_tokens == text.max_tokens
+
+
+@pytest.mark.parametrize(
+    "text", [TextWindows(window=8), TextWindows(window=8, stride=3), TextWindows(window=8, bos=False)], ids=str
+)
+@pytest.mark.parametrize("skip", [0, 1])
+def test_the_reader_counts_positions_without_reading(llama, text, skip):
+    """What a progress bar's total and the split note read: each document's windows and counted
+    positions from its token count alone, as the rows have them."""
+    from depthscope.analyses.text import RowReader
+
+    reader = RowReader(llama, [], text, skip=skip)
+    for d in DOCS:
+        rows = text_rows(llama, [d], text, skip=skip, need=False)
+        n = len(llama.tokenizer(d)["input_ids"]) if d else 0
+        assert reader.positions(n) == rows.n_tokens and reader.n_windows(n) == len(set(rows.window.tolist())), d

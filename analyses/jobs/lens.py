@@ -60,16 +60,12 @@ def token_counts(model, docs: Sequence[str]) -> list[int]:
 def split_note(model, docs: Sequence[str], text: TextWindows, counts: Sequence[int] | None = None) -> str | None:
     """Say how many documents are longer than a window under ``text`` (they are split, not truncated)."""
     reader = RowReader(model, [], text)  # the window, its leading token and the stride, for this tokenizer
-    own = 1 if reader.lead.own else 0
-    long_docs, pieces = 0, 0
-    for n in counts if counts is not None else token_counts(model, docs):
-        if n - own > reader.body:
-            long_docs += 1
-            pieces += 1 + -(-(n - own - reader.body) // reader.stride)
+    pieces = [reader.n_windows(n) for n in (counts if counts is not None else token_counts(model, docs))]
+    long_docs = sum(k > 1 for k in pieces)
     if long_docs:
         return (
-            f"{long_docs} document(s) longer than the {reader.window}-token window were split into {pieces} windows "
-            f"(each window starts a fresh context)"
+            f"{long_docs} document(s) longer than the {reader.window}-token window were split into "
+            f"{sum(k for k in pieces if k > 1)} windows (each window starts a fresh context)"
         )
     return None
 
@@ -82,7 +78,8 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
     kw = dict(sites=config.sites, batch_size=config.batch_size, first_position=config.first_position)
     counts = token_counts(model, docs)
-    big = dict(text=config.text, progress=config.progress, total=sum(counts) + len(counts))
+    reader = RowReader(model, [], config.text, skip=0 if config.first_position else 1)
+    big = dict(text=config.text, progress=config.progress, total=sum(reader.positions(n) for n in counts))
     by_site = site_first(
         pd.concat(
             [logit_lens(model, docs, lens=lens, **big, **kw) for lens in lenses],

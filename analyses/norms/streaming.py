@@ -80,6 +80,14 @@ def norm_batches(model, inputs, batch_size, window, max_tokens, mask=None, text:
     return _limited(token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask), max_tokens)
 
 
+def window_keywords(kw: dict) -> tuple[int | None, int | None]:
+    """``(window, max_tokens)`` of an analysis' keyword shorthand; any other keyword is a TypeError."""
+    unknown = sorted(set(kw) - {"window", "max_tokens"})
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+    return kw.get("window"), kw.get("max_tokens")
+
+
 def text_settings(inputs, text: TextWindows | None) -> TextWindows | None:
     """How a dataset-level norms analysis reads ``inputs``: documents under ``text`` (None: the
     defaults every free-text analysis shares); token ids as they are (None)."""
