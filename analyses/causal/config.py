@@ -28,8 +28,9 @@ WORD_POOLINGS = ("last", "first", "mean")
 class CausalConfig(Checked):
     """What :func:`~depthscope.analyses.causal.used.causal_tests` runs: ``tasks`` (None: ``upos``),
     ``train`` / ``test`` (None: the bundled EWT sample), ``text`` (a plain-text file, one
-    document per line, for the model's loss; None: the test sentences) of which whole documents
-    up to ``max_text_tokens`` predicted tokens are used (None: all), ``controls`` seeded
+    document per line, for the model's loss; None: the test sentences) of which the first
+    ``max_text_tokens`` predicted tokens are used, cut inside a document (None: all; read as
+    every free-text analysis reads text, :func:`~depthscope.analyses.causal.loss.held_out`), ``controls`` seeded
     random erasures of the same rank per site, ``bootstrap`` resamples of the held-out documents
     for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
     extraction and data settings of ``depthscope probe``. Checked on construction (the data
@@ -62,8 +63,8 @@ class CausalConfig(Checked):
         None,
         "--max-text-tokens",
         min=1,
-        help="Use the held-out documents, in order, until this many predicted tokens (default: all); each site "
-        "costs 1 + --controls passes over them.",
+        help="Use the first this many predicted tokens of the held-out text, cut inside a document (default: all); "
+        "each site costs 1 + --controls passes over them.",
     )
     controls: int = setting(
         3,
