@@ -141,3 +141,41 @@ def test_attaching_an_sae_checks_it_against_the_point(llama, tmp_path, caplog):
     assert "recorded for" not in caplog.text
     with pytest.raises(InputError, match="not an SAE"):
         evaluate_sae(llama, "sae", DOCS)
+
+
+def test_a_transcoder_is_spliced_where_it_writes(llama):
+    """A transcoder reads the MLP's input and writes its output: the spliced and zero-ablated losses
+    against a hook on the MLP module, the variance explained of the MLP's output."""
+    tc = random_sae(llama.d_model, 40, "transcoder", hook_name="blocks.1.ln2.hook_normalized")
+    rows = held_out(llama, DOCS).rows
+    recon = lambda x: hand_encode(tc, x) @ tc.W_dec + tc.b_dec  # noqa: E731
+    mlp = llama.hf_model.model.layers[1].mlp
+    edits = {"spliced": lambda x, out: recon(x), "zero": lambda x, out: torch.zeros_like(out)}
+    loss, outs, errs, n = dict.fromkeys(edits, 0.0), [], [], 0
+    for r in rows:
+        for k, edit in edits.items():
+            seen = []
+
+            def hook(mod, args, out, edit=edit, seen=seen):
+                new = out.clone()
+                new[:, 1:] = edit(args[0][:, 1:], out[:, 1:])
+                seen.append((out[0, 1:], (out - recon(args[0]))[0, 1:]))
+                return new
+
+            h = mlp.register_forward_hook(hook)
+            try:
+                with torch.no_grad():
+                    logits = llama.hf_model(input_ids=torch.as_tensor(r)[None]).logits[0]
+            finally:
+                h.remove()
+            loss[k] += float(_nll(logits, r))
+        outs.append(seen[0][0])  # the clean MLP output (block 1 is reached before any edit)
+        errs.append(seen[0][1])
+        n += len(r) - 1
+    got = evaluate_sae(llama, tc, DOCS).iloc[0]
+    assert got["point"] == "1.mlp_in" and got["eval_tokens"] == n
+    assert got["loss_spliced"] == pytest.approx(loss["spliced"] / n, abs=1e-5)
+    assert got["loss_zero"] == pytest.approx(loss["zero"] / n, abs=1e-5)
+    y, e = torch.cat(outs).double(), torch.cat(errs).double()
+    want = 1 - float(e.pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    assert got["variance_explained"] == pytest.approx(want, rel=1e-6)
