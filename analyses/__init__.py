@@ -18,6 +18,9 @@ _SHARED = {
     "write_table": "tables",
     "read_documents": "text",
     "token_batches": "text",
+    "text_rows": "text",
+    "TextRows": "text",
+    "TextWindows": "text_settings",
     "sae_train_job": "jobs.sae",
 }
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tokenize
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +173,7 @@ def load_array(path, record, verify: bool = True, shape: tuple | None = None, dt
     if problem is None:
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SyntaxError, tokenize.TokenError) as e:  # a damaged header: numpy parses it
             problem = f"{path} is not a readable .npy file ({type(e).__name__}: {e})"
     if problem is None and shape is not None and tuple(arr.shape) != tuple(shape):
         problem = f"{path} holds an array of shape {tuple(arr.shape)}, not the {tuple(shape)} recorded"

@@ -11,7 +11,7 @@ What it shows
 
 Outputs (in ``--out``)
     saes/<site>/                      cfg.json + sae_weights.safetensors per site (sae_lens loads them)
-    sae_metrics.csv / .parquet        variance explained, L0, dead latents, loss recovered per site
+    sae_metrics.csv / .parquet        variance explained, L0, dead latents, CE loss scores, KL per site
     sparse_probing.csv / .parquet     one row per (site, k): accuracy, dense accuracy, majority
     sparse_probing_tags.csv / .parquet  one row per (site, tag, k): F1 and the best single feature
     sparse_probing.png                accuracy against depth, one line per k, the dense probe beside
@@ -81,7 +81,7 @@ def main(argv=None):
         saes[site] = load_sae(out / "saes" / site / "sae")
         metrics.append(res.metrics)
         row = res.metrics.iloc[0]
-        print(f"{site}: variance explained {row.variance_explained:.2f}, loss recovered {row.loss_recovered:.2f}")
+        print(f"{site}: variance explained {row.variance_explained:.2f}, CE loss score {row.ce_loss_score:.2f}")
     write_table(pd.concat(metrics, ignore_index=True), out, "sae_metrics")
 
     # 2. Sparse probing per depth, beside the dense probe.

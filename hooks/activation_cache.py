@@ -23,7 +23,11 @@ Layout of a store ``DIR`` (readable with numpy alone, see ``docs/cache.md``)::
     DIR/chunks/000000/<point>.npy          float32 [n, ...]: e.g. 12.attn.npy [n, d_model]
 
 Chunk ``k`` holds the documents ``chunks[k]["documents"]`` (a half-open range) and the rows
-``chunks[k]["rows"]`` of every point. Activations are stored as float32 whatever the model's
+``chunks[k]["rows"]`` of every point. Documents are texts (tokenized as the tokenizer does) or
+token-id sequences (``depthscope cache`` passes the windows of
+:func:`depthscope.analyses.text.text_rows`, each a document of the store); ``first`` (one per
+document) leaves its leading positions out of the store: context the model reads, stored for no
+one (the overlap of a window with the one before). Activations are stored as float32 whatever the model's
 dtype (float32, float16 and bfloat16 values convert exactly; numpy has no bfloat16). The
 manifest records each file's size and sha256 and a sha256 of itself
 (:mod:`depthscope.common.shards`, the format of the probes' activation store too). Each file is
@@ -57,7 +61,7 @@ from depthscope.hooks.attention import ATTENTION_KINDS
 from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import Point, parse_point, parse_points
 
-__all__ = ["Activations", "CacheSettings", "open_activations", "write_activations"]
+__all__ = ["Activations", "CacheSettings", "cache_points", "open_activations", "write_activations"]
 
 FORMAT = "depthscope-activations"
 VERSION = 1
@@ -170,16 +174,20 @@ def _cacheable(points: list[Point]) -> list[Point]:
 
 
 def _tokens(model, texts) -> list[np.ndarray]:
-    """Each document's token ids (as ``model.tokenize`` makes them, without padding)."""
+    """Each document's token ids: strings as ``model.tokenize`` makes them (without padding),
+    token-id sequences as they are (checked against the vocabulary)."""
     if isinstance(texts, str):
         texts = [texts]
     texts = list(texts) if isinstance(texts, (list, tuple)) else None
-    if not texts or any(not isinstance(t, str) or not t for t in texts):
-        raise InputError("cache_to needs documents: a non-empty list of non-empty strings")
-    if model.tokenizer is None:
-        raise InputError("this model has no tokenizer: load_model(..., tokenizer=...) to cache text")
-    ids = model.tokenizer(texts, add_special_tokens=True)["input_ids"]
-    docs = [np.asarray(d, dtype=np.int64) for d in ids]
+    if texts and all(not isinstance(t, str) for t in texts):
+        docs = [_ids(t, i, model.vocab_size) for i, t in enumerate(texts)]
+    else:
+        if not texts or any(not isinstance(t, str) or not t for t in texts):
+            raise InputError("cache_to needs documents: a non-empty list of non-empty strings (or of token-id lists)")
+        if model.tokenizer is None:
+            raise InputError("this model has no tokenizer: load_model(..., tokenizer=...) to cache text")
+        ids = model.tokenizer(texts, add_special_tokens=True)["input_ids"]
+        docs = [np.asarray(d, dtype=np.int64) for d in ids]
     ctx = model.max_context
     for i, d in enumerate(docs):
         if len(d) == 0:
@@ -187,9 +195,36 @@ def _tokens(model, texts) -> list[np.ndarray]:
         if ctx is not None and len(d) > ctx:
             raise ContextLengthError(
                 f"document {i} has {len(d)} tokens but {model.name} has a context of {ctx}; split it into "
-                f"windows (depthscope.analyses.text.windows) or shorter lines"
+                f"windows (depthscope.analyses.text.text_rows) or shorter lines"
             )
     return docs
+
+
+def _ids(seq, i: int, vocab: int) -> np.ndarray:
+    """One document given as token ids, as int64, each id in the vocabulary."""
+    try:
+        arr = np.asarray(seq)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InputError(f"document {i} is neither a string nor a list of token ids: {type(seq).__name__}")
+    bad = arr[(arr < 0) | (arr >= vocab)]
+    if bad.size:
+        raise InputError(f"document {i} holds token id {int(bad[0])}, outside the vocabulary 0..{vocab - 1}")
+    return arr.astype(np.int64)
+
+
+def _firsts(first, docs: list[np.ndarray]) -> np.ndarray:
+    """The first stored position of each document (None: 0), each leaving at least one row."""
+    if first is None:
+        return np.zeros(len(docs), dtype=np.int64)
+    f = np.asarray(first, dtype=np.int64).reshape(-1)
+    if len(f) != len(docs):
+        raise InputError(f"first gives {len(f)} positions for {len(docs)} documents")
+    bad = [i for i, (k, d) in enumerate(zip(f, docs)) if not 0 <= k < len(d)]
+    if bad:
+        raise InputError(f"first[{bad[0]}] = {int(f[bad[0]])} leaves document {bad[0]} of {len(docs[bad[0]])} no row")
+    return f
 
 
 def _plan(lengths: Sequence[int], chunk_tokens: int) -> list[tuple[int, int]]:
@@ -205,13 +240,16 @@ def _plan(lengths: Sequence[int], chunk_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def _identity(model, docs: list[np.ndarray], points: list[Point], user: dict, chunk_tokens: int) -> dict:
+def _identity(model, docs: list[np.ndarray], first: np.ndarray, points: list[Point], user: dict, chunk_tokens: int):
     """What a store is of: the model (name and weight digest), the points, the hooks' points, the
-    token ids and the chunking; a re-run resumes only a store of the same."""
+    token ids (and the first stored position of each document) and the chunking; a re-run
+    resumes only a store of the same."""
     h = hashlib.sha256()
-    for d in docs:
+    for d, f in zip(docs, first):
         h.update(np.int64(len(d)).tobytes())
         h.update(d.tobytes())
+        if f:  # a store of whole documents keeps the digest it always had
+            h.update(b"first" + np.int64(f).tobytes())
     return {
         "model": str(model.name),
         "model_digest": model_digest(model),
@@ -219,26 +257,29 @@ def _identity(model, docs: list[np.ndarray], points: list[Point], user: dict, ch
         "hooks": sorted(p.name for p in user),
         "tokens_sha256": h.hexdigest(),
         "n_documents": len(docs),
-        "n_tokens": int(sum(len(d) for d in docs)),
+        "n_tokens": int(sum(len(d) for d in docs) - int(first.sum())),
         "chunk_tokens": int(chunk_tokens),
     }
 
 
 # ---------------------------------------------------------------------------- writing
-def _capture(model, points: list[Point], user: dict, docs: list[np.ndarray], keep: Callable) -> None:
-    """One forward of ``docs`` (right-padded) handing each point's rows at the real tokens, in
-    document order, as float32 numpy to ``keep(name, rows)`` as soon as the forward reaches it
-    (gathered inside the hook; only one point's rows are held at a time; the forward stops after
-    the last point)."""
+def _capture(model, points: list[Point], user: dict, docs: tuple, keep: Callable) -> None:
+    """One forward of ``docs`` (``(ids, first)``: right-padded) handing each point's rows at the
+    real tokens from each document's first stored position on, in document order, as float32
+    numpy to ``keep(name, rows)`` as soon as the forward reaches it (gathered inside the hook;
+    only one point's rows are held at a time; the forward stops after the last point)."""
+    docs, first = docs
     width = max(len(d) for d in docs)
-    pad = getattr(model.tokenizer, "pad_token_id", None)
+    pad = getattr(model.tokenizer, "pad_token_id", None) if model.tokenizer is not None else None
     ids = torch.full((len(docs), width), 0 if pad is None else int(pad), dtype=torch.long)
     mask = torch.zeros((len(docs), width), dtype=torch.bool)
+    stored = torch.zeros((len(docs), width), dtype=torch.bool)
     for k, d in enumerate(docs):
         ids[k, : len(d)] = torch.from_numpy(d)
         mask[k, : len(d)] = True
+        stored[k, int(first[k]) : len(d)] = True
     ids, mask = ids.to(model.device), mask.to(model.device)
-    flat = mask.reshape(-1).nonzero().reshape(-1)
+    flat = stored.reshape(-1).nonzero().reshape(-1).to(model.device)
 
     def sink(point: Point, t: torch.Tensor) -> torch.Tensor:
         rows = t.reshape(-1, *t.shape[2:]).index_select(0, flat)
@@ -250,18 +291,20 @@ def _capture(model, points: list[Point], user: dict, docs: list[np.ndarray], kee
         model.hf_model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
 
 
-def _index(docs: list[np.ndarray], first: int) -> np.ndarray:
-    """int64 ``[n, 3]``: document (numbered from ``first``), position, token id of each row."""
-    doc = np.repeat(np.arange(first, first + len(docs), dtype=np.int64), [len(d) for d in docs])
-    pos = np.concatenate([np.arange(len(d), dtype=np.int64) for d in docs])
-    return np.stack([doc, pos, np.concatenate(docs)], axis=1)
+def _index(docs: list[np.ndarray], first: np.ndarray, start: int) -> np.ndarray:
+    """int64 ``[n, 3]``: document (numbered from ``start``), position, token id of each row (the
+    positions of each document from its ``first`` on)."""
+    doc = np.repeat(np.arange(start, start + len(docs), dtype=np.int64), [len(d) - f for d, f in zip(docs, first)])
+    pos = np.concatenate([np.arange(f, len(d), dtype=np.int64) for d, f in zip(docs, first)])
+    return np.stack([doc, pos, np.concatenate([d[f:] for d, f in zip(docs, first)])], axis=1)
 
 
 def _write_chunk(out: Path, k: int, job: tuple, span: tuple[int, int], rows: tuple[int, int]) -> dict:
     """Chunk ``k`` (documents ``span``, rows ``rows``) computed and written: one ``.npy`` per point
     as the forward reaches it, then the index, each atomically. ``job``: (model, points, user
-    hooks, every document's ids). Returns its manifest record (with ``shapes``: each point's)."""
-    model, points, user, docs = job
+    hooks, every document's ids, every document's first stored position). Returns its manifest
+    record (with ``shapes``: each point's)."""
+    model, points, user, docs, first = job
     folder = out / CHUNKS / f"{k:06d}"
     files, shapes = {}, {}
 
@@ -269,8 +312,9 @@ def _write_chunk(out: Path, k: int, job: tuple, span: tuple[int, int], rows: tup
         files[f"{name}.npy"] = save_array(folder / f"{name}.npy", arr)
         shapes[name] = list(arr.shape[1:])
 
-    _capture(model, points, user, docs[span[0] : span[1]], keep)
-    files[INDEX] = save_array(folder / INDEX, _index(docs[span[0] : span[1]], span[0]))
+    part, part_first = docs[span[0] : span[1]], first[span[0] : span[1]]
+    _capture(model, points, user, (part, part_first), keep)
+    files[INDEX] = save_array(folder / INDEX, _index(part, part_first, span[0]))
     return {"chunk": k, "documents": list(span), "rows": list(rows), "files": files, "shapes": shapes}
 
 
@@ -306,32 +350,56 @@ def _start(out: Path, identity: dict, overwrite: bool) -> dict:
     return {"format": FORMAT, "version": VERSION, "complete": False, **identity, "chunks": []}
 
 
+def cache_points(points, n_layers: int) -> list[Point]:
+    """The points a cache is asked for: names, a comma list, or a list, where the group words
+    ``resid`` (the 2L+1 residual sites) and ``all`` mix with point names (``"resid,1.z"``)."""
+    if isinstance(points, str):
+        points = [p.strip() for p in points.split(",") if p.strip()]
+    if isinstance(points, (list, tuple)):
+        groups = [p for p in points if isinstance(p, str) and p in ("all", "resid")]
+        named = [p for p in points if not (isinstance(p, str) and p in ("all", "resid"))]
+        found = [q for g in groups for q in parse_points(g, n_layers)] + parse_points(named, n_layers)
+        return sorted(set(found), key=lambda p: p.order)
+    return parse_points(points, n_layers)
+
+
 def write_activations(
-    model, texts, points="resid", out=".", *, hooks: Hooks = None, settings: CacheSettings | None = None
+    model,
+    texts,
+    points="resid",
+    out=".",
+    *,
+    hooks: Hooks = None,
+    settings: CacheSettings | None = None,
+    first=None,
+    meta: dict | None = None,
 ) -> Activations:
     """The activations at ``points`` (names, ``"resid"``, a comma list) of every token of ``texts``
-    (documents) written to the store ``out`` chunk by chunk (see the module docstring), resuming
-    a store of the same run there; ``hooks`` ({name: fn}) run as in ``model.run``. Returns the
-    store opened (:func:`open_activations`, files not hashed again)."""
+    (documents: strings, or token-id sequences) written to the store ``out`` chunk by chunk (see
+    the module docstring), resuming a store of the same run there; ``hooks`` ({name: fn}) run as
+    in ``model.run``; ``first``: each document's first stored position (None: 0); ``meta``: what
+    the caller records about the documents (the manifest's ``meta``). Returns the store opened
+    (:func:`open_activations`, files not hashed again)."""
     settings = settings or CacheSettings()
-    if isinstance(points, str) and points not in ("all", "resid"):
-        points = [p.strip() for p in points.split(",") if p.strip()]
-    points = _cacheable(parse_points(points, model.n_layers))
+    points = _cacheable(cache_points(points, model.n_layers))
     user = normalise_hooks(hooks, model.n_layers)
     docs = _tokens(model, texts)
+    firsts = _firsts(first, docs)
     out = check_writable_dir(out, "the activation cache folder (--out)")
-    identity = _identity(model, docs, points, user, settings.chunk_tokens)
+    identity = _identity(model, docs, firsts, points, user, settings.chunk_tokens)
     with FolderLock(out / LOCK, f"the activation cache {out}", "--out"):
         manifest = _start(out, identity, settings.overwrite)
-        _fill(model, docs, points, user, out, manifest, settings)
+        manifest.update({"meta": meta} if meta else {})
+        _fill(model, (docs, firsts), points, user, out, manifest, settings)
     return open_activations(out, verify=False)
 
 
-def _fill(model, docs, points, user, out: Path, manifest: dict, settings: CacheSettings) -> None:
+def _fill(model, docs: tuple, points, user, out: Path, manifest: dict, settings: CacheSettings) -> None:
     """Compute and write every chunk the manifest does not name, rewriting it after each; then
-    mark it complete."""
+    mark it complete. ``docs``: ``(ids, first)`` of every document."""
+    docs, first = docs
     lengths = [len(d) for d in docs]
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+    starts = np.concatenate([[0], np.cumsum(np.asarray(lengths) - first)]).astype(int)
     manifest.update(
         n_layers=model.n_layers,
         model_dtype=str(model.dtype).removeprefix("torch."),
@@ -347,7 +415,8 @@ def _fill(model, docs, points, user, out: Path, manifest: dict, settings: CacheS
         for k, (a, b) in enumerate(plan):
             if k in done:
                 continue
-            record = _write_chunk(out, k, (model, points, user, docs), (a, b), (int(starts[a]), int(starts[b])))
+            job = (model, points, user, docs, first)
+            record = _write_chunk(out, k, job, (a, b), (int(starts[a]), int(starts[b])))
             manifest.setdefault("shapes", record.pop("shapes"))
             manifest["chunks"] = sorted([*manifest["chunks"], record], key=lambda c: c["chunk"])
             write_manifest(out / MANIFEST, manifest)

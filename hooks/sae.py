@@ -62,7 +62,8 @@ class SAE:
 
     ``hook_name`` is the TransformerLens-style name it was trained at (resolved against a model
     by :func:`sae_point`), ``hook_name_out`` a transcoder's output point. ``cfg`` keeps the
-    whole config read from disk so a save writes back what it does not interpret."""
+    whole config read from disk so a save writes back what it does not interpret; ``source``
+    the folder it was loaded from (its messages name it)."""
 
     W_enc: torch.Tensor
     b_enc: torch.Tensor
@@ -79,13 +80,15 @@ class SAE:
     normalize_activations: str = "none"
     reshape_hook_z: bool = False
     cfg: dict = field(default_factory=dict)
+    source: str | None = None
 
     def __repr__(self) -> str:
         k = f", k={self.k}" if self.k else ""
         out = f" -> {self.hook_name_out!r}" if self.hook_name_out else ""
+        where = f", from {self.source!r}" if self.source else ""
         return (
             f"SAE({self.architecture}, d_in={self.d_in}, d_sae={self.d_sae}{k}, hook={self.hook_name!r}{out}, "
-            f"dtype={str(self.dtype).removeprefix('torch.')})"
+            f"dtype={str(self.dtype).removeprefix('torch.')}{where})"
         )
 
     @property
@@ -299,7 +302,7 @@ def load_sae(path, *, dtype: torch.dtype | str | None = None, device=None) -> SA
     if k is not None and k > state["W_enc"].shape[1]:
         raise InputError(f"{folder / CFG_FILE}: k={k} exceeds the number of latents {state['W_enc'].shape[1]}")
     weights = {n: state.get(n) for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")}
-    sae = SAE(**weights, **settings, cfg=cfg)
+    sae = SAE(**weights, **settings, cfg=cfg, source=str(folder))
     return sae.to(device=device) if device is not None else sae
 
 

@@ -26,6 +26,11 @@ point, by default the same block's ``mlp_out``) becomes ``reconstruction + error
 The SAE computes in its own dtype; what goes back into the model is cast to the model's dtype.
 Hooks at the host point itself run before the SAE reads it.
 
+Attaching an SAE checks it against the point: a tensor there whose width per position is not the
+SAE's ``d_in`` (or, where it writes, ``d_out``) is an :class:`~depthscope.common.errors.InputError`
+naming the SAE and the point, and an SAE attached by name at another point than the hook it was
+recorded for (its ``hook_name``) is logged as a warning: its features were learned elsewhere.
+
 =========================  ==================================================================
 offers                     what
 =========================  ==================================================================
@@ -38,6 +43,8 @@ offers                     what
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,6 +57,7 @@ from depthscope.hooks.sae import SAE, sae_point
 
 SUB_POINTS = ("features", "reconstruction", "error")
 _SEP = ".sae."
+log = logging.getLogger("depthscope")
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ def plan_splices(saes, n_layers: int, *, keep_error: bool = True) -> list[Splice
         if not isinstance(sae, SAE):
             raise InputError(f"saes[{name!r}] is not an SAE (load one with depthscope.hooks.load_sae): {sae!r}")
         read = sae_point(sae, n_layers) if name in (None, "auto") else parse_point(name, n_layers)
+        if name not in (None, "auto"):
+            _warn_elsewhere(sae, read, n_layers)
         write = sae_point(sae, n_layers, out=True) if sae.is_transcoder else read
         if write.order < read.order:
             raise InputError(f"the transcoder at {read.name} writes {write.name}, which comes before what it reads")
@@ -82,6 +92,40 @@ def plan_splices(saes, n_layers: int, *, keep_error: bool = True) -> list[Splice
         seen.add(read.name)
         out.append(Splice(read.name, sae, read, write, keep_error))
     return out
+
+
+def _warn_elsewhere(sae: SAE, at: Point, n_layers: int) -> None:
+    """Log a warning when ``sae`` records a hook (``hook_name``) that is not the point ``at``."""
+    if sae.hook_name is None:
+        return
+    try:
+        own = sae_point(sae, n_layers).name
+    except InputError:
+        own = None
+    if own != at.name:
+        where = f" ({own})" if own is not None else " (no point of this model)"
+        log.warning(
+            "the SAE %r was recorded for the hook %r%s but is attached at %s: its features were learned at "
+            "another point",
+            sae,
+            sae.hook_name,
+            where,
+            at.name,
+        )
+
+
+def check_width(s: Splice, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The widths per position of what ``s`` reads (``x``) and writes (``y``) are the SAE's
+    ``d_in`` and ``d_out``; else an :class:`InputError` naming the SAE and the point."""
+    flat = 2 if s.sae.reshape_hook_z else 1
+    for t, point, want, what in ((x, s.read, s.sae.d_in, "reads d_in"), (y, s.write, s.sae.d_out, "writes d_out")):
+        width = math.prod(t.shape[t.dim() - flat :]) if t.dim() >= 2 + flat else -1
+        if width != want:
+            got = f"{width} values per position" if width >= 0 else f"a tensor of shape {tuple(t.shape)}"
+            raise InputError(
+                f"the SAE {s.sae!r} {what}={want}, but the point {point.name} holds {got}: attach an SAE trained "
+                f"at this point of this model"
+            )
 
 
 def sub_name(name: str, n_layers: int) -> tuple[str, str] | None:
@@ -197,6 +241,7 @@ class Splicer:
             self.store.setdefault(name, []).append(value if self.grad else value.detach())
 
     def _splice(self, s: Splice, x: torch.Tensor, y: torch.Tensor, ctx):
+        check_width(s, x, y)
         names = {sub: f"{s.prefix}{_SEP}{sub}" for sub in SUB_POINTS}
         feats = s.sae.encode(x)
         feats, e1 = self._edit(names["features"], feats, ctx)

@@ -30,6 +30,7 @@ RANKS = {
     "probes": 6,  # the science: encoding, fitting, mixing, mdl, metrics, summaries, run
     "analyses.tables": 7,
     "analyses.text": 7,
+    "analyses.text_settings": 7,
     "analyses.intervals": 7,
     "analyses.samples": 7,
     "analyses.defaults": 7,

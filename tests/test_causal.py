@@ -109,7 +109,7 @@ def test_loss_equals_transformers_own_loss(tiny_factory):
     nll, count = 0.0, 0
     with torch.no_grad():
         for d, row in enumerate(held.rows):
-            ids = torch.tensor([row])
+            ids = torch.as_tensor(row)[None]
             ref = float(m.hf_model(input_ids=ids, labels=ids).loss)
             assert loss.nll[d] / loss.tokens[d] == pytest.approx(ref, abs=1e-5)
             nll, count = nll + ref * (len(row) - 1), count + len(row) - 1
@@ -125,6 +125,7 @@ def test_loss_windows_and_token_cap(tiny_factory):
     assert held.doc.max() == 1 and (held.doc == 0).sum() > 1
     capped = held_out(m, [long, "a dog"], window=16, bos=True, max_tokens=5)
     assert capped.n_docs == 1 and set(capped.doc.tolist()) == {0}
+    assert capped.n_tokens == 5 and len(capped.rows[0]) == 6  # cut inside the document: BOS + 5 predicted
     with pytest.raises(InputError, match="two or more tokens"):
         held_out(m, [""], window=16, bos=False)
 

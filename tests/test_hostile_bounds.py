@@ -130,6 +130,7 @@ def _config_classes():
         ProbeJobConfig,
         ReportConfig,
         SweepJobConfig,
+        TextWindows,
     )
     from depthscope.analyses.lens.config import TunedLensTraining
     from depthscope.analyses.sweeps.ray_engine import RayEngine
@@ -149,6 +150,7 @@ def _config_classes():
         SweepJobConfig,
         RayEngine,
         ReportConfig,
+        TextWindows,
     ]
 
 

@@ -54,7 +54,7 @@ def test_a_long_single_line_is_tokenized_once_per_stage_and_every_token_is_used(
     """The 54k-token line: tokenized a bounded number of times (not per window), each token
     decoded once; the windows cover it with no token dropped or repeated."""
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.configs import LensConfig
+    from depthscope.analyses.jobs.configs import LensConfig, TextWindows
     from depthscope.analyses.jobs.lens import lens_job
 
     m = tiny_factory("llama", n_layers=1, d_model=32)
@@ -67,9 +67,9 @@ def test_a_long_single_line_is_tokenized_once_per_stage_and_every_token_is_used(
         return real(self, text, *a, **k)
 
     monkeypatch.setattr(type(tok), "__call__", counting)
-    res = lens_job(m, [LONG], LensConfig(window=64), Output(None))
+    res = lens_job(m, [LONG], LensConfig(text=TextWindows(window=64)), Output(None))
     n_tokens = len(real(tok, LONG)["input_ids"])
-    assert res.summary["n_positions"] == n_tokens
+    assert res.summary["n_positions"] == n_tokens + -(-n_tokens // 63)  # a BOS and 63 tokens per window
     assert sum(c >= len(LONG) for c in calls) <= 2  # counting + windowing: not once per window
     assert "split into" in res.summary["split_note"]
 

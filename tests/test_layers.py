@@ -33,7 +33,8 @@ BLOCKS = {"llama": ("model", "layers"), "gpt2": ("transformer", "h"), "gpt_neox"
 
 def _reference(hf, tok, family: str, order) -> tuple[float, list[torch.Tensor]]:
     """Token-weighted next-token cross-entropy of ``hf`` with its blocks replaced by ``order`` (block
-    indices; None: unmodified), one line at a time (no padding), and each line's argmax."""
+    indices; None: unmodified), one line at a time (no padding; the BOS token prepended, as the
+    tiny tokenizer adds none), and each line's argmax."""
     parent_path, name = BLOCKS[family]
     parent = getattr(hf, parent_path)
     original = getattr(parent, name)
@@ -42,7 +43,7 @@ def _reference(hf, tok, family: str, order) -> tuple[float, list[torch.Tensor]]:
     try:
         total, n, tops = 0.0, 0, []
         for text in TEXTS:
-            ids = torch.tensor([tok(text)["input_ids"]])
+            ids = torch.tensor([[tok.bos_token_id, *tok(text)["input_ids"]]])
             with torch.no_grad():
                 out = hf(input_ids=ids, labels=ids, use_cache=False)
             total += float(out.loss) * (ids.shape[1] - 1)
@@ -72,7 +73,7 @@ def test_interventions_match_plain_transformers(tiny_factory, tiny_tokenizer, fa
         got = df[(df["intervention"] == "skip") & (df["layer"] == layer)].iloc[0]
         assert got["cross_entropy"] == pytest.approx(ce, abs=1e-5), (family, "skip", layer)
         assert got["top1_agreement"] == pytest.approx(_agreement(tops, base_top), abs=1e-9)
-        assert got["depth"] == layer + 1
+        assert got["depth"] == layer + 1 and got["label"] == f"{layer}.mlp" and got["site"] == 2 * layer + 2
     for layer in range(L - 1):
         order = list(range(L))
         order[layer], order[layer + 1] = layer + 1, layer

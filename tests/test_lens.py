@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-from depthscope.analyses import logit_lens, logit_lens_tokens
+from depthscope.analyses import TextWindows, logit_lens, logit_lens_tokens
 from depthscope.analyses.lens.logit import METRICS
 from depthscope.analyses.text import read_documents
 from depthscope.hooks import InputError, UnsupportedArchitecture, load_model
+from depthscope.probes.corpora.spans import bos_id
 
 HERE = os.path.dirname(__file__)
 SAMPLE = os.path.join(HERE, "fixtures", "lens", "ewt_sample.txt")  # UD English EWT, CC BY-SA 4.0
@@ -28,12 +29,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 # ----------------------------------------------------------------------------- reference
+def with_bos(tok, text: str) -> list[int]:
+    """The token ids the lens reads a document as: the BOS token (the tokenizers here add none), then the text's."""
+    return [bos_id(tok), *tok(text)["input_ids"]]
+
+
 def reference(model, texts, first_position=True):
     """Every metric per site from model.decode on each site's stream, in float64, one text at a
-    time (no padding), and the model's own logits as the final distribution."""
+    time (no padding, the BOS token first), and the model's own logits as the final distribution."""
     per_site = {}
     for t in texts:
-        rs = model.residual_stream([t])
+        rs = model.residual_stream(torch.tensor([with_bos(model.tokenizer, t)]))
         ids = rs.input_ids[0]
         logits = rs.logits[0].double()
         lp = logits.log_softmax(-1)
@@ -74,7 +80,7 @@ def test_last_site_reproduces_the_model(default_model, real):
     hf, tok = default_model.hf_model, default_model.tokenizer
     ce, ent, ranks, n_tok = [], [], [], 0
     for d in docs:
-        ids = tok(d, return_tensors="pt")["input_ids"]
+        ids = torch.tensor([with_bos(tok, d)])
         with torch.no_grad():
             logits = hf(input_ids=ids).logits[0]
         n_tok += ids.shape[1]
@@ -139,8 +145,8 @@ def test_every_metric_matches_float64_reference(tiny_llama):
             want = r[k].mean().item()
             assert getattr(row, k) == pytest.approx(want, rel=2e-5, abs=2e-6), (row.label, k)
             assert getattr(row, k + "_std") == pytest.approx(r[k].std(unbiased=False).item(), rel=1e-3, abs=1e-5)
-    n = sum(len(tiny_llama.tokenizer(t)["input_ids"]) for t in TEXTS)
-    assert (df["n_positions"] == n).all() and (df["n_next"] == n - len(TEXTS)).all()
+    n = sum(len(tiny_llama.tokenizer(t)["input_ids"]) for t in TEXTS)  # each text's tokens, predicted once
+    assert (df["n_positions"] == n + len(TEXTS)).all() and (df["n_next"] == n).all()
     assert df["kl_to_final"].iloc[-1] == pytest.approx(0, abs=1e-6)
 
 
@@ -148,7 +154,7 @@ def test_first_position_excluded(tiny_llama):
     df = logit_lens(tiny_llama, TEXTS, first_position=False)
     ref = reference(tiny_llama, TEXTS, first_position=False)
     n = sum(len(tiny_llama.tokenizer(t)["input_ids"]) for t in TEXTS)
-    assert (df["n_positions"] == n - 2).all() and (df["n_next"] == n - 4).all()
+    assert (df["n_positions"] == n).all() and (df["n_next"] == n - 2).all()
     for row in df.itertuples():
         assert row.kl_to_final == pytest.approx(ref[row.site]["kl_to_final"].mean().item(), rel=2e-5, abs=2e-6)
         assert row.cross_entropy == pytest.approx(ref[row.site]["cross_entropy"].mean().item(), rel=2e-5)
@@ -170,8 +176,8 @@ def test_tokens_table_matches_reference(tiny_llama):
             part["target_logprob"].to_numpy(), lq.gather(1, tgt[:, None])[:, 0].numpy(), rtol=1e-5, atol=1e-6
         )
     assert tk["token"].iloc[0] == tiny_llama.tokenizer.decode(rs.input_ids[0, :1])
-    # the per-token rows aggregate to the dataset-level table
-    df = logit_lens(tiny_llama, TEXTS[:1])
+    # the per-token rows (the prompt as the tokenizer tokenizes it) aggregate to the dataset-level table
+    df = logit_lens(tiny_llama, TEXTS[:1], text=TextWindows(bos=False))
     agg = tk.groupby("site")[["kl_to_final", "entropy"]].mean()
     np.testing.assert_allclose(agg["kl_to_final"].to_numpy(), df["kl_to_final"].to_numpy(), rtol=1e-6, atol=1e-9)
 
@@ -200,8 +206,8 @@ def test_streaming_does_not_change_results(tiny_llama, monkeypatch):
 def test_max_tokens(tiny_llama):
     docs = read_documents(SAMPLE)
     df = logit_lens(tiny_llama, docs, max_tokens=15, batch_size=2)
-    assert (df["n_positions"] == 15).all()
-    ids = tiny_llama.tokenizer(docs[0])["input_ids"]
+    assert (df["n_positions"] == 15).all()  # cut inside the first document
+    ids = with_bos(tiny_llama.tokenizer, docs[0])
     assert len(ids) >= 15
     ref = logit_lens(tiny_llama, torch.tensor([ids[:15]]))
     np.testing.assert_allclose(df["kl_to_final"].to_numpy(), ref["kl_to_final"].to_numpy(), rtol=1e-5, atol=1e-6)
@@ -246,7 +252,7 @@ def test_intervals_match_an_independent_clustered_se(tiny_llama):
 
     docs = read_documents(SAMPLE)
     kw = dict(window=16, batch_size=3)  # documents split into several windows each
-    df = logit_lens(tiny_llama, docs, **kw).set_index("site")
+    df = logit_lens(tiny_llama, docs, text=TextWindows(bos=False), **kw).set_index("site")
     tk = logit_lens_tokens(tiny_llama, docs, k=1, **kw)
     assert (df["n_docs"] == len(docs)).all() and (df["n_windows"] > len(docs)).all()
     vals = token_values(tk)
@@ -402,8 +408,8 @@ def test_cli_writes_tables_and_plots(tiny_dir, tmp_path, monkeypatch, capsys, to
     df = pd.read_parquet(out / "lens_by_site.parquet")
     assert list(df.columns[:5]) == ["site", "label", "layer", "sublayer", "depth"]
     assert len(df) == 7 and abs(df["kl_to_final"].iloc[-1]) < 1e-6
-    n = sum(len(tokenizer(t)["input_ids"]) for t in lines)
-    assert (df["n_positions"] == n).all() and (df["n_next"] == n - 3 - 3).all()
+    n = sum(len(tokenizer(t)["input_ids"]) for t in lines)  # every token predicted once, after a BOS
+    assert (df["n_positions"] == n + 3 + 3).all() and (df["n_next"] == n).all()
     assert pd.read_csv(out / "lens_by_site.csv")["kl_to_final"].to_numpy() == pytest.approx(
         df["kl_to_final"].to_numpy()
     )

@@ -12,10 +12,14 @@ import pandas as pd
 import pytest
 import torch
 
-from depthscope.analyses import contribution_norms, direct_logit_attribution
+from depthscope.analyses import TextWindows, contribution_norms, direct_logit_attribution
 from depthscope.analyses.norms import NORM_METRICS, fit_growth_rate, norms_by_position, norms_summary
 from depthscope.analyses.text import read_documents
 from depthscope.hooks import InputError, NonFiniteActivationError, UnsupportedArchitecture
+from depthscope.probes.corpora.spans import bos_id
+
+#: the texts read as the tokenizer tokenizes them (the references here tokenize with ``hm.tokenize``)
+PLAIN = TextWindows(bos=False)
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "norms", "ewt_sample.txt")
 
@@ -165,7 +169,7 @@ def compare_aggregates(df, ref, mask, metrics=NORM_METRICS, rtol=1e-4, atol=1e-7
 def test_real_model_matches_independent_reference(default_model, docs):
     hm = default_model
     texts = docs[:6]
-    df = contribution_norms(hm, texts, batch_size=6)
+    df = contribution_norms(hm, texts, batch_size=6, text=PLAIN)
     ids, mask = hm.tokenize(texts)
     H, _ = reference_streams(hm, ids, mask)
     ref = reference_metrics(hm, H, sequential_reader(hm))
@@ -204,7 +208,7 @@ def test_per_token_identity_and_consistency(default_model, short_docs):
     bi = 1 - (1 + d["relative_update"] * d["cos_update_stream"]) / d["growth"]
     assert np.allclose(bi, d["block_influence"], atol=1e-5)
     # the dataset table is the mean of the per-token one, position 0 apart
-    agg = contribution_norms(hm, texts)
+    agg = contribution_norms(hm, texts, text=PLAIN)
     first = pos["position"] == 0
     for g, sel in (("rest", ~first), ("first", first)):
         want = pos[sel].groupby("site")[NORM_METRICS].mean()
@@ -252,9 +256,18 @@ def test_streaming_is_batch_and_padding_invariant(tiny_llama, docs):
 
 def test_token_id_inputs_with_mask(tiny_llama, docs):
     ids, mask = tiny_llama.tokenize(docs[:3])
-    a = contribution_norms(tiny_llama, docs[:3])
+    a = contribution_norms(tiny_llama, docs[:3], text=PLAIN)
     b = contribution_norms(tiny_llama, ids, mask=mask)
     pd.testing.assert_frame_equal(a[NORM_METRICS + ["n_tokens"]], b[NORM_METRICS + ["n_tokens"]], rtol=1e-6)
+    # by default every document is read after the BOS token, as every free-text analysis reads it
+    rows = [[bos_id(tiny_llama.tokenizer), *tiny_llama.tokenizer(d)["input_ids"]] for d in docs[:3]]
+    with_bos = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, r in enumerate(rows):
+        with_bos[i, : len(r)] = torch.tensor(r)
+    c = contribution_norms(tiny_llama, docs[:3])
+    real = torch.arange(with_bos.shape[1])[None] < torch.tensor([len(r) for r in rows])[:, None]
+    e = contribution_norms(tiny_llama, with_bos, mask=real)
+    pd.testing.assert_frame_equal(c[NORM_METRICS + ["n_tokens"]], e[NORM_METRICS + ["n_tokens"]], rtol=1e-6)
     d1 = direct_logit_attribution(tiny_llama, docs[:3], " the")
     d2 = direct_logit_attribution(tiny_llama, ids, " the", mask=mask)
     np.testing.assert_allclose(d1["contribution"], d2["contribution"], rtol=1e-5, atol=1e-6)
@@ -267,7 +280,10 @@ def test_windows_and_max_tokens(tiny_llama, docs):
     df = contribution_norms(tiny_llama, [text], window=16)
     first = df[df["positions"] == "first"]["n_tokens"].iloc[0]
     rest = df[df["positions"] == "rest"]["n_tokens"].iloc[0]
-    assert first == -(-n // 16) and first + rest == n  # every window starts a fresh context
+    assert first == -(-n // 15) and rest == n  # every window starts a fresh context with the BOS token
+    plain = contribution_norms(tiny_llama, [text], window=16, text=PLAIN)
+    first = plain[plain["positions"] == "first"]["n_tokens"].iloc[0]
+    assert first == -(-n // 16) and first + plain[plain["positions"] == "rest"]["n_tokens"].iloc[0] == n
     cut = contribution_norms(tiny_llama, docs, max_tokens=50, batch_size=2)
     assert cut.groupby("positions")["n_tokens"].first().sum() == 50
 
@@ -295,7 +311,7 @@ def test_intervals_match_an_independent_clustered_se(tiny_llama, docs):
 
     texts = docs[:12]
     kw = dict(window=12, batch_size=3)  # the documents split into windows: clusters != windows
-    df = contribution_norms(tiny_llama, texts, **kw)
+    df = contribution_norms(tiny_llama, texts, text=PLAIN, **kw)
     pos = norms_by_position(tiny_llama, texts, max_tokens=None, **kw)
     assert (df["n_docs"] == len(texts)).all() and (df["n_windows"] > len(texts)).all()
     groups = {"rest": pos[pos["position"] >= 1], "first": pos[pos["position"] == 0]}
@@ -323,7 +339,7 @@ def test_intervals_match_an_independent_clustered_se(tiny_llama, docs):
     emb = df[df["site"] == 0]
     assert emb["update_norm"].isna().all() and emb["update_norm_lo"].isna().all()
     # the same documents three times: the exact CR1 shrinkage
-    big = contribution_norms(tiny_llama, texts * 3, **kw)
+    big = contribution_norms(tiny_llama, texts * 3, text=PLAIN, **kw)
     G = len(texts)
     factor = np.sqrt((3 * G / (3 * G - 1)) / (G / (G - 1)) / 3)
     for k in ("stream_norm", "relative_update", "attn_share"):
@@ -357,7 +373,7 @@ def test_layernorm_gpt2_matches_reference(tiny_factory, docs):
     hm = tiny_factory("gpt2", seed=1)
     _randomise_norms(hm)
     texts = docs[:3]
-    df = contribution_norms(hm, texts)
+    df = contribution_norms(hm, texts, text=PLAIN)
     ids, mask = hm.tokenize(texts)
     H, _ = reference_streams(hm, ids, mask)
     compare_aggregates(df, reference_metrics(hm, H, sequential_reader(hm)), mask.numpy())
@@ -367,7 +383,7 @@ def test_parallel_neox_effective_write_reads_block_output(tiny_factory, docs):
     hm = tiny_factory("gpt_neox", seed=2)
     _randomise_norms(hm)
     texts = docs[:3]
-    df = contribution_norms(hm, texts)
+    df = contribution_norms(hm, texts, text=PLAIN)
     ids, mask = hm.tokenize(texts)
     H, _ = reference_streams(hm, ids, mask)
     L = hm.n_layers
@@ -545,7 +561,7 @@ def test_head_write_norms_match_explicit_heads(tiny_factory, docs, family):
 
     hm = tiny_factory(family, seed=7)
     texts = docs[:3]
-    df = head_write_norms(hm, texts)
+    df = head_write_norms(hm, texts, text=PLAIN)
     writes, out, mask = _explicit_head_writes(hm, texts)
     rest = mask & (np.arange(mask.shape[1]) >= 1)
     got = df[df["positions"] == "rest"].sort_values(["layer", "head"])

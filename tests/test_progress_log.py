@@ -218,7 +218,7 @@ def test_the_end_line_is_written_when_the_loop_fails(log_mode, capsys):
 def test_a_real_stage_writes_lines_in_a_log(tiny_factory, monkeypatch, capfd):
     """The lens job's bar (analyses/lens/logit.py) through the same helper: lines on a non-terminal."""
     from depthscope.analyses.jobs import Output
-    from depthscope.analyses.jobs.configs import LensConfig
+    from depthscope.analyses.jobs.configs import LensConfig, TextWindows
     from depthscope.analyses.jobs.lens import lens_job
 
     for k in ("CI", "DEPTHSCOPE_PROGRESS"):
@@ -228,7 +228,7 @@ def test_a_real_stage_writes_lines_in_a_log(tiny_factory, monkeypatch, capfd):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     m = tiny_factory("llama", n_layers=1, d_model=32)
     text = " ".join(["The capital of France is Paris. The cat sat on the mat."] * 20)
-    res = lens_job(m, [text], LensConfig(progress=True, window=64, batch_size=1), Output(None))
+    res = lens_job(m, [text], LensConfig(progress=True, text=TextWindows(window=64), batch_size=1), Output(None))
     n = res.summary["n_positions"]
     err = [ln for ln in capfd.readouterr().err.splitlines() if "logit lens" in ln]
     assert err[0] == f"logit lens: 0/{n} tok (0%)"

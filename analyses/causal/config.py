@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import BATCH, Checked, Limit, comma_list, setting
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
@@ -27,8 +28,9 @@ WORD_POOLINGS = ("last", "first", "mean")
 class CausalConfig(Checked):
     """What :func:`~depthscope.analyses.causal.used.causal_tests` runs: ``tasks`` (None: ``upos``),
     ``train`` / ``test`` (None: the bundled EWT sample), ``text`` (a plain-text file, one
-    document per line, for the model's loss; None: the test sentences) of which whole documents
-    up to ``max_text_tokens`` predicted tokens are used (None: all), ``controls`` seeded
+    document per line, for the model's loss; None: the test sentences) of which the first
+    ``max_text_tokens`` predicted tokens are used, cut inside a document (None: all; read as
+    every free-text analysis reads text, :func:`~depthscope.analyses.causal.loss.held_out`), ``controls`` seeded
     random erasures of the same rank per site, ``bootstrap`` resamples of the held-out documents
     for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
     extraction and data settings of ``depthscope probe``. Checked on construction (the data
@@ -61,8 +63,8 @@ class CausalConfig(Checked):
         None,
         "--max-text-tokens",
         min=1,
-        help="Use the held-out documents, in order, until this many predicted tokens (default: all); each site "
-        "costs 1 + --controls passes over them.",
+        help="Use the first this many predicted tokens of the held-out text, cut inside a document (default: all); "
+        "each site costs 1 + --controls passes over them.",
     )
     controls: int = setting(
         3,
@@ -105,16 +107,11 @@ class CausalConfig(Checked):
 @dataclass(frozen=True)
 class LayersConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.layers.layers_job` computes: every block skipped and
-    every pair of neighbouring blocks swapped, scored on the text (``source``: its name, recorded
-    in the summary). Checked on construction; the fields declare the ``layers`` options."""
+    every pair of neighbouring blocks swapped, scored on the text read under ``text`` (the BOS
+    rule, window, stride and caps every free-text analysis shares); ``source``: its name, recorded
+    in the summary. Checked on construction; the fields declare the ``layers`` options."""
 
-    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Lines per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=2,
-        help="Split lines into windows of at most this many tokens (default min(context, 512)).",
-    )
-    max_docs: int | None = setting(None, "--max-docs", min=1, help="Use only the first this many lines of the text.")
+    batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Windows per forward pass.")
+    text: TextWindows = setting(factory=TextWindows)
     progress: bool = False
     source: str | None = None

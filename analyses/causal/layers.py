@@ -4,26 +4,31 @@ remarkable robustness of LLMs: stages of inference?": block ``l + 1`` runs, then
 scored by next-token cross-entropy on a text and by top-1 agreement with the unmodified model.
 
 =================================  ==========================================================
-:func:`layer_interventions`        the table: one row per (layer, intervention) with
-                                   ``cross_entropy``, ``top1_agreement``, ``ce_increase``,
-                                   ``n_predictions`` (+ ``layer, sublayer, depth``)
+:func:`layer_interventions`        the table: one row per (layer, intervention) with the
+                                   shared site columns, ``intervention``, ``cross_entropy``,
+                                   ``top1_agreement``, ``ce_increase``, ``n_predictions``
 :func:`interventions`              the (intervention, layer, block order) triples a model has
 :func:`next_token_scores`          per-batch sums: cross-entropy, agreement with a reference
                                    argmax, predicted positions
 =================================  ==========================================================
 
-Rows: ``none`` (the unmodified model; ``layer`` -1), ``skip`` for every block, ``swap`` for every
-block with a next one. ``cross_entropy`` is the mean over every predicted position of the text
-(position ``t`` predicts token ``t + 1`` of the same line; each line is tokenized as the model's
-tokenizer does by default, BOS included where it adds one), i.e. the token-weighted mean over
-lines; ``top1_agreement`` the fraction of those positions whose argmax equals the unmodified
-model's. ``depth`` is the depth (:mod:`depthscope.hooks.sites`) of the first residual site the
-intervention changes: ``l + 1``, block ``l``'s output, for both. Lines are batched with right
-padding (the attention mask hides the padding; padded positions are never scored) and lines
-longer than ``window`` tokens (default min(context, 512)) are split into windows, each a fresh
-context. Memory: one forward's logits, about ``batch_size * longest line * vocabulary * 12``
-bytes. The blocks are rearranged by
-:func:`depthscope.hooks.block_order.block_order`, and every forward is ``model.run``.
+Rows: ``none`` (the unmodified model; ``site`` -1, ``label`` and ``sublayer`` "model",
+``layer`` -1, ``depth`` NaN), ``skip`` for every block, ``swap`` for every block with a next
+one. The site columns of an intervention at block ``l`` are those of the first residual site
+both models have that it changes: block ``l``'s output, the site ``l.mlp`` (depth ``l + 1``).
+The text is read as every free-text analysis reads it
+(:func:`~depthscope.analyses.text.text_rows` under a
+:class:`~depthscope.analyses.text_settings.TextWindows`: the BOS token prepended to every window
+when the tokenizer adds none, documents longer than the window split into windows, each a fresh
+context; at most ``max_tokens`` predicted tokens), so the unmodified row's ``cross_entropy`` is
+the clean loss of the causal test (:func:`~depthscope.analyses.causal.loss.doc_nll`) and of
+:func:`~depthscope.analyses.features.evaluate.evaluate_sae` on the same text.
+``cross_entropy`` is the mean over every predicted token (position ``t`` predicts token ``t + 1``
+of the same window), i.e. the token-weighted mean over documents; ``top1_agreement`` the fraction
+of those positions whose argmax equals the unmodified model's. Windows are batched with right
+padding (the attention mask hides the padding; padded positions are never scored). Memory: one
+forward's logits, about ``batch_size * window * vocabulary * 12`` bytes. The blocks are
+rearranged by :func:`depthscope.hooks.block_order.block_order`, and every forward is ``model.run``.
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.next_token import next_token_nll
-from depthscope.analyses.text import token_batches
+from depthscope.analyses.text import pad_id, text_rows, with_window
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.block_order import block_order, skip, swap
+from depthscope.hooks.sites import SITE_COLUMNS, site_frame
 
 INTERVENTIONS = ("none", "skip", "swap")
-COLUMNS = ["layer", "sublayer", "depth", "intervention", "cross_entropy", "top1_agreement", "ce_increase"]
+COLUMNS = [*SITE_COLUMNS, "intervention", "cross_entropy", "top1_agreement", "ce_increase", "n_predictions"]
 
 
 def interventions(n_layers: int) -> list[tuple[str, int, list | None]]:
@@ -53,11 +60,15 @@ def interventions(n_layers: int) -> list[tuple[str, int, list | None]]:
     return out
 
 
-def next_token_scores(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, reference=None) -> tuple:
+def next_token_scores(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, reference=None, first: torch.Tensor | None = None
+) -> tuple:
     """``(sum of cross-entropies, agreements, predictions, argmax)`` over the positions ``t`` whose
-    next token ``t + 1`` is real (``mask`` True at both). ``reference``: the argmax ``[batch, pos - 1]``
-    to agree with (None: the agreement is counted against this argmax itself). Float32 reductions."""
-    ce, scored = next_token_nll(logits, ids, mask)
+    next token ``t + 1`` is real (``mask`` True at both) and counted (``first``: each row's first
+    counted position, :func:`~depthscope.analyses.next_token.next_token_nll`). ``reference``: the
+    argmax ``[batch, pos - 1]`` to agree with (None: the agreement is counted against this argmax
+    itself). Float32 reductions."""
+    ce, scored = next_token_nll(logits, ids, mask, first)
     top = logits[:, :-1].argmax(-1)
     ref = top if reference is None else reference
     agree = (top == ref) & scored
@@ -72,9 +83,12 @@ def layer_interventions(
     window: int | None = None,
     layers: Sequence[int] | None = None,
     progress: bool = False,
+    text: TextWindows | None = None,
 ) -> pd.DataFrame:
     """Skip and swap every block (``layers``: only these) of ``model`` (a decoder HookedModel) and
-    score each on ``texts`` (one document per string); see the module docstring for the table."""
+    score each on ``texts`` (one document per string) read under ``text`` (None: the defaults;
+    ``window`` sets its window); see the module docstring for the table. ``df.attrs`` holds
+    ``n_layers``, ``n_docs`` and ``n_windows``."""
     if not model.is_decoder or not model.unembed.decodes_stream:
         raise InputError(f"layer interventions score next-token predictions: {model.name} is not a decoder LM")
     plan = interventions(model.n_layers)
@@ -84,9 +98,14 @@ def layer_interventions(
         if bad:
             raise InputError(f"layers {bad} out of range 0..{model.n_layers - 1}")
         plan = [p for p in plan if p[0] == "none" or p[1] in keep]
-    batches = list(token_batches(model, texts, batch_size=batch_size, window=window))
-    if not any(bool((b.mask[:, 1:] & b.mask[:, :-1]).any()) for b in batches):
-        raise InputError("the text has no token with a next token to predict (every line is one token)")
+    text = with_window(text or TextWindows(), window)
+    try:
+        rows = text_rows(model, texts, text, skip=1)
+    except InputError as e:
+        if "no token to predict" not in str(e):
+            raise
+        raise InputError("the text has no token with a next token to predict (every line is one token)") from None
+    batches = list(rows.batches(batch_size, pad_id(model)))
     sums = np.zeros((len(plan), 3))  # cross-entropy, agreements, predictions
     with progress_bar(len(batches) * len(plan), desc="layer interventions", unit="fwd", enabled=progress) as bar:
         for b in batches:
@@ -96,7 +115,9 @@ def layer_interventions(
                 ref = top if ref is None else ref
                 sums[k] += (ce, agree, n)
                 bar.update(1)
-    return _table(plan, sums, model.n_layers)
+    df = _table(plan, sums, model.n_layers)
+    df.attrs.update(n_docs=int(len(set(rows.doc.tolist()))), n_windows=rows.n_rows)
+    return df
 
 
 def _score(model, batch, order, reference) -> tuple:
@@ -107,24 +128,22 @@ def _score(model, batch, order, reference) -> tuple:
     else:
         with block_order(model, order):
             logits = model.run(ids, mask=mask).logits
-    return next_token_scores(logits, ids, mask, reference)
+    return next_token_scores(logits, ids, mask, reference, batch.first_tensor())
 
 
 def _table(plan, sums: np.ndarray, n_layers: int) -> pd.DataFrame:
     """The tidy table of :func:`layer_interventions` from the plan and its summed scores."""
     n = np.maximum(sums[:, 2], 1)
     ce = sums[:, 0] / n
-    df = pd.DataFrame(
-        {
-            "layer": [p[1] for p in plan],
-            "sublayer": ["model" if p[0] == "none" else "block" for p in plan],
-            "depth": [np.nan if p[0] == "none" else p[1] + 1.0 for p in plan],
-            "intervention": [p[0] for p in plan],
-            "cross_entropy": ce,
-            "top1_agreement": sums[:, 1] / n,
-            "ce_increase": ce - ce[0],
-            "n_predictions": sums[:, 2].astype(np.int64),
-        }
+    sites = site_frame([2 * p[1] + 2 for p in plan[1:]], n_layers)  # plan[0] is "none": the model itself
+    model = {"site": [-1], "label": ["model"], "layer": [-1], "sublayer": ["model"], "depth": [np.nan]}
+    df = pd.concat([pd.DataFrame(model), sites], ignore_index=True)
+    df = df.assign(
+        intervention=[p[0] for p in plan],
+        cross_entropy=ce,
+        top1_agreement=sums[:, 1] / n,
+        ce_increase=ce - ce[0],
+        n_predictions=sums[:, 2].astype(np.int64),
     )
     df.attrs["n_layers"] = n_layers
     return df

@@ -1,10 +1,13 @@
 """The model's next-token loss on held-out text, per document, with write hooks; the ``used`` score.
 
 =====================================  ===========================================================
-``held_out(model, texts, window=,      the texts tokenized once (the BOS token prepended as the
-bos=, max_tokens=)``                   probes do; documents longer than ``window`` split into
-                                       windows, each starting with that token; whole documents
-                                       up to ``max_tokens`` predicted tokens): a :class:`HeldOut`
+``held_out(model, texts, window=,      the texts as token rows (:func:`~depthscope.analyses.text.
+bos=, max_tokens=, text=)``            text_rows`, counting predicted tokens): the BOS token
+                                       prepended as the probes do, documents longer than
+                                       ``window`` split into windows each starting with it, at
+                                       most ``max_tokens`` predicted tokens (cut inside a
+                                       document); ``text``: all of it as one
+                                       :class:`~depthscope.analyses.text_settings.TextWindows`
 ``doc_nll(model, held, hooks,          summed next-token negative log-likelihood (nats) and the
 batch_size=)``                         number of predicted tokens per document, one forward
                                        pass per batch through ``model.run(hooks=...)``: a
@@ -31,29 +34,17 @@ import numpy as np
 import torch
 
 from depthscope.analyses.next_token import next_token_nll
-from depthscope.analyses.text import windows
+from depthscope.analyses.text import TextRows, pad_id, text_rows
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
-from depthscope.probes.corpora.spans import bos_id
 
 #: the most token positions per forward pass (the logits are [rows, positions, vocabulary])
 BATCH_TOKENS = 4096
 
-
-@dataclass(frozen=True)
-class HeldOut:
-    """Token rows (``rows[i]``: a list of ids, at least 2), the document of each row (``doc``),
-    how many documents, and ``start``: 1 when every row begins with a special token (BOS) that
-    erasure leaves alone, else 0."""
-
-    rows: list
-    doc: np.ndarray
-    n_docs: int
-    start: int
-
-    @property
-    def n_tokens(self) -> int:
-        """Predicted tokens: every position but each row's first."""
-        return int(sum(len(r) - 1 for r in self.rows))
+#: the held-out text: token rows whose counted positions are the predicted tokens
+#: (:class:`~depthscope.analyses.text.TextRows`; ``n_tokens`` predicted tokens, ``start`` 1 when
+#: every row begins with a BOS token that erasure leaves alone)
+HeldOut = TextRows
 
 
 @dataclass(frozen=True)
@@ -69,71 +60,39 @@ class DocLoss:
         return float(self.nll.sum() / max(int(self.tokens.sum()), 1))
 
 
-def held_out(model, texts: Sequence[str], *, window: int, bos: bool = True, max_tokens: int | None = None) -> HeldOut:
-    """``texts`` tokenized for :func:`doc_nll` (whole documents, in order, until ``max_tokens``
-    predicted tokens are reached; None: all); see the module docstring."""
-    tok = model.tokenizer
-    if tok is None:
+def held_out(
+    model,
+    texts: Sequence[str],
+    *,
+    window: int | None = None,
+    bos: bool = True,
+    max_tokens: int | None = None,
+    text: TextWindows | None = None,
+) -> HeldOut:
+    """``texts`` as token rows for :func:`doc_nll` (see the module docstring): under ``text``, or
+    the settings ``window``, ``bos`` and ``max_tokens`` (predicted tokens) when it is None."""
+    if model.tokenizer is None:
         raise InputError("this model has no tokenizer: the held-out text cannot be read")
-    prepend = bos_id(tok) if bos else None
-    special = set(getattr(tok, "all_special_ids", []) or [])
-    rows, doc, lead, n_docs, n_tok = [], [], [], 0, 0
-    for d, text in enumerate(texts):
-        if max_tokens is not None and n_tok >= max_tokens:
-            break
-        n_docs = d + 1
-        ids = list(tok(text, add_special_tokens=True)["input_ids"])
-        lead = [prepend] if prepend is not None else ([ids[0]] if ids and ids[0] in special else [])
-        body = ids[1:] if (prepend is None and lead) else ids
-        for chunk in windows(body, max(window - len(lead), 1)) if body else []:
-            if len(lead) + len(chunk) >= 2:
-                rows.append(lead + chunk)
-                doc.append(d)
-                n_tok += len(lead) + len(chunk) - 1
-    if not rows:
-        raise InputError("the held-out text has no document of two or more tokens: nothing to predict")
-    return HeldOut(rows, np.asarray(doc, dtype=np.int64), n_docs, 1 if lead else 0)
-
-
-def _batches(held: HeldOut, batch_size: int):
-    """Row indices per forward pass: rows of similar length together, at most ``batch_size``
-    rows and about :data:`BATCH_TOKENS` positions each."""
-    order = np.argsort([len(r) for r in held.rows], kind="stable")
-    part: list = []
-    for i in order:
-        width = len(held.rows[i])
-        if part and (len(part) >= batch_size or (len(part) + 1) * width > BATCH_TOKENS):
-            yield part
-            part = []
-        part.append(int(i))
-    if part:
-        yield part
-
-
-def _padded(rows: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and mask of token lists."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = True
-    return ids, mask
+    text = text or TextWindows(bos=bos, window=window, max_tokens=max_tokens)
+    try:
+        return text_rows(model, texts, text, skip=1)
+    except InputError as e:
+        if "no token to predict" not in str(e):
+            raise
+        raise InputError("the held-out text has no document of two or more tokens: nothing to predict") from None
 
 
 @torch.no_grad()
 def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int = 16) -> DocLoss:
     """Per-document next-token loss of ``model`` on ``held`` with ``hooks`` (``{point: fn}``,
     None: the plain forward); see the module docstring."""
-    pad = getattr(model.tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
     nll = np.zeros(held.n_docs, dtype=np.float64)
     count = np.zeros(held.n_docs, dtype=np.int64)
-    for part in _batches(held, batch_size):
-        ids, mask = _padded([held.rows[i] for i in part], pad)
-        per, valid = next_token_nll(model.run(ids, mask=mask, hooks=hooks).logits, ids, mask)
-        np.add.at(nll, held.doc[part], per.sum(1).double().cpu().numpy())
-        np.add.at(count, held.doc[part], valid.sum(1).cpu().numpy())
+    for b in held.batches(batch_size, pad_id(model), by_length=True, max_tokens=BATCH_TOKENS):
+        logits = model.run(b.ids, mask=b.mask, hooks=hooks).logits
+        per, valid = next_token_nll(logits, b.ids, b.mask, b.first_tensor())
+        np.add.at(nll, b.doc_index, per.sum(1).double().cpu().numpy())
+        np.add.at(count, b.doc_index, valid.sum(1).cpu().numpy())
     return DocLoss(nll, count)
 
 

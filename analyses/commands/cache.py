@@ -14,7 +14,7 @@ from depthscope.common.settings import build
 
 WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 CACHE = options(
-    "text points out model device dtype chunk_tokens max_docs whole_file threads force",
+    "text points out model device dtype chunk_tokens window stride bos max_tokens max_docs whole_file threads force",
     CacheConfig,
     extra=(WHOLE_FILE,),
     helps={
@@ -28,8 +28,10 @@ CACHE = options(
 def cache(o) -> None:
     """Write the activations at POINTS of every token of TEXT to an activation cache in OUT.
 
-    Documents (one per non-blank line) run through the model a chunk at a time; each chunk's
-    points are written as float32 .npy shards with their sha256 in OUT/manifest.json, which is
+    Documents (one per non-blank line) are read as every analysis reads text (the BOS token
+    prepended to every window, documents longer than --window split into windows: each window is
+    one document of the store) and run through the model a chunk at a time; each chunk's points
+    are written as float32 .npy shards with their sha256 in OUT/manifest.json, which is
     rewritten after every chunk, so a killed run resumes from its last complete chunk. Read it
     with depthscope.hooks.open_activations(OUT) (point -> \\[tokens, ...] memory-mapped arrays and
     the index of document, position, token), or with numpy alone (docs/cache.md).

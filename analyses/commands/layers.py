@@ -14,14 +14,17 @@ from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import LayersConfig
 from depthscope.common.settings import build
 
-LAYERS = options("text model device dtype out batch_size window max_docs threads force", LayersConfig)
+LAYERS = options(
+    "text model device dtype out batch_size window stride bos max_tokens max_docs threads force", LayersConfig
+)
 
 
 def layers(o) -> None:
     """Skip each block (its output = its input) and swap each block with the next (Lad et al. 2024).
 
-    Scores the model on TEXT (one document per non-blank line, each tokenized as the tokenizer
-    does) with every intervention and writes to OUT: layers (one row per layer and intervention:
+    Scores the model on TEXT (one document per non-blank line, the BOS token prepended to every
+    window as the probes and the causal test do; --no-bos: the tokenizer's own tokens) with every
+    intervention and writes to OUT: layers (one row per layer and intervention:
     skip, swap, and one 'none' row for the unmodified model; cross_entropy, top1_agreement) as
     Parquet and CSV, layers_summary.json and the plot layers_curves.
     """

@@ -16,8 +16,8 @@ from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
 from depthscope.common.settings import build
 
 LENS = options(
-    "text model device dtype prompt out per_line max_tokens batch_size window tuned sites first_position top_k "
-    "threads force",
+    "text model device dtype prompt out per_line max_tokens max_docs batch_size window stride bos tuned sites "
+    "first_position top_k threads force",
     LensConfig,
 )
 LENS_TRAIN = options(

@@ -15,7 +15,8 @@ from depthscope.common.settings import build
 
 WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 NORMS = options(
-    "text model device dtype out prompt target contrast max_tokens batch_size window whole_file heads threads force",
+    "text model device dtype out prompt target contrast max_tokens max_docs batch_size window stride bos whole_file "
+    "heads threads force",
     NormsConfig,
     extra=(WHOLE_FILE,),
 )

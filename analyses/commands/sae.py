@@ -20,7 +20,7 @@ EXTRA = (
 )
 TRAIN = options(
     "site text model device dtype out latents k tokens eval_tokens epochs batch_size lr dead_tokens seed "
-    "keep_activations per_line threads force",
+    "window stride bos max_docs keep_activations per_line threads force",
     SaeTrainConfig,
     extra=EXTRA,
 )
@@ -29,9 +29,10 @@ TRAIN = options(
 def train(o) -> None:
     """Train a TopK SAE at SITE on the activations of TEXT and write it to OUT/sae (cfg.json +
     sae_weights.safetensors: sae_lens.SAE.load_from_disk and depthscope.hooks.load_sae read it),
-    with sae_metrics (variance explained, L0, dead latents, next-token loss clean / with the
-    reconstruction spliced in / mean-ablated, loss recovered; held-out documents, position 0 left
-    out) and sae_training (the loss per step) as Parquet and CSV. A killed run resumes."""
+    with sae_metrics (on the --eval-tokens after the training tokens: variance explained, L0,
+    dead latents, next-token loss clean / with the reconstruction spliced in / zero- and
+    mean-ablated, SAELens's CE loss score, KL; each window's first position, the BOS, left out)
+    and sae_training (the loss per step) as Parquet and CSV. A killed run resumes."""
     from depthscope.analyses.jobs.sae import sae_train_job  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
@@ -46,7 +47,7 @@ def train(o) -> None:
     row = res.metrics.iloc[0]
     console.print(
         f"variance explained {row.variance_explained:.3f}, L0 {row.l0:.1f}, dead {row.dead_fraction:.1%}, "
-        f"loss recovered {row.loss_recovered:.3f}"
+        f"CE loss score {row.ce_loss_score:.3f} (mean ablation {row.ce_loss_score_mean:.3f}), KL {row.kl:.4f}"
     )
     Console().print(f"wrote {o.out / 'sae'} and " + ", ".join(p.name for p in res.files[1:]))
 

@@ -2,6 +2,7 @@
 
 =================  ==================================================================
 ``training.py``    :func:`train_topk` (a TopK SAE), :func:`sae_metrics`
+``evaluate.py``    :func:`evaluate_sae`: reconstruction, sparsity and loss scores on held-out text
 ``probing.py``     :func:`sparse_probing` per depth, :func:`feature_lens`
 ``config.py``      :class:`SaeTrainConfig`
 ``plots.py``       the figures, drawn from the tables
@@ -15,6 +16,7 @@ from depthscope.common.lazy import lazy_exports
 _EXPORTS = {
     "train_topk": "training",
     "sae_metrics": "training",
+    "evaluate_sae": "evaluate",
     "sparse_probing": "probing",
     "feature_lens": "probing",
     "SparseProbing": "probing",

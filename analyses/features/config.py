@@ -3,7 +3,8 @@ command line reads them without importing torch.
 
 =========================  ==================================================================
 :class:`SaeTrainConfig`    latents, k, tokens, held-out tokens, epochs, batch size, learning
-                           rate, AuxK coefficient, dead-latent window, seed
+                           rate, AuxK coefficient, dead-latent window, seed, and how the text
+                           is read (a :class:`~depthscope.analyses.text_settings.TextWindows`)
 =========================  ==================================================================
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import Checked, setting
 
@@ -22,10 +24,14 @@ class SaeTrainConfig(Checked):
     latents: int = setting(4608, "--latents", min=1, max=1 << 20, help="Number of SAE latents (d_sae).")
     k: int = setting(32, "--k", min=1, max=4096, help="Active latents per token (TopK).")
     tokens: int = setting(
-        150_000, "--tokens", min=1, max=100_000_000, help="Training tokens read from the text (position 0 left out)."
+        150_000,
+        "--tokens",
+        min=1,
+        max=100_000_000,
+        help="Training tokens read from the text (each window's first position, the BOS, left out).",
     )
     eval_tokens: int = setting(
-        8192, "--eval-tokens", min=1, max=10_000_000, help="Held-out tokens (documents after the training ones)."
+        8192, "--eval-tokens", min=1, max=10_000_000, help="Held-out tokens (the text after the training tokens)."
     )
     epochs: int = setting(8, "--epochs", min=1, max=1000, help="Passes over the training tokens.")
     batch_size: int = setting(1024, "--batch-size", min=1, max=65536, help="Tokens per optimiser step.")
@@ -39,9 +45,12 @@ class SaeTrainConfig(Checked):
         help="A latent is dead after this many tokens unfired.",
     )
     seed: int = setting(0, "--seed", min=0, help="Seed of the initialisation and the row order.")
+    text: TextWindows = setting(factory=TextWindows)
     progress: bool = False
 
     def check(self) -> None:
-        """k at most the number of latents."""
+        """k at most the number of latents; the token counts are ``tokens`` and ``eval_tokens``."""
         if self.k > self.latents:
             raise InputError(f"--k {self.k} exceeds --latents {self.latents}")
+        if self.text.max_tokens is not None:
+            raise InputError("an SAE reads --tokens and --eval-tokens tokens of the text: leave text.max_tokens out")

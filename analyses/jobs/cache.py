@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.table import Table
 
 from depthscope.analyses.jobs.configs import CacheConfig
+from depthscope.analyses.text import text_rows
 from depthscope.hooks.activation_cache import Activations, CacheSettings, write_activations
 
 
@@ -31,16 +32,19 @@ def _disk_bytes(path: Path) -> int:
 def cache_job(
     model, docs: Sequence[str], config: CacheConfig, out, overwrite: bool = False
 ) -> tuple[Activations, dict]:
-    """``config.points`` of every token of ``docs`` (the first ``config.max_docs``) written to the
-    activation cache ``out`` (``overwrite``: replace a cache of another run there); returns the
-    store and its summary (documents, tokens, points, chunks, bytes on disk)."""
-    docs = list(docs)[: config.max_docs] if config.max_docs else list(docs)
+    """``config.points`` of every token of ``docs`` read under ``config.text`` (each window one
+    document of the store; the manifest's ``meta`` gives the text document and window of each)
+    written to the activation cache ``out`` (``overwrite``: replace a cache of another run there);
+    returns the store and its summary (documents, windows, tokens, points, chunks, bytes on disk)."""
+    rows = text_rows(model, list(docs), config.text, skip=0)
     settings = CacheSettings(chunk_tokens=config.chunk_tokens, progress=config.progress, overwrite=overwrite)
-    acts = write_activations(model, docs, config.points, out, settings=settings)
+    meta = {"text_document": rows.doc.tolist(), "text_window": rows.window.tolist(), "bos": config.text.bos}
+    acts = write_activations(model, rows.rows, config.points, out, settings=settings, first=rows.first, meta=meta)
     summary = {
         "model": str(model.name),
         "folder": str(acts.path),
-        "documents": acts.n_documents,
+        "documents": len(set(rows.doc.tolist())),
+        "windows": acts.n_documents,
         "tokens": acts.n_tokens,
         "points": len(acts),
         "chunks": len(acts.manifest["chunks"]),
@@ -53,7 +57,7 @@ def summary_table(summary: dict) -> Table:
     """The console table of a cache job's summary."""
     t = Table("quantity", "value", title=f"activation cache of {summary['model']}")
     t.add_row("folder", summary["folder"])
-    t.add_row("documents / tokens", f"{summary['documents']} / {summary['tokens']}")
+    t.add_row("documents / windows / tokens", f"{summary['documents']} / {summary['windows']} / {summary['tokens']}")
     t.add_row("points / chunks", f"{summary['points']} / {summary['chunks']}")
     t.add_row("size on disk", f"{summary['bytes'] / 2**20:.1f} MiB")
     return t

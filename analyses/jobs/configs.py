@@ -11,6 +11,8 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`ModelSpec`         the model every command loads: ``--model``, ``--device``, ``--dtype``,
                            ``--threads``
 :class:`CacheConfig`       :func:`~depthscope.analyses.jobs.cache.cache_job` (``depthscope cache``)
+:class:`TextWindows`       ``text_settings.py``: how every free-text analysis reads its text (held by
+                           the configs of ``cache``, ``lens``, ``norms``, ``layers``, ``sae train``)
 :class:`LensConfig`        ``lens/config.py``: :func:`~depthscope.analyses.jobs.lens.lens_job`
 :class:`LensTrainConfig`   ``lens/config.py``: :func:`~depthscope.analyses.jobs.lens.lens_train_job`
 :class:`NormsConfig`       ``norms/config.py``: :func:`~depthscope.analyses.jobs.norms.norms_job`
@@ -52,6 +54,7 @@ from depthscope.analyses.sweeps.config import (
     TEXT_FIELDS,
     SweepJobConfig,
 )
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import CPUS, TOKENS, Checked, comma_list, setting
 
@@ -80,6 +83,7 @@ __all__ = [
     "ReportConfig",
     "SaeTrainConfig",
     "SweepJobConfig",
+    "TextWindows",
 ]
 
 
@@ -121,17 +125,22 @@ class ModelSpec(Checked):
 @dataclass(frozen=True)
 class CacheConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.cache.cache_job` writes: the hook ``points`` (``resid``:
-    the 2L+1 residual sites; else a comma list of point names) of every token of the text, into an
-    activation cache (:mod:`depthscope.hooks.activation_cache`), ``chunk_tokens`` padded tokens
-    per forward pass and chunk. Checked on construction; the fields declare the ``cache`` options."""
+    the 2L+1 residual sites; else a comma list of point names and group words, e.g.
+    ``resid,1.z``) of every token of the text read under ``text`` (the BOS rule, windows and
+    caps every free-text analysis shares), into an activation cache
+    (:mod:`depthscope.hooks.activation_cache`), ``chunk_tokens`` padded tokens per forward pass
+    and chunk. Checked on construction; the fields declare the ``cache`` options."""
 
     points: str = setting(
-        "resid", "--points", help="Hook points: 'resid' (every residual site) or a comma list (e.g. '0.mlp,5.z')."
+        "resid",
+        "--points",
+        help="Hook points: 'resid' (every residual site), 'all', or a comma list of points and those words "
+        "(e.g. '0.mlp,5.z' or 'resid,1.z').",
     )
     chunk_tokens: int = setting(
         1024, "--chunk-tokens", min=1, max=TOKENS, help="Padded tokens per forward pass and per chunk written."
     )
-    max_docs: int | None = setting(None, "--max-docs", min=1, help="Use only the first this many lines of the text.")
+    text: TextWindows = setting(factory=TextWindows)
     progress: bool = False
 
     def check(self) -> None:

@@ -21,13 +21,14 @@ from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import LayersConfig
 
 
-def _summary(model, df, config: LayersConfig, n_docs: int) -> dict:
+def _summary(model, df, config: LayersConfig) -> dict:
     """The unmodified cross-entropy and, per intervention, the block that hurts most and least."""
     base = df[df["intervention"] == "none"].iloc[0]
     summary = {
         "model": str(model.name),
         "text": config.source,
-        "n_docs": n_docs,
+        "n_docs": int(df.attrs["n_docs"]),
+        "n_windows": int(df.attrs["n_windows"]),
         "n_predictions": int(base["n_predictions"]),
         "cross_entropy": float(base["cross_entropy"]),
     }
@@ -55,12 +56,12 @@ def summary_table(name: str, summary: dict) -> Table:
 
 
 def layers_job(model, docs: Sequence[str], config: LayersConfig, out: Output) -> JobResult:
-    """Skip and swap every block of ``model`` on ``docs`` (the first ``max_docs``); writes the
+    """Skip and swap every block of ``model`` on ``docs`` read under ``config.text``; writes the
     table ``layers``, the figure ``layers_curves`` and ``layers_summary.json``."""
-    docs = list(docs)[: config.max_docs] if config.max_docs else list(docs)
-    df = layer_interventions(model, docs, batch_size=config.batch_size, window=config.window, progress=config.progress)
+    cfg = config
+    df = layer_interventions(model, list(docs), batch_size=cfg.batch_size, text=cfg.text, progress=cfg.progress)
     out.table(df, "layers")
-    summary = _summary(model, df, config, len(docs))
+    summary = _summary(model, df, config)
     out.json(summary, "layers_summary")
     out.figure(plot_layers, df, name="layers_curves", title=f"{model.name}: blocks skipped and swapped")
     return JobResult(tables={"layers": df}, summary=summary, files=list(out.written))

@@ -29,7 +29,8 @@ from depthscope.analyses.lens.logit import LOGIT_LENS, logit_lens, logit_lens_to
 from depthscope.analyses.lens.plots import plot_lens_metrics, plot_rank_trajectory, plot_top1_heatmap
 from depthscope.analyses.lens.tuned import train_tuned_lens
 from depthscope.analyses.tables import site_first
-from depthscope.analyses.text import windows
+from depthscope.analyses.text import RowReader
+from depthscope.analyses.text_settings import TextWindows
 
 
 def sites_table(by_site) -> Table:
@@ -56,19 +57,15 @@ def token_counts(model, docs: Sequence[str]) -> list[int]:
     return [len(ids) for ids in model.tokenizer(list(docs))["input_ids"]] if docs else []
 
 
-def split_note(model, docs: Sequence[str], window: int | None, counts: Sequence[int] | None = None) -> str | None:
-    """Say how many documents are longer than the window (they are split, not truncated)."""
-    ctx = model.max_context or 2048
-    w = min(window or 512, ctx)
-    long_docs, pieces = 0, 0
-    for n in counts if counts is not None else token_counts(model, docs):
-        if n > w:
-            long_docs += 1
-            pieces += len(windows(list(range(n)), w))
+def split_note(model, docs: Sequence[str], text: TextWindows, counts: Sequence[int] | None = None) -> str | None:
+    """Say how many documents are longer than a window under ``text`` (they are split, not truncated)."""
+    reader = RowReader(model, [], text)  # the window, its leading token and the stride, for this tokenizer
+    pieces = [reader.n_windows(n) for n in (counts if counts is not None else token_counts(model, docs))]
+    long_docs = sum(k > 1 for k in pieces)
     if long_docs:
         return (
-            f"{long_docs} document(s) longer than the {w}-token window were split into {pieces} windows "
-            f"(each window starts a fresh context)"
+            f"{long_docs} document(s) longer than the {reader.window}-token window were split into "
+            f"{sum(k for k in pieces if k > 1)} windows (each window starts a fresh context)"
         )
     return None
 
@@ -79,20 +76,20 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
     KL to the final distribution over sites, plus ``n_positions`` and ``split_note``."""
     model.unembed.check()
     lenses = [LOGIT_LENS] + ([TunedLens.load(config.tuned, model)] if config.tuned is not None else [])
-    kw = dict(
-        sites=config.sites, batch_size=config.batch_size, window=config.window, first_position=config.first_position
-    )
+    kw = dict(sites=config.sites, batch_size=config.batch_size, first_position=config.first_position)
     counts = token_counts(model, docs)
-    big = dict(max_tokens=config.max_tokens, progress=config.progress, total=sum(counts))
+    reader = RowReader(model, [], config.text, skip=0 if config.first_position else 1)
+    big = dict(text=config.text, progress=config.progress, total=sum(reader.positions(n) for n in counts))
     by_site = site_first(
         pd.concat(
             [logit_lens(model, docs, lens=lens, **big, **kw) for lens in lenses],
             ignore_index=True,
         )
     )
+    prompt = dict(k=config.top_k, window=config.text.window)  # the prompt as the tokenizer tokenizes it
     tokens = site_first(
         pd.concat(
-            [logit_lens_tokens(model, config.prompt, lens=lens, k=config.top_k, **kw) for lens in lenses],
+            [logit_lens_tokens(model, config.prompt, lens=lens, **prompt, **kw) for lens in lenses],
             ignore_index=True,
         )
     )
@@ -113,7 +110,7 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
         "model": str(model.name),
         "n_positions": n_positions,
         "mean_kl_to_final": {k: float(g["kl_to_final"].mean()) for k, g in by_site.groupby("lens")},
-        "split_note": split_note(model, docs, config.window, counts),
+        "split_note": split_note(model, docs, config.text, counts),
     }
     return JobResult(tables={"lens_by_site": by_site, "lens_tokens": tokens}, summary=summary, files=list(out.written))
 

@@ -85,22 +85,13 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
     (``heads``) per-head writes; writes the tables, figures and summary named in the module doc.
     The summary is :func:`~depthscope.analyses.norms.norms_summary` plus the DLA's and heads'
     headline numbers (``dla_target``, ``dla_logit``, ``dla_top``, ``top_head``, ...)."""
-    df = contribution_norms(
-        model,
-        docs,
-        batch_size=config.batch_size,
-        window=config.window,
-        max_tokens=config.max_tokens,
-        progress=config.progress,
-    )
+    df = contribution_norms(model, docs, batch_size=config.batch_size, text=config.text, progress=config.progress)
     pos = norms_by_position(model, [config.prompt])
     dla = heads_df = None
     if model.unembed.decodes_stream:
         dla = direct_logit_attribution(model, [config.prompt], config.target, config.contrast)
     if config.heads:
-        heads_df = head_write_norms(
-            model, docs, batch_size=config.batch_size, window=config.window, max_tokens=config.max_tokens
-        )
+        heads_df = head_write_norms(model, docs, batch_size=config.batch_size, text=config.text)
     tables = {"norms_by_site": df, "norms_by_position": pos, "dla": dla, "head_writes": heads_df}
     tables = {k: v for k, v in tables.items() if v is not None}
     for name, t in tables.items():

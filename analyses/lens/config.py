@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from depthscope.analyses.defaults import DEFAULT_PROMPT, MAX_TOP_K
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import BATCH, SEED, TOKENS, Checked, Limit, comma_list, memory_bytes, setting
 
@@ -79,7 +80,7 @@ class TunedLensTraining(Checked):
     lr: float = setting(3e-2, "--lr", positive=True, max=LR, help="Learning rate of the (RMS-scaled) biases.")
     weight_lr: float = setting(3e-3, "--weight-lr", positive=True, max=LR, help="Learning rate of the d x d matrices.")
     warmup: int = setting(10, min=0, max=STEPS)
-    window: int | None = setting(256, min=1, max=TOKENS)
+    window: int | None = setting(256, min=2, max=TOKENS)
     batch_size: int = setting(8, min=1, max=BATCH)
     max_batch_tokens: int = setting(1024, min=1, max=TOKENS)
     checkpoint_every: int = setting(25, "--checkpoint-every", min=1, help="Steps between checkpoints.")
@@ -128,9 +129,11 @@ def check_memory(cfg: TunedLensTraining, *, sites: int, d_model: int, vocab: int
 @dataclass(frozen=True)
 class LensConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.lens.lens_job` computes. ``sites``: labels/indices
-    (None: all); ``tuned``: a tuned lens folder to compare with the plain logit lens; ``source``:
-    the text's name (figure title). ``window`` is at least 2 tokens (one position and its next token); ``top_k`` at most
-    :data:`MAX_TOP_K`. Checked on construction; the fields declare the ``lens`` options."""
+    (None: all); ``text``: how the text is read (the BOS rule, window, stride and caps every
+    free-text analysis shares; ``max_tokens`` counts the positions decoded); ``tuned``: a tuned
+    lens folder to compare with the plain logit lens; ``source``: the text's name (figure title);
+    ``top_k`` at most :data:`MAX_TOP_K`. Checked on construction; the fields declare the ``lens``
+    options."""
 
     prompt: str = setting(
         DEFAULT_PROMPT, "--prompt", "-p", help="Prompt for the per-token heatmap and rank trajectories."
@@ -143,15 +146,7 @@ class LensConfig(Checked):
         help="Comma-separated sites (e.g. 'embed,10.attn,29.mlp'); default all.",
     )
     batch_size: int = setting(8, "--batch-size", min=1, max=BATCH, help="Windows per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=2,
-        help="Tokens per window (default min(context, 512)); longer documents are split.",
-    )
-    max_tokens: int | None = setting(
-        None, "--max-tokens", min=1, help="Stop after this many token positions of the text."
-    )
+    text: TextWindows = setting(factory=TextWindows)
     first_position: bool = setting(
         True,
         "--first-position/--skip-first-position",

@@ -24,10 +24,14 @@ model's own next-token distribution) and lens distribution ``q_s``:
   next token's (0 = the lens's top prediction); ``target_log_rank`` = mean log10(1 + rank), a
   summary less dominated by a few very large ranks.
 
-Streaming: inputs go through :func:`depthscope.analyses.text.token_batches` (documents longer
-than the window are split into windows; each window starts a fresh context, and the last
-position of a window has no next-token target). Each forward captures all sites at once;
-positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
+Streaming: documents are read as every free-text analysis reads them
+(:func:`depthscope.analyses.text.iter_rows` under a
+:class:`~depthscope.analyses.text_settings.TextWindows`, ``text=``: the BOS token prepended to
+every window when the tokenizer adds none, documents longer than the window split into windows,
+each a fresh context, and at most ``max_tokens`` positions read, cut inside a document); the
+last position of a window has no next-token target. Token ids are taken as they are, and the
+per-token view of a prompt (:func:`logit_lens_tokens`) reads it as the tokenizer does. Each
+forward captures all sites at once; positions are then decoded in chunks of ``token_chunk`` tokens x all sites as one
 ``[chunk * sites, d] @ [d, vocab]`` matmul into reused buffers, and reduced at once to per-site
 sums (float64). Memory is bounded by ``max_batch_tokens`` (activations and logits of one forward)
 and ``token_chunk`` (two ``[chunk * sites, vocab]`` float32 buffers, 400 MB by default, 4 GB on a
@@ -44,8 +48,9 @@ clusters' sums come from the same per-position metrics, no extra pass
 (:mod:`depthscope.analyses.intervals`).
 
 Position 0 of every window: included by default (``first_position=True``), because the issue's
-metrics are over all real positions. Without a BOS token (SmolLM2's tokenizer adds none) position
-0 is the first word and its prediction is nearly unconditional; its stream is also the
+metrics are over all real positions. With the BOS token prepended it is the BOS, whose
+prediction is the first word's, unconditional; without one (``TextWindows(bos=False)`` and a
+tokenizer that adds none, as SmolLM2's) it is the first word; either way its stream is the
 attention sink with outsized norms. Pass ``first_position=False`` to exclude it everywhere.
 """
 
@@ -62,7 +67,8 @@ import torch
 
 from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
 from depthscope.analyses.lens.lenses import Lens, LogitLens
-from depthscope.analyses.text import TokenBatch, token_batches
+from depthscope.analyses.text import TokenBatch, token_batches, with_window
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import site_frame
@@ -117,6 +123,7 @@ class _Batch:
     mask: torch.Tensor
     doc_index: list
     window_index: list
+    first: list | None = None  # each row's first counted position (None: all count)
 
     def rows(self, start: int, stop: int, width: int | None = None) -> _Batch:
         """Rows ``start:stop``, cut to the first ``width`` positions (None: all)."""
@@ -126,6 +133,7 @@ class _Batch:
             self.mask[start:stop, cols],
             self.doc_index[start:stop],
             self.window_index[start:stop],
+            None if self.first is None else self.first[start:stop],
         )
 
 
@@ -137,13 +145,21 @@ def lens_batches(
     batch_size: int = 8,
     window: int | None = None,
     max_batch_tokens: int = 1024,
+    text: TextWindows | None = None,
+    skip: int = 0,
 ) -> Iterator[_Batch]:
     """``token_batches`` further split so that no forward holds more than ``max_batch_tokens``
-    padded tokens (rows x width), whatever the document lengths. Padding is trimmed per split."""
+    padded tokens (rows x width), whatever the document lengths. Padding is trimmed per split.
+    Documents are read under ``text`` (``skip``: 1 leaves each window's first position uncounted)
+    when it is given, else as the tokenizer tokenizes them."""
     if batch_size < 1:
         raise InputError("batch_size must be at least 1")
-    for tb in _grouped_token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask):
-        batch = _Batch(tb.ids, tb.mask, tb.doc_index, tb.window_index)
+    if text is not None and not isinstance(inputs, torch.Tensor):
+        stream = token_batches(model, inputs, batch_size=batch_size, window=window, text=text, skip=skip)
+    else:
+        stream = _grouped_token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask)
+    for tb in stream:
+        batch = _Batch(tb.ids, tb.mask, tb.doc_index, tb.window_index, tb.first)
         for start, stop, width in _row_splits(tb.mask.sum(1), max_batch_tokens):
             yield batch.rows(start, stop, width)
 
@@ -310,9 +326,13 @@ def _token_chunk(token_chunk: int | None, n_sites: int, vocab: int, device: torc
     return int(token_chunk)
 
 
-def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool):
-    """Flat (row, pos) of the positions used, and their next-token targets (-1 if none)."""
+def _positions(ids: torch.Tensor, mask: torch.Tensor, first_position: bool, first: list | None = None):
+    """Flat (row, pos) of the positions used (from each row's ``first`` on, when given), and their
+    next-token targets (-1 if none)."""
     sel = mask.clone()
+    if first is not None:
+        pos = torch.arange(mask.shape[1], device=mask.device)
+        sel &= pos[None] >= torch.tensor(first, device=mask.device)[:, None]
     if not first_position:
         sel[:, 0] = False
     b_idx, t_idx = sel.nonzero(as_tuple=True)
@@ -331,8 +351,9 @@ class Streaming:
     are split), at most ``max_batch_tokens`` padded tokens per forward, ``token_chunk`` positions
     (x all sites) decoded at once (None: a 400 MB buffer budget, 4 GB on a GPU),
     ``first_position=False`` skips position 0 of every window (the attention sink),
-    ``max_tokens`` stops after that many positions (in input order). Either function takes
-    ``streaming=Streaming(...)`` or any of these fields by keyword."""
+    ``max_tokens`` stops after that many positions (in input order, cut inside a document).
+    Either function takes ``streaming=Streaming(...)`` or any of these fields by keyword; for
+    documents, ``window`` and ``max_tokens`` are those of the text settings (``text=``)."""
 
     batch_size: int = 8
     window: int | None = None
@@ -349,12 +370,14 @@ class _LensSettings(Streaming):
 
     The :class:`Streaming` fields, and ``lens``; ``sites``: resolved site indices; ``mask``: the
     inputs' mask (token-id inputs); ``topk``: how many top tokens per (position, site) to keep
-    (0: none, the dataset-level table needs no token ids)."""
+    (0: none, the dataset-level table needs no token ids); ``text``: how documents are read
+    (None: as the tokenizer tokenizes them)."""
 
     lens: Lens
     sites: list[int]
     mask: torch.Tensor | None = None
     topk: int = 0
+    text: TextWindows | None = None
 
 
 @dataclass
@@ -437,6 +460,8 @@ def _forwards(model, inputs, settings: _LensSettings, clock: _Clock) -> Iterator
         batch_size=settings.batch_size,
         window=settings.window,
         max_batch_tokens=settings.max_batch_tokens,
+        text=settings.text,
+        skip=0 if settings.first_position else 1,
     )
     for batch in batches:
         if budget.exhausted():
@@ -445,7 +470,7 @@ def _forwards(model, inputs, settings: _LensSettings, clock: _Clock) -> Iterator
         clock.start()
         rs = model.residual_stream(batch.ids, mask=batch.mask, sites=settings.sites)
         clock.lap("forward_s")
-        yield batch, rs, budget.take(*_positions(rs.input_ids, rs.mask, settings.first_position))
+        yield batch, rs, budget.take(*_positions(rs.input_ids, rs.mask, settings.first_position, batch.first))
 
 
 def _iter_chunks(model, inputs, settings: _LensSettings, *, target_fn=None, timings=None) -> Iterator[_Chunk]:
@@ -552,6 +577,7 @@ def logit_lens(
     timings: dict | None = None,
     progress: bool = False,
     total: int | None = None,
+    text: TextWindows | None = None,
     **overrides,
 ) -> pd.DataFrame:
     """Dataset-level logit lens: one row per site with the means of every metric.
@@ -564,6 +590,8 @@ def logit_lens(
     ``streaming``: a :class:`Streaming` (batch size, window, tokens per forward, positions
     decoded at once, ``first_position``, ``max_tokens``), or any of its fields by keyword
     (``overrides``), e.g. ``logit_lens(model, docs, window=256, max_tokens=10_000)``.
+    ``text``: how documents are read (:class:`~depthscope.analyses.text_settings.TextWindows`;
+    None: the defaults, with the ``window`` and ``max_tokens`` given here).
 
     Returns columns ``site, label, layer, sublayer, depth, lens``, then for each metric in
     ``kl_to_final, cross_entropy, entropy, top1_agreement, top1_accuracy, target_rank,
@@ -580,15 +608,26 @@ def logit_lens(
     ``total`` (the number of positions, e.g. the documents' token count) is given.
     """
     lens.check(model)
-    settings = _LensSettings(
-        lens=lens,
-        sites=lens.resolve_sites(model, sites),
-        mask=mask,
-        **asdict(replace(streaming or Streaming(), **overrides)),
-    )
+    stream, text = _text_streaming(inputs, replace(streaming or Streaming(), **overrides), text)
+    settings = _LensSettings(lens=lens, sites=lens.resolve_sites(model, sites), mask=mask, text=text, **asdict(stream))
+    if text is not None and text.max_tokens is not None and total is not None:
+        total = min(total, text.max_tokens)
     bar = _position_bar(settings, total, enabled=progress)
     acc = _accumulate(model, inputs, settings, bar=bar, timings=timings)
     return _dataset_table(model, settings, acc)
+
+
+def _text_streaming(inputs, stream: Streaming, text: TextWindows | None) -> tuple[Streaming, TextWindows | None]:
+    """Where the window and the position cap live: documents are read under ``text`` (None: the
+    defaults) holding the streaming's ``window`` and ``max_tokens``; token ids take the text
+    settings' window and cap as streaming ones."""
+    if isinstance(inputs, torch.Tensor):
+        if text is None:
+            return stream, None
+        window, cap = stream.window or text.window, stream.max_tokens or text.max_tokens
+        return replace(stream, window=window, max_tokens=cap), None
+    text = with_window(text or TextWindows(), stream.window, stream.max_tokens)
+    return replace(stream, window=None, max_tokens=None), text
 
 
 def _position_bar(settings: _LensSettings, total: int | None, *, enabled: bool):

@@ -64,6 +64,7 @@ from depthscope.analyses.lens.lenses import (
 )
 from depthscope.analyses.lens.logit import lens_batches
 from depthscope.analyses.text import read_documents
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import CheckpointError, InputError, NonFiniteActivationError, OutputError
 from depthscope.common.files import is_place_error, output_error
 from depthscope.common.progress import progress_bar
@@ -189,9 +190,8 @@ def _cache_streams(model, inputs, train_sites: list[int], cfg: TunedLensTraining
     ids_seen = []
     n = 0
     bar = _bar(progress, total=cfg.cache_tokens, desc="capturing streams", unit="tok")
-    batches = lens_batches(
-        model, inputs, batch_size=cfg.batch_size, window=cfg.window, max_batch_tokens=cfg.max_batch_tokens
-    )
+    text = TextWindows(window=cfg.window)  # the text read as the logit lens reads it (the BOS rule, windows)
+    batches = lens_batches(model, inputs, batch_size=cfg.batch_size, max_batch_tokens=cfg.max_batch_tokens, text=text)
     with bar, torch.inference_mode():  # the bar is closed on error too
         for batch in batches:
             rs = model.residual_stream(batch.ids, mask=batch.mask, sites=sites, return_logits=False)

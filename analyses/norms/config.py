@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from depthscope.analyses.defaults import DEFAULT_PROMPT
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.settings import BATCH, Checked, setting
 
@@ -12,8 +13,10 @@ from depthscope.common.settings import BATCH, Checked, setting
 @dataclass(frozen=True)
 class NormsConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.norms.norms_job` computes. ``target``/``contrast``:
-    DLA tokens (single-token strings; target None: the model's top prediction); ``heads``: also
-    per-head write norms (one more pass); ``source``: the text's name (recorded in the summary).
+    DLA tokens (single-token strings; target None: the model's top prediction); ``text``: how the
+    text is read (the BOS rule, window, stride and caps every free-text analysis shares;
+    ``max_tokens`` counts the tokens read); ``heads``: also per-head write norms (one more pass);
+    ``source``: the text's name (recorded in the summary).
     Checked on construction; the fields declare the ``norms`` options."""
 
     prompt: str = setting(
@@ -28,14 +31,8 @@ class NormsConfig(Checked):
     contrast: str | None = setting(
         None, "--contrast", help="Optional contrast token: attribute logit\\[target] - logit\\[contrast]."
     )
-    max_tokens: int | None = setting(None, "--max-tokens", min=1, help="Stop after this many real tokens of the text.")
     batch_size: int = setting(4, "--batch-size", min=1, max=BATCH, help="Sequences per forward pass.")
-    window: int | None = setting(
-        None,
-        "--window",
-        min=1,
-        help="Split documents into windows of at most this many tokens (default min(context, 512)).",
-    )
+    text: TextWindows = setting(factory=TextWindows)
     heads: bool = setting(
         False,
         "--heads",

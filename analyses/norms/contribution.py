@@ -23,7 +23,10 @@ from depthscope.analyses.norms.streaming import (
     norm_sample,
     stream_batch,
     table_attrs,
+    text_settings,
+    window_keywords,
 )
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import site_frame
@@ -34,19 +37,20 @@ def contribution_norms(
     inputs: Inputs,
     *,
     batch_size: int = 4,
-    window: int | None = None,
-    max_tokens: int | None = None,
     hooks=None,
     progress: bool = False,
     mask: torch.Tensor | None = None,
+    text: TextWindows | None = None,
+    **window_and_cap,
 ) -> pd.DataFrame:
     """Per-site contribution norms over a dataset, streamed in bounded memory.
 
-    ``inputs``: texts (one document each), one text, or a LongTensor of token ids; documents
-    longer than ``window`` (default min(context, 512)) are split into windows, each a fresh
-    context. ``max_tokens`` stops after that many real tokens. ``hooks`` (site -> fn) are
-    passed to :meth:`HookedModel.residual_stream` (e.g. to ablate a site). ``mask`` (with token
-    ids) marks the real tokens of padded rows.
+    ``inputs``: texts (one document each), one text, or a LongTensor of token ids (``mask``: the
+    real ones). Documents are read under ``text`` (a :class:`~depthscope.analyses.text_settings.
+    TextWindows`; None: the defaults every free-text analysis shares: the BOS token prepended to
+    every window, documents longer than ``window`` split into windows, each a fresh context);
+    ``window`` and ``max_tokens`` (at most that many tokens read, cut inside a document) may be
+    given as keywords. ``hooks`` (site -> fn) go to :meth:`HookedModel.residual_stream`.
 
     Returns a long DataFrame with one row per ``(site, positions)``, ``positions`` in
     ``("rest", "first")``, columns: ``site, label, layer, sublayer, depth, positions,
@@ -66,11 +70,13 @@ def contribution_norms(
     check_has_blocks(model)
     totals = _Totals(model.n_sites)
     reader = None
-    bar = progress_bar(max_tokens, desc="norms", unit="tok", enabled=progress)
-    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
+    window, max_tokens = window_keywords(window_and_cap)
+    text = text_settings(inputs, text)
+    bar = progress_bar(max_tokens or (text.max_tokens if text else None), desc="norms", unit="tok", enabled=progress)
+    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask, text=text):
         rs = stream_batch(model, batch, hooks)
-        bar.update(int(rs.mask.sum()))
-        resid, real = rs.resid, rs.mask.to(rs.resid.device)
+        resid, real = rs.resid, batch.counted.to(rs.resid.device)  # the positions that count
+        bar.update(int(real.sum()))
         if reader is None:
             reader = readers(model, norm_sample(resid, real))
         m = chunked_metrics(resid, reader)

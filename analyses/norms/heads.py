@@ -35,7 +35,8 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.norms.metrics import POSITION_GROUPS
-from depthscope.analyses.norms.streaming import norm_batches
+from depthscope.analyses.norms.streaming import norm_batches, text_settings
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.arch import linear_weight
 from depthscope.hooks.engine import cache_points
@@ -142,8 +143,10 @@ def head_write_norms(
     window: int | None = None,
     max_tokens: int | None = None,
     mask: torch.Tensor | None = None,
+    text: TextWindows | None = None,
 ) -> pd.DataFrame:
-    """Per-head attention write norms over a dataset, streamed in bounded memory.
+    """Per-head attention write norms over a dataset, streamed in bounded memory; the inputs are
+    read as :func:`~depthscope.analyses.norms.contribution_norms` reads them (``text``).
 
     Returns one row per ``(layer, head, positions)`` (``positions`` in ``("rest", "first")`` as
     in :func:`~depthscope.analyses.norms.contribution_norms`) with the shared site columns of the
@@ -160,10 +163,10 @@ def head_write_norms(
     sums = {k: torch.zeros(L, H, len(POSITION_GROUPS), dtype=torch.float64) for k in WRITE_METRICS}
     n_tok = torch.zeros(len(POSITION_GROUPS), dtype=torch.float64)
     checked = False
-    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
+    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask, text=text_settings(inputs, text)):
         points = [Point(k, l) for l in range(L) for k in ("z", "proj_out")]
         store = _capture(model, batch.ids, batch.mask, points, check_last=True)
-        real = batch.mask.to(model.device)
+        real = batch.counted.to(model.device)
         pos = torch.arange(real.shape[1], device=real.device)
         groups = torch.stack([real & (pos >= 1), real & (pos == 0)], 0).double()  # [G, B, P]
         n_tok += groups.sum((1, 2)).cpu()

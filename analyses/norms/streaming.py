@@ -6,7 +6,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from depthscope.analyses.text import TokenBatch, token_batches
+from depthscope.analyses.text import TokenBatch, token_batches, with_window
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 
 Inputs = torch.Tensor | Sequence[str] | str
@@ -62,10 +63,35 @@ def _limited(batches: Iterable[TokenBatch], max_tokens: int | None) -> Iterable[
         return
 
 
-def norm_batches(model, inputs, batch_size, window, max_tokens, mask=None):
+def norm_batches(model, inputs, batch_size, window, max_tokens, mask=None, text: TextWindows | None = None):
+    """The batches of ``inputs``: documents read under ``text`` (its window and cap, or
+    ``window`` and ``max_tokens`` given here; the cap counts the positions read, cut inside a
+    document), or, without ``text``, as the tokenizer tokenizes them (prompts); token ids as they
+    are, stopping after ``max_tokens`` real tokens."""
     if batch_size <= 0:
         raise InputError(f"batch_size must be positive, got {batch_size}")
+    if max_tokens is not None and max_tokens <= 0:
+        raise InputError(f"max_tokens must be positive, got {max_tokens}")
+    if text is not None and not isinstance(inputs, torch.Tensor):
+        text = with_window(text, window, max_tokens)
+        return token_batches(model, inputs, batch_size=batch_size, text=text, skip=0)
+    if text is not None:
+        window, max_tokens = window or text.window, max_tokens or text.max_tokens
     return _limited(token_batches(model, inputs, batch_size=batch_size, window=window, mask=mask), max_tokens)
+
+
+def window_keywords(kw: dict) -> tuple[int | None, int | None]:
+    """``(window, max_tokens)`` of an analysis' keyword shorthand; any other keyword is a TypeError."""
+    unknown = sorted(set(kw) - {"window", "max_tokens"})
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+    return kw.get("window"), kw.get("max_tokens")
+
+
+def text_settings(inputs, text: TextWindows | None) -> TextWindows | None:
+    """How a dataset-level norms analysis reads ``inputs``: documents under ``text`` (None: the
+    defaults every free-text analysis shares); token ids as they are (None)."""
+    return None if isinstance(inputs, torch.Tensor) else (text or TextWindows())
 
 
 def norm_sample(resid: torch.Tensor, mask: torch.Tensor, n: int = 64) -> torch.Tensor:

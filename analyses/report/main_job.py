@@ -55,6 +55,7 @@ from depthscope.analyses.report.findings import (
     probe_table,
 )
 from depthscope.analyses.samples import conllu_documents, sample_texts
+from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.digest import model_digest
 from depthscope.common.files import atomic_text
 from depthscope.common.resume import Stages, file_digests, stage_key
@@ -98,13 +99,13 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     meta = _run_meta(model, cfg, inputs)
     output = Output(out)  # one writer per table and figure across the three jobs
     stages = _Stages(Stages(out, reuse=cfg.resume), model, output, say)
+    docs = inputs.texts  # each stage reads its first tokens of the text, cut inside a document
     if model.unembed.decodes_stream:
         with clock("lens"):
-            docs, lens = _cap_texts(inputs.texts, model.tokenizer, cfg.lens_tokens), LensConfig(prompt=cfg.prompt)
+            lens = LensConfig(prompt=cfg.prompt, text=TextWindows(max_tokens=cfg.lens_tokens))
             stages.run("lens", lambda: _lens(model, cfg, docs, lens, output, say), docs=docs, config=lens)
     with clock("norms"):
-        docs = _cap_texts(inputs.texts, model.tokenizer, cfg.norms_tokens)
-        norms = NormsConfig(prompt=cfg.prompt, target=cfg.target)
+        norms = NormsConfig(prompt=cfg.prompt, target=cfg.target, text=TextWindows(max_tokens=cfg.norms_tokens))
         stages.run("norms", lambda: _norms(model, cfg, docs, norms, output, say), docs=docs, config=norms)
     with clock("probes"):
         say(f"probes: {', '.join(inputs.tasks)}")
@@ -209,14 +210,15 @@ def _protocol(cfg: ReportConfig) -> str:
 
 
 def _lens(model, cfg: ReportConfig, docs: Sequence[str], lens: LensConfig, output: Output, say: _Say) -> None:
-    """The logit lens over ``docs`` (the first ``cfg.lens_tokens`` tokens of the text)."""
-    say(f"logit lens over {len(docs)} documents (at most {cfg.lens_tokens} tokens) at {model.n_sites} sites")
-    lens_job(model, docs, lens, output)
+    """The logit lens over the first ``cfg.lens_tokens`` tokens of ``docs``."""
+    say(f"logit lens over the first {cfg.lens_tokens} tokens of the text at {model.n_sites} sites")
+    res = lens_job(model, docs, lens, output)
+    say(f"logit lens: {res.summary['n_positions']} positions read")
 
 
 def _norms(model, cfg: ReportConfig, docs: Sequence[str], norms: NormsConfig, output: Output, say: _Say) -> None:
-    """Contribution norms over ``docs`` (the first ``cfg.norms_tokens`` tokens of the text)."""
-    say(f"contribution norms over {len(docs)} documents (at most {cfg.norms_tokens} tokens)")
+    """Contribution norms over the first ``cfg.norms_tokens`` tokens of ``docs``."""
+    say(f"contribution norms over the first {cfg.norms_tokens} tokens of the text")
     norms_job(model, docs, norms, output)
 
 
@@ -241,18 +243,6 @@ class _Stages:
         compute()
         if key:
             self.stages.record_files(name, key, self.output.written[n:])
-
-
-def _cap_texts(texts: Sequence[str], tokenizer, max_tokens: int) -> list[str]:
-    """The leading documents of ``texts`` that fit in ``max_tokens`` tokens (at least one)."""
-    out, n = [], 0
-    for t in texts:
-        k = len(tokenizer(t, add_special_tokens=False)["input_ids"])
-        if n and n + k > max_tokens:
-            break
-        out.append(t)
-        n += k
-    return out
 
 
 class _Say:
