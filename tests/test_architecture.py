@@ -41,6 +41,7 @@ RANKS = {
     "analyses.circuits.path_plots": 9,
     "analyses.causal.plots": 9,
     "analyses.causal.layer_plots": 9,
+    "analyses.causal.localize_plots": 9,
     "analyses.features.plots": 9,
     "analyses.sweeps.plots": 9,
     "analyses.probing.plots": 9,

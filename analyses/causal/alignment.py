@@ -9,7 +9,7 @@ test examples, beside a seeded random subspace of the same dimension.
 
 =============================  ================================================================
 :func:`das`                    one row per (site, position) (the columns of
-                               :func:`~depthscope.analyses.causal.interchange.interchange`) and
+                               :func:`~depthscope.analyses.causal.iia.interchange`) and
                                the learned :class:`~depthscope.analyses.causal.subspaces.Subspace` s
 :class:`DasResult`             ``table`` and ``subspaces`` (by ``(site label, position)``)
 :func:`random_basis`           a seeded random orthonormal basis ``[d, k]``
@@ -43,7 +43,7 @@ from torch.nn.utils.parametrizations import orthogonal
 
 from depthscope.analyses.causal.config import LocalizeConfig
 from depthscope.analyses.causal.counterfactuals import as_counterfactuals, split_examples, tokenize_examples
-from depthscope.analyses.causal.interchange import (
+from depthscope.analyses.causal.iia import (
     _scores,
     _variable,
     finish,
