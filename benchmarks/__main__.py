@@ -34,10 +34,16 @@ from benchmarks._common import (
     write_results,
 )
 
-BENCHES = ["capture", "norms", "probes", "probe_fit", "lens", "points", "patching", "sweep", "extraction", "sae"]
+BENCHES = ["capture", "norms", "probes", "probe_fit", "lens", "points", "patching", "sweep", "extraction", "sae", "das"]
 # self-contained benchmarks: ``run(quick[, threads]) -> list[dict]`` rows with figure, depthscope and
 # baseline (numbers in the unit given here), ratio and a numeric goal compared with the operator here
-DICT_BENCHES = {"patching": (">=", "s"), "sweep": (">=", "s"), "extraction": ("<=", "MB"), "probe_fit": (">=", "")}
+DICT_BENCHES = {
+    "patching": (">=", "s"),
+    "sweep": (">=", "s"),
+    "extraction": ("<=", "MB"),
+    "probe_fit": (">=", ""),
+    "das": ("<=", "s"),
+}
 
 
 def _cell(v, unit: str) -> str:
