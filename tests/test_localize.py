@@ -330,6 +330,13 @@ def test_localize_command(tiny_llama_dir, tiny_llama, tmp_path, monkeypatch, cap
     t = pd.read_parquet(out / "localize.parquet")
     need = ["position", "method", "dim", "iia", "iia_low", "iia_high", "iia_random", "n_train", "n_test"]
     assert set(need) <= set(t.columns) and len(t) == 4 and (t["n_train"] + t["n_test"] == 24).all()
+    three = ["--probe-task", "upos", "--probe-sentences", "12", "--out", tmp_path / "three"]
+    code, stdout, err = run_cli([*args[:-4], "--sites", "embed,1.mlp", *three], monkeypatch, capsys)
+    assert code == 0, err
+    probes = pd.read_parquet(tmp_path / "three" / "localize_probes.parquet")
+    assert {"accuracy", "used"} <= set(probes.columns) and len(probes) == 2
+    assert (tmp_path / "three" / "localize_three_curves.png").is_file()
+    assert pd.read_parquet(tmp_path / "three" / "localize.parquet")["method"].eq("interchange").all()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": "x"}) + "\n")
     code, _, err = run_cli(

@@ -57,7 +57,7 @@ def _probes(model, sites: list[int], cfg: LocalizeConfig, progress: bool):
         controls=PROBE_CONTROLS,
         bootstrap=PROBE_BOOTSTRAP,
         max_text_tokens=PROBE_TOKENS,
-        data=DataConfig(max_train_sentences=n, max_test_sentences=max(n // 2, 1), seed=cfg.seed),
+        data=DataConfig(max_train_sentences=n, max_test_sentences=max(n // 2, 1)),
         extraction=ExtractionConfig(sites=sites),
     )
     return causal_tests(model, causal, progress=progress).table
@@ -79,7 +79,7 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         res = das(m, train, test, sites, cfg.positions, cfg.dim, boundless=cfg.boundless, config=run_cfg)
         table = res.table
     else:
-        table = interchange(m, test, sites, cfg.positions, config=run_cfg).assign(n_train=len(train))
+        table = interchange(m, test, sites, cfg.positions, config=run_cfg)
     out.table(table, TABLE)
     tables = {TABLE: table}
     if cfg.probe_task:
