@@ -46,6 +46,7 @@ BENCHES = [
     "extraction",
     "sae",
     "graphs",
+    "das",
 ]
 # self-contained benchmarks: ``run(quick[, threads]) -> list[dict]`` rows with figure, depthscope and
 # baseline (numbers in the unit given here), ratio and a numeric goal compared with the operator here
@@ -55,6 +56,7 @@ DICT_BENCHES = {
     "extraction": ("<=", "MB"),
     "probe_fit": (">=", ""),
     "graphs": ("<=", "s"),
+    "das": ("<=", "s"),
 }
 
 

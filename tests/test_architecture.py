@@ -44,6 +44,7 @@ RANKS = {
     "analyses.circuits.graph_html": 9,
     "analyses.causal.plots": 9,
     "analyses.causal.layer_plots": 9,
+    "analyses.causal.localize_plots": 9,
     "analyses.features.plots": 9,
     "analyses.sweeps.plots": 9,
     "analyses.probing.plots": 9,

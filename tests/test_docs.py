@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 from command_lines import check_options
 
+from depthscope.analyses.jobs.data import GENERATED
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
@@ -176,7 +178,7 @@ def _command_and_args(group, words: list[str]):
 def test_files_read_by_shell_lines_ship_or_are_written_first():
     from depthscope.probes import sample_data
 
-    samples = set(sample_data())
+    samples = set(sample_data()) | set(GENERATED)  # bundled, or generated for the default model's tokenizer
     _, group = _cli()
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([\w-]+):", makefile, re.M))

@@ -103,6 +103,18 @@ FAST = {
         ["--max-train-sentences", "20", "--max-test-sentences", "5", "--controls", "1", "--max-text-tokens", "60"],
         ["causal.csv", "causal.parquet", "causal_encoded_used.png"],
     ),
+    "localize_agreement.py": (
+        ["--n", "24", "--sites", "embed,1.mlp", "--das-sites", "1.mlp", "--epochs", "1", "--probe-sentences", "10"],
+        [
+            "agreement.jsonl",
+            "localize.csv",
+            "localize.parquet",
+            "localize_probes.parquet",
+            "localize_das.parquet",
+            "localize_three_curves.png",
+            "localize_das.png",
+        ],
+    ),
     "sae_features.py": (
         ["--sites", "1.mlp,2.mlp", "--latents", "64", "--k", "4", "--tokens", "1500", "--eval-tokens", "300"],
         [

@@ -11,16 +11,17 @@ import typer
 from rich.console import Console
 
 from depthscope.analyses.commands.options import SHARED, Opt, command, opt, options
+from depthscope.analyses.jobs import data as jobs
 from depthscope.analyses.jobs.data import LICENCES, TREEBANKS, copy_samples, resolve, samples, samples_table
 
 DATA = options(
-    "name copy force",
+    "name model copy force",
     extra=(
         Opt(
             "name",
             str | None,
             None,
-            help="A sample's name (ewt_train, ewt_test, gum_train, gum_test): print only its path.",
+            help="A sample (ewt_train, ewt_test, gum_train, gum_test) or generated set (agreement, ioi): its path.",
             argument=True,
             metavar="NAME",
         ),
@@ -41,13 +42,16 @@ def data(o) -> None:
     and GUM treebanks that ship with depthscope.
 
     Without NAME: a table of the samples (sentences, words, path, licence). With NAME: the
-    absolute path of that sample alone, for the shell:
+    absolute path of that sample alone (agreement, ioi: counterfactual examples for the tokenizer
+    of --model, written into --copy or the cache), for the shell:
 
       depthscope probe --train $(depthscope data ewt_train) --test $(depthscope data ewt_test)
 
     EWT is CC BY-SA 4.0; GUM is CC BY-NC-SA 4.0 (non-commercial use only). Cite the
     treebanks when publishing results (probes/data/README.md).
     """
+    if o.name in jobs.GENERATED or o.model:  # counterfactual examples for --model's tokenizer (docs/localize.md)
+        return typer.echo(str(jobs.generate(o.name, o.model, o.copy, force=o.force)))
     key, path = resolve(o.name) if o.name is not None else (None, None)
     if o.copy is not None:
         for p in copy_samples([key] if key else list(samples()), o.copy, force=o.force):

@@ -23,6 +23,7 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`ReportConfig`      ``report/config.py``: :func:`~depthscope.analyses.report.main_job.run_report`
 :class:`LayersConfig`      ``causal/config.py``: :func:`~depthscope.analyses.jobs.layers.layers_job`
 :class:`CausalConfig`      ``causal/config.py``: :func:`~depthscope.analyses.causal.used.causal_tests`
+:class:`LocalizeConfig`    ``causal/config.py``: :func:`~depthscope.analyses.jobs.localize.localize_job`
 :class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`
 =========================  ====================================================================
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthscope.analyses.causal.config import CausalConfig, LayersConfig
+from depthscope.analyses.causal.config import CausalConfig, LayersConfig, LocalizeConfig
 from depthscope.analyses.circuits.config import CircuitConfig, PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
@@ -76,6 +77,7 @@ __all__ = [
     "LayersConfig",
     "LensConfig",
     "LensTrainConfig",
+    "LocalizeConfig",
     "ModelSpec",
     "NormsConfig",
     "PatchConfig",

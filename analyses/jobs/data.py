@@ -7,6 +7,9 @@ and word counts, licences, and copies into a folder (``depthscope data``).
 :func:`count`           sentences and syntactic words of a CoNLL-U file
 :func:`copy_samples`    the named samples and their README copied into a folder
 :func:`samples_table`   the console table of the samples
+:func:`generate`        a generated counterfactual dataset (:data:`GENERATED`: subject-verb
+                        agreement, IOI; :mod:`depthscope.analyses.causal.templates`) for a
+                        model's tokenizer, written as JSONL
 ======================  =====================================================================
 """
 
@@ -25,6 +28,8 @@ from depthscope.probes import sample_data
 #: licence short names per treebank (the full attribution: probes/data/README.md)
 LICENCES = {"ewt": "CC BY-SA 4.0", "gum": "CC BY-NC-SA 4.0"}
 TREEBANKS = {"ewt": "UD English EWT", "gum": "UD English GUM"}
+#: the generated counterfactual datasets (``depthscope data agreement``), by name
+GENERATED = ("agreement", "ioi")
 
 
 def samples() -> dict[str, Path]:
@@ -104,3 +109,32 @@ def samples_table(found: dict[str, Path]) -> Table:
         sentences, words = count(path)
         t.add_row(name, str(sentences), str(words), str(path), licence(name))
     return t
+
+
+def generate(name: str, model: str | None = None, folder: Path | None = None, *, force: bool = False) -> Path:
+    """Write the generated dataset ``name`` (one of :data:`GENERATED`, default size and seed) for the
+    tokenizer of ``model`` (a spec; None: the default model) as ``<folder>/<name>.jsonl`` (default
+    folder: ``<cache>/datasets/<model name>``); returns its path. A file there with other content
+    is kept unless ``force``."""
+    import re
+
+    from depthscope.analyses.causal.counterfactuals import write_counterfactuals  # lazy: --help stays light
+    from depthscope.analyses.causal.templates import GENERATED as MAKERS
+    from depthscope.hooks import cache_dir, load_model
+
+    if name not in GENERATED:
+        raise InputError(f"--model picks the tokenizer of a generated set ({', '.join(GENERATED)}), not of {name!r}")
+    m = load_model(model)
+    where = Path(folder) if folder is not None else cache_dir() / "datasets" / re.sub(r"[^\w.-]+", "_", m.name)
+    try:
+        check_writable(where)
+    except OutputError as e:
+        raise OutputError(str(e).replace("--out", "--copy")) from None
+    dest = where / f"{name}.jsonl"
+    tmp = where / f".{name}.jsonl.new"
+    write_counterfactuals(MAKERS[name](m), tmp)
+    if dest.exists() and not force and not filecmp.cmp(tmp, dest, shallow=False):
+        tmp.unlink()
+        raise OutputError(f"{dest} exists with other content; use --force to overwrite it or another --copy")
+    tmp.replace(dest)
+    return dest.resolve()

@@ -1,0 +1,124 @@
+"""The localize job: which depth carries a variable the model computes with, written once.
+
+=================================  ===========================================================
+``LocalizeConfig``                 (in :mod:`depthscope.analyses.causal.config`) the examples,
+                                   the split, the method, sites, positions and DAS settings
+``localize_job(model, config,      interchange or DAS on the examples; writes ``localize``
+out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, the figure
+                                   ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
+                                   ``probe_task``, ``localize_probes`` and the figure
+                                   ``localize_three_curves``; a :class:`JobResult`
+``summary_table(table)``           the console table: per position, the site of the highest
+                                   IIA and the first site where IIA reaches half of it
+=================================  ===========================================================
+
+Both methods are measured on the same held-out examples: ``test`` when given, else the seeded
+``1 - train_fraction`` of ``examples`` (interchange trains nothing, but measuring it on the
+examples DAS is measured on keeps the two rows of a site comparable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rich.table import Table
+
+from depthscope.analyses.causal.alignment import das
+from depthscope.analyses.causal.config import CausalConfig, LocalizeConfig
+from depthscope.analyses.causal.counterfactuals import read_counterfactuals, split_examples
+from depthscope.analyses.causal.iia import interchange, resid_sites
+from depthscope.analyses.causal.localize_plots import plot_iia, plot_three_curves
+from depthscope.analyses.causal.subspaces import save_subspaces
+from depthscope.analyses.causal.used import causal_tests
+from depthscope.analyses.jobs.base import JobResult, Output
+from depthscope.common.errors import InputError
+from depthscope.probes.config import DataConfig, ExtractionConfig
+
+TABLE, PROBES = "localize", "localize_probes"
+FIGURE, THREE = "localize_iia", "localize_three_curves"
+#: the probe side of the three curves: held-out tokens of the loss, random erasures, bootstrap resamples
+PROBE_TOKENS, PROBE_CONTROLS, PROBE_BOOTSTRAP = 600, 2, 200
+
+
+def _split(cfg: LocalizeConfig) -> tuple[list, list]:
+    if cfg.examples is None:
+        raise InputError("no examples: give --examples FILE.jsonl")
+    exs = read_counterfactuals(cfg.examples)
+    if cfg.test is not None:
+        return exs, read_counterfactuals(cfg.test)
+    return split_examples(exs, cfg.train_fraction, cfg.seed)
+
+
+def _probes(model, sites: list[int], cfg: LocalizeConfig, progress: bool):
+    """The causal tests of ``probe_task`` at the same sites (probe accuracy and ``used``)."""
+    n = cfg.probe_sentences
+    causal = CausalConfig(
+        tasks=[cfg.probe_task],
+        controls=PROBE_CONTROLS,
+        bootstrap=PROBE_BOOTSTRAP,
+        max_text_tokens=PROBE_TOKENS,
+        data=DataConfig(max_train_sentences=n, max_test_sentences=max(n // 2, 1)),
+        extraction=ExtractionConfig(sites=sites),
+    )
+    return causal_tests(model, causal, progress=progress).table
+
+
+def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, progress: bool = True) -> JobResult:
+    """Interchange or DAS (``config.method``) on ``config``'s examples with ``model`` (a
+    HookedModel, or a loader called once the examples are read); ``out`` None computes without
+    writing. See the module docstring."""
+    cfg = config
+    out = out if out is not None else Output(None)
+    n_before = len(out.written)
+    train, test = _split(cfg)
+    m = model if hasattr(model, "run") else model()
+    sites = resid_sites(m, cfg.sites)
+    run_cfg = replace(cfg, progress=progress)
+    res = None
+    if cfg.method == "das":
+        res = das(m, train, test, sites, cfg.positions, cfg.dim, boundless=cfg.boundless, config=run_cfg)
+        table = res.table
+    else:
+        table = interchange(m, test, sites, cfg.positions, config=run_cfg)
+    out.table(table, TABLE)
+    tables = {TABLE: table}
+    if cfg.probe_task:
+        tables[PROBES] = _probes(m, sites, cfg, progress)
+        out.table(tables[PROBES], PROBES)
+    if res is not None and out.folder is not None:
+        out.written.append(save_subspaces(list(res.subspaces.values()), out.folder / "subspaces.safetensors"))
+    summary = {
+        "model": m.name,
+        "examples": str(cfg.examples),
+        "test": str(cfg.test) if cfg.test is not None else f"split of examples ({1 - cfg.train_fraction:g})",
+        "n_train": len(train),
+        "n_test": len(test),
+        "notes": table.attrs.get("notes", []),
+        "config": cfg.to_dict(),
+    }
+    out.json(summary, "localize_summary")
+    if cfg.plots:
+        out.figure(plot_iia, table, name=FIGURE)
+        if PROBES in tables:
+            out.figure(plot_three_curves, table, tables[PROBES], name=THREE)
+    return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
+
+
+def summary_table(table) -> Table:
+    """Per position: the best site (its IIA and interval), the random subspace's IIA there, and the
+    first site (in depth order) whose IIA reaches half of the best."""
+    t = Table("position", "method", "sites", "best IIA (site) [95%]", "random there", "first >= half best")
+    for pos, d in table.groupby("position", sort=False):
+        d = d.sort_values("depth")
+        best = d.loc[d["iia"].idxmax()]
+        first = d[d["iia"] >= best["iia"] / 2].iloc[0]
+        rand = "" if best["iia_random"] != best["iia_random"] else f"{best['iia_random']:.2f}"
+        t.add_row(
+            str(pos),
+            str(best["method"]),
+            str(len(d)),
+            f"{best['iia']:.2f} ({best['label']}) [{best['iia_low']:.2f}, {best['iia_high']:.2f}]",
+            rand,
+            str(first["label"]),
+        )
+    return t

@@ -1,0 +1,373 @@
+"""Interchange interventions and DAS (analyses/causal: counterfactuals, templates, iia, alignment,
+subspaces; ``depthscope localize`` and ``depthscope data agreement``), against independent references:
+
+* full-vector interchange equals depthscope's activation patching of that site and position, and a
+  plain-transformers reference (forward hooks of the test's own on the decoder layers);
+* on a tiny synthetic model that writes a variable into a known direction, DAS with one direction
+  recovers it (|cos| >= 0.99) with IIA 1.0 while a random direction stays at chance;
+* the learned subspace is a function of the train examples only; DAS trains nothing of the model;
+* datasets: every line checked before a model loads, errors naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+
+from depthscope.analyses import (
+    Counterfactual,
+    activation_patching,
+    agreement_examples,
+    das,
+    interchange,
+    ioi_examples,
+    load_subspaces,
+    read_counterfactuals,
+    save_subspaces,
+    score_subspace,
+    write_counterfactuals,
+)
+from depthscope.analyses.causal.config import LocalizeConfig
+from depthscope.analyses.circuits.pairs import PromptPair
+from depthscope.common.errors import InputError
+from depthscope.hooks import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GOOD = {"base": "The cat", "source": "The dog", "candidates": [" Mary", " John"], "label": " John"}
+
+
+# ----------------------------------------------------------------------------- datasets
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("{not json", "not a JSON object"),
+        (json.dumps({**GOOD, "label": " Paris"}), "'label' must be one of the candidates"),
+        (json.dumps({**GOOD, "candidates": [" Mary"]}), "'candidates' must be a list of 2"),
+        (json.dumps({**GOOD, "candidates": [" Mary", " Mary"]}), "distinct"),
+        (json.dumps({**GOOD, "positions": {"S": [1, 2, 3]}}), "position 'S'"),
+        (json.dumps({**GOOD, "base": ""}), "'base' must be a non-empty string"),
+        (json.dumps({**GOOD, "colour": "red"}), "unknown field"),
+    ],
+)
+def test_every_line_is_checked_and_errors_name_file_and_line(tmp_path, line, why):
+    p = tmp_path / "ex.jsonl"
+    p.write_text(json.dumps(GOOD) + "\n\n" + line + "\n")
+    with pytest.raises(InputError, match=why) as e:
+        read_counterfactuals(p)
+    assert f"{p}:3:" in str(e.value)
+    with pytest.raises(InputError, match=why):  # the settings read the file on construction
+        LocalizeConfig(examples=p)
+
+
+def test_roundtrip_and_positions_checked_against_the_tokens(tmp_path, tiny_llama):
+    ex = [Counterfactual.from_dict({**GOOD, "positions": {"S": [1, -1]}, "base_label": " Mary"})]
+    p = write_counterfactuals(ex, tmp_path / "e.jsonl")
+    assert read_counterfactuals(p) == ex
+    bad = [Counterfactual.from_dict({**GOOD, "positions": {"S": 7}}, "e.jsonl:1")]
+    with pytest.raises(InputError, match=r"e.jsonl:1, position 'S': index 7 is outside the base"):
+        interchange(tiny_llama, bad, sites="embed", positions="S")
+    with pytest.raises(InputError, match="no position named 'X'"):
+        interchange(tiny_llama, ex, sites="embed", positions="X")
+
+
+def test_generated_positions_point_at_the_subject_and_the_repeated_name(tiny_tokenizer, tiny_llama):
+    tok = tiny_tokenizer
+    for e in agreement_examples(tiny_llama, 12, seed=3):
+        for text, i in ((e.base, e.positions["SUBJ"][0]), (e.source, e.positions["SUBJ"][1])):
+            subject = text.split()[1]
+            assert subject.endswith(tok.decode(tok(text)["input_ids"][i]).strip())
+        assert e.label != e.base_label and set(e.candidates) == {e.label, e.base_label}
+    for e in ioi_examples(tiny_llama, 8, seed=3):
+        i = e.positions["S2"][0]
+        assert tok.decode(tok(e.base)["input_ids"][i]) in e.candidates  # the repeated name, a candidate
+        assert e.label != e.base_label
+
+
+# ----------------------------------------------------------------------------- references
+def _where(site: int) -> tuple[int, str]:
+    """(decoder layer, kind) of a residual site of a Llama: the input of block 0 (``pre``), the
+    stream after block ``l``'s attention (``attn``), block ``l``'s output (``mlp``)."""
+    if site == 0:
+        return 0, "pre"
+    return (site - 1) // 2, "attn" if site % 2 else "mlp"
+
+
+def _read_or_write(hf, ids, layer: int, kind: str, pos: int, write=None):
+    """(the stream at the site and position, last-position logits) of one forward of ``ids`` with
+    forward hooks of this test's own on the transformers layers; ``write``: the vector put there."""
+    block, got = hf.model.layers[layer], {}
+
+    def put(h):
+        got["v"] = h[0, pos].clone()
+        if write is None:
+            return h
+        h = h.clone()
+        h[0, pos] = write
+        return h
+
+    def pre(mod, args, kwargs):
+        got["pre"] = args[0]
+        if kind == "pre":
+            return (put(args[0]), *args[1:]), kwargs
+        return None
+
+    def attn(mod, args, out):
+        if kind == "attn":  # the block adds the attention's output to its input: write the difference
+            mid = put(got["pre"] + out[0])
+            return (mid - got["pre"], *out[1:])
+        return None
+
+    def post(mod, args, out):
+        if kind == "mlp":
+            return (put(out[0]), *out[1:]) if isinstance(out, tuple) else put(out)
+        return None
+
+    handles = [
+        block.register_forward_pre_hook(pre, with_kwargs=True),
+        block.self_attn.register_forward_hook(attn),
+        block.register_forward_hook(post),
+    ]
+    try:
+        with torch.no_grad():
+            logits = hf(input_ids=ids).logits[0, -1]
+    finally:
+        for h in handles:
+            h.remove()
+    return got["v"], logits
+
+
+def _plain_reference(hf, examples, tok, site: int, position: str):
+    """(hits, logit diffs) of full-vector interchange at one residual site, with plain transformers
+    forward hooks (:func:`_read_or_write`)."""
+    layer, kind = _where(site)
+    hits, diffs = [], []
+    for e in examples:
+        b_ids, s_ids = (torch.tensor([tok(x)["input_ids"]]) for x in (e.base, e.source))
+        pos = (e.positions or {}).get(position, -1)
+        pb, ps = (pos, pos) if isinstance(pos, int) else pos
+        source, _ = _read_or_write(hf, s_ids, layer, kind, ps % s_ids.shape[1])
+        _, logits = _read_or_write(hf, b_ids, layer, kind, pb % b_ids.shape[1], write=source)
+        c = logits[[tok(x, add_special_tokens=False)["input_ids"][0] for x in e.candidates]]
+        lab = e.candidates.index(e.label)
+        hits.append(int(c.argmax()) == lab)
+        diffs.append(float(c[lab] - (c.sum() - c[lab]) / (len(c) - 1)))
+    return np.array(hits), np.array(diffs)
+
+
+def test_full_vector_interchange_equals_a_plain_transformers_reference(tiny_factory, tiny_tokenizer):
+    model = tiny_factory("llama", n_layers=2)
+    exs = agreement_examples(model, 10, seed=11)
+    exs = [Counterfactual(e.base, e.source, (" Mary", " John"), " John", " Mary", "x", e.positions) for e in exs]
+    t = interchange(model, exs, sites="resid", positions="SUBJ,END")
+    assert len(t) == 2 * 5 and list(t.columns[:5]) == ["site", "label", "layer", "sublayer", "depth"]
+    for _, row in t.iterrows():
+        hits, diffs = _plain_reference(model.hf_model, exs, tiny_tokenizer, int(row["site"]), row["position"])
+        assert row["iia"] == hits.mean()
+        assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=1e-4)
+    assert t["ci_n"].eq(10).all() and t["iia_low"].notna().all() and t.attrs["notes"] == []
+    assert (t["iia_low"] <= t["iia"]).all() and (t["iia"] <= t["iia_high"]).all()
+
+
+def test_full_vector_interchange_equals_activation_patching(tiny_llama):
+    exs = ioi_examples(tiny_llama, 6, seed=5)
+    sites = "embed,0.attn,1.mlp,2.mlp"
+    t = interchange(tiny_llama, exs, sites=sites, positions="S2,END")
+    for position, mode in (("S2", "S2"), ("END", "last")):
+        pairs = [
+            PromptPair(
+                e.source,
+                e.base,
+                e.label,
+                next(c for c in e.candidates if c != e.label),
+                {"S2": e.positions["S2"][::-1]},  # patching names [clean, corrupted] = [source, base]
+            )
+            for e in exs
+        ]
+        ref = activation_patching(tiny_llama, pairs, sites=sites, positions=mode)
+        got = t[t["position"] == position]
+        np.testing.assert_allclose(got["logit_diff"].to_numpy(), ref["metric"].to_numpy(), atol=1e-4)
+
+
+def test_an_interval_on_too_few_examples_is_withheld_with_a_note(tiny_llama):
+    t = interchange(tiny_llama, ioi_examples(tiny_llama, 4, seed=1), sites="embed")
+    assert t["iia_low"].isna().all() and "4 examples" in t.attrs["notes"][0]
+    assert t["ci_method"].iloc[0].startswith("Wilson")
+
+
+# ----------------------------------------------------------------------------- DAS
+A, B = [" cat", " dog", " bird", " house", " mat"], [" log", " capital", " France", " Italy", " Paris"]
+FILLER = [" the", " sat", " on", " world", " words"]
+
+
+@pytest.fixture(scope="module")
+def synthetic(tiny_tokenizer):
+    """A one-block Llama whose blocks write nothing, whose embedding puts +3u (words of A) or -3u
+    (words of B) along a unit direction ``u`` (nothing along ``u`` for other tokens), and whose
+    unembedding reads ``u`` alone: ``" Mary"`` for A, ``" John"`` for B. The variable (which set
+    the last word is in) lives in ``u`` at every site of the last position."""
+    import transformers as tf
+
+    tok = tiny_tokenizer
+
+    def tid(w):
+        return tok(w, add_special_tokens=False)["input_ids"][0]
+
+    torch.manual_seed(0)
+    d = 32
+    cfg = tf.LlamaConfig(
+        hidden_size=d,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    u = torch.randn(d)
+    u /= u.norm()
+    with torch.no_grad():
+        emb = hf.model.embed_tokens.weight
+        emb -= (emb @ u)[:, None] * u
+        for w in A:
+            emb[tid(w)] += 3 * u
+        for w in B:
+            emb[tid(w)] -= 3 * u
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[tid(" Mary")] = 0.5 * u
+        hf.lm_head.weight[tid(" John")] = -0.5 * u
+    rng = np.random.default_rng(0)
+
+    def example():
+        x, y = rng.choice(A + B), rng.choice(A + B)
+        value = {w: " Mary" if w in A else " John" for w in A + B}
+        base = "The" + rng.choice(FILLER) + x
+        source = "The" + rng.choice(FILLER) + rng.choice(FILLER) + y
+        return Counterfactual(base, source, (" Mary", " John"), value[y], value[x], "set")
+
+    train = [example() for _ in range(160)]
+    test = [example() for _ in range(100)]
+    return load_model(hf, tokenizer=tok), u, train, test
+
+
+def test_das_recovers_the_known_direction_and_random_stays_at_chance(synthetic):
+    model, u, train, test = synthetic
+    before = {k: v.clone() for k, v in model.hf_model.state_dict().items()}
+    trainable = [p.requires_grad for p in model.hf_model.parameters()]
+    res = das(model, train, test, sites="embed,0.mlp", positions="END", dim=1, config=LocalizeConfig(epochs=10))
+    for (label, _), sub in res.subspaces.items():
+        assert abs(float(sub.basis[:, 0] @ u)) >= 0.99, label
+    t = res.table
+    assert (t["iia"] == 1.0).all() and (t["dim"] == 1).all() and (t["n_train"] == 160).all()
+    # chance: a random direction moves (almost) nothing, so its IIA is the no-intervention floor
+    # (how often the source's value equals the base's: about half)
+    assert (abs(t["iia_random"] - t["iia_unchanged"]) <= 0.05).all()
+    assert (abs(t["iia_unchanged"] - 0.5) <= 0.15).all()
+    # only the basis was trained: the model's weights are bit-identical and hold no gradient
+    after = model.hf_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.hf_model.parameters())
+    assert [p.requires_grad for p in model.hf_model.parameters()] == trainable  # restored
+
+
+def test_the_subspace_never_sees_the_test_examples(synthetic):
+    model, _, train, test = synthetic
+    cfg = LocalizeConfig(epochs=1)
+    a = das(model, train, test[:50], sites="0.mlp", dim=1, config=cfg).subspaces["0.mlp", "END"]
+    b = das(model, train, test[50:], sites="0.mlp", dim=1, config=cfg).subspaces["0.mlp", "END"]
+    assert torch.equal(a.basis, b.basis)  # a function of the train examples (and the seed) alone
+    c = das(model, train[:80], test[:50], sites="0.mlp", dim=1, config=cfg).subspaces["0.mlp", "END"]
+    assert not torch.equal(a.basis, c.basis)
+
+
+def test_subspaces_save_load_steer_and_probe(synthetic, tmp_path):
+    model, u, train, test = synthetic
+    res = das(model, train, test, sites="0.mlp", dim=1, config=LocalizeConfig(epochs=10))
+    sub = res.subspaces["0.mlp", "END"]
+    [back] = load_subspaces(save_subspaces([sub], tmp_path / "s.safetensors"))
+    assert torch.equal(back.basis, sub.basis) and back.label == "0.mlp" and set(back.values) == {" Mary", " John"}
+    # steering: set the variable to " John" in a prompt whose last word says " Mary"
+    prompt = "The cat"
+    for value in (" John", " Mary"):
+        gen = model.generate([prompt], max_new_tokens=1, hooks={"0.mlp": back.hook(value)})
+        assert gen.text[0].strip() == value.strip()
+        logits = model.run([prompt], hooks={"0.mlp": back.hook(value, positions="last")}).logits[0, -1]
+        ids = [model.token_id(" Mary"), model.token_id(" John")]
+        assert [" Mary", " John"][int(logits[ids].argmax())] == value
+    score = score_subspace(model, back, train, test)
+    assert score["accuracy"] == 1.0 and score["majority"] < 0.7
+
+
+def test_boundless_das_learns_a_small_subspace(synthetic):
+    model, u, train, test = synthetic
+    res = das(model, train, test, sites="0.mlp", boundless=True, config=LocalizeConfig(epochs=6))
+    row = res.table.iloc[0]
+    assert row["method"] == "boundless das" and row["iia"] == 1.0 and 1 <= row["dim"] < 32
+
+
+# ----------------------------------------------------------------------------- command line
+def test_localize_command(tiny_llama_dir, tiny_llama, tmp_path, monkeypatch, capsys):
+    ex = write_counterfactuals(agreement_examples(tiny_llama, 24, seed=2), tmp_path / "agreement.jsonl")
+    out = tmp_path / "out"
+    args = ["localize", "--examples", ex, "--model", tiny_llama_dir, "--out", out, "--sites", "embed,1.mlp"]
+    code, stdout, err = run_cli(
+        [*args, "--method", "das", "--positions", "SUBJ,END", "--epochs", "1"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    for f in ("localize.parquet", "localize.csv", "localize_iia.png", "localize_summary.json", "subspaces.safetensors"):
+        assert (out / f).is_file(), f
+    import pandas as pd
+
+    t = pd.read_parquet(out / "localize.parquet")
+    need = ["position", "method", "dim", "iia", "iia_low", "iia_high", "iia_random", "n_train", "n_test"]
+    assert set(need) <= set(t.columns) and len(t) == 4 and (t["n_train"] + t["n_test"] == 24).all()
+    three = ["--probe-task", "upos", "--probe-sentences", "12", "--out", tmp_path / "three"]
+    code, stdout, err = run_cli([*args[:-4], "--sites", "embed,1.mlp", *three], monkeypatch, capsys)
+    assert code == 0, err
+    probes = pd.read_parquet(tmp_path / "three" / "localize_probes.parquet")
+    assert {"accuracy", "used"} <= set(probes.columns) and len(probes) == 2
+    assert (tmp_path / "three" / "localize_three_curves.png").is_file()
+    assert pd.read_parquet(tmp_path / "three" / "localize.parquet")["method"].eq("interchange").all()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "label": "x"}) + "\n")
+    code, _, err = run_cli(
+        ["localize", "--examples", bad, "--model", tmp_path / "no-model", "--out", out], monkeypatch, capsys
+    )
+    assert code == 2 and f"{bad}:2:" in err  # the file is checked before any model loads (this one does not exist)
+
+
+def test_data_generates_the_counterfactual_datasets(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    for name in ("agreement", "ioi"):
+        code, stdout, err = run_cli(["data", name, "--model", tiny_llama_dir, "--copy", tmp_path], monkeypatch, capsys)
+        assert code == 0, err
+        path = stdout.strip().splitlines()[-1]
+        assert path == str((tmp_path / f"{name}.jsonl").resolve()) and len(read_counterfactuals(path)) >= 100
+    code, _, err = run_cli(["data", "ewt_train", "--model", tiny_llama_dir], monkeypatch, capsys)
+    assert code == 2 and "generated set" in err
+
+
+# ----------------------------------------------------------------------------- the default model
+def test_agreement_iia_equals_plain_transformers_on_the_default_model(default_model, tokenizer):
+    exs = agreement_examples(default_model, 16, seed=20_261_128)  # a seed no other test or doc uses
+    sites = [0, 9, 28, 51, 60]
+    t = interchange(default_model, exs, sites=sites, positions="SUBJ,END")
+    for _, row in t.iterrows():
+        hits, diffs = _plain_reference(default_model.hf_model, exs, tokenizer, int(row["site"]), row["position"])
+        assert row["iia"] == hits.mean(), (row["label"], row["position"])
+        assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=2e-3)
+
+
+def test_das_on_agreement_at_a_mid_depth_subject_site(default_model):
+    exs = agreement_examples(default_model, 240, seed=7)
+    res = das(default_model, exs[:160], exs[160:], sites="12.mlp", positions="SUBJ", dim=1)
+    row = res.table.iloc[0]
+    assert row["iia"] >= 0.9 and row["iia_random"] <= 0.3, row.to_dict()
