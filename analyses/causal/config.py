@@ -21,6 +21,11 @@ from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 #: single-vector poolings: one feature per word, so one eraser per site
 WORD_POOLINGS = ("last", "first", "mean")
+#: the kinds of random erasure (:func:`~depthscope.analyses.causal.erasure.random_erasure`)
+CONTROL_KINDS = ("raw", "whitened")
+#: random erasures per site by default: the interval of ``used`` resamples them; docs/causal.md
+#: shows how its width levels off with their number
+CONTROLS_DEFAULT = 3
 
 
 @dataclass(frozen=True)
@@ -29,8 +34,9 @@ class CausalConfig(Checked):
     ``train`` / ``test`` (None: the bundled EWT sample), ``text`` (a plain-text file, one
     document per line, for the model's loss; None: the test sentences) of which whole documents
     up to ``max_text_tokens`` predicted tokens are used (None: all), ``controls`` seeded
-    random erasures of the same rank per site, ``bootstrap`` resamples of the held-out documents
-    for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
+    random erasures of the same rank per site (``control``: ``raw``, their edit as large as
+    LEACE's in the stream's units, or ``whitened``), ``bootstrap`` resamples of the held-out
+    documents and the controls for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
     extraction and data settings of ``depthscope probe``. Checked on construction (the data
     files exist, a word pooling) before any model loads; the fields declare the ``causal`` options."""
 
@@ -65,11 +71,19 @@ class CausalConfig(Checked):
         "costs 1 + --controls passes over them.",
     )
     controls: int = setting(
-        3,
+        CONTROLS_DEFAULT,
         "--controls",
         min=1,
         max=Limit(100, "random erasures per site; each is one more pass over the text"),
-        help="Seeded random erasures of the same rank per site (the control of 'used').",
+        help=f"Seeded random erasures of the same rank per site (the control of 'used'; default {CONTROLS_DEFAULT}, "
+        "see docs/causal.md); the interval of 'used' resamples them, so it needs at least 2.",
+    )
+    control: str = setting(
+        "raw",
+        "--control",
+        choices=CONTROL_KINDS,
+        help="The random erasures: raw (default; removed orthogonally, their edit as large as LEACE's in the "
+        "stream's units) or whitened (LEACE's own form in whitened coordinates).",
     )
     bootstrap: int = setting(
         1000,
