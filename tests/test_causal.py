@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from concept_erasure import LeaceEraser
 from conftest import run_cli
+from rich.console import Console
 
 from depthscope.analyses.causal.config import CausalConfig
 from depthscope.analyses.causal.erasure import edit_rms, fit_erasure, fitting_covariance, one_hot, random_erasure
 from depthscope.analyses.causal.loss import DocLoss, doc_nll, held_out, used_interval, used_score
 from depthscope.analyses.causal.used import causal_tests
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.causal import report_causal
+from depthscope.analyses.jobs.causal import report_causal, summary_table
 from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
 from depthscope.analyses.report.data import build_page
 from depthscope.common.errors import InputError
@@ -282,7 +284,8 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
     data = sample_data()
     args = ["causal", "--model", tiny_llama_dir, "--data", data["ewt_train"], "--data", data["ewt_test"]]
     args += ["--max-train-sentences", "30", "--max-test-sentences", "8"]
-    args += ["--sites", "embed,2.mlp", "--controls", "1", "--bootstrap", "50", "--threads", "1", "--out", out]
+    args += ["--sites", "embed,2.mlp", "--controls", "1", "--control", "whitened", "--bootstrap", "50"]
+    args += ["--threads", "1", "--out", out]
     code, stdout, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 0, stderr
     for name in ("causal.parquet", "causal.csv", "causal_summary.json", "causal_encoded_used.png"):
@@ -290,6 +293,15 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
     assert "upos" in stdout
     summary = json.loads((out / "causal_summary.json").read_text())
     assert summary["train"] == str(data["ewt_train"]) and summary["test"] == str(data["ewt_test"])
+    assert summary["config"]["control"] == "whitened"
+    # eight sentences and one control: no interval, and the console and the summary say why
+    t = pd.read_parquet(out / "causal.parquet")
+    assert set(t["control"]) == {"whitened"} and t["used_lo"].isna().all() and (t["ci_n"] == 8).all()
+    assert "note: the interval of used" in stdout
+    console = Console(width=250, record=True)
+    console.print(summary_table(t))
+    assert "no interval (8 documents)" in console.export_text()
+    assert len(summary["notes"]) == 2 and "one random control" in summary["notes"][1]
 
 
 @pytest.mark.parametrize(
@@ -299,6 +311,7 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
         (["--text", "no-such-text.txt"], "no such file"),
         (["--pooling", "attn"], "one vector per word"),
         (["--task", "upos", "--controls", "0"], "controls"),
+        (["--control", "aimed"], "control must be one of"),
         (["--data", "a.conllu"], "two files"),
     ],
 )

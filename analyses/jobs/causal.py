@@ -100,8 +100,8 @@ def summary_table(table) -> Table:
 
 
 def _interval(row) -> str:
-    """``[lo, hi] (n documents)``, or why there is none."""
+    """``[lo, hi] (n documents)``, or why there is none (no brackets: rich reads ``[word...]`` as markup)."""
     n = row.get("ci_n", row.get("n_lm_docs"))
     if np.isfinite(row["used_lo"]) and np.isfinite(row["used_hi"]):
         return f"[{row['used_lo']:+.4f}, {row['used_hi']:+.4f}] ({n} documents)"
-    return f"[none: {n} documents]" if n is not None and too_few(int(n)) else "[none]"
+    return f"no interval ({n} documents)" if n is not None and too_few(int(n)) else "no interval"
