@@ -28,8 +28,8 @@ DATA = opt(
 )
 CAUSAL = options(
     "task data train test text model device dtype pooling sites max_train_sentences max_test_sentences "
-    "max_text_tokens controls control bootstrap batch_size l2 max_epochs store_dir store_dtype bos seed threads plots out "
-    "force",
+    "max_text_tokens controls control bootstrap batch_size l2 max_epochs store_dir store_dtype bos seed threads plots "
+    "out force",
     CausalConfig,
     extra=(DATA,),
 )
