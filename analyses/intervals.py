@@ -1,7 +1,8 @@
 """95% intervals for per-site means over a corpus, clustered by document, from running sums; and
-the convention every interval in depthscope follows: it names its n and its method
+the convention every interval in depthscope follows (defined in :mod:`depthscope.common.ci`, so
+that ``depthscope.probes`` follows it too, and re-exported here): it names its n and its method
 (:func:`provenance`: ``ci_n``, ``ci_unit``, ``ci_method`` columns) and is NaN below
-:data:`MIN_UNITS` units, with a table note (:func:`too_few_note`) that says why.
+:data:`MIN_UNITS` units, with a table note (:func:`too_few_note`, :func:`add_notes`) that says why.
 
 The dataset-level tables (:func:`~depthscope.analyses.lens.logit.logit_lens`,
 :func:`~depthscope.analyses.norms.contribution_norms`) report per-site means of per-token values.
@@ -16,7 +17,9 @@ n_g``, the plain mean over tokens) and its cluster-robust (CR1) variance is
 (the linearised variance of a ratio estimator: each document weighs by its tokens). The interval
 is ``m +- t(0.975, G - 1) * SE``, Student's t with ``G - 1`` degrees of freedom (the usual
 correction when clusters are few), cut to the metric's range (a share stays in [0, 1], a norm
-stays >= 0). With fewer than two clusters the SE and interval are NaN.
+stays >= 0). With fewer than two clusters the SE and interval are NaN; with fewer than
+:data:`MIN_UNITS` the SE is given and the interval is NaN (:func:`cluster_provenance` names the
+clusters and the method in ``ci_n, ci_unit, ci_method`` and writes the note that says why).
 
 A corpus that is a single document (one long text split into windows) would have no
 between-document variance to measure; its windows (each a fresh context of the model) are the
@@ -38,11 +41,15 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
+from depthscope.common.ci import MIN_UNITS, add_notes, provenance, too_few, too_few_note
+
 __all__ = [
     "ClusterSums",
     "t_quantile",
     "interval_columns",
     "pick_clusters",
+    "cluster_provenance",
+    "add_notes",
     "MIN_UNITS",
     "provenance",
     "too_few",
@@ -50,30 +57,6 @@ __all__ = [
 ]
 
 LEVEL = 0.95
-#: the fewest independent units (pairs, documents, examples) an interval is reported for: below it a
-#: percentile bootstrap or a t interval is not trustworthy, so the interval columns are NaN and the
-#: table's notes say why (a method valid at smaller n may be used instead, named in ``ci_method``)
-MIN_UNITS = 10
-
-
-def provenance(n, unit: str, method: str) -> dict:
-    """The columns every table with an interval carries beside it: ``ci_n`` (how many ``unit`` the
-    interval resamples or clusters over), ``ci_unit`` (``"pairs"``, ``"documents"``, ``"examples"``...)
-    and ``ci_method`` (e.g. ``"percentile bootstrap over pairs, 1000 resamples"``)."""
-    return {"ci_n": n, "ci_unit": unit, "ci_method": method}
-
-
-def too_few(n, min_units: int = MIN_UNITS) -> np.ndarray | bool:
-    """Whether an interval over ``n`` units is withheld (NaN): fewer than ``min_units``."""
-    return np.asarray(n) < min_units if np.ndim(n) else int(n) < min_units
-
-
-def too_few_note(n: int, unit: str, what: str = "the interval", min_units: int = MIN_UNITS) -> str:
-    """The table note that says why an interval is NaN."""
-    return (
-        f"{what} is not given (NaN): it rests on {n} {unit}, fewer than {min_units}; with so few "
-        f"{unit} a bootstrap or t interval would understate the uncertainty"
-    )
 
 
 class ClusterSums:
@@ -155,9 +138,11 @@ def t_quantile(df: np.ndarray, level: float = LEVEL) -> np.ndarray:
 
 def interval_columns(mean, se, n_clusters, bounds=(None, None)) -> dict[str, np.ndarray]:
     """``{"se", "lo", "hi"}``: the mean +- t(0.975, G - 1) SE, cut to ``bounds`` (NaN where the
-    mean or the SE is undefined)."""
+    mean or the SE is undefined, and ``lo``/``hi`` NaN below :data:`MIN_UNITS` clusters: the SE
+    is still given, the interval is not)."""
     mean = np.asarray(mean, dtype=float)
     half = t_quantile(np.asarray(n_clusters) - 1) * se
+    half = np.where(too_few(np.asarray(n_clusters)), np.nan, half)
     lo, hi = mean - half, mean + half
     if bounds[0] is not None:
         lo = np.where(np.isnan(lo), lo, np.maximum(lo, bounds[0]))
@@ -171,3 +156,17 @@ def pick_clusters(docs: ClusterSums, windows: ClusterSums) -> ClusterSums:
     docs.close_all()
     windows.close_all()
     return docs if docs.n_clusters >= 2 else windows
+
+
+def cluster_provenance(docs: ClusterSums, windows: ClusterSums, what: str) -> tuple[dict, list[str]]:
+    """The ``ci_n, ci_unit, ci_method`` of the cluster intervals of :func:`interval_columns` (the
+    clusters :func:`pick_clusters` picks) and the table's notes: why ``what`` is NaN when there are
+    fewer than :data:`MIN_UNITS` of them. ``ci_n`` counts the clusters holding a token; a metric
+    defined at fewer positions (e.g. only where a next token exists) may hold fewer, and its
+    interval is withheld on its own count."""
+    clusters = pick_clusters(docs, windows)
+    unit = "documents" if clusters is docs else "windows of one document"
+    n = clusters.n_clusters
+    method = f"cluster-robust (CR1) standard error, clustered by {unit}; Student t with (clusters - 1) df"
+    notes = [too_few_note(n, unit, what)] if too_few(n) else []
+    return provenance(n, unit, method), notes

@@ -25,6 +25,14 @@ class InputError(DepthscopeError, ValueError):
     """Empty input, text longer than the context, and similar."""
 
 
+class SiteError(InputError, KeyError, IndexError):
+    """A residual site that is not one: a name that is no residual site (a hook point inside a
+    block, a typo) or a layer or index out of the model's range. A ``KeyError`` and an
+    ``IndexError`` too, as the site parsers raised before."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
+
 class ContextLengthError(InputError):
     """Input longer than the model's context window."""
 

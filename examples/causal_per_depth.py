@@ -7,15 +7,17 @@ What it shows
     every linear trace of the tag, so a probe on erased vectors falls to the majority class; the
     same eraser is then applied inside the forward pass, at that site and every token of the
     test sentences, and the model's next-token loss is compared with random erasures of the same
-    rank (used = (loss erased - loss random) / loss clean, with a bootstrap interval over
-    sentences).
+    rank that edit the stream as much, in its own units (used = (loss erased - loss random) /
+    loss clean, with a bootstrap interval over sentences and the random erasures; withheld below
+    10 sentences, and the notes say why).
 
     Each site costs 1 + ``--controls`` forward passes over the held-out text; ``--sites`` and
     ``--max-text-tokens`` keep it cheap.
 
 Outputs (in ``--out``)
     causal.csv / .parquet      one row per (task, site): accuracy, majority, accuracy_erased,
-                               lm_loss, lm_loss_erased, lm_loss_control_mean/std, used [lo, hi]
+                               edit_rms (LEACE's and the controls' edits), lm_loss, lm_loss_erased,
+                               lm_loss_control_mean/std, used [lo, hi] with ci_n and ci_method
     causal_encoded_used.png    probe accuracy (before and after erasure) and used, against depth
 
 Run
@@ -68,8 +70,11 @@ def main(argv=None):
 
     write_table(res.table, out, "causal")
     plot_causal(res.table, out / "causal_encoded_used.png")
-    cols = ["task", "label", "accuracy", "accuracy_erased", "majority", "used", "used_lo", "used_hi"]
+    cols = ["task", "label", "accuracy", "accuracy_erased", "majority", "edit_rms", "used", "used_lo", "used_hi"]
     print(res.table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"interval of used: {res.table['ci_method'].iloc[0]}, over {res.table['ci_n'].iloc[0]} documents")
+    for note in res.table.attrs.get("notes", []):
+        print(f"note: {note}")
     print(f"wrote {out / 'causal.csv'} and {out / 'causal_encoded_used.png'}")
 
 

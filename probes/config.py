@@ -35,6 +35,7 @@ from pathlib import Path
 
 from depthscope.common.errors import InputError
 from depthscope.common.settings import CPUS, SEED, TOKENS, Limit, Settings, comma_list, memory_bytes, setting
+from depthscope.hooks.sites import check_site_names
 
 PROBES = ("linear", "mlp")
 #: ``probe`` settings: one kind, or ``both`` (a linear and an MLP probe fitted in one run, on one extraction)
@@ -319,7 +320,8 @@ class ExtractionConfig(Settings):
         "--sites",
         cli_type=str | None,
         parse=comma_list,
-        help="Comma-separated sites (labels or indices); default all 2L+1.",
+        check=lambda name, value: check_site_names(value),
+        help="Comma-separated residual sites (embed, <layer>.attn, <layer>.mlp, or indices 0..2L); default all 2L+1.",
     )
     context: str | None = setting(
         None,

@@ -15,12 +15,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from depthscope.common.ci import add_notes, provenance, too_few, too_few_note
 from depthscope.probes.mixing import expected_layer_delta, expected_layer_delta_interval, expected_layer_mix, mix_spread
 
 #: E_Delta is read as a depth only when the total gain sum Delta(s>=1) is at least this (soft accuracy)
 #: and at least ``GAIN_SE`` standard errors of that gain over test examples
 MIN_GAIN = 0.02
 GAIN_SE = 3.0
+#: bootstrap resamples of E_Delta's interval (:func:`~depthscope.probes.mixing.expected_layer_delta_interval`)
+N_BOOT = 1000
 
 BY_SITE_FIRST = [
     "task",
@@ -77,7 +80,10 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
     ``expected_layer_delta_meaningful`` is False when the total gain is below ``MIN_GAIN`` or
     ``GAIN_SE`` standard errors (the note says why). E_Delta, its interval and the gain are in
     the soft accuracy (:mod:`~depthscope.probes.mixing`); ``expected_layer_delta_hard`` (with
-    ``_lo/_hi``) is the same from the argmax accuracy, Tenney's score."""
+    ``_lo/_hi``) is the same from the argmax accuracy, Tenney's score. ``ci_n`` (test examples),
+    ``ci_unit`` and ``ci_method`` name both intervals; below 10 test examples they are NaN and
+    ``ci_note`` says why. ``expected_layer_mix_lo/_hi`` is the range of E_s over the mix's refits
+    without each fold, named by ``expected_layer_mix_ci_n`` (refits), ``_ci_unit``, ``_ci_method``."""
     if cum is None:
         keys = [
             "expected_layer_delta",
@@ -95,9 +101,12 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         ]
         out = {k: np.nan for k in keys}
         out.update(expected_layer_delta_meaningful=False, expected_layer_delta_note="no cumulative scoring")
-        return out
-    lo, hi = expected_layer_delta_interval(depths, cum.score_draws, seed=seed)
-    hard_lo, hard_hi = expected_layer_delta_interval(depths, cum.correct, seed=seed)
+        return {**out, **_delta_provenance(0, 0), **_mix_provenance(None)}
+    R, _, N = np.shape(cum.score_draws)
+    lo, hi = expected_layer_delta_interval(depths, cum.score_draws, n_boot=N_BOOT, seed=seed)
+    hard_lo, hard_hi = expected_layer_delta_interval(depths, cum.correct, n_boot=N_BOOT, seed=seed)
+    if too_few(N):  # withheld: a bootstrap over so few test examples understates the uncertainty
+        lo = hi = hard_lo = hard_hi = np.nan
     score = cum.score
     return {
         "expected_layer_delta": expected_layer_delta(depths, score),
@@ -110,6 +119,36 @@ def cumulative_summary(depths, cum, seed: int) -> dict:
         "expected_layer_delta_hard_hi": hard_hi,
         "mix_accuracy": float(cum.accuracy[-1]),
         "mix_soft_accuracy": float(score[-1]),
+        **_delta_provenance(N, R),
+        **_mix_provenance(cum.mix_draws),
+    }
+
+
+def _delta_provenance(n_test: int, draws: int) -> dict:
+    """``ci_n, ci_unit, ci_method`` of E_Delta's interval (and of the argmax one's: the same
+    method), and ``ci_note``: why it is NaN ("" when it is given)."""
+    if not n_test:
+        return {**provenance(0, "test examples", "none (no cumulative scoring)"), "ci_note": ""}
+    method = f"percentile bootstrap over test examples (Poisson(1) weights; one fold draw), {N_BOOT} resamples"
+    if draws > 1:
+        method = (
+            f"two-level percentile bootstrap over test examples (Poisson(1) weights) and the {draws} fold "
+            f"draws (with replacement), {N_BOOT} resamples"
+        )
+    note = too_few_note(n_test, "test examples", "the interval of E_Delta") if too_few(n_test) else ""
+    return {**provenance(n_test, "test examples", method), "ci_note": note}
+
+
+def _mix_provenance(mix_draws) -> dict:
+    """The ``expected_layer_mix_ci_*`` columns: E_s's ``_lo/_hi`` is the range over the refits of
+    the mix without each fold (a description of the refits' spread, not a confidence interval)."""
+    k = 0 if mix_draws is None else len(mix_draws)
+    method = f"range (min to max) of E_s over {k} refits of the mix, each without one fold of train"
+    method += " (the refits' spread, not a confidence interval)"
+    return {
+        "expected_layer_mix_ci_n": k,
+        "expected_layer_mix_ci_unit": "fold refits",
+        "expected_layer_mix_ci_method": method if k else "none (mix_folds < 2)",
     }
 
 
@@ -204,5 +243,7 @@ def tables(by_site: list, summary: list, mixing: list) -> tuple:
     """``(by_site, summary, mixing)`` DataFrames from per-task parts, columns in reading order."""
     by_site_df = _first(pd.concat(by_site, ignore_index=True), BY_SITE_FIRST)
     summary_df = _first(pd.DataFrame(summary), SUMMARY_FIRST)
+    if "ci_note" in summary_df:
+        add_notes(summary_df, [f"{t}: {n}" for t, n in zip(summary_df["task"], summary_df["ci_note"]) if n])
     mixing_df = pd.concat(mixing, ignore_index=True) if mixing else pd.DataFrame(columns=MIXING_COLUMNS)
     return by_site_df, summary_df, mixing_df

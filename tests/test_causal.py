@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from concept_erasure import LeaceEraser
 from conftest import run_cli
+from rich.console import Console
 
 from depthscope.analyses.causal.config import CausalConfig
-from depthscope.analyses.causal.erasure import fit_erasure, one_hot, random_erasure
+from depthscope.analyses.causal.erasure import edit_rms, fit_erasure, fitting_covariance, one_hot, random_erasure
 from depthscope.analyses.causal.loss import DocLoss, doc_nll, held_out, used_interval, used_score
 from depthscope.analyses.causal.used import causal_tests
 from depthscope.analyses.jobs import Output
-from depthscope.analyses.jobs.causal import report_causal
+from depthscope.analyses.jobs.causal import report_causal, summary_table
 from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
 from depthscope.analyses.report.data import build_page
 from depthscope.common.errors import InputError
@@ -53,10 +55,10 @@ def test_eraser_equals_concept_erasures_leace_eraser():
     assert cov_before.abs().max() > 0.1
 
 
-def test_random_control_has_the_rank_and_form_but_leaves_the_concept():
+def test_whitened_control_has_the_rank_and_form_but_leaves_the_concept():
     x, y = _labelled()
     er, fitter = fit_erasure(x, y, 4)
-    ctrl = random_erasure(fitter, er.rank, seed=1)
+    ctrl = random_erasure(fitter, er.rank, seed=1, control="whitened")
     assert ctrl.rank == er.rank
     assert torch.equal(ctrl.bias, er.bias)
     eye = torch.eye(x.shape[1])
@@ -66,8 +68,54 @@ def test_random_control_has_the_rank_and_form_but_leaves_the_concept():
     xe = ctrl(x).double()
     z = one_hot(y, 4)
     assert ((xe - xe.mean(0)).T @ (z - z.mean(0)) / len(x)).abs().max() > 0.05
-    other = random_erasure(fitter, er.rank, seed=2)
+    other = random_erasure(fitter, er.rank, seed=2, control="whitened")
     assert not torch.allclose(other.left, ctrl.left)
+
+
+def _rms(erasure, x):
+    """The root mean square per row of the change ``x - erasure(x)``, the plain way (float64)."""
+    return float((x.double() - erasure(x.double())).pow(2).sum(1).mean().sqrt())
+
+
+def test_raw_control_edits_as_much_as_leace_in_raw_units_on_held_out_data():
+    """Fitted on one half, the raw controls' edit equals LEACE's on it (exactly: the rms is matched
+    there) and stays within 5% of it on the other half; each control is an orthogonal removal of
+    ``rank`` random directions (a projection that keeps the mean), and leaves the concept."""
+    x, y = _labelled(n=2000, d=32, classes=5, seed=3)
+    fit, held = x[:1000], x[1000:]
+    er, fitter = fit_erasure(fit, y[:1000], 5)
+    target = edit_rms(er, fitter=fitter)
+    assert target == pytest.approx(_rms(er, fit), rel=1e-6)  # from the fitter's sums = on the rows
+    whitened = [_rms(random_erasure(fitter, er.rank, s, control="whitened"), fit) for s in range(8)]
+    assert max(abs(w / target - 1) for w in whitened) > 0.2  # whitened controls: not LEACE's size
+    for s in range(8):
+        ctrl = random_erasure(fitter, er.rank, s, target_rms=target)
+        assert ctrl.rank == er.rank and ctrl.info["scale"] == pytest.approx(1.0, abs=1e-3)
+        assert _rms(ctrl, fit) == pytest.approx(target, rel=1e-5)
+        assert edit_rms(ctrl, held) == pytest.approx(_rms(er, held), rel=0.05)
+        q = ctrl.right.double().T
+        torch.testing.assert_close(q.T @ q, torch.eye(er.rank, dtype=torch.float64), atol=1e-5, rtol=0)
+        P = torch.eye(x.shape[1]) - ctrl.left @ ctrl.right
+        torch.testing.assert_close(P @ P, P, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(P, P.T, atol=1e-3, rtol=1e-3)  # orthogonal, unlike LEACE's
+        xe, z = ctrl(fit).double(), one_hot(y[:1000], 5)
+        assert ((xe - xe.mean(0)).T @ (z - z.mean(0)) / len(xe)).abs().max() > 0.05
+    a, b = (random_erasure(fitter, er.rank, s, target_rms=target) for s in (0, 1))
+    assert not torch.allclose(a.right, b.right)
+    with pytest.raises(InputError, match="control"):
+        random_erasure(fitter, er.rank, 0, control="aimed")
+    with pytest.raises(InputError, match="target_rms"):
+        random_erasure(fitter, er.rank, 0)
+
+
+def test_raw_control_out_of_reach_is_scaled_to_the_target():
+    """A target beyond what removing ``rank`` directions can reach: the control is the removal
+    nearest to it, scaled so that its edit still equals the target."""
+    x, y = _labelled(n=800, d=16, classes=3)
+    er, fitter = fit_erasure(x, y, 3)
+    big = 10 * float(torch.linalg.eigvalsh(fitting_covariance(fitter)).sum().sqrt())
+    ctrl = random_erasure(fitter, er.rank, 0, target_rms=big)
+    assert ctrl.info["scale"] > 1.5 and edit_rms(ctrl, fitter=fitter) == pytest.approx(big, rel=1e-6)
 
 
 def _layer_output_hook(fn, start):
@@ -130,14 +178,40 @@ def test_loss_windows_and_token_cap(tiny_factory):
         held_out(m, [""], window=16, bos=False)
 
 
+def _docs(nll, tokens):
+    return DocLoss(np.asarray(nll, dtype=float), np.asarray(tokens))
+
+
 def test_used_score_and_interval():
-    clean = DocLoss(np.array([10.0, 20.0, 30.0]), np.array([5, 10, 10]))
-    erased = DocLoss(np.array([12.0, 24.0, 33.0]), np.array([5, 10, 10]))
-    ctrl = [DocLoss(np.array([10.5, 20.0, 30.5]), np.array([5, 10, 10]))]
+    clean = _docs([10.0, 20.0, 30.0], [5, 10, 10])
+    erased = _docs([12.0, 24.0, 33.0], [5, 10, 10])
+    ctrl = [_docs([10.5, 20.0, 30.5], [5, 10, 10])]
     assert used_score(clean, erased, ctrl) == pytest.approx((69 / 25 - 61 / 25) / (60 / 25))
-    lo, hi = used_interval(clean, erased, ctrl, 500, seed=0)
+    assert np.isnan(used_interval(clean, erased, ctrl, 500)).all()  # 3 documents: withheld
+    lo, hi = used_interval(clean, erased, ctrl, 500, min_units=2)
     assert 0 < lo <= used_score(clean, erased, ctrl) <= hi
-    assert np.isnan(used_interval(clean, erased, ctrl, 0)[0])
+    assert np.isnan(used_interval(clean, erased, ctrl, 0, min_units=2)[0])
+
+
+def test_used_interval_needs_ten_documents_and_widens_with_the_controls_spread():
+    """Documents below MIN_UNITS: NaN. Controls that agree on the mean but not with each other give
+    the same score and a wider interval than identical controls, the more so the more they differ."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 40, size=12)
+    clean = _docs(2.0 * tokens + rng.normal(0, 3, 12), tokens)
+    erased = _docs(clean.nll + 0.2 * tokens + rng.normal(0, 1, 12), tokens)
+    nine = [_docs(x.nll[:9], tokens[:9]) for x in (clean, erased)]
+    assert np.isnan(used_interval(*nine, [nine[0]], 200)).all()
+    ten = [_docs(x.nll[:10], tokens[:10]) for x in (clean, erased)]
+    assert np.isfinite(used_interval(*ten, [ten[0]], 200)).all()
+    widths = []
+    for spread in (0.0, 0.05, 0.2):
+        ctrl = [_docs(clean.nll + (0.1 + d) * tokens, tokens) for d in (-spread, 0.0, spread)]
+        assert used_score(clean, erased, ctrl) == pytest.approx(used_score(clean, erased, ctrl[1:2]))
+        lo, hi = used_interval(clean, erased, ctrl, 2000, seed=1)
+        assert lo <= used_score(clean, erased, ctrl) <= hi
+        widths.append(hi - lo)
+    assert widths[0] < widths[1] < widths[2] and widths[2] > 2 * widths[0]
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +238,13 @@ def test_causal_table_one_row_per_site_and_erased_probe_at_majority(tiny_result)
     np.testing.assert_allclose(t["used"], used, rtol=1e-9)
     assert (t["used_lo"] <= t["used_hi"]).all()
     assert (t["rank"] >= 1).all() and (t["rank"] < t["n_train"]).all()
+    # the raw controls edit the fitting words as much as LEACE does, in the stream's units
+    np.testing.assert_allclose(t["control_edit_rms"], t["edit_rms"], rtol=1e-4)
+    assert (t["edit_rms"] > 0).all() and (t["edit_rms_text"] > 0).all() and (t["control_edit_rms_text"] > 0).all()
+    # the interval names its n and method; 20 test sentences: enough documents, no note
+    assert (t["ci_n"] == t["n_lm_docs"]).all() and (t["n_lm_docs"] == 20).all() and set(t["ci_unit"]) == {"documents"}
+    assert t["ci_method"].iloc[0].startswith("two-level percentile bootstrap, 200 resamples: documents and the 2")
+    assert t.attrs["notes"] == [] and tiny_result.info["notes"] == []
 
 
 def test_report_section_only_when_the_run_has_causal_results(tiny_result, tmp_path):
@@ -191,6 +272,10 @@ def test_report_runs_causal_only_when_asked_and_on_word_tasks(tiny_factory, tmp_
     assert set(t["task"]) == {"upos"} and list(t["label"]) == ["embed", "2.mlp"]
     assert (t["n_lm_tokens"] >= 40).all() and (t["n_lm_tokens"] < 200).all()
     assert (tmp_path / "out" / "causal.parquet").is_file()
+    # a few sentences: the interval of used is withheld, and the table and summary say why
+    assert (t["n_lm_docs"] < 10).all() and t["used_lo"].isna().all() and t["used_hi"].isna().all()
+    assert t["used"].notna().all() and (t["ci_n"] == t["n_lm_docs"]).all()
+    assert any("fewer than 10" in n for n in res.summary["notes"])
 
 
 def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypatch, capsys):
@@ -200,7 +285,8 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
     data = sample_data()
     args = ["causal", "--model", tiny_llama_dir, "--data", data["ewt_train"], "--data", data["ewt_test"]]
     args += ["--max-train-sentences", "30", "--max-test-sentences", "8"]
-    args += ["--sites", "embed,2.mlp", "--controls", "1", "--bootstrap", "50", "--threads", "1", "--out", out]
+    args += ["--sites", "embed,2.mlp", "--controls", "1", "--control", "whitened", "--bootstrap", "50"]
+    args += ["--threads", "1", "--out", out]
     code, stdout, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 0, stderr
     for name in ("causal.parquet", "causal.csv", "causal_summary.json", "causal_encoded_used.png"):
@@ -208,6 +294,15 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
     assert "upos" in stdout
     summary = json.loads((out / "causal_summary.json").read_text())
     assert summary["train"] == str(data["ewt_train"]) and summary["test"] == str(data["ewt_test"])
+    assert summary["config"]["control"] == "whitened"
+    # eight sentences and one control: no interval, and the console and the summary say why
+    t = pd.read_parquet(out / "causal.parquet")
+    assert set(t["control"]) == {"whitened"} and t["used_lo"].isna().all() and (t["ci_n"] == 8).all()
+    assert "note: the interval of used" in stdout
+    console = Console(width=250, record=True)
+    console.print(summary_table(t))
+    assert "no interval (8 documents)" in console.export_text()
+    assert len(summary["notes"]) == 2 and "one random control" in summary["notes"][1]
 
 
 @pytest.mark.parametrize(
@@ -217,6 +312,7 @@ def test_command_writes_the_table_and_figure(tiny_llama_dir, tmp_path, monkeypat
         (["--text", "no-such-text.txt"], "no such file"),
         (["--pooling", "attn"], "one vector per word"),
         (["--task", "upos", "--controls", "0"], "controls"),
+        (["--control", "aimed"], "control must be one of"),
         (["--data", "a.conllu"], "two files"),
     ],
 )

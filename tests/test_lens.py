@@ -186,7 +186,7 @@ def test_streaming_does_not_change_results(tiny_llama, monkeypatch):
     docs = read_documents(SAMPLE)[:3]
     small = logit_lens(tiny_llama, docs, batch_size=1, token_chunk=2, max_batch_tokens=16)
     big = logit_lens(tiny_llama, docs, batch_size=16, token_chunk=64)
-    cols = [c for c in small.columns if c not in ("label", "sublayer", "lens")]
+    cols = [c for c in small.columns if c not in ("label", "sublayer", "lens", "ci_unit", "ci_method")]
     np.testing.assert_allclose(small[cols].to_numpy(float), big[cols].to_numpy(float), rtol=1e-5, atol=1e-6)
     # long document lists are tokenized in groups: same numbers, same document numbering
     import depthscope.analyses.lens.logit as L
@@ -247,27 +247,21 @@ def token_values(tk: pd.DataFrame) -> dict[str, pd.DataFrame]:
 
 def test_intervals_match_an_independent_clustered_se(tiny_llama):
     """``<metric>_se`` is the document-clustered SE of the mean, recomputed here from the per-token
-    table; ``_lo``/``_hi`` are mean -+ t(0.975, G-1) SE, cut to the metric's range."""
-    from scipy.stats import t
-
+    table; with six documents (fewer than MIN_UNITS) the interval itself is withheld: NaN, its
+    n and method named, and a note that says why."""
     docs = read_documents(SAMPLE)
     kw = dict(window=16, batch_size=3)  # documents split into several windows each
-    df = logit_lens(tiny_llama, docs, text=TextWindows(bos=False), **kw).set_index("site")
+    full = logit_lens(tiny_llama, docs, text=TextWindows(bos=False), **kw)
+    df = full.set_index("site")
     tk = logit_lens_tokens(tiny_llama, docs, k=1, **kw)
     assert (df["n_docs"] == len(docs)).all() and (df["n_windows"] > len(docs)).all()
     vals = token_values(tk)
     for k in METRICS:
         want = clustered_se(vals[k], k)
         np.testing.assert_allclose(df[k + "_se"].to_numpy(), want.loc[df.index].to_numpy(), rtol=1e-4, atol=1e-9)
-        half = t.ppf(0.975, len(docs) - 1) * df[k + "_se"]
-        lo, hi = df[k] - half, df[k] + half
-        if k in ("top1_agreement", "top1_accuracy"):
-            lo, hi = lo.clip(lower=0), hi.clip(upper=1)
-        else:
-            lo = lo.clip(lower=0)
-        np.testing.assert_allclose(df[k + "_lo"], lo, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(df[k + "_hi"], hi, rtol=1e-12, atol=1e-12)
-        assert (df[k + "_lo"] <= df[k]).all() and (df[k] <= df[k + "_hi"]).all(), k
+        assert df[k + "_lo"].isna().all() and df[k + "_hi"].isna().all(), k
+    assert (df["ci_n"] == 6).all() and set(df["ci_unit"]) == {"documents"} and "CR1" in df["ci_method"].iloc[0]
+    assert len(full.attrs["notes"]) == 1 and "6 documents, fewer than 10" in full.attrs["notes"][0]
     # windows as clusters differ from documents as clusters (the windows of a text are correlated)
     win = clustered_se(vals["kl_to_final"].assign(w=lambda d: d["doc"] * 1000 + d["window"]), "kl_to_final", "w")
     assert not np.allclose(win.loc[df.index].to_numpy(), df["kl_to_final_se"].to_numpy(), rtol=1e-3)
@@ -277,14 +271,27 @@ def test_intervals_equal_documents_and_shrinking(tiny_llama):
     """With documents of equal length the SE is the std of the documents' own means over sqrt(G)
     (each document run on its own); repeating the corpus k times shrinks it by the exact CR1
     factor; a single document falls back on its windows as clusters."""
+    from scipy.stats import t
+
     torch.manual_seed(1)
-    ids = torch.randint(0, tiny_llama.vocab_size, (6, 12))
+    ids = torch.randint(0, tiny_llama.vocab_size, (12, 12))
     df = logit_lens(tiny_llama, ids)
+    assert (df["ci_n"] == 12).all() and not df.attrs.get("notes")
     per_doc = pd.concat([logit_lens(tiny_llama, ids[i : i + 1]).assign(doc=i) for i in range(len(ids))])
     for k in METRICS:
         means = per_doc.pivot(index="site", columns="doc", values=k)
         want = means.std(axis=1, ddof=1) / np.sqrt(len(ids))
         np.testing.assert_allclose(df[k + "_se"].to_numpy(), want.to_numpy(), rtol=1e-5, atol=1e-9)
+        # the interval: mean -+ t(0.975, G-1) SE, cut to the metric's range
+        half = t.ppf(0.975, len(ids) - 1) * df[k + "_se"]
+        lo, hi = df[k] - half, df[k] + half
+        if k in ("top1_agreement", "top1_accuracy"):
+            lo, hi = lo.clip(lower=0), hi.clip(upper=1)
+        else:
+            lo = lo.clip(lower=0)
+        np.testing.assert_allclose(df[k + "_lo"], lo, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(df[k + "_hi"], hi, rtol=1e-12, atol=1e-12)
+        assert (df[k + "_lo"] <= df[k]).all() and (df[k] <= df[k + "_hi"]).all(), k
     assert per_doc["n_docs"].eq(1).all()  # one document of one window: no interval
     assert per_doc["kl_to_final_se"].isna().all() and per_doc["kl_to_final_lo"].isna().all()
     G, rep = len(ids), 4
@@ -299,6 +306,7 @@ def test_intervals_equal_documents_and_shrinking(tiny_llama):
     one = logit_lens(tiny_llama, ids.reshape(1, -1), window=12)
     assert one["n_docs"].eq(1).all() and one["n_windows"].eq(G).all()
     np.testing.assert_allclose(one["kl_to_final_se"], df["kl_to_final_se"], rtol=1e-5)
+    assert one["ci_n"].eq(G).all() and set(one["ci_unit"]) == {"windows of one document"}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])

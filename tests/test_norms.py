@@ -314,6 +314,7 @@ def test_intervals_match_an_independent_clustered_se(tiny_llama, docs):
     df = contribution_norms(tiny_llama, texts, text=PLAIN, **kw)
     pos = norms_by_position(tiny_llama, texts, max_tokens=None, **kw)
     assert (df["n_docs"] == len(texts)).all() and (df["n_windows"] > len(texts)).all()
+    assert (df["ci_n"] == len(texts)).all() and set(df["ci_unit"]) == {"documents"}
     groups = {"rest": pos[pos["position"] >= 1], "first": pos[pos["position"] == 0]}
     checked = 0
     for r in df.itertuples():
@@ -357,6 +358,10 @@ def test_intervals_single_document_uses_windows(tiny_llama, docs):
     for k in NORM_METRICS:
         np.testing.assert_allclose(one[k + "_se"], split[k + "_se"], rtol=1e-6)
     assert one.loc[one["positions"] == "rest", "stream_norm_se"].gt(0).all()
+    # five clusters: the SE is given, the interval withheld, and the notes say why
+    assert one["ci_n"].eq(5).all() and set(one["ci_unit"]) == {"windows of one document"}
+    assert one["stream_norm_lo"].isna().all() and one["stream_norm_hi"].isna().all()
+    assert "5 windows of one document, fewer than 10" in one.attrs["notes"]
 
 
 def _randomise_norms(hm, seed=0):

@@ -4,6 +4,7 @@ Tenney summaries' arithmetic, and MDL on toys."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -428,6 +429,20 @@ def test_cumulative_mix_finds_the_informative_site():
     assert summ["total_delta"] == pytest.approx(cum.soft_accuracy[-1] - cum.soft_accuracy[0])
     for k in ("expected_layer_delta", "expected_layer_delta_hard"):
         assert summ[f"{k}_lo"] <= summ[k] <= summ[f"{k}_hi"]
+    # the intervals name their n and method; E_s's is a range over the mix's refits
+    assert summ["ci_n"] == 1000 and summ["ci_unit"] == "test examples" and summ["ci_note"] == ""
+    assert (
+        summ["ci_method"].startswith("two-level percentile bootstrap over test examples")
+        and "2 fold" in summ["ci_method"]
+    )
+    k = 0 if cum.mix_draws is None else len(cum.mix_draws)
+    assert summ["expected_layer_mix_ci_n"] == k and summ["expected_layer_mix_ci_unit"] == "fold refits"
+    # nine test examples: the interval is withheld (NaN) and the note says why
+    few = replace(cum, correct=cum.correct[:, :, :9], soft=cum.soft[:, :, :9])
+    summ9 = cumulative_summary(depths, few, seed=0)
+    assert np.isfinite(summ9["expected_layer_delta"]) and summ9["ci_n"] == 9
+    assert all(np.isnan(summ9[c]) for c in ("expected_layer_delta_lo", "expected_layer_delta_hard_hi"))
+    assert "9 test examples, fewer than 10" in summ9["ci_note"]
 
 
 def test_gold_probability_against_softmax():

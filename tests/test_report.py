@@ -24,8 +24,8 @@ def report_dir(tmp_path_factory, tiny_factory):
     out = tmp_path_factory.mktemp("report")
     model = tiny_factory("llama", n_layers=2)
     cfg = ReportConfig(
-        lens_tokens=800,  # three documents each: the means get intervals
-        norms_tokens=800,
+        lens_tokens=3000,  # at least 10 documents: the lens means get intervals
+        norms_tokens=800,  # three documents: the norms intervals are withheld, and the report says so
         data=DataConfig(max_train_sentences=40, max_test_sentences=20),
         probe=ProbeConfig(max_epochs=20),
     )
@@ -128,25 +128,31 @@ def test_report_contents_and_vector_figures(report_dir):
     # the markdown's contents list points at its headings (GitHub's anchors)
     assert "## Contents" in md
     assert "1. [How the prediction forms: logit lens](#how-the-prediction-forms-logit-lens)" in md
-    # the interval bands are drawn (filled areas in the vector figures)
-    for name in ("lens_metrics", "norms_stream_growth", "norms_relative_update"):
-        assert "PolyCollection" in (report_dir / f"{name}.svg").read_text(), name
+    # the interval bands are drawn (filled areas in the vector figures) where there are intervals
+    assert "PolyCollection" in (report_dir / "lens_metrics.svg").read_text()
+    for name in ("norms_stream_growth", "norms_relative_update"):  # three documents: none
+        assert "PolyCollection" not in (report_dir / f"{name}.svg").read_text(), name
 
 
 def test_report_intervals_in_tables_and_text(report_dir):
-    """The lens and norms tables carry per-site intervals around their means; the report quotes
-    them and says what the bands are."""
+    """The lens table carries per-site intervals around its means (10 documents or more), the
+    norms table over three documents withholds them (NaN) with its n and method named; the report
+    quotes the ones there are and says what the bands are and why some are missing."""
     lens = pd.read_parquet(report_dir / "lens_by_site.parquet")
     norms = pd.read_parquet(report_dir / "norms_by_site.parquet")
-    for df, cols in ((lens, ["kl_to_final", "cross_entropy", "top1_agreement"]), (norms, ["stream_norm"])):
-        for c in cols:
-            ok = df[c + "_se"].notna()
-            assert ok.any() and (df[c + "_lo"][ok] <= df[c][ok]).all() and (df[c][ok] <= df[c + "_hi"][ok]).all()
-    assert (lens["n_docs"] >= 2).all()
+    for c in ["kl_to_final", "cross_entropy", "top1_agreement"]:
+        ok = lens[c + "_se"].notna()
+        assert ok.any() and (lens[c + "_lo"][ok] <= lens[c][ok]).all() and (lens[c][ok] <= lens[c + "_hi"][ok]).all()
+    assert (lens["n_docs"] >= 10).all() and (lens["ci_n"] == lens["n_docs"]).all()
+    assert (norms["n_docs"] == 3).all() and (norms["ci_n"] == 3).all() and set(norms["ci_unit"]) == {"documents"}
+    assert norms["stream_norm_se"].notna().any() and norms["stream_norm_lo"].isna().all()
     md = (report_dir / "report.md").read_text()
     emb = lens.sort_values("site").iloc[0]
     assert f"KL = {emb['kl_to_final']:.2f} nats (95% interval [{emb['kl_to_final_lo']:.2f}, " in md
-    assert f"lens: {int(lens['n_docs'].iloc[0])} documents; norms: {int(norms['n_docs'].iloc[0])} documents" in md
+    n_lens = int(lens["n_docs"].iloc[0])
+    assert f"lens: {n_lens} documents; norms: 3 documents: fewer than 10, so no interval" in md
+    last = norms[norms["positions"] == "rest"].sort_values("site").iloc[-1]
+    assert f"and {last['stream_norm']:.2f} after the last block;" in md  # quoted without an interval
 
 
 def test_probe_findings_say_when_the_two_scores_disagree():

@@ -3,7 +3,8 @@
 =================  ==================================================================
 ``used.py``        :func:`causal_tests`: LEACE erasure per site, its effect on probes
                    and on the model's next-token loss against random erasures
-``erasure.py``     the erasers (LEACE, random of the same rank)
+``erasure.py``     the erasers (LEACE; random controls of the same rank, their edit as
+                   large as LEACE's in the stream's units, or whitened), :func:`edit_rms`
 ``loss.py``        the held-out next-token loss per document, :func:`used_score`,
                    :func:`used_interval`
 ``layers.py``      :func:`layer_interventions`: every block skipped or swapped
@@ -32,6 +33,7 @@ _EXPORTS = {
     "CausalResult": "used",
     "fit_erasure": "erasure",
     "random_erasure": "erasure",
+    "edit_rms": "erasure",
     "layer_interventions": "layers",
     "used_score": "loss",
     "used_interval": "loss",

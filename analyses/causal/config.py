@@ -22,6 +22,12 @@ from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 #: single-vector poolings: one feature per word, so one eraser per site
 WORD_POOLINGS = ("last", "first", "mean")
+#: the kinds of random erasure (:func:`~depthscope.analyses.causal.erasure.random_erasure`)
+CONTROL_KINDS = ("raw", "whitened")
+#: random erasures per site by default: the interval of ``used`` resamples them, and with 4 it
+#: covers at 94% or more of its nominal 95% at the control spreads measured on the default model
+#: (3: 93%, 2: 91%, 1: 81%; ``benchmarks/bench_controls.py``, docs/causal.md "How many controls")
+CONTROLS_DEFAULT = 4
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,9 @@ class CausalConfig(Checked):
     document per line, for the model's loss; None: the test sentences) of which the first
     ``max_text_tokens`` predicted tokens are used, cut inside a document (None: all; read as
     every free-text analysis reads text, :func:`~depthscope.analyses.causal.loss.held_out`), ``controls`` seeded
-    random erasures of the same rank per site, ``bootstrap`` resamples of the held-out documents
-    for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
+    random erasures of the same rank per site (``control``: ``raw``, their edit as large as
+    LEACE's in the stream's units, or ``whitened``), ``bootstrap`` resamples of the held-out
+    documents and the controls for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
     extraction and data settings of ``depthscope probe``. Checked on construction (the data
     files exist, a word pooling) before any model loads; the fields declare the ``causal`` options."""
 
@@ -67,11 +74,19 @@ class CausalConfig(Checked):
         "each site costs 1 + --controls passes over them.",
     )
     controls: int = setting(
-        3,
+        CONTROLS_DEFAULT,
         "--controls",
         min=1,
         max=Limit(100, "random erasures per site; each is one more pass over the text"),
-        help="Seeded random erasures of the same rank per site (the control of 'used').",
+        help=f"Seeded random erasures of the same rank per site (the control of 'used'; default {CONTROLS_DEFAULT}, "
+        "see docs/causal.md); the interval of 'used' resamples them, so it needs at least 2.",
+    )
+    control: str = setting(
+        "raw",
+        "--control",
+        choices=CONTROL_KINDS,
+        help="The random erasures: raw (default; removed orthogonally, their edit as large as LEACE's in the "
+        "stream's units) or whitened (LEACE's own form in whitened coordinates).",
     )
     bootstrap: int = setting(
         1000,

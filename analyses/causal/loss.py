@@ -14,15 +14,18 @@ batch_size=)``                         number of predicted tokens per document, 
                                        :class:`DocLoss`
 ``used_score(clean, erased,            ``(L_erased - mean_c L_control_c) / L_clean``, the losses
 controls)``                            token-weighted means over the documents
-``used_interval(clean, erased,         its percentile bootstrap interval, documents resampled
-controls, n, seed=)``                  with replacement (the same draw for every condition)
+``used_interval(clean, erased,         its two-level percentile bootstrap interval: documents
+controls, n, seed=)``                  (the same draw for every condition) and controls
+                                       resampled with replacement; NaN below 10 documents
 =====================================  ===========================================================
 
 ``used`` is the extra loss that erasing the concept costs beyond erasing a random subspace of the
 same rank, as a fraction of the clean loss: 0 when the model loses no more from losing the
-concept than from losing any directions of that many whitened dimensions, 0.1 when it loses 10%
+concept than from losing as many random directions edited by as much, 0.1 when it loses 10%
 of its clean loss more. Documents are the resampling unit, so the interval accounts for the
-correlation of a sentence's tokens.
+correlation of a sentence's tokens; the controls are resampled too, so it accounts for how much
+the loss of one random erasure differs from another's (with one control it cannot: that spread
+is then unmeasured).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from depthscope.analyses.intervals import MIN_UNITS, too_few
 from depthscope.analyses.next_token import next_token_nll
 from depthscope.analyses.text import TextRows, pad_id, text_rows
 from depthscope.analyses.text_settings import TextWindows
@@ -102,16 +106,29 @@ def used_score(clean: DocLoss, erased: DocLoss, controls: Sequence[DocLoss]) -> 
 
 
 def used_interval(
-    clean: DocLoss, erased: DocLoss, controls: Sequence[DocLoss], n: int, *, seed: int = 0, level: float = 0.95
+    clean: DocLoss,
+    erased: DocLoss,
+    controls: Sequence[DocLoss],
+    n: int,
+    *,
+    seed: int = 0,
+    level: float = 0.95,
+    min_units: int = MIN_UNITS,
 ) -> tuple[float, float]:
-    """The ``level`` percentile bootstrap interval of :func:`used_score` over ``n`` resamples of the
-    documents (NaN, NaN for ``n`` 0)."""
-    if n <= 0:
-        return float("nan"), float("nan")
+    """The ``level`` two-level percentile bootstrap interval of :func:`used_score`: each of the ``n``
+    resamples draws the documents with replacement (the same draw for every condition) and the
+    controls with replacement (so the interval widens with the controls' spread), and recomputes
+    the score. NaN, NaN for ``n`` 0 or fewer than ``min_units`` documents
+    (:data:`~depthscope.analyses.intervals.MIN_UNITS`)."""
     k = len(clean.nll)
-    w = np.random.default_rng([seed, 3535]).multinomial(k, np.full(k, 1.0 / k), size=n).astype(np.float64)
+    if n <= 0 or too_few(k, min_units):
+        return float("nan"), float("nan")
+    rng = np.random.default_rng([seed, 3535])
+    w = rng.multinomial(k, np.full(k, 1.0 / k), size=n).astype(np.float64)  # [n, docs]
     tok = np.maximum(w @ clean.tokens, 1.0)
     base = w @ clean.nll / tok
-    gap = w @ erased.nll / tok - np.mean([w @ c.nll / tok for c in controls], 0)
+    per_control = np.stack([w @ c.nll / tok for c in controls], 1)  # [n, C]
+    pick = rng.integers(0, len(controls), size=(n, len(controls)))  # the controls drawn per resample
+    gap = w @ erased.nll / tok - np.take_along_axis(per_control, pick, 1).mean(1)
     lo, hi = np.quantile(gap / base, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)

@@ -31,9 +31,17 @@ last/first/mean of its subwords, in sentence context with the BOS token prepende
    on word vectors and applied to all subword tokens: the concept is removed wherever the model
    could read it from the stream); ``lm_loss`` (no hook), ``lm_loss_erased``, and
    ``lm_loss_control_mean`` / ``_std`` / ``_min`` / ``_max`` over ``controls`` random erasures of
-   the same rank (:func:`~depthscope.analyses.causal.erasure.random_erasure`);
-4. ``used = (lm_loss_erased - lm_loss_control_mean) / lm_loss`` with its bootstrap interval
-   ``used_lo``, ``used_hi`` over held-out documents (:mod:`depthscope.analyses.causal.loss`).
+   the same rank (:func:`~depthscope.analyses.causal.erasure.random_erasure`; ``control``
+   ``raw``, the default: random directions removed orthogonally whose edit is as large as
+   LEACE's in the stream's own units, or ``whitened``);
+4. the edits' sizes: ``edit_rms`` (LEACE) and ``control_edit_rms`` (the controls' mean), the
+   root mean square per word of ``||x - x'||`` on the fitting (train) words, equal for the raw
+   control; ``edit_rms_text`` and ``control_edit_rms_text`` the same on the held-out text's
+   tokens, where the model met them;
+5. ``used = (lm_loss_erased - lm_loss_control_mean) / lm_loss`` with its interval ``used_lo``,
+   ``used_hi``: a two-level bootstrap over held-out documents and the controls
+   (:mod:`depthscope.analyses.causal.loss`), named by ``ci_n`` (documents), ``ci_unit`` and
+   ``ci_method``; NaN below 10 documents, with a note in ``table.attrs["notes"]``.
 """
 
 from __future__ import annotations
@@ -46,8 +54,9 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.causal.config import CausalConfig
-from depthscope.analyses.causal.erasure import fit_erasure, random_erasure
+from depthscope.analyses.causal.erasure import EditMeter, edit_rms, fit_erasure, random_erasure
 from depthscope.analyses.causal.loss import DocLoss, HeldOut, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.analyses.text import read_documents
 from depthscope.common.errors import InputError
 from depthscope.common.progress import track
@@ -68,6 +77,8 @@ COLUMNS = (
     "majority",
     "accuracy_erased",
     "rank",
+    "edit_rms",
+    "control_edit_rms",
     "lm_loss",
     "lm_loss_erased",
     "lm_loss_control_mean",
@@ -77,14 +88,17 @@ COLUMNS = (
     "used",
     "used_lo",
     "used_hi",
+    "edit_rms_text",
+    "control_edit_rms_text",
 )
 
 
 @dataclass
 class CausalResult:
     """``table``: one row per task and site (the shared site columns, then :data:`COLUMNS` and the
-    counts ``n_train, n_test, n_lm_docs, n_lm_tokens``, ``controls``, ``pooling``, ``l2``); ``info``:
-    the model, the data, the timing."""
+    counts ``n_train, n_test, n_lm_docs, n_lm_tokens``, ``controls``, ``control``, ``pooling``,
+    ``l2``, and the interval's ``ci_n, ci_unit, ci_method``); ``table.attrs["notes"]``: sentences
+    about the interval (why it is NaN); ``info``: the model, the data, the notes, the timing."""
 
     table: pd.DataFrame
     info: dict = field(default_factory=dict)
@@ -155,9 +169,14 @@ class _Held:
 
 
 def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfig) -> dict:
-    """The loss columns of one site: ``erasers[0]`` the LEACE eraser, the rest its controls."""
+    """The loss columns of one site: ``erasers[0]`` the LEACE eraser, the rest its controls; and
+    the rms of the edits each made on the text (real tokens after the leading BOS)."""
     start = held.text.start
-    losses = [doc_nll(model, held.text, {label: e.hook(start)}, batch_size=cfg.batch_size) for e in erasers]
+    meters = [EditMeter() for _ in erasers]
+    losses = [
+        doc_nll(model, held.text, {label: e.hook(start, meter)}, batch_size=cfg.batch_size)
+        for e, meter in zip(erasers, meters)
+    ]
     erased, controls = losses[0], losses[1:]
     c = np.array([x.mean for x in controls])
     lo, hi = used_interval(held.clean, erased, controls, cfg.bootstrap, seed=cfg.probe.seed)
@@ -171,17 +190,25 @@ def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfi
         "used": used_score(held.clean, erased, controls),
         "used_lo": lo,
         "used_hi": hi,
+        "edit_rms_text": meters[0].rms,
+        "control_edit_rms_text": float(np.mean([m.rms for m in meters[1:]])),
     }
 
 
-def _erasers(td: TaskData, x_train: torch.Tensor, cfg: CausalConfig) -> list:
-    """Per site: ``[LEACE eraser, control 1, ..., control n]``."""
-    out = []
+def _erasers(td: TaskData, x_train: torch.Tensor, cfg: CausalConfig) -> tuple[list, list]:
+    """Per site: ``[LEACE eraser, control 1, ..., control n]``, and the rms of their edits on the
+    fitting words (``edit_rms``; ``control_edit_rms``: the controls' mean)."""
+    out, sizes = [], []
     for s in range(x_train.shape[1]):
         er, fitter = fit_erasure(x_train[:, s], td.y["train"], td.n_classes)
+        target = edit_rms(er, fitter=fitter)
         seeds = [cfg.probe.seed * 100_003 + 1009 * s + j for j in range(cfg.controls)]
-        out.append([er] + [random_erasure(fitter, er.rank, sd) for sd in seeds])
-    return out
+        ctrl = [random_erasure(fitter, er.rank, sd, control=cfg.control, target_rms=target) for sd in seeds]
+        out.append([er, *ctrl])
+        sizes.append(
+            {"edit_rms": target, "control_edit_rms": float(np.mean([edit_rms(c, fitter=fitter) for c in ctrl]))}
+        )
+    return out, sizes
 
 
 def _erase_inplace(x: torch.Tensor, erasers: list) -> None:
@@ -197,7 +224,7 @@ def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress:
         raise InputError(f"task {task!r} labels pairs of spans: causal erasure needs a word task (one span)")
     x_train, x_test = word_matrix(td.feats["train"]), word_matrix(td.feats["test"])
     acc, l2 = site_accuracy(td, x_train, x_test, cfg.probe)
-    erasers = _erasers(td, x_train, cfg)
+    erasers, sizes = _erasers(td, x_train, cfg)
     _erase_inplace(x_train, erasers)
     _erase_inplace(x_test, erasers)
     acc_erased, _ = site_accuracy(td, x_train, x_test, cfg.probe, l2)
@@ -209,9 +236,9 @@ def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress:
     df.insert(0, "task", task)
     df["accuracy"], df["majority"], df["accuracy_erased"] = acc, td.majority_accuracy, acc_erased
     df["rank"] = [es[0].rank for es in erasers]
-    df = pd.concat([df.reset_index(drop=True), pd.DataFrame(effects)], axis=1)
+    df = pd.concat([df.reset_index(drop=True), pd.DataFrame(sizes), pd.DataFrame(effects)], axis=1)
     n_train, n_test = len(td.y["train"]), len(td.y["test"])
-    return df.assign(n_train=n_train, n_test=n_test, controls=cfg.controls, l2=l2)
+    return df.assign(n_train=n_train, n_test=n_test, controls=cfg.controls, control=cfg.control, l2=l2)
 
 
 def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = False) -> CausalResult:
@@ -239,12 +266,41 @@ def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = 
     tables = [_task_table(m, got, task, held, cfg, progress) for task in tasks]
     table = pd.concat(tables, ignore_index=True)
     table = table.assign(n_lm_docs=text.n_docs, n_lm_tokens=text.n_tokens, pooling=cfg.extraction.pooling)
+    table = table.assign(**provenance(text.n_docs, "documents", interval_method(cfg)))
+    notes = interval_notes(text.n_docs, cfg)
+    table.attrs["notes"] = notes
     info = {
         "model": m.name,
         "tasks": tasks,
         "train": str(train),
         "test": str(test),
         "text": str(cfg.text) if cfg.text is not None else "test sentences",
+        "notes": notes,
         "seconds": time.perf_counter() - t0,
     }
     return CausalResult(table, info)
+
+
+def interval_method(cfg: CausalConfig) -> str:
+    """The ``ci_method`` of ``used_lo``/``used_hi`` (:func:`~depthscope.analyses.causal.loss.used_interval`)."""
+    if cfg.bootstrap <= 0:
+        return "none (--bootstrap 0)"
+    many = "s" if cfg.controls != 1 else ""
+    return (
+        f"two-level percentile bootstrap, {cfg.bootstrap} resamples: documents and the {cfg.controls} "
+        f"control{many} drawn with replacement"
+    )
+
+
+def interval_notes(n_docs: int, cfg: CausalConfig) -> list[str]:
+    """The table's notes about the interval of ``used``: withheld below
+    :data:`~depthscope.analyses.intervals.MIN_UNITS` documents, blind to the controls' spread with one."""
+    notes = []
+    if cfg.bootstrap > 0 and too_few(n_docs):
+        notes.append(too_few_note(n_docs, "documents", "the interval of used (used_lo, used_hi)"))
+    if cfg.controls < 2:
+        notes.append(
+            "one random control: the interval of used cannot include how much one random erasure's loss "
+            "differs from another's (use --controls 2 or more)"
+        )
+    return notes

@@ -28,8 +28,8 @@ DATA = opt(
 )
 CAUSAL = options(
     "task data train test text model device dtype pooling sites max_train_sentences max_test_sentences "
-    "max_text_tokens controls bootstrap batch_size l2 max_epochs store_dir store_dtype bos seed threads plots out "
-    "force",
+    "max_text_tokens controls control bootstrap batch_size l2 max_epochs store_dir store_dtype bos seed threads plots "
+    "out force",
     CausalConfig,
     extra=(DATA,),
 )
@@ -69,6 +69,8 @@ def causal(o) -> None:
     loader = functools.partial(common.load, o.model, o.device, o.dtype)
     result = jobs.causal_job(loader, cfg, Output(o.out), progress=True)
     Console(width=None if sys.stdout.isatty() else 160).print(jobs.summary_table(result.tables[jobs.TABLE]))
+    for note in result.summary.get("notes", []):
+        typer.echo(f"note: {note}")
     for p in result.files:
         typer.echo(f"wrote {p}")
 

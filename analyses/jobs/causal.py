@@ -5,13 +5,15 @@
                                    held-out text, controls, bootstrap and the probe settings
 ``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.used.causal_tests` and
 progress=)``                       writes ``causal`` (Parquet + CSV), ``causal_summary.json``
-                                   and ``causal_encoded_used.png`` through ``out``; a :class:`JobResult`
+                                   (with the table's notes) and ``causal_encoded_used.png``
+                                   through ``out``; a :class:`JobResult`
 ``report_causal(model, probe_job,   the report's causal section (``depthscope run --causal``):
 max_text_tokens, out, progress=)`` :func:`causal_job` on the probe job's data and its
                                    one-span tasks, loss on ``max_text_tokens`` test tokens
 ``summary_table(table)``           the console table (``depthscope causal``): per task the
-                                   sites where the concept is most encoded and most used, and
-                                   the worst gap between erased accuracy and majority
+                                   sites where the concept is most encoded and most used (its
+                                   interval and n, or why there is none), and the worst gap
+                                   between erased accuracy and majority
 =================================  ===========================================================
 
 ``depthscope causal`` and ``depthscope run --causal`` both call :func:`causal_job`.
@@ -21,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 from rich.table import Table
 
 from depthscope.analyses.causal.config import WORD_POOLINGS, CausalConfig
 from depthscope.analyses.causal.plots import plot_causal
 from depthscope.analyses.causal.used import causal_tests
+from depthscope.analyses.intervals import too_few
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.analyses.jobs.probe import resolve_inputs
@@ -89,7 +93,15 @@ def summary_table(table) -> Table:
             str(task),
             str(len(d)),
             f"{best['accuracy']:.3f} ({best['label']})",
-            f"{used['used']:+.4f} ({used['label']}) [{used['used_lo']:+.4f}, {used['used_hi']:+.4f}]",
+            f"{used['used']:+.4f} ({used['label']}) {_interval(used)}",
             f"{gap:.3f}",
         )
     return t
+
+
+def _interval(row) -> str:
+    """``[lo, hi] (n documents)``, or why there is none (no brackets: rich reads ``[word...]`` as markup)."""
+    n = row.get("ci_n", row.get("n_lm_docs"))
+    if np.isfinite(row["used_lo"]) and np.isfinite(row["used_hi"]):
+        return f"[{row['used_lo']:+.4f}, {row['used_hi']:+.4f}] ({n} documents)"
+    return f"no interval ({n} documents)" if n is not None and too_few(int(n)) else "no interval"

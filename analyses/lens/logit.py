@@ -65,7 +65,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
+from depthscope.analyses.intervals import ClusterSums, add_notes, cluster_provenance, interval_columns, pick_clusters
 from depthscope.analyses.lens.lenses import Lens, LogitLens
 from depthscope.analyses.text import TokenBatch, token_batches, with_window
 from depthscope.analyses.text_settings import TextWindows
@@ -601,9 +601,11 @@ def logit_lens(
     and windows holding at least one position: the intervals' clusters are the documents, or
     the windows when there is a single document), and for each metric ``<metric>_se`` (its
     mean's standard error, clustered by document) and ``<metric>_lo``/``<metric>_hi`` (the 95%
-    interval, Student t over the clusters, cut to the metric's range;
-    :mod:`depthscope.analyses.intervals`). ``timings`` (a dict) receives the seconds spent in forward passes
-    (``forward_s``) and in decoding + metrics (``decode_s``).
+    interval, Student t over the clusters, cut to the metric's range; NaN below 10 clusters,
+    ``df.attrs["notes"]`` says why; :mod:`depthscope.analyses.intervals`), and ``ci_n``,
+    ``ci_unit``, ``ci_method``: the clusters and the method of every metric's interval.
+    ``timings`` (a dict) receives the seconds spent in forward passes (``forward_s``) and in
+    decoding + metrics (``decode_s``).
     ``progress``: a bar over positions (:mod:`depthscope.common.progress`), with an ETA when
     ``total`` (the number of positions, e.g. the documents' token count) is given.
     """
@@ -682,7 +684,10 @@ def _dataset_table(model, settings: _LensSettings, acc: _Sums) -> pd.DataFrame:
     clusters = pick_clusters(acc.docs, acc.windows)  # closes the open clusters: count after it
     df["n_docs"] = acc.docs.n_clusters
     df["n_windows"] = acc.windows.n_clusters
-    return pd.concat([df, _interval_frame(df, clusters)], axis=1)
+    ci, notes = cluster_provenance(acc.docs, acc.windows, "the intervals of the means (<metric>_lo, <metric>_hi)")
+    out = pd.concat([df, _interval_frame(df, clusters), pd.DataFrame(ci, index=df.index)], axis=1)
+    add_notes(out, notes)
+    return out
 
 
 def _interval_frame(df: pd.DataFrame, clusters: ClusterSums) -> pd.DataFrame:

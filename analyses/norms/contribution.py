@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.intervals import ClusterSums, interval_columns, pick_clusters
+from depthscope.analyses.intervals import ClusterSums, add_notes, cluster_provenance, interval_columns, pick_clusters
 from depthscope.analyses.norms.metrics import (
     METRIC_BOUNDS,
     NORM_METRICS,
@@ -64,7 +64,9 @@ def contribution_norms(
     read), and for every metric of :data:`NORM_METRICS` ``<metric>_se`` (the standard error of
     its mean, clustered by document), ``<metric>_lo`` and ``<metric>_hi`` (the 95% interval,
     Student t over the documents, or over the windows of a single document, cut to the metric's
-    range; :mod:`depthscope.analyses.intervals`). ``attn_share`` of layer ``l`` is on both its rows.
+    range; NaN below 10 clusters, the notes say why; :mod:`depthscope.analyses.intervals`), and
+    ``ci_n``, ``ci_unit``, ``ci_method``: the clusters and the method of every metric's interval.
+    ``attn_share`` of layer ``l`` is on both its rows.
     ``df.attrs`` holds ``model``, ``layout`` and ``notes``.
     """
     check_has_blocks(model)
@@ -89,6 +91,7 @@ def contribution_norms(
         raise InputError("empty input: no real tokens to measure")
     df = totals.frame(model)
     df.attrs.update(table_attrs(model, reader))
+    add_notes(df, totals.notes)
     return df
 
 
@@ -106,6 +109,7 @@ class _Totals:
         self.seen = 0
         # per window and per document: sums and counts for the intervals
         self.docs, self.windows = ClusterSums(), ClusterSums()
+        self.notes: list[str] = []
 
     def add(self, m: dict, und: torch.Tensor, real: torch.Tensor, batch, input_ids: torch.Tensor) -> None:
         """One batch's per-token metrics ``m`` ([S, B, P] each), undefined-token flags and real-token mask."""
@@ -175,9 +179,12 @@ class _Totals:
         (site-major within each position group, as :meth:`frame` lays them out)."""
         clusters = pick_clusters(self.docs, self.windows)
         extra = {"n_docs": self.docs.n_clusters, "n_windows": self.windows.n_clusters}
+        ci, self.notes = cluster_provenance(
+            self.docs, self.windows, "the intervals of the means (<metric>_lo, <metric>_hi)"
+        )
         for k in NORM_METRICS:
             se, g = clusters.se(k)  # [S, G]
             se, g = se.T.reshape(-1), g.T.reshape(-1)  # group-major, as the rows
             for suffix, col in interval_columns(df[k].to_numpy(float), se, g, METRIC_BOUNDS[k]).items():
                 extra[f"{k}_{suffix}"] = col
-        return pd.DataFrame(extra, index=df.index)
+        return pd.DataFrame({**extra, **ci}, index=df.index)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from depthscope.analyses.intervals import MIN_UNITS, too_few
 from depthscope.analyses.report.findings import (
     causal_findings,
     lens_findings,
@@ -304,11 +305,13 @@ def intro_text(meta: dict, lens_by_site: pd.DataFrame | None, norms: pd.DataFram
 
 
 def _clusters(df: pd.DataFrame | None) -> str | None:
-    """The clusters of ``df``'s intervals in words ("12 documents", or "4 windows of one
-    document" for a single text), or None when it has no interval columns."""
+    """The clusters of ``df``'s intervals in words ("12 documents", or "14 windows of one
+    document" for a single text; "...: fewer than 10, so no interval" below
+    :data:`~depthscope.analyses.intervals.MIN_UNITS`), or None when it has no interval columns."""
     if df is None or not len(df) or "n_docs" not in df.columns:
         return None
     docs, windows = int(df["n_docs"].iloc[0]), int(df.get("n_windows", df["n_docs"]).iloc[0])
-    if docs == 1:
-        return f"{windows} windows of one document" if windows > 1 else "a single window, so no interval"
-    return f"{docs} documents"
+    if docs == 1 and windows <= 1:
+        return "a single window, so no interval"
+    n, unit = (windows, "windows of one document") if docs == 1 else (docs, "documents")
+    return f"{n} {unit}" + (f": fewer than {MIN_UNITS}, so no interval" if too_few(n) else "")

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from depthscope.analyses.intervals import MIN_UNITS, too_few
 from depthscope.analyses.norms.growth import fit_growth_rate
 
 #: blocks by which the argmax-accuracy E_Delta must differ from the soft one (and lie outside its interval) for the
@@ -155,8 +156,9 @@ def _score_disagreements(s: pd.DataFrame) -> list[str]:
         soft, hard = r.expected_layer_delta, r.expected_layer_delta_hard
         if not (np.isfinite(soft) and np.isfinite(hard)) or abs(hard - soft) < SCORES_DISAGREE:
             continue
-        if r.expected_layer_delta_lo <= hard <= r.expected_layer_delta_hi:
-            continue
+        lo, hi = r.expected_layer_delta_lo, r.expected_layer_delta_hi
+        if not (np.isfinite(lo) and np.isfinite(hi)) or lo <= hard <= hi:
+            continue  # inside the interval, or no interval (too few test examples) to be outside of
         when = "earlier" if hard < soft else "later"
         why = " (later sites make the probe surer without changing many of its decisions)" if hard < soft else ""
         out.append(
@@ -352,8 +354,8 @@ def causal_findings(causal: pd.DataFrame | None) -> list[str]:
     """The "Encoded vs used" section (``depthscope run --causal``, table ``causal``): per task, where a
     linear probe reads the concept best, how close the probe is to the majority baseline after LEACE
     erasure (its check), and where erasing the concept costs the model most beyond random erasures of
-    the same rank (``used`` with its 95% bootstrap interval), with the number of sites whose interval
-    lies above 0."""
+    the same rank and size (``used`` with its 95% interval, its n and method, or why it has none),
+    with the number of sites whose interval lies above 0."""
     if causal is None or not len(causal):
         return []
     out = []
@@ -368,8 +370,27 @@ def causal_findings(causal: pd.DataFrame | None) -> list[str]:
         out.append(
             f"{task}: used most at {top['label']}: erasing it raises the loss from {fmt(top['lm_loss'], 3)} to "
             f"{fmt(top['lm_loss_erased'], 3)} nats against {fmt(top['lm_loss_control_mean'], 3)} for random erasures "
-            f"of rank {int(top['rank'])} (used {fmt(top['used'], 3)}, 95% interval {fmt(top['used_lo'], 3)} to "
-            f"{fmt(top['used_hi'], 3)}); the interval lies above 0 at {int((d['used_lo'] > 0).sum())} of "
-            f"{len(d)} sites."
+            f"of rank {int(top['rank'])}{_control_size(top)} (used {fmt(top['used'], 3)}{_used_interval(top, d)}."
         )
     return out
+
+
+def _control_size(row) -> str:
+    """How large the edits were, in the stream's units, when the table says."""
+    if not np.isfinite(row.get("edit_rms", float("nan"))):
+        return ""
+    return f" removing as much of the stream (rms edit {fmt(row['edit_rms'], 2)} on the fitting words)"
+
+
+def _used_interval(top, d: pd.DataFrame) -> str:
+    """``used``'s interval at the most-used site with its n and method, and at how many sites it lies
+    above 0; or why there is no interval."""
+    n = int(top["ci_n"]) if "ci_n" in top and top["ci_n"] == top["ci_n"] else int(top.get("n_lm_docs", 0))
+    if not (np.isfinite(top["used_lo"]) and np.isfinite(top["used_hi"])):
+        why = f"fewer than {MIN_UNITS}" if too_few(n) else "no bootstrap"
+        return f"; no interval: {n} held-out documents, {why})"
+    method = top.get("ci_method", "bootstrap over documents")
+    return (
+        f", 95% interval {fmt(top['used_lo'], 3)} to {fmt(top['used_hi'], 3)} over {n} documents, {method}); "
+        f"the interval lies above 0 at {int((d['used_lo'] > 0).sum())} of {len(d)} sites"
+    )
