@@ -226,6 +226,34 @@ def tiny_result(tiny_factory, tmp_path_factory):
     return causal_tests(tiny_factory("llama"), cfg)
 
 
+def test_a_rerun_resumes_from_the_finished_sites(tiny_factory, tmp_path, monkeypatch, capsys):
+    """Each finished site's losses are kept; a rerun with the same model, settings and text
+    computes no site again and gives the same table; another setting computes them anew."""
+    import depthscope.analyses.causal.used as used
+
+    cfg = CausalConfig(
+        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
+        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
+        probe=ProbeConfig(max_epochs=100),
+        controls=2,
+        bootstrap=50,
+    )
+    model = tiny_factory("llama")
+    first = causal_tests(model, cfg, records=tmp_path / "sites", progress=True)
+    assert "passes over the held-out text" in capsys.readouterr().err  # the expected time, said first
+    assert len(list((tmp_path / "sites").rglob("*.json"))) == len(first.table)
+    assert first.info["expected_seconds_erasure"] > 0
+
+    def no_site(*a, **k):
+        raise AssertionError("a finished site was computed again")
+
+    monkeypatch.setattr(used, "_site_effect", no_site)
+    again = causal_tests(model, cfg, records=tmp_path / "sites")
+    pd.testing.assert_frame_equal(first.table, again.table)
+    with pytest.raises(AssertionError, match="computed again"):
+        causal_tests(model, CausalConfig(**{**cfg.__dict__, "controls": 3}), records=tmp_path / "sites")
+
+
 def test_causal_table_one_row_per_site_and_erased_probe_at_majority(tiny_result):
     t = tiny_result.table
     assert len(t) == 7 and list(t["label"]) == ["embed", "0.attn", "0.mlp", "1.attn", "1.mlp", "2.attn", "2.mlp"]

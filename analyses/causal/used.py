@@ -46,8 +46,12 @@ last/first/mean of its subwords, in sentence context with the BOS token prepende
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -59,6 +63,7 @@ from depthscope.analyses.causal.loss import DocLoss, HeldOut, doc_nll, held_out,
 from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.analyses.text import read_documents
 from depthscope.common.errors import InputError
+from depthscope.common.files import atomic_text
 from depthscope.common.progress import track
 from depthscope.hooks.sites import site_labels
 from depthscope.probes import sample_data
@@ -162,10 +167,13 @@ def _inputs(cfg: CausalConfig) -> tuple:
 
 @dataclass(frozen=True)
 class _Held:
-    """The held-out text and its clean loss, shared by every task and site."""
+    """The held-out text and its clean loss, shared by every task and site; ``records``: the folder
+    of finished sites' records (None: none kept), ``fingerprint``: what a record must match."""
 
     text: HeldOut
     clean: DocLoss
+    records: Path | None = None
+    fingerprint: str = ""
 
 
 def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfig) -> dict:
@@ -193,6 +201,29 @@ def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfi
         "edit_rms_text": meters[0].rms,
         "control_edit_rms_text": float(np.mean([m.rms for m in meters[1:]])),
     }
+
+
+def _resumed_effect(model, held: _Held, task: str, label: str, erasers: list, cfg: CausalConfig) -> dict:
+    """:func:`_site_effect`, or its record from an earlier run of the same model, settings, text and
+    eraser (``records/<task>/<label>.json``, written atomically when a site finishes)."""
+    if held.records is None:
+        return _site_effect(model, held, label, erasers, cfg)
+    digest = hashlib.sha256()
+    for e in erasers:  # the erasers themselves: fitted on the same words, they are the same bytes
+        for t in (e.left, e.right, e.bias):
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    key = f"{held.fingerprint}|{task}|{label}|{digest.hexdigest()}"
+    path = held.records / task.replace("/", "_").replace(":", "_") / f"{label}.json"
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") == key:
+            return record["effect"]
+    except (OSError, ValueError, KeyError):
+        pass  # absent or unreadable: computed again
+    effect = _site_effect(model, held, label, erasers, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_text(path, json.dumps({"key": key, "effect": effect}))
+    return effect
 
 
 def _erasers(td: TaskData, x_train: torch.Tensor, cfg: CausalConfig) -> tuple[list, list]:
@@ -231,7 +262,7 @@ def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress:
     del x_train, x_test
     labels = [site_labels(model.n_layers)[i] for i in got.sites]
     pairs = track(list(zip(labels, erasers)), desc=f"{task}: erase per site", unit="site", enabled=progress)
-    effects = [_site_effect(model, held, label, es, cfg) for label, es in pairs]
+    effects = [_resumed_effect(model, held, task, label, es, cfg) for label, es in pairs]
     df = got.frame.copy()
     df.insert(0, "task", task)
     df["accuracy"], df["majority"], df["accuracy_erased"] = acc, td.majority_accuracy, acc_erased
@@ -241,9 +272,13 @@ def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress:
     return df.assign(n_train=n_train, n_test=n_test, controls=cfg.controls, control=cfg.control, l2=l2)
 
 
-def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = False) -> CausalResult:
+def causal_tests(
+    model, config: CausalConfig | None = None, *, progress: bool = False, records: Path | None = None
+) -> CausalResult:
     """Encoded vs used at every site of ``model`` (a HookedModel, a spec, or a loader called once
-    the data are checked) for each task; see the module docstring."""
+    the data are checked) for each task; see the module docstring. ``records``: a folder where
+    each finished site's losses are kept, so that a rerun (after an interruption) computes only
+    the sites not finished (:func:`_resumed_effect`)."""
     t0 = time.perf_counter()
     cfg = config or CausalConfig()
     tasks, train, test, texts = _inputs(cfg)
@@ -262,7 +297,12 @@ def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = 
         texts = [s.text for s in got.corpora["test"].sentences]
     window = min(int(cfg.extraction.max_tokens), int(m.max_context or cfg.extraction.max_tokens))
     text = held_out(m, texts, window=window, bos=cfg.extraction.bos, max_tokens=cfg.max_text_tokens)
-    held = _Held(text, doc_nll(m, text, batch_size=cfg.batch_size))
+    t_clean = time.perf_counter()
+    clean = doc_nll(m, text, batch_size=cfg.batch_size)
+    t_clean = time.perf_counter() - t_clean
+    fingerprint = json.dumps([m.name, cfg.to_dict(), text.n_tokens, float(clean.nll.sum())], default=str)
+    held = _Held(text, clean, Path(records) if records is not None else None, fingerprint)
+    expected = _announce(len(tasks) * len(got.sites) * (1 + cfg.controls), t_clean, text.n_tokens, progress)
     tables = [_task_table(m, got, task, held, cfg, progress) for task in tasks]
     table = pd.concat(tables, ignore_index=True)
     table = table.assign(n_lm_docs=text.n_docs, n_lm_tokens=text.n_tokens, pooling=cfg.extraction.pooling)
@@ -277,8 +317,24 @@ def causal_tests(model, config: CausalConfig | None = None, *, progress: bool = 
         "text": str(cfg.text) if cfg.text is not None else "test sentences",
         "notes": notes,
         "seconds": time.perf_counter() - t0,
+        "expected_seconds_erasure": expected,
     }
     return CausalResult(table, info)
+
+
+def _announce(passes: int, seconds_per_pass: float, tokens: int, progress: bool) -> float:
+    """The erasure stage's expected seconds (``passes`` passes over the held-out text, each as long
+    as the clean one was), said on stderr before the stage starts when ``progress``."""
+    expected = passes * seconds_per_pass
+    if progress:
+        print(
+            f"causal: {passes} passes over the held-out text ({tokens} tokens; tasks x sites x (LEACE + "
+            f"controls)), {seconds_per_pass:.1f} s each: about {expected / 60:.0f} min "
+            f"(sites finished are kept: a rerun into the same --out resumes)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return expected
 
 
 def interval_method(cfg: CausalConfig) -> str:

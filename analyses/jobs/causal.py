@@ -6,7 +6,9 @@
 ``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.used.causal_tests` and
 progress=)``                       writes ``causal`` (Parquet + CSV), ``causal_summary.json``
                                    (with the table's notes) and ``causal_encoded_used.png``
-                                   through ``out``; a :class:`JobResult`
+                                   through ``out``; a :class:`JobResult`;
+                                   each finished site's losses are kept in
+                                   ``causal_sites/`` (a rerun resumes)
 ``report_causal(model, probe_job,   the report's causal section (``depthscope run --causal``):
 max_text_tokens, out, progress=)`` :func:`causal_job` on the probe job's data and its
                                    one-span tasks, loss on ``max_text_tokens`` test tokens
@@ -49,7 +51,8 @@ def causal_job(
     cfg = config or CausalConfig()
     out = out if out is not None else Output(None)
     n_before = len(out.written)
-    res = causal_tests(model, cfg, progress=progress)
+    records = out.folder / "causal_sites" if out.folder is not None else None  # a rerun resumes
+    res = causal_tests(model, cfg, progress=progress, records=records)
     out.table(res.table, TABLE)
     summary = {**res.info, "config": cfg.to_dict()}
     out.json(summary, "causal_summary")
