@@ -44,6 +44,7 @@ import numpy as np
 
 from depthscope.common.errors import InputError
 from depthscope.common.files import atomic_text
+from depthscope.common.jsonl import read_jsonl
 
 if TYPE_CHECKING:  # the reading is torch-free: the settings check a file before the model loads
     import torch
@@ -141,29 +142,8 @@ class Counterfactual:
 
 def read_counterfactuals(path) -> list[Counterfactual]:
     """Every example of a JSONL file (blank lines skipped), each line checked: a bad line raises
-    :class:`InputError` naming the file and the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"examples file {str(p)!r} does not exist or is not a file")
-    out = []
-    try:
-        with p.open(encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting past the stack
-                    why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:80]}"
-                    raise InputError(f"{p}:{n}: not a JSON object ({why})") from None
-                out.append(Counterfactual.from_dict(obj, f"{p}:{n}"))
-                if len(out) > MAX_EXAMPLES:
-                    raise InputError(f"{p}: more than {MAX_EXAMPLES} examples; split the file")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not out:
-        raise InputError(f"{p}: no examples (expected one JSON object per line)")
-    return out
+    :class:`InputError` naming the file and the line (:func:`~depthscope.common.jsonl.read_jsonl`)."""
+    return read_jsonl(path, Counterfactual.from_dict, what="examples", limit=MAX_EXAMPLES)
 
 
 def as_counterfactuals(obj, what: str = "examples") -> list[Counterfactual]:

@@ -33,7 +33,6 @@ pairs can only resample those few and understates the uncertainty.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ import pandas as pd
 
 from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.common.errors import InputError
+from depthscope.common.jsonl import read_jsonl
 
 __all__ = [
     "PromptPair",
@@ -100,29 +100,13 @@ class PromptPair:
 
 
 def read_pairs(path) -> list[PromptPair]:
-    """Pairs from a JSONL file (one JSON object per line, blank lines skipped)."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"pairs file {str(p)!r} does not exist or is not a file")
-    out = []
-    try:
-        with p.open(encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting past the stack
-                    why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:80]}"
-                    raise InputError(f"{p}:{n}: not a JSON object ({why})") from None
-                out.append(replace(PromptPair.from_dict(obj, f"{p}:{n}"), where=f"{p.name}:{n}"))
-                if len(out) > MAX_PAIRS:
-                    raise InputError(f"{p}: more than {MAX_PAIRS} pairs; split the file")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not out:
-        raise InputError(f"{p}: no pairs (expected one JSON object per line)")
-    return out
+    """Pairs from a JSONL file (one JSON object per line, blank lines skipped; each line checked:
+    :func:`~depthscope.common.jsonl.read_jsonl`)."""
+
+    def parse(obj, where: str) -> PromptPair:
+        return replace(PromptPair.from_dict(obj, where), where=f"{Path(where).name}")
+
+    return read_jsonl(path, parse, what="pairs", limit=MAX_PAIRS)
 
 
 def is_dataset(obj) -> bool:
