@@ -13,12 +13,22 @@ matplotlib.use("Agg")  # files, never windows
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from depthscope.common.errors import InputError  # noqa: E402
 from depthscope.common.files import atomic_write  # noqa: E402
 
 SUBLAYER_PALETTE = {"embed": "#555555", "attn": "#1f77b4", "mlp": "#d62728"}
 SUBLAYER_MARKERS = {"embed": "s", "attn": "o", "mlp": "^"}
 SUBLAYER_ORDER = ["embed", "attn", "mlp"]
 DEPTH_LABEL = "depth (blocks; attn = l + 0.5, mlp = l + 1)"
+
+
+def need_columns(df, cols, what: str) -> None:
+    """Refuse to plot an empty table or one without ``cols`` (:class:`InputError` naming ``what``)."""
+    if df is None or len(df) == 0:
+        raise InputError(f"{what}: empty table, nothing to plot")
+    missing = [c for c in cols if c not in df.columns]
+    if missing:
+        raise InputError(f"{what}: the table lacks columns {missing}")
 
 
 def setup() -> None:

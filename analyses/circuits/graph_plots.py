@@ -24,7 +24,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch
 
 from depthscope.analyses.circuits.faithfulness import areas
-from depthscope.analyses.style import savefig, setup
+from depthscope.analyses.style import need_columns, savefig, setup
 from depthscope.common.errors import InputError
 
 __all__ = ["plot_faithfulness", "plot_circuit", "node_positions", "circuit_rows"]
@@ -36,20 +36,12 @@ KIND_STYLES = {"q": "-", "k": "--", "v": ":", "mlp_in": "-", "logits": "-"}
 THRESHOLD = 0.8
 
 
-def _need(df: pd.DataFrame, cols, what: str) -> None:
-    if df is None or len(df) == 0:
-        raise InputError(f"{what}: empty table, nothing to plot")
-    missing = [c for c in cols if c not in df.columns]
-    if missing:
-        raise InputError(f"{what}: the table lacks columns {missing}")
-
-
 def plot_faithfulness(curve: pd.DataFrame, path, *, threshold: float = THRESHOLD) -> Path:
     """f(k) of a :func:`~depthscope.analyses.circuits.faithfulness.faithfulness` table (several
     methods: a ``method`` column), the sizes equally spaced and labelled in percent; the random
     circuits' mean dashed and their min-max band shaded; CPR and CMD in the legend."""
     what = "plot_faithfulness"
-    _need(curve, ["k", "fraction", "f", "f_random", "f_random_min", "f_random_max"], what)
+    need_columns(curve, ["k", "fraction", "f", "f_random", "f_random_min", "f_random_max"], what)
     setup()
     methods = list(dict.fromkeys(curve["method"])) if "method" in curve.columns else [curve.attrs.get("method")]
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
@@ -143,7 +135,7 @@ def plot_circuit(edges: pd.DataFrame, path, *, n_edges: int | None = None, title
     :func:`~depthscope.analyses.circuits.eap.edge_attribution` table. Arcs are solid into a
     query or an MLP, dashed into a key, dotted into a value; blue when corrupting the edge lowers
     the metric (negative score), red when it raises it."""
-    _need(edges, ["sender", "receiver", "score"], "plot_circuit")
+    need_columns(edges, ["sender", "receiver", "score"], "plot_circuit")
     n_layers, n_heads = _shape(edges)
     rows = circuit_rows(edges, n_edges)
     pos = node_positions(n_layers, n_heads)

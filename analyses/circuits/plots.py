@@ -21,20 +21,12 @@ import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
-from depthscope.analyses.style import plt, savefig, sns
+from depthscope.analyses.style import need_columns, plt, savefig, sns
 from depthscope.common.errors import InputError
 
 __all__ = ["plot_patching_sites", "plot_patching_heads", "plot_attribution_vs_exact"]
 
 _CMAP = "RdBu_r"
-
-
-def _need(df: pd.DataFrame, cols, what: str) -> None:
-    if df is None or len(df) == 0:
-        raise InputError(f"{what}: empty table, nothing to plot")
-    missing = [c for c in cols if c not in df.columns]
-    if missing:
-        raise InputError(f"{what}: the table lacks columns {missing}")
 
 
 def _one_method(df: pd.DataFrame, method: str | None, what: str) -> pd.DataFrame:
@@ -102,7 +94,7 @@ def plot_patching_sites(
     points left out), columns the patched positions labelled with their tokens (``clean→corrupted``
     where the prompts differ)."""
     what = "plot_patching_sites"
-    _need(df, ["site", "point", "head", "position", value], what)
+    need_columns(df, ["site", "point", "head", "position", value], what)
     d = _one_method(df, method, what)
     d = d[d["head"].isna()]
     if not len(d):
@@ -151,7 +143,7 @@ def plot_patching_heads(
     dataset's table; default: the last patched one); rows that patched every position at once are
     used as they are."""
     what = "plot_patching_heads"
-    _need(df, ["layer", "head", "kind", "position", value], what)
+    need_columns(df, ["layer", "head", "kind", "position", value], what)
     d, where = _head_rows(_one_method(df, method, what), position, what)
     kinds = list(dict.fromkeys(d["kind"]))
     grids = [
@@ -224,7 +216,7 @@ def plot_attribution_vs_exact(df: pd.DataFrame, path, *, value: str = "fraction_
     """One dot per patch: the attribution estimate against exact activation patching, the
     diagonal for reference and the Spearman rank correlation in the title."""
     what = "plot_attribution_vs_exact"
-    _need(df, ["method", "point", "head", "position", value], what)
+    need_columns(df, ["method", "point", "head", "position", value], what)
     keys = ["point", "head", "position_name" if "position_name" in df.columns else "position"]
     a = df[df["method"] == "activation"].set_index(keys)[value]
     b = df[df["method"] == "attribution"].set_index(keys)[value]

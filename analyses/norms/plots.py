@@ -27,6 +27,7 @@ from depthscope.analyses.style import (
     SUBLAYER_PALETTE,
     depth_axis,
     lineplot_by_sublayer,
+    need_columns,
     plt,
     savefig,
     sns,
@@ -63,14 +64,6 @@ def _band_handle(ax, df, ncol: int = 1) -> None:
     ax.legend(handles + [patch], labels + [band_label(df)], frameon=False, fontsize=8, ncol=ncol)
 
 
-def _need(df: pd.DataFrame, cols, what: str) -> None:
-    if df is None or len(df) == 0:
-        raise InputError(f"{what}: empty table, nothing to plot")
-    missing = [c for c in cols if c not in df.columns]
-    if missing:
-        raise InputError(f"{what}: the table lacks columns {missing}")
-
-
 def _split(df: pd.DataFrame):
     if "positions" not in df.columns:
         return df, df.iloc[0:0]
@@ -97,7 +90,7 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
     attention sink) as a dashed line; the fit ``log ||h|| = a + b * depth`` over block
     outputs as a dotted line labelled with ``exp(b)`` per block; 95% intervals as bands.
     """
-    _need(df, ["depth", "sublayer", "stream_norm", "layer"], "plot_stream_growth")
+    need_columns(df, ["depth", "sublayer", "stream_norm", "layer"], "plot_stream_growth")
     rest, first = _split(df)
     L = _n_layers(df)
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -130,7 +123,7 @@ def plot_stream_growth(df: pd.DataFrame, path, *, fit: bool = True) -> Path:
 def plot_update_norms(df: pd.DataFrame, path) -> Path:
     """Attention vs MLP update norms side by side per layer (95% intervals as error bars), and
     the attention share per layer (its interval as a band)."""
-    _need(df, ["layer", "sublayer", "update_norm", "attn_share"], "plot_update_norms")
+    need_columns(df, ["layer", "sublayer", "update_norm", "attn_share"], "plot_update_norms")
     rest, _ = _split(df)
     d = rest[rest["sublayer"].isin(["attn", "mlp"])]
     if not len(d):
@@ -174,7 +167,7 @@ def plot_update_norms(df: pd.DataFrame, path) -> Path:
 def plot_relative_update(df: pd.DataFrame, path) -> Path:
     """Relative update ||u|| / ||h_prev|| (log) and cos(u, h_prev) against depth; the sink dashed;
     95% intervals as bands."""
-    _need(df, ["depth", "sublayer", "relative_update", "cos_update_stream"], "plot_relative_update")
+    need_columns(df, ["depth", "sublayer", "relative_update", "cos_update_stream"], "plot_relative_update")
     rest, first = _split(df)
     rest = rest[rest["sublayer"] != "embed"]
     first = first[first["sublayer"] != "embed"]
@@ -212,7 +205,7 @@ def plot_position_heatmap(
     the sink position and massive activations stand out. The site holding the sequence's
     largest ``|h|`` is outlined and named in the title.
     """
-    _need(pos_df, ["sequence", "position", "site", "label", value], "plot_position_heatmap")
+    need_columns(pos_df, ["sequence", "position", "site", "label", value], "plot_position_heatmap")
     seq = int(pos_df["sequence"].min()) if sequence is None else sequence
     d = pos_df[pos_df["sequence"] == seq]
     if not len(d):
@@ -262,7 +255,7 @@ def plot_dla(dla_df: pd.DataFrame, path, *, example: int | None = None, top: int
     ``top`` largest contributions (by magnitude) labelled; the title gives the prompt, target
     and the model's logit (the sum of all bars).
     """
-    _need(dla_df, ["example", "site", "label", "depth", "sublayer", "contribution", "logit"], "plot_dla")
+    need_columns(dla_df, ["example", "site", "label", "depth", "sublayer", "contribution", "logit"], "plot_dla")
     ex = int(dla_df["example"].min()) if example is None else example
     d = dla_df[dla_df["example"] == ex]
     if not len(d):
@@ -309,7 +302,7 @@ def plot_head_writes(heads_df: pd.DataFrame, path, *, value: str = "write_norm")
     """Layer x head heatmap of per-head write norms (positions >= 1), from
     :func:`~depthscope.analyses.norms.heads.head_write_norms`; the right strip shows each layer's
     ``heads_coherence`` (||sum of heads|| / sum of head norms)."""
-    _need(heads_df, ["layer", "head", value], "plot_head_writes")
+    need_columns(heads_df, ["layer", "head", value], "plot_head_writes")
     d = heads_df[heads_df["positions"] == "rest"] if "positions" in heads_df.columns else heads_df
     grid = d.pivot(index="layer", columns="head", values=value).sort_index()
     has_coh = "heads_coherence" in d.columns
