@@ -7,14 +7,14 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs.configs import CacheConfig
-from depthscope.common.settings import build
 
 WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 CACHE = options(
-    "text points out model device dtype chunk_tokens window stride bos max_tokens max_docs whole_file threads force",
+    "text points out model device dtype stream chunk_tokens window stride bos max_tokens max_docs whole_file threads "
+    "force",
     CacheConfig,
     extra=(WHOLE_FILE,),
     helps={
@@ -39,18 +39,10 @@ def cache(o) -> None:
     from depthscope.analyses.jobs.cache import cache_job, summary_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     docs = read_documents(o.text, per_line=not o.whole_file)
-    cfg = build(CacheConfig, o, progress=True)
-    identity = {
-        "model": o.model or "default",
-        "text": str(o.text),
-        "points": cfg.points,
-        "chunk_tokens": cfg.chunk_tokens,
-    }
-    prepare_out(o.out, "cache", identity, o.force)
-    m = load_model(o)
-    Console(stderr=True).print(repr(m))
+    identity = {"text": str(o.text), "points": o.points, "chunk_tokens": o.chunk_tokens}
+    cfg = begin(o, CacheConfig, "cache", identity, progress=True)
+    m = load_model(o, show=True)
     _, summary = cache_job(m, docs, cfg, o.out, overwrite=o.force)
     Console().print(summary_table(summary))
 

@@ -9,14 +9,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import SHARED, command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
-from depthscope.common.settings import build
 
 LENS = options(
-    "text model device dtype prompt out per_line max_tokens max_docs batch_size window stride bos tuned sites "
+    "text model device dtype stream prompt out per_line max_tokens max_docs batch_size window stride bos tuned sites "
     "first_position top_k threads force",
     LensConfig,
 )
@@ -39,11 +38,9 @@ def lens(o) -> None:
     from depthscope.analyses.jobs.lens import lens_job, sites_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     console = Console(stderr=True)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(LensConfig, o, source=o.text.name, progress=True)
-    prepare_out(o.out, "lens", {"model": o.model or "default", "text": str(o.text)}, o.force)
+    cfg = begin(o, LensConfig, "lens", {"text": str(o.text)}, source=o.text.name, progress=True)
     m = load_model(o)
     m.unembed.check()
     tuned = f"; tuned lens: {o.tuned}" if o.tuned else ""
@@ -51,9 +48,7 @@ def lens(o) -> None:
     res = lens_job(m, docs, cfg, Output(o.out))
     if res.summary.get("split_note"):
         console.print(res.summary["split_note"])
-    Console().print(sites_table(res.tables["lens_by_site"]))
-    for p in res.files:
-        typer.echo(f"wrote {p}")
+    show(sites_table(res.tables["lens_by_site"]), res.files)
 
 
 def lens_train(o) -> None:
@@ -63,10 +58,8 @@ def lens_train(o) -> None:
     from depthscope.analyses.jobs.lens import lens_train_job, train_lines  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(LensTrainConfig, o)
-    prepare_out(o.out, "lens-train", None)  # the folder may hold a checkpoint to resume
+    cfg = begin(o, LensTrainConfig, "lens-train")  # any lens-train may reuse the folder: it may hold a checkpoint
     m = load_model(o)
     m.unembed.check()
     Console(stderr=True).print(
