@@ -4,19 +4,16 @@ the options are the fields of :class:`~depthscope.analyses.jobs.configs.CacheCon
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
 from depthscope.analyses.commands.common import begin, load_model
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs.configs import CacheConfig
 
-WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 CACHE = options(
     "text points out model device dtype stream chunk_tokens window stride bos max_tokens max_docs whole_file threads "
     "force",
     CacheConfig,
-    extra=(WHOLE_FILE,),
     helps={
         "out": "Folder of the activation cache (an unfinished one of the same run is resumed).",
         "force": "Replace an activation cache of another run (model, text or points) in --out.",
@@ -25,6 +22,7 @@ CACHE = options(
 )
 
 
+@command("cache", CACHE)
 def cache(o) -> None:
     """Write the activations at POINTS of every token of TEXT to an activation cache in OUT.
 
@@ -45,7 +43,3 @@ def cache(o) -> None:
     m = load_model(o, show=True)
     _, summary = cache_job(m, docs, cfg, o.out, overwrite=o.force)
     Console().print(summary_table(summary))
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "cache", CACHE)(cache)

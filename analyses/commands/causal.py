@@ -44,6 +44,7 @@ def data_files(o) -> dict:
     return {"train": o.data[0], "test": o.data[1]}
 
 
+@command("causal", CAUSAL)
 def causal(o) -> None:
     """Encoded vs used, per depth: at each site, LEACE (concept-erasure) fitted on the train words'
     vectors removes every linear trace of TASK's labels; a probe on erased vectors falls to the
@@ -64,7 +65,3 @@ def causal(o) -> None:
     for note in result.summary.get("notes", []):
         typer.echo(f"note: {note}")
     show(None, result.files)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "causal", CAUSAL)(causal)

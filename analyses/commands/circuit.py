@@ -3,8 +3,6 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.CircuitConfi
 
 from __future__ import annotations
 
-import typer
-
 from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
@@ -18,6 +16,7 @@ CIRCUIT = options(
 )
 
 
+@command("circuit", CIRCUIT)
 def circuit(o) -> None:
     """A circuit as a set of edges: every edge scored (EAP, EAP-IG), the top circuits judged.
 
@@ -33,7 +32,3 @@ def circuit(o) -> None:
     m = load_model(o, show=True)
     result = circuit_job(m, config, Output(o.out))
     show(summary_table(m.name, result.summary), result.files)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "circuit", CIRCUIT)(circuit)

@@ -1,13 +1,6 @@
-"""What every command does around its job: claim the output folder and the store, load the model, set
-threads, show the summary (the options are declared in :mod:`depthscope.analyses.commands.options`).
-
-=================  ==========================================================================
-:func:`begin`      threads, the configuration, the output folder claimed: before any model loads
-:func:`loader`     the model the options name, loaded when the job calls it
-:func:`load_model` that model, loaded now (its description on stderr with ``show``)
-:func:`show`       the summary table on stdout and a ``wrote PATH`` line per file
-=================  ==========================================================================
-"""
+"""What every command does around its job: set threads, build its configuration and claim the output
+folder (:func:`begin`), claim the store, load the model (:func:`loader`, :func:`load_model`), show the
+summary (:func:`show`); the options are declared in :mod:`depthscope.analyses.commands.options`."""
 
 from __future__ import annotations
 
@@ -38,11 +31,9 @@ def release_outputs() -> None:
 
 
 def begin(o, config: type, command: str, identity: dict | None = None, **fields):
-    """The head of a command, before any model loads, each bad input refused in this order: torch's
-    threads (``o.threads``), the ``config`` built from the options ``o`` and ``fields``
-    (:func:`~depthscope.common.settings.build`), and ``o.out`` claimed for ``command`` (:func:`prepare_out`;
-    ``identity``: what else than ``--model`` makes a run of it, None: any run may reuse the folder,
-    ``--force``: any folder). Returns the configuration."""
+    """A command's head, before any model loads, in this order: torch's threads, ``config`` built from the
+    options ``o`` and ``fields``, ``o.out`` claimed for ``command`` (:func:`prepare_out`; ``identity``: what
+    besides ``--model`` names the run, None: any run of ``command``). Returns the configuration."""
     set_threads(o.threads)
     cfg = build(config, o, **fields)
     who = None if identity is None else {"model": o.model or "default", **identity}

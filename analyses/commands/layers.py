@@ -5,7 +5,6 @@ next-token cross-entropy and top-1 agreement on a text; the options are the fiel
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
 from depthscope.analyses.commands.common import begin, load_model
@@ -18,6 +17,7 @@ LAYERS = options(
 )
 
 
+@command("layers", LAYERS)
 def layers(o) -> None:
     """Skip each block (its output = its input) and swap each block with the next (Lad et al. 2024).
 
@@ -36,7 +36,3 @@ def layers(o) -> None:
     res = layers_job(m, docs, cfg, Output(o.out))
     Console().print(summary_table(m.name, res.summary))
     Console(stderr=True).print("wrote " + ", ".join(p.name for p in res.files) + f" to {o.out}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "layers", LAYERS)(layers)

@@ -31,6 +31,7 @@ LENS_TRAIN = options(
 )
 
 
+@command("lens", LENS)
 def lens(o) -> None:
     """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
     cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
@@ -51,6 +52,7 @@ def lens(o) -> None:
     show(sites_table(res.tables["lens_by_site"]), res.files)
 
 
+@command("lens-train", LENS_TRAIN)
 def lens_train(o) -> None:
     """Train a tuned lens (Belrose et al. 2023) at every sublayer site on TEXT, on the CPU:
     bounded steps, a progress bar, checkpoints every --checkpoint-every steps (rerun to resume).
@@ -69,10 +71,4 @@ def lens_train(o) -> None:
     res = lens_train_job(m, docs, cfg, o.out)
     for line in train_lines(res.summary, o.out):
         typer.echo(line)
-    for p in res.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "lens", LENS)(lens)
-    command(app, "lens-train", LENS_TRAIN)(lens_train)
+    show(None, res.files)

@@ -5,8 +5,6 @@ are the fields of :class:`~depthscope.analyses.causal.config.LocalizeConfig`, th
 
 from __future__ import annotations
 
-import typer
-
 from depthscope.analyses.causal.config import LocalizeConfig
 from depthscope.analyses.commands.common import begin, loader, show
 from depthscope.analyses.commands.options import command, options
@@ -20,6 +18,7 @@ LOCALIZE = options(
 )
 
 
+@command("localize", LOCALIZE)
 def localize(o) -> None:
     """Interchange intervention accuracy (IIA) per depth: at each residual site and named position,
     put the source's vector (--method interchange) or its part in a learned subspace (--method das,
@@ -36,7 +35,3 @@ def localize(o) -> None:
     cfg = begin(o, LocalizeConfig, "localize", {"examples": str(o.examples), "method": o.method})
     result = jobs.localize_job(loader(o), cfg, Output(o.out), progress=True)
     show(jobs.summary_table(result.tables[jobs.TABLE]), result.files)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "localize", LOCALIZE)(localize)

@@ -4,23 +4,21 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.NormsConfig`
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
 from depthscope.analyses.commands.common import begin, load_model
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import NormsConfig
 
-WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 NORMS = options(
     "text model device dtype stream out prompt target contrast max_tokens max_docs batch_size window stride bos "
     "whole_file heads threads force",
     NormsConfig,
-    extra=(WHOLE_FILE,),
 )
 
 
+@command("norms", NORMS)
 def norms(o) -> None:
     """How much each sublayer writes into the residual stream, relative to it.
 
@@ -43,7 +41,3 @@ def norms(o) -> None:
     res = norms_job(m, docs, cfg, Output(o.out))
     Console().print(summary_table(m.name, res.summary))
     console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {o.out}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "norms", NORMS)(norms)

@@ -3,8 +3,6 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.PatchConfig`
 
 from __future__ import annotations
 
-import typer
-
 from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
@@ -17,6 +15,7 @@ PATCH = options(
 )
 
 
+@command("patch", PATCH)
 def patch(o) -> None:
     """Which activations carry the difference between a clean and a corrupted prompt.
 
@@ -52,7 +51,3 @@ def patch(o) -> None:
     m = load_model(o, show=True)
     result = patch_job(m, config, Output(o.out))
     show(summary_table(m.name, result.summary), result.files)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "patch", PATCH)(patch)

@@ -27,6 +27,7 @@ def job_config(values) -> ProbeJobConfig:
     return build(ProbeJobConfig, values)
 
 
+@command("probe", PROBE)
 def probe(o) -> None:
     """Probe which depth encodes which property (Tenney et al. 2019): per-site accuracy, control-task
     selectivity, scalar-mix E_s and cumulative-scoring E_Delta, for each TASK.
@@ -50,7 +51,3 @@ def probe(o) -> None:
             f"{', '.join(result.summary['reused'])}; --no-resume computes them again"
         )
     show(None, result.files)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "probe", PROBE)(probe)

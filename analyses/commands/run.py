@@ -50,6 +50,7 @@ def data_files(data: list[Path] | None) -> list[str]:
     return files
 
 
+@command("run", RUN)
 def run(o) -> None:
     """Run the logit lens, contribution norms and probes on one model and write tables, plots and
     a report (report.md, report.html) answering which depth encodes which property."""
@@ -68,7 +69,3 @@ def run(o) -> None:
         cfg = dataclasses.replace(cfg, texts=read_documents(o.text))
     path = run_report(o.out, cfg)
     typer.echo(f"report: {path}\nmarkdown: {o.out / 'report.md'}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "run", RUN)(run)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from depthscope.analyses.commands.common import begin, load_model
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.options import add, opt, options
 from depthscope.analyses.features.config import SaeTrainConfig
 from depthscope.analyses.jobs import Output
 
@@ -50,5 +50,5 @@ def train(o) -> None:
 
 def register(app: typer.Typer) -> None:
     sae = typer.Typer(name="sae", help="Sparse autoencoders: train one at a hook point.", no_args_is_help=True)
-    command(sae, "train", TRAIN)(train)
+    add(sae, "train", TRAIN, train)
     app.add_typer(sae, name="sae")
