@@ -1,5 +1,6 @@
-"""The ``depthscope`` command line (typer). Each sub-command lives in ``analyses/commands/``
-and registers itself through a ``register(app)`` function; this file only assembles them."""
+"""The ``depthscope`` command line (typer). Each sub-command lives in ``analyses/commands/``, its
+body marked by ``@command(name, options)`` (or added by the module's ``register(app)``); this file
+only assembles them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import typer
 
 from depthscope.analyses import commands
 from depthscope.analyses.commands.common import release_outputs
+from depthscope.analyses.commands.options import add
 from depthscope.common.errors import DepthscopeError, OutputError
 from depthscope.common.runtime import tune_allocator
 
@@ -94,9 +96,14 @@ def _guard(fn):
 
 
 def _load_commands() -> None:
-    """Register every command module's commands (each has ``register(app)``), each wrapped by :func:`_guard`."""
+    """Register every command module's commands (its functions marked by
+    :func:`~depthscope.analyses.commands.options.command`, in the order they are defined, then those
+    its ``register(app)`` adds), each wrapped by :func:`_guard`."""
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
+        for body in vars(mod).values():
+            if inspect.isfunction(body) and body.__module__ == mod.__name__ and hasattr(body, "command"):
+                add(app, *body.command, body)
         if hasattr(mod, "register"):
             mod.register(app)
     groups = [g.typer_instance for g in app.registered_groups]  # ``depthscope sae train``

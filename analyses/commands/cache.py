@@ -4,19 +4,16 @@ the options are the fields of :class:`~depthscope.analyses.jobs.configs.CacheCon
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.common import begin, load_model
+from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs.configs import CacheConfig
-from depthscope.common.settings import build
 
-WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 CACHE = options(
-    "text points out model device dtype chunk_tokens window stride bos max_tokens max_docs whole_file threads force",
+    "text points out model device dtype stream chunk_tokens window stride bos max_tokens max_docs whole_file threads "
+    "force",
     CacheConfig,
-    extra=(WHOLE_FILE,),
     helps={
         "out": "Folder of the activation cache (an unfinished one of the same run is resumed).",
         "force": "Replace an activation cache of another run (model, text or points) in --out.",
@@ -25,6 +22,7 @@ CACHE = options(
 )
 
 
+@command("cache", CACHE)
 def cache(o) -> None:
     """Write the activations at POINTS of every token of TEXT to an activation cache in OUT.
 
@@ -39,21 +37,9 @@ def cache(o) -> None:
     from depthscope.analyses.jobs.cache import cache_job, summary_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     docs = read_documents(o.text, per_line=not o.whole_file)
-    cfg = build(CacheConfig, o, progress=True)
-    identity = {
-        "model": o.model or "default",
-        "text": str(o.text),
-        "points": cfg.points,
-        "chunk_tokens": cfg.chunk_tokens,
-    }
-    prepare_out(o.out, "cache", identity, o.force)
-    m = load_model(o)
-    Console(stderr=True).print(repr(m))
+    identity = {"text": str(o.text), "points": o.points, "chunk_tokens": o.chunk_tokens}
+    cfg = begin(o, CacheConfig, "cache", identity, progress=True)
+    m = load_model(o, show=True)
     _, summary = cache_job(m, docs, cfg, o.out, overwrite=o.force)
     Console().print(summary_table(summary))
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "cache", CACHE)(cache)

@@ -5,20 +5,15 @@ configurations it holds; the work is :func:`~depthscope.analyses.jobs.causal.cau
 
 from __future__ import annotations
 
-import functools
-import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from depthscope.analyses.causal.config import CausalConfig
-from depthscope.analyses.commands import common
-from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
+from depthscope.analyses.commands.common import begin, loader, prepare_store, show
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs import Output
 from depthscope.common.errors import InputError
-from depthscope.common.settings import build
 
 DATA = opt(
     "--data -d",
@@ -27,7 +22,7 @@ DATA = opt(
     list[Path] | None,
 )
 CAUSAL = options(
-    "task data train test text model device dtype pooling sites max_train_sentences max_test_sentences "
+    "task data train test text model device dtype stream pooling sites max_train_sentences max_test_sentences "
     "max_text_tokens controls control bootstrap batch_size l2 max_epochs store_dir store_dtype bos seed threads plots "
     "out force",
     CausalConfig,
@@ -49,6 +44,7 @@ def data_files(o) -> dict:
     return {"train": o.data[0], "test": o.data[1]}
 
 
+@command("causal", CAUSAL)
 def causal(o) -> None:
     """Encoded vs used, per depth: at each site, LEACE (concept-erasure) fitted on the train words'
     vectors removes every linear trace of TASK's labels; a probe on erased vectors falls to the
@@ -60,20 +56,12 @@ def causal(o) -> None:
     """
     from depthscope.analyses.jobs import causal as jobs  # lazy: the job imports torch
 
-    set_threads(o.threads)
-    cfg = build(CausalConfig, o, **data_files(o))
-    identity = {"model": o.model or "default", "train": str(cfg.train), "test": str(cfg.test), "text": str(o.text)}
-    prepare_out(o.out, "causal", identity, o.force)
+    files = data_files(o)
+    identity = {"train": str(files.get("train", o.train)), "test": str(files.get("test", o.test)), "text": str(o.text)}
+    cfg = begin(o, CausalConfig, "causal", identity, **files)
     prepare_store(o.store_dir)
-    # the model loads (on --device, in --dtype) only once the data are read and checked
-    loader = functools.partial(common.load, o.model, o.device, o.dtype)
-    result = jobs.causal_job(loader, cfg, Output(o.out), progress=True)
-    Console(width=None if sys.stdout.isatty() else 160).print(jobs.summary_table(result.tables[jobs.TABLE]))
+    result = jobs.causal_job(loader(o), cfg, Output(o.out), progress=True)  # loads once the data are checked
+    show(jobs.summary_table(result.tables[jobs.TABLE]))
     for note in result.summary.get("notes", []):
         typer.echo(f"note: {note}")
-    for p in result.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "causal", CAUSAL)(causal)
+    show(None, result.files)

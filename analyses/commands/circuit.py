@@ -3,16 +3,10 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.CircuitConfi
 
 from __future__ import annotations
 
-import sys
-
-import typer
-from rich.console import Console
-
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import CircuitConfig
-from depthscope.common.settings import build
 
 CIRCUIT = options(
     "pairs method steps ablation random_draws bootstrap seed threshold draw_edges batch_tokens plots "
@@ -22,6 +16,7 @@ CIRCUIT = options(
 )
 
 
+@command("circuit", CIRCUIT)
 def circuit(o) -> None:
     """A circuit as a set of edges: every edge scored (EAP, EAP-IG), the top circuits judged.
 
@@ -33,16 +28,7 @@ def circuit(o) -> None:
     """
     from depthscope.analyses.jobs.circuit import circuit_job, summary_table  # lazy: the job imports torch
 
-    set_threads(o.threads)
-    config = build(CircuitConfig, o)
-    prepare_out(o.out, "circuit", {"model": o.model or "default", "pairs": str(o.pairs), "method": o.method}, o.force)
-    m = load_model(o)
-    Console(stderr=True).print(repr(m))
+    config = begin(o, CircuitConfig, "circuit", {"pairs": str(o.pairs), "method": o.method})
+    m = load_model(o, show=True)
     result = circuit_job(m, config, Output(o.out))
-    Console(width=None if sys.stdout.isatty() else 160).print(summary_table(m.name, result.summary))
-    for p in result.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "circuit", CIRCUIT)(circuit)
+    show(summary_table(m.name, result.summary), result.files)

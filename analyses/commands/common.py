@@ -1,12 +1,19 @@
-"""What every command does around its job: claim the output folder and the store, load the model, set
-threads (the options are declared in :mod:`depthscope.analyses.commands.options`)."""
+"""What every command does around its job: set threads, build its configuration and claim the output
+folder (:func:`begin`), claim the store, load the model (:func:`loader`, :func:`load_model`), show the
+summary (:func:`show`); the options are declared in :mod:`depthscope.analyses.commands.options`."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from pathlib import Path
+
+import typer
+from rich.console import Console
 
 from depthscope.analyses.jobs import base
 from depthscope.analyses.jobs.base import prepare_store  # noqa: F401  (the commands' store check)
+from depthscope.common.settings import build
 
 _CLAIMS: list = []
 
@@ -23,6 +30,17 @@ def release_outputs() -> None:
         _CLAIMS.pop().release()
 
 
+def begin(o, config: type, command: str, identity: dict | None = None, **fields):
+    """A command's head, before any model loads, in this order: torch's threads, ``config`` built from the
+    options ``o`` and ``fields``, ``o.out`` claimed for ``command`` (:func:`prepare_out`; ``identity``: what
+    besides ``--model`` names the run, None: any run of ``command``). Returns the configuration."""
+    set_threads(o.threads)
+    cfg = build(config, o, **fields)
+    who = None if identity is None else {"model": o.model or "default", **identity}
+    prepare_out(o.out, command, who, getattr(o, "force", False))
+    return cfg
+
+
 def load(model: str | None, device: str = "cpu", dtype: str = "float32", stream: bool = False):
     """``load_model(model, device=device, dtype=dtype, stream=stream)``: bad names and absent devices are
     clear errors."""
@@ -31,9 +49,27 @@ def load(model: str | None, device: str = "cpu", dtype: str = "float32", stream:
     return load_model(model, device=device, dtype=dtype, stream=stream)
 
 
-def load_model(o):
-    """The model the options ``o`` name (``o.model`` on ``o.device`` in ``o.dtype``; streamed with ``--stream``)."""
-    return load(o.model, o.device, o.dtype, bool(getattr(o, "stream", False)))
+def loader(o):
+    """``load()`` of the model the options ``o`` name (``o.model`` on ``o.device`` in ``o.dtype``;
+    streamed with ``--stream``), for a job that loads it once its data are read and checked."""
+    return functools.partial(load, o.model, o.device, o.dtype, bool(getattr(o, "stream", False)))
+
+
+def load_model(o, show: bool = False):
+    """The model the options ``o`` name (:func:`loader`), loaded now; ``show``: its description on stderr."""
+    m = loader(o)()
+    if show:
+        Console(stderr=True).print(repr(m))
+    return m
+
+
+def show(table, files=()) -> None:
+    """Print ``table`` (unless None) on stdout, 160 columns wide when stdout is no terminal (logs get no
+    80-column squeeze), then ``wrote PATH`` for each of ``files``."""
+    if table is not None:
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for p in files:
+        typer.echo(f"wrote {p}")
 
 
 def set_threads(threads: int | None) -> None:

@@ -37,6 +37,7 @@ DATA = options(
 )
 
 
+@command("data", DATA)
 def data(o) -> None:
     """The bundled probing samples: excerpts of the Universal Dependencies v2.16 English EWT
     and GUM treebanks that ship with depthscope.
@@ -68,7 +69,3 @@ def data(o) -> None:
             f"only). Attribution: {readme}",
             soft_wrap=True,
         )
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "data", DATA)(data)

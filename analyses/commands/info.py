@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -15,6 +14,7 @@ INFO = options(
 )
 
 
+@command("info", INFO)
 def info(o) -> None:
     """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
     import torch  # lazy: --help must not import torch
@@ -35,7 +35,3 @@ def info(o) -> None:
         tok = repr(m.tokenizer.decode([t])) if t is not None and m.tokenizer is not None else "-"
         table.add_row(str(row.site), row.label, f"{row.depth:g}", f"{float(h.norm()):.1f}", tok)
     console.print(table)
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "info", INFO)(info)

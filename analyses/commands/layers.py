@@ -5,20 +5,19 @@ next-token cross-entropy and top-1 agreement on a text; the options are the fiel
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import LayersConfig
-from depthscope.common.settings import build
 
 LAYERS = options(
-    "text model device dtype out batch_size window stride bos max_tokens max_docs threads force", LayersConfig
+    "text model device dtype stream out batch_size window stride bos max_tokens max_docs threads force", LayersConfig
 )
 
 
+@command("layers", LAYERS)
 def layers(o) -> None:
     """Skip each block (its output = its input) and swap each block with the next (Lad et al. 2024).
 
@@ -31,17 +30,9 @@ def layers(o) -> None:
     from depthscope.analyses.jobs.layers import layers_job, summary_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
-    console = Console(stderr=True)
     docs = read_documents(o.text)
-    cfg = build(LayersConfig, o, progress=True, source=str(o.text))
-    prepare_out(o.out, "layers", {"model": o.model or "default", "text": str(o.text)}, o.force)
-    m = load_model(o)
-    console.print(repr(m))
+    cfg = begin(o, LayersConfig, "layers", {"text": str(o.text)}, progress=True, source=str(o.text))
+    m = load_model(o, show=True)
     res = layers_job(m, docs, cfg, Output(o.out))
     Console().print(summary_table(m.name, res.summary))
-    console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {o.out}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "layers", LAYERS)(layers)
+    Console(stderr=True).print("wrote " + ", ".join(p.name for p in res.files) + f" to {o.out}")

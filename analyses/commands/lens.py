@@ -9,14 +9,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import SHARED, command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import LensConfig, LensTrainConfig
-from depthscope.common.settings import build
 
 LENS = options(
-    "text model device dtype prompt out per_line max_tokens max_docs batch_size window stride bos tuned sites "
+    "text model device dtype stream prompt out per_line max_tokens max_docs batch_size window stride bos tuned sites "
     "first_position top_k threads force",
     LensConfig,
 )
@@ -32,6 +31,7 @@ LENS_TRAIN = options(
 )
 
 
+@command("lens", LENS)
 def lens(o) -> None:
     """Logit lens at every sublayer over TEXT: per-site table (KL to the final distribution,
     cross-entropy, entropy, top-1 agreement/accuracy, next-token rank), the prompt's per-token
@@ -39,11 +39,9 @@ def lens(o) -> None:
     from depthscope.analyses.jobs.lens import lens_job, sites_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     console = Console(stderr=True)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(LensConfig, o, source=o.text.name, progress=True)
-    prepare_out(o.out, "lens", {"model": o.model or "default", "text": str(o.text)}, o.force)
+    cfg = begin(o, LensConfig, "lens", {"text": str(o.text)}, source=o.text.name, progress=True)
     m = load_model(o)
     m.unembed.check()
     tuned = f"; tuned lens: {o.tuned}" if o.tuned else ""
@@ -51,11 +49,10 @@ def lens(o) -> None:
     res = lens_job(m, docs, cfg, Output(o.out))
     if res.summary.get("split_note"):
         console.print(res.summary["split_note"])
-    Console().print(sites_table(res.tables["lens_by_site"]))
-    for p in res.files:
-        typer.echo(f"wrote {p}")
+    show(sites_table(res.tables["lens_by_site"]), res.files)
 
 
+@command("lens-train", LENS_TRAIN)
 def lens_train(o) -> None:
     """Train a tuned lens (Belrose et al. 2023) at every sublayer site on TEXT, on the CPU:
     bounded steps, a progress bar, checkpoints every --checkpoint-every steps (rerun to resume).
@@ -63,10 +60,8 @@ def lens_train(o) -> None:
     from depthscope.analyses.jobs.lens import lens_train_job, train_lines  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(LensTrainConfig, o)
-    prepare_out(o.out, "lens-train", None)  # the folder may hold a checkpoint to resume
+    cfg = begin(o, LensTrainConfig, "lens-train")  # any lens-train may reuse the folder: it may hold a checkpoint
     m = load_model(o)
     m.unembed.check()
     Console(stderr=True).print(
@@ -76,10 +71,4 @@ def lens_train(o) -> None:
     res = lens_train_job(m, docs, cfg, o.out)
     for line in train_lines(res.summary, o.out):
         typer.echo(line)
-    for p in res.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "lens", LENS)(lens)
-    command(app, "lens-train", LENS_TRAIN)(lens_train)
+    show(None, res.files)

@@ -4,24 +4,21 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.NormsConfig`
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.common import begin, load_model
+from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import NormsConfig
-from depthscope.common.settings import build
 
-WHOLE_FILE = opt("--whole-file", False, "Read the file as one document instead of one per line.")
 NORMS = options(
-    "text model device dtype out prompt target contrast max_tokens max_docs batch_size window stride bos whole_file "
-    "heads threads force",
+    "text model device dtype stream out prompt target contrast max_tokens max_docs batch_size window stride bos "
+    "whole_file heads threads force",
     NormsConfig,
-    extra=(WHOLE_FILE,),
 )
 
 
+@command("norms", NORMS)
 def norms(o) -> None:
     """How much each sublayer writes into the residual stream, relative to it.
 
@@ -35,19 +32,12 @@ def norms(o) -> None:
     from depthscope.analyses.jobs.norms import norms_job, summary_table  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     console = Console(stderr=True)
     docs = read_documents(o.text, per_line=not o.whole_file)
-    cfg = build(NormsConfig, o, progress=True, source=str(o.text))
-    prepare_out(o.out, "norms", {"model": o.model or "default", "text": str(o.text)}, o.force)
-    m = load_model(o)
-    console.print(repr(m))
+    cfg = begin(o, NormsConfig, "norms", {"text": str(o.text)}, progress=True, source=str(o.text))
+    m = load_model(o, show=True)
     if not m.unembed.decodes_stream:
         console.print(f"[yellow]no DLA: {m.name} is not a decoder with final norm -> unembedding[/yellow]")
     res = norms_job(m, docs, cfg, Output(o.out))
     Console().print(summary_table(m.name, res.summary))
     console.print("wrote " + ", ".join(p.name for p in res.files) + f" to {o.out}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "norms", NORMS)(norms)

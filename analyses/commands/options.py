@@ -1,7 +1,7 @@
 """Command-line options generated from configuration fields (:func:`depthscope.common.settings.setting`
 declares each: default, flag, bounds, help), and the options that are no field (:data:`SHARED`).
-:func:`options` lists a command's options in help order, :func:`command` registers a body that
-receives their values; the body builds its configuration with :func:`~depthscope.common.settings.build`.
+:func:`options` lists a command's options in help order, :func:`command` marks a body receiving their
+values (:func:`add` registers it), which builds its configuration with :func:`~depthscope.common.settings.build`.
 """
 
 from __future__ import annotations
@@ -58,21 +58,28 @@ def options(names: str, *configs, extra=(), helps: dict | None = None, required:
     return [known[n] for n in names.split()]
 
 
-def command(app: typer.Typer, name: str, opts: list[Opt]):
-    """Register the decorated ``body(o)`` as command ``name`` with the options ``opts``; ``o`` is a
-    namespace of the parsed values by option name. The body's docstring is the command's help."""
+def command(name: str, opts: list[Opt]) -> Callable:
+    """Mark the decorated ``body(o)`` as command ``name`` with the options ``opts``: the CLI registers
+    each marked function of a command module, in the order they are defined (:func:`add`)."""
 
-    def register(body: Callable) -> Callable:
-        def callback(**values):
-            return body(SimpleNamespace(**values))
-
-        callback.__signature__ = inspect.Signature([parameter(o) for o in opts])
-        callback.__annotations__ = {o.name: o.annotation for o in opts}
-        callback.__doc__, callback.__name__ = body.__doc__, body.__name__
-        app.command(name)(callback)
+    def mark(body: Callable) -> Callable:
+        body.command = (name, opts)
         return body
 
-    return register
+    return mark
+
+
+def add(app: typer.Typer, name: str, opts: list[Opt], body: Callable) -> None:
+    """Register ``body(o)`` as command ``name`` of ``app`` with the options ``opts``; ``o`` is a
+    namespace of the parsed values by option name. The body's docstring is the command's help."""
+
+    def callback(**values):
+        return body(SimpleNamespace(**values))
+
+    callback.__signature__ = inspect.Signature([parameter(o) for o in opts])
+    callback.__annotations__ = {o.name: o.annotation for o in opts}
+    callback.__doc__, callback.__name__ = body.__doc__, body.__name__
+    app.command(name)(callback)
 
 
 #: the options that are no analysis' setting, declared once: the model (:class:`ModelSpec`'s
@@ -91,6 +98,7 @@ SHARED = {
                 Path,
             ),
             opt("--force", False, "Write into an output folder that holds another run."),
+            opt("--whole-file", False, "Read the file as one document instead of one per line."),
             opt(
                 "--per-line/--whole-file",
                 True,

@@ -3,24 +3,19 @@ options are the fields of :class:`~depthscope.analyses.jobs.configs.PatchConfig`
 
 from __future__ import annotations
 
-import sys
-
-import typer
-from rich.console import Console
-
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
+from depthscope.analyses.commands.common import begin, load_model, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import PatchConfig
-from depthscope.common.settings import build
 
 PATCH = options(
     "clean corrupted target foil pairs method senders receivers freeze_mlps positions sites direction attribution "
-    "batch_tokens threads plots model device dtype out force",
+    "batch_tokens threads plots model device dtype stream out force",
     PatchConfig,
 )
 
 
+@command("patch", PATCH)
 def patch(o) -> None:
     """Which activations carry the difference between a clean and a corrupted prompt.
 
@@ -51,17 +46,8 @@ def patch(o) -> None:
     """
     from depthscope.analyses.jobs.patch import patch_job, summary_table  # lazy: the job imports torch
 
-    set_threads(o.threads)
-    config = build(PatchConfig, o)
     prompts = {"pairs": str(o.pairs)} if o.pairs is not None else {"clean": o.clean, "corrupted": o.corrupted}
-    prepare_out(o.out, "patch", {"model": o.model or "default", "method": o.method, **prompts}, o.force)
-    m = load_model(o)
-    Console(stderr=True).print(repr(m))
+    config = begin(o, PatchConfig, "patch", {"method": o.method, **prompts})
+    m = load_model(o, show=True)
     result = patch_job(m, config, Output(o.out))
-    Console(width=None if sys.stdout.isatty() else 160).print(summary_table(m.name, result.summary))
-    for p in result.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "patch", PATCH)(patch)
+    show(summary_table(m.name, result.summary), result.files)

@@ -4,23 +4,20 @@ configurations it holds; the work is :func:`~depthscope.analyses.jobs.probe.run_
 
 from __future__ import annotations
 
-import functools
-import sys
-
 import typer
 from rich.console import Console
 
-from depthscope.analyses.commands import common
-from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
+from depthscope.analyses.commands.common import begin, loader, prepare_store, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig
 from depthscope.common.settings import build
 
 PROBE = options(
-    "task train test dev model device dtype probe probe_rank pooling sites max_train_sentences max_test_sentences "
-    "max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 mix_folds mix_starts precision "
-    "probe_device mdl overlap store_dir store_dtype bos shards engine workers seed threads plots out resume force",
+    "task train test dev model device dtype stream probe probe_rank pooling sites max_train_sentences "
+    "max_test_sentences max_dev_sentences context l2 max_epochs stack_draws stack_folds stack_l2 mix_folds mix_starts "
+    "precision probe_device mdl overlap store_dir store_dtype bos shards engine workers seed threads plots out resume "
+    "force",
     ProbeJobConfig,
 )
 
@@ -30,6 +27,7 @@ def job_config(values) -> ProbeJobConfig:
     return build(ProbeJobConfig, values)
 
 
+@command("probe", PROBE)
 def probe(o) -> None:
     """Probe which depth encodes which property (Tenney et al. 2019): per-site accuracy, control-task
     selectivity, scalar-mix E_s and cumulative-scoring E_Delta, for each TASK.
@@ -39,16 +37,11 @@ def probe(o) -> None:
     """
     from depthscope.analyses.jobs import probe as jobs  # lazy: the job imports torch
 
-    set_threads(o.threads)
-    cfg = job_config(o)
-    identity = {"model": o.model or "default", "train": str(o.train), "test": str(o.test)}
-    prepare_out(o.out, "probe", identity, o.force)
+    cfg = begin(o, ProbeJobConfig, "probe", {"train": str(o.train), "test": str(o.test)})
     prepare_store(o.store_dir)
-    # the model loads (on --device, in --dtype) only once the data are read and checked
-    loader = functools.partial(common.load, o.model, o.device, o.dtype)
-    result = jobs.run_probe_job(loader, cfg, Output(o.out), progress=True)
+    result = jobs.run_probe_job(loader(o), cfg, Output(o.out), progress=True)  # loads once the data are checked
     summary = result.tables["probes_summary"]
-    Console(width=None if sys.stdout.isatty() else 160).print(jobs.summary_table(summary))  # logs: no 80-column squeeze
+    show(jobs.summary_table(summary))
     for line in jobs.convergence_warnings(summary):
         Console(stderr=True).print(f"[yellow]warning:[/] {line}")
     typer.echo(f"precision: {result.summary['precision']}")
@@ -57,9 +50,4 @@ def probe(o) -> None:
             f"reused from an earlier run in {o.out} (same model, data, settings and code): "
             f"{', '.join(result.summary['reused'])}; --no-resume computes them again"
         )
-    for p in result.files:
-        typer.echo(f"wrote {p}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "probe", PROBE)(probe)
+    show(None, result.files)

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import typer
 
-from depthscope.analyses.commands.common import prepare_out, prepare_store, set_threads
+from depthscope.analyses.commands.common import begin, prepare_store
 from depthscope.analyses.commands.options import SHARED, command, opt, options
 from depthscope.analyses.jobs.base import check_report_folder
 from depthscope.analyses.jobs.configs import ReportConfig
-from depthscope.common.settings import build
 
 EXTRA = (
     opt(
@@ -25,7 +24,7 @@ EXTRA = (
     opt("--text", None, "Plain text for the lens and norms (default: the probe data's sentences).", Path | None),
 )
 RUN = options(
-    "model device dtype data out task text prompt target max_train_sentences max_test_sentences max_epochs "
+    "model device dtype stream data out task text prompt target max_train_sentences max_test_sentences max_epochs "
     "stack_draws stack_folds stack_l2 precision probe_device seed threads lens_tokens norms_tokens causal "
     "causal_tokens resume force",
     ReportConfig,
@@ -51,25 +50,22 @@ def data_files(data: list[Path] | None) -> list[str]:
     return files
 
 
+@command("run", RUN)
 def run(o) -> None:
     """Run the logit lens, contribution norms and probes on one model and write tables, plots and
     a report (report.md, report.html) answering which depth encodes which property."""
     from depthscope.analyses.report.main_job import run_report  # lazy: it imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     files = data_files(o.data)
     check_report_folder(o.out, o.model, files, o.force)
     train, test, dev = (files + [None] * 3)[:3]
-    cfg = build(ReportConfig, o, model=o.model, device=o.device, dtype=o.dtype, train=train, test=test, dev=dev)
-    identity = {"model": str(o.model) if o.model else "default", "train": train or "bundled", "test": test or "bundled"}
-    prepare_out(o.out, "run", identity, o.force)  # a killed run's folder takes only a run of the same model and data
+    model = {"model": o.model, "device": o.device, "dtype": o.dtype, "stream": o.stream}
+    # a killed run's folder takes only a run of the same model and data
+    identity = {"train": train or "bundled", "test": test or "bundled"}
+    cfg = begin(o, ReportConfig, "run", identity, **model, train=train, test=test, dev=dev)
     prepare_store()  # the probes' activation store in the cache
     if o.text:
         cfg = dataclasses.replace(cfg, texts=read_documents(o.text))
     path = run_report(o.out, cfg)
     typer.echo(f"report: {path}\nmarkdown: {o.out / 'report.md'}")
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "run", RUN)(run)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from depthscope.analyses.commands.common import load_model, prepare_out, set_threads
-from depthscope.analyses.commands.options import command, opt, options
+from depthscope.analyses.commands.common import begin, load_model
+from depthscope.analyses.commands.options import add, opt, options
 from depthscope.analyses.features.config import SaeTrainConfig
 from depthscope.analyses.jobs import Output
-from depthscope.common.settings import build
 
 EXTRA = (
     opt("--site -s", ..., "Hook point to train at: a residual site ('6.mlp', 13) or any point ('6.mlp_out').", str),
@@ -36,13 +35,10 @@ def train(o) -> None:
     from depthscope.analyses.jobs.sae import sae_train_job  # lazy: the job imports torch
     from depthscope.analyses.text import read_documents  # lazy: imports torch
 
-    set_threads(o.threads)
     console = Console(stderr=True)
     docs = read_documents(o.text, per_line=o.per_line)
-    cfg = build(SaeTrainConfig, o, progress=True)
-    prepare_out(o.out, "sae-train", {"model": o.model or "default", "text": str(o.text), "site": o.site}, o.force)
-    m = load_model(o)
-    console.print(repr(m))
+    cfg = begin(o, SaeTrainConfig, "sae-train", {"text": str(o.text), "site": o.site}, progress=True)
+    m = load_model(o, show=True)
     res = sae_train_job(m, docs, o.site, cfg, Output(o.out), keep_activations=o.keep_activations)
     row = res.metrics.iloc[0]
     console.print(
@@ -54,5 +50,5 @@ def train(o) -> None:
 
 def register(app: typer.Typer) -> None:
     sae = typer.Typer(name="sae", help="Sparse autoencoders: train one at a hook point.", no_args_is_help=True)
-    command(sae, "train", TRAIN)(train)
+    add(sae, "train", TRAIN, train)
     app.add_typer(sae, name="sae")

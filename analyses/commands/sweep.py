@@ -64,6 +64,7 @@ TOY = options(
 )
 
 
+@command("sweep", SWEEP)
 def sweep_cmd(o) -> None:
     """Run one analysis on each checkpoint; write one combined table (checkpoint, step columns) and plots.
 
@@ -94,6 +95,7 @@ def sweep_cmd(o) -> None:
         raise typer.Exit(1)
 
 
+@command("toy-series", TOY)
 def toy_series(o) -> None:
     """Train a tiny Llama on text with the default tokenizer, saving a checkpoint series to sweep over."""
     from depthscope.analyses.text import read_documents  # lazy: imports torch
@@ -104,8 +106,3 @@ def toy_series(o) -> None:
     docs = read_documents(o.text) if o.text else sample_texts()
     paths = train_tiny_series(o.out, docs, tok, steps=o.steps, save_every=o.save_every)
     typer.echo("\n".join(str(p) for p in paths))
-
-
-def register(app: typer.Typer) -> None:
-    command(app, "sweep", SWEEP)(sweep_cmd)
-    command(app, "toy-series", TOY)(toy_series)

@@ -12,7 +12,8 @@ from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 @dataclass(frozen=True)
 class ReportConfig(Checked):
-    """What ``depthscope run`` runs: the model (None: the embedded default), the probe data files
+    """What ``depthscope run`` runs: the model (None: the embedded default; ``stream``: its weights
+    streamed, as ``--stream``), the probe data files
     (None: the bundled EWT sample), the running text for the lens and norms (None: the probe
     data's text, capped at ``lens_tokens`` / ``norms_tokens``), the prompt and DLA target,
     the probe job's settings, ``causal`` (the causal section on ``causal_tokens`` tokens), and
@@ -23,6 +24,7 @@ class ReportConfig(Checked):
     model: str | None = None
     device: str = "cpu"  # cpu, cuda, cuda:N, mps, auto
     dtype: str = "float32"  # float32, bfloat16, float16
+    stream: bool = False  # the blocks' weights streamed from safetensors (every stage is forward-only)
     train: str | None = None
     test: str | None = None
     dev: str | None = None

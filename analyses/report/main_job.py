@@ -94,7 +94,7 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     say(f"loading model {cfg.model or 'default (SmolLM2-135M-Instruct)'}")
     ours = model is None  # a model loaded here is freed once the probes' activations are extracted
     with clock("load"):
-        model = model or load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        model = model or load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, stream=cfg.stream)
     inputs = _inputs(cfg)
     meta = _run_meta(model, cfg, inputs)
     output = Output(out)  # one writer per table and figure across the three jobs
