@@ -18,6 +18,7 @@ import typing
 import numpy as np
 import pytest
 import typer
+from command_lines import dataset_files
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import app
@@ -79,6 +80,8 @@ def _required(command):
         "cache": ["--text", "x.txt", "--out", "o"],
         "layers": ["--text", "x.txt"],
         "sae train": ["--site", "1.mlp", "--text", "x.txt"],
+        "circuit": ["--pairs", dataset_files()["pairs"]],
+        "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])
 
 

@@ -11,6 +11,7 @@ import re
 import typing
 
 import pytest
+from command_lines import dataset_files
 from typer.testing import CliRunner
 
 from depthscope.analyses.cli import _numeric, app
@@ -74,6 +75,8 @@ def _required(command):
         "lens-train": ["--text", "x.txt"],
         "sweep": ["--analysis", "lens", "--out", "o"],
         "toy-series": ["--out", "o"],
+        "circuit": ["--pairs", dataset_files()["pairs"]],
+        "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])
 
 

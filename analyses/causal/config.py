@@ -170,7 +170,9 @@ class LocalizeConfig(Checked):
     epochs: int = setting(4, "--epochs", min=1, max=Limit(10_000, "passes over the train examples"), help="DAS epochs.")
     lr: float = setting(1e-2, "--lr", positive=True, max=10.0, help="DAS: Adam's learning rate.")
     batch_size: int = setting(32, "--batch-size", min=1, max=BATCH, help="Examples per forward pass.")
-    seed: int = setting(0, "--seed", min=0, max=SEED, help="Seed of the split, the initial and the random bases.")
+    seed: int = setting(
+        0, "--seed", min=0, max=SEED, help="Seed of the split, the initial and the random bases (0 .. 2**32-1)."
+    )
     probe_task: str | None = setting(
         None, "--probe-task", help="A word task (e.g. feats:Number): draw its probe accuracy and 'used' beside IIA."
     )

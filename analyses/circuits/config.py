@@ -7,7 +7,7 @@ from pathlib import Path
 
 from depthscope.analyses.defaults import IOI_CLEAN, IOI_CORRUPTED
 from depthscope.common.errors import InputError
-from depthscope.common.settings import TOKENS, Checked, changed_flags, setting
+from depthscope.common.settings import SEED, TOKENS, Checked, changed_flags, setting
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,9 @@ class CircuitConfig(Checked):
         max=100_000,
         help="Resamples of the pairs for the stability of the top circuits (0: none).",
     )
-    seed: int = setting(0, "--seed", min=0, help="Seed of the random circuits and of the resamples.")
+    seed: int = setting(
+        0, "--seed", min=0, max=SEED, help="Seed of the random circuits and of the resamples (0 .. 2**32-1)."
+    )
     threshold: float = setting(
         0.8,
         "--threshold",
