@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.analyses.circuits.plots import _need, _title, head_panels
-from depthscope.analyses.style import savefig
+from depthscope.analyses.circuits.plots import _title, head_panels
+from depthscope.analyses.style import need_columns, savefig
 from depthscope.common.errors import InputError
 
 __all__ = ["plot_path_patching"]
@@ -41,7 +41,7 @@ def plot_path_patching(df: pd.DataFrame, path, *, value: str = "fraction_recover
     """Layer x head heatmap of the head senders' ``value``, one panel per receiver set (titled with
     the receivers; with frozen MLPs the title says so)."""
     what = "plot_path_patching"
-    _need(df, ["layer", "head", "kind", "receiver", value], what)
+    need_columns(df, ["layer", "head", "kind", "receiver", value], what)
     grids = _head_grids(df, value, what)
     fig = head_panels(
         [g for _, g in grids], [f"receivers: {r}" for r, _ in grids], value, ("sender head", "sender layer")
