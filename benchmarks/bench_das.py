@@ -37,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,12 +114,20 @@ def depthscope_seconds(model, train, test, layers) -> tuple[float, list[float]]:
 def pyvene_seconds(python: str, layers, quick: bool) -> dict | None:
     """Run :func:`_pyvene_main` in ``python`` (a venv with pyvene); its JSON result, or None."""
     cmd = [python, str(Path(__file__).resolve()), "--as-pyvene", "--layers", ",".join(map(str, layers))]
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=True)
-    except (OSError, subprocess.SubprocessError) as e:
-        print(f"pyvene could not run ({type(e).__name__}): {getattr(e, 'stderr', '')[-800:]}", file=sys.stderr)
-        return None
+    with tempfile.TemporaryDirectory(prefix="depthscope-shim-") as shim:
+        # the other venv has no depthscope: this checkout's packages, named as installed, go on its path
+        (Path(shim) / "depthscope").mkdir()
+        root = Path(__file__).resolve().parents[1]
+        for part in ("common", "hooks", "probes", "analyses"):
+            (Path(shim) / "depthscope" / part).symlink_to(root / part)
+        path = os.pathsep.join(p for p in (shim, str(root), os.environ.get("PYTHONPATH", "")) if p)
+        try:
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, timeout=3600, check=True
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"pyvene could not run ({type(e).__name__}): {getattr(e, 'stderr', '')[-800:]}", file=sys.stderr)
+            return None
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
