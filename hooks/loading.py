@@ -141,30 +141,11 @@ def load_model(
     cached conversion) on one device, not ``device_map``, models in memory or bridges."""
     if stream:
         _check_stream_request(spec, device_map)
-    if isinstance(spec, HookedModel):
-        return spec if device is None and dtype is None else _placed(spec, device, dtype)
-    if _is_bridge(spec):
-        hf = getattr(spec, "original_model", None)
-        if hf is None:
-            raise ModelSpecError("this TransformerBridge exposes no original_model")
-        tok = tokenizer or getattr(spec, "tokenizer", None)
-        check_vocab(tok, embedding_rows(hf), "this TransformerBridge")
-        model = HookedModel(hf, tok, source="TransformerBridge")
-        return model if device is None and dtype is None else _placed(model, device, dtype)
-    if _is_hf_model(spec):
-        check_vocab(tokenizer, embedding_rows(spec), "this in-memory model")
-        model = HookedModel(spec, tokenizer, source="in-memory")
-        return model if device is None and dtype is None else _placed(model, device, dtype)
+    in_memory = _from_memory(spec, tokenizer, device, dtype)
+    if in_memory is not None:
+        return in_memory
     dtype = resolve_dtype(dtype)
-    if device_map is not None:
-        if device not in (None, "cpu", "auto"):
-            raise ModelSpecError(f"pass either device={device!r} or device_map={device_map!r}, not both")
-        require_accelerate()
-        device = Placement(None, dtype, device_map)  # the loaders below take the placement
-    else:
-        dev = resolve_device(device)
-        check_dtype_on(dev, dtype)
-        device = Placement(dev, dtype, None, stream)
+    device = _placement(device, dtype, device_map, stream)  # the loaders below take the placement
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_NAMES):
         return _load_gguf(default_gguf_path(), dtype, device, use_cache, name="smollm2-135m")
     if not isinstance(spec, (str, os.PathLike)):
@@ -183,6 +164,39 @@ def load_model(
     if _looks_like_path(str(spec)):
         raise CheckpointError(f"no such checkpoint folder or file: {path}; {ACCEPTED}")
     return _load_hub_cached(str(spec), dtype, device, trust_remote_code)
+
+
+def _from_memory(spec, tokenizer, device, dtype) -> HookedModel | None:
+    """A HookedModel, a TransformerBridge or a transformers model in memory as a HookedModel (moved
+    only when ``device`` or ``dtype`` is given); None for anything else (a spec to load)."""
+    if isinstance(spec, HookedModel):
+        model = spec
+    elif _is_bridge(spec):
+        hf = getattr(spec, "original_model", None)
+        if hf is None:
+            raise ModelSpecError("this TransformerBridge exposes no original_model")
+        tok = tokenizer or getattr(spec, "tokenizer", None)
+        check_vocab(tok, embedding_rows(hf), "this TransformerBridge")
+        model = HookedModel(hf, tok, source="TransformerBridge")
+    elif _is_hf_model(spec):
+        check_vocab(tokenizer, embedding_rows(spec), "this in-memory model")
+        model = HookedModel(spec, tokenizer, source="in-memory")
+    else:
+        return None
+    return model if device is None and dtype is None else _placed(model, device, dtype)
+
+
+def _placement(device, dtype: torch.dtype, device_map, stream: bool | None) -> Placement:
+    """Where a checkpoint's weights go: a ``device_map`` through accelerate, or one checked device
+    (``stream``: read block by block)."""
+    if device_map is not None:
+        if device not in (None, "cpu", "auto"):
+            raise ModelSpecError(f"pass either device={device!r} or device_map={device_map!r}, not both")
+        require_accelerate()
+        return Placement(None, dtype, device_map)
+    dev = resolve_device(device)
+    check_dtype_on(dev, dtype)
+    return Placement(dev, dtype, None, stream)
 
 
 def _check_stream_request(spec, device_map) -> None:

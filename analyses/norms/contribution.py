@@ -70,12 +70,25 @@ def contribution_norms(
     ``df.attrs`` holds ``model``, ``layout`` and ``notes``.
     """
     check_has_blocks(model)
-    totals = _Totals(model.n_sites)
-    reader = None
     window, max_tokens = window_keywords(window_and_cap)
     text = text_settings(inputs, text)
     bar = progress_bar(max_tokens or (text.max_tokens if text else None), desc="norms", unit="tok", enabled=progress)
-    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask, text=text):
+    batches = norm_batches(model, inputs, batch_size, window, max_tokens, mask, text=text)
+    totals, reader = _accumulate(model, batches, hooks, bar)
+    bar.close()
+    if totals.seen == 0:
+        raise InputError("empty input: no real tokens to measure")
+    df = totals.frame(model)
+    df.attrs.update(table_attrs(model, reader))
+    add_notes(df, totals.notes)
+    return df
+
+
+def _accumulate(model, batches, hooks, bar) -> tuple[_Totals, object]:
+    """One forward per batch, its metrics added to the running totals (the per-site readers made
+    from the first batch); ``(totals, readers)``."""
+    totals, reader = _Totals(model.n_sites), None
+    for batch in batches:
         rs = stream_batch(model, batch, hooks)
         resid, real = rs.resid, batch.counted.to(rs.resid.device)  # the positions that count
         bar.update(int(real.sum()))
@@ -86,13 +99,7 @@ def contribution_norms(
         rs.resid = None  # free the big tensor before the next forward
         del resid
         totals.add(m, undefined_tokens(m, reader), real, batch, rs.input_ids)
-    bar.close()
-    if totals.seen == 0:
-        raise InputError("empty input: no real tokens to measure")
-    df = totals.frame(model)
-    df.attrs.update(table_attrs(model, reader))
-    add_notes(df, totals.notes)
-    return df
+    return totals, reader
 
 
 class _Totals:
