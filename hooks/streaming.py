@@ -255,7 +255,7 @@ class StreamPlan:
 
     def peak(self, tokens: int, slack: int = 2 * 2**30) -> int:
         """The memory bound of a forward of ``tokens`` tokens: the largest block, the resident
-        tensors, the activations, and ``slack`` for the runtime (issue 58's bound)."""
+        tensors, the activations, and ``slack`` for the runtime."""
         return self.block + self.resident + tokens * self.activation_per_token + slack
 
     def tokens_within(self, budget: int, slack: int = 2 * 2**30) -> int:
