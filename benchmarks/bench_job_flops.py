@@ -78,9 +78,11 @@ def label(frame) -> tuple[str, str, str]:
     return stage or "other", task, phase
 
 
-def counting_mode():
+def counting_mode(labeller=None):
     """A dispatch mode that adds each product's FLOPs and the CPU time since the last product
-    of the same label to ``mode.flops`` / ``mode.cpu`` (keyed by :func:`label`)."""
+    of the same label to ``mode.flops`` / ``mode.cpu`` (keyed by ``labeller(frame)``, default
+    :func:`label`)."""
+    labeller = labeller or label
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
@@ -101,7 +103,7 @@ def counting_mode():
                 n = 2 * (args[1] if name == "addmv" else args[0]).numel()  # addmv(input, mat, vec)
             else:
                 return out
-            key = label(sys._getframe(1))
+            key = labeller(sys._getframe(1))
             now = time.process_time()
             if key == self.last:
                 self.cpu[key] += now - self.clock

@@ -66,6 +66,7 @@ _EXPORTS = {
     "open_activations": "activation_cache",
     "write_activations": "activation_cache",
     "train_tiny_series": "toy",
+    "from_block": "block_start",
 }
 
 _SUBMODULES = {
@@ -73,6 +74,7 @@ _SUBMODULES = {
     "arch",
     "attention",
     "block_order",
+    "block_start",
     "devices",
     "engine",
     "generate",
@@ -103,6 +105,7 @@ __all__ = [
     "open_activations",
     "write_activations",
     "train_tiny_series",
+    "from_block",
     "HookContext",
     "Generation",
     "Point",

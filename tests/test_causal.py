@@ -254,6 +254,24 @@ def test_a_rerun_resumes_from_the_finished_sites(tiny_factory, tmp_path, monkeyp
         causal_tests(model, CausalConfig(**{**cfg.__dict__, "controls": 3}), records=tmp_path / "sites")
 
 
+def test_forwards_from_the_sites_block_equal_the_plain_forwards(tiny_factory, tiny_result, tmp_path, monkeypatch):
+    """The erased and control forwards start at their site's block from the clean stream there
+    (analyses/causal/prefix.py); with that turned off (every forward from the embedding) the
+    table is the same, bit for bit."""
+    import depthscope.analyses.causal.prefix as prefix
+
+    cfg = CausalConfig(
+        data=DataConfig(max_train_sentences=60, max_test_sentences=20),
+        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
+        probe=ProbeConfig(max_epochs=200),
+        controls=2,
+        bootstrap=200,
+    )
+    monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)
+    plain = causal_tests(tiny_factory("llama"), cfg)
+    pd.testing.assert_frame_equal(plain.table, tiny_result.table, check_exact=True)
+
+
 def test_causal_table_one_row_per_site_and_erased_probe_at_majority(tiny_result):
     t = tiny_result.table
     assert len(t) == 7 and list(t["label"]) == ["embed", "0.attn", "0.mlp", "1.attn", "1.mlp", "2.attn", "2.mlp"]

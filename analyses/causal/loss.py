@@ -30,6 +30,8 @@ is then unmeasured).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,13 +89,21 @@ def held_out(
 
 
 @torch.no_grad()
-def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int = 16) -> DocLoss:
+def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int = 16, prefixes=None) -> DocLoss:
     """Per-document next-token loss of ``model`` on ``held`` with ``hooks`` (``{point: fn}``,
-    None: the plain forward); see the module docstring."""
+    None: the plain forward); see the module docstring. ``prefixes``
+    (:class:`~depthscope.analyses.causal.prefix.Prefixes` of ``held``): its batches, each forward
+    starting at its block from the clean stream there (the hooks must be at or after it)."""
     nll = np.zeros(held.n_docs, dtype=np.float64)
     count = np.zeros(held.n_docs, dtype=np.int64)
-    for b in held.batches(batch_size, pad_id(model), by_length=True, max_tokens=BATCH_TOKENS):
-        logits = model.run(b.ids, mask=b.mask, hooks=hooks).logits
+    if prefixes is None:
+        batches = held.batches(batch_size, pad_id(model), by_length=True, max_tokens=BATCH_TOKENS)
+        starts = itertools.repeat(contextlib.nullcontext())  # the plain forward
+    else:
+        batches, starts = prefixes.batches, (prefixes.start(i) for i in range(len(prefixes.batches)))
+    for b, start in zip(batches, starts):
+        with start:
+            logits = model.run(b.ids, mask=b.mask, hooks=hooks).logits
         per, valid = next_token_nll(logits, b.ids, b.mask, b.first_tensor())
         np.add.at(nll, b.doc_index, per.sum(1).double().cpu().numpy())
         np.add.at(count, b.doc_index, valid.sum(1).cpu().numpy())

@@ -59,7 +59,16 @@ import torch
 
 from depthscope.analyses.causal.config import CausalConfig
 from depthscope.analyses.causal.erasure import EditMeter, edit_rms, fit_erasure, random_erasure
-from depthscope.analyses.causal.loss import DocLoss, HeldOut, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.causal.loss import (
+    BATCH_TOKENS,
+    DocLoss,
+    HeldOut,
+    doc_nll,
+    held_out,
+    used_interval,
+    used_score,
+)
+from depthscope.analyses.causal.prefix import Prefixes, site_block
 from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.analyses.text import read_documents
 from depthscope.common.errors import InputError
@@ -167,22 +176,27 @@ def _inputs(cfg: CausalConfig) -> tuple:
 
 @dataclass(frozen=True)
 class _Held:
-    """The held-out text and its clean loss, shared by every task and site; ``records``: the folder
+    """The held-out text and its clean loss, shared by every task and site; ``prefixes``: the clean
+    stream entering a block, where the sites' forwards start; ``records``: the folder
     of finished sites' records (None: none kept), ``fingerprint``: what a record must match."""
 
     text: HeldOut
     clean: DocLoss
+    prefixes: Prefixes
     records: Path | None = None
     fingerprint: str = ""
 
 
-def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfig) -> dict:
+def _site_effect(model, held: _Held, site: int, erasers: list, cfg: CausalConfig) -> dict:
     """The loss columns of one site: ``erasers[0]`` the LEACE eraser, the rest its controls; and
-    the rms of the edits each made on the text (real tokens after the leading BOS)."""
+    the rms of the edits each made on the text (real tokens after the leading BOS). The forwards
+    start at the site's block from the clean stream there (``held.prefixes``, advanced to it)."""
     start = held.text.start
+    label = site_labels(model.n_layers)[site]
+    held.prefixes.advance(site_block(site))
     meters = [EditMeter() for _ in erasers]
     losses = [
-        doc_nll(model, held.text, {label: e.hook(start, meter)}, batch_size=cfg.batch_size)
+        doc_nll(model, held.text, {label: e.hook(start, meter)}, prefixes=held.prefixes)
         for e, meter in zip(erasers, meters)
     ]
     erased, controls = losses[0], losses[1:]
@@ -203,11 +217,12 @@ def _site_effect(model, held: _Held, label: str, erasers: list, cfg: CausalConfi
     }
 
 
-def _resumed_effect(model, held: _Held, task: str, label: str, erasers: list, cfg: CausalConfig) -> dict:
+def _resumed_effect(model, held: _Held, task: str, site: int, erasers: list, cfg: CausalConfig) -> dict:
     """:func:`_site_effect`, or its record from an earlier run of the same model, settings, text and
     eraser (``records/<task>/<label>.json``, written atomically when a site finishes)."""
     if held.records is None:
-        return _site_effect(model, held, label, erasers, cfg)
+        return _site_effect(model, held, site, erasers, cfg)
+    label = site_labels(model.n_layers)[site]
     digest = hashlib.sha256()
     for e in erasers:  # the erasers themselves: fitted on the same words, they are the same bytes
         for t in (e.left, e.right, e.bias):
@@ -220,7 +235,7 @@ def _resumed_effect(model, held: _Held, task: str, label: str, erasers: list, cf
             return record["effect"]
     except (OSError, ValueError, KeyError):
         pass  # absent or unreadable: computed again
-    effect = _site_effect(model, held, label, erasers, cfg)
+    effect = _site_effect(model, held, site, erasers, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_text(path, json.dumps({"key": key, "effect": effect}))
     return effect
@@ -260,9 +275,8 @@ def _task_table(model, got, task: str, held: _Held, cfg: CausalConfig, progress:
     _erase_inplace(x_test, erasers)
     acc_erased, _ = site_accuracy(td, x_train, x_test, cfg.probe, l2)
     del x_train, x_test
-    labels = [site_labels(model.n_layers)[i] for i in got.sites]
-    pairs = track(list(zip(labels, erasers)), desc=f"{task}: erase per site", unit="site", enabled=progress)
-    effects = [_resumed_effect(model, held, task, label, es, cfg) for label, es in pairs]
+    pairs = track(list(zip(got.sites, erasers)), desc=f"{task}: erase per site", unit="site", enabled=progress)
+    effects = [_resumed_effect(model, held, task, int(site), es, cfg) for site, es in pairs]
     df = got.frame.copy()
     df.insert(0, "task", task)
     df["accuracy"], df["majority"], df["accuracy_erased"] = acc, td.majority_accuracy, acc_erased
@@ -297,12 +311,15 @@ def causal_tests(
         texts = [s.text for s in got.corpora["test"].sentences]
     window = min(int(cfg.extraction.max_tokens), int(m.max_context or cfg.extraction.max_tokens))
     text = held_out(m, texts, window=window, bos=cfg.extraction.bos, max_tokens=cfg.max_text_tokens)
+    prefixes = Prefixes(m, text, cfg.batch_size, BATCH_TOKENS)
     t_clean = time.perf_counter()
-    clean = doc_nll(m, text, batch_size=cfg.batch_size)
+    clean = doc_nll(m, text, prefixes=prefixes)
     t_clean = time.perf_counter() - t_clean
     fingerprint = json.dumps([m.name, cfg.to_dict(), text.n_tokens, float(clean.nll.sum())], default=str)
-    held = _Held(text, clean, Path(records) if records is not None else None, fingerprint)
-    expected = _announce(len(tasks) * len(got.sites) * (1 + cfg.controls), t_clean, text.n_tokens, progress)
+    held = _Held(text, clean, prefixes, Path(records) if records is not None else None, fingerprint)
+    depth = [1 - site_block(s) / m.n_layers if prefixes.enabled else 1.0 for s in got.sites]
+    passes = len(tasks) * ((1 + cfg.controls) * sum(depth) + 1)  # + advancing the streams: one clean forward
+    expected = _announce(passes, t_clean, text.n_tokens, progress)
     tables = [_task_table(m, got, task, held, cfg, progress) for task in tasks]
     table = pd.concat(tables, ignore_index=True)
     table = table.assign(n_lm_docs=text.n_docs, n_lm_tokens=text.n_tokens, pooling=cfg.extraction.pooling)
@@ -322,14 +339,15 @@ def causal_tests(
     return CausalResult(table, info)
 
 
-def _announce(passes: int, seconds_per_pass: float, tokens: int, progress: bool) -> float:
+def _announce(passes: float, seconds_per_pass: float, tokens: int, progress: bool) -> float:
     """The erasure stage's expected seconds (``passes`` passes over the held-out text, each as long
     as the clean one was), said on stderr before the stage starts when ``progress``."""
     expected = passes * seconds_per_pass
     if progress:
         print(
-            f"causal: {passes} passes over the held-out text ({tokens} tokens; tasks x sites x (LEACE + "
-            f"controls)), {seconds_per_pass:.1f} s each: about {expected / 60:.0f} min "
+            f"causal: the work of {passes:.0f} passes over the held-out text ({tokens} tokens; tasks x sites x "
+            f"(LEACE + controls), each from its site's block on), {seconds_per_pass:.1f} s per pass: about "
+            f"{expected / 60:.0f} min "
             f"(sites finished are kept: a rerun into the same --out resumes)",
             file=sys.stderr,
             flush=True,
