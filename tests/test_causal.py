@@ -272,6 +272,23 @@ def test_forwards_from_the_sites_block_equal_the_plain_forwards(tiny_factory, ti
     pd.testing.assert_frame_equal(plain.table, tiny_result.table, check_exact=True)
 
 
+def test_a_streamed_model_gives_the_same_table(tiny_llama_dir, tmp_path):
+    """The sites' forwards start at their block on a streamed model too (only the blocks from the
+    site's on are read): the table equals the in-memory model's."""
+    from depthscope.hooks import load_model
+
+    cfg = CausalConfig(
+        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
+        extraction=ExtractionConfig(store_dir=str(tmp_path / "store"), sites=[0, 3, 6]),
+        probe=ProbeConfig(max_epochs=100),
+        controls=1,
+        bootstrap=0,
+    )
+    mem = causal_tests(load_model(tiny_llama_dir), cfg).table
+    streamed = causal_tests(load_model(tiny_llama_dir, stream=True), cfg).table
+    pd.testing.assert_frame_equal(mem, streamed, check_exact=True)
+
+
 def test_causal_table_one_row_per_site_and_erased_probe_at_majority(tiny_result):
     t = tiny_result.table
     assert len(t) == 7 and list(t["label"]) == ["embed", "0.attn", "0.mlp", "1.attn", "1.mlp", "2.attn", "2.mlp"]
