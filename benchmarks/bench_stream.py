@@ -17,6 +17,10 @@ block (``load_model(..., stream=True)``, :mod:`depthscope.hooks.streaming`), aga
 ``table DIR``               all of them, and the row: time per token over the slower floor
                             (reading the weights once per forward at the disk's rate; the
                             products at the peak rate)
+``gpu [DIR] --tokenizer T``  on a CUDA card, the 1.1B model (built if missing, with the tokenizer
+                            folder ``T``) in bfloat16, streamed under an artificial card half the
+                            weights' size, then in memory: sites and logits equal, peak card
+                            memory, seconds against the host-to-card and product floors
 ``exact [DIR]``             a 1.1B-parameter Llama (TinyLlama's shape: hidden 2048, MLP 5632,
                             22 layers, 32 heads, 4 key/value heads) built like ``build``, its
                             logit lens and every residual site of the same text in memory and
@@ -65,9 +69,10 @@ SHAPE_1B = dict(
 GB = 1e9
 
 
-def build(folder: Path, shape: dict = SHAPE) -> Path:
-    """Write the 13B-shaped checkpoint (or ``shape``'s): config, tokenizer, one safetensors shard per block (+ one for
-    the rest), the weights drawn from N(0, 0.02) (norm gains 1), one tensor in memory at a time."""
+def build(folder: Path, shape: dict = SHAPE, tokenizer: Path | None = None) -> Path:
+    """Write the 13B-shaped checkpoint (or ``shape``'s): config, tokenizer (the default model's, or the
+    folder ``tokenizer``), one safetensors shard per block (+ one for the rest), the weights drawn from
+    N(0, 0.02) (norm gains 1), one tensor in memory at a time."""
     import torch
     import transformers as tf
     from safetensors.torch import save_file
@@ -77,7 +82,10 @@ def build(folder: Path, shape: dict = SHAPE) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = tf.LlamaConfig(**shape, architectures=["LlamaForCausalLM"], dtype="bfloat16")
     cfg.save_pretrained(folder)
-    load_model().tokenizer.save_pretrained(folder)  # SmolLM2's (49152 ids)
+    if tokenizer is not None:
+        tf.AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    else:
+        load_model().tokenizer.save_pretrained(folder)  # SmolLM2's (49152 ids)
     with torch.device("meta"):
         meta = tf.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
@@ -255,6 +263,129 @@ def exact(folder: Path, tokens: int, dtype: str) -> dict:
     }
 
 
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gpu_pass(model, ids, device: str) -> tuple:
+    """Every residual site and the logits of ``ids``: (stream, seconds of a second, warm call, peak
+    bytes allocated on the card during it; 0 off a card)."""
+    import torch
+
+    model.residual_stream(ids, check_finite=False)  # warm: kernels, the allocator
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    got = model.residual_stream(ids, check_finite=False)
+    _sync(device)
+    return got, time.perf_counter() - t0, torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def copy_rate(device: str, n_bytes: int = 1 << 30) -> float:
+    """Bytes per second copying an ordinary (pageable) host tensor to ``device``, as the streamer
+    copies each weight: the best of three after a warm-up."""
+    import torch
+
+    host = torch.empty(n_bytes // 2, dtype=torch.bfloat16).normal_()
+    host.to(device, copy=True)
+    best = 0.0
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.to(device, copy=True)
+        _sync(device)
+        best = max(best, n_bytes / (time.perf_counter() - t0))
+    return best
+
+
+def product_rate(tokens: int, device: str) -> float:
+    """FLOP/s of the 1.1B model's MLP product ``[tokens, d] x [d, ff]`` in bfloat16 on ``device``."""
+    import torch
+
+    d, ff = SHAPE_1B["hidden_size"], SHAPE_1B["intermediate_size"]
+    a = torch.randn(tokens, d, dtype=torch.bfloat16, device=device)
+    b = torch.randn(d, ff, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync(device)
+    return 10 * 2 * tokens * d * ff / (time.perf_counter() - t0)
+
+
+def _streamed_under_limit(folder: Path, ids, device: str, limit: int) -> dict:
+    """The streamed pass with the card's allocator capped at ``limit`` bytes (off a card: no cap)."""
+    import torch
+
+    from depthscope.hooks import load_model
+
+    model = load_model(folder, dtype="bfloat16", stream=True, device=device)
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        got, sec, peak = _gpu_pass(model, ids, device)
+    except torch.OutOfMemoryError as e:
+        return {"fits": False, "error": str(e)[:300]}
+    finally:
+        if device == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"fits": True, "resid": got.resid.cpu(), "logits": got.logits.cpu(), "s": sec, "peak": peak,
+            "copied": model.streamer.bytes_read, "config": model.hf_model.config}  # fmt: skip
+
+
+def gpu(folder: Path, tokens: int, tokenizer: Path | None, device: str = "cuda") -> dict:
+    """The 1.1B model in bfloat16 on ``device`` (a CUDA card): streamed from host memory onto the card
+    under an artificial card half the weights' size (``torch.cuda.set_per_process_memory_fraction``),
+    then in memory with the whole card: every residual site and the logits equal bit for bit; the
+    peak card memory of each; seconds against the slower floor (the blocks' weights copied to the
+    card once per forward at the measured host-to-card rate; the products at the card's bfloat16
+    rate on the MLP's ``[tokens, d] x [d, ff]``)."""
+    import torch
+
+    from depthscope.hooks import load_model
+    from depthscope.hooks.streaming import stream_plan
+
+    if not (folder / "config.json").exists():
+        build(folder, SHAPE_1B, tokenizer)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    ids = torch.randint(0, 49152, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    st = _streamed_under_limit(folder, ids, device, weights // 2)
+    out = {"what": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else device, "tokens": tokens,
+           "weights_gb": weights / GB, "card_limit_gb": weights / 2 / GB, "streamed_fits": st["fits"]}  # fmt: skip
+    if not st["fits"]:
+        return {**out, "error": st["error"]}
+    torch.cuda.empty_cache() if device == "cuda" else None
+    mem = load_model(folder, dtype="bfloat16", device=device)
+    got, sec, peak = _gpu_pass(mem, ids, device)
+    plan = stream_plan(st["config"], torch.bfloat16, capture_sites=2 * mem.n_layers + 1)
+    embed = mem.hf_model.get_input_embeddings().weight.numel()  # a lookup, not a product
+    n_params = sum(p.numel() for p in mem.hf_model.parameters()) - embed
+    h2d, rate = copy_rate(device), product_rate(tokens, device)
+    read_floor, compute_floor = (weights - plan.resident) / h2d, 2 * tokens * n_params / rate
+    return {
+        **out,
+        "streamed_peak_gb": st["peak"] / GB,
+        "in_memory_peak_gb": peak / GB,
+        "stream_plan_bound_gb": plan.peak(tokens, slack=0) / GB,
+        "sites_equal": bool(torch.equal(st["resid"], got.resid.cpu())),
+        "logits_equal": bool(torch.equal(st["logits"], got.logits.cpu())),
+        "streamed_s": round(st["s"], 4),
+        "in_memory_s": round(sec, 4),
+        "bytes_copied_gb": st["copied"] / GB,
+        "host_to_card_gb_s": h2d / GB,
+        "bf16_tflop_s": rate / 1e12,
+        "read_floor_s": read_floor,
+        "compute_floor_s": compute_floor,
+        "streamed_share_of_floor": max(read_floor, compute_floor) / st["s"],
+    }
+
+
 def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
     f = floors(folder, tokens, dtype)
     rows = []
@@ -277,11 +408,16 @@ def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("build", "lens", "cache", "floors", "table", "exact", "_one"))
+    ap.add_argument("step", choices=("build", "lens", "cache", "floors", "table", "exact", "gpu", "_one"))
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--tokenizer", type=Path, help="gpu/build: a tokenizer folder (default: the default model's)")
+    ap.add_argument("--device", default="cuda", help="gpu: the device (cpu only to check the script)")
     a = ap.parse_args(argv)
+    if a.step == "gpu":
+        print(json.dumps(gpu(Path(a.rest[0] if a.rest else "/tmp/depthscope-1b"), a.tokens, a.tokenizer, a.device)))
+        return
     if a.step == "_one":
         print(json.dumps(run_in_process(a.rest[0], Path(a.rest[1]), a.tokens, a.dtype)))
         return

@@ -236,6 +236,54 @@ def test_cuda_device_map_auto(folder):
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_forwards_from_a_block_and_streamed_equal_the_full_forward(folder, dtype):
+    """On the card: a forward started at a block from the stream entering it
+    (``depthscope.hooks.from_block``) equals the full forward with the same hook, and a model
+    streamed from host memory onto the card gives the in-memory model's sites and logits, bit for bit."""
+    from depthscope.hooks import from_block
+
+    gpu = load_model(folder, dtype=dtype, device="cuda")
+    ids, mask = gpu._prepare(TEXTS, None)
+
+    def scale(h, ctx):
+        return h * 0.5
+
+    full = gpu.run(ids, mask=mask, hooks={"1.mlp": scale}).logits
+    start = gpu.residual_stream(ids, sites=[2], mask=mask, return_logits=False).resid[0]
+    with from_block(gpu, 1, start):
+        part = gpu.run(ids, mask=mask, hooks={"1.mlp": scale}).logits
+    assert torch.equal(full, part)
+    streamed = load_model(folder, dtype=dtype, device="cuda", stream=True)
+    a, b = gpu.residual_stream(ids, mask=mask), streamed.residual_stream(ids, mask=mask)
+    assert torch.equal(a.resid, b.resid) and torch.equal(a.logits, b.logits)
+
+
+@CUDA
+def test_cuda_causal_forwards_from_the_sites_block_equal_the_plain_forwards(folder, tmp_path, monkeypatch):
+    """``causal_tests`` on the card: the same table with the sites' forwards started at their
+    block and with every forward from the embedding."""
+    import pandas as pd
+
+    import depthscope.analyses.causal.prefix as prefix
+    from depthscope.analyses.causal.config import CausalConfig
+    from depthscope.analyses.causal.used import causal_tests
+    from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+
+    cfg = CausalConfig(
+        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
+        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
+        probe=ProbeConfig(max_epochs=100),
+        controls=1,
+        bootstrap=0,
+    )
+    gpu = load_model(folder, device="cuda")
+    starts = causal_tests(gpu, cfg).table
+    monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)
+    pd.testing.assert_frame_equal(causal_tests(gpu, cfg).table, starts, check_exact=True)
+
+
 def test_cli_device_and_dtype_options(folder):
     """``--device``/``--dtype`` reach load_model: a bad value is a one-line error, no traceback."""
     import subprocess
