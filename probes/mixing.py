@@ -539,6 +539,7 @@ class _ProjectedMix:
         self.dev = y.device  # the features' (fit_mix puts the labels and the start there)
         self.m, self.u, self.d = (torch.empty(self.F, self.N, device=self.dev) for _ in range(3))
         self.rows = torch.arange(self.N, device=self.dev)  # with y: each example's gold entry
+        self.flat = False  # the end passed the convergence test by _flat_end, not by the gap
 
     def mix(self, p: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
         """``(m [F, N], gamma)``: the mix of the sites with weights ``p`` (into ``out`` when
@@ -584,10 +585,35 @@ def simplex_gap(p, gp) -> float:
     return float(gp[used].max() - gp.min()) if used.any() else float("inf")
 
 
-def _converged(p, gp, gprobe: float) -> bool:
-    """The mix's convergence test: simplex gap at most :data:`MIX_GAP`, probe gradient at most
-    :data:`MIX_GTOL`."""
-    return simplex_gap(p, gp) <= MIX_GAP and gprobe <= MIX_GTOL
+def _converged(p, gp, gprobe: float, flat: bool = False) -> bool:
+    """The mix's convergence test: simplex gap at most :data:`MIX_GAP` (or, ``flat``, no step
+    along the gap's direction lowers the objective beyond its resolution: :func:`_flat_end`),
+    probe gradient at most :data:`MIX_GTOL`."""
+    return (simplex_gap(p, gp) <= MIX_GAP or flat) and gprobe <= MIX_GTOL
+
+
+#: the steps :func:`_flat_end` tries, as fractions of the weight the gap's direction moves
+FLAT_STEPS = (1.0, 0.1, 0.01, 0.001)
+
+
+def _flat_end(g: _ProjectedMix, p: np.ndarray, gp: np.ndarray, f: float) -> bool:
+    """Whether an end whose simplex gap is above :data:`MIX_GAP` is still a minimum to the
+    objective's resolution: moving weight from the used site of the largest gradient to the site
+    of the smallest (the direction the gap measures), by each fraction of :data:`FLAT_STEPS` of
+    that weight, lowers the objective by at most :data:`MIX_FNOISE`. A descent that stopped early
+    fails (a gap of 1e-3 and more buys more than that within these steps); a flat optimum whose
+    float32 rounding leaves the gap a little above the mark (seen on a GPU: 1.1e-4) passes. The
+    probe solves of the trials move ``g``'s warm start; the caller evaluates ``g`` at its end again."""
+    used = np.flatnonzero(p > MIX_ZERO)
+    i, j = used[np.argmax(gp[used])], int(np.argmin(gp))
+    for frac in FLAT_STEPS:
+        q = p.copy()
+        q[i] -= frac * p[i]
+        q[j] += frac * p[i]
+        fq, _, _ = g(torch.as_tensor(q, dtype=torch.float32, device=g.dev))
+        if f - float(fq) > MIX_FNOISE:
+            return False
+    return True
 
 
 def _simplex_slsqp(g: _ProjectedMix, p0: np.ndarray, max_iters: int) -> tuple:
@@ -629,6 +655,10 @@ def _simplex_slsqp(g: _ProjectedMix, p0: np.ndarray, max_iters: int) -> tuple:
         gp = gp.double().cpu().numpy()
         if _converged(p, gp, gprobe) or iters >= max_iters:
             break
+    g.flat = not _converged(p, gp, gprobe) and _flat_end(g, p, gp, float(f))
+    if g.flat:  # the trials moved the probe's warm start: the end's own probe again
+        f, gp, gprobe = g(torch.as_tensor(p, dtype=torch.float32, device=dev))
+        gp = gp.double().cpu().numpy()
     return p, float(f), gp, gprobe, iters
 
 
@@ -675,7 +705,9 @@ def fit_mix(
     ``optima`` lists every start's end (weights, objective), and ``note`` says when two ends with
     objectives within :data:`MIX_FTIE` have weights more than :data:`MIX_WTOL` apart (two optima
     the data cannot tell apart). Converged: the kept end's :func:`simplex_gap` at most
-    :data:`MIX_GAP` and its probe gradient at most :data:`MIX_GTOL` (``grad_max``: the larger).
+    :data:`MIX_GAP` (or no step along the gap's direction lowers the objective beyond its
+    resolution, :func:`_flat_end`) and its probe gradient at most :data:`MIX_GTOL`
+    (``grad_max``: the larger of the gap and the probe gradient).
     The fit runs on ``X``'s device (a GPU's, for features held there: no copy to the CPU);
     ``weights`` come back as a NumPy array, ``state``
     stays on that device."""
@@ -709,7 +741,7 @@ def _best_end(ends: list) -> MixFit:
         p,
         float(gamma),
         f,
-        _converged(p, gp, gprobe),
+        _converged(p, gp, gprobe, g.flat),
         sum(e[4] for e in ends),
         max(simplex_gap(p, gp), gprobe),
         (a, g.W, g.b),

@@ -156,6 +156,25 @@ def test_the_vertex_another_cpu_stopped_at_is_no_optimum_and_every_start_reaches
         np.testing.assert_allclose(other.weights, OPTIMUM, atol=2e-3)
 
 
+def test_an_end_flat_to_the_objectives_resolution_counts_as_converged_and_a_vertex_does_not(monkeypatch):
+    """A GPU's float32 rounding left one fit's simplex gap at 1.1e-4, above the mark of 1e-4, at
+    the CPU's optimum (objectives 4e-8 apart): the end passes as converged when no step along the
+    gap's direction lowers the objective beyond its resolution. The AMX vertex fails that check,
+    and a fit stopped after one iteration does not pass by it."""
+    import depthscope.probes.mixing as mixing
+
+    X, y = _equally_informative()
+    g = mixing._ProjectedMix(mixing._FlatSites(X), torch.as_tensor(y), 1.0, True, (torch.zeros(4, 2), torch.zeros(2)))
+    f_vertex, gp, _ = g(torch.tensor(AMX_VERTEX, dtype=torch.float32))
+    assert not mixing._flat_end(g, AMX_VERTEX, gp.double().numpy(), float(f_vertex))
+    monkeypatch.setattr(mixing, "MIX_GAP", 1e-12)  # a mark no float32 end reaches: only the flat check can pass
+    fit = fit_mix(X, y, n_classes=2, l2=1.0, normalise=True)
+    assert fit.converged and fit.grad_max > 1e-12
+    assert fit.objective == pytest.approx(0.66611948801, abs=2e-9)
+    monkeypatch.setattr(mixing, "MIX_MAX_ITERS", 1)
+    assert not fit_mix(X, y, n_classes=2, l2=1.0, normalise=True).converged
+
+
 def test_two_starts_that_tie_are_noted_and_the_first_start_is_kept():
     """Two copies of one site: every split of the weight between them is the same mix, so the
     starts end at different weights with the same objective; the fit keeps the first start's (the
