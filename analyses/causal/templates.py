@@ -5,8 +5,8 @@
   and verb) has its own number, independent of the subject's. The variable is the subject's
   number; the source is another sentence of the same template (another noun, another attractor)
   whose subject has the other number, so ``label`` is the verb of the source's number and
-  ``base_label`` the verb of the base's; ``source_label``, the source's own verb, equals ``label``. Positions: ``SUBJ`` (the subject noun's last token in
-  base and source) and ``END``.
+  ``base_label`` the verb of the base's; ``source_label``, the source's own verb, equals
+  ``label``. Positions: ``SUBJ`` (the subject noun's last token in base and source) and ``END``.
 * **Indirect object identification** (Wang et al. 2022): ``"When Mary and John went to the store,
   John gave a drink to"`` -> ``" Mary"``. The variable is which of the two names introduced first
   is the indirect object: the first (``"BAB"`` patterns, ``A and B ..., B gave``) or the second.

@@ -11,8 +11,8 @@ from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 
 LOCALIZE = options(
-    "examples test train_fraction only_solved method dim boundless sites positions epochs lr batch_size seed probe_task "
-    "probe_sentences model device dtype threads plots out force",
+    "examples test train_fraction only_solved method dim boundless sites positions epochs lr batch_size seed "
+    "probe_task probe_sentences model device dtype threads plots out force",
     LocalizeConfig,
     required="examples",
 )
