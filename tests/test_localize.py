@@ -439,13 +439,23 @@ def test_agreement_iia_equals_plain_transformers_on_the_default_model(default_mo
         assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=2e-3)
 
 
-def test_das_on_agreement_at_a_mid_depth_subject_site(default_model):
-    """One learned direction at 12.mlp (subject position) carries the subject's number on held-out
-    examples far above a random direction of the same size. Measured with these 160/80 examples:
-    0.86 (the default 4 epochs), 0.90 (8), 0.89 (12), 0.85 (16), the random direction 0.125: the
-    bound sits below that spread (docs/localize.md)."""
-    exs = agreement_examples(default_model, 240, seed=7)
-    res = das(default_model, exs[:160], exs[160:], sites="12.mlp", positions="SUBJ", dim=1)
+def test_solved_equals_plain_transformers_on_the_default_model(default_model, tokenizer):
+    exs = agreement_examples(default_model, 48, seed=20_261_129)  # a seed no other test or doc uses
+    want = _plain_solved(default_model.hf_model, exs, tokenizer)
+    assert want.any() and not want.all()  # the model gets some of them wrong: the comparison can fail
+    assert np.array_equal(solved(default_model, exs), want)
+
+
+def test_das_on_the_agreement_examples_the_model_solves_at_a_mid_depth_subject_site(default_model):
+    """Issue 56's mark: one learned direction at 10.mlp (subject position) reaches IIA >= 0.9 on
+    held-out examples the model solves, a random direction <= 0.3. Measured on 2026-11-28 with
+    these examples (600 generated, seed 7; 487 solved: 324 train, 163 test; the default 4 epochs):
+    8.mlp 0.939, 10.mlp 0.926, 12.mlp 0.859, the random direction 0.00-0.01 (docs/localize.md).
+    On all 600 (the same split) IIA is capped by the model's own errors."""
+    exs = agreement_examples(default_model, 600, seed=7)
+    exs = [e for e, ok in zip(exs, solved(default_model, exs)) if ok]
+    n = len(exs) * 2 // 3
+    res = das(default_model, exs[:n], exs[n:], sites="10.mlp", positions="SUBJ", dim=1)
     row = res.table.iloc[0]
-    assert row["iia"] >= 0.8 and row["iia_random"] <= 0.3, row.to_dict()
-    assert row["iia"] - row["iia_random"] >= 0.5, row.to_dict()
+    assert row["iia"] >= 0.9 and row["iia_random"] <= 0.3, row.to_dict()
+    assert row["iia_unchanged"] == 0.0  # solved: no test base already predicts the source's verb
