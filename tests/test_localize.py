@@ -253,7 +253,7 @@ def test_solved_equals_a_plain_transformers_forward(tiny_llama, tiny_tokenizer):
         solved(tiny_llama, [exs[0], replace(exs[1], base_label=None, where="ex.jsonl:2")])
 
 
-def test_localize_only_solved_filters_train_and_test(tiny_llama, tmp_path):
+def test_localize_only_solved_filters_train_and_test(tiny_llama, tiny_llama_dir, tmp_path, monkeypatch, capsys):
     exs = _mixed_labels(tiny_llama, 24, seed=4)
     path = write_counterfactuals(exs, tmp_path / "ex.jsonl")
     cfg = LocalizeConfig(examples=path, sites="embed,1.mlp", only_solved=True, plots=False)
@@ -265,6 +265,13 @@ def test_localize_only_solved_filters_train_and_test(tiny_llama, tmp_path):
     assert 0 < s["n_test"] < s["n_test_all"] and (res.tables["localize"]["n_test"] == s["n_test"]).all()
     caption = summary_table(res.tables["localize"], s).caption
     assert f"dropped {len(exs) - s['n_train'] - s['n_test']} of {len(exs)} examples" in caption
+    args = ["localize", "--examples", path, "--model", tiny_llama_dir, "--sites", "embed", "--no-plots"]
+    code, stdout, err = run_cli([*args, "--only-solved", "--out", tmp_path / "cli"], monkeypatch, capsys)
+    assert code == 0 and "--only-solved: dropped" in stdout, err
+    cli = json.loads((tmp_path / "cli" / "localize_summary.json").read_text())
+    assert [cli[k] for k in ("n_train", "n_test", "n_train_all", "n_test_all")] == [
+        s[k] for k in ("n_train", "n_test", "n_train_all", "n_test_all")
+    ]
     every = localize_job(tiny_llama, replace(cfg, only_solved=False), progress=False).summary
     assert every["n_test"] == every["n_test_all"] == len(test)
     none = write_counterfactuals([e for e, ok in zip(exs, solved(tiny_llama, exs)) if not ok], tmp_path / "none.jsonl")
