@@ -22,6 +22,7 @@ Outputs (in ``--out``)
 Run
     python examples/localize_agreement.py                    # the default model: the docs' figure
     python examples/localize_agreement.py --n 120 --sites embed,10.mlp,20.mlp,29.mlp --das-sites 10.mlp
+    python examples/localize_agreement.py --only-solved      # IIA on the examples the model solves
     python examples/localize_agreement.py --model path/to/hf-folder --out localize/
 """
 
@@ -40,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--sites", default="resid", help="sites of the interchange and the probes: 'resid' or a comma list")
     p.add_argument("--das-sites", default="4.mlp,12.mlp,20.mlp,26.mlp,28.mlp,29.mlp", help="DAS sites ('' : none)")
     p.add_argument("--epochs", type=int, default=4, help="DAS epochs")
+    p.add_argument(
+        "--only-solved", action="store_true", help="keep the examples the model answers right (base and source)"
+    )
     p.add_argument("--probe-sentences", type=int, default=100, help="EWT train sentences of the probe (test: half)")
     p.add_argument("--probe-tokens", type=int, default=600, help="held-out tokens of the loss behind 'used'")
     return p.parse_args(argv)
@@ -72,6 +76,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model)
     examples = agreement_examples(model, args.n, seed=0)
+    if args.only_solved:  # IIA on the examples the model solves (docs/localize.md)
+        from depthscope.analyses import solved
+
+        n = len(examples)
+        examples = [e for e, ok in zip(examples, solved(model, examples)) if ok]
+        print(f"--only-solved: kept {len(examples)} of {n} examples")
     write_counterfactuals(examples, out / "agreement.jsonl")
     train, test = split_examples(examples, 0.5, seed=0)
     wanted = None if args.sites == "resid" else [s for s in args.sites.split(",") if _fits(s, model.n_layers)]

@@ -12,6 +12,7 @@ subspaces; ``depthscope localize`` and ``depthscope data agreement``), against i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,10 +30,13 @@ from depthscope.analyses import (
     read_counterfactuals,
     save_subspaces,
     score_subspace,
+    solved,
+    split_examples,
     write_counterfactuals,
 )
 from depthscope.analyses.causal.config import LocalizeConfig
 from depthscope.analyses.circuits.pairs import PromptPair
+from depthscope.analyses.jobs.localize import localize_job, summary_table
 from depthscope.common.errors import InputError
 from depthscope.hooks import load_model
 
@@ -47,6 +51,7 @@ GOOD = {"base": "The cat", "source": "The dog", "candidates": [" Mary", " John"]
     [
         ("{not json", "not a JSON object"),
         (json.dumps({**GOOD, "label": " Paris"}), "'label' must be one of the candidates"),
+        (json.dumps({**GOOD, "source_label": " Paris"}), "'source_label' must be one of the candidates"),
         (json.dumps({**GOOD, "candidates": [" Mary"]}), "'candidates' must be a list of 2"),
         (json.dumps({**GOOD, "candidates": [" Mary", " Mary"]}), "distinct"),
         (json.dumps({**GOOD, "positions": {"S": [1, 2, 3]}}), "position 'S'"),
@@ -65,9 +70,12 @@ def test_every_line_is_checked_and_errors_name_file_and_line(tmp_path, line, why
 
 
 def test_roundtrip_and_positions_checked_against_the_tokens(tmp_path, tiny_llama):
-    ex = [Counterfactual.from_dict({**GOOD, "positions": {"S": [1, -1]}, "base_label": " Mary"})]
+    ex = [
+        Counterfactual.from_dict({**GOOD, "positions": {"S": [1, -1]}, "base_label": " Mary", "source_label": " John"})
+    ]
     p = write_counterfactuals(ex, tmp_path / "e.jsonl")
-    assert read_counterfactuals(p) == ex
+    assert read_counterfactuals(p) == ex and ex[0].source_label == " John"
+    assert '"base_label": " Mary", "source_label": " John"' in p.read_text()
     bad = [Counterfactual.from_dict({**GOOD, "positions": {"S": 7}}, "e.jsonl:1")]
     with pytest.raises(InputError, match=r"e.jsonl:1, position 'S': index 7 is outside the base"):
         interchange(tiny_llama, bad, sites="embed", positions="S")
@@ -82,10 +90,11 @@ def test_generated_positions_point_at_the_subject_and_the_repeated_name(tiny_tok
             subject = text.split()[1]
             assert subject.endswith(tok.decode(tok(text)["input_ids"][i]).strip())
         assert e.label != e.base_label and set(e.candidates) == {e.label, e.base_label}
+        assert e.source_label == e.label  # the source's own number is the one the base takes
     for e in ioi_examples(tiny_llama, 8, seed=3):
         i = e.positions["S2"][0]
         assert tok.decode(tok(e.base)["input_ids"][i]) in e.candidates  # the repeated name, a candidate
-        assert e.label != e.base_label
+        assert e.label != e.base_label and e.source_label is None  # the source's own names are no candidates
 
 
 # ----------------------------------------------------------------------------- references
@@ -197,6 +206,77 @@ def test_an_interval_on_too_few_examples_is_withheld_with_a_note(tiny_llama):
     t = interchange(tiny_llama, ioi_examples(tiny_llama, 4, seed=1), sites="embed")
     assert t["iia_low"].isna().all() and "4 examples" in t.attrs["notes"][0]
     assert t["ci_method"].iloc[0].startswith("Wilson")
+
+
+# ----------------------------------------------------------------------------- the examples the model solves
+def _plain_solved(hf, examples, tok) -> np.ndarray:
+    """Per example: a plain transformers forward's argmax over the candidates at the last position is
+    ``base_label`` for the base and, where set, ``source_label`` for the source."""
+    out = []
+    for e in examples:
+        ok = True
+        for text, want in ((e.base, e.base_label), (e.source, e.source_label)):
+            if want is None:
+                continue
+            with torch.no_grad():
+                logits = hf(input_ids=torch.tensor([tok(text)["input_ids"]])).logits[0, -1]
+            c = logits[[tok(x, add_special_tokens=False)["input_ids"][0] for x in e.candidates]]
+            assert abs(float(c[0] - c[1])) > 1e-4, "a near tie: the reference cannot decide"
+            ok = ok and int(c.argmax()) == e.candidates.index(want)
+        out.append(ok)
+    return np.array(out)
+
+
+def _mixed_labels(model, n: int, seed: int) -> list[Counterfactual]:
+    """Agreement prompts with the tiny model's names as candidates and labels that it gets right on
+    some examples and wrong on others (``source_label`` unset on every third)."""
+    names = (" Mary", " John")
+    out = []
+    for i, e in enumerate(agreement_examples(model, n, seed=seed)):
+        src = None if i % 3 == 0 else names[(i // 2) % 2]
+        out.append(Counterfactual(e.base, e.source, names, " John", names[i % 2], "x", e.positions, source_label=src))
+    return out
+
+
+def test_solved_equals_a_plain_transformers_forward(tiny_llama, tiny_tokenizer):
+    exs = _mixed_labels(tiny_llama, 24, seed=4)
+    want = _plain_solved(tiny_llama.hf_model, exs, tiny_tokenizer)
+    assert want.any() and not want.all()  # the labels split the examples: the comparison can fail
+    got = solved(tiny_llama, exs, batch_size=5)  # batches smaller than the groups of equal length
+    assert got.dtype == bool and np.array_equal(got, want)
+    base_only = solved(tiny_llama, [replace(e, source_label=None) for e in exs])
+    assert np.array_equal(
+        base_only, _plain_solved(tiny_llama.hf_model, [replace(e, source_label=None) for e in exs], tiny_tokenizer)
+    )
+    assert (base_only >= got).all()  # the source's check only removes examples
+    with pytest.raises(InputError, match=r"ex.jsonl:2: no 'base_label'; --only-solved needs base_label"):
+        solved(tiny_llama, [exs[0], replace(exs[1], base_label=None, where="ex.jsonl:2")])
+
+
+def test_localize_only_solved_filters_train_and_test(tiny_llama, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    exs = _mixed_labels(tiny_llama, 24, seed=4)
+    path = write_counterfactuals(exs, tmp_path / "ex.jsonl")
+    cfg = LocalizeConfig(examples=path, sites="embed,1.mlp", only_solved=True, plots=False)
+    res = localize_job(tiny_llama, cfg, progress=False)
+    train, test = split_examples(read_counterfactuals(path), cfg.train_fraction, cfg.seed)
+    s = res.summary
+    assert (s["n_train_all"], s["n_test_all"]) == (len(train), len(test))
+    assert (s["n_train"], s["n_test"]) == (int(solved(tiny_llama, train).sum()), int(solved(tiny_llama, test).sum()))
+    assert 0 < s["n_test"] < s["n_test_all"] and (res.tables["localize"]["n_test"] == s["n_test"]).all()
+    caption = summary_table(res.tables["localize"], s).caption
+    assert f"dropped {len(exs) - s['n_train'] - s['n_test']} of {len(exs)} examples" in caption
+    args = ["localize", "--examples", path, "--model", tiny_llama_dir, "--sites", "embed", "--no-plots"]
+    code, stdout, err = run_cli([*args, "--only-solved", "--out", tmp_path / "cli"], monkeypatch, capsys)
+    assert code == 0 and "--only-solved: dropped" in stdout, err
+    cli = json.loads((tmp_path / "cli" / "localize_summary.json").read_text())
+    assert [cli[k] for k in ("n_train", "n_test", "n_train_all", "n_test_all")] == [
+        s[k] for k in ("n_train", "n_test", "n_train_all", "n_test_all")
+    ]
+    every = localize_job(tiny_llama, replace(cfg, only_solved=False), progress=False).summary
+    assert every["n_test"] == every["n_test_all"] == len(test)
+    none = write_counterfactuals([e for e, ok in zip(exs, solved(tiny_llama, exs)) if not ok], tmp_path / "none.jsonl")
+    with pytest.raises(InputError, match=r"--only-solved: the model solves 0 of \d+ train and 0 of \d+ test"):
+        localize_job(tiny_llama, replace(cfg, examples=none), progress=False)
 
 
 # ----------------------------------------------------------------------------- DAS
@@ -366,13 +446,23 @@ def test_agreement_iia_equals_plain_transformers_on_the_default_model(default_mo
         assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=2e-3)
 
 
-def test_das_on_agreement_at_a_mid_depth_subject_site(default_model):
-    """One learned direction at 12.mlp (subject position) carries the subject's number on held-out
-    examples far above a random direction of the same size. Measured with these 160/80 examples:
-    0.86 (the default 4 epochs), 0.90 (8), 0.89 (12), 0.85 (16), the random direction 0.125: the
-    bound sits below that spread (docs/localize.md)."""
-    exs = agreement_examples(default_model, 240, seed=7)
-    res = das(default_model, exs[:160], exs[160:], sites="12.mlp", positions="SUBJ", dim=1)
+def test_solved_equals_plain_transformers_on_the_default_model(default_model, tokenizer):
+    exs = agreement_examples(default_model, 48, seed=20_261_129)  # a seed no other test or doc uses
+    want = _plain_solved(default_model.hf_model, exs, tokenizer)
+    assert want.any() and not want.all()  # the model gets some of them wrong: the comparison can fail
+    assert np.array_equal(solved(default_model, exs), want)
+
+
+def test_das_on_the_agreement_examples_the_model_solves_at_a_mid_depth_subject_site(default_model):
+    """Issue 56's mark: one learned direction at 10.mlp (subject position) reaches IIA >= 0.9 on
+    held-out examples the model solves, a random direction <= 0.3. Measured on 2026-11-28 with
+    these examples (600 generated, seed 7; 487 solved: 324 train, 163 test; the default 4 epochs):
+    8.mlp 0.939, 10.mlp 0.926, 12.mlp 0.859, the random direction 0.00-0.01 (docs/localize.md).
+    On all 600 (the same split) IIA is capped by the model's own errors."""
+    exs = agreement_examples(default_model, 600, seed=7)
+    exs = [e for e, ok in zip(exs, solved(default_model, exs)) if ok]
+    n = len(exs) * 2 // 3
+    res = das(default_model, exs[:n], exs[n:], sites="10.mlp", positions="SUBJ", dim=1)
     row = res.table.iloc[0]
-    assert row["iia"] >= 0.8 and row["iia_random"] <= 0.3, row.to_dict()
-    assert row["iia"] - row["iia_random"] >= 0.5, row.to_dict()
+    assert row["iia"] >= 0.9 and row["iia_random"] <= 0.3, row.to_dict()
+    assert row["iia_unchanged"] == 0.0  # solved: no test base already predicts the source's verb

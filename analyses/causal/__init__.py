@@ -14,6 +14,7 @@
 ``iia.py``         :func:`interchange`: full-vector interchange interventions, IIA per
                    site and position
 ``alignment.py``   :func:`das`: distributed alignment search (and Boundless DAS)
+``solving.py``     :func:`solved`: the examples the unintervened model answers right
 ``subspaces.py``   :class:`Subspace` (save, load, steer, score as a probe)
 ``swaps.py``       the batched intervened forwards both share
 ``config.py``      :class:`CausalConfig`, :class:`LayersConfig`, :class:`LocalizeConfig`
@@ -49,6 +50,7 @@ _EXPORTS = {
     "ioi_examples": "templates",
     "interchange": "iia",
     "das": "alignment",
+    "solved": "solving",
     "DasResult": "alignment",
     "random_basis": "alignment",
     "Subspace": "subspaces",

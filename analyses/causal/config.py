@@ -141,7 +141,8 @@ class LocalizeConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.localize.localize_job` runs: interchange interventions
     or DAS on the counterfactual ``examples`` (JSONL, :mod:`~depthscope.analyses.causal.counterfactuals`;
     every line checked on construction, before any model loads), tested on ``test`` or on a
-    seeded ``1 - train_fraction`` of the examples, at ``sites`` and named ``positions``; DAS learns
+    seeded ``1 - train_fraction`` of the examples (``only_solved``: of both, those the model solves,
+    :func:`~depthscope.analyses.causal.solving.solved`), at ``sites`` and named ``positions``; DAS learns
     ``dim`` directions (``boundless``: a learned mask over a full rotation instead) for ``epochs``
     passes over the train examples with Adam at ``lr``; ``probe_task`` adds the probe and causal
     tests of that word task (on the bundled EWT sample, ``probe_sentences`` train sentences) for
@@ -159,6 +160,11 @@ class LocalizeConfig(Checked):
         positive=True,
         max=0.99,
         help="Without --test: the seeded share to train on.",
+    )
+    only_solved: bool = setting(
+        False,
+        "--only-solved/--all-examples",
+        help="Keep the train and test examples the model solves (base_label on the base, source_label on the source).",
     )
     method: str = setting("interchange", "--method", choices=LOCALIZE_METHODS, help="interchange (full vector) or das.")
     dim: int = setting(1, "--dim", min=1, max=Limit(65536, "directions of a subspace"), help="DAS: directions learned.")

@@ -4,7 +4,7 @@ variable of the base takes the source's value (the data of interchange intervent
 One example per line of a JSONL file::
 
     {"base": "The key to the cabinets", "source": "The keys to the cabinet",
-     "candidates": [" is", " are"], "label": " are", "base_label": " is",
+     "candidates": [" is", " are"], "label": " are", "base_label": " is", "source_label": " are",
      "variable": "number", "positions": {"SUBJ": 2, "END": -1}}
 
 * ``base``, ``source``: the two prompts (non-empty strings);
@@ -13,6 +13,9 @@ One example per line of a JSONL file::
   last position;
 * ``label``: the candidate the causal model predicts for the base once the variable takes the
   source's value; ``base_label`` (optional): the candidate it predicts for the base itself;
+  ``source_label`` (optional): the candidate it predicts for the source itself (where the
+  candidates are answers for the source too); :func:`~depthscope.analyses.causal.solving.solved`
+  checks the model against both;
 * ``variable`` (optional): the variable's name;
 * ``positions`` (optional): named positions as in patching pairs: an index into both prompts'
   tokens (the model's tokenizer; negative from the end), or ``[base index, source index]`` where
@@ -67,7 +70,7 @@ END = "END"
 MAX_EXAMPLES = 1_000_000
 #: the most candidates of one example
 MAX_CANDIDATES = 1000
-_FIELDS = ("base", "source", "candidates", "label", "base_label", "variable", "positions")
+_FIELDS = ("base", "source", "candidates", "label", "base_label", "source_label", "variable", "positions")
 Token = str | int
 
 
@@ -89,7 +92,8 @@ def _check_position(name, value, where: str) -> None:
 @dataclass(frozen=True)
 class Counterfactual:
     """One counterfactual example (see the module docstring); ``where`` names its origin (a file and
-    line) for error messages and is not part of its value."""
+    line) for error messages and is not part of its value. ``source_label`` comes last so that the
+    positional order of the other fields stays as it was (give it by keyword)."""
 
     base: str
     source: str
@@ -99,6 +103,7 @@ class Counterfactual:
     variable: str | None = None
     positions: Mapping[str, int | Sequence[int]] | None = field(default=None, hash=False)
     where: str = field(default="", compare=False, repr=False)
+    source_label: Token | None = None
 
     @classmethod
     def from_dict(cls, d, where: str = "an example") -> Counterfactual:
@@ -117,7 +122,7 @@ class Counterfactual:
             raise InputError(f"{where}: 'candidates' must be a list of 2 to {MAX_CANDIDATES} tokens, got {cands!r:.60}")
         if not all(_is_token(c) for c in cands) or len(set(cands)) != len(cands):
             raise InputError(f"{where}: 'candidates' must be distinct tokens (strings or ids), got {cands!r:.80}")
-        for key in ("label", "base_label"):
+        for key in ("label", "base_label", "source_label"):
             v = d.get(key)
             if (key == "label" or v is not None) and v not in cands:
                 raise InputError(f"{where}: {key!r} must be one of the candidates {list(cands)!r}, got {v!r:.60}")
@@ -130,14 +135,23 @@ class Counterfactual:
             _check_position(name, value, where)
         named = {str(k): (v if isinstance(v, int) else list(v)) for k, v in (pos or {}).items()}
         label, base_label, variable = d["label"], d.get("base_label"), d.get("variable")
-        return cls(d["base"], d["source"], tuple(cands), label, base_label, variable, named or None, where)
+        return cls(
+            d["base"],
+            d["source"],
+            tuple(cands),
+            label,
+            base_label,
+            variable,
+            named or None,
+            where,
+            source_label=d.get("source_label"),
+        )
 
     def to_dict(self) -> dict:
         """The JSON object of this example (its fields; ``where`` left out, unset fields too)."""
         d = asdict(self)
-        d.pop("where")
         d["candidates"] = list(self.candidates)
-        return {k: v for k, v in d.items() if v is not None}
+        return {k: d[k] for k in _FIELDS if d[k] is not None}
 
 
 def read_counterfactuals(path) -> list[Counterfactual]:

@@ -5,14 +5,15 @@
   and verb) has its own number, independent of the subject's. The variable is the subject's
   number; the source is another sentence of the same template (another noun, another attractor)
   whose subject has the other number, so ``label`` is the verb of the source's number and
-  ``base_label`` the verb of the base's. Positions: ``SUBJ`` (the subject noun's last token in
-  base and source) and ``END``.
+  ``base_label`` the verb of the base's; ``source_label``, the source's own verb, equals
+  ``label``. Positions: ``SUBJ`` (the subject noun's last token in base and source) and ``END``.
 * **Indirect object identification** (Wang et al. 2022): ``"When Mary and John went to the store,
   John gave a drink to"`` -> ``" Mary"``. The variable is which of the two names introduced first
   is the indirect object: the first (``"BAB"`` patterns, ``A and B ..., B gave``) or the second.
   The source is another sentence (other names, place and object) with the other pattern, so
   ``label`` is the base's name at the role the source's indirect object has. Candidates: the
-  base's two names. Positions: ``S2`` (the repeated name) and ``END``.
+  base's two names; ``source_label`` is left unset, since the source's own indirect object is one
+  of its own names, not a candidate. Positions: ``S2`` (the repeated name) and ``END``.
 
 Positions are token indices, so a dataset is made for one tokenizer (the model's): nouns and
 names that it does not encode as single tokens are still used (the last token of a noun is its
@@ -129,6 +130,7 @@ def agreement_examples(model_or_tokenizer, n: int = 400, seed: int = 0) -> list[
                 verbs[int(plural)],
                 "subject number",
                 {"SUBJ": subj, "END": -1},
+                source_label=verbs[int(not plural)],  # the source's own number: the label
             )
         )
     return out

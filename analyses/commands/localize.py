@@ -11,8 +11,8 @@ from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output
 
 LOCALIZE = options(
-    "examples test train_fraction method dim boundless sites positions epochs lr batch_size seed probe_task "
-    "probe_sentences model device dtype threads plots out force",
+    "examples test train_fraction only_solved method dim boundless sites positions epochs lr batch_size seed "
+    "probe_task probe_sentences model device dtype threads plots out force",
     LocalizeConfig,
     required="examples",
 )
@@ -23,7 +23,8 @@ def localize(o) -> None:
     """Interchange intervention accuracy (IIA) per depth: at each residual site and named position,
     put the source's vector (--method interchange) or its part in a learned subspace (--method das,
     --dim directions; --boundless) into the base and count how often the prediction over the
-    candidates becomes the label, on held-out examples (--test, or a seeded split).
+    candidates becomes the label, on held-out examples (--test, or a seeded split); --only-solved
+    keeps the examples the model answers right without an intervention.
 
     Writes OUT/localize.csv|parquet, localize_summary.json, localize_iia.png; DAS also
     subspaces.safetensors; --probe-task adds localize_probes.csv|parquet and
@@ -34,4 +35,4 @@ def localize(o) -> None:
     # the configuration reads and checks every example before the model loads
     cfg = begin(o, LocalizeConfig, "localize", {"examples": str(o.examples), "method": o.method})
     result = jobs.localize_job(loader(o), cfg, Output(o.out), progress=True)
-    show(jobs.summary_table(result.tables[jobs.TABLE]), result.files)
+    show(jobs.summary_table(result.tables[jobs.TABLE], result.summary), result.files)

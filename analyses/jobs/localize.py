@@ -8,13 +8,16 @@ out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, t
                                    ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
                                    ``probe_task``, ``localize_probes`` and the figure
                                    ``localize_three_curves``; a :class:`JobResult`
-``summary_table(table)``           the console table: per position, the site of the highest
-                                   IIA and the first site where IIA reaches half of it
+``summary_table(table,             the console table: per position, the site of the highest
+summary)``                         IIA and the first site where IIA reaches half of it; with
+                                   ``only_solved``, a caption of the examples dropped
 =================================  ===========================================================
 
 Both methods are measured on the same held-out examples: ``test`` when given, else the seeded
 ``1 - train_fraction`` of ``examples`` (interchange trains nothing, but measuring it on the
-examples DAS is measured on keeps the two rows of a site comparable).
+examples DAS is measured on keeps the two rows of a site comparable). ``only_solved`` keeps, of
+both, the examples the model solves (:func:`~depthscope.analyses.causal.solving.solved`); the
+summary's ``n_train_all`` and ``n_test_all`` count them before, ``n_train`` and ``n_test`` after.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from depthscope.analyses.causal.config import CausalConfig, LocalizeConfig
 from depthscope.analyses.causal.counterfactuals import read_counterfactuals, split_examples
 from depthscope.analyses.causal.iia import interchange, resid_sites
 from depthscope.analyses.causal.localize_plots import plot_iia, plot_three_curves
+from depthscope.analyses.causal.solving import solved
 from depthscope.analyses.causal.subspaces import save_subspaces
 from depthscope.analyses.causal.used import causal_tests
 from depthscope.analyses.jobs.base import JobResult, Output
@@ -47,6 +51,17 @@ def _split(cfg: LocalizeConfig) -> tuple[list, list]:
     if cfg.test is not None:
         return exs, read_counterfactuals(cfg.test)
     return split_examples(exs, cfg.train_fraction, cfg.seed)
+
+
+def _only_solved(model, train: list, test: list, cfg: LocalizeConfig) -> tuple[list, list]:
+    """The train and test examples the model solves (:func:`solved`); none left in either is an error."""
+    keep = [[e for e, ok in zip(part, solved(model, part, batch_size=cfg.batch_size)) if ok] for part in (train, test)]
+    if not keep[0] or not keep[1]:
+        raise InputError(
+            f"--only-solved: the model solves {len(keep[0])} of {len(train)} train and {len(keep[1])} of "
+            f"{len(test)} test examples; each part needs at least one (or use --all-examples)"
+        )
+    return keep[0], keep[1]
 
 
 def _probes(model, sites: list[int], cfg: LocalizeConfig, progress: bool):
@@ -72,6 +87,9 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
     n_before = len(out.written)
     train, test = _split(cfg)
     m = model if hasattr(model, "run") else model()
+    n_all = {"n_train_all": len(train), "n_test_all": len(test)}
+    if cfg.only_solved:
+        train, test = _only_solved(m, train, test, cfg)
     sites = resid_sites(m, cfg.sites)
     run_cfg = replace(cfg, progress=progress)
     res = None
@@ -93,6 +111,7 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         "test": str(cfg.test) if cfg.test is not None else f"split of examples ({1 - cfg.train_fraction:g})",
         "n_train": len(train),
         "n_test": len(test),
+        **n_all,
         "notes": table.attrs.get("notes", []),
         "config": cfg.to_dict(),
     }
@@ -104,10 +123,17 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
     return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
 
 
-def summary_table(table) -> Table:
+def summary_table(table, summary: dict | None = None) -> Table:
     """Per position: the best site (its IIA and interval), the random subspace's IIA there, and the
-    first site (in depth order) whose IIA reaches half of the best."""
+    first site (in depth order) whose IIA reaches half of the best; with a ``summary`` of an
+    ``only_solved`` run, a caption of how many examples the filter dropped."""
     t = Table("position", "method", "sites", "best IIA (site) [95%]", "random there", "first >= half best")
+    if summary and summary.get("config", {}).get("only_solved"):
+        n, n_all = summary["n_train"] + summary["n_test"], summary["n_train_all"] + summary["n_test_all"]
+        t.caption = (
+            f"--only-solved: dropped {n_all - n} of {n_all} examples the model does not solve "
+            f"(train {summary['n_train']}/{summary['n_train_all']}, test {summary['n_test']}/{summary['n_test_all']})"
+        )
     for pos, d in table.groupby("position", sort=False):
         d = d.sort_values("depth")
         best = d.loc[d["iia"].idxmax()]
