@@ -281,3 +281,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def small_causal_config(store, train: int = 40, test: int = 12, epochs: int = 100, **kw):
+    """A causal test's settings small enough for the tiny models: ``train``/``test`` sentences of
+    the bundled sample, probes of at most ``epochs``, the activation store in ``store``; ``kw``
+    (``controls``, ``bootstrap``, ``extraction_sites``...) as CausalConfig's fields."""
+    from depthscope.analyses.causal.config import CausalConfig
+    from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+
+    sites = kw.pop("extraction_sites", None)
+    return CausalConfig(
+        data=DataConfig(max_train_sentences=train, max_test_sentences=test),
+        extraction=ExtractionConfig(store_dir=str(store), sites=sites),
+        probe=ProbeConfig(max_epochs=epochs),
+        **kw,
+    )

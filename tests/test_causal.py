@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from concept_erasure import LeaceEraser
-from conftest import run_cli
+from conftest import run_cli, small_causal_config
 from rich.console import Console
 
 from depthscope.analyses.causal.config import CausalConfig
@@ -24,7 +24,7 @@ from depthscope.analyses.jobs.causal import report_causal, summary_table
 from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
 from depthscope.analyses.report.data import build_page
 from depthscope.common.errors import InputError
-from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
+from depthscope.probes.config import DataConfig, ExtractionConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -216,13 +216,7 @@ def test_used_interval_needs_ten_documents_and_widens_with_the_controls_spread()
 
 @pytest.fixture(scope="module")
 def tiny_result(tiny_factory, tmp_path_factory):
-    cfg = CausalConfig(
-        data=DataConfig(max_train_sentences=60, max_test_sentences=20),
-        extraction=ExtractionConfig(store_dir=str(tmp_path_factory.mktemp("store"))),
-        probe=ProbeConfig(max_epochs=200),
-        controls=2,
-        bootstrap=200,
-    )
+    cfg = small_causal_config(tmp_path_factory.mktemp("store"), 60, 20, 200, controls=2, bootstrap=200)
     return causal_tests(tiny_factory("llama"), cfg)
 
 
@@ -231,13 +225,7 @@ def test_a_rerun_resumes_from_the_finished_sites(tiny_factory, tmp_path, monkeyp
     computes no site again and gives the same table; another setting computes them anew."""
     import depthscope.analyses.causal.used as used
 
-    cfg = CausalConfig(
-        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
-        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
-        probe=ProbeConfig(max_epochs=100),
-        controls=2,
-        bootstrap=50,
-    )
+    cfg = small_causal_config(tmp_path / "store", controls=2, bootstrap=50)
     model = tiny_factory("llama")
     first = causal_tests(model, cfg, records=tmp_path / "sites", progress=True)
     assert "passes over the held-out text" in capsys.readouterr().err  # the expected time, said first
@@ -260,13 +248,7 @@ def test_forwards_from_the_sites_block_equal_the_plain_forwards(tiny_factory, ti
     table is the same, bit for bit."""
     import depthscope.analyses.causal.prefix as prefix
 
-    cfg = CausalConfig(
-        data=DataConfig(max_train_sentences=60, max_test_sentences=20),
-        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
-        probe=ProbeConfig(max_epochs=200),
-        controls=2,
-        bootstrap=200,
-    )
+    cfg = small_causal_config(tmp_path / "store", 60, 20, 200, controls=2, bootstrap=200)
     monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)
     plain = causal_tests(tiny_factory("llama"), cfg)
     pd.testing.assert_frame_equal(plain.table, tiny_result.table, check_exact=True)
@@ -277,13 +259,7 @@ def test_a_streamed_model_gives_the_same_table(tiny_llama_dir, tmp_path):
     site's on are read): the table equals the in-memory model's."""
     from depthscope.hooks import load_model
 
-    cfg = CausalConfig(
-        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
-        extraction=ExtractionConfig(store_dir=str(tmp_path / "store"), sites=[0, 3, 6]),
-        probe=ProbeConfig(max_epochs=100),
-        controls=1,
-        bootstrap=0,
-    )
+    cfg = small_causal_config(tmp_path / "store", extraction_sites=[0, 3, 6], controls=1, bootstrap=0)
     mem = causal_tests(load_model(tiny_llama_dir), cfg).table
     streamed = causal_tests(load_model(tiny_llama_dir, stream=True), cfg).table
     pd.testing.assert_frame_equal(mem, streamed, check_exact=True)

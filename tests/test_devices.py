@@ -265,19 +265,12 @@ def test_cuda_causal_forwards_from_the_sites_block_equal_the_plain_forwards(fold
     """``causal_tests`` on the card: the same table with the sites' forwards started at their
     block and with every forward from the embedding."""
     import pandas as pd
+    from conftest import small_causal_config
 
     import depthscope.analyses.causal.prefix as prefix
-    from depthscope.analyses.causal.config import CausalConfig
     from depthscope.analyses.causal.used import causal_tests
-    from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
-    cfg = CausalConfig(
-        data=DataConfig(max_train_sentences=40, max_test_sentences=12),
-        extraction=ExtractionConfig(store_dir=str(tmp_path / "store")),
-        probe=ProbeConfig(max_epochs=100),
-        controls=1,
-        bootstrap=0,
-    )
+    cfg = small_causal_config(tmp_path / "store", controls=1, bootstrap=0)
     gpu = load_model(folder, device="cuda")
     starts = causal_tests(gpu, cfg).table
     monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)
