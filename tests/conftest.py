@@ -12,8 +12,17 @@ from __future__ import annotations
 import glob
 import os
 
-import pytest
-import torch
+# One thread per test process, set before torch is imported (and inherited by the commands and
+# examples the tests start): on a shared 2-core machine two torch threads spin-wait on each other
+# over a forward's many small ops (a module went from 218 s to 9 s). Results do not depend on it;
+# the tests that measure threading set their own count (test_side_by_side).
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
