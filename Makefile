@@ -14,7 +14,7 @@ report: setup
 # the README's test command (and CI's, .ci/run): lint, the wheel installed in a fresh venv, then
 # the whole suite (the docs build and every code block of README, docs and examples/ included)
 test: lint check-wheel
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # build sdist + wheel, install the wheel (not editable) in a fresh venv, use it from outside the checkout
 check-wheel: setup

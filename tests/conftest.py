@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import matplotlib
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
@@ -306,3 +306,12 @@ def small_causal_config(store, train: int = 40, test: int = 12, epochs: int = 10
         probe=ProbeConfig(max_epochs=epochs),
         **kw,
     )
+
+
+def pytest_runtest_logreport(report):
+    """With ``DEPTHSCOPE_TEST_TIMES=FILE``, one line per test phase (node id, phase, seconds) appended
+    as each ends: the suite's slow tests can be read while it runs (``--durations`` prints only at the end)."""
+    path = os.environ.get("DEPTHSCOPE_TEST_TIMES")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\n")
