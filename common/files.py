@@ -4,6 +4,7 @@
 |---|---|
 | ``atomic_write(path, write)`` | ``write(tmp)`` on a temporary file beside ``path``, then a rename over ``path`` |
 | ``atomic_text(path, text)`` | a text file (JSON, Markdown, HTML) |
+| ``json_text(obj, indent)`` | strict JSON (a NaN or infinity becomes ``null``: what every summary is written with) |
 | ``preallocate(path, n_bytes)`` | a file whose blocks are reserved now (a full disk fails here, not in a memmap) |
 | ``check_writable(folder)`` | an output folder, created and probed before any compute |
 | ``check_writable_dir(path, what)`` | any folder written (a store, a cache), checked alike, named by ``what`` |
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import math
 import os
 import re
 import tempfile
@@ -96,6 +99,24 @@ def atomic_write(path: PathLike, write: Callable[[str], object]) -> Path:
 def atomic_text(path: PathLike, text: str) -> Path:
     """Write a text file (UTF-8) atomically; returns ``path``."""
     return atomic_write(path, lambda t: Path(t).write_text(text, encoding="utf-8"))
+
+
+def _finite(obj):
+    """``obj`` with every NaN or infinite float (numpy's too) replaced by None, containers rebuilt."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) or type(obj).__name__ in ("float32", "float64", "float16"):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def json_text(obj, indent: int | None = 2) -> str:
+    """``obj`` as strict JSON (RFC 8259): NaN and infinities, which ``json.dumps`` writes as the
+    bare words ``NaN``/``Infinity`` that no strict parser reads, become ``null``; anything not JSON
+    (a path, a dtype) by ``str``."""
+    return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)
 
 
 def preallocate(path: PathLike, n_bytes: int) -> Path:

@@ -5,6 +5,9 @@
                                ``probes``, ``analyses``): work done by other code is never reused
 :func:`stage_key(**parts)`     the digest of a stage's inputs (``parts``, as JSON) and of the code
 :func:`file_digests(sources)`  sha256 of each input file, for a key (None: an input is no file)
+:func:`sealed(record)`         ``record`` with the digest of its content; :func:`unsealed(text)`
+                               the record a text holds when that digest holds (every resume
+                               record is written and read through these two)
 :class:`Stages(folder)`        the records in ``folder/.depthscope-stages``: ``files(name, key)``
                                and ``record_files(name, key, paths)`` for a stage that writes
                                files of its own; ``tables(name, key)`` and ``keep_tables(name,
@@ -12,7 +15,8 @@
 =============================  ====================================================================
 
 A stage is reused only when its record's key equals the key of the inputs it would run on now,
-and every file the record lists is there with the sha256 it had when written. A record is written
+and every file the record lists is there with the sha256 it had when written, and the record
+itself matches the digest of its content it carries (a value edited in it is never served). A record is written
 after the stage's files, atomically, so a run killed mid-stage leaves no record of that stage
 and a rerun computes it again. Anything else (no record, another key, a file missing, edited or
 corrupted, a record that does not parse) means the stage is computed again; the reason is logged
@@ -40,8 +44,8 @@ log = logging.getLogger("depthscope")
 
 #: the folder of stage records inside an output folder (hidden, like the folder's other markers)
 FOLDER = ".depthscope-stages"
-#: the record format; another version's records are never read
-VERSION = 1
+#: the record format; another version's records are never read (2: records carry their digest)
+VERSION = 2
 #: what the log says when a stage is not reused
 AGAIN = "computing it again"
 #: depthscope's packages, siblings of this one in an installed wheel and in a source checkout
@@ -82,6 +86,28 @@ def file_digests(sources: Mapping[str, object]) -> dict | None:
     return out
 
 
+def _content_digest(record: Mapping) -> str:
+    body = {k: v for k, v in record.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def sealed(record: Mapping) -> dict:
+    """``record`` (a JSON object) with ``digest``: the sha256 of the rest of its content."""
+    return {**record, "digest": _content_digest(record)}
+
+
+def unsealed(text: str) -> dict | None:
+    """The record in ``text`` when it parses as a JSON object whose ``digest`` is that of the rest of
+    its content; None when it does not (edited, truncated, corrupted, or written before digests)."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("digest") != _content_digest(record):
+        return None
+    return record
+
+
 def _file_name(name: str) -> str:
     """A file-system name for stage ``name``: its safe characters plus a hash of the whole name, so
     two names never share a file (``feats:Number`` and ``feats_Number``)."""
@@ -114,12 +140,17 @@ class Stages:
         if not path.is_file():
             return None
         try:
-            record = json.loads(path.read_text())
-            ok = isinstance(record, dict) and record.get("version") == VERSION and isinstance(record.get("files"), dict)
-        except (OSError, ValueError):
-            ok = False
+            record = unsealed(path.read_text())
+        except (OSError, UnicodeDecodeError):
+            record = None
+        ok = record is not None and record.get("version") == VERSION and isinstance(record.get("files"), dict)
         if not ok:
-            log.warning("%s: the record of an earlier run in %s cannot be read; %s", name, self.folder, AGAIN)
+            log.warning(
+                "%s: the record of an earlier run in %s cannot be read or fails its digest (edited or corrupted); %s",
+                name,
+                self.folder,
+                AGAIN,
+            )
             return None
         if record.get("key") != key:
             log.info("%s: an earlier run in %s had other inputs, settings or code; %s", name, self.folder, AGAIN)
@@ -144,7 +175,7 @@ class Stages:
     def _write(self, name: str, key: str, base: Path, paths: Sequence[Path], **extra) -> None:
         files = {str(Path(p).relative_to(base)): file_digest(p) for p in paths}
         record = {"version": VERSION, "name": name, "key": key, "files": files, **extra}
-        atomic_text(self._record(name), json.dumps(record, indent=1))
+        atomic_text(self._record(name), json.dumps(sealed(record), indent=1))
 
     def files(self, name: str, key: str) -> list[Path] | None:
         """The files (in ``folder``) stage ``name`` wrote when its record has ``key`` and each file

@@ -67,6 +67,7 @@ _EXPORTS = {
     "write_activations": "activation_cache",
     "train_tiny_series": "toy",
     "from_block": "block_start",
+    "stream_plan": "streaming",
 }
 
 _SUBMODULES = {
@@ -106,6 +107,7 @@ __all__ = [
     "write_activations",
     "train_tiny_series",
     "from_block",
+    "stream_plan",
     "HookContext",
     "Generation",
     "Point",

@@ -366,7 +366,13 @@ def _weight_files(folder: Path) -> list[Path]:
         single = folder / "model.safetensors"
         return [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     files = [_inside(folder, f, index) for f in shards]
-    return [f for f in files if f.is_file()]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(
+            f"{index} lists {len(absent)} shard file(s) that are not in {folder}: {', '.join(absent[:5])}"
+            f"{', ...' if len(absent) > 5 else ''}; the download is incomplete (fetch the missing shards)"
+        )
+    return files
 
 
 def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> bool:

@@ -63,6 +63,9 @@ def _weight_index(folder: Path) -> dict[str, Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         wm = json.loads(index.read_text())["weight_map"]
+        absent = sorted({v for v in wm.values() if not (folder / v).is_file()})
+        if absent:
+            raise CheckpointError(f"{index} lists shard file(s) that are not in {folder}: {', '.join(absent[:5])}")
         return {k: folder / v for k, v in wm.items()}
     out = {}
     for f in sorted(folder.glob("*.safetensors")):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -74,6 +75,7 @@ from depthscope.analyses.text import read_documents
 from depthscope.common.errors import InputError
 from depthscope.common.files import atomic_text
 from depthscope.common.progress import track
+from depthscope.common.resume import sealed, unsealed
 from depthscope.hooks.sites import site_labels
 from depthscope.probes import sample_data
 from depthscope.probes.config import ProbeConfig
@@ -82,6 +84,8 @@ from depthscope.probes.fitting import choose_l2, fit_sites
 from depthscope.probes.run import task_list
 from depthscope.probes.store.extraction import Splits, load_and_extract
 from depthscope.probes.store.features import Features
+
+log = logging.getLogger("depthscope")
 
 DEFAULT_TASKS = ("upos",)
 #: the table's columns after the shared site columns
@@ -230,14 +234,16 @@ def _resumed_effect(model, held: _Held, task: str, site: int, erasers: list, cfg
     key = f"{held.fingerprint}|{task}|{label}|{digest.hexdigest()}"
     path = held.records / task.replace("/", "_").replace(":", "_") / f"{label}.json"
     try:
-        record = json.loads(path.read_text())
-        if record.get("key") == key:
-            return record["effect"]
-    except (OSError, ValueError, KeyError):
-        pass  # absent or unreadable: computed again
+        record = unsealed(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError):
+        record = None
+    if record is None:  # there, but edited, truncated or corrupted: never served
+        log.warning("%s %s: %s fails its digest (edited or corrupted); computing it again", task, label, path)
+    elif record.get("key") == key and isinstance(record.get("effect"), dict):
+        return record["effect"]
     effect = _site_effect(model, held, site, erasers, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_text(path, json.dumps({"key": key, "effect": effect}))
+    atomic_text(path, json.dumps(sealed({"key": key, "effect": effect})))
     return effect
 
 

@@ -34,14 +34,18 @@ the resample, unpruned) with the whole dataset's.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pandas as pd
 
 from depthscope.analyses.circuits.evaluate import BATCH_TOKENS, CircuitEvaluator
-from depthscope.analyses.circuits.graph import CircuitGraph, prune_circuit
+from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph, prune_circuit
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import check_number
+
+log = logging.getLogger("depthscope")
 
 __all__ = [
     "circuit_faithfulness",
@@ -137,6 +141,7 @@ def faithfulness_curve(
     E = graph.n_edges
     full = float(ev.clean().mean())
     empty = float(ev.metrics(np.zeros(graph.mask.shape, dtype=bool)).mean())
+    warning = gap_warning(full, empty, getattr(ev.model, "dtype", None))
     rng = np.random.default_rng(seed)
     rows = []
     todo = sum(1 + random_draws for f in fractions if 0 < n_of(f, E) < E)
@@ -169,8 +174,44 @@ def faithfulness_curve(
         n_edges=E,
         random_draws=int(random_draws),
         seed=int(seed),
+        warning=warning,
     )
     return df
+
+
+def gap_warning(full: float, empty: float, dtype) -> str | None:
+    """A warning when the clean-empty gap f divides by is within a few roundings of the model's
+    ``dtype`` (bfloat16 keeps 8 bits: a gap of 0.03 on metrics near 2 is rounding, and every f
+    is noise); None when it is not."""
+    import torch  # lazy: the module's other functions need no torch
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return None
+    rounding = 4 * torch.finfo(dtype).eps * max(abs(full), abs(empty), 1.0)
+    if abs(full - empty) > rounding:
+        return None
+    msg = (
+        f"the gap between the full ({full:.4g}) and the empty circuit ({empty:.4g}) is within the rounding of "
+        f"{str(dtype).replace('torch.', '')} ({rounding:.2g}): faithfulness is noise; use --dtype float32"
+    )
+    log.warning(msg)
+    return msg
+
+
+def check_edge_model(edges: pd.DataFrame, model, graph: CircuitGraph) -> None:
+    """Refuse an edge table another model scored: its ``attrs`` name another model, or a graph of
+    another shape (layers, heads)."""
+    a = getattr(edges, "attrs", {}) or {}
+    theirs = a.get("model")
+    shape = {k: a.get(k) for k in ("n_layers", "n_heads") if a.get(k) is not None}
+    ours = {"n_layers": graph.n_layers, "n_heads": graph.n_heads}
+    other = {k: v for k, v in shape.items() if int(v) != ours[k]}
+    if (theirs is not None and str(theirs) != str(model.name)) or other:
+        got = ", ".join(f"{k} {v}" for k, v in shape.items())
+        raise InputError(
+            f"the edge table was scored on another model ({theirs}{'; ' + got if got else ''}), not on "
+            f"{model.name} ({graph.n_layers} layers, {graph.n_heads} heads): score the edges on this model"
+        )
 
 
 def _evaluate(ev: CircuitEvaluator, kept: np.ndarray, n: int, E: int, full: float, empty: float) -> float:
@@ -222,6 +263,7 @@ def circuit_faithfulness(
     pairs), ``f``, ``f_random`` with ``f_random_std``, ``f_random_min``, ``f_random_max`` over
     ``n_random`` draws, ``n_pairs`` and ``ablation``. ``attrs``: ``cpr``, ``cmd``, ``cpr_random``,
     ``cmd_random``, ``full_metric``, ``empty_metric``."""
+    check_edge_model(edges, model, circuit_graph(model))
     ev = CircuitEvaluator(model, pairs, ablation, metric=metric, batch_tokens=batch_tokens)
     df = faithfulness_curve(ev, edge_scores_of(ev.graph, edges), random_draws=random_draws, seed=seed)
     df.attrs.update(model=str(model.name), method=edges.attrs.get("method"))

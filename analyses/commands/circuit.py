@@ -28,7 +28,8 @@ def circuit(o) -> None:
     """
     from depthscope.analyses.jobs.circuit import circuit_job, summary_table  # lazy: the job imports torch
 
-    config = begin(o, CircuitConfig, "circuit", {"pairs": str(o.pairs), "method": o.method})
+    settings = "method steps ablation random_draws bootstrap seed threshold draw_edges dtype".split()
+    config = begin(o, CircuitConfig, "circuit", {"pairs": str(o.pairs), **{k: str(getattr(o, k)) for k in settings}})
     m = load_model(o, show=True)
     result = circuit_job(m, config, Output(o.out))
     show(summary_table(m.name, result.summary), result.files)

@@ -5,6 +5,8 @@ activations and saved in SAELens's layout; the options are the fields of
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.console import Console
 
@@ -48,7 +50,29 @@ def train(o) -> None:
     Console().print(f"wrote {o.out / 'sae'} and " + ", ".join(p.name for p in res.files[1:]))
 
 
+EVALUATE = options(
+    "sae point text model device dtype out eval_tokens batch_size window stride bos max_docs per_line threads force",
+    SaeTrainConfig,
+    extra=(
+        opt("--sae", ..., "Folder of the SAE (SAELens's layout: cfg.json + sae_weights.safetensors).", Path),
+        opt("--point", None, "Hook point to splice it at (default: the hook its cfg.json records).", str),
+    ),
+)
+
+
+def evaluate(o) -> None:
+    """Evaluate a saved SAE on the first --eval-tokens tokens of TEXT (sae train's metrics) into OUT/sae_metrics."""
+    from depthscope.analyses.jobs.sae import sae_evaluate_job  # lazy: the job imports torch
+    from depthscope.analyses.text import read_documents  # lazy: imports torch
+
+    docs = read_documents(o.text, per_line=o.per_line)
+    cfg = begin(o, SaeTrainConfig, "sae-evaluate", {"text": str(o.text), "sae": str(o.sae)}, progress=True)
+    table = sae_evaluate_job(load_model(o, show=True), docs, o.sae, cfg, Output(o.out), point=o.point)
+    Console().print(table.T.to_string(header=False), f"\nwrote {o.out / 'sae_metrics'} (.parquet, .csv)")
+
+
 def register(app: typer.Typer) -> None:
-    sae = typer.Typer(name="sae", help="Sparse autoencoders: train one at a hook point.", no_args_is_help=True)
+    sae = typer.Typer(name="sae", help="Sparse autoencoders: train one, evaluate a saved one.", no_args_is_help=True)
     add(sae, "train", TRAIN, train)
+    add(sae, "evaluate", EVALUATE, evaluate)
     app.add_typer(sae, name="sae")

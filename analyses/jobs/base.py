@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from depthscope.common.errors import InputError, OutputError
-from depthscope.common.files import FolderLock, atomic_text, check_writable, check_writable_dir
+from depthscope.common.files import FolderLock, atomic_text, check_writable, check_writable_dir, json_text
 
 if TYPE_CHECKING:  # pandas is imported by the analyses themselves: `depthscope --help` stays fast
     import pandas as pd
@@ -164,13 +164,23 @@ class Output:
         return paths
 
     def json(self, obj, name: str) -> Path | None:
-        """Write ``obj`` as ``<folder>/<name>.json`` (indented, atomically)."""
+        """Write ``obj`` as ``<folder>/<name>.json`` (strict JSON, NaN as null; indented, atomically)."""
         self._claim(name)
         if self.folder is None:
             return None
-        path = atomic_text(self.folder / f"{name}.json", json.dumps(obj, indent=2, default=str))
+        path = atomic_text(self.folder / f"{name}.json", json_text(obj))
         self.written.append(path)
         return path
+
+    def drop(self, *names: str) -> None:
+        """Remove what an earlier run wrote as figure ``name`` (``.png`` and ``.svg``), or as file
+        ``name`` when it has a suffix (``circuit.html``), and this run does not write (``--no-plots``):
+        no figure outlives the table it was drawn from."""
+        if self.folder is None:
+            return
+        for name in names:
+            for path in [self.folder / name] if "." in name else [self.folder / f"{name}.{x}" for x in ("png", "svg")]:
+                path.unlink(missing_ok=True)
 
     def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Path | None:
         """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png`` and, beside it,

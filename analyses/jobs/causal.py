@@ -58,6 +58,8 @@ def causal_job(
     out.json(summary, "causal_summary")
     if cfg.plots:
         out.figure(plot_causal, res.table, name=FIGURE)
+    else:  # an earlier run's figure must not pass for this run's
+        out.drop(FIGURE)
     return JobResult(tables={TABLE: res.table}, summary=summary, files=list(out.written[n_before:]))
 
 

@@ -111,6 +111,8 @@ def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
         out.figure(plot_circuit, edges, name="circuit")
         if out.folder is not None:
             out.written.append(circuit_html(edges, out.folder / "circuit.html"))
+    else:  # an earlier run's figures must not pass for this run's
+        out.drop("faithfulness_curve", "circuit", "circuit.html")
     return JobResult(tables={"edges": edges, "faithfulness": curve}, summary=summary, files=list(out.written))
 
 
@@ -157,6 +159,7 @@ def _summary(model, es, edges, curve, config, drawn, scored: float) -> dict:
         "drawn": {"top_edges": n_draw, "n_edges_pruned": n_kept, "why": why, "heads": _heads(edges)},
         "top_edges": [[x.sender, x.receiver, float(x.score)] for x in top.itertuples()],
         "scoring_seconds": round(scored, 2),
+        "warning": a.get("warning"),  # the clean-empty gap within the dtype's rounding (else None)
     }
 
 
@@ -180,4 +183,6 @@ def summary_table(name: str, s: dict) -> Table:
     t.add_row("drawn", f"{d['n_edges_pruned']} edges ({d['why']}); heads {', '.join(d['heads'][:12]) or 'none'}")
     for sender, receiver, score in s["top_edges"][:5]:
         t.add_row(f"{sender} -> {receiver}", f"{score:+.4f}")
+    if s.get("warning"):
+        t.add_row("[bold red]warning[/]", escape(s["warning"]))
     return t

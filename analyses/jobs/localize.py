@@ -120,6 +120,8 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         out.figure(plot_iia, table, name=FIGURE)
         if PROBES in tables:
             out.figure(plot_three_curves, table, tables[PROBES], name=THREE)
+    else:  # an earlier run's figures must not pass for this run's
+        out.drop(FIGURE, THREE)
     return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
 
 

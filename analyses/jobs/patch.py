@@ -117,6 +117,8 @@ def _pair_job(model, config: PatchConfig, out: Output) -> JobResult:
         rhos = summary.get("spearman_attribution_vs_exact") or {}
         if any(r is not None for r in rhos.values()):
             out.figure(plots.plot_attribution_vs_exact, everything, name="patching_attribution")
+    else:  # an earlier run's figures must not pass for this run's
+        out.drop(*FIGURES.values(), "patching_attribution")
     return JobResult(tables=tables, summary=summary, files=list(out.written))
 
 
@@ -235,6 +237,8 @@ def _dataset_job(model, config: PatchConfig, out: Output) -> JobResult:
         summary["spearman_attribution_vs_exact"] = rhos
     if config.plots:
         _figures(out, means, parts, rhos)
+    else:  # an earlier run's figures must not pass for this run's
+        out.drop(*FIGURES.values(), "patching_attribution")
     return JobResult(tables={"patching": means, "patching_pairs": per_pair}, summary=summary, files=list(out.written))
 
 

@@ -79,6 +79,8 @@ def write_outputs(results, out: Output, *, plots: bool = True) -> dict:
         out.figure(plot_overview, results.summary, name="probes_overview")
         out.figure(plot_probe_curves, results.by_site, name="probes_accuracy")
         out.figure(plot_tenney, results.summary, results.mixing, name="probes_tenney")
+    else:  # an earlier run's figures must not pass for this run's
+        out.drop("probes_overview", "probes_accuracy", "probes_tenney")
     return tables
 
 

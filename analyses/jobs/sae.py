@@ -8,6 +8,8 @@ offers                         what
                                ``sae_metrics`` and ``sae_training`` tables, the
                                ``sae_training_curve`` plot
 :func:`split_rows`             the text's rows for training and for evaluation, by tokens
+:func:`sae_evaluate_job`       a saved SAE (SAELens's layout) on a text -> the ``sae_metrics``
+                               table (``depthscope sae evaluate``; :func:`evaluate_sae` in Python)
 =============================  ==============================================================
 
 The text is read as every free-text analysis reads it (``SaeTrainConfig.text``, a
@@ -115,3 +117,20 @@ def sae_train_job(model, texts, site: str, cfg: SaeTrainConfig, output: Output, 
         shutil.rmtree(out / "activations", ignore_errors=True)
         (out / "checkpoint.pt").unlink(missing_ok=True)
     return SaeTrainResult(sae=sae, metrics=table, log=pd.DataFrame(log), files=files)
+
+
+def sae_evaluate_job(model, texts, sae_path, cfg: SaeTrainConfig, output: Output, *, point: str | None = None):
+    """Evaluate the SAE saved at ``sae_path`` (a folder in SAELens's layout: ``cfg.json`` and
+    ``sae_weights.safetensors``) at ``point`` (None: the hook it records) on the first
+    ``cfg.eval_tokens`` tokens of ``texts``, read as ``cfg.text`` says; the metrics of
+    :func:`evaluate_sae`, one row, written as ``sae_metrics``. Returns the table."""
+    from depthscope.hooks.sae import load_sae  # lazy, as the module's other readers
+
+    sae = load_sae(sae_path, dtype=str(model.dtype).replace("torch.", ""))
+    rows = text_rows(model, list(texts), replace(cfg.text, max_tokens=cfg.eval_tokens), skip=1, need=False)
+    if rows.n_tokens == 0:
+        raise InputError("the text has no tokens to evaluate the SAE on (counted after each window's first token)")
+    table = evaluate_sae(model, sae, rows, point=point, batch_size=cfg.batch_size, progress=cfg.progress)
+    table.insert(0, "sae", str(sae_path))
+    output.table(table, "sae_metrics")
+    return table

@@ -8,6 +8,7 @@ offers                             what
 :func:`export_tuned_lens`          :class:`TunedLens` -> a folder that ``tuned_lens``'s
                                    ``TunedLens.from_model_and_pretrained(model, folder)`` loads
 :func:`is_tuned_lens_folder`       whether a folder holds the package's two files
+:func:`missing_file`               which of the two a folder holding only one lacks
 :func:`block_input_sites`          the sites its translators sit at: ``[0, 2, ..., 2L - 2]``
 :func:`unembed_hash`               the package's hash of a model's unembedding matrix
 =================================  ==============================================================
@@ -116,25 +117,49 @@ def _read_params(path: Path, n: int, d: int, bias: bool) -> tuple[torch.Tensor, 
         state = torch.load(path / PARAMS_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt, truncated, or pickled objects other than tensors
         raise CheckpointError(f"cannot read {path / PARAMS_FILE}: {e}") from None
-    want = {f"{i}.weight" for i in range(n)} | ({f"{i}.bias" for i in range(n)} if bias else set())
-    if not isinstance(state, dict) or set(state) != want:
-        got = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(
-            f"{path / PARAMS_FILE} holds {got}, not the {n} translators ('0.weight'{', 0.bias' if bias else ''} ...) "
-            f"that {CONFIG_FILE} describes"
-        )
+    _check_keys(path / PARAMS_FILE, state, n, bias)
     weight = torch.zeros(n, d, d)
     b = torch.zeros(n, d)
     for i in range(n):
+        for key, shape in [(f"{i}.weight", (d, d))] + ([(f"{i}.bias", (d,))] if bias else []):
+            t = state[key]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point():
+                got = f"a {list(t.shape)} {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(
+                    f"{path / PARAMS_FILE}: {key!r} must be a {list(shape)} float tensor (translator {i}), got {got}"
+                )
         W = state[f"{i}.weight"]
-        if not isinstance(W, torch.Tensor) or W.shape != (d, d) or (bias and state[f"{i}.bias"].shape != (d,)):
-            raise CheckpointError(f"{path / PARAMS_FILE}: translator {i} is not a [{d}, {d}] map with a [{d}] bias")
         weight[i] = W.float().T  # nn.Linear: y = h @ W.T
         if bias:
             b[i] = state[f"{i}.bias"].float()
     if not (torch.isfinite(weight).all() and torch.isfinite(b).all()):
         raise CheckpointError(f"{path / PARAMS_FILE} holds NaN or inf weights")
     return weight, b
+
+
+def _check_keys(file: Path, state, n: int, bias: bool) -> None:
+    """Refuse a ``params.pt`` that is no dict of the ``n`` translators' keys, naming the keys at
+    fault: any not a string, any extra, any missing."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds a {type(state).__name__}, not a state dict of translators")
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        raise CheckpointError(f"{file}: key {odd[0]!r} ({type(odd[0]).__name__}) is not a string parameter name")
+    want = [f"{i}.weight" for i in range(n)] + ([f"{i}.bias" for i in range(n)] if bias else [])
+    extra, missing = sorted(set(state) - set(want)), [k for k in want if k not in state]
+    if extra or missing:
+        parts = ([f"extra keys {extra[:6]}"] if extra else []) + ([f"missing {missing[:6]}"] if missing else [])
+        raise CheckpointError(
+            f"{file}: {'; '.join(parts)}: {CONFIG_FILE} describes {n} translators "
+            f"('0.weight'{', 0.bias' if bias else ''} ... '{n - 1}.weight')"
+        )
+
+
+def missing_file(path) -> str | None:
+    """The file a folder holding one of the package's two files lacks (None: both, or neither)."""
+    path = Path(path)
+    there = [(path / f).is_file() for f in (CONFIG_FILE, PARAMS_FILE)]
+    return None if all(there) or not any(there) else (CONFIG_FILE, PARAMS_FILE)[there.index(False)]
 
 
 def import_tuned_lens(path, model, *, strict: bool = True) -> TunedLens:
@@ -144,7 +169,8 @@ def import_tuned_lens(path, model, *, strict: bool = True) -> TunedLens:
     not ``model``'s, is refused (:class:`LensMismatchError`)."""
     path = Path(path)
     if not is_tuned_lens_folder(path):
-        raise CheckpointError(f"no tuned-lens lens at {path} (expected {CONFIG_FILE} and {PARAMS_FILE})")
+        lacking = missing_file(path) or f"{CONFIG_FILE} and {PARAMS_FILE}"
+        raise CheckpointError(f"no tuned-lens lens at {path}: it lacks {lacking}")
     model.unembed.check()
     cfg = _read_config(path)
     n, d = cfg["num_hidden_layers"], cfg["d_model"]

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from depthscope.common.digest import ALGORITHM, model_digest
 from depthscope.common.errors import CheckpointError, InputError
-from depthscope.common.files import atomic_text, atomic_write
+from depthscope.common.files import atomic_text, atomic_write, json_text
 from depthscope.common.stamps import file_sha256
 from depthscope.hooks.sites import parse_sites, site_labels
 
@@ -236,7 +236,7 @@ class TunedLens(Lens):
         meta_p, params_p = path / META_FILE, path / PARAMS_FILE
         if not meta_p.is_file():
             # interop imports this module: imported here, where a folder is not depthscope's own
-            from depthscope.analyses.lens.interop import import_tuned_lens, is_tuned_lens_folder
+            from depthscope.analyses.lens.interop import import_tuned_lens, is_tuned_lens_folder, missing_file
 
             if is_tuned_lens_folder(path):
                 if model is None:
@@ -244,6 +244,9 @@ class TunedLens(Lens):
                         f"{path} is a tuned-lens package lens: load it for a model, TunedLens.load(path, model)"
                     )
                 return import_tuned_lens(path, model, strict=strict)
+            lacking = missing_file(path)
+            if lacking is not None and not params_p.is_file():
+                raise CheckpointError(f"{path} holds a tuned-lens package lens without its {lacking}")
         if not meta_p.is_file() or not params_p.is_file():
             raise CheckpointError(f"no tuned lens at {path} (expected {META_FILE} and {PARAMS_FILE})")
         try:
@@ -283,4 +286,4 @@ def load_tensors(path: Path) -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    atomic_text(path, json.dumps(obj, indent=1))
+    atomic_text(path, json_text(obj, indent=1))

@@ -29,7 +29,6 @@ The report is built in three steps, one module each:
 from __future__ import annotations
 
 import functools
-import json
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -57,7 +56,7 @@ from depthscope.analyses.report.findings import (
 from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.digest import model_digest
-from depthscope.common.files import atomic_text
+from depthscope.common.files import atomic_text, json_text
 from depthscope.common.resume import Stages, file_digests, stage_key
 from depthscope.common.runtime import peak_memory, release_memory, reset_peak_memory
 from depthscope.hooks import load_model
@@ -134,7 +133,7 @@ def run_report(out_dir: str | Path, config: ReportConfig | None = None, *, progr
     meta["cpu_seconds"] = clock.cpu_seconds()
     meta["peak_memory_gib"] = clock.peak_gib()
     meta["protocol"] = _protocol(cfg)
-    atomic_text(out / "run.json", json.dumps(meta, indent=1))
+    atomic_text(out / "run.json", json_text(meta, indent=1))
     say("writing report")
     path = render_report(out)
     say(f"done in {meta['seconds']['total']:.0f} s: {path}")

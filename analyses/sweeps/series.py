@@ -44,7 +44,7 @@ from depthscope.analyses.norms import contribution_norms
 from depthscope.analyses.tables import site_first, write_table
 from depthscope.common.digest import ALGORITHM, model_digest
 from depthscope.common.errors import DepthscopeError
-from depthscope.common.files import atomic_text, atomic_write
+from depthscope.common.files import atomic_text, atomic_write, json_text
 from depthscope.common.progress import track
 from depthscope.hooks import load_model
 from depthscope.probes import run_probes
@@ -400,7 +400,7 @@ def _run_checkpoint(
         "digest": digest,
         "digest_algorithm": ALGORITHM,
     }
-    atomic_text(ck_dir / f"{ck.name}.done.json", json.dumps(done, indent=1))
+    atomic_text(ck_dir / f"{ck.name}.done.json", json_text(done, indent=1))
     (ck_dir / f"{ck.name}.failed.json").unlink(missing_ok=True)
     return {"checkpoint": ck.name, "status": "done", "error": None, "fingerprint": fp}
 
