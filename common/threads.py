@@ -6,6 +6,8 @@ it saves (badly so on a busy machine).
                            is below ``SMALL_WORK``, the current count otherwise
 ``one_thread()``           context: one intra-op thread, whatever the work
 ``set_threads(n)``         torch's intra-op threads, ``n`` checked against the machine first
+``free_cores()``           the cores this process can get now: its CPUs less the others' load
+``auto_threads()``         the commands' default: torch's count, at most :func:`free_cores`
 ``side_by_side(jobs, n)``  independent jobs on ``n`` threads, each with one intra-op thread
 =========================  ====================================================================
 
@@ -17,13 +19,14 @@ count, and absurd ones allocate gigabytes of per-thread buffers or crash.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
-from depthscope.common.settings import CPUS, check_number
+from depthscope.common.settings import CPUS, check_number, cpu_count
 
 #: multiply-adds per step below which one thread is faster than several
 SMALL_WORK = 2e7
@@ -53,6 +56,28 @@ def set_threads(threads: int, name: str = "threads") -> None:
     (else an InputError naming ``name`` and the bound)."""
     check_number(name, threads, minimum=1, maximum=CPUS)
     torch.set_num_threads(threads)
+
+
+def free_cores(load: float | None = None) -> int:
+    """The cores this process can get now: the CPUs it may run on less the other processes' demand,
+    read as the one-minute load average (``load``, if given, in its place), rounded, at least 1. A
+    process that has not started computing yet is not in the average, so all of it is the others'."""
+    cpus = cpu_count()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average (Windows): every CPU
+            return cpus
+    return max(1, min(cpus, int(cpus - load + 0.5)))
+
+
+def auto_threads() -> int:
+    """The commands' default intra-op thread count (``--threads`` not given): torch's own choice (the
+    physical cores), but no more than :func:`free_cores`. On a shared machine threads beyond the free
+    cores do not add speed: torch's threads spin-wait for each other, and a forward of many small
+    products ran 8x slower with two threads than with one on a 2-core machine with one other busy
+    process (docs/benchmarks.md, "Threads on a shared CPU")."""
+    return max(1, min(torch.get_num_threads(), free_cores()))
 
 
 class Stopped(Exception):

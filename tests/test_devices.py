@@ -277,19 +277,16 @@ def test_cuda_causal_forwards_from_the_sites_block_equal_the_plain_forwards(fold
     pd.testing.assert_frame_equal(causal_tests(gpu, cfg).table, starts, check_exact=True)
 
 
-def test_cli_device_and_dtype_options(folder):
-    """``--device``/``--dtype`` reach load_model: a bad value is a one-line error, no traceback."""
-    import subprocess
-    import sys
+def test_cli_device_and_dtype_options(folder, monkeypatch, capsys):
+    """``--device``/``--dtype`` reach load_model: a bad value is a one-line error, no traceback (the
+    command runs in this process: an exception that escaped the command's error handling would fail
+    the test with its traceback)."""
+    from conftest import run_cli
 
-    def cli(*args):
-        code = "from depthscope.analyses.cli import main; main()"
-        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-
-    ok = cli("info", "-m", str(folder), "--dtype", "bf16", "-p", "the cat")
-    assert ok.returncode == 0, ok.stderr
-    bad = cli("info", "-m", str(folder), "--dtype", "int4")
-    assert bad.returncode != 0 and "unknown dtype 'int4'" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = run_cli(["info", "-m", folder, "--dtype", "bf16", "-p", "the cat"], monkeypatch, capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["info", "-m", folder, "--dtype", "int4"], monkeypatch, capsys)
+    assert code != 0 and "unknown dtype 'int4'" in err and "Traceback" not in err
     if not torch.cuda.is_available():
-        gpu = cli("info", "-m", str(folder), "--device", "cuda")
-        assert gpu.returncode != 0 and "sees no CUDA GPU" in gpu.stderr and "Traceback" not in gpu.stderr
+        code, _, err = run_cli(["info", "-m", folder, "--device", "cuda"], monkeypatch, capsys)
+        assert code != 0 and "sees no CUDA GPU" in err and "Traceback" not in err

@@ -80,6 +80,7 @@ def _required(command):
         "cache": ["--text", "x.txt", "--out", "o"],
         "layers": ["--text", "x.txt"],
         "sae train": ["--site", "1.mlp", "--text", "x.txt"],
+        "sae evaluate": ["--sae", "x.txt", "--text", "x.txt"],
         "circuit": ["--pairs", dataset_files()["pairs"]],
         "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])
@@ -238,6 +239,28 @@ def test_set_threads_checks_before_torch_sees_the_count(monkeypatch):
             set_threads(bad)
     set_threads(1)
     assert seen == [1]
+
+
+@pytest.mark.parametrize("load,torch_threads,want", [(0.0, 2, 2), (0.3, 2, 2), (1.0, 2, 1), (6.5, 2, 1), (0.0, 1, 1)])
+def test_without_threads_a_command_takes_the_free_cores(monkeypatch, load, torch_threads, want):
+    """No ``--threads``: torch's count, but no more than the CPUs less the load average (two CPUs here)."""
+    import os
+
+    import torch
+
+    from depthscope.common import threads
+
+    seen = []
+    monkeypatch.setattr(threads, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    assert threads.free_cores() == max(1, min(2, round(2 - load)))
+    assert isinstance(_invoke("lens").exception, Reached)
+    assert seen == [want]
+    seen.clear()
+    assert isinstance(_invoke("lens", "--threads", "2").exception, Reached)
+    assert seen == [2]  # a given count is taken as it is
 
 
 # ------------------------------------------------------ steps, draws, seeds, penalties, GPUs

@@ -73,8 +73,8 @@ def show(table, files=()) -> None:
 
 
 def set_threads(threads: int | None) -> None:
-    """torch's intra-op threads when given, checked first (:func:`depthscope.common.threads.set_threads`)."""
-    if threads is not None:
-        from depthscope.common import threads as torch_threads  # lazy: it imports torch, --help must not
+    """torch's intra-op threads: ``threads`` when given, checked first; else the free cores
+    (:func:`depthscope.common.threads.auto_threads`)."""
+    from depthscope.common import threads as torch_threads  # lazy: it imports torch, --help must not
 
-        torch_threads.set_threads(threads, "--threads")
+    torch_threads.set_threads(torch_threads.auto_threads() if threads is None else threads, "--threads")

@@ -113,8 +113,8 @@ class ModelSpec(Checked):
         "--threads",
         min=1,
         max=CPUS,
-        help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine; at most "
-        "4 per CPU).",
+        help="torch CPU threads (default: the cores free now, i.e. the CPUs less the load average, at most "
+        "torch's choice; more threads than free cores spin-wait on a shared machine; at most 4 per CPU).",
     )
     stream: bool = setting(
         False,
