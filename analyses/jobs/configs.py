@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthscope.analyses.causal.erasure.erasers.config import CausalConfig, LayersConfig
+from depthscope.analyses.causal.erasure.config import CausalConfig, LayersConfig
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.circuits.edges.config import CircuitConfig
-from depthscope.analyses.circuits.patching.activation.config import PatchConfig
+from depthscope.analyses.circuits.patching.config import PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
     DEFAULT_TARGET,

@@ -1,8 +1,9 @@
 """The localize job: which depth carries a variable the model computes with, written once.
 
 =================================  ===========================================================
-``LocalizeConfig``                 (in :mod:`depthscope.analyses.causal.variables.config`) the examples,
-                                   the split, the method, sites, positions and DAS settings
+``LocalizeConfig``                 (in :mod:`depthscope.analyses.causal.variables.config`)
+                                   the examples, the split, the method, sites, positions and
+                                   DAS settings
 ``localize_job(model, config,      interchange or DAS on the examples; writes ``localize``
 out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, the figure
                                    ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
@@ -26,7 +27,7 @@ from dataclasses import replace
 
 from rich.table import Table
 
-from depthscope.analyses.causal.erasure.erasers.config import CausalConfig
+from depthscope.analyses.causal.erasure.config import CausalConfig
 from depthscope.analyses.causal.erasure.used import causal_tests
 from depthscope.analyses.causal.variables.alignment import das
 from depthscope.analyses.causal.variables.config import LocalizeConfig
