@@ -21,10 +21,10 @@ LOCALIZE_METHODS = ("interchange", "das")
 @dataclass(frozen=True)
 class LocalizeConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.localize.localize_job` runs: interchange interventions
-    or DAS on the counterfactual ``examples`` (JSONL, :mod:`~depthscope.analyses.causal.counterfactuals`;
+    or DAS on the counterfactual ``examples`` (JSONL, :mod:`~depthscope.analyses.causal.variables.counterfactuals`;
     every line checked on construction, before any model loads), tested on ``test`` or on a
     seeded ``1 - train_fraction`` of the examples (``only_solved``: of both, those the model solves,
-    :func:`~depthscope.analyses.causal.solving.solved`), at ``sites`` and named ``positions``; DAS learns
+    :func:`~depthscope.analyses.causal.variables.solving.solved`), at ``sites`` and named ``positions``; DAS learns
     ``dim`` directions (``boundless``: a learned mask over a full rotation instead) for ``epochs``
     passes over the train examples with Adam at ``lr``; ``probe_task`` adds the probe and causal
     tests of that word task (on the bundled EWT sample, ``probe_sentences`` train sentences) for
@@ -76,7 +76,7 @@ class LocalizeConfig(Checked):
 
     def check(self) -> None:
         """The example files exist and every line is an example (read here, before any model)."""
-        from depthscope.analyses.causal.counterfactuals import read_counterfactuals  # torch: lazy (--help)
+        from depthscope.analyses.causal.variables.counterfactuals import read_counterfactuals  # torch: lazy (--help)
 
         for name in ("examples", "test"):
             p = getattr(self, name)
