@@ -11,7 +11,7 @@ times 61, plus what the run does once (extraction, probe fits, the clean loss).
 arm                    what runs
 =====================  ======================================================================
 ``from site``          ``causal_tests`` as shipped: every edited forward starts at its site's
-                       block from the clean stream there (:mod:`depthscope.analyses.causal.prefix`)
+                       block from the clean stream there (:mod:`depthscope.analyses.causal.erasure.prefix`)
 ``from embedding``     the same with the streams turned off (``PREFIX_BYTES = 0``): every forward
                        runs the whole model (the behaviour before)
 =====================  ======================================================================
@@ -67,8 +67,8 @@ def run(model, cfg, sites, plain: bool, counting=None) -> tuple[float, float, di
     """One ``causal_tests`` at ``sites``: (CPU seconds, wall seconds, info)."""
     from dataclasses import replace
 
-    import depthscope.analyses.causal.prefix as prefix
-    from depthscope.analyses.causal.used import causal_tests
+    import depthscope.analyses.causal.erasure.prefix as prefix
+    from depthscope.analyses.causal.erasure.used import causal_tests
 
     saved = prefix.PREFIX_BYTES
     prefix.PREFIX_BYTES = 0 if plain else saved
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import torch
 
     import benchmarks.bench_job_flops as flops
-    from depthscope.analyses.causal.config import CausalConfig
+    from depthscope.analyses.causal.erasure.config import CausalConfig
     from depthscope.hooks import load_model
     from depthscope.hooks.sites import parse_sites
 

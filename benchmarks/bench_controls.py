@@ -6,7 +6,7 @@ LEACE's in the stream's units) are each applied to the held-out text (the EWT te
 one document each), and every document's loss is kept. Then, for each number of controls ``C``,
 ``--draws`` sets of ``C`` controls are drawn from the pool (without replacement) and the interval
 of ``used`` is computed as ``depthscope causal`` computes it (a two-level bootstrap over the
-documents and the C controls, :func:`~depthscope.analyses.causal.loss.used_interval`). Per site
+documents and the C controls, :func:`~depthscope.analyses.causal.erasure.loss.used_interval`). Per site
 and ``C`` the table gives:
 
 * ``width``: the interval's mean width, and ``width / most``: against the mean width with the
@@ -43,9 +43,9 @@ def losses(sites: list[str], pool: int, train_sentences: int, test_sentences: in
     """Per site: the clean, LEACE and pool losses per held-out document, and the edits' sizes."""
     import torch
 
-    from depthscope.analyses.causal.erasure import EditMeter, edit_rms, fit_erasure, random_erasure
-    from depthscope.analyses.causal.loss import doc_nll, held_out
-    from depthscope.analyses.causal.used import word_matrix
+    from depthscope.analyses.causal.erasure.erasers import EditMeter, edit_rms, fit_erasure, random_erasure
+    from depthscope.analyses.causal.erasure.loss import doc_nll, held_out
+    from depthscope.analyses.causal.erasure.used import word_matrix
     from depthscope.hooks import load_model
     from depthscope.probes import DataConfig, ExtractionConfig, sample_data
     from depthscope.probes.encoding import encode_task
@@ -122,7 +122,7 @@ def coverage(res: dict, counts=COUNTS, draws: int = 200, bootstrap: int = 1000, 
     """Per site and number of controls: the interval's mean width, its width against the mean
     width with the most controls, how often it covers the pool's ``used`` (the documents held
     fixed), and :func:`model_coverage` at the site's measured spread (module docstring)."""
-    from depthscope.analyses.causal.loss import used_interval, used_score
+    from depthscope.analyses.causal.erasure.loss import used_interval, used_score
 
     clean, rows = res["clean"], []
     rng = np.random.default_rng(seed)

@@ -73,7 +73,7 @@ def _timed(fn) -> float:
 
 def floor_flops(model, train, site: int) -> float:
     """The products one epoch of DAS at ``site`` (subject position) cannot avoid (module docstring)."""
-    from depthscope.analyses.causal.counterfactuals import tokenize_examples
+    from depthscope.analyses.causal.variables.counterfactuals import tokenize_examples
 
     hf = model.hf_model
     blocks = hf.model.layers
@@ -101,7 +101,7 @@ def floor_flops(model, train, site: int) -> float:
 def depthscope_seconds(model, train, test, layers) -> tuple[float, list[float]]:
     """Seconds per site of :func:`das` at ``{l}.mlp`` for ``layers`` (one call), and the IIAs."""
     from depthscope.analyses import das
-    from depthscope.analyses.causal.config import LocalizeConfig
+    from depthscope.analyses.causal.variables.config import LocalizeConfig
 
     cfg = LocalizeConfig(epochs=1, lr=LR, batch_size=BATCH, seed=SEED)
     sites = ",".join(f"{layer}.mlp" for layer in layers) if layers else "resid"
@@ -135,7 +135,7 @@ def _pyvene_main(layers: list[int]) -> None:
     """In pyvene's environment: DAS at ``block_output`` of each layer, the same data and settings."""
     import pyvene as pv
 
-    from depthscope.analyses.causal.counterfactuals import tokenize_examples
+    from depthscope.analyses.causal.variables.counterfactuals import tokenize_examples
     from depthscope.hooks import load_model
 
     torch.set_num_threads(1)

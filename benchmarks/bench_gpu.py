@@ -337,7 +337,7 @@ def patching_rows(model, args, device: torch.device) -> list[Row]:
     """One pair over all residual sites, and a dataset of IOI pairs over every head, each against
     its plain loop of forwards."""
     from benchmarks.bench_patching import CLEAN, CORRUPTED, _head_loop, _one_per_site, ioi_pairs
-    from depthscope.analyses.circuits.patching import activation_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching
 
     tok = model.tokenizer
     target, foil = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))

@@ -1,6 +1,6 @@
 """Every edge scored (EAP) against the bare passes it needs, on the default model (issue 55).
 
-depthscope: :func:`~depthscope.analyses.circuits.eap.score_edges` with ``method="eap"`` over IOI
+depthscope: :func:`~depthscope.analyses.circuits.edges.eap.score_edges` with ``method="eap"`` over IOI
 pairs built by ``examples/ioi_dataset.py`` (``--quick`` 4 pairs, else 16): MIB's graph of the model
 (123,211 edges), each batch one corrupted forward without gradient, one clean forward with
 gradient and one backward, the receivers' input gradients and one contraction. Baseline: the same
@@ -51,9 +51,9 @@ def _bare(hf, batches) -> None:
 
 
 def run(quick: bool = False, threads: int = 1) -> list[dict]:
-    from depthscope.analyses.circuits.eap import BATCH_TOKENS, score_edges
-    from depthscope.analyses.circuits.graph import circuit_graph
-    from depthscope.analyses.circuits.graph_runs import graph_batches
+    from depthscope.analyses.circuits.edges.eap import BATCH_TOKENS, score_edges
+    from depthscope.analyses.circuits.edges.graph import circuit_graph
+    from depthscope.analyses.circuits.edges.runs import graph_batches
     from depthscope.hooks import load_model
 
     torch.set_num_threads(threads)

@@ -97,7 +97,7 @@ def run(quick: bool = False, threads: int = 1, only: str | None = None) -> list[
 
 def _sites_rows(model, quick: bool, threads: int) -> list[dict]:
     """The residual sites of the IOI pair: batched against one forward per site."""
-    from depthscope.analyses.circuits.patching import activation_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching
 
     tok = model.tokenizer
     target, foil = (tok(x, add_special_tokens=False)["input_ids"][0] for x in (" Mary", " John"))
@@ -204,7 +204,7 @@ def _dataset_timing(model, quick: bool) -> dict:
     """Both arms over the pairs, split into rounds (each arm on a round's pairs in turn), after a
     warm-up of both on other pairs; CPU seconds of this process per round, and the largest
     difference of the two arms' mean patched metrics."""
-    from depthscope.analyses.circuits.patching import activation_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching
 
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     pairs = ioi_pairs(model.tokenizer, DATASET_PAIRS[quick])
@@ -234,7 +234,7 @@ def dataset_peak(n_pairs: int) -> dict:
     """(Memory subprocess) the peak resident growth of one dataset call over ``n_pairs`` pairs,
     after a warm-up call on every template; with the size of the per-pair table it builds."""
     from benchmarks._common import measure_peak
-    from depthscope.analyses.circuits.patching import activation_patching, patch_pairs
+    from depthscope.analyses.circuits.patching.activation import activation_patching, patch_pairs
     from depthscope.hooks import load_model
 
     model = load_model()

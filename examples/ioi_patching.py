@@ -71,7 +71,7 @@ def main(argv=None):
     model = load_model(args.model)
     print(f"model {model.name}: {model.n_layers} blocks, d_model {model.d_model}")
     # A (target, foil) pair means logit(target) - logit(foil) at the last token; any function
-    # logits [batch, pos, vocab] -> [batch] works too (see depthscope.analyses.circuits.patching).
+    # logits [batch, pos, vocab] -> [batch] works too (see depthscope.analyses.circuits.prompts).
     metric = (args.target, args.foil)
     common = dict(clean=args.clean, corrupted=args.corrupted, metric=metric)
 

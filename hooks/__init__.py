@@ -68,6 +68,7 @@ _EXPORTS = {
     "train_tiny_series": "toy",
     "from_block": "block_start",
     "stream_plan": "streaming",
+    "require_decoder": "model_checks",
 }
 
 _SUBMODULES = {
@@ -108,6 +109,7 @@ __all__ = [
     "train_tiny_series",
     "from_block",
     "stream_plan",
+    "require_decoder",
     "HookContext",
     "Generation",
     "Point",

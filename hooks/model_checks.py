@@ -1,4 +1,5 @@
-"""A checkpoint's config, tokenizer and weights checked against each other before anything is allocated.
+"""A checkpoint's config, tokenizer and weights checked against each other before anything is allocated,
+and a loaded model checked against what an analysis needs of it.
 
 ==================================  ================================================================
 :func:`check_config_dict`           every size field of a raw config (layers, widths, heads,
@@ -14,6 +15,8 @@
 :func:`check_vocab`                 no token id of the tokenizer reaches past the embedding rows
 :func:`embedding_rows`              the rows of a model's input embedding
 :func:`gguf_config_sizes`           the size fields of a GGUF's metadata, read from its header
+:func:`require_decoder`             refuse an encoder where an analysis compares next-token logits
+                                    (patching, edge attribution, interchange interventions)
 ==================================  ================================================================
 
 Order (``depthscope.hooks.loading``): raw config -> config object -> meta model (parameters
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from depthscope.common.errors import CheckpointError, ModelSpecError
+from depthscope.common.errors import CheckpointError, InputError, ModelSpecError
 
 #: the most layers accepted (five times the deepest published decoders; a meta build of this many takes seconds)
 MAX_LAYERS = 1024
@@ -347,3 +350,15 @@ def gguf_config_sizes(path: Path) -> dict:
     except (struct.error, EOFError, ValueError, OSError):
         pass  # a truncated or odd header: transformers' own reader reports it
     return out
+
+
+def require_decoder(model, what: str = "patching") -> None:
+    """Refuse an encoder (BERT-style, ``model.is_decoder`` False): ``what`` compares the logits a
+    prompt gives for its next token at the last position, which an encoder does not predict (a
+    masked-LM head predicts each position's own token; a bare encoder has no logits at all)."""
+    if not model.is_decoder:
+        family = getattr(getattr(model, "arch", None), "family", "encoder")
+        raise InputError(
+            f"{model.name} is an encoder ({family}): {what} compares next-token logits (target vs foil at the "
+            f"last position), which an encoder does not predict; patch a decoder (a causal language model)"
+        )

@@ -296,7 +296,7 @@ def small_causal_config(store, train: int = 40, test: int = 12, epochs: int = 10
     """A causal test's settings small enough for the tiny models: ``train``/``test`` sentences of
     the bundled sample, probes of at most ``epochs``, the activation store in ``store``; ``kw``
     (``controls``, ``bootstrap``, ``extraction_sites``...) as CausalConfig's fields."""
-    from depthscope.analyses.causal.config import CausalConfig
+    from depthscope.analyses.causal.erasure.config import CausalConfig
     from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
     sites = kw.pop("extraction_sites", None)

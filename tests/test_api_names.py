@@ -61,7 +61,7 @@ def test_no_exported_name_is_a_module(package):
 
 def test_path_patching_and_sweep_are_the_functions():
     from depthscope.analyses import path_patching, sweep
-    from depthscope.analyses.circuits import paths  # noqa: F401  (its module imported first: no shadowing)
+    from depthscope.analyses.circuits.patching import paths  # noqa: F401  (its module imported first: no shadowing)
     from depthscope.analyses.sweeps import series  # noqa: F401
 
     assert callable(path_patching) and path_patching.__name__ == "path_patching"

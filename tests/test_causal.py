@@ -1,4 +1,4 @@
-"""Causal erasure per depth (``depthscope.analyses.causal.used``) against independent references: the
+"""Causal erasure per depth (``depthscope.analyses.causal.erasure.used``) against independent references: the
 eraser against concept_erasure's own ``LeaceEraser``, the erasing write hook against a plain PyTorch
 forward hook on the transformers module, the loss against transformers' ``labels=`` loss, the
 erased probe against the majority baseline, and the command's errors. Tiny models only (fast tier)."""
@@ -15,10 +15,16 @@ from concept_erasure import LeaceEraser
 from conftest import run_cli, small_causal_config
 from rich.console import Console
 
-from depthscope.analyses.causal.config import CausalConfig
-from depthscope.analyses.causal.erasure import edit_rms, fit_erasure, fitting_covariance, one_hot, random_erasure
-from depthscope.analyses.causal.loss import DocLoss, doc_nll, held_out, used_interval, used_score
-from depthscope.analyses.causal.used import causal_tests
+from depthscope.analyses.causal.erasure.config import CausalConfig
+from depthscope.analyses.causal.erasure.erasers import (
+    edit_rms,
+    fit_erasure,
+    fitting_covariance,
+    one_hot,
+    random_erasure,
+)
+from depthscope.analyses.causal.erasure.loss import DocLoss, doc_nll, held_out, used_interval, used_score
+from depthscope.analyses.causal.erasure.used import causal_tests
 from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.causal import report_causal, summary_table
 from depthscope.analyses.jobs.configs import ProbeJobConfig, ReportConfig
@@ -223,7 +229,7 @@ def tiny_result(tiny_factory, tmp_path_factory):
 def test_a_rerun_resumes_from_the_finished_sites(tiny_factory, tmp_path, monkeypatch, capsys):
     """Each finished site's losses are kept; a rerun with the same model, settings and text
     computes no site again and gives the same table; another setting computes them anew."""
-    import depthscope.analyses.causal.used as used
+    import depthscope.analyses.causal.erasure.used as used
 
     cfg = small_causal_config(tmp_path / "store", controls=2, bootstrap=50)
     model = tiny_factory("llama")
@@ -244,9 +250,9 @@ def test_a_rerun_resumes_from_the_finished_sites(tiny_factory, tmp_path, monkeyp
 
 def test_forwards_from_the_sites_block_equal_the_plain_forwards(tiny_factory, tiny_result, tmp_path, monkeypatch):
     """The erased and control forwards start at their site's block from the clean stream there
-    (analyses/causal/prefix.py); with that turned off (every forward from the embedding) the
+    (analyses/causal/erasure/prefix.py); with that turned off (every forward from the embedding) the
     table is the same, bit for bit."""
-    import depthscope.analyses.causal.prefix as prefix
+    import depthscope.analyses.causal.erasure.prefix as prefix
 
     cfg = small_causal_config(tmp_path / "store", 60, 20, 200, controls=2, bootstrap=200)
     monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from depthscope.analyses.circuits import edge_attribution, evaluate_circuit
-from depthscope.analyses.circuits.evaluate import CircuitEvaluator
-from depthscope.analyses.circuits.faithfulness import areas, circuit_faithfulness
-from depthscope.analyses.circuits.graph import circuit_graph
+from depthscope.analyses.circuits.edges.evaluate import CircuitEvaluator
+from depthscope.analyses.circuits.edges.faithfulness import areas, circuit_faithfulness
+from depthscope.analyses.circuits.edges.graph import circuit_graph
 from depthscope.analyses.circuits.pairs import PromptPair
 from depthscope.common.errors import InputError
 from tests import graph_refs as ref

@@ -113,7 +113,7 @@ def test_analyses_in_half_precision_give_float_tables(folder, dtype):
 def test_patching_and_probes_in_half_precision(folder, dtype):
     """Activation patching and probe features of a half-precision model: float tables close to
     float32's (mean-pooled probe features are summed in float32 whatever the model's dtype)."""
-    from depthscope.analyses.circuits.patching import activation_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching
     from depthscope.probes import run_probes, sample_data
 
     s = sample_data()
@@ -211,8 +211,8 @@ def test_cuda_patching_matches_the_cpu(folder):
     from conftest import IOI_PAIRS
 
     from depthscope.analyses.circuits.pairs import PromptPair
-    from depthscope.analyses.circuits.patching import activation_patching, attribution_patching
-    from depthscope.analyses.circuits.paths import path_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching, attribution_patching
+    from depthscope.analyses.circuits.patching.paths import path_patching
 
     cpu, gpu = load_model(folder), load_model(folder, device="cuda")
     pairs = [PromptPair(*p) for p in IOI_PAIRS[:2]]
@@ -267,8 +267,8 @@ def test_cuda_causal_forwards_from_the_sites_block_equal_the_plain_forwards(fold
     import pandas as pd
     from conftest import small_causal_config
 
-    import depthscope.analyses.causal.prefix as prefix
-    from depthscope.analyses.causal.used import causal_tests
+    import depthscope.analyses.causal.erasure.prefix as prefix
+    from depthscope.analyses.causal.erasure.used import causal_tests
 
     cfg = small_causal_config(tmp_path / "store", controls=1, bootstrap=0)
     gpu = load_model(folder, device="cuda")

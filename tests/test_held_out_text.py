@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from depthscope.analyses import TextWindows, evaluate_sae, layer_interventions, text_rows
-from depthscope.analyses.causal.loss import doc_nll, held_out
+from depthscope.analyses.causal.erasure.loss import doc_nll, held_out
 from depthscope.common.errors import InputError
 from tests.test_sae import random_sae
 

@@ -210,7 +210,7 @@ def tiny_dirs(tmp_path_factory, tiny_tokenizer):
 
 
 def test_patching_an_encoder_is_refused(tiny_factory):
-    from depthscope.analyses.circuits.patching import activation_patching
+    from depthscope.analyses.circuits.patching.activation import activation_patching
 
     bert = tiny_factory("bert", n_layers=2, d_model=32)
     with pytest.raises(InputError, match="is an encoder .* patch a decoder"):

@@ -1,4 +1,4 @@
-"""Layer interventions (analyses/causal/layers.py, hooks/block_order.py): the model with one block skipped
+"""Layer interventions (analyses/causal/erasure/layers.py, hooks/block_order.py): the model with one block skipped
 or two neighbouring blocks swapped, scored by next-token cross-entropy and top-1 agreement, against
 the same intervention built by hand on the plain transformers model (a new ``nn.ModuleList`` of
 its blocks: the skipped block left out, the swapped pair exchanged), one line at a time without
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from depthscope.analyses.causal.layers import layer_interventions
+from depthscope.analyses.causal.erasure.layers import layer_interventions
 from depthscope.common.errors import InputError
 from depthscope.hooks.block_order import block_order, skip, swap
 from tests.conftest import run_cli

@@ -34,7 +34,7 @@ from depthscope.analyses import (
     split_examples,
     write_counterfactuals,
 )
-from depthscope.analyses.causal.config import LocalizeConfig
+from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.circuits.pairs import PromptPair
 from depthscope.analyses.jobs.localize import localize_job, summary_table
 from depthscope.common.errors import InputError

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from depthscope.analyses.circuits.patching import (
+from depthscope.analyses.circuits.patching.activation import (
     PATCH_COLUMNS,
     activation_patching,
     attribution_patching,
@@ -585,7 +585,7 @@ def test_aliases_name_the_same_points(tiny_llama):
 
 # ----------------------------------------------------------------------------- plots and CLI
 def test_plots_from_tables(tiny_llama, tmp_path):
-    from depthscope.analyses.circuits import plots
+    from depthscope.analyses.circuits.patching import plots
 
     each = activation_patching(tiny_llama, CLEAN, CORRUPTED, (" Mary", " John"), positions="each")
     assert plots.plot_patching_sites(each, tmp_path / "sites.png").stat().st_size > 10_000

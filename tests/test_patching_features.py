@@ -14,7 +14,7 @@ from conftest import IOI_PAIRS
 from test_sae import hand_encode, random_sae
 
 from depthscope.analyses.circuits.pairs import PromptPair
-from depthscope.analyses.circuits.patching import activation_patching, attribution_patching, patch_pairs
+from depthscope.analyses.circuits.patching.activation import activation_patching, attribution_patching, patch_pairs
 from depthscope.common.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -23,7 +23,7 @@ import pandas as pd
 import pytest
 import torch
 
-from depthscope.analyses.circuits.patching import activation_patching
+from depthscope.analyses.circuits.patching.activation import activation_patching
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,7 +191,7 @@ def test_direct_path_to_logits_equals_the_direct_path_reference(default_model, p
     for all 270 heads, the clean-minus-corrupted head write at the last position added to the
     corrupted final residual, through the final norm and the unembedding (plain hooks and the
     transformers modules), then the IOI normalisation over pairs: to 1e-3."""
-    from depthscope.analyses.circuits.paths import path_patching
+    from depthscope.analyses.circuits.patching.paths import path_patching
 
     some = pairs[:4]
     hf, tok = default_model.hf_model, default_model.tokenizer

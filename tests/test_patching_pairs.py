@@ -14,7 +14,12 @@ import torch
 from conftest import IOI_PAIRS, run_cli
 
 from depthscope.analyses.circuits.pairs import PromptPair, mean_over_pairs, read_pairs
-from depthscope.analyses.circuits.patching import PAIR_KEYS, activation_patching, attribution_patching, patch_pairs
+from depthscope.analyses.circuits.patching.activation import (
+    PAIR_KEYS,
+    activation_patching,
+    attribution_patching,
+    patch_pairs,
+)
 from depthscope.common.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

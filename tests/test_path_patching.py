@@ -14,8 +14,8 @@ import torch
 from conftest import IOI_PAIRS, run_cli
 
 from depthscope.analyses.circuits.pairs import PromptPair, mean_over_pairs
-from depthscope.analyses.circuits.path_plots import plot_path_patching
-from depthscope.analyses.circuits.paths import PATH_KEYS, path_patch_pairs, path_patching
+from depthscope.analyses.circuits.patching.path_plots import plot_path_patching
+from depthscope.analyses.circuits.patching.paths import PATH_KEYS, path_patch_pairs, path_patching
 from depthscope.common.errors import InputError
 from depthscope.hooks import load_model
 

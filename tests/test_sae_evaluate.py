@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from depthscope.analyses import TextWindows, evaluate_sae
-from depthscope.analyses.causal.loss import held_out
+from depthscope.analyses.causal.erasure.loss import held_out
 from depthscope.common.errors import InputError
 from depthscope.hooks import load_sae, save_sae
 from tests.test_sae import hand_encode, random_sae

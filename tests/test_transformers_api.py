@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from depthscope.analyses.circuits.runs import _prefix_cache
+from depthscope.analyses.circuits.patching.runs import _prefix_cache
 from depthscope.hooks.arch import cache_keyword, returned_cache
 
 

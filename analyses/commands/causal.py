@@ -1,6 +1,6 @@
 """``depthscope causal``: is what a site encodes used? LEACE erasure at every residual site, its effect
 on linear probes and on the model's next-token loss. The options are the fields of
-:class:`~depthscope.analyses.causal.config.CausalConfig` and the probe, extraction and data
+:class:`~depthscope.analyses.causal.erasure.config.CausalConfig` and the probe, extraction and data
 configurations it holds; the work is :func:`~depthscope.analyses.jobs.causal.causal_job`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from depthscope.analyses.causal.config import CausalConfig
+from depthscope.analyses.causal.erasure.config import CausalConfig
 from depthscope.analyses.commands.common import begin, loader, prepare_store, show
 from depthscope.analyses.commands.options import command, opt, options
 from depthscope.analyses.jobs import Output

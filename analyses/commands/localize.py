@@ -1,11 +1,11 @@
 """``depthscope localize``: which depth carries a variable the model computes with: interchange
 interventions or DAS per residual site and named position on counterfactual examples; the options
-are the fields of :class:`~depthscope.analyses.causal.config.LocalizeConfig`, the work is
+are the fields of :class:`~depthscope.analyses.causal.variables.config.LocalizeConfig`, the work is
 :func:`~depthscope.analyses.jobs.localize.localize_job`."""
 
 from __future__ import annotations
 
-from depthscope.analyses.causal.config import LocalizeConfig
+from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.commands.common import begin, loader, show
 from depthscope.analyses.commands.options import command, options
 from depthscope.analyses.jobs import Output

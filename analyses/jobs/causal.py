@@ -1,9 +1,9 @@
 """The causal job: LEACE erasure at every site, its effect on probes and on the model's loss, written once.
 
 =================================  ===========================================================
-``CausalConfig``                   (in :mod:`depthscope.analyses.causal.config`) tasks, data,
+``CausalConfig``                   (in :mod:`depthscope.analyses.causal.erasure.config`) tasks, data,
                                    held-out text, controls, bootstrap and the probe settings
-``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.used.causal_tests` and
+``causal_job(model, config, out,   runs :func:`~depthscope.analyses.causal.erasure.used.causal_tests` and
 progress=)``                       writes ``causal`` (Parquet + CSV), ``causal_summary.json``
                                    (with the table's notes) and ``causal_encoded_used.png``
                                    through ``out``; a :class:`JobResult`;
@@ -28,9 +28,9 @@ from dataclasses import replace
 import numpy as np
 from rich.table import Table
 
-from depthscope.analyses.causal.config import WORD_POOLINGS, CausalConfig
-from depthscope.analyses.causal.plots import plot_causal
-from depthscope.analyses.causal.used import causal_tests
+from depthscope.analyses.causal.erasure.config import WORD_POOLINGS, CausalConfig
+from depthscope.analyses.causal.erasure.plots import plot_causal
+from depthscope.analyses.causal.erasure.used import causal_tests
 from depthscope.analyses.intervals import too_few
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import ProbeJobConfig

@@ -27,17 +27,17 @@ import pandas as pd
 from rich.markup import escape
 from rich.table import Table
 
-from depthscope.analyses.circuits.eap import edge_frame, score_edges
-from depthscope.analyses.circuits.evaluate import CircuitEvaluator
-from depthscope.analyses.circuits.faithfulness import (
+from depthscope.analyses.circuits.edges.eap import edge_frame, score_edges
+from depthscope.analyses.circuits.edges.evaluate import CircuitEvaluator
+from depthscope.analyses.circuits.edges.faithfulness import (
     circuit_stability,
     faithfulness_curve,
     smallest_faithful,
     top_circuit,
 )
-from depthscope.analyses.circuits.graph import mib_graph
-from depthscope.analyses.circuits.graph_html import circuit_html, circuit_json
-from depthscope.analyses.circuits.graph_plots import plot_circuit, plot_faithfulness
+from depthscope.analyses.circuits.edges.graph import mib_graph
+from depthscope.analyses.circuits.edges.html import circuit_html, circuit_json
+from depthscope.analyses.circuits.edges.plots import plot_circuit, plot_faithfulness
 from depthscope.analyses.circuits.pairs import read_pairs
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import CircuitConfig

@@ -16,14 +16,14 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`LensConfig`        ``lens/config.py``: :func:`~depthscope.analyses.jobs.lens.lens_job`
 :class:`LensTrainConfig`   ``lens/config.py``: :func:`~depthscope.analyses.jobs.lens.lens_train_job`
 :class:`NormsConfig`       ``norms/config.py``: :func:`~depthscope.analyses.jobs.norms.norms_job`
-:class:`PatchConfig`       ``circuits/config.py``: :func:`~depthscope.analyses.jobs.patch.patch_job`
-:class:`CircuitConfig`     ``circuits/config.py``: :func:`~depthscope.analyses.jobs.circuit.circuit_job`
+:class:`PatchConfig`       ``circuits/patching/config.py``: :func:`~depthscope.analyses.jobs.patch.patch_job`
+:class:`CircuitConfig`     ``circuits/edges/config.py``: :func:`~depthscope.analyses.jobs.circuit.circuit_job`
 :class:`ProbeJobConfig`    ``probing/config.py``: :func:`~depthscope.analyses.jobs.probe.run_probe_job`
 :class:`SweepJobConfig`    ``sweeps/config.py``: :func:`~depthscope.analyses.jobs.sweep.sweep_job`
 :class:`ReportConfig`      ``report/config.py``: :func:`~depthscope.analyses.report.main_job.run_report`
-:class:`LayersConfig`      ``causal/config.py``: :func:`~depthscope.analyses.jobs.layers.layers_job`
-:class:`CausalConfig`      ``causal/config.py``: :func:`~depthscope.analyses.causal.used.causal_tests`
-:class:`LocalizeConfig`    ``causal/config.py``: :func:`~depthscope.analyses.jobs.localize.localize_job`
+:class:`LayersConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.jobs.layers.layers_job`
+:class:`CausalConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.causal.erasure.used.causal_tests`
+:class:`LocalizeConfig`    ``causal/variables/config.py``: :func:`~depthscope.analyses.jobs.localize.localize_job`
 :class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`
 =========================  ====================================================================
 """
@@ -32,8 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthscope.analyses.causal.config import CausalConfig, LayersConfig, LocalizeConfig
-from depthscope.analyses.circuits.config import CircuitConfig, PatchConfig
+from depthscope.analyses.causal.erasure.config import CausalConfig, LayersConfig
+from depthscope.analyses.causal.variables.config import LocalizeConfig
+from depthscope.analyses.circuits.edges.config import CircuitConfig
+from depthscope.analyses.circuits.patching.config import PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
     DEFAULT_TARGET,

@@ -8,7 +8,7 @@ and word counts, licences, and copies into a folder (``depthscope data``).
 :func:`copy_samples`    the named samples and their README copied into a folder
 :func:`samples_table`   the console table of the samples
 :func:`generate`        a generated counterfactual dataset (:data:`GENERATED`: subject-verb
-                        agreement, IOI; :mod:`depthscope.analyses.causal.templates`) for a
+                        agreement, IOI; :mod:`depthscope.analyses.causal.variables.templates`) for a
                         model's tokenizer, written as JSONL
 ======================  =====================================================================
 """
@@ -118,8 +118,8 @@ def generate(name: str, model: str | None = None, folder: Path | None = None, *,
     is kept unless ``force``."""
     import re
 
-    from depthscope.analyses.causal.counterfactuals import write_counterfactuals  # lazy: --help stays light
-    from depthscope.analyses.causal.templates import GENERATED as MAKERS
+    from depthscope.analyses.causal.variables.counterfactuals import write_counterfactuals  # lazy: --help stays light
+    from depthscope.analyses.causal.variables.templates import GENERATED as MAKERS
     from depthscope.hooks import cache_dir, load_model
 
     if name not in GENERATED:

@@ -1,7 +1,7 @@
 """The layers job: every block skipped and every neighbouring pair swapped, scored on a text.
 
 ==========================  =====================================================================
-:func:`layers_job`          table ``layers`` (:func:`~depthscope.analyses.causal.layers.layer_interventions`),
+:func:`layers_job`          table ``layers`` (:func:`~depthscope.analyses.causal.erasure.layers.layer_interventions`),
                             figure ``layers_curves`` (PNG and SVG), ``layers_summary.json``
 :func:`summary_table`       the console table of its summary (``depthscope layers`` prints it)
 ==========================  =====================================================================
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-from depthscope.analyses.causal.layer_plots import plot_layers
-from depthscope.analyses.causal.layers import layer_interventions
+from depthscope.analyses.causal.erasure.layer_plots import plot_layers
+from depthscope.analyses.causal.erasure.layers import layer_interventions
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import LayersConfig
 

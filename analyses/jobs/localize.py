@@ -1,8 +1,9 @@
 """The localize job: which depth carries a variable the model computes with, written once.
 
 =================================  ===========================================================
-``LocalizeConfig``                 (in :mod:`depthscope.analyses.causal.config`) the examples,
-                                   the split, the method, sites, positions and DAS settings
+``LocalizeConfig``                 (in :mod:`depthscope.analyses.causal.variables.config`)
+                                   the examples, the split, the method, sites, positions and
+                                   DAS settings
 ``localize_job(model, config,      interchange or DAS on the examples; writes ``localize``
 out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, the figure
                                    ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
@@ -16,7 +17,7 @@ summary)``                         IIA and the first site where IIA reaches half
 Both methods are measured on the same held-out examples: ``test`` when given, else the seeded
 ``1 - train_fraction`` of ``examples`` (interchange trains nothing, but measuring it on the
 examples DAS is measured on keeps the two rows of a site comparable). ``only_solved`` keeps, of
-both, the examples the model solves (:func:`~depthscope.analyses.causal.solving.solved`); the
+both, the examples the model solves (:func:`~depthscope.analyses.causal.variables.solving.solved`); the
 summary's ``n_train_all`` and ``n_test_all`` count them before, ``n_train`` and ``n_test`` after.
 """
 
@@ -26,14 +27,15 @@ from dataclasses import replace
 
 from rich.table import Table
 
-from depthscope.analyses.causal.alignment import das
-from depthscope.analyses.causal.config import CausalConfig, LocalizeConfig
-from depthscope.analyses.causal.counterfactuals import read_counterfactuals, split_examples
-from depthscope.analyses.causal.iia import interchange, resid_sites
-from depthscope.analyses.causal.localize_plots import plot_iia, plot_three_curves
-from depthscope.analyses.causal.solving import solved
-from depthscope.analyses.causal.subspaces import save_subspaces
-from depthscope.analyses.causal.used import causal_tests
+from depthscope.analyses.causal.erasure.config import CausalConfig
+from depthscope.analyses.causal.erasure.used import causal_tests
+from depthscope.analyses.causal.variables.alignment import das
+from depthscope.analyses.causal.variables.config import LocalizeConfig
+from depthscope.analyses.causal.variables.counterfactuals import read_counterfactuals, split_examples
+from depthscope.analyses.causal.variables.iia import interchange, resid_sites
+from depthscope.analyses.causal.variables.localize_plots import plot_iia, plot_three_curves
+from depthscope.analyses.causal.variables.solving import solved
+from depthscope.analyses.causal.variables.subspaces import save_subspaces
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.common.errors import InputError
 from depthscope.probes.config import DataConfig, ExtractionConfig

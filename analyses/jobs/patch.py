@@ -30,9 +30,9 @@ import pandas as pd
 from rich.table import Table
 from scipy.stats import spearmanr
 
-from depthscope.analyses.circuits import plots
 from depthscope.analyses.circuits.pairs import read_pairs
-from depthscope.analyses.circuits.patching import (
+from depthscope.analyses.circuits.patching import plots
+from depthscope.analyses.circuits.patching.activation import (
     PAIR_KEYS,
     activation_patching,
     attribution_patching,
@@ -40,8 +40,8 @@ from depthscope.analyses.circuits.patching import (
     logprob,
     patch_pairs,
 )
-from depthscope.analyses.circuits.results import add_note
-from depthscope.analyses.circuits.results import means as pair_means
+from depthscope.analyses.circuits.patching.results import add_note
+from depthscope.analyses.circuits.patching.results import means as pair_means
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import PatchConfig
 
@@ -258,8 +258,11 @@ def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
     """Path patching from ``senders`` to ``receivers`` over the pairs file (or the one prompt
     pair): ``path_patching`` (means over pairs) and ``path_patching_pairs``, and its heatmap."""
     from depthscope.analyses.circuits.pairs import PromptPair
-    from depthscope.analyses.circuits.path_plots import plot_path_patching
-    from depthscope.analyses.circuits.paths import PATH_KEYS, path_patch_pairs  # lazy: optional part of the job
+    from depthscope.analyses.circuits.patching.path_plots import plot_path_patching
+    from depthscope.analyses.circuits.patching.paths import (  # lazy: optional part of the job
+        PATH_KEYS,
+        path_patch_pairs,
+    )
 
     if config.pairs is not None:
         pairs = read_pairs(config.pairs)

@@ -9,7 +9,7 @@ CircuitEvaluator       a dataset prepared once (batches, ablated values) for man
 ABLATIONS              ``counterfactual``, ``mean``, ``zero``
 =====================  =========================================================================
 
-A circuit is a set of edges of the graph (:mod:`depthscope.analyses.circuits.graph`). Each pair's
+A circuit is a set of edges of the graph (:mod:`depthscope.analyses.circuits.edges.graph`). Each pair's
 clean prompt runs with every receiver fed its own input: the residual stream it reads, in which
 each sender whose edge into it is *not* in the circuit is replaced by its ablated value,
 
@@ -27,7 +27,7 @@ corrupted run's metric (to float rounding).
 How. Hooks at the senders (``embed``, ``l.heads``, ``l.mlp_out``) note each write's difference
 from its ablated value; hooks at the receivers recompute what each receiver makes of its own
 input: the queries, keys and values of the heads that have an ablated input edge (the model's own
-norm and projection weights, :func:`~depthscope.analyses.circuits.graph_runs.project`), the MLP's
+norm and projection weights, :func:`~depthscope.analyses.circuits.edges.runs.project`), the MLP's
 normed input (``l.mlp_in``) and the final stream. With grouped key/value heads, the query heads of
 one group may need different keys or values; the batch then runs ``n_heads / n_kv_heads`` copies
 of each prompt, copy ``r`` carrying the keys and values of each group's ``r``-th query head, and
@@ -44,8 +44,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph, edge_matrix
-from depthscope.analyses.circuits.graph_runs import (
+from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, edge_matrix
+from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
     first_difference,
     graph_batches,
@@ -55,8 +55,8 @@ from depthscope.analyses.circuits.graph_runs import (
     stack_senders,
 )
 from depthscope.analyses.circuits.prompts import describe_metrics
-from depthscope.analyses.circuits.runs import require_decoder
 from depthscope.common.errors import InputError
+from depthscope.hooks.model_checks import require_decoder
 
 __all__ = ["evaluate_circuit", "CircuitEvaluator", "ABLATIONS", "BATCH_TOKENS"]
 
@@ -284,7 +284,7 @@ class CircuitEvaluator:
     """A dataset of pairs prepared for evaluating many circuits of one model: batches of one
     token length, the ablated values (kept between circuits when they fit ``KEEP_BYTES``), the
     clean and corrupted metrics. ``metrics(in_circuit)`` evaluates one circuit (a bool
-    ``[senders, receivers]`` matrix, or what :func:`~depthscope.analyses.circuits.graph.edge_matrix`
+    ``[senders, receivers]`` matrix, or what :func:`~depthscope.analyses.circuits.edges.graph.edge_matrix`
     reads) and returns each pair's metric."""
 
     def __init__(
@@ -391,10 +391,10 @@ def evaluate_circuit(
     """Each pair's metric on its clean prompt run through the circuit ``edges`` (module docstring).
 
     ``edges``: a table with ``sender`` and ``receiver`` columns (rows of
-    :func:`~depthscope.analyses.circuits.eap.edge_attribution`, e.g. its top rows) or a list of
+    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`, e.g. its top rows) or a list of
     ``(sender, receiver)``; every other edge carries its sender's ablated value (``ablation``:
     ``counterfactual``, the pair's corrupted run; ``mean``; ``zero``). ``pairs`` and ``metric`` as
-    in :func:`~depthscope.analyses.circuits.eap.edge_attribution`.
+    in :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`.
 
     Returns one row per pair: ``pair``, ``metric``, ``clean_metric`` and ``corrupted_metric`` (the
     plain runs), ``n_edges`` (edges in the circuit) and ``ablation``."""

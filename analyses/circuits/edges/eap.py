@@ -16,7 +16,7 @@ The convention is MIB's counterfactual one. For a pair with metric ``m`` (by def
 
     score(u -> v) = sum over positions of (a_u(corrupted) - a_u(clean)) . dm/dx_v
 
-with ``a_u`` the sender's write (:mod:`depthscope.analyses.circuits.graph`) and ``x_v`` the
+with ``a_u`` the sender's write (:mod:`depthscope.analyses.circuits.edges.graph`) and ``x_v`` the
 receiver's input (the residual stream it reads, before its norm), the gradient taken on the clean
 run: a first-order estimate of ``m`` with that one edge carrying the corrupted value, minus
 ``m(clean)``. **EAP-IG** (inputs) replaces the clean gradient by its mean over ``steps`` runs whose
@@ -49,8 +49,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph
-from depthscope.analyses.circuits.graph_runs import (
+from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph
+from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
     LayerParts,
     first_difference,
@@ -59,10 +59,10 @@ from depthscope.analyses.circuits.graph_runs import (
     stack_senders,
 )
 from depthscope.analyses.circuits.prompts import describe_metrics
-from depthscope.analyses.circuits.runs import require_decoder
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import check_number
+from depthscope.hooks.model_checks import require_decoder
 
 __all__ = ["edge_attribution", "score_edges", "EdgeScores", "METHODS", "MAX_STEPS"]
 
@@ -286,7 +286,7 @@ def edge_attribution(
     per_pair: bool = False,
     batch_tokens: int = BATCH_TOKENS,
 ) -> pd.DataFrame:
-    """Every edge of the model's graph (:func:`~depthscope.analyses.circuits.graph.circuit_graph`)
+    """Every edge of the model's graph (:func:`~depthscope.analyses.circuits.edges.graph.circuit_graph`)
     scored over a dataset of prompt pairs by EAP or EAP-IG (module docstring).
 
     ``pairs``: what :func:`~depthscope.analyses.circuits.pairs.as_pairs` accepts (PromptPairs, dicts,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from depthscope.analyses.causal.counterfactuals import Counterfactual
+from depthscope.analyses.causal.variables.counterfactuals import Counterfactual
 from depthscope.common.errors import InputError
 
 __all__ = ["agreement_examples", "ioi_examples", "GENERATED"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from depthscope.analyses.causal.counterfactuals import TokenExample
+from depthscope.analyses.causal.variables.counterfactuals import TokenExample
 from depthscope.hooks.arch import cache_keyword, returned_cache
 from depthscope.hooks.engine import Engine, normalise_hooks
 from depthscope.hooks.sites import site_labels

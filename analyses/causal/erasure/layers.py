@@ -21,7 +21,7 @@ The text is read as every free-text analysis reads it
 :class:`~depthscope.analyses.text_settings.TextWindows`: the BOS token prepended to every window
 when the tokenizer adds none, documents longer than the window split into windows, each a fresh
 context; at most ``max_tokens`` predicted tokens), so the unmodified row's ``cross_entropy`` is
-the clean loss of the causal test (:func:`~depthscope.analyses.causal.loss.doc_nll`) and of
+the clean loss of the causal test (:func:`~depthscope.analyses.causal.erasure.loss.doc_nll`) and of
 :func:`~depthscope.analyses.features.evaluate.evaluate_sae` on the same text.
 ``cross_entropy`` is the mean over every predicted token (position ``t`` predicts token ``t + 1``
 of the same window), i.e. the token-weighted mean over documents; ``top1_agreement`` the fraction

@@ -33,13 +33,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.causal.config import LocalizeConfig
-from depthscope.analyses.causal.counterfactuals import END, TokenExample, as_counterfactuals, tokenize_examples
-from depthscope.analyses.causal.swaps import Runner, candidate_scores, make_batches, site_vectors
-from depthscope.analyses.circuits.runs import require_decoder
+from depthscope.analyses.causal.variables.config import LocalizeConfig
+from depthscope.analyses.causal.variables.counterfactuals import (
+    END,
+    TokenExample,
+    as_counterfactuals,
+    tokenize_examples,
+)
+from depthscope.analyses.causal.variables.swaps import Runner, candidate_scores, make_batches, site_vectors
 from depthscope.analyses.intervals import MIN_UNITS, provenance, too_few, too_few_note
 from depthscope.common.errors import InputError
 from depthscope.common.progress import track
+from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import SITE_COLUMNS, parse_sites, site_frame
 
 __all__ = ["interchange", "iia_columns", "parse_positions", "resid_sites", "COLUMNS", "CI_METHOD"]

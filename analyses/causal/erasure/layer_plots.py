@@ -1,4 +1,4 @@
-"""The figure of :func:`depthscope.analyses.causal.layers.layer_interventions`, drawn from its table only.
+"""The figure of :func:`depthscope.analyses.causal.erasure.layers.layer_interventions`, drawn from its table only.
 
 =========================  ====================================================================
 :func:`plot_layers`        two panels against the intervened block: next-token cross-entropy
@@ -26,7 +26,7 @@ STYLE = {
 
 def plot_layers(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
     """Cross-entropy and top-1 agreement per block for each intervention of ``df`` (a
-    :func:`~depthscope.analyses.causal.layers.layer_interventions` table), saved to ``path``."""
+    :func:`~depthscope.analyses.causal.erasure.layers.layer_interventions` table), saved to ``path``."""
     need = {"layer", "intervention", "cross_entropy", "top1_agreement"}
     if not need <= set(df.columns):
         raise InputError(f"a layer-interventions table needs the columns {sorted(need)}")

@@ -92,7 +92,7 @@ def held_out(
 def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int = 16, prefixes=None) -> DocLoss:
     """Per-document next-token loss of ``model`` on ``held`` with ``hooks`` (``{point: fn}``,
     None: the plain forward); see the module docstring. ``prefixes``
-    (:class:`~depthscope.analyses.causal.prefix.Prefixes` of ``held``): its batches, each forward
+    (:class:`~depthscope.analyses.causal.erasure.prefix.Prefixes` of ``held``): its batches, each forward
     starting at its block from the clean stream there (the hooks must be at or after it)."""
     nll = np.zeros(held.n_docs, dtype=np.float64)
     count = np.zeros(held.n_docs, dtype=np.int64)

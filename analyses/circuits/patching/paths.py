@@ -18,9 +18,9 @@ reach the *receivers* only directly, not through other attention heads. Per pair
 offers                     what
 =========================  =====================================================================
 path_patching              the means over pairs: one row per sender, the table of
-                           :func:`~depthscope.analyses.circuits.patching.activation_patching` on a
+                           :func:`~depthscope.analyses.circuits.patching.activation.activation_patching` on a
                            dataset plus ``receiver`` (``method = "path"``; the columns of
-                           :mod:`~depthscope.analyses.circuits.results`)
+                           :mod:`~depthscope.analyses.circuits.patching.results`)
 path_patch_pairs           the per-pair rows those means come from (a ``pair`` column)
 parse_senders              the senders a ``senders`` argument names (:class:`Sender`)
 parse_receivers            the receivers a ``receivers`` argument names (:class:`Receiver`) and
@@ -79,11 +79,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.circuits import runs
 from depthscope.analyses.circuits.pairs import as_pairs
+from depthscope.analyses.circuits.patching import runs
+from depthscope.analyses.circuits.patching.results import PATCH_COLUMNS, add_note, means, run_pairs
 from depthscope.analyses.circuits.prompts import TokenPair, tokenize_pairs
-from depthscope.analyses.circuits.results import PATCH_COLUMNS, add_note, means, run_pairs
 from depthscope.common.errors import InputError
+from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.points import Point, parse_point
 
 __all__ = [
@@ -427,7 +428,7 @@ def path_patch_pairs(
     (2048: the tokens of one forward). Columns :data:`PATH_COLUMNS` after ``pair``; ``metric`` is
     the patched value (NaN for a sender at or after every receiver: not measured).
     :func:`path_patching` gives the means over pairs."""
-    runs.require_decoder(model, "path patching")
+    require_decoder(model, "path patching")
     if isinstance(pairs, (list, tuple)) and not pairs:
         raise InputError("the pair list is empty: give at least one prompt pair")
     opts = runs.keyword_options(options, OPTIONS, "path patching")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
-from depthscope.common.settings import BATCH, SEED, Checked, Limit, comma_list, setting
+from depthscope.common.settings import BATCH, Checked, Limit, comma_list, setting
 from depthscope.probes.config import DataConfig, ExtractionConfig, ProbeConfig
 
 #: single-vector poolings: one feature per word, so one eraser per site
 WORD_POOLINGS = ("last", "first", "mean")
-#: the kinds of random erasure (:func:`~depthscope.analyses.causal.erasure.random_erasure`)
+#: the kinds of random erasure (:func:`~depthscope.analyses.causal.erasure.erasers.random_erasure`)
 CONTROL_KINDS = ("raw", "whitened")
 #: random erasures per site by default: the interval of ``used`` resamples them, and with 4 it
 #: covers at 94% or more of its nominal 95% at the control spreads measured on the default model
@@ -32,11 +32,11 @@ CONTROLS_DEFAULT = 4
 
 @dataclass(frozen=True)
 class CausalConfig(Checked):
-    """What :func:`~depthscope.analyses.causal.used.causal_tests` runs: ``tasks`` (None: ``upos``),
+    """What :func:`~depthscope.analyses.causal.erasure.used.causal_tests` runs: ``tasks`` (None: ``upos``),
     ``train`` / ``test`` (None: the bundled EWT sample), ``text`` (a plain-text file, one
     document per line, for the model's loss; None: the test sentences) of which the first
     ``max_text_tokens`` predicted tokens are used, cut inside a document (None: all; read as
-    every free-text analysis reads text, :func:`~depthscope.analyses.causal.loss.held_out`), ``controls`` seeded
+    every free-text analysis reads text, :func:`~depthscope.analyses.causal.erasure.loss.held_out`), ``controls`` seeded
     random erasures of the same rank per site (``control``: ``raw``, their edit as large as
     LEACE's in the stream's units, or ``whitened``), ``bootstrap`` resamples of the held-out
     documents and the controls for the interval of ``used``, ``batch_size`` documents per forward pass, and the probe,
@@ -130,75 +130,3 @@ class LayersConfig(Checked):
     text: TextWindows = setting(factory=TextWindows)
     progress: bool = False
     source: str | None = None
-
-
-#: how ``depthscope localize`` measures IIA: full-vector interchange, or a learned subspace (DAS)
-LOCALIZE_METHODS = ("interchange", "das")
-
-
-@dataclass(frozen=True)
-class LocalizeConfig(Checked):
-    """What :func:`~depthscope.analyses.jobs.localize.localize_job` runs: interchange interventions
-    or DAS on the counterfactual ``examples`` (JSONL, :mod:`~depthscope.analyses.causal.counterfactuals`;
-    every line checked on construction, before any model loads), tested on ``test`` or on a
-    seeded ``1 - train_fraction`` of the examples (``only_solved``: of both, those the model solves,
-    :func:`~depthscope.analyses.causal.solving.solved`), at ``sites`` and named ``positions``; DAS learns
-    ``dim`` directions (``boundless``: a learned mask over a full rotation instead) for ``epochs``
-    passes over the train examples with Adam at ``lr``; ``probe_task`` adds the probe and causal
-    tests of that word task (on the bundled EWT sample, ``probe_sentences`` train sentences) for
-    the figure of three curves. The fields declare the ``localize`` options."""
-
-    examples: str | Path | None = setting(
-        None, "--examples", cli_type=Path | None, help="Counterfactual examples (JSONL: base, source, candidates...)."
-    )
-    test: str | Path | None = setting(
-        None, "--test", cli_type=Path | None, help="Held-out examples (JSONL); default: split --examples."
-    )
-    train_fraction: float = setting(
-        0.5,
-        "--train-fraction",
-        positive=True,
-        max=0.99,
-        help="Without --test: the seeded share to train on.",
-    )
-    only_solved: bool = setting(
-        False,
-        "--only-solved/--all-examples",
-        help="Keep the train and test examples the model solves (base_label on the base, source_label on the source).",
-    )
-    method: str = setting("interchange", "--method", choices=LOCALIZE_METHODS, help="interchange (full vector) or das.")
-    dim: int = setting(1, "--dim", min=1, max=Limit(65536, "directions of a subspace"), help="DAS: directions learned.")
-    sites: str = setting("resid", "--sites", help="Residual sites: 'resid' (all) or a comma list (embed,3.attn,3.mlp).")
-    positions: str = setting("END", "--positions", help="Named positions of the examples, comma-separated (END: last).")
-    boundless: bool = setting(
-        False, "--boundless/--no-boundless", help="DAS: learn a mask over a full rotation (Boundless DAS), not --dim."
-    )
-    epochs: int = setting(4, "--epochs", min=1, max=Limit(10_000, "passes over the train examples"), help="DAS epochs.")
-    lr: float = setting(1e-2, "--lr", positive=True, max=10.0, help="DAS: Adam's learning rate.")
-    batch_size: int = setting(32, "--batch-size", min=1, max=BATCH, help="Examples per forward pass.")
-    seed: int = setting(
-        0, "--seed", min=0, max=SEED, help="Seed of the split, the initial and the random bases (0 .. 2**32-1)."
-    )
-    probe_task: str | None = setting(
-        None, "--probe-task", help="A word task (e.g. feats:Number): draw its probe accuracy and 'used' beside IIA."
-    )
-    probe_sentences: int = setting(
-        100,
-        "--probe-sentences",
-        min=2,
-        max=Limit(1_000_000, "sentences"),
-        help="--probe-task: EWT train sentences (test: half as many; the loss on 600 tokens).",
-    )
-    plots: bool = setting(True, "--plots/--no-plots", help="Draw the figures.")
-    progress: bool = False
-
-    def check(self) -> None:
-        """The example files exist and every line is an example (read here, before any model)."""
-        from depthscope.analyses.causal.counterfactuals import read_counterfactuals  # torch: lazy (--help)
-
-        for name in ("examples", "test"):
-            p = getattr(self, name)
-            if p is not None:
-                read_counterfactuals(p)
-        if self.boundless and self.method != "das":
-            raise InputError("--boundless is a kind of DAS: use it with --method das")

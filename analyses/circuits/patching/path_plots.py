@@ -1,14 +1,14 @@
-"""Figures of path patching results, drawn from the tables of :mod:`depthscope.analyses.circuits.paths` only.
+"""Figures of path patching results, drawn from the tables of :mod:`depthscope.analyses.circuits.patching.paths` only.
 
 | function | figure |
 |---|---|
 | ``plot_path_patching`` | layer x head heatmap of each head sender's fraction recovered, one panel per receiver set |
 
-It takes a table of :func:`~depthscope.analyses.circuits.paths.path_patching` (means over pairs)
-or :func:`~depthscope.analyses.circuits.paths.path_patch_pairs` (then averaged over pairs here,
+It takes a table of :func:`~depthscope.analyses.circuits.patching.paths.path_patching` (means over pairs)
+or :func:`~depthscope.analyses.circuits.patching.paths.path_patch_pairs` (then averaged over pairs here,
 per-pair fractions' mean) and a path, draws one figure in the shared style and returns the path.
 Colours are diverging and centred at 0 (red: the path restores the clean behaviour, blue: it
-pushes the other way), as in :mod:`depthscope.analyses.circuits.plots`.
+pushes the other way), as in :mod:`depthscope.analyses.circuits.patching.plots`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.analyses.circuits.plots import _title, head_panels
+from depthscope.analyses.circuits.patching.plots import _title, head_panels
 from depthscope.analyses.style import need_columns, savefig
 from depthscope.common.errors import InputError
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from concept_erasure import LeaceFitter
 
-from depthscope.analyses.causal.config import CONTROL_KINDS
+from depthscope.analyses.causal.erasure.config import CONTROL_KINDS
 from depthscope.common.errors import InputError
 
 #: the bisection stops when the control's mean squared edit is within this fraction of the target

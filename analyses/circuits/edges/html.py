@@ -11,7 +11,7 @@ circuit_html           one HTML file, no network: the graph drawn as SVG by a sm
 MAX_HTML_EDGES         the most edges one page holds (the largest by |score|)
 =====================  =========================================================================
 
-The layout is :func:`~depthscope.analyses.circuits.graph_plots.node_positions` (the input on top,
+The layout is :func:`~depthscope.analyses.circuits.edges.plots.node_positions` (the input on top,
 the layers downwards, the logits at the bottom). The page needs no server and loads nothing: open
 it from disk. With ``#selftest`` after its address the script also hovers its first edge once and
 writes the tooltip's text into ``body[data-selftest]`` (what the tests read from a headless
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthscope.analyses.circuits.graph_plots import _shape, circuit_rows, node_positions, receiver_node
+from depthscope.analyses.circuits.edges.plots import _shape, circuit_rows, node_positions, receiver_node
 from depthscope.common.errors import InputError
 from depthscope.common.files import atomic_text
 
@@ -49,7 +49,7 @@ def _node(name: str, xy: tuple[float, float]) -> dict:
 
 def circuit_json(edges: pd.DataFrame, n_edges: int | None = None) -> dict:
     """The circuit of an edge table (the rows of
-    :func:`~depthscope.analyses.circuits.graph_plots.circuit_rows`) as a dict: ``n_layers``,
+    :func:`~depthscope.analyses.circuits.edges.plots.circuit_rows`) as a dict: ``n_layers``,
     ``n_heads``, ``model``, ``method``, ``metric``, ``nodes`` (every node of the graph, with
     ``in_circuit``) and ``edges`` (``sender``, ``receiver``, ``node`` (the receiving node),
     ``kind`` (q, k, v, mlp_in, logits) and ``score``), the largest |score| first."""

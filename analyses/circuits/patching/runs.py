@@ -1,7 +1,7 @@
 """How patches run: hook points as patched, positions per pair, editing hooks, batched forwards.
 
-The machinery under :mod:`depthscope.analyses.circuits.patching` and
-:mod:`~depthscope.analyses.circuits.paths` (and any method that patches one pair's activations,
+The machinery under :mod:`depthscope.analyses.circuits.patching.activation` and
+:mod:`~depthscope.analyses.circuits.patching.paths` (and any method that patches one pair's activations,
 such as edge attribution): a patch copies the *source* run's activation at one hook point,
 position (and head) into one batch row of the *base* run; many rows go through the model in one
 forward, each changed only by its own editing hook cells.
@@ -25,7 +25,6 @@ PatchPoint              a hook point as patched: its name, kind, the residual si
 patch_point             the PatchPoint of a registry point
 parse_patch_points      the points a ``sites`` argument names (names, aliases, group words, the
                         sub-points of SAEs spliced in: ``6.mlp.sae.features``)
-require_decoder         refuse an encoder: patching measures next-token logits
 Cell, pair_cells        the positions patched in one pair: ``last``, ``all``, ``each`` or names
 Patch, make_patches     one patch (point, cell, head) and all of them for a pair (``features``: the
                         SAE features patched, by point)
@@ -201,18 +200,6 @@ def _parse_one(name, n_layers: int, saes=None) -> list[PatchPoint]:
         return [patch_point(parse_point(key, n_layers))]
     except InputError as e:
         raise InputError(f"{e}; group words (every layer): {', '.join(KINDS)}") from None
-
-
-def require_decoder(model, what: str = "patching") -> None:
-    """Refuse an encoder (BERT-style, ``model.is_decoder`` False): ``what`` compares the logits a
-    prompt gives for its next token at the last position, which an encoder does not predict (a
-    masked-LM head predicts each position's own token; a bare encoder has no logits at all)."""
-    if not model.is_decoder:
-        family = getattr(getattr(model, "arch", None), "family", "encoder")
-        raise InputError(
-            f"{model.name} is an encoder ({family}): {what} compares next-token logits (target vs foil at the "
-            f"last position), which an encoder does not predict; patch a decoder (a causal language model)"
-        )
 
 
 def _out_of_range(key, n_layers: int) -> str | None:

@@ -9,8 +9,8 @@ test examples, beside a seeded random subspace of the same dimension.
 
 =============================  ================================================================
 :func:`das`                    one row per (site, position) (the columns of
-                               :func:`~depthscope.analyses.causal.iia.interchange`) and
-                               the learned :class:`~depthscope.analyses.causal.subspaces.Subspace` s
+                               :func:`~depthscope.analyses.causal.variables.iia.interchange`) and
+                               the learned :class:`~depthscope.analyses.causal.variables.subspaces.Subspace` s
 :class:`DasResult`             ``table`` and ``subspaces`` (by ``(site label, position)``)
 :func:`random_basis`           a seeded random orthonormal basis ``[d, k]``
 =============================  ================================================================
@@ -28,7 +28,7 @@ weight ``sigmoid((b - i) / t)``, the temperature ``t`` falling from 1 to 0.05 ov
 
 Cost. The source vectors at every site are read once (one forward per prompt); the base's key/
 value cache before the intervened position is computed once per batch
-(:mod:`depthscope.analyses.causal.swaps`), so a training step is one forward of the positions from
+(:mod:`depthscope.analyses.causal.variables.swaps`), so a training step is one forward of the positions from
 the intervened one on and one backward from the logits down to the site (no gradient below it).
 """
 
@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from depthscope.analyses.causal.config import LocalizeConfig
-from depthscope.analyses.causal.counterfactuals import as_counterfactuals, split_examples, tokenize_examples
-from depthscope.analyses.causal.iia import (
+from depthscope.analyses.causal.variables.config import LocalizeConfig
+from depthscope.analyses.causal.variables.counterfactuals import as_counterfactuals, split_examples, tokenize_examples
+from depthscope.analyses.causal.variables.iia import (
     _scores,
     _variable,
     finish,
@@ -52,11 +52,11 @@ from depthscope.analyses.causal.iia import (
     resid_sites,
     unchanged,
 )
-from depthscope.analyses.causal.subspaces import Subspace
-from depthscope.analyses.causal.swaps import Runner, frozen, make_batches, site_vectors
-from depthscope.analyses.circuits.runs import require_decoder
+from depthscope.analyses.causal.variables.subspaces import Subspace
+from depthscope.analyses.causal.variables.swaps import Runner, frozen, make_batches, site_vectors
 from depthscope.common.errors import InputError
 from depthscope.common.progress import track
+from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import site_labels
 
 __all__ = ["das", "DasResult", "random_basis"]

@@ -1,5 +1,5 @@
-"""Figures of circuits as graphs, drawn from the tables of :mod:`~depthscope.analyses.circuits.eap`
-and :mod:`~depthscope.analyses.circuits.faithfulness` only.
+"""Figures of circuits as graphs, drawn from the tables of :mod:`~depthscope.analyses.circuits.edges.eap`
+and :mod:`~depthscope.analyses.circuits.edges.faithfulness` only.
 
 ======================  ============================================================================
 function                figure
@@ -23,7 +23,7 @@ from matplotlib import pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch
 
-from depthscope.analyses.circuits.faithfulness import areas
+from depthscope.analyses.circuits.edges.faithfulness import areas
 from depthscope.analyses.style import need_columns, savefig, setup
 from depthscope.common.errors import InputError
 
@@ -37,7 +37,7 @@ THRESHOLD = 0.8
 
 
 def plot_faithfulness(curve: pd.DataFrame, path, *, threshold: float = THRESHOLD) -> Path:
-    """f(k) of a :func:`~depthscope.analyses.circuits.faithfulness.faithfulness` table (several
+    """f(k) of a :func:`~depthscope.analyses.circuits.edges.faithfulness.faithfulness` table (several
     methods: a ``method`` column), the sizes equally spaced and labelled in percent; the random
     circuits' mean dashed and their min-max band shaded; CPR and CMD in the legend."""
     what = "plot_faithfulness"
@@ -132,7 +132,7 @@ def _node_label(name: str) -> str:
 
 def plot_circuit(edges: pd.DataFrame, path, *, n_edges: int | None = None, title: str | None = None) -> Path:
     """A circuit as a graph (module docstring): the rows of :func:`circuit_rows` of an
-    :func:`~depthscope.analyses.circuits.eap.edge_attribution` table. Arcs are solid into a
+    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution` table. Arcs are solid into a
     query or an MLP, dashed into a key, dotted into a value; blue when corrupting the edge lowers
     the metric (negative score), red when it raises it."""
     need_columns(edges, ["sender", "receiver", "score"], "plot_circuit")

@@ -13,7 +13,7 @@ whose source it answers with ``source_label``.
                        set, the source's is ``source_label`` (a boolean array)
 =====================  ========================================================================
 
-The forwards are those of the interchange interventions (:class:`~depthscope.analyses.causal.swaps.Runner`
+The forwards are those of the interchange interventions (:class:`~depthscope.analyses.causal.variables.swaps.Runner`
 with the identity edit), so a kept example is one the intervened runs see the model solve.
 """
 
@@ -25,10 +25,15 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from depthscope.analyses.causal.counterfactuals import END, Counterfactual, as_counterfactuals, tokenize_examples
-from depthscope.analyses.causal.swaps import Runner, candidate_scores, make_batches
-from depthscope.analyses.circuits.runs import require_decoder
+from depthscope.analyses.causal.variables.counterfactuals import (
+    END,
+    Counterfactual,
+    as_counterfactuals,
+    tokenize_examples,
+)
+from depthscope.analyses.causal.variables.swaps import Runner, candidate_scores, make_batches
 from depthscope.common.errors import InputError
+from depthscope.hooks.model_checks import require_decoder
 
 __all__ = ["solved"]
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from depthscope.analyses.circuits import runs
 from depthscope.analyses.circuits.pairs import mean_over_pairs
+from depthscope.analyses.circuits.patching import runs
 from depthscope.analyses.circuits.prompts import TokenPair, describe_metrics, pair_fraction, token_texts
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.sites import SITE_COLUMNS, site_frame
@@ -99,7 +99,7 @@ class PairResult:
     corrupted_value: float
 
 
-#: a method's work on one pair, written for ``denoise`` (see :mod:`~depthscope.analyses.circuits.runs`):
+#: a method's work on one pair, written for ``denoise`` (see :mod:`~depthscope.analyses.circuits.patching.runs`):
 #: ``(model, oriented pair, job, bar) -> (patches, values, source value, base value)``
 PairFn = Callable[..., tuple[list, np.ndarray, float, float]]
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from depthscope.analyses.causal.counterfactuals import as_counterfactuals, tokenize_examples
-from depthscope.analyses.causal.swaps import site_vectors
+from depthscope.analyses.causal.variables.counterfactuals import as_counterfactuals, tokenize_examples
+from depthscope.analyses.causal.variables.swaps import site_vectors
 from depthscope.common.errors import InputError
 from depthscope.common.files import atomic_write
 

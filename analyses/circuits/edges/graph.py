@@ -254,7 +254,7 @@ def _from_config(config) -> CircuitGraph:
 # ----------------------------------------------------------------------------- circuits
 def edge_matrix(graph: CircuitGraph, edges) -> np.ndarray:
     """The in-circuit matrix ``[senders, receivers]`` (bool) of ``edges``: a table with ``sender``
-    and ``receiver`` columns (rows of :func:`~depthscope.analyses.circuits.eap.edge_attribution`),
+    and ``receiver`` columns (rows of :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`),
     or an iterable of ``(sender, receiver)`` names. Unknown names and pairs that are no edge (the
     sender does not come before the receiver) raise :class:`InputError` naming them."""
     if isinstance(edges, pd.DataFrame):

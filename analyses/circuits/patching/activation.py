@@ -68,7 +68,7 @@ Tables are long, one row per patch, with the shared site columns (``label`` is t
 hook point below the residual, the site its write lands in, e.g. ``5.heads`` -> site ``5.attn``)
 and ``point`` (the hook point), ``kind, head, position, clean_position, position_name, token,
 clean_token, metric, clean_metric, corrupted_metric, fraction_recovered, method, direction``
-(:mod:`depthscope.analyses.circuits.results`). ``metric`` is the patched value (attribution: the
+(:mod:`depthscope.analyses.circuits.patching.results`). ``metric`` is the patched value (attribution: the
 unpatched value plus the estimate). A patch that copies a value equal to the patched run's gives
 exactly that run's metric (fraction 0 denoising, 1 noising); every other patched value is
 measured against an unpatched row of its own forward. Metric functions receive logits
@@ -86,8 +86,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.circuits import runs
 from depthscope.analyses.circuits.pairs import PromptPair, as_pairs, is_dataset, mean_over_pairs, read_pairs
+from depthscope.analyses.circuits.patching import runs
+from depthscope.analyses.circuits.patching.results import (
+    FEATURE_COLUMNS,
+    PATCH_COLUMNS,
+    UNDEFINED,
+    add_note,
+    means,
+    run_pairs,
+)
 from depthscope.analyses.circuits.prompts import (
     Prompt,
     TokenMetric,
@@ -99,15 +107,8 @@ from depthscope.analyses.circuits.prompts import (
     prob,
     tokenize_pairs,
 )
-from depthscope.analyses.circuits.results import (
-    FEATURE_COLUMNS,
-    PATCH_COLUMNS,
-    UNDEFINED,
-    add_note,
-    means,
-    run_pairs,
-)
 from depthscope.common.errors import InputError
+from depthscope.hooks.model_checks import require_decoder
 
 __all__ = [
     "activation_patching",
@@ -267,7 +268,7 @@ def patch_pairs(
     (``keys=PAIR_KEYS``) gives the means."""
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    runs.require_decoder(model)
+    require_decoder(model)
     opts = PatchOptions.of(options, method)
     points = tuple(runs.parse_patch_points(model, sites, opts.saes))
     job = _Job(str(positions), opts.batch_tokens, opts.direction, points, bool(opts.reuse_prefix), opts.saes)

@@ -43,7 +43,7 @@ def site_block(site: int) -> int:
 
 class Prefixes:
     """The held-out text's batches (``held.batches(batch_size, ..., by_length=True, max_tokens=)``,
-    the batches :func:`~depthscope.analyses.causal.loss.doc_nll` runs) and the clean stream
+    the batches :func:`~depthscope.analyses.causal.erasure.loss.doc_nll` runs) and the clean stream
     entering :attr:`block` for each. ``enabled`` False (the streams would exceed
     :data:`PREFIX_BYTES`): the block stays 0 and every forward is the plain one."""
 

@@ -1,7 +1,7 @@
 """Encoded vs used, per depth: LEACE concept erasure at each residual site, and what it costs the model.
 
->>> from depthscope.analyses.causal.used import causal_tests
->>> from depthscope.analyses.causal.config import CausalConfig
+>>> from depthscope.analyses.causal.erasure.used import causal_tests
+>>> from depthscope.analyses.causal.erasure.config import CausalConfig
 >>> res = causal_tests(model, CausalConfig(tasks=["upos"]))
 >>> res.table[["label", "accuracy", "accuracy_erased", "majority", "used", "used_lo", "used_hi"]]
 
@@ -22,7 +22,7 @@ last/first/mean of its subwords, in sentence context with the BOS token prepende
 
 1. ``accuracy``: a linear probe trained on the train words, scored on the test words
    (``majority``: always answering train's most frequent label);
-2. LEACE (:mod:`depthscope.analyses.causal.erasure`) fitted on the train words' vectors and
+2. LEACE (:mod:`depthscope.analyses.causal.erasure.erasers`) fitted on the train words' vectors and
    labels; ``accuracy_erased``: a linear probe trained on erased train vectors and scored on
    erased test vectors, at the L2 of step 1 (LEACE guarantees it cannot beat a constant on
    train, so it is at ``majority`` up to sampling);
@@ -31,7 +31,7 @@ last/first/mean of its subwords, in sentence context with the BOS token prepende
    on word vectors and applied to all subword tokens: the concept is removed wherever the model
    could read it from the stream); ``lm_loss`` (no hook), ``lm_loss_erased``, and
    ``lm_loss_control_mean`` / ``_std`` / ``_min`` / ``_max`` over ``controls`` random erasures of
-   the same rank (:func:`~depthscope.analyses.causal.erasure.random_erasure`; ``control``
+   the same rank (:func:`~depthscope.analyses.causal.erasure.erasers.random_erasure`; ``control``
    ``raw``, the default: random directions removed orthogonally whose edit is as large as
    LEACE's in the stream's own units, or ``whitened``);
 4. the edits' sizes: ``edit_rms`` (LEACE) and ``control_edit_rms`` (the controls' mean), the
@@ -40,7 +40,7 @@ last/first/mean of its subwords, in sentence context with the BOS token prepende
    tokens, where the model met them;
 5. ``used = (lm_loss_erased - lm_loss_control_mean) / lm_loss`` with its interval ``used_lo``,
    ``used_hi``: a two-level bootstrap over held-out documents and the controls
-   (:mod:`depthscope.analyses.causal.loss`), named by ``ci_n`` (documents), ``ci_unit`` and
+   (:mod:`depthscope.analyses.causal.erasure.loss`), named by ``ci_n`` (documents), ``ci_unit`` and
    ``ci_method``; NaN below 10 documents, with a note in ``table.attrs["notes"]``.
 """
 
@@ -58,9 +58,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.causal.config import CausalConfig
-from depthscope.analyses.causal.erasure import EditMeter, edit_rms, fit_erasure, random_erasure
-from depthscope.analyses.causal.loss import (
+from depthscope.analyses.causal.erasure.config import CausalConfig
+from depthscope.analyses.causal.erasure.erasers import EditMeter, edit_rms, fit_erasure, random_erasure
+from depthscope.analyses.causal.erasure.loss import (
     BATCH_TOKENS,
     DocLoss,
     HeldOut,
@@ -69,7 +69,7 @@ from depthscope.analyses.causal.loss import (
     used_interval,
     used_score,
 )
-from depthscope.analyses.causal.prefix import Prefixes, site_block
+from depthscope.analyses.causal.erasure.prefix import Prefixes, site_block
 from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.analyses.text import read_documents
 from depthscope.common.errors import InputError
@@ -362,7 +362,7 @@ def _announce(passes: float, seconds_per_pass: float, tokens: int, progress: boo
 
 
 def interval_method(cfg: CausalConfig) -> str:
-    """The ``ci_method`` of ``used_lo``/``used_hi`` (:func:`~depthscope.analyses.causal.loss.used_interval`)."""
+    """The ``ci_method`` of ``used_lo``/``used_hi`` (:func:`~depthscope.analyses.causal.erasure.loss.used_interval`)."""
     if cfg.bootstrap <= 0:
         return "none (--bootstrap 0)"
     many = "s" if cfg.controls != 1 else ""

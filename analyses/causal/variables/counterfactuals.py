@@ -14,7 +14,7 @@ One example per line of a JSONL file::
 * ``label``: the candidate the causal model predicts for the base once the variable takes the
   source's value; ``base_label`` (optional): the candidate it predicts for the base itself;
   ``source_label`` (optional): the candidate it predicts for the source itself (where the
-  candidates are answers for the source too); :func:`~depthscope.analyses.causal.solving.solved`
+  candidates are answers for the source too); :func:`~depthscope.analyses.causal.variables.solving.solved`
   checks the model against both;
 * ``variable`` (optional): the variable's name;
 * ``positions`` (optional): named positions as in patching pairs: an index into both prompts'

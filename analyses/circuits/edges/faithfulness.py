@@ -6,7 +6,7 @@ offers                 what
 circuit_faithfulness   the curve: one row per size k (percent of the graph's edges) with f(k),
                        the same for seeded random circuits (mean and spread), and in ``attrs``
                        CPR and CMD of both
-faithfulness_curve     the same from a prepared :class:`~depthscope.analyses.circuits.evaluate.CircuitEvaluator`
+faithfulness_curve     the same from a prepared :class:`~depthscope.analyses.circuits.edges.evaluate.CircuitEvaluator`
 areas                  (CPR, CMD) of a curve, as MIB computes them
 circuit_stability      the Jaccard overlap of top-k circuits over bootstrap resamples of the pairs
 smallest_faithful      the smallest circuit on a curve with f >= a threshold (None: none)
@@ -39,8 +39,8 @@ import logging
 import numpy as np
 import pandas as pd
 
-from depthscope.analyses.circuits.evaluate import BATCH_TOKENS, CircuitEvaluator
-from depthscope.analyses.circuits.graph import CircuitGraph, circuit_graph, prune_circuit
+from depthscope.analyses.circuits.edges.evaluate import BATCH_TOKENS, CircuitEvaluator
+from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, prune_circuit
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import check_number
@@ -71,7 +71,7 @@ def n_of(fraction: float, n_edges: int) -> int:
 def edge_scores_of(graph: CircuitGraph, edges: pd.DataFrame) -> np.ndarray:
     """Each real edge's score, in ``graph.edge_index`` order, from a table with ``sender``,
     ``receiver`` and ``score`` covering every edge of the graph once (an
-    :func:`~depthscope.analyses.circuits.eap.edge_attribution` result)."""
+    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution` result)."""
     missing = [c for c in ("sender", "receiver", "score") if c not in getattr(edges, "columns", ())]
     if missing:
         raise InputError(f"faithfulness needs a table of edge scores (sender, receiver, score); it has no {missing}")
@@ -101,7 +101,7 @@ def edge_scores_of(graph: CircuitGraph, edges: pd.DataFrame) -> np.ndarray:
 def top_circuit(graph: CircuitGraph, scores: np.ndarray, n: int, *, pruned: bool = True) -> np.ndarray:
     """The in-circuit matrix ``[senders, receivers]`` of the ``n`` edges with the largest
     ``|score|`` (``scores`` per edge in ``graph.edge_index`` order; ties in that order), pruned
-    (:func:`~depthscope.analyses.circuits.graph.prune_circuit`) unless ``pruned`` is False."""
+    (:func:`~depthscope.analyses.circuits.edges.graph.prune_circuit`) unless ``pruned`` is False."""
     order = np.argsort(-np.abs(scores), kind="stable")[:n]
     return _matrix(graph, order, pruned)
 
@@ -254,9 +254,9 @@ def circuit_faithfulness(
 ) -> pd.DataFrame:
     """The faithfulness curve of the circuits made of the top-scored ``edges`` (module docstring).
 
-    ``edges``: the table of :func:`~depthscope.analyses.circuits.eap.edge_attribution` (every edge,
+    ``edges``: the table of :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution` (every edge,
     with ``score``); ``pairs``, ``ablation``, ``metric``, ``batch_tokens`` as in
-    :func:`~depthscope.analyses.circuits.evaluate.evaluate_circuit`.
+    :func:`~depthscope.analyses.circuits.edges.evaluate.evaluate_circuit`.
 
     Returns one row per size in :data:`FRACTIONS`: ``k`` (percent), ``fraction``, ``n_edges``
     (the top edges taken), ``n_edges_pruned`` (what remains after pruning), ``metric`` (mean over

@@ -1,4 +1,4 @@
-"""Figures of patching results, drawn from the tables of :mod:`depthscope.analyses.circuits.patching` only.
+"""Figures of patching results, drawn from the tables of :mod:`depthscope.analyses.circuits.patching.activation` only.
 
 | function | figure |
 |---|---|
@@ -6,8 +6,8 @@
 | ``plot_patching_heads`` | layer x head heatmap for per-head points (``l.heads`` / ``l.z``), one panel per kind |
 | ``plot_attribution_vs_exact`` | attribution estimate against exact patching, one dot per patch |
 
-Each takes a table (one of :func:`~depthscope.analyses.circuits.patching.activation_patching` or
-:func:`~depthscope.analyses.circuits.patching.attribution_patching`, or the job's ``patching_by_site`` /
+Each takes a table (one of :func:`~depthscope.analyses.circuits.patching.activation.activation_patching` or
+:func:`~depthscope.analyses.circuits.patching.activation.attribution_patching`, or the job's ``patching_by_site`` /
 ``patching_by_head``, which hold both methods) and a path, draws
 one figure in the shared style and returns the path. Colours are diverging and centred at 0
 (red: the patch restores the clean behaviour, blue: it pushes the other way).

@@ -1,0 +1,89 @@
+"""The settings of edge attribution and circuit evaluation (``depthscope circuit``): torch-free,
+checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from depthscope.common.errors import InputError
+from depthscope.common.settings import SEED, TOKENS, Checked, setting
+
+
+@dataclass(frozen=True)
+class CircuitConfig(Checked):
+    """What :func:`~depthscope.analyses.jobs.circuit.circuit_job` computes (``depthscope circuit``):
+    every edge of the model's graph scored over a JSONL file of ``pairs`` by ``method`` (EAP or
+    EAP-IG with ``steps``), the faithfulness curve of the top circuits under ``ablation`` with
+    ``random_draws`` random circuits per size (``seed``), the stability of the top circuits over
+    ``bootstrap`` resamples of the pairs, and the drawn circuit (``draw_edges``, or the smallest
+    one with f >= ``threshold``). Checked on construction; the fields declare the options."""
+
+    pairs: Path | None = setting(
+        None,
+        "--pairs",
+        cli_type=Path | None,
+        help="A JSONL file of prompt pairs (clean, corrupted, target, foil), the prompts of each pair of the same "
+        "token length.",
+    )
+    method: str = setting(
+        "eap",
+        "--method",
+        choices=("eap", "eap-ig"),
+        help="eap: one gradient on the clean run (Syed et al. 2023); eap-ig: the gradient averaged over --steps "
+        "inputs between the corrupted and the clean embeddings (Hanna et al. 2024).",
+    )
+    steps: int = setting(
+        5, "--steps", min=1, max=1000, help="EAP-IG's interpolation steps (a forward and a backward each)."
+    )
+    ablation: str = setting(
+        "counterfactual",
+        "--ablation",
+        choices=("counterfactual", "mean", "zero"),
+        help="What an edge outside the circuit carries: its sender's value on the corrupted prompt, its mean over "
+        "the clean prompts, or zero.",
+    )
+    random_draws: int = setting(
+        5, "--random-draws", min=0, max=100, help="Random circuits per size, the faithfulness baseline (0: none)."
+    )
+    bootstrap: int = setting(
+        100,
+        "--bootstrap",
+        min=0,
+        max=100_000,
+        help="Resamples of the pairs for the stability of the top circuits (0: none).",
+    )
+    seed: int = setting(
+        0, "--seed", min=0, max=SEED, help="Seed of the random circuits and of the resamples (0 .. 2**32-1)."
+    )
+    threshold: float = setting(
+        0.8,
+        "--threshold",
+        positive=True,
+        max=1.0,
+        help="Faithfulness the reported (and drawn) smallest circuit reaches.",
+    )
+    draw_edges: int | None = setting(
+        None,
+        "--draw-edges",
+        min=1,
+        max=5000,
+        help="Edges of the circuit drawn (top by |score|, pruned). Default: the smallest circuit with f >= "
+        "--threshold when it has at most 500 edges, else the top 100.",
+    )
+    batch_tokens: int = setting(
+        256,
+        "--batch-tokens",
+        min=1,
+        max=TOKENS,
+        help="Tokens per batch (memory: senders + receivers x d_model floats a token).",
+    )
+    plots: bool = setting(True, "--plots/--no-plots", help="Draw the figures and the interactive page.")
+
+    def check(self) -> None:
+        """A pairs file, read and checked before the model loads."""
+        if self.pairs is None:
+            raise InputError("--pairs is required: a JSONL file of prompt pairs")
+        from depthscope.analyses.circuits.pairs import read_pairs  # lazy: pandas; every line checked early
+
+        read_pairs(self.pairs)
