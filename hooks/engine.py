@@ -62,8 +62,8 @@ from torch import nn
 
 from depthscope.common.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 from depthscope.hooks.arch import read_qkv, read_values, write_qkv
-from depthscope.hooks.block_start import start_block
 from depthscope.hooks.attention import ATTENTION_KINDS, eager_patterns
+from depthscope.hooks.block_start import start_block
 from depthscope.hooks.points import Point, parse_point, spec_of
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]

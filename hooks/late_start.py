@@ -116,7 +116,8 @@ class KVPrefix:
         positions counted from ``start``); ``last_only``: the last position's only, where the model
         can skip the others. ``keep`` False: the cache is appended to (use the prefix once)."""
         model = self.model
-        kwargs = {"input_ids": ids[:, self.start :], "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=ids.device)}
+        mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)  # every position, cached ones too
+        kwargs = {"input_ids": ids[:, self.start :], "attention_mask": mask}
         kwargs[cache_keyword(model.hf_model)] = copy.deepcopy(self.cache) if keep else self.cache
         return _forward(model, hooks, kwargs, use_cache=True, last_only=last_only)
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from depthscope.common.errors import InputError
-from depthscope.hooks import from_block, load_model
-from depthscope.hooks import late_start
+from depthscope.hooks import from_block, late_start, load_model
 from depthscope.hooks.interventions import FeatureSwap, SubspaceSwap, Unchanged, VectorSwap
 from depthscope.hooks.late_start import Budget, KVPrefix, tail_logits
 from depthscope.hooks.sites import site_labels

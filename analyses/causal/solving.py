@@ -29,6 +29,7 @@ from depthscope.analyses.causal.counterfactuals import END, Counterfactual, as_c
 from depthscope.analyses.causal.swaps import Runner, candidate_scores, make_batches
 from depthscope.analyses.circuits.runs import require_decoder
 from depthscope.common.errors import InputError
+from depthscope.hooks.interventions import Unchanged
 
 __all__ = ["solved"]
 
@@ -40,7 +41,7 @@ def _predicts(model, examples: Sequence[Counterfactual], batch_size: int) -> np.
     hits = np.zeros(len(examples), dtype=bool)
     with torch.no_grad():
         for i, batch in enumerate(runner.batches):
-            hits[batch.rows] = candidate_scores(runner.logits(i, 0, lambda v: v), batch)[0]
+            hits[batch.rows] = candidate_scores(runner.logits(i, 0, Unchanged()), batch)[0]
     return hits
 
 

@@ -14,8 +14,9 @@ forward goes through depthscope's hook engine (the edit is a hook at the site).
 :func:`site_vectors`        the base's and source's vectors ``[sites, examples, d]`` at one
                             named position
 :class:`Runner`             the batches of one position with their key/value prefixes;
-                            :meth:`Runner.logits`: last-position logits of a batch with an edit
-                            ``fn(h) -> h'`` of the base's vectors ``[batch, d]`` at one site
+                            :meth:`Runner.logits`: last-position logits of a batch with an
+                            intervention (:mod:`depthscope.hooks.interventions`) on the base's
+                            vectors ``[batch, d]`` at one site
 :func:`frozen`              the model's parameters out of autograd for a ``with`` block (only
                             an intervention's own parameters are trained)
 :func:`candidate_scores`    ``(argmax over the candidates == label, logit of the label minus the
@@ -26,13 +27,14 @@ forward goes through depthscope's hook engine (the edit is a hook at the site).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from depthscope.analyses.causal.counterfactuals import TokenExample
+from depthscope.hooks.interventions import Intervention
 from depthscope.hooks.late_start import Budget, KVPrefix, tail_logits
 from depthscope.hooks.sites import site_labels
 
@@ -130,17 +132,18 @@ class Runner:
             self.prefixes[i] = prefix
         return prefix
 
-    def logits(self, i: int, site: int, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def logits(self, i: int, site: int, intervention: Intervention, source=None) -> torch.Tensor:
         """Last-position logits ``[batch, vocab]`` (float32) of batch ``i`` with the base's vectors
-        ``[batch, d]`` at ``site`` and the batch's position replaced by ``edit(vectors)``; a graph
-        is kept when grad mode is on."""
+        ``[batch, d]`` (as float32) at ``site`` and the batch's position replaced by
+        ``intervention(vectors, source)`` (:mod:`depthscope.hooks.interventions`; ``source``: the
+        batch's source vectors ``[batch, d]``, or None); a graph is kept when grad mode is on."""
         b = self.batches[i]
         prefix = self._prefix(i)
         rel = b.start - (prefix.start if prefix is not None else 0)
 
         def hook(t: torch.Tensor, ctx) -> torch.Tensor:
             new = t.clone()
-            new[:, rel] = edit(t[:, rel].float()).to(t.dtype)
+            new[:, rel] = intervention(t[:, rel].float(), source).to(t.dtype)
             return new
 
         logits = tail_logits(self.model, b.ids, {self.labels[site]: hook}, prefix, last_only=True)

@@ -66,6 +66,7 @@ import torch
 from depthscope.analyses.circuits.prompts import TokenPair
 from depthscope.common.errors import InputError
 from depthscope.common.settings import TOKENS, check_number
+from depthscope.hooks.interventions import FeatureSwap, VectorSwap
 from depthscope.hooks.late_start import KVPrefix
 from depthscope.hooks.points import REGISTRY, SUB_KINDS, Point, parse_point, parse_points
 from depthscope.hooks.sae_splice import SUB_POINTS, plan_splices, sub_name
@@ -353,9 +354,12 @@ def axes_first(t: torch.Tensor, point: PatchPoint, batch: bool) -> torch.Tensor:
 
 
 def _editor(point: PatchPoint, clean: torch.Tensor, cells: tuple[list, list, list, list]) -> Callable:
-    """A hook writing clean activations into some (row, position[, head]) cells of its batch."""
+    """A hook writing clean activations into some (row, position[, head]) cells of its batch
+    (:class:`~depthscope.hooks.interventions.VectorSwap`; an SAE feature point:
+    :class:`~depthscope.hooks.interventions.FeatureSwap`)."""
     rows, pos, cpos, heads = (torch.as_tensor(v, dtype=torch.long, device=clean.device) for v in cells)
     src = axes_first(clean, point, batch=False)
+    swap = VectorSwap()
 
     def edit(t: torch.Tensor, *_):
         new = t.clone()
@@ -366,10 +370,12 @@ def _editor(point: PatchPoint, clean: torch.Tensor, cells: tuple[list, list, lis
                 f"{tuple(view.shape[1:])} (its key axis follows the prompt's length: patch it between prompts "
                 f"of the same token length)"
             )
-        if point.per_head:
-            view[rows, pos, heads] = s[cpos, heads]
+        if point.kind == FEATURES:  # one SAE feature per row: the feature axis stands in the head's place
+            view[rows, pos] = FeatureSwap(heads)(view[rows, pos], s[cpos])
+        elif point.per_head:
+            view[rows, pos, heads] = swap(view[rows, pos, heads], s[cpos, heads])
         else:
-            view[rows, pos] = s[cpos]
+            view[rows, pos] = swap(view[rows, pos], s[cpos])
         return new
 
     return edit
