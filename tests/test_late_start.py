@@ -179,3 +179,25 @@ def test_the_interventions():
         assert got[i, j] == source[i, j]
         others = [k for k in range(6) if k != j]
         assert torch.equal(got[i, others], base[i, others])
+
+
+# ----------------------------------------------------------------------------- callers
+def test_layer_interventions_start_at_their_block_with_the_same_numbers(tiny_factory, monkeypatch):
+    """The skip and swap forwards start at their block from the clean stream (analyses/causal/
+    layers.py): block 0 runs once per batch (the unmodified forward) and the skips and swaps of
+    block 0; the table equals the one of full forwards (budget 0), bit for bit."""
+    import pandas as pd
+
+    from depthscope.analyses.causal.layers import layer_interventions
+
+    model = tiny_factory("llama", n_layers=4)
+    texts = ["the cat sat on the mat", "a dog ran far away from home today"]
+    ran = []
+    handle = model.arch.blocks[0].register_forward_hook(lambda *a: ran.append(1))
+    try:
+        late = layer_interventions(model, texts, batch_size=2)
+    finally:
+        handle.remove()
+    assert len(ran) == 3  # the unmodified forward, skip 0 (its identity runs the block) and swap 0
+    monkeypatch.setattr(late_start, "PREFIX_BYTES", 0)
+    pd.testing.assert_frame_equal(late, layer_interventions(model, texts, batch_size=2), check_exact=True)
