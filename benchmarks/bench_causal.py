@@ -67,7 +67,7 @@ def run(model, cfg, sites, plain: bool, counting=None) -> tuple[float, float, di
     """One ``causal_tests`` at ``sites``: (CPU seconds, wall seconds, info)."""
     from dataclasses import replace
 
-    import depthscope.analyses.causal.erasure.prefix as prefix
+    import depthscope.hooks.late_start as prefix
     from depthscope.analyses.causal.erasure.used import causal_tests
 
     saved = prefix.PREFIX_BYTES

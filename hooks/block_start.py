@@ -10,6 +10,7 @@
                             input; restored on exit, also on error
 :class:`Skipped`            what stands at a skipped position: returns its input, computes nothing
 :class:`Entered`            what stands at position ``block``: the block, called on ``stream``
+:func:`start_block`         the block the forwards start at now (0: the plain forward)
 ==========================  ===================================================================
 
 Why: an intervention at a site changes nothing before the site, so many forwards that differ only
@@ -26,9 +27,11 @@ and ``l.attn``, read the given stream). Both stand for their block: any other at
 model's loop reads of them (``attention_type``...) is the block's. The embedding, rotary tables
 and masks are still computed by the model (cheap); a skipped position's output never reaches
 anything, since the entered block replaces it. Hook points keep naming blocks by their index;
-points at blocks before ``block`` are never reached (asking for one is the engine's usual
-error). ``stream`` must have the shape of that input (``[batch, pos, d_model]`` of the call's
-ids) and the model's dtype and device; run with ``use_cache=False`` (``model.run`` does).
+points at blocks before ``block`` are never reached: asking for one is an error naming the
+skipped blocks, before the forward runs (:class:`~depthscope.hooks.engine.Engine`). ``stream``
+must be a tensor with the shape, dtype and device of that input (``[batch, pos, d_model]`` of the
+call's ids, the model's dtype, on its device; anything else is refused with what was expected);
+run with ``use_cache=False`` (``model.run`` does).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from torch import nn
 
 from depthscope.common.errors import InputError
 
-__all__ = ["from_block", "Skipped", "Entered"]
+__all__ = ["from_block", "Skipped", "Entered", "start_block"]
 
 
 class _StandsFor(nn.Module):
@@ -77,6 +80,13 @@ class Entered(_StandsFor):
         if not isinstance(hidden, torch.Tensor) or hidden.shape != self.stream.shape:
             got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise InputError(f"from_block: the stream given is {tuple(self.stream.shape)}, the block's input is {got}")
+        s = self.stream
+        if (s.dtype, s.device) != (hidden.dtype, hidden.device):
+            raise InputError(
+                f"from_block: the stream must be what the block receives, dtype {hidden.dtype} on device "
+                f"{hidden.device}; got dtype {s.dtype} on device {s.device} (convert it: stream.to(model.dtype) "
+                f"on model.device)"
+            )
         if args:
             return self.block(self.stream, *args[1:], **kwargs)
         return self.block(*args, **{**kwargs, "hidden_states": self.stream})
@@ -89,6 +99,11 @@ def from_block(model, block: int, stream: torch.Tensor | None) -> Iterator[None]
     None changes nothing (the plain forward)."""
     if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < model.n_layers:
         raise InputError(f"from_block: block must be in 0..{model.n_layers - 1}, got {block!r}")
+    if stream is not None and not isinstance(stream, torch.Tensor):
+        raise InputError(
+            f"from_block: the stream must be a torch.Tensor [batch, pos, d_model] of the model's dtype "
+            f"({model.dtype}) on its device ({model.device}), got {type(stream).__name__}"
+        )
     if stream is None:
         if block:
             raise InputError(f"from_block: starting at block {block} needs the stream entering it")
@@ -105,3 +120,9 @@ def from_block(model, block: int, stream: torch.Tensor | None) -> Iterator[None]
     finally:
         for key, module in saved.items():
             blocks._modules[key] = module
+
+
+def start_block(blocks: nn.ModuleList) -> int:
+    """The block the model's forwards start at now: the position of the :class:`Entered` module
+    (0 outside :func:`from_block`)."""
+    return next((i for i, b in enumerate(blocks) if isinstance(b, Entered)), 0)

@@ -38,7 +38,8 @@ Hooks are called in forward order. Several hooks at one point run in order, each
 previous one's output; the cache holds each point as the model used it, i.e. after the hooks.
 A point asked for that the forward never reached (a module the model does not run, an attention
 that does not go through transformers' attention function) is an error after the forward, never
-a silently missing entry.
+a silently missing entry. A point at a block that a forward starting late skips
+(:func:`~.block_start.from_block`) is refused before the forward, naming the skipped blocks.
 ``ctx`` is a :class:`HookContext`: the canonical point name (a ``str``, so ``fn(stream, label)``
 hooks work unchanged) with the call's ``mask``, ``positions`` and ``step``.
 A replacement must have the shape and dtype it was given and real values (not a meta tensor).
@@ -62,6 +63,7 @@ from torch import nn
 from depthscope.common.errors import InputError, NonFiniteActivationError, UnsupportedArchitecture
 from depthscope.hooks.arch import read_qkv, read_values, write_qkv
 from depthscope.hooks.attention import ATTENTION_KINDS, eager_patterns
+from depthscope.hooks.block_start import start_block
 from depthscope.hooks.points import Point, parse_point, spec_of
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
@@ -201,6 +203,7 @@ class Engine:
         self._ctx = {p: HookContext(p, self.state) for p in self.cache | set(self.hooks)}
         self._modules = {p: self.module_of(p) for p in self._ctx}
         self._check_supported()
+        self._check_started()
 
     # ------------------------------------------------------------------ registration
     def hook(self, module: nn.Module, fn: Callable) -> None:
@@ -243,6 +246,17 @@ class Engine:
                 f"which a TransformerLens TransformerBridge replaces by its own attention code; read them "
                 f"with the bridge's hooks (bridge.run_with_cache), or load the transformers model itself "
                 f"(load_model(hf_model) on a model no bridge was booted on)"
+            )
+
+    def _check_started(self) -> None:
+        """Refuse points at blocks a forward that starts late skips (:func:`~.block_start.from_block`)."""
+        start = start_block(self.arch.blocks)
+        early = sorted(p.name for p in self._ctx if 0 <= p.layer < start)
+        if early:
+            raise InputError(
+                f"the hook points {early} are at blocks 0..{start - 1}, which this forward skips: it starts at "
+                f"block {start} from a given stream (from_block); ask for points at block {start} or later, or "
+                f"run the full forward"
             )
 
     def _check_reached(self, stopped: bool) -> None:

@@ -252,7 +252,7 @@ def test_forwards_from_the_sites_block_equal_the_plain_forwards(tiny_factory, ti
     """The erased and control forwards start at their site's block from the clean stream there
     (analyses/causal/erasure/prefix.py); with that turned off (every forward from the embedding) the
     table is the same, bit for bit."""
-    import depthscope.analyses.causal.erasure.prefix as prefix
+    import depthscope.hooks.late_start as prefix
 
     cfg = small_causal_config(tmp_path / "store", 60, 20, 200, controls=2, bootstrap=200)
     monkeypatch.setattr(prefix, "PREFIX_BYTES", 0)

@@ -267,7 +267,7 @@ def test_cuda_causal_forwards_from_the_sites_block_equal_the_plain_forwards(fold
     import pandas as pd
     from conftest import small_causal_config
 
-    import depthscope.analyses.causal.erasure.prefix as prefix
+    import depthscope.hooks.late_start as prefix
     from depthscope.analyses.causal.erasure.used import causal_tests
 
     cfg = small_causal_config(tmp_path / "store", controls=1, bootstrap=0)

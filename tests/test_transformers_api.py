@@ -26,7 +26,7 @@ def test_prefix_cache_is_returned_and_accepted_without_deprecation(tiny_factory,
             input_ids=ids[:, 3:].expand(2, -1),
             attention_mask=torch.ones(2, ids.shape[1], dtype=torch.long),
             use_cache=True,
-            **{cache_keyword(model.hf_model): past},
+            **{cache_keyword(model.hf_model): past.cache},
         )
     full = model.hf_model(input_ids=ids).logits[0, 3:]
     torch.testing.assert_close(out.logits[0], full, atol=1e-5, rtol=1e-4)

@@ -27,8 +27,16 @@ the clean loss of the causal test (:func:`~depthscope.analyses.causal.erasure.lo
 of the same window), i.e. the token-weighted mean over documents; ``top1_agreement`` the fraction
 of those positions whose argmax equals the unmodified model's. Windows are batched with right
 padding (the attention mask hides the padding; padded positions are never scored). Memory: one
-forward's logits, about ``batch_size * window * vocabulary * 12`` bytes. The blocks are
-rearranged by :func:`depthscope.hooks.block_order.block_order`, and every forward is ``model.run``.
+forward's logits, about ``batch_size * window * vocabulary * 12`` bytes, and the batch's clean
+streams (below). The blocks are rearranged by :func:`depthscope.hooks.block_order.block_order`,
+and every forward is ``model.run``.
+
+Cost. An intervention at block ``l`` changes nothing before it, so the unmodified forward of each
+batch keeps the stream entering every block, and the intervened forwards start at block ``l``
+from it (:func:`~depthscope.hooks.block_start.from_block`): about half the blocks on average,
+with the same numbers as the full forwards. Past the late-start byte budget
+(:data:`~depthscope.hooks.late_start.PREFIX_BYTES`, the streams of one batch) every forward runs
+all blocks.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.hooks.block_order import block_order, skip, swap
-from depthscope.hooks.sites import SITE_COLUMNS, site_frame
+from depthscope.hooks.late_start import Budget, from_block
+from depthscope.hooks.sites import SITE_COLUMNS, site_frame, site_labels
 
 INTERVENTIONS = ("none", "skip", "swap")
 COLUMNS = [*SITE_COLUMNS, "intervention", "cross_entropy", "top1_agreement", "ce_increase", "n_predictions"]
@@ -109,25 +118,40 @@ def layer_interventions(
     sums = np.zeros((len(plan), 3))  # cross-entropy, agreements, predictions
     with progress_bar(len(batches) * len(plan), desc="layer interventions", unit="fwd", enabled=progress) as bar:
         for b in batches:
-            ref = None
-            for k, (_, _, order) in enumerate(plan):
-                ce, agree, n, top = _score(model, b, order, ref)
-                ref = top if ref is None else ref
-                sums[k] += (ce, agree, n)
+            *scores, ref, streams = _clean(model, b, [p[1] for p in plan[1:]])
+            sums[0] += scores
+            bar.update(1)
+            for k, (_, layer, order) in enumerate(plan[1:], 1):
+                sums[k] += _score(model, b, order, ref, layer, streams.get(layer))[:3]
                 bar.update(1)
     df = _table(plan, sums, model.n_layers)
     df.attrs.update(n_docs=int(len(set(rows.doc.tolist()))), n_windows=rows.n_rows)
     return df
 
 
-def _score(model, batch, order, reference) -> tuple:
-    """One forward of ``batch`` with the blocks in ``order`` (None: unmodified), scored."""
+def _clean(model, batch, layers: Sequence[int]) -> tuple:
+    """The unmodified forward of ``batch``: its scores (:func:`next_token_scores`) and the streams
+    entering the blocks ``layers`` (``{layer: [batch, pos, d]}``; none for block 0, and none at all
+    when they would exceed :data:`~depthscope.hooks.late_start.PREFIX_BYTES`)."""
     ids, mask = batch.ids.to(model.device), batch.mask.to(model.device)
-    if order is None:
+    want = sorted({layer for layer in layers if layer > 0})
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    if not Budget().take(len(want) * ids.numel() * model.d_model * itemsize):
+        want = []
+    labels = site_labels(model.n_layers)  # site 2l: the stream entering block l
+    run = model.run(ids, mask=mask, cache=[labels[2 * layer] for layer in want])
+    streams = {layer: run[labels[2 * layer]] for layer in want}
+    return (*next_token_scores(run.logits, ids, mask, None, batch.first_tensor()), streams)
+
+
+def _score(model, batch, order, reference, layer: int = 0, stream: torch.Tensor | None = None) -> tuple:
+    """One forward of ``batch`` with the blocks in ``order``, scored; with ``stream`` (the clean
+    stream entering block ``layer``, the first position ``order`` changes) it starts at ``layer``
+    (:func:`~depthscope.hooks.block_start.from_block`: the blocks before are not run again)."""
+    ids, mask = batch.ids.to(model.device), batch.mask.to(model.device)
+    start = layer if stream is not None else 0
+    with block_order(model, order), from_block(model, start, stream):
         logits = model.run(ids, mask=mask).logits
-    else:
-        with block_order(model, order):
-            logits = model.run(ids, mask=mask).logits
     return next_token_scores(logits, ids, mask, reference, batch.first_tensor())
 
 

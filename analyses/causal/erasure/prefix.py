@@ -8,8 +8,6 @@
                                    the context in which a batch's forward starts there
 :func:`site_block`                 the block a residual site's forward starts at: ``embed`` 0,
                                    ``l.attn`` and ``l.mlp`` block ``l``
-:data:`PREFIX_BYTES`               the most bytes of streams kept; beyond it every forward
-                                   starts at block 0 (the plain forward)
 =================================  ============================================================
 
 An edit at a residual site changes nothing before the site, so the causal test's erased and
@@ -17,7 +15,10 @@ control forwards of a site share the clean stream entering the site's block. Sit
 the depth in order; the streams are advanced with them, so the whole depth costs one clean
 forward, and each edited forward runs only the blocks from its site's on
 (:func:`~depthscope.hooks.block_start.from_block`): on average about half the blocks. The result
-is exact: each block sees the tensor the full forward gives it, in the same batch.
+is exact: each block sees the tensor the full forward gives it, in the same batch. The streams
+are kept within the late-start engine's byte budget
+(:data:`~depthscope.hooks.late_start.PREFIX_BYTES`); beyond it every forward starts at block 0
+(the plain forward).
 """
 
 from __future__ import annotations
@@ -27,12 +28,9 @@ import contextlib
 import torch
 
 from depthscope.analyses.text import pad_id
-from depthscope.hooks.block_start import from_block
+from depthscope.hooks.late_start import Budget, from_block
 
-__all__ = ["Prefixes", "site_block", "PREFIX_BYTES"]
-
-#: the most bytes of clean streams kept for the whole held-out text (one ``[rows, pos, d]`` per batch)
-PREFIX_BYTES = 1 << 30
+__all__ = ["Prefixes", "site_block"]
 
 
 def site_block(site: int) -> int:
@@ -44,15 +42,16 @@ def site_block(site: int) -> int:
 class Prefixes:
     """The held-out text's batches (``held.batches(batch_size, ..., by_length=True, max_tokens=)``,
     the batches :func:`~depthscope.analyses.causal.erasure.loss.doc_nll` runs) and the clean stream
-    entering :attr:`block` for each. ``enabled`` False (the streams would exceed
-    :data:`PREFIX_BYTES`): the block stays 0 and every forward is the plain one."""
+    entering :attr:`block` for each. ``enabled`` False (the streams, one ``[rows, pos, d]`` per
+    batch, would exceed :data:`~depthscope.hooks.late_start.PREFIX_BYTES`): the block stays 0 and
+    every forward is the plain one."""
 
     def __init__(self, model, held, batch_size: int, max_tokens: int):
         self.model = model
         self.batches = list(held.batches(batch_size, pad_id(model), by_length=True, max_tokens=max_tokens))
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         total = sum(b.ids.numel() for b in self.batches) * model.d_model * itemsize
-        self.enabled = total <= PREFIX_BYTES
+        self.enabled = Budget().take(total)
         self.block = 0
         self.streams: list[torch.Tensor | None] = [None] * len(self.batches)
 

@@ -17,8 +17,10 @@ test examples, beside a seeded random subspace of the same dimension.
 
 Method, per site and position. The intervention is ``h' = h_base + R Rᵀ (h_source - h_base)``
 at the base's position, ``R`` a ``[d, k]`` matrix with orthonormal columns
-(``torch.nn.utils.parametrizations.orthogonal``). ``R`` is trained with Adam to maximise the
-log-probability (over the whole vocabulary) of each train example's ``label`` at the base's last
+(``torch.nn.utils.parametrizations.orthogonal``;
+:class:`~depthscope.hooks.interventions.RotatedSwap` while it trains,
+:class:`~depthscope.hooks.interventions.SubspaceSwap` at test time). ``R`` is trained with Adam
+to maximise the log-probability (over the whole vocabulary) of each train example's ``label`` at the base's last
 position; nothing else is trained (the model's parameters are out of autograd), and the test
 examples are read only after training ends. ``boundless=True`` (Boundless DAS, Wu et al. 2023)
 learns a full rotation and a boundary ``b``: the rotated dimensions ``i`` are mixed in with the
@@ -38,8 +40,6 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
-from torch import nn
-from torch.nn.utils.parametrizations import orthogonal
 
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.causal.variables.counterfactuals import as_counterfactuals, split_examples, tokenize_examples
@@ -56,6 +56,7 @@ from depthscope.analyses.causal.variables.subspaces import Subspace
 from depthscope.analyses.causal.variables.swaps import Runner, frozen, make_batches, site_vectors
 from depthscope.common.errors import InputError
 from depthscope.common.progress import track
+from depthscope.hooks.interventions import RotatedSwap, SubspaceSwap
 from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import site_labels
 
@@ -82,50 +83,15 @@ def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
-class _Rotation(nn.Module):
-    """The trained parameters: ``weight`` ``[k, d]`` with orthonormal rows (``R = weight.T``) and,
-    for Boundless DAS (``k = d``), the boundary."""
-
-    def __init__(self, d: int, k: int, boundless: bool):
-        super().__init__()
-        self.lin = orthogonal(nn.Linear(d, k, bias=False))
-        self.boundless = boundless
-        self.boundary = nn.Parameter(torch.tensor(d / 2.0)) if boundless else None
-        self.temperature = 1.0
-
-    def weights(self, hard: bool) -> torch.Tensor | None:
-        """The mixing weight of each rotated dimension (None: every one, plain DAS)."""
-        if not self.boundless:
-            return None
-        i = torch.arange(self.lin.weight.shape[0], dtype=torch.float32)
-        if hard:
-            return (i < torch.round(self.boundary.detach())).float()
-        return torch.sigmoid((self.boundary - i) / self.temperature)
-
-    def edit(self, base: torch.Tensor, source: torch.Tensor, hard: bool = False) -> torch.Tensor:
-        w = self.lin.weight  # [k, d]
-        delta = (source - base) @ w.T
-        m = self.weights(hard)
-        if m is not None:
-            delta = delta * m.to(delta.device)
-        return base + delta @ w
-
-    def basis(self) -> torch.Tensor:
-        """``R`` ``[d, k']``: the directions swapped at test time."""
-        w = self.lin.weight.detach().float()
-        m = self.weights(hard=True)
-        return (w if m is None else w[m.bool()]).T.contiguous().cpu()
-
-
 def _target(batch) -> torch.Tensor:
     return batch.candidates.gather(1, batch.label[:, None])[:, 0]
 
 
-def _train(runner: Runner, source: torch.Tensor, site: int, k: int, cfg: LocalizeConfig, seed: int) -> _Rotation:
+def _train(runner: Runner, source: torch.Tensor, site: int, k: int, cfg: LocalizeConfig, seed: int) -> RotatedSwap:
     """``R`` for one site, trained on the runner's (train) batches."""
     torch.manual_seed(seed)
     d = source.shape[-1]
-    rot = _Rotation(d, d if cfg.boundless else k, cfg.boundless).to(source.device)
+    rot = RotatedSwap(d, d if cfg.boundless else k, cfg.boundless).to(source.device)
     opt = torch.optim.Adam(rot.parameters(), lr=cfg.lr)
     n_steps = cfg.epochs * len(runner.batches)
     gen = torch.Generator().manual_seed(seed)
@@ -136,7 +102,7 @@ def _train(runner: Runner, source: torch.Tensor, site: int, k: int, cfg: Localiz
             if cfg.boundless:  # geometric from 1 to FINAL_TEMPERATURE
                 rot.temperature = FINAL_TEMPERATURE ** (step / max(n_steps - 1, 1))
             src = source[b.rows]
-            logits = runner.logits(i, site, lambda v, src=src: rot.edit(v, src))
+            logits = runner.logits(i, site, rot, src)
             loss = torch.nn.functional.cross_entropy(logits, _target(b))
             if cfg.boundless:
                 loss = loss + rot.boundary / d
@@ -149,9 +115,8 @@ def _train(runner: Runner, source: torch.Tensor, site: int, k: int, cfg: Localiz
 
 def _test(runner: Runner, source: torch.Tensor, site: int, r: torch.Tensor):
     """Per-example hits and logit differences of the interchange within ``r`` ``[d, k]``."""
-    r = r.to(source.device)
     with torch.no_grad():
-        return _scores(runner, site, lambda v, b: v + ((source[b.rows] - v) @ r) @ r.T)
+        return _scores(runner, site, SubspaceSwap(r), source)
 
 
 def _values(source: torch.Tensor, examples, r: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from depthscope.analyses.causal.variables.swaps import Runner, candidate_scores,
 from depthscope.analyses.intervals import MIN_UNITS, provenance, too_few, too_few_note
 from depthscope.common.errors import InputError
 from depthscope.common.progress import track
+from depthscope.hooks.interventions import Intervention, Unchanged, VectorSwap
 from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import SITE_COLUMNS, parse_sites, site_frame
 
@@ -119,19 +120,20 @@ def _variable(examples) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def _scores(runner: Runner, site: int, edit) -> tuple[np.ndarray, np.ndarray]:
-    """Per-example hits and logit differences over every batch of ``runner`` (in the examples' order)."""
+def _scores(runner: Runner, site: int, intervention: Intervention, source=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-example hits and logit differences over every batch of ``runner`` (in the examples'
+    order) with ``intervention`` at ``site``; ``source``: every example's source vector ``[n, d]``."""
     n = sum(len(b.rows) for b in runner.batches)
     hits, diffs = np.zeros(n, dtype=bool), np.zeros(n)
     for i, b in enumerate(runner.batches):
-        h, d = candidate_scores(runner.logits(i, site, lambda v, b=b: edit(v, b)), b)
+        h, d = candidate_scores(runner.logits(i, site, intervention, None if source is None else source[b.rows]), b)
         hits[b.rows], diffs[b.rows] = h, d
     return hits, diffs
 
 
 def unchanged(runner: Runner) -> float:
     """IIA without an intervention: how often the base already predicts the label."""
-    hits, _ = _scores(runner, 0, lambda v, b: v)
+    hits, _ = _scores(runner, 0, Unchanged())
     return float(hits.mean())
 
 
@@ -141,8 +143,7 @@ def _position_rows(model, tex: list[TokenExample], sites: list[int], position: s
     floor = unchanged(runner)
     rows = []
     for j, site in enumerate(track(sites, desc=f"interchange at {position}", unit="site", enabled=cfg.progress)):
-        src = source[j]
-        hits, diffs = _scores(runner, site, lambda v, b, src=src: src[b.rows].to(v.dtype))
+        hits, diffs = _scores(runner, site, VectorSwap(), source[j])
         rows.append({"site": site, "position": position, "iia_unchanged": floor, **iia_columns(hits, diffs)})
     return rows
 

@@ -33,6 +33,7 @@ from depthscope.analyses.causal.variables.counterfactuals import (
 )
 from depthscope.analyses.causal.variables.swaps import Runner, candidate_scores, make_batches
 from depthscope.common.errors import InputError
+from depthscope.hooks.interventions import Unchanged
 from depthscope.hooks.model_checks import require_decoder
 
 __all__ = ["solved"]
@@ -45,7 +46,7 @@ def _predicts(model, examples: Sequence[Counterfactual], batch_size: int) -> np.
     hits = np.zeros(len(examples), dtype=bool)
     with torch.no_grad():
         for i, batch in enumerate(runner.batches):
-            hits[batch.rows] = candidate_scores(runner.logits(i, 0, lambda v: v), batch)[0]
+            hits[batch.rows] = candidate_scores(runner.logits(i, 0, Unchanged()), batch)[0]
     return hits
 
 

@@ -14,8 +14,9 @@ forward goes through depthscope's hook engine (the edit is a hook at the site).
 :func:`site_vectors`        the base's and source's vectors ``[sites, examples, d]`` at one
                             named position
 :class:`Runner`             the batches of one position with their key/value prefixes;
-                            :meth:`Runner.logits`: last-position logits of a batch with an edit
-                            ``fn(h) -> h'`` of the base's vectors ``[batch, d]`` at one site
+                            :meth:`Runner.logits`: last-position logits of a batch with an
+                            intervention (:mod:`depthscope.hooks.interventions`) on the base's
+                            vectors ``[batch, d]`` at one site
 :func:`frozen`              the model's parameters out of autograd for a ``with`` block (only
                             an intervention's own parameters are trained)
 :func:`candidate_scores`    ``(argmax over the candidates == label, logit of the label minus the
@@ -26,24 +27,18 @@ forward goes through depthscope's hook engine (the edit is a hook at the site).
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from depthscope.analyses.causal.variables.counterfactuals import TokenExample
-from depthscope.hooks.arch import cache_keyword, returned_cache
-from depthscope.hooks.engine import Engine, normalise_hooks
+from depthscope.hooks.interventions import Intervention
+from depthscope.hooks.late_start import Budget, KVPrefix, tail_logits
 from depthscope.hooks.sites import site_labels
 
-__all__ = ["Batch", "make_batches", "site_vectors", "Runner", "frozen", "candidate_scores", "PREFIX_BYTES"]
-
-#: the most bytes of key/value prefixes a :class:`Runner` keeps for the whole run; beyond it each
-#: prefix is recomputed at every use (the memory of one batch's prefix at a time)
-PREFIX_BYTES = 1 << 30
+__all__ = ["Batch", "make_batches", "site_vectors", "Runner", "frozen", "candidate_scores"]
 
 
 @dataclass
@@ -115,79 +110,44 @@ def frozen(model) -> Iterator[None]:
             p.requires_grad_(rg)
 
 
-def _accepts(hf_model, name: str) -> bool:
-    try:
-        return name in inspect.signature(hf_model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class Runner:
     """The batches of one named position and their key/value prefixes (the base's positions before
-    the intervened one), computed once and kept (up to :data:`PREFIX_BYTES` in all; past it each
-    is recomputed when used)."""
+    the intervened one, :class:`~depthscope.hooks.late_start.KVPrefix`), computed once and kept
+    (up to :data:`~depthscope.hooks.late_start.PREFIX_BYTES` in all; past it each is recomputed
+    when used)."""
 
     def __init__(self, model, batches: list[Batch]):
         self.model, self.batches = model, batches
         self.labels = site_labels(model.n_layers)
-        self.key = cache_keyword(model.hf_model)
-        self.last_only = {"logits_to_keep": 1} if _accepts(model.hf_model, "logits_to_keep") else {}
-        self.prefixes: dict[int, object] = {}
-        self.keep = True
-        self.kept_bytes = 0
+        self.prefixes: dict[int, KVPrefix | None] = {}
+        self.budget = Budget()
 
-    def _prefix(self, i: int):
-        """Batch ``i``'s key/value cache of positions ``0..start-1`` (None: nothing to reuse)."""
+    def _prefix(self, i: int) -> KVPrefix | None:
+        """Batch ``i``'s key/value prefix of positions ``0..start-1`` (None: nothing to reuse)."""
         if i in self.prefixes:
             return self.prefixes[i]
         b = self.batches[i]
-        if b.start <= 0 or not self.model.is_decoder:
-            return None
-        with torch.no_grad():
-            past = returned_cache(self.model.hf_model(input_ids=b.ids[:, : b.start], use_cache=True))
-        if past is None or not hasattr(past, "get_seq_length"):
-            past = None
-        elif self.keep:
-            self.kept_bytes += _nbytes(past)
-            self.keep = self.kept_bytes <= PREFIX_BYTES
-            if self.keep:
-                self.prefixes[i] = past
-        return past
+        prefix = KVPrefix.build(self.model, b.ids, b.start)
+        if prefix is not None and self.budget.open and self.budget.take(prefix.nbytes):
+            self.prefixes[i] = prefix
+        return prefix
 
-    def logits(self, i: int, site: int, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def logits(self, i: int, site: int, intervention: Intervention, source=None) -> torch.Tensor:
         """Last-position logits ``[batch, vocab]`` (float32) of batch ``i`` with the base's vectors
-        ``[batch, d]`` at ``site`` and the batch's position replaced by ``edit(vectors)``; a graph
-        is kept when grad mode is on."""
+        ``[batch, d]`` (as float32) at ``site`` and the batch's position replaced by
+        ``intervention(vectors, source)`` (:mod:`depthscope.hooks.interventions`; ``source``: the
+        batch's source vectors ``[batch, d]``, or None); a graph is kept when grad mode is on."""
         b = self.batches[i]
-        past = self._prefix(i)
-        offset = b.start if past is not None else 0
-        rel = b.start - offset
+        prefix = self._prefix(i)
+        rel = b.start - (prefix.start if prefix is not None else 0)
 
         def hook(t: torch.Tensor, ctx) -> torch.Tensor:
             new = t.clone()
-            new[:, rel] = edit(t[:, rel].float()).to(t.dtype)
+            new[:, rel] = intervention(t[:, rel].float(), source).to(t.dtype)
             return new
 
-        hooks = normalise_hooks({self.labels[site]: hook}, self.model.n_layers)
-        ids = b.ids[:, offset:]
-        kwargs = {"input_ids": ids, "use_cache": past is not None, **self.last_only}
-        if past is not None:
-            kwargs[self.key] = copy.deepcopy(past)  # the forward appends to it: the kept prefix stays whole
-            kwargs["attention_mask"] = torch.ones(b.ids.shape, dtype=torch.long, device=b.ids.device)
-        with Engine(self.model, (), hooks):
-            out = self.model.hf_model(**kwargs)
-        return out.logits[:, -1].float()
-
-
-def _nbytes(past) -> int:
-    """Bytes of the tensors a key/value cache holds."""
-    seen = 0
-    for layer in getattr(past, "layers", []) or []:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                seen += t.numel() * t.element_size()
-    return seen
+        logits = tail_logits(self.model, b.ids, {self.labels[site]: hook}, prefix, last_only=True)
+        return logits[:, -1].float()
 
 
 def candidate_scores(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, np.ndarray]:

@@ -65,8 +65,8 @@ import torch
 from depthscope.analyses.circuits.prompts import TokenPair
 from depthscope.common.errors import InputError
 from depthscope.common.settings import TOKENS, check_number
-from depthscope.hooks.arch import cache_keyword, returned_cache
-from depthscope.hooks.engine import Engine, normalise_hooks
+from depthscope.hooks.interventions import FeatureSwap, VectorSwap
+from depthscope.hooks.late_start import KVPrefix
 from depthscope.hooks.points import REGISTRY, SUB_KINDS, Point, parse_point, parse_points
 from depthscope.hooks.sae_splice import SUB_POINTS, plan_splices, sub_name
 
@@ -341,9 +341,12 @@ def axes_first(t: torch.Tensor, point: PatchPoint, batch: bool) -> torch.Tensor:
 
 
 def _editor(point: PatchPoint, clean: torch.Tensor, cells: tuple[list, list, list, list]) -> Callable:
-    """A hook writing clean activations into some (row, position[, head]) cells of its batch."""
+    """A hook writing clean activations into some (row, position[, head]) cells of its batch
+    (:class:`~depthscope.hooks.interventions.VectorSwap`; an SAE feature point:
+    :class:`~depthscope.hooks.interventions.FeatureSwap`)."""
     rows, pos, cpos, heads = (torch.as_tensor(v, dtype=torch.long, device=clean.device) for v in cells)
     src = axes_first(clean, point, batch=False)
+    swap = VectorSwap()
 
     def edit(t: torch.Tensor, *_):
         new = t.clone()
@@ -354,10 +357,12 @@ def _editor(point: PatchPoint, clean: torch.Tensor, cells: tuple[list, list, lis
                 f"{tuple(view.shape[1:])} (its key axis follows the prompt's length: patch it between prompts "
                 f"of the same token length)"
             )
-        if point.per_head:
-            view[rows, pos, heads] = s[cpos, heads]
+        if point.kind == FEATURES:  # one SAE feature per row: the feature axis stands in the head's place
+            view[rows, pos] = FeatureSwap(heads)(view[rows, pos], s[cpos])
+        elif point.per_head:
+            view[rows, pos, heads] = swap(view[rows, pos, heads], s[cpos, heads])
         else:
-            view[rows, pos] = s[cpos]
+            view[rows, pos] = swap(view[rows, pos], s[cpos])
         return new
 
     return edit
@@ -403,34 +408,21 @@ def plan(starts: list[int], n_pos: int, batch_tokens: int) -> list[tuple[range, 
     return chunks
 
 
-def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int):
-    """The corrupted prompt's key/value cache for positions ``0..start-1``, repeated for ``n_rows``
+def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int) -> KVPrefix | None:
+    """The corrupted prompt's key/value prefix for positions ``0..start-1``, repeated for ``n_rows``
     rows (None when there is nothing to reuse or the model keeps no such cache)."""
-    if start <= 0 or not model.is_decoder:
-        return None
-    out = model.hf_model(input_ids=ids[:, :start], use_cache=True)
-    past = returned_cache(out)
-    if past is None or not hasattr(past, "batch_repeat_interleave"):
-        return None
-    past.batch_repeat_interleave(n_rows)
-    return past
+    prefix = KVPrefix.build(model, ids, start)
+    return prefix.repeat(n_rows) if prefix is not None else None
 
 
 def patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict], n_rows: int, start: int, saes=None):
     """Logits of ``n_rows`` copies of ``ids`` with the hooks ``make_hooks(start)``. Positions before
     ``start`` (where no row is patched, so every row equals the corrupted run) come from one shared
-    key/value cache and the logits cover positions ``start..`` only; without such a cache (or with
-    ``start`` 0) one plain ``model.run`` of every position, with ``saes`` spliced in. (A chunk with
-    an SAE patch starts at 0; the others may skip the splice: unedited, it changes no number.)"""
-    past = _prefix_cache(model, ids, start, n_rows)
-    if past is None:
+    key/value prefix (:class:`~depthscope.hooks.late_start.KVPrefix`) and the logits cover positions
+    ``start..`` only; without such a prefix (or with ``start`` 0) one plain ``model.run`` of every
+    position, with ``saes`` spliced in. (A chunk with an SAE patch starts at 0; the others may skip
+    the splice: unedited, it changes no number.)"""
+    prefix = _prefix_cache(model, ids, start, n_rows)
+    if prefix is None:
         return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0), saes=saes).logits
-    mask = torch.ones(n_rows, ids.shape[1], dtype=torch.long, device=ids.device)
-    with Engine(model, (), normalise_hooks(make_hooks(start), model.n_layers)):
-        out = model.hf_model(
-            input_ids=ids[:, start:].expand(n_rows, -1),
-            attention_mask=mask,
-            use_cache=True,
-            **{cache_keyword(model.hf_model): past},
-        )
-    return out.logits
+    return prefix.forward(ids.expand(n_rows, -1), make_hooks(start), keep=False)
