@@ -116,11 +116,12 @@ class ModelSpec(Checked):
         help="torch CPU threads (default: torch's choice; 1 is often faster on a busy shared machine; at most "
         "4 per CPU).",
     )
-    stream: bool = setting(
-        False,
+    stream: bool | None = setting(
+        None,
         "--stream/--no-stream",
-        help="Stream the blocks' weights from the checkpoint's safetensors files, one block resident at a time "
-        "(models larger than memory; exact). Without it a model too large for memory is refused.",
+        help="Stream the blocks' weights from the checkpoint's files, one block resident at a time (exact). "
+        "Default: stream only a model whose weights do not fit in memory, printing the plan; --no-stream "
+        "refuses such a model.",
     )
 
 
