@@ -144,7 +144,7 @@ def test_streaming_takes_checkpoint_folders_only_and_streams_what_does_not_fit(f
 
     monkeypatch.setattr("depthscope.hooks.loading.check_fits", too_large)
     with pytest.raises(devices.ModelTooLarge):
-        load_model(folders["llama"])  # stream=False (the default): refused with the sizes, as before
+        load_model(folders["llama"], stream=False)  # refused with the sizes, as before
     auto = load_model(folders["llama"], stream=None)
     assert auto.streamed and torch.equal(auto.residual_stream(TEXTS).resid, mem.residual_stream(TEXTS).resid)
 
