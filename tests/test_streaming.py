@@ -139,10 +139,12 @@ def test_streaming_takes_checkpoint_folders_only_and_streams_what_does_not_fit(f
         load_model(folders["llama"], stream=True, device_map="auto")
     from depthscope.hooks import devices
 
-    def too_large(n_params, dtype, device, headroom=1.1):
-        raise devices.ModelTooLarge("too large for this test")
+    from transformers import AutoConfig
 
-    monkeypatch.setattr("depthscope.hooks.loading.check_fits", too_large)
+    config = AutoConfig.from_pretrained(folders["llama"])
+    plan, weights = stream_plan(config, torch.float32), devices.parameter_count(config) * 4
+    free = int(1.1 * (plan.block + plan.resident + weights) / 2)  # fits streamed, not in memory
+    monkeypatch.setattr(devices, "free_bytes", lambda device: free)
     with pytest.raises(devices.ModelTooLarge):
         load_model(folders["llama"], stream=False)  # refused with the sizes, as before
     auto = load_model(folders["llama"], stream=None)
