@@ -28,8 +28,9 @@ import torch
 SHARD_BYTES = 1 << 30
 
 
-def convert_in_shards(gguf: Path, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """Convert ``gguf`` into the folder ``out`` (config, tokenizer, shards, index)."""
+def convert_in_shards(gguf: Path, out: Path, shard_bytes: int | None = None) -> None:
+    """Convert ``gguf`` into the folder ``out`` (config, tokenizer, shards, index); shards of at most
+    ``shard_bytes`` (None: :data:`SHARD_BYTES`)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gg
@@ -47,7 +48,7 @@ def convert_in_shards(gguf: Path, out: Path, shard_bytes: int = SHARD_BYTES) -> 
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
     processor = gg.TENSOR_PROCESSORS.get(arch, gg.TensorProcessor)(config=parsed.get("config", {}))
     mapping = gg.get_gguf_hf_weights_map(meta, processor)
-    writer = _Shards(out, shard_bytes)
+    writer = _Shards(out, shard_bytes or SHARD_BYTES)
     for tensor in reader.tensors:
         extra = {"tensors": {}, "config": parsed.get("config", {})}  # where MoE processors put split tensors
         result = processor.process(
