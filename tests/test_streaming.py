@@ -137,9 +137,9 @@ def test_streaming_takes_checkpoint_folders_only_and_streams_what_does_not_fit(f
         load_model(mem.hf_model, stream=True)
     with pytest.raises(ModelSpecError, match="leave out device_map"):
         load_model(folders["llama"], stream=True, device_map="auto")
-    from depthscope.hooks import devices
-
     from transformers import AutoConfig
+
+    from depthscope.hooks import devices
 
     config = AutoConfig.from_pretrained(folders["llama"])
     plan, weights = stream_plan(config, torch.float32), devices.parameter_count(config) * 4
