@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from depthscope.common.errors import InputError
 from depthscope.hooks.devices import GiB, ModelTooLarge, remedies, short_of
 
 log = logging.getLogger("depthscope")
@@ -120,7 +121,13 @@ def read_rate(nbytes: int = 256 * 2**20) -> float:
     (measured once per process)."""
     env = os.environ.get("DEPTHSCOPE_READ_RATE")
     if env:
-        return float(env) * 1e9
+        try:
+            rate = float(env)
+        except ValueError:
+            rate = 0.0
+        if not 0 < rate < float("inf"):
+            raise InputError(f"$DEPTHSCOPE_READ_RATE is {env!r}: give the disk's read rate in GB/s, e.g. 0.5")
+        return rate * 1e9
     fd, name = tempfile.mkstemp(prefix="depthscope-read-rate-")
     try:
         block = os.urandom(2**20)
@@ -144,7 +151,9 @@ def paper_plan(spec, dtype) -> str | None:
     """The streamed plan of the folder ``spec`` when it holds a ``config.json`` and no weights (a model
     sized before it is downloaded), with the read time per forward at :func:`read_rate`; None for
     anything else (a model to load)."""
-    folder = Path(str(spec or "")).expanduser()
+    if not spec or not isinstance(spec, (str, os.PathLike)):
+        return None
+    folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file() or any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
         return None
     from transformers import AutoConfig

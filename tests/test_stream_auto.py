@@ -205,3 +205,17 @@ def test_the_read_rate_is_measured_once(monkeypatch):
     rate = stream_choice.read_rate(8 << 20)
     assert rate > 0 and stream_choice.read_rate(8 << 20) == rate
     stream_choice.read_rate.cache_clear()
+
+
+def test_a_bad_read_rate_is_named(monkeypatch, tmp_path):
+    from depthscope.common.errors import InputError
+    from depthscope.hooks import stream_choice
+
+    monkeypatch.setenv("DEPTHSCOPE_READ_RATE", "fast")
+    stream_choice.read_rate.cache_clear()
+    with pytest.raises(InputError, match="DEPTHSCOPE_READ_RATE is 'fast'"):
+        stream_choice.read_rate()
+    stream_choice.read_rate.cache_clear()
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert stream_choice.paper_plan(None, "float32") is None  # the default model is no folder here
