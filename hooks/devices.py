@@ -7,6 +7,7 @@
                                 ``"float16"``/``"fp16"``/``"half"`` or a ``torch.dtype``
 :func:`check_dtype_on`          refuse a dtype the device cannot compute in
 :func:`check_fits`              refuse a model whose weights exceed the device's free memory
+:func:`remedies`                what would make a model fit on this machine (the refusals' ways out)
 :func:`short_of`                the device's free bytes when a placement would not fit (the
                                 test behind :func:`check_fits` and the probes' features)
 :func:`parameter_count`         parameters of a transformers config, counted on the meta device
@@ -165,9 +166,18 @@ def check_fits(n_params: int, dtype: torch.dtype, device: torch.device, *, headr
         name = str(dtype).removeprefix("torch.")
         raise ModelTooLarge(
             f"the model has {n_params / 1e9:.2f}B parameters: {need / GiB:.2f} GiB in {name}"
-            f" (+{headroom - 1:.0%} headroom) but {device} has {free / GiB:.2f} GiB free; use a smaller --dtype "
-            f"(bfloat16/float16 halve it), device_map='auto' to spread it over GPUs, or a machine with more memory"
+            f" (+{headroom - 1:.0%} headroom) but {device} has {free / GiB:.2f} GiB free; use "
+            + ", ".join(remedies(dtype))
         )
+
+
+def remedies(dtype: torch.dtype) -> list[str]:
+    """What makes a model fit that this machine offers: a 16-bit ``--dtype`` only from float32,
+    ``device_map='auto'`` only where torch sees a GPU, and always a machine with more memory."""
+    out = ["a smaller --dtype (bfloat16/float16 halve it)"] if dtype == torch.float32 else []
+    if torch.cuda.is_available():
+        out.append("device_map='auto' to spread it over GPUs")
+    return [*out, "or a machine with more memory" if out else "a machine with more memory"]
 
 
 def require_accelerate() -> None:

@@ -56,7 +56,6 @@ from depthscope.common.errors import CheckpointError, DefaultModelMissing, Model
 from depthscope.common.progress import spinner
 from depthscope.common.stamps import file_digest, verify_stamps, write_stamps
 from depthscope.hooks.devices import (
-    ModelTooLarge,
     check_dtype_on,
     check_fits,
     require_accelerate,
@@ -74,6 +73,7 @@ from depthscope.hooks.model_checks import (
     gguf_config_sizes,
     meta_model,
 )
+from depthscope.hooks.stream_choice import decide
 
 log = logging.getLogger("depthscope")
 
@@ -125,7 +125,7 @@ def load_model(
     device_map: str | dict | None = None,
     trust_remote_code: bool = False,
     use_cache: bool = True,
-    stream: bool | None = False,
+    stream: bool | None = None,
 ) -> HookedModel:
     """Load a model as a :class:`HookedModel` (see the module docstring for ``spec``).
 
@@ -133,12 +133,13 @@ def load_model(
     torch sees one); ``dtype``: float32 (default), bfloat16 or float16 (names or torch dtypes);
     ``device_map="auto"`` spreads the weights over the visible GPUs through accelerate (then
     ``device`` is not used). Models in memory keep their dtype and device unless these are given.
-    A model whose weights exceed the device's free memory is refused with the sizes
-    (:mod:`depthscope.hooks.devices`). ``stream=True`` keeps one block's weights resident at a time,
-    read from the checkpoint's safetensors files as the forward reaches it
-    (:mod:`depthscope.hooks.streaming`: exact, for models larger than memory); ``stream=None``
-    streams only when the weights would not fit in memory. Streaming reads a folder (or a GGUF's
-    cached conversion) on one device, not ``device_map``, models in memory or bridges."""
+    ``stream=True`` keeps one block's weights resident at a time, read from the checkpoint's
+    safetensors files as the forward reaches it (:mod:`depthscope.hooks.streaming`: exact, for
+    models larger than memory); ``stream=None`` (the default) streams only when the weights do not
+    fit in the device's free memory and says so with the plan; ``stream=False`` refuses such a
+    model with the sizes, the streamed bound and the remedies (:mod:`depthscope.hooks.stream_choice`).
+    Streaming reads a folder, a cached hub id or a GGUF (converted tensor by tensor into the cache,
+    never whole in memory) on one device; not ``device_map``, models in memory or bridges."""
     if stream:
         _check_stream_request(spec, device_map)
     in_memory = _from_memory(spec, tokenizer, device, dtype)
@@ -221,22 +222,13 @@ class Placement:
     def from_pretrained_kwargs(self) -> dict:
         return {"device_map": self.device_map} if self.device_map is not None else {}
 
-    def check_params(self, n_params: int) -> bool:
-        """Refuse, before reading any weights, a model of ``n_params`` too large for the device;
-        True when it is to be streamed instead (``stream=True``, or ``None`` and it does not fit)."""
-        if self.stream:
-            return True
-        if self.device is not None:
-            try:
-                check_fits(n_params, self.dtype, self.device)
-            except ModelTooLarge:
-                if self.stream is None:
-                    log.warning(
-                        "the weights do not fit in %s's free memory: streaming them block by block", self.device
-                    )
-                    return True
-                raise
-        return False
+    def check_params(self, n_params: int, config=None) -> bool:
+        """Refuse, before reading any weights, a model of ``n_params`` (built from ``config``) too large
+        for the device; True when it is to be streamed instead (``stream=True``, or ``None`` and only
+        its streamed weights fit: :func:`~depthscope.hooks.stream_choice.decide`)."""
+        if self.device is None:  # accelerate's device_map places it
+            return bool(self.stream)
+        return decide(n_params, config, self.dtype, self.device, self.stream)
 
     def put(self, model):
         """The loaded transformers model in ``dtype`` on ``device`` (checked to fit first when it
@@ -382,7 +374,7 @@ def _preflight(config, cls, device: Placement, folder: Path, tokenizer) -> bool:
     meta = meta_model(config, cls)
     streamed = device.stream is True
     if meta is not None:
-        streamed = device.check_params(sum(p.numel() for p in meta.parameters()))
+        streamed = device.check_params(sum(p.numel() for p in meta.parameters()), config)
     rows = embedding_rows(meta) if meta is not None else getattr(config, "vocab_size", None)
     check_vocab(tokenizer, rows, str(folder))
     files = _weight_files(folder)
@@ -468,8 +460,8 @@ def _serve_cached(target: Path, gguf: Path, dtype, device, name: str | None) -> 
     if not _cache_present(target):
         return None
     if _cache_intact(target, gguf):
-        if device.stream:
-            config = AutoConfig.from_pretrained(target, local_files_only=True)
+        config = AutoConfig.from_pretrained(target, local_files_only=True)
+        if _streams(config, device):
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
             return _streamed(
                 target, AutoModelForCausalLM, config, tok, device, name=name or gguf.stem, source=str(gguf)
@@ -520,6 +512,14 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
         served = _serve_cached(target, path, dtype, device, name)
         if served is not None:
             return served
+    if _streams(_gguf_config(path, device), device):  # converted tensor by tensor, then streamed from the cache
+        if not use_cache:
+            raise CheckpointError(
+                f"streaming {path.name} reads its safetensors conversion in depthscope's cache; use_cache=False "
+                "writes none: leave use_cache on, or convert it to a folder yourself and stream that"
+            )
+        _save_in_shards(path, target)
+        return _serve_cached(target, path, dtype, device, name) or _no_cache(path, target)
     model, tok = _convert_gguf(path)
     check_vocab(tok, embedding_rows(model), str(path))
     saved = use_cache and _save_atomically(model, tok, target)
@@ -528,6 +528,56 @@ def _load_gguf(path: Path, dtype, device, use_cache: bool, name: str | None = No
             return _load_gguf(path, dtype, device, use_cache, name)
         device = Placement(resolve_device("auto"), dtype)
     return HookedModel(device.put(model), tok, name=name or path.stem, source=str(path))
+
+
+def _streams(config, device: Placement) -> bool:
+    """Whether the model of ``config`` streams on ``device`` (:meth:`Placement.check_params`, on the
+    parameter count of a meta-device build); ``config`` None: only when streaming was asked for."""
+    meta = meta_model(config, AutoModelForCausalLM) if config is not None else None
+    if meta is None:
+        return device.stream is True
+    return device.check_params(sum(p.numel() for p in meta.parameters()), config)
+
+
+def _gguf_config(path: Path, device: Placement):
+    """The config a GGUF's metadata gives (its size fields checked first), read only where the decision
+    to stream needs it (one device, ``stream`` not False); None when it cannot be read (the conversion
+    then names the fault)."""
+    if device.device is None or device.stream is False:
+        return None
+    _check_gguf_header(path)
+    check_config_dict(gguf_config_sizes(path), f"the metadata of {path}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        if device.stream:
+            raise CheckpointError(f"cannot read the config of GGUF {path} to stream it: {type(e).__name__}: {e}") from e
+        return None
+
+
+def _save_in_shards(path: Path, target: Path) -> None:
+    """Convert the GGUF ``path`` tensor by tensor (:mod:`depthscope.hooks.gguf_convert`) into a stamped
+    folder renamed into place at ``target``: it never holds the whole model."""
+    from depthscope.hooks.gguf_convert import convert_in_shards
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        with warnings.catch_warnings(), spinner(f"converting {path.name} to safetensors tensor by tensor (once)"):
+            warnings.simplefilter("ignore")
+            convert_in_shards(path, tmp)
+        write_stamps(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot convert GGUF {path} to stream it: {type(e).__name__}: {e}") from e
+
+
+def _no_cache(path: Path, target: Path):
+    raise CheckpointError(f"the conversion of {path} written to {target} cannot be read back; it was removed")
 
 
 def _streamed(folder: Path, cls, config, tok, device: Placement, *, name: str, source: str) -> HookedModel:
@@ -591,7 +641,8 @@ def _load_hub_cached(name: str, dtype, device, trust_remote_code) -> HookedModel
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception:
         tok = None
-    _preflight(config, cls, device, folder, tok)
+    if _preflight(config, cls, device, folder, tok):
+        return _streamed(folder, cls, config, tok, device, name=name, source=f"hf-cache:{name}")
     try:
         model = cls.from_pretrained(
             name,

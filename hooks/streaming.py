@@ -66,7 +66,9 @@ def _weight_index(folder: Path) -> dict[str, Path]:
         absent = sorted({v for v in wm.values() if not (folder / v).is_file()})
         if absent:
             raise CheckpointError(f"{index} lists shard file(s) that are not in {folder}: {', '.join(absent[:5])}")
-        return {k: folder / v for k, v in wm.items()}
+        out = {k: folder / v for k, v in wm.items()}
+        _check_index(out, index)
+        return out
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
@@ -74,6 +76,20 @@ def _weight_index(folder: Path) -> dict[str, Path]:
     if not out:
         raise CheckpointError(f"{folder}: streaming reads safetensors files, and there are none")
     return out
+
+
+def _check_index(index: dict[str, Path], source: Path) -> None:
+    """Refuse, before a pass starts, an index that names a shard for a tensor whose header lacks it
+    (the pass would end in that block): the tensor, the shard named, and the shard holding it if any."""
+    heads = {f: _header(f)[1] for f in sorted(set(index.values()))}
+    for name, f in index.items():
+        if name not in heads[f]:
+            holder = next((g.name for g, h in heads.items() if name in h), None)
+            where = f"it is in {holder}" if holder else "no shard holds it"
+            raise CheckpointError(
+                f"{source} names {f.name} for tensor {name!r}, but {f.name}'s header lacks it ({where}); "
+                "the index and the shards disagree: fetch the checkpoint again"
+            )
 
 
 #: safetensors dtype names -> torch dtypes (the header's ``dtype`` of each tensor)
@@ -297,7 +313,8 @@ def expected_peak(m, tokens: int) -> str:
         return (
             f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
             f"{plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
-            f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime)"
+            f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime); each forward reads "
+            f"{plan.block * plan.n_blocks / gib:.2f} GiB of block weights"
         )
     weights = sum(p.numel() * p.element_size() for p in m.hf_model.parameters())
     acts = tokens * plan.activation_per_token

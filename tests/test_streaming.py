@@ -137,14 +137,16 @@ def test_streaming_takes_checkpoint_folders_only_and_streams_what_does_not_fit(f
         load_model(mem.hf_model, stream=True)
     with pytest.raises(ModelSpecError, match="leave out device_map"):
         load_model(folders["llama"], stream=True, device_map="auto")
+    from transformers import AutoConfig
+
     from depthscope.hooks import devices
 
-    def too_large(n_params, dtype, device, headroom=1.1):
-        raise devices.ModelTooLarge("too large for this test")
-
-    monkeypatch.setattr("depthscope.hooks.loading.check_fits", too_large)
+    config = AutoConfig.from_pretrained(folders["llama"])
+    plan, weights = stream_plan(config, torch.float32), devices.parameter_count(config) * 4
+    free = int(1.1 * (plan.block + plan.resident + weights) / 2)  # fits streamed, not in memory
+    monkeypatch.setattr(devices, "free_bytes", lambda device: free)
     with pytest.raises(devices.ModelTooLarge):
-        load_model(folders["llama"])  # stream=False (the default): refused with the sizes, as before
+        load_model(folders["llama"], stream=False)  # refused with the sizes, as before
     auto = load_model(folders["llama"], stream=None)
     assert auto.streamed and torch.equal(auto.residual_stream(TEXTS).resid, mem.residual_stream(TEXTS).resid)
 

@@ -41,18 +41,15 @@ def begin(o, config: type, command: str, identity: dict | None = None, **fields)
     return cfg
 
 
-def load(model: str | None, device: str = "cpu", dtype: str = "float32", stream: bool = False):
-    """``load_model(model, device=device, dtype=dtype, stream=stream)``: bad names and absent devices are
-    clear errors."""
-    from depthscope.hooks import load_model  # lazy: it imports torch, --help must not
-
-    return load_model(model, device=device, dtype=dtype, stream=stream)
+def load(model: str | None, device: str = "cpu", dtype: str = "float32", stream: bool | None = None, why=None):
+    """:func:`~depthscope.analyses.jobs.base.load_for_command` (``why``: why this command cannot stream)."""
+    return base.load_for_command(model, device, dtype, stream, why)
 
 
 def loader(o):
-    """``load()`` of the model the options ``o`` name (``o.model`` on ``o.device`` in ``o.dtype``;
-    streamed with ``--stream``), for a job that loads it once its data are read and checked."""
-    return functools.partial(load, o.model, o.device, o.dtype, bool(getattr(o, "stream", False)))
+    """``load()`` of the options' model, once a job's data are checked; without ``--stream``: never streamed."""
+    why = None if hasattr(o, "stream") else "it computes gradients, and a backward needs every block held"
+    return functools.partial(load, o.model, o.device, o.dtype, getattr(o, "stream", None), why)
 
 
 def load_model(o, show: bool = False):

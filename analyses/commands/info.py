@@ -19,8 +19,11 @@ def info(o) -> None:
     """Show the model's residual sites and, for PROMPT, each site's stream norm and logit-lens top token."""
     import torch  # lazy: --help must not import torch
 
+    from depthscope.hooks.stream_choice import paper_plan
     from depthscope.hooks.streaming import expected_peak
 
+    if o.stream and (plan := paper_plan(o.model, o.dtype)) is not None:
+        return Console().print(plan)  # a config.json without weights: the 70B plan on paper
     m = load_model(o)
     console = Console()
     console.print(repr(m))

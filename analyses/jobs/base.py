@@ -54,6 +54,18 @@ class OutputClaim:
 LOCK = ".depthscope.lock"
 
 
+def load_for_command(model: str | None, device: str, dtype: str, stream: bool | None, why: str | None = None):
+    """``load_model(model, device=device, dtype=dtype, stream=stream)`` (``stream`` None: streamed when it
+    does not fit); ``why`` given: never streamed, and a refusal says why the command cannot stream."""
+    from depthscope.hooks import load_model  # lazy: it imports torch, --help must not
+    from depthscope.hooks.devices import ModelTooLarge
+
+    try:
+        return load_model(model, device=device, dtype=dtype, stream=False if why else stream)
+    except ModelTooLarge as e:
+        raise e if why is None else ModelTooLarge(f"{e}; this command cannot stream the model: {why}") from None
+
+
 def prepare_store(store_dir: Path | None = None) -> Path:
     """Check ``--store`` (else ``<cache>/activations``, named as ``DEPTHSCOPE_CACHE``) before any compute."""
     from depthscope.hooks import cache_dir  # lazy: hooks import torch, --help must not

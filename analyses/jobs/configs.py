@@ -118,11 +118,12 @@ class ModelSpec(Checked):
         help="torch CPU threads (default: the cores free now, i.e. the CPUs less the load average, at most "
         "torch's choice; more threads than free cores spin-wait on a shared machine; at most 4 per CPU).",
     )
-    stream: bool = setting(
-        False,
+    stream: bool | None = setting(
+        None,
         "--stream/--no-stream",
-        help="Stream the blocks' weights from the checkpoint's safetensors files, one block resident at a time "
-        "(models larger than memory; exact). Without it a model too large for memory is refused.",
+        help="Stream the blocks' weights from the checkpoint's files, one block resident at a time (exact). "
+        "Default: stream only a model whose weights do not fit in memory, printing the plan; --no-stream "
+        "refuses such a model.",
     )
 
 

@@ -24,7 +24,7 @@ class ReportConfig(Checked):
     model: str | None = None
     device: str = "cpu"  # cpu, cuda, cuda:N, mps, auto
     dtype: str = "float32"  # float32, bfloat16, float16
-    stream: bool = False  # the blocks' weights streamed from safetensors (every stage is forward-only)
+    stream: bool | None = None  # the blocks streamed from the files (None: when they do not fit; forward-only)
     train: str | None = None
     test: str | None = None
     dev: str | None = None
