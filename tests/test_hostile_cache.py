@@ -139,10 +139,13 @@ def test_error_messages_name_cli_options_when_they_name_arguments():
 
 
 @pytest.mark.slow
-def test_real_model_cache_with_a_zeroed_block_is_converted_again(tmp_path, monkeypatch, caplog):
+def test_real_model_cache_with_a_zeroed_block_is_converted_again(tmp_path, monkeypatch, caplog, default_model):
     """The reported case: the default model's cached conversion with a zeroed block made it
     predict ' the' after 'The capital of France is'; now the block is seen and the model converted
     again, and it predicts ' Paris'."""
+    from conftest import copy_default_conversion
+
+    copy_default_conversion(tmp_path)
     monkeypatch.setenv("DEPTHSCOPE_CACHE", str(tmp_path))
     m = loading.load_model()
     target = next((tmp_path / "models").iterdir())

@@ -369,19 +369,27 @@ def test_the_cache_key_covers_the_whole_gguf(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_models_cache_corrupted_behind_its_metadata_is_converted_again(tmp_path, monkeypatch):
+def test_the_default_models_cache_corrupted_behind_its_metadata_is_converted_again(
+    tmp_path, monkeypatch, default_model
+):
     """The reported case: a zeroed block in the default model's conversion, size, mtime and inode
     kept, made it predict ' the' after 'The capital of France is'; now the served model is a fresh
     conversion's, and it predicts ' Paris'."""
+    from conftest import copy_default_conversion
+
+    copy_default_conversion(tmp_path)
     monkeypatch.setenv("DEPTHSCOPE_CACHE", str(tmp_path))
     fresh = loading.load_model()
+    ids = fresh.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():  # before the corruption: the served weights may map the file
+        ref = fresh.hf_model(ids).logits[0, -1].clone()
+    del fresh
     st = next((tmp_path / "models").iterdir()) / "model.safetensors"
     _corrupt_behind_the_metadata(st, st.stat().st_size // 3, 8 << 20)
     stamps.forget_digests()  # as in a new process
     m = loading.load_model()
-    ids = m.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        logits, ref = m.hf_model(ids).logits[0, -1], fresh.hf_model(ids).logits[0, -1]
+        logits = m.hf_model(ids).logits[0, -1]
     assert torch.equal(logits, ref)
     assert m.tokenizer.decode([int(logits.argmax())]) == " Paris"
 
