@@ -186,7 +186,7 @@ def default_model():
     return load_model()
 
 
-def copy_default_conversion(cache: "os.PathLike") -> None:
+def copy_default_conversion(cache: os.PathLike) -> None:
     """Copy the default model's cached conversion (which the ``default_model`` fixture made or
     found) into the depthscope cache folder ``cache``, so a test that corrupts a conversion starts
     from a good one without converting the GGUF again (20-50 s each)."""
