@@ -2,6 +2,9 @@
 VENV ?= .venv
 OUT ?= depthscope-report
 PYTEST_ARGS ?=
+# the suite on a worker per core (at most 4: each holds the 135M model), one torch thread each
+# (tests/conftest.py); a module's tests stay on one worker unless conftest.SPLIT_MODULES lets them part
+WORKERS ?= -n auto --maxprocesses=4 --dist loadgroup
 
 .PHONY: setup report test test-fast lint check-wheel docs bench clean tunedlens-venv
 
@@ -14,7 +17,7 @@ report: setup
 # the README's test command (and CI's, .ci/run): lint, the wheel installed in a fresh venv, then
 # the whole suite (the docs build and every code block of README, docs and examples/ included)
 test: lint check-wheel
-	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q $(WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # build sdist + wheel, install the wheel (not editable) in a fresh venv, use it from outside the checkout
 check-wheel: setup
@@ -26,7 +29,7 @@ docs: setup
 
 # the fast tier: everything that does not load the real default model (about 4 min on 2 quiet cores)
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q $(WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -88,12 +88,33 @@ def _own_working_directory(tmp_path, monkeypatch):
 REAL_MODEL_FIXTURES = {"default_model", "tokenizer"}
 
 
+#: modules whose tests may run on different workers under ``pytest -n`` (pytest-xdist,
+#: ``--dist loadgroup``, as ``make test`` runs): independent tests that share only session fixtures.
+#: Every other module runs whole on one worker, so its module fixtures are built once.
+SPLIT_MODULES = {"test_docs.py", "test_hostile_models.py", "test_hostile_cache.py"}
+#: the modules with the longest tests (measured with DEPTHSCOPE_TEST_TIMES), started first so no
+#: worker is left with one of them at the end while the other idles
+FIRST_MODULES = ("test_docs.py", "test_localize.py", "test_examples.py", "test_hostile_models.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test that loads the real default model through a fixture (the closure
-    of fixtures it requests, so a module fixture built on ``default_model`` counts too)."""
+    of fixtures it requests, so a module fixture built on ``default_model`` counts too); group the
+    tests of a module for pytest-xdist unless it is in :data:`SPLIT_MODULES`; run the modules of
+    :data:`FIRST_MODULES` first, in that order, and within them the slow tests first."""
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.path.name not in SPLIT_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        first = FIRST_MODULES.index(name) if name in FIRST_MODULES else len(FIRST_MODULES)
+        return first, 0 if first < len(FIRST_MODULES) and item.get_closest_marker("slow") else 1
+
+    items.sort(key=rank)  # stable: the collection order within each rank
 
 
 # What the tiny tokenizer is trained on: the fixtures' text, plus phrases the tests use as
@@ -325,6 +346,6 @@ def pytest_runtest_logreport(report):
     """With ``DEPTHSCOPE_TEST_TIMES=FILE``, one line per test phase (node id, phase, seconds) appended
     as each ends: the suite's slow tests can be read while it runs (``--durations`` prints only at the end)."""
     path = os.environ.get("DEPTHSCOPE_TEST_TIMES")
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes every worker's
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\n")
