@@ -186,10 +186,38 @@ def test_evaluate_circuit_table(tiny):
     model, hf = tiny("gpt2")
     pairs, _ = _pairs(hf.config.vocab_size)
     df = evaluate_circuit(model, pairs, [("embed", "logits"), ("0.heads.0", "1.q.2")])
-    assert list(df["n_edges"].unique()) == [2]
+    # pruned: 0.heads.0 has no input edge and 1.heads.2 no output edge, so only embed -> logits stays
+    assert list(df["n_edges"].unique()) == [1] and list(df["n_edges_given"].unique()) == [2]
+    whole = evaluate_circuit(model, pairs, [("embed", "logits"), ("0.heads.0", "1.q.2")], prune=False)
+    assert list(whole["n_edges"].unique()) == [2]
     assert set(df.columns) >= {"pair", "metric", "clean_metric", "corrupted_metric", "ablation"}
     with pytest.raises(InputError):
         evaluate_circuit(model, pairs, [("1.heads.0", "0.q.2")])  # no edge: the sender is downstream
+
+
+def test_evaluate_circuit_takes_its_own_edge_table_back(tiny):
+    """A table with ``in_circuit`` is the circuit of its marked rows (the job's edges.parquet), pruned
+    as the curve prunes; without the column the table is taken whole."""
+    from depthscope.analyses.circuits.edges.faithfulness import edge_scores_of, top_circuit
+
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    g = circuit_graph(model)
+    scores = edge_scores_of(g, edges)
+    unpruned = top_circuit(g, scores, 40, pruned=False)
+    s, r = g.edge_index
+    edges["in_circuit"] = unpruned[s, r]
+    got = evaluate_circuit(model, pairs, edges)
+    want = CircuitEvaluator(model, pairs).metrics(top_circuit(g, scores, 40))
+    np.testing.assert_allclose(got["metric"], want, atol=1e-6)
+    assert got.attrs["n_edges"] == int(top_circuit(g, scores, 40).sum()) < 40 == got.attrs["n_edges_given"]
+    assert got["metric"].to_numpy() != pytest.approx(got["clean_metric"].to_numpy())  # not the whole model
+    whole = evaluate_circuit(model, pairs, edges.drop(columns="in_circuit"))
+    np.testing.assert_allclose(whole["metric"], whole["clean_metric"], atol=1e-4)
+    assert whole.attrs["n_edges"] == g.n_edges
+    with pytest.raises(InputError, match="in_circuit"):
+        evaluate_circuit(model, pairs, edges.assign(in_circuit=1.5))
 
 
 # ----------------------------------------------------------------------------- faithfulness
@@ -295,3 +323,29 @@ def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
     assert n == 246 and "most faithful" in why
     n, why = _drawn(curve.assign(n_edges_pruned=[0, 0, 0, 503, 1099]), config)
     assert n == 100 and "top 100" in why
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        (
+            {"clean": "the cat sat", "corrupted": "the cat sat", "target": " mat", "foil": " cat"},
+            "prompts are the same",
+        ),
+        ({"clean": "the cat sat", "corrupted": "the dog sat", "target": " mat", "foil": " mat"}, "target and the foil"),
+    ],
+)
+def test_circuit_command_refuses_pairs_that_contrast_nothing(
+    tiny_llama_dir, tmp_path, monkeypatch, capsys, row, reason
+):
+    """A pair with nothing to contrast is refused by its line, before any model loads (it ended in a
+    pandas traceback: every f NaN)."""
+    from tests.conftest import run_cli
+
+    good = {"clean": "the cat sat on the mat", "corrupted": "the dog sat on the mat", "target": " mat", "foil": " cat"}
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps(r) for r in (good, row)))
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out"]
+    code, _, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and "pairs.jsonl:2" in stderr and reason in stderr, stderr
+    assert "Traceback" not in stderr

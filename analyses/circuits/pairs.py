@@ -12,6 +12,8 @@ offers                  what
 ======================  ==========================================================================
 PromptPair              one pair; ``PromptPair.from_dict`` checks a JSON object's fields
 read_pairs              a JSONL file, one JSON object per line (errors name the file and line)
+check_contrasts         refuse pairs that contrast nothing (the same prompts, the target its own
+                        foil), naming each pair's line and the reason
 as_pairs                pairs from a list (of PromptPair, dicts or ``(clean, corrupted)`` tuples),
                         one PromptPair, or a ``.jsonl`` path
 is_dataset              whether a patching argument is a dataset rather than one prompt
@@ -48,6 +50,7 @@ from depthscope.common.jsonl import read_jsonl
 __all__ = [
     "PromptPair",
     "read_pairs",
+    "check_contrasts",
     "as_pairs",
     "is_dataset",
     "mean_over_pairs",
@@ -107,6 +110,26 @@ def read_pairs(path) -> list[PromptPair]:
         return replace(PromptPair.from_dict(obj, where), where=f"{Path(where).name}")
 
     return read_jsonl(path, parse, what="pairs", limit=MAX_PAIRS)
+
+
+def check_contrasts(pairs: Sequence[PromptPair], what: str = "a circuit") -> list[PromptPair]:
+    """``pairs`` unchanged, or :class:`InputError` naming the first pair (its file and line when read
+    from one) that contrasts nothing: clean and corrupted prompts the same (every edge's effect
+    and the clean-corrupted gap are zero), or a ``target`` equal to its ``foil`` (the metric is zero
+    on every run). ``what`` names what needs the contrast, for the message."""
+    for i, p in enumerate(pairs):
+        where = p.where or f"pair {i}"
+        if p.clean == p.corrupted:
+            raise InputError(
+                f"{where}: the clean and corrupted prompts are the same ({p.clean!r}); {what} is what differs "
+                f"between them: corrupt the prompt (e.g. swap a name) or drop the pair"
+            )
+        if p.target is not None and p.foil is not None and p.target == p.foil:
+            raise InputError(
+                f"{where}: the target and the foil are the same token ({p.target!r}); the metric logit[target] - "
+                f"logit[foil] is zero on every run: give the foil the corrupted prompt predicts, or drop the pair"
+            )
+    return list(pairs)
 
 
 def is_dataset(obj) -> bool:

@@ -38,7 +38,7 @@ from depthscope.analyses.circuits.edges.faithfulness import (
 from depthscope.analyses.circuits.edges.graph import mib_graph
 from depthscope.analyses.circuits.edges.html import circuit_html, circuit_json
 from depthscope.analyses.circuits.edges.plots import plot_circuit, plot_faithfulness
-from depthscope.analyses.circuits.pairs import read_pairs
+from depthscope.analyses.circuits.pairs import check_contrasts, read_pairs
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import CircuitConfig
 
@@ -56,7 +56,7 @@ def _drawn(curve: pd.DataFrame, config: CircuitConfig) -> tuple[int, str]:
         return int(best["n_edges"]), f"the smallest circuit with f >= {config.threshold:g}"
     # else the most faithful size that still holds edges after pruning (the top few edges of a
     # deep model often join no path from the input to the logits, and prune to nothing)
-    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX)]
+    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX) & curve["f"].notna()]
     if len(small):
         row = small.loc[small["f"].idxmax()]
         return int(row["n_edges"]), (
@@ -87,7 +87,7 @@ def _with_stability(curve: pd.DataFrame, es, config: CircuitConfig) -> pd.DataFr
 def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
     """Score, evaluate and draw (module docstring); the summary holds CPR and CMD of the top and
     the random circuits, the smallest faithful circuit and its heads, and the top edges."""
-    pairs = read_pairs(config.pairs)
+    pairs = check_contrasts(read_pairs(config.pairs))
     t0 = time.perf_counter()
     es = score_edges(model, pairs, config.method, config.steps, batch_tokens=config.batch_tokens)
     scored = time.perf_counter() - t0

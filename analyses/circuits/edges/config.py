@@ -84,6 +84,6 @@ class CircuitConfig(Checked):
         """A pairs file, read and checked before the model loads."""
         if self.pairs is None:
             raise InputError("--pairs is required: a JSONL file of prompt pairs")
-        from depthscope.analyses.circuits.pairs import read_pairs  # lazy: pandas; every line checked early
+        from depthscope.analyses.circuits.pairs import check_contrasts, read_pairs  # lazy: pandas; lines checked early
 
-        read_pairs(self.pairs)
+        check_contrasts(read_pairs(self.pairs))
