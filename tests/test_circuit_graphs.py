@@ -272,7 +272,7 @@ def test_circuit_command_refuses_unequal_lengths(tiny_llama_dir, tmp_path, monke
     pairs = tmp_path / "pairs.jsonl"
     row = {"clean": "the cat sat on the mat", "corrupted": "the cat sat", "target": " mat", "foil": " cat"}
     pairs.write_text(json.dumps(row))
-    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out"]
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out", "--in-sample"]
     code, _, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 2 and "pair 0" in stderr and "same number of tokens" in stderr
     assert "Traceback" not in stderr
@@ -315,7 +315,7 @@ def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
     from depthscope.analyses.jobs.configs import CircuitConfig
 
     (tmp_path / "p.jsonl").write_text('{"clean": "a", "corrupted": "b"}')
-    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"))
+    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"), in_sample=True)
     curve = pd.DataFrame(
         {"n_edges": [0, 123, 246, 616, 1232], "n_edges_pruned": [0, 0, 181, 503, 1099], "f": [0, 0, 0.58, 0.72, 0.9]}
     )
@@ -349,3 +349,143 @@ def test_circuit_command_refuses_pairs_that_contrast_nothing(
     code, _, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 2 and "pairs.jsonl:2" in stderr and reason in stderr, stderr
     assert "Traceback" not in stderr
+
+
+# ----------------------------------------------------------------------------- held out, baselines, MIB's signs
+def test_split_pairs_is_seeded_disjoint_and_sized():
+    from depthscope.analyses.circuits.pairs import split_pairs
+
+    pairs = [PromptPair(f"a {i}", f"b {i}", " x", " y") for i in range(9)]
+    train, held = split_pairs(pairs, 0.5, seed=3)
+    assert len(train) == 4 and len(held) == 5  # round(4.5) = 4
+    assert {p.clean for p in train}.isdisjoint({p.clean for p in held})
+    assert {p.clean for p in train} | {p.clean for p in held} == {p.clean for p in pairs}
+    assert split_pairs(pairs, 0.5, seed=3) == (train, held)
+    assert split_pairs(pairs, 0.5, seed=4) != (train, held)
+    assert len(split_pairs(pairs[:2], 0.99)[1]) == 1  # at least one held out
+    with pytest.raises(InputError, match="at least 2 pairs"):
+        split_pairs(pairs[:1])
+
+
+def test_random_circuits_match_the_top_circuits_pruned_size(tiny):
+    """The baseline draws circuits of the top circuit's size *after* pruning (drawn at the unpruned
+    size they pruned to nothing, and f_random was 0 by construction)."""
+    from depthscope.analyses.circuits.edges.faithfulness import random_circuit
+
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=3, seed=1)
+    inner = curve[(curve["n_edges"] > 0) & (curve["n_edges"] < curve["n_edges"].max())]
+    assert (inner["n_edges_pruned"] > 0).any()
+    # the closest a few redraws reach: one edge more where one edge joins two into a path
+    top = inner["n_edges_pruned"]
+    assert ((inner["n_random_pruned_min"] - top).abs() <= 1).all(), inner
+    assert ((inner["n_random_pruned_max"] - top).abs() <= 1).all(), inner
+    assert (inner.loc[top > 0, "n_random_pruned_min"] > 0).all()  # drawn at the unpruned size, pruned to 0
+    g = circuit_graph(model)
+    rng = np.random.default_rng(0)
+    for size in (0, 7, 60, 200):
+        kept = random_circuit(g, size, rng)
+        assert int(kept.sum()) == size
+        np.testing.assert_array_equal(kept, ref_prune(g, kept))  # a pruned circuit
+
+
+def ref_prune(g, kept):
+    from depthscope.analyses.circuits.edges.graph import prune_circuit
+
+    return prune_circuit(g, kept)
+
+
+def test_cpr_ranks_by_mibs_signed_score_and_cmd_by_magnitude(tiny):
+    """MIB: CPR from the top edges by signed score (an edge supporting the target positive, the
+    negation of depthscope's score), CMD from the top edges by |score|; both curves in the table."""
+    from depthscope.analyses.circuits.edges.faithfulness import MIB_SIGN, edge_scores_of, top_circuit
+
+    model, hf = tiny("gpt2")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    g = circuit_graph(model)
+    scores = edge_scores_of(g, edges)
+    assert MIB_SIGN == -1
+    n = 30
+    signed = top_circuit(g, scores, n, pruned=False, signed=True)
+    s, r = g.edge_index
+    assert scores[signed[s, r]].max() <= np.sort(scores)[n - 1]  # the n most negative depthscope scores
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=0)
+    assert not np.allclose(curve["f"], curve["f_signed"])
+    assert curve.attrs["cpr"] == pytest.approx(areas(curve["fraction"], curve["f_signed"])[0])
+    assert curve.attrs["cmd"] == pytest.approx(areas(curve["fraction"], curve["f"])[1])
+    assert curve.attrs["cpr_abs"] == pytest.approx(areas(curve["fraction"], curve["f"])[0])
+    small = curve[(curve["fraction"] > 0) & (curve["fraction"] <= 0.05)]
+    want = np.trapezoid(small["f_signed"], small["fraction"]) / (0.05 - 0.001)
+    assert curve.attrs["cpr_5pct"] == pytest.approx(want)
+
+
+def test_faithfulness_intervals_over_pairs(tiny):
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size, n=12)
+    edges = edge_attribution(model, pairs[:4], "eap")
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=0)
+    inner = curve[(curve["n_edges_pruned"] > 0) & (curve["fraction"] < 1)]
+    assert (inner["f_low"] < inner["f_high"]).all()
+    assert (inner["f_low"] <= inner["f"] + 1e-9).all() and (inner["f"] <= inner["f_high"] + 1e-9).all()
+    a = curve.attrs
+    assert a["cpr_low"] <= a["cpr"] <= a["cpr_high"] and a["cmd_low"] <= a["cmd"] <= a["cmd_high"]
+    assert (curve["ci_n"] == 12).all() and "bootstrap" in curve["ci_method"].iloc[0] and a["notes"] == []
+    few = circuit_faithfulness(model, pairs[:9], edges, random_draws=0)
+    assert few["f_low"].isna().all() and np.isnan(few.attrs["cpr_low"])
+    assert len(few.attrs["notes"]) == 1 and "9 pairs" in few.attrs["notes"][0]
+
+
+def _write_pairs(path, n):
+    """``n`` pairs of two templates whose names swap (the tiny tokenizer keeps their lengths equal)."""
+    a, b = ("cat", "dog"), ("dog", "cat")
+    templates = ["the {} sat on the mat", "the {} ran to the park"]
+    rows = [
+        {
+            "clean": templates[i % 2].format((a, b)[i // 2 % 2][0]),
+            "corrupted": templates[i % 2].format((a, b)[i // 2 % 2][1]),
+            "target": " mat",
+            "foil": " cat",
+        }
+        for i in range(n)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+
+@pytest.mark.parametrize("in_sample", [False, True])
+def test_circuit_command_summary_matches_the_api(tiny_llama_dir, tmp_path, monkeypatch, capsys, in_sample):
+    """The summary's numbers are the API's on the held-out pairs (or, --in-sample, on all of them),
+    it names the split, and circuit_mib.json carries MIB's sign."""
+    import pandas as pd
+
+    from depthscope.analyses.circuits.pairs import read_pairs, split_pairs
+    from depthscope.hooks import load_model
+    from tests.conftest import run_cli
+
+    pairs = tmp_path / "pairs.jsonl"
+    _write_pairs(pairs, 6)
+    out = tmp_path / "out"
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", out, "--random-draws", "1"]
+    args += ["--bootstrap", "0", "--no-plots", "--seed", "2"] + (["--in-sample"] if in_sample else [])
+    code, stdout, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 0, stderr
+    summary = json.loads((out / "circuit_summary.json").read_text())
+    all_pairs = read_pairs(pairs)
+    train, held = (all_pairs, all_pairs) if in_sample else split_pairs(all_pairs, 0.5, seed=2)
+    assert (summary["split"]["n_train"], summary["split"]["n_eval"]) == (len(train), len(held))
+    assert summary["split"]["in_sample"] is in_sample and ("in-sample" in summary["split"]["mode"]) is in_sample
+    model = load_model(tiny_llama_dir)
+    edges = edge_attribution(model, train, "eap")
+    curve = circuit_faithfulness(model, held, edges, random_draws=1, seed=2)
+    for k in ("cpr", "cmd", "cpr_abs", "cpr_random", "cpr_5pct"):
+        assert summary[k] == pytest.approx(curve.attrs[k], abs=1e-6), k
+    assert summary["n_eval_pairs"] == len(held) and summary["cpr_low"] is None and summary["notes"]  # NaN: null
+    written = pd.read_parquet(out / "faithfulness.parquet")
+    np.testing.assert_allclose(written["f"], curve["f"], atol=1e-6)
+    mib = json.loads((out / "circuit_mib.json").read_text())
+    top = edges.loc[edges["score"].abs().idxmax()]
+    from depthscope.analyses.circuits.edges.graph import mib_name
+
+    assert mib["edges"][mib_name(top["sender"], top["receiver"])]["score"] == pytest.approx(-top["score"], rel=1e-5)

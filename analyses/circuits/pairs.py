@@ -16,6 +16,8 @@ check_contrasts         refuse pairs that contrast nothing (the same prompts, th
                         foil), naming each pair's line and the reason
 as_pairs                pairs from a list (of PromptPair, dicts or ``(clean, corrupted)`` tuples),
                         one PromptPair, or a ``.jsonl`` path
+split_pairs             a seeded split of a dataset into the pairs that score and the held-out
+                        pairs that judge (``depthscope circuit``'s default)
 is_dataset              whether a patching argument is a dataset rather than one prompt
 mean_over_pairs         a per-pair table (``pair`` column) to its means over pairs, with the IOI
                         normalisation and a bootstrap interval over pairs
@@ -51,6 +53,7 @@ __all__ = [
     "PromptPair",
     "read_pairs",
     "check_contrasts",
+    "split_pairs",
     "as_pairs",
     "is_dataset",
     "mean_over_pairs",
@@ -130,6 +133,27 @@ def check_contrasts(pairs: Sequence[PromptPair], what: str = "a circuit") -> lis
                 f"logit[foil] is zero on every run: give the foil the corrupted prompt predicts, or drop the pair"
             )
     return list(pairs)
+
+
+def split_pairs(pairs, train_fraction: float = 0.5, seed: int = 0) -> tuple[list[PromptPair], list[PromptPair]]:
+    """(train, held out): a seeded random split of the pairs (any dataset :func:`as_pairs` reads),
+    ``round(train_fraction * n)`` of them to train on (at least one, and at least one held out),
+    each part in the dataset's order. Scores fitted on the train part and judged on the held-out
+    part are not judged on the pairs that chose them (``depthscope circuit``'s default)."""
+    pairs = as_pairs(pairs)
+    if not 0 < train_fraction < 1:
+        raise InputError(f"train_fraction must be between 0 and 1 (exclusive), got {train_fraction!r}")
+    n = len(pairs)
+    if n < 2:
+        raise InputError(
+            f"a held-out split needs at least 2 pairs, got {n}: give more pairs, a separate evaluation "
+            f"file (--eval-pairs), or judge on the scoring pairs (--in-sample)"
+        )
+    k = min(max(round(train_fraction * n), 1), n - 1)
+    train = np.sort(np.random.default_rng(seed).permutation(n)[:k])
+    mask = np.zeros(n, dtype=bool)
+    mask[train] = True
+    return [p for p, m in zip(pairs, mask) if m], [p for p, m in zip(pairs, mask) if not m]
 
 
 def is_dataset(obj) -> bool:

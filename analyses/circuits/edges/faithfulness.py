@@ -41,6 +41,7 @@ import pandas as pd
 
 from depthscope.analyses.circuits.edges.evaluate import BATCH_TOKENS, CircuitEvaluator
 from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, prune_circuit
+from depthscope.analyses.intervals import provenance, too_few, too_few_note
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.settings import check_number
@@ -54,13 +55,26 @@ __all__ = [
     "circuit_stability",
     "smallest_faithful",
     "top_circuit",
+    "random_circuit",
+    "small_area",
     "edge_scores_of",
+    "MIB_SIGN",
     "FRACTIONS",
 ]
 
 #: circuit sizes as fractions of the graph's edges: k = 0, then MIB's ten sizes
 FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 MAX_DRAWS, MAX_BOOT = 100, 100_000
+#: MIB's edge score is ``MIB_SIGN`` times depthscope's: depthscope scores the change of the metric
+#: (logit[target] - logit[foil]) when the edge is corrupted, MIB the change of the loss (its negation),
+#: so an edge that supports the target scores negative here and positive in MIB
+MIB_SIGN = -1
+#: edges a random circuit skips (each would pass the size it is drawn at) before it keeps the closest
+SKIPS = 50
+#: the faithfulness intervals: percentile bootstrap over the evaluated pairs
+CI_BOOT, CI_LEVEL = 1000, 0.95
+#: the sizes the small-circuit area covers (fractions of the edges)
+SMALL_UPTO = 0.05
 
 
 def n_of(fraction: float, n_edges: int) -> int:
@@ -98,12 +112,45 @@ def edge_scores_of(graph: CircuitGraph, edges: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def top_circuit(graph: CircuitGraph, scores: np.ndarray, n: int, *, pruned: bool = True) -> np.ndarray:
+def top_circuit(
+    graph: CircuitGraph, scores: np.ndarray, n: int, *, pruned: bool = True, signed: bool = False
+) -> np.ndarray:
     """The in-circuit matrix ``[senders, receivers]`` of the ``n`` edges with the largest
-    ``|score|`` (``scores`` per edge in ``graph.edge_index`` order; ties in that order), pruned
-    (:func:`~depthscope.analyses.circuits.edges.graph.prune_circuit`) unless ``pruned`` is False."""
-    order = np.argsort(-np.abs(scores), kind="stable")[:n]
+    ``|score|`` (``signed``: the largest score in MIB's sign, ``MIB_SIGN * score``: the edges that
+    support the target most), ``scores`` per edge in ``graph.edge_index`` order (ties in that
+    order), pruned (:func:`~depthscope.analyses.circuits.edges.graph.prune_circuit`) unless
+    ``pruned`` is False."""
+    key = MIB_SIGN * np.asarray(scores) if signed else np.abs(scores)
+    order = np.argsort(-key, kind="stable")[:n]
     return _matrix(graph, order, pruned)
+
+
+def random_circuit(graph: CircuitGraph, size: int, rng: np.random.Generator, *, skips: int = SKIPS) -> np.ndarray:
+    """A random circuit of ``size`` edges *after pruning* (pruned, ``[senders, receivers]``).
+
+    The edges of a uniformly random order are taken until the pruned circuit holds at least
+    ``size`` (the pruned size only grows as edges are added, so a binary search finds the shortest
+    such prefix). When the last edge taken passes ``size`` (it joins several edges into paths at
+    once), that edge is skipped and the order goes on from the circuit before it, up to ``skips``
+    times; then the circuit closest to ``size`` is kept (its size is reported beside f). Redrawing
+    this way, not drawing at the unpruned size: a random set of the top circuit's unpruned size
+    prunes to far fewer edges (to none on deep models), and f_random would be 0 by construction."""
+    order, base, best = rng.permutation(graph.n_edges), np.zeros(0, dtype=np.int64), None
+    for _ in range(skips + 1):
+        lo, hi = 0, len(order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _matrix(graph, np.concatenate([base, order[:mid]]), True).sum() >= size:
+                hi = mid
+            else:
+                lo = mid + 1
+        kept = _matrix(graph, np.concatenate([base, order[:lo]]), True)
+        if best is None or abs(int(kept.sum()) - size) < abs(int(best.sum()) - size):
+            best = kept
+        if int(kept.sum()) <= size or lo == 0:  # the size, or the most the remaining edges reach
+            break
+        base, order = np.concatenate([base, order[: lo - 1]]), order[lo:]
+    return best
 
 
 def _matrix(graph: CircuitGraph, edge_ids: np.ndarray, pruned: bool) -> np.ndarray:
@@ -132,6 +179,18 @@ def _f(values: float, full: float, empty: float) -> float:
     return float((values - empty) / gap) if gap != 0 else float("nan")
 
 
+def small_area(fractions, f, upto: float = SMALL_UPTO) -> float:
+    """The trapezoidal area under ``f`` over the sizes with fraction in (0, ``upto``], divided by
+    their width: the mean faithfulness of the small circuits (the linear CPR is dominated by the
+    sizes of 10 to 100 %, where most circuits are faithful); NaN when ``f`` is there."""
+    x, y = np.asarray(fractions, dtype=float), np.asarray(f, dtype=float)
+    keep = (x > 0) & (x <= upto + 1e-12)
+    x, y = x[keep], y[keep]
+    if len(x) < 2 or not np.isfinite(y).all():
+        return float("nan")
+    return float(np.sum(np.diff(x) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0]))
+
+
 def faithfulness_curve(
     ev: CircuitEvaluator, scores: np.ndarray, *, random_draws: int = 5, seed: int = 0, fractions=FRACTIONS
 ) -> pd.DataFrame:
@@ -139,34 +198,34 @@ def faithfulness_curve(
     check_number("random_draws", random_draws, minimum=0, maximum=MAX_DRAWS)
     graph = ev.graph
     E = graph.n_edges
-    full = float(ev.clean().mean())
-    empty = float(ev.metrics(np.zeros(graph.mask.shape, dtype=bool)).mean())
+    ends = ev.clean(), _metrics(ev, np.zeros(graph.mask.shape, dtype=bool))
+    full, empty = float(ends[0].mean()), float(ends[1].mean())
     warning = gap_warning(full, empty, getattr(ev.model, "dtype", None))
     rng = np.random.default_rng(seed)
-    rows = []
-    todo = sum(1 + random_draws for f in fractions if 0 < n_of(f, E) < E)
+    rows, per_pair = [], {"f": [], "f_signed": []}
+    todo = sum(2 + random_draws for f in fractions if 0 < n_of(f, E) < E)
     with progress_bar(todo, desc="faithfulness", unit="circuit") as bar:
         for frac in fractions:
             n = n_of(frac, E)
-            kept = top_circuit(graph, scores, n)
-            value = _evaluate(ev, kept, n, E, full, empty)
+            kept, signed = top_circuit(graph, scores, n), top_circuit(graph, scores, n, signed=True)
+            value, value_s = _evaluate(ev, kept, n, E, ends), _evaluate(ev, signed, n, E, ends)
+            per_pair["f"].append(value)
+            per_pair["f_signed"].append(value_s)
             if 0 < n < E:
-                draws = [rng.choice(E, n, replace=False) for _ in range(random_draws)]
-                rand = [_evaluate(ev, _matrix(graph, d, True), n, E, full, empty) for d in draws]
-                bar.update(1 + random_draws)
+                draws = [random_circuit(graph, int(kept.sum()), rng) for _ in range(random_draws)]
+                rand = [(float(_evaluate(ev, d, n, E, ends).mean()), int(d.sum())) for d in draws]
+                bar.update(2 + random_draws)
             else:  # the empty and the full circuit: every draw is that circuit
-                rand = [value] * random_draws
-            rows.append(_row(frac, n, int(kept.sum()), value, rand, full, empty))
+                rand = [(float(value.mean()), int(kept.sum()))] * random_draws
+            row = _row(frac, n, int(kept.sum()), float(value.mean()), rand, full, empty)
+            row.update(n_edges_pruned_signed=int(signed.sum()), metric_signed=float(value_s.mean()))
+            row["f_signed"] = _f(row["metric_signed"], full, empty)
+            rows.append(row)
     df = pd.DataFrame(rows)
     df["n_pairs"] = ev.n_pairs
     df["ablation"] = ev.ablation
-    cpr, cmd = areas(df["fraction"], df["f"])
-    cpr_r, cmd_r = areas(df["fraction"], df["f_random"]) if random_draws else (float("nan"), float("nan"))
+    df.attrs.update(_summaries(df, random_draws))
     df.attrs.update(
-        cpr=cpr,
-        cmd=cmd,
-        cpr_random=cpr_r,
-        cmd_random=cmd_r,
         full_metric=full,
         empty_metric=empty,
         ablation=ev.ablation,
@@ -176,7 +235,63 @@ def faithfulness_curve(
         seed=int(seed),
         warning=warning,
     )
+    _intervals(df, {k: np.stack(v, axis=1) for k, v in per_pair.items()}, ends, seed)
     return df
+
+
+def _summaries(df: pd.DataFrame, random_draws: int) -> dict:
+    """CPR from the signed ranking and CMD from the |score| ranking (MIB's conventions), the other
+    two areas named, the random circuits' areas and the small-circuit areas."""
+    cpr, cmd_signed = areas(df["fraction"], df["f_signed"])
+    cpr_abs, cmd = areas(df["fraction"], df["f"])
+    nan = float("nan")
+    cpr_r, cmd_r = areas(df["fraction"], df["f_random"]) if random_draws else (nan, nan)
+    return {
+        "cpr": cpr,
+        "cmd": cmd,
+        "cpr_abs": cpr_abs,
+        "cmd_signed": cmd_signed,
+        "cpr_random": cpr_r,
+        "cmd_random": cmd_r,
+        "cpr_5pct": small_area(df["fraction"], df["f_signed"]),
+        "cpr_5pct_abs": small_area(df["fraction"], df["f"]),
+        "cpr_5pct_random": small_area(df["fraction"], df["f_random"]) if random_draws else nan,
+    }
+
+
+def _intervals(df: pd.DataFrame, per_pair: dict, ends: tuple, seed: int) -> None:
+    """Percentile bootstrap intervals over the evaluated pairs (``CI_BOOT`` resamples, seeded): the
+    columns ``f_low``, ``f_high``, ``f_signed_low``, ``f_signed_high`` and ``ci_n``, ``ci_unit``,
+    ``ci_method``; ``attrs`` ``cpr_low`` ... ``cmd_high`` and ``notes``. NaN below ``MIN_UNITS``
+    pairs, with a note saying why (:mod:`depthscope.analyses.intervals`)."""
+    full, empty = ends
+    n = len(full)
+    method = f"percentile bootstrap over pairs, {CI_BOOT} resamples, seed {seed}"
+    bounds = {}
+    if too_few(n):
+        nan = np.full(len(df), np.nan)
+        for k in per_pair:
+            bounds[k] = (nan, nan)
+        areas_ci = dict.fromkeys(("cpr_low", "cpr_high", "cmd_low", "cmd_high"), float("nan"))
+        df.attrs["notes"] = [too_few_note(n, "pairs", "the faithfulness intervals (f, CPR, CMD)")]
+    else:
+        w = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=CI_BOOT) / n
+        lo_q, hi_q = (1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2
+        gap = (w @ full - w @ empty)[:, None]
+        fb = {k: (w @ m - (w @ empty)[:, None]) / np.where(gap == 0, np.nan, gap) for k, m in per_pair.items()}
+        for k, v in fb.items():
+            bounds[k] = tuple(np.nanquantile(v, [lo_q, hi_q], axis=0))
+        x = df["fraction"].to_numpy()
+        cpr = np.array([areas(x, row)[0] for row in fb["f_signed"]])
+        cmd = np.array([areas(x, row)[1] for row in fb["f"]])
+        (c_lo, c_hi), (m_lo, m_hi) = np.nanquantile(cpr, [lo_q, hi_q]), np.nanquantile(cmd, [lo_q, hi_q])
+        areas_ci = {"cpr_low": c_lo, "cpr_high": c_hi, "cmd_low": m_lo, "cmd_high": m_hi}
+        df.attrs["notes"] = []
+    for k, (lo, hi) in bounds.items():
+        df[f"{k}_low"], df[f"{k}_high"] = lo, hi
+    for k, v in provenance(n, "pairs", method).items():
+        df[k] = v
+    df.attrs.update({k: float(v) for k, v in areas_ci.items()})
 
 
 def gap_warning(full: float, empty: float, dtype) -> str | None:
@@ -214,17 +329,24 @@ def check_edge_model(edges: pd.DataFrame, model, graph: CircuitGraph) -> None:
         )
 
 
-def _evaluate(ev: CircuitEvaluator, kept: np.ndarray, n: int, E: int, full: float, empty: float) -> float:
-    """The mean metric of one circuit (the full and the empty circuit without a forward)."""
+def _metrics(ev: CircuitEvaluator, kept: np.ndarray) -> np.ndarray:
+    """Each pair's metric with the circuit ``kept``, run through the model."""
+    return np.asarray(ev.metrics(kept), dtype=float)
+
+
+def _evaluate(ev: CircuitEvaluator, kept: np.ndarray, n: int, E: int, ends: tuple) -> np.ndarray:
+    """Each pair's metric with one circuit (the full and the empty circuit: the runs already made)."""
     if n >= E:
-        return full
+        return ends[0]
     if not kept.any():
-        return empty
-    return float(ev.metrics(kept).mean())
+        return ends[1]
+    return _metrics(ev, kept)
 
 
-def _row(frac: float, n: int, kept: int, value: float, rand: list[float], full: float, empty: float) -> dict:
-    fr = np.array([_f(v, full, empty) for v in rand])
+def _row(frac: float, n: int, kept: int, value: float, rand: list, full: float, empty: float) -> dict:
+    """One size's row; ``rand``: each random circuit's (mean metric, pruned size)."""
+    fr = np.array([_f(v, full, empty) for v, _ in rand])
+    sizes = np.array([k for _, k in rand])
     some = len(fr) > 0
     return {
         "k": 100 * frac,
@@ -238,6 +360,8 @@ def _row(frac: float, n: int, kept: int, value: float, rand: list[float], full: 
         "f_random_min": float(fr.min()) if some else float("nan"),
         "f_random_max": float(fr.max()) if some else float("nan"),
         "n_random": len(fr),
+        "n_random_pruned_min": int(sizes.min()) if some else 0,
+        "n_random_pruned_max": int(sizes.max()) if some else 0,
     }
 
 
