@@ -9,10 +9,14 @@
                            whole graph in EAP-IG's ``Graph`` JSON, the drawn circuit in it),
                            figures ``faithfulness_curve`` and ``circuit`` (PNG and SVG) and
                            ``circuit.html`` (interactive, self-contained)
+:func:`split_of`           the pairs that score, the pairs that judge, and the split named
 :func:`summary_table`      the console table of its summary (``depthscope circuit`` prints it)
 =========================  ======================================================================
 
-The drawn circuit is the top ``draw_edges`` edges by |score|, pruned as MIB prunes; by default
+The edges are scored on one part of the pairs and every faithfulness number is computed on the
+other (:func:`split_of`: a seeded split by ``train_fraction``, or ``eval_pairs``; ``in_sample``
+judges on the scoring pairs and the summary says so). The drawn circuit is the top
+``draw_edges`` edges by |score|, pruned as MIB prunes; by default
 the smallest circuit of the curve with f >= ``threshold`` when it has at most
 :data:`DRAW_AUTO_MAX` edges after pruning, else the top :data:`DRAW_FALLBACK` edges. Its settings
 are :class:`~depthscope.analyses.jobs.configs.CircuitConfig`.

@@ -10,26 +10,37 @@ faithfulness_curve     the same from a prepared :class:`~depthscope.analyses.cir
 areas                  (CPR, CMD) of a curve, as MIB computes them
 circuit_stability      the Jaccard overlap of top-k circuits over bootstrap resamples of the pairs
 smallest_faithful      the smallest circuit on a curve with f >= a threshold (None: none)
-top_circuit            the in-circuit matrix of the top n edges by |score| (pruned as MIB does)
+top_circuit            the in-circuit matrix of the top n edges by |score| or by MIB's signed
+                       score (pruned as MIB does)
+random_circuit         a random circuit of a given size after pruning
+small_area             the mean f over the sizes up to 5 %
 FRACTIONS              k = 0, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100 % (as fractions)
 =====================  =========================================================================
 
-For the circuit ``C_k`` of the top ``k`` percent of edges by ``|score|`` (``floor(k / 100 * E)``
-edges of the ``E`` real ones, then pruned as MIB prunes: edges of nodes without an incoming or an
-outgoing edge dropped), its faithfulness is
+For the circuit ``C_k`` of the top ``k`` percent of edges (``floor(k / 100 * E)`` edges of the
+``E`` real ones, then pruned as MIB prunes: edges of nodes without an incoming or an outgoing
+edge dropped), its faithfulness is
 
     f(k) = (m(C_k) - m(empty)) / (m(full) - m(empty))
 
 with each ``m`` the mean over pairs of the metric (a ratio of means, as MIB): ``m(full)`` the
 clean runs, ``m(empty)`` the circuit without edges (under counterfactual ablation, the corrupted
-runs). **CPR** is the area under ``f`` and **CMD** the area under ``|1 - f|``, both by the
-trapezoidal rule over the ten sizes 0.1 % ... 100 % on a linear axis of fractions (MIB's
-``evaluate_area_under_curve``; ``k = 0`` is shown, not integrated). The random baseline draws
-``random_draws`` edge sets of each size uniformly (seed ``seed``), pruned alike; its curve is the
-mean of the draws (``f_random``) with their standard deviation, minimum and maximum, and its CPR
-and CMD are those of the mean curve. Stability: for ``n_boot`` resamples of the pairs (with
-replacement, seeded), the Jaccard overlap of each resample's top-k edge set (by the mean score over
-the resample, unpruned) with the whole dataset's.
+runs). Two rankings, MIB's conventions: ``f`` for the top edges by ``|score|`` and ``f_signed``
+for the top edges by MIB's signed score (``MIB_SIGN * score``: depthscope's score is the change
+of the metric when the edge is corrupted, negative for an edge that supports the target; MIB's
+is the change of the loss, positive for it). **CPR** is the area under ``f_signed`` and **CMD**
+the area under ``|1 - f|``, both by the trapezoidal rule over the ten sizes 0.1 % ... 100 % on a
+linear axis of fractions (MIB's ``evaluate_area_under_curve``; ``k = 0`` is shown, not
+integrated); ``cpr_abs`` and ``cmd_signed`` are the other two areas, ``cpr_5pct`` the mean of
+``f_signed`` over the sizes up to 5 % (:func:`small_area`). The random baseline draws
+``random_draws`` circuits per size holding as many edges *after pruning* as the top ``|score|``
+circuit (:func:`random_circuit`); its curve is the mean of the draws (``f_random``) with their
+standard deviation, minimum, maximum and sizes, and its CPR and CMD are those of the mean curve.
+Intervals: percentile bootstrap over the evaluated pairs (``CI_BOOT`` resamples, seeded), NaN
+below ``MIN_UNITS`` pairs with a note (:mod:`depthscope.analyses.intervals`). Stability: for
+``n_boot`` resamples of the pairs (with replacement, seeded), the Jaccard overlap of each
+resample's top-k edge set (by the mean score over the resample, unpruned) with the whole
+dataset's.
 """
 
 from __future__ import annotations
@@ -382,11 +393,17 @@ def circuit_faithfulness(
     with ``score``); ``pairs``, ``ablation``, ``metric``, ``batch_tokens`` as in
     :func:`~depthscope.analyses.circuits.edges.evaluate.evaluate_circuit`.
 
-    Returns one row per size in :data:`FRACTIONS`: ``k`` (percent), ``fraction``, ``n_edges``
-    (the top edges taken), ``n_edges_pruned`` (what remains after pruning), ``metric`` (mean over
-    pairs), ``f``, ``f_random`` with ``f_random_std``, ``f_random_min``, ``f_random_max`` over
-    ``n_random`` draws, ``n_pairs`` and ``ablation``. ``attrs``: ``cpr``, ``cmd``, ``cpr_random``,
-    ``cmd_random``, ``full_metric``, ``empty_metric``."""
+    Pass held-out ``pairs`` (not those that scored ``edges``:
+    :func:`~depthscope.analyses.circuits.pairs.split_pairs`) for numbers that do not flatter the
+    circuit. Returns one row per size in :data:`FRACTIONS`: ``k`` (percent), ``fraction``,
+    ``n_edges`` (the top edges taken), ``n_edges_pruned`` (what remains after pruning), ``metric``
+    (mean over pairs), ``f`` with ``f_low``, ``f_high``; the same for the signed ranking
+    (``n_edges_pruned_signed``, ``metric_signed``, ``f_signed`` ...); ``f_random`` with
+    ``f_random_std``, ``f_random_min``, ``f_random_max`` over ``n_random`` draws and their sizes
+    ``n_random_pruned_min`` / ``_max``; ``n_pairs``, ``ablation``, ``ci_n``, ``ci_unit``,
+    ``ci_method``. ``attrs``: ``cpr``, ``cmd`` (with ``_low`` / ``_high``), ``cpr_abs``,
+    ``cmd_signed``, ``cpr_random``, ``cmd_random``, ``cpr_5pct`` (``_abs``, ``_random``),
+    ``full_metric``, ``empty_metric``, ``notes``."""
     check_edge_model(edges, model, circuit_graph(model))
     ev = CircuitEvaluator(model, pairs, ablation, metric=metric, batch_tokens=batch_tokens)
     df = faithfulness_curve(ev, edge_scores_of(ev.graph, edges), random_draws=random_draws, seed=seed)
