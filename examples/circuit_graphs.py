@@ -57,6 +57,7 @@ def main(argv=None):
         plot_circuit,
         plot_faithfulness,
         smallest_faithful,
+        split_pairs,
         write_table,
     )
     from depthscope.hooks import load_model
@@ -67,9 +68,10 @@ def main(argv=None):
     ioi = _ioi()
     path = ioi.write_pairs(ioi.build_pairs(model.tokenizer, args.n_pairs), out / "ioi_pairs.jsonl")
 
-    edges = edge_attribution(model, path, method=args.method, steps=args.steps)
+    train, held = split_pairs(path, train_fraction=0.5, seed=0)  # score on half, judge on the other half
+    edges = edge_attribution(model, train, method=args.method, steps=args.steps)
     write_table(edges, out, "edges")
-    curve = circuit_faithfulness(model, path, edges, random_draws=args.random_draws)
+    curve = circuit_faithfulness(model, held, edges, random_draws=args.random_draws)
     write_table(curve, out, "faithfulness")
     plot_faithfulness(curve, out / "faithfulness_curve.png")
     best = smallest_faithful(curve)
@@ -78,7 +80,8 @@ def main(argv=None):
     circuit_html(edges, out / "circuit.html", n_edges=n)
 
     a = curve.attrs
-    print(f"model {model.name}: {len(edges):,} edges scored ({args.method}) over {args.n_pairs} pairs")
+    print(f"model {model.name}: {len(edges):,} edges scored ({args.method}) over {len(train)} pairs")
+    print(f"judged on the {len(held)} held-out pairs")
     print(f"CPR {a['cpr']:.3f} (random {a['cpr_random']:.3f}), CMD {a['cmd']:.3f} (random {a['cmd_random']:.3f})")
     print(curve[["k", "n_edges", "f", "f_random"]].to_string(index=False))
 

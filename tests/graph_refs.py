@@ -147,12 +147,14 @@ def _receiver_hooks(model, receiver: str, extra: torch.Tensor):
     return [h1, proj.register_forward_hook(swap)]
 
 
-def receiver_gradient(model, ids, target: int, foil: int, receiver: str) -> torch.Tensor:
-    """dm/dx_receiver ``[P, d]`` on ``ids`` by a zero perturbation of that receiver's own input."""
+def receiver_gradient(model, ids, target: int, foil: int, receiver: str, embeds=None) -> torch.Tensor:
+    """dm/dx_receiver ``[P, d]`` on ``ids`` (or on the input embeddings ``embeds`` ``[1, P, d]``)
+    by a zero perturbation of that receiver's own input."""
     delta = torch.zeros(1, ids.shape[1], model.config.hidden_size, requires_grad=True)
     handles = _receiver_hooks(model, receiver, delta)
     try:
-        metric(model(ids).logits, target, foil).sum().backward()
+        out = model(ids) if embeds is None else model(inputs_embeds=embeds)
+        metric(out.logits, target, foil).sum().backward()
     finally:
         for h in handles:
             h.remove()
@@ -168,6 +170,26 @@ def reference_scores(model, pairs, graph) -> dict[tuple[str, str], float]:
         diff = [a - b for a, b in zip(sender_writes(model, corrupted), sender_writes(model, clean))]
         for r, receiver in enumerate(graph.receivers):
             g = receiver_gradient(model, clean, t, f, receiver)
+            for s in range(int(graph.prev[r])):
+                key = (graph.senders[s], receiver)
+                total[key] = total.get(key, 0.0) + float((diff[s] * g).sum().detach()) / len(pairs)
+    return total
+
+
+def reference_ig_scores(model, pairs, graph, steps: int) -> dict[tuple[str, str], float]:
+    """EAP-IG (inputs) by brute force: as :func:`reference_scores` with the gradient averaged over
+    the runs on the input embeddings ``e(corr) + (k / steps) (e(clean) - e(corr))``, k = 0 .. steps - 1
+    (token embeddings: the positions are the same in both prompts)."""
+    model = ungroup(model)
+    emb = model.get_input_embeddings()
+    total: dict[tuple[str, str], float] = {}
+    for clean, corrupted, t, f in pairs:
+        diff = [a - b for a, b in zip(sender_writes(model, corrupted), sender_writes(model, clean))]
+        with torch.no_grad():
+            e_clean, e_corr = emb(clean), emb(corrupted)
+        points = [e_corr + (k / steps) * (e_clean - e_corr) for k in range(steps)]
+        for r, receiver in enumerate(graph.receivers):
+            g = sum(receiver_gradient(model, clean, t, f, receiver, embeds=p) for p in points) / steps
             for s in range(int(graph.prev[r])):
                 key = (graph.senders[s], receiver)
                 total[key] = total.get(key, 0.0) + float((diff[s] * g).sum().detach()) / len(pairs)

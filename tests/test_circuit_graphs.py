@@ -96,13 +96,20 @@ def test_eap_matches_brute_force_reference(tiny, family):
     np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
 
 
-def test_eap_ig_differs_from_eap_and_is_finite(tiny):
-    """EAP-IG's gradients are averaged along the corrupted-to-clean input path: other scores."""
-    model, hf = tiny("gpt2")
-    pairs, _ = _pairs(hf.config.vocab_size, n=1)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eap_ig_matches_brute_force_reference(tiny, family):
+    """EAP-IG's gradients averaged along the corrupted-to-clean input path, against plain torch;
+    and they are other scores than EAP's."""
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size, n=1)
+    ig = edge_attribution(model, pairs, "eap-ig", steps=3)
+    want = ref.reference_ig_scores(hf, raw, circuit_graph(model), steps=3)
+    got = {(s, r): v for s, r, v in zip(ig["sender"], ig["receiver"], ig["score"])}
+    keys = sorted(want)
+    a, b = np.array([got[k] for k in keys]), np.array([want[k] for k in keys])
+    assert np.abs(b).max() > 1e-3
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
     eap = edge_attribution(model, pairs, "eap")
-    ig = edge_attribution(model, pairs, "eap-ig", steps=4)
-    assert np.isfinite(ig["score"]).all()
     assert not np.allclose(eap["score"], ig["score"])
 
 
@@ -186,10 +193,38 @@ def test_evaluate_circuit_table(tiny):
     model, hf = tiny("gpt2")
     pairs, _ = _pairs(hf.config.vocab_size)
     df = evaluate_circuit(model, pairs, [("embed", "logits"), ("0.heads.0", "1.q.2")])
-    assert list(df["n_edges"].unique()) == [2]
+    # pruned: 0.heads.0 has no input edge and 1.heads.2 no output edge, so only embed -> logits stays
+    assert list(df["n_edges"].unique()) == [1] and list(df["n_edges_given"].unique()) == [2]
+    whole = evaluate_circuit(model, pairs, [("embed", "logits"), ("0.heads.0", "1.q.2")], prune=False)
+    assert list(whole["n_edges"].unique()) == [2]
     assert set(df.columns) >= {"pair", "metric", "clean_metric", "corrupted_metric", "ablation"}
     with pytest.raises(InputError):
         evaluate_circuit(model, pairs, [("1.heads.0", "0.q.2")])  # no edge: the sender is downstream
+
+
+def test_evaluate_circuit_takes_its_own_edge_table_back(tiny):
+    """A table with ``in_circuit`` is the circuit of its marked rows (the job's edges.parquet), pruned
+    as the curve prunes; without the column the table is taken whole."""
+    from depthscope.analyses.circuits.edges.faithfulness import edge_scores_of, top_circuit
+
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    g = circuit_graph(model)
+    scores = edge_scores_of(g, edges)
+    unpruned = top_circuit(g, scores, 40, pruned=False)
+    s, r = g.edge_index
+    edges["in_circuit"] = unpruned[s, r]
+    got = evaluate_circuit(model, pairs, edges)
+    want = CircuitEvaluator(model, pairs).metrics(top_circuit(g, scores, 40))
+    np.testing.assert_allclose(got["metric"], want, atol=1e-6)
+    assert got.attrs["n_edges"] == int(top_circuit(g, scores, 40).sum()) < 40 == got.attrs["n_edges_given"]
+    assert got["metric"].to_numpy() != pytest.approx(got["clean_metric"].to_numpy())  # not the whole model
+    whole = evaluate_circuit(model, pairs, edges.drop(columns="in_circuit"))
+    np.testing.assert_allclose(whole["metric"], whole["clean_metric"], atol=1e-4)
+    assert whole.attrs["n_edges"] == g.n_edges
+    with pytest.raises(InputError, match="in_circuit"):
+        evaluate_circuit(model, pairs, edges.assign(in_circuit=1.5))
 
 
 # ----------------------------------------------------------------------------- faithfulness
@@ -201,11 +236,20 @@ def test_areas_of_a_known_curve():
 
 
 def test_faithfulness_ends_and_random_band(tiny):
+    """The ends f(0) = 0 and f(100 %) = 1 are the model's own runs: the metrics f divides by are
+    the clean and the corrupted runs of plain torch (counterfactual ablation of every edge)."""
     model, hf = tiny("llama")
-    pairs, _ = _pairs(hf.config.vocab_size)
+    pairs, raw = _pairs(hf.config.vocab_size)
     edges = edge_attribution(model, pairs, "eap")
     curve = circuit_faithfulness(model, pairs, edges, random_draws=2)
     assert list(curve["k"]) == [0, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]
+    with torch.no_grad():
+        clean = np.mean([float(ref.metric(hf(c).logits, t, f)[0]) for c, _, t, f in raw])
+        corrupted = np.mean([float(ref.metric(hf(k).logits, t, f)[0]) for _, k, t, f in raw])
+    assert curve.attrs["full_metric"] == pytest.approx(clean, abs=1e-4)
+    assert curve.attrs["empty_metric"] == pytest.approx(corrupted, abs=2e-4)
+    assert curve["metric"].iloc[0] == pytest.approx(corrupted, abs=2e-4)
+    assert curve["metric"].iloc[-1] == pytest.approx(clean, abs=1e-4)
     assert curve["f"].iloc[0] == pytest.approx(0.0) and curve["f"].iloc[-1] == pytest.approx(1.0)
     assert curve["f_random"].notna().all()
     assert np.isfinite([curve.attrs["cpr"], curve.attrs["cmd"], curve.attrs["cpr_random"]]).all()
@@ -244,7 +288,7 @@ def test_circuit_command_refuses_unequal_lengths(tiny_llama_dir, tmp_path, monke
     pairs = tmp_path / "pairs.jsonl"
     row = {"clean": "the cat sat on the mat", "corrupted": "the cat sat", "target": " mat", "foil": " cat"}
     pairs.write_text(json.dumps(row))
-    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out"]
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out", "--in-sample"]
     code, _, stderr = run_cli(args, monkeypatch, capsys)
     assert code == 2 and "pair 0" in stderr and "same number of tokens" in stderr
     assert "Traceback" not in stderr
@@ -287,7 +331,7 @@ def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
     from depthscope.analyses.jobs.configs import CircuitConfig
 
     (tmp_path / "p.jsonl").write_text('{"clean": "a", "corrupted": "b"}')
-    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"))
+    config = CircuitConfig(pairs=str(tmp_path / "p.jsonl"), in_sample=True)
     curve = pd.DataFrame(
         {"n_edges": [0, 123, 246, 616, 1232], "n_edges_pruned": [0, 0, 181, 503, 1099], "f": [0, 0, 0.58, 0.72, 0.9]}
     )
@@ -295,3 +339,169 @@ def test_drawn_circuit_is_never_empty_when_a_small_one_holds_edges(tmp_path):
     assert n == 246 and "most faithful" in why
     n, why = _drawn(curve.assign(n_edges_pruned=[0, 0, 0, 503, 1099]), config)
     assert n == 100 and "top 100" in why
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        (
+            {"clean": "the cat sat", "corrupted": "the cat sat", "target": " mat", "foil": " cat"},
+            "prompts are the same",
+        ),
+        ({"clean": "the cat sat", "corrupted": "the dog sat", "target": " mat", "foil": " mat"}, "target and the foil"),
+    ],
+)
+def test_circuit_command_refuses_pairs_that_contrast_nothing(
+    tiny_llama_dir, tmp_path, monkeypatch, capsys, row, reason
+):
+    """A pair with nothing to contrast is refused by its line, before any model loads (it ended in a
+    pandas traceback: every f NaN)."""
+    from tests.conftest import run_cli
+
+    good = {"clean": "the cat sat on the mat", "corrupted": "the dog sat on the mat", "target": " mat", "foil": " cat"}
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps(r) for r in (good, row)))
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", tmp_path / "out"]
+    code, _, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and "pairs.jsonl:2" in stderr and reason in stderr, stderr
+    assert "Traceback" not in stderr
+
+
+# ----------------------------------------------------------------------------- held out, baselines, MIB's signs
+def test_split_pairs_is_seeded_disjoint_and_sized():
+    from depthscope.analyses.circuits.pairs import split_pairs
+
+    pairs = [PromptPair(f"a {i}", f"b {i}", " x", " y") for i in range(9)]
+    train, held = split_pairs(pairs, 0.5, seed=3)
+    assert len(train) == 4 and len(held) == 5  # round(4.5) = 4
+    assert {p.clean for p in train}.isdisjoint({p.clean for p in held})
+    assert {p.clean for p in train} | {p.clean for p in held} == {p.clean for p in pairs}
+    assert split_pairs(pairs, 0.5, seed=3) == (train, held)
+    assert split_pairs(pairs, 0.5, seed=4) != (train, held)
+    assert len(split_pairs(pairs[:2], 0.99)[1]) == 1  # at least one held out
+    with pytest.raises(InputError, match="at least 2 pairs"):
+        split_pairs(pairs[:1])
+
+
+def test_random_circuits_match_the_top_circuits_pruned_size(tiny):
+    """The baseline draws circuits of the top circuit's size *after* pruning (drawn at the unpruned
+    size they pruned to nothing, and f_random was 0 by construction)."""
+    from depthscope.analyses.circuits.edges.faithfulness import random_circuit
+
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=3, seed=1)
+    inner = curve[(curve["n_edges"] > 0) & (curve["n_edges"] < curve["n_edges"].max())]
+    assert (inner["n_edges_pruned"] > 0).any()
+    # the closest a few redraws reach: one edge more where one edge joins two into a path
+    top = inner["n_edges_pruned"]
+    assert ((inner["n_random_pruned_min"] - top).abs() <= 1).all(), inner
+    assert ((inner["n_random_pruned_max"] - top).abs() <= 1).all(), inner
+    assert (inner.loc[top > 0, "n_random_pruned_min"] > 0).all()  # drawn at the unpruned size, pruned to 0
+    g = circuit_graph(model)
+    rng = np.random.default_rng(0)
+    for size in (0, 7, 60, 200):
+        kept = random_circuit(g, size, rng)
+        assert int(kept.sum()) == size
+        np.testing.assert_array_equal(kept, ref_prune(g, kept))  # a pruned circuit
+
+
+def ref_prune(g, kept):
+    from depthscope.analyses.circuits.edges.graph import prune_circuit
+
+    return prune_circuit(g, kept)
+
+
+def test_cpr_ranks_by_mibs_signed_score_and_cmd_by_magnitude(tiny):
+    """MIB: CPR from the top edges by signed score (an edge supporting the target positive, the
+    negation of depthscope's score), CMD from the top edges by |score|; both curves in the table."""
+    from depthscope.analyses.circuits.edges.faithfulness import MIB_SIGN, edge_scores_of, top_circuit
+
+    model, hf = tiny("gpt2")
+    pairs, _ = _pairs(hf.config.vocab_size)
+    edges = edge_attribution(model, pairs, "eap")
+    g = circuit_graph(model)
+    scores = edge_scores_of(g, edges)
+    assert MIB_SIGN == -1
+    n = 30
+    signed = top_circuit(g, scores, n, pruned=False, signed=True)
+    s, r = g.edge_index
+    assert scores[signed[s, r]].max() <= np.sort(scores)[n - 1]  # the n most negative depthscope scores
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=0)
+    assert not np.allclose(curve["f"], curve["f_signed"])
+    assert curve.attrs["cpr"] == pytest.approx(areas(curve["fraction"], curve["f_signed"])[0])
+    assert curve.attrs["cmd"] == pytest.approx(areas(curve["fraction"], curve["f"])[1])
+    assert curve.attrs["cpr_abs"] == pytest.approx(areas(curve["fraction"], curve["f"])[0])
+    small = curve[(curve["fraction"] > 0) & (curve["fraction"] <= 0.05)]
+    want = np.trapezoid(small["f_signed"], small["fraction"]) / (0.05 - 0.001)
+    assert curve.attrs["cpr_5pct"] == pytest.approx(want)
+
+
+def test_faithfulness_intervals_over_pairs(tiny):
+    model, hf = tiny("llama")
+    pairs, _ = _pairs(hf.config.vocab_size, n=12)
+    edges = edge_attribution(model, pairs[:4], "eap")
+    curve = circuit_faithfulness(model, pairs, edges, random_draws=0)
+    inner = curve[(curve["n_edges_pruned"] > 0) & (curve["fraction"] < 1)]
+    assert (inner["f_low"] < inner["f_high"]).all()
+    assert (inner["f_low"] <= inner["f"] + 1e-9).all() and (inner["f"] <= inner["f_high"] + 1e-9).all()
+    a = curve.attrs
+    assert a["cpr_low"] <= a["cpr"] <= a["cpr_high"] and a["cmd_low"] <= a["cmd"] <= a["cmd_high"]
+    assert (curve["ci_n"] == 12).all() and "bootstrap" in curve["ci_method"].iloc[0] and a["notes"] == []
+    few = circuit_faithfulness(model, pairs[:9], edges, random_draws=0)
+    assert few["f_low"].isna().all() and np.isnan(few.attrs["cpr_low"])
+    assert len(few.attrs["notes"]) == 1 and "9 pairs" in few.attrs["notes"][0]
+
+
+def _write_pairs(path, n):
+    """``n`` pairs of two templates whose names swap (the tiny tokenizer keeps their lengths equal)."""
+    a, b = ("cat", "dog"), ("dog", "cat")
+    templates = ["the {} sat on the mat", "the {} ran to the park"]
+    rows = [
+        {
+            "clean": templates[i % 2].format((a, b)[i // 2 % 2][0]),
+            "corrupted": templates[i % 2].format((a, b)[i // 2 % 2][1]),
+            "target": " mat",
+            "foil": " cat",
+        }
+        for i in range(n)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+
+@pytest.mark.parametrize("in_sample", [False, True])
+def test_circuit_command_summary_matches_the_api(tiny_llama_dir, tmp_path, monkeypatch, capsys, in_sample):
+    """The summary's numbers are the API's on the held-out pairs (or, --in-sample, on all of them),
+    it names the split, and circuit_mib.json carries MIB's sign."""
+    import pandas as pd
+
+    from depthscope.analyses.circuits.pairs import read_pairs, split_pairs
+    from depthscope.hooks import load_model
+    from tests.conftest import run_cli
+
+    pairs = tmp_path / "pairs.jsonl"
+    _write_pairs(pairs, 6)
+    out = tmp_path / "out"
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", out, "--random-draws", "1"]
+    args += ["--bootstrap", "0", "--no-plots", "--seed", "2"] + (["--in-sample"] if in_sample else [])
+    code, stdout, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 0, stderr
+    summary = json.loads((out / "circuit_summary.json").read_text())
+    all_pairs = read_pairs(pairs)
+    train, held = (all_pairs, all_pairs) if in_sample else split_pairs(all_pairs, 0.5, seed=2)
+    assert (summary["split"]["n_train"], summary["split"]["n_eval"]) == (len(train), len(held))
+    assert summary["split"]["in_sample"] is in_sample and ("in-sample" in summary["split"]["mode"]) is in_sample
+    model = load_model(tiny_llama_dir)
+    edges = edge_attribution(model, train, "eap")
+    curve = circuit_faithfulness(model, held, edges, random_draws=1, seed=2)
+    for k in ("cpr", "cmd", "cpr_abs", "cpr_random", "cpr_5pct"):
+        assert summary[k] == pytest.approx(curve.attrs[k], abs=1e-6), k
+    assert summary["n_eval_pairs"] == len(held) and summary["cpr_low"] is None and summary["notes"]  # NaN: null
+    written = pd.read_parquet(out / "faithfulness.parquet")
+    np.testing.assert_allclose(written["f"], curve["f"], atol=1e-6)
+    mib = json.loads((out / "circuit_mib.json").read_text())
+    top = edges.loc[edges["score"].abs().idxmax()]
+    from depthscope.analyses.circuits.edges.graph import mib_name
+
+    assert mib["edges"][mib_name(top["sender"], top["receiver"])]["score"] == pytest.approx(-top["score"], rel=1e-5)

@@ -75,7 +75,7 @@ def _required(command):
         "lens-train": ["--text", "x.txt"],
         "sweep": ["--analysis", "lens", "--out", "o"],
         "toy-series": ["--out", "o"],
-        "circuit": ["--pairs", dataset_files()["pairs"]],
+        "circuit": ["--pairs", dataset_files()["pairs"], "--in-sample"],
         "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])
 

@@ -88,7 +88,7 @@ def test_circuit_refuses_other_settings_in_a_used_folder(tmp_path, monkeypatch, 
     _no_model(monkeypatch)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "edges.csv").write_text("an earlier run's table")  # the folder keeps its marker
-    args = ["circuit", "--pairs", dataset_files()["pairs"], "--out", tmp_path / "c"]
+    args = ["circuit", "--pairs", dataset_files()["pairs"], "--in-sample", "--out", tmp_path / "c"]
     code, out, err = run_cli([*args, "--method", "eap"], monkeypatch, capsys)
     assert code != 0 and "no model in this test" in out + err  # the folder is claimed first
     code, out, err = run_cli([*args, "--method", "eap"], monkeypatch, capsys)

@@ -1,7 +1,7 @@
 """The circuits room: which activations carry a behaviour, over prompt pairs and datasets.
 
 ==================  =================================================================
-``pairs.py``        :class:`PromptPair`, :func:`read_pairs` (JSONL), means over pairs
+``pairs.py``        :class:`PromptPair`, :func:`read_pairs` (JSONL), :func:`split_pairs`, means over pairs
 ``prompts.py``      token metrics (:func:`logit_diff`, ...), tokenised pairs
 ``patching/``       activation and path patching: one hook point (or path) patched at a
                     time, over pairs (:func:`activation_patching`, :func:`path_patching`,
@@ -22,6 +22,7 @@ from depthscope.common.lazy import lazy_exports
 _EXPORTS = {
     "PromptPair": "pairs",
     "read_pairs": "pairs",
+    "split_pairs": "pairs",
     "mean_over_pairs": "pairs",
     "logit_diff": "prompts",
     "logit": "prompts",

@@ -12,8 +12,12 @@ offers                  what
 ======================  ==========================================================================
 PromptPair              one pair; ``PromptPair.from_dict`` checks a JSON object's fields
 read_pairs              a JSONL file, one JSON object per line (errors name the file and line)
+check_contrasts         refuse pairs that contrast nothing (the same prompts, the target its own
+                        foil), naming each pair's line and the reason
 as_pairs                pairs from a list (of PromptPair, dicts or ``(clean, corrupted)`` tuples),
                         one PromptPair, or a ``.jsonl`` path
+split_pairs             a seeded split of a dataset into the pairs that score and the held-out
+                        pairs that judge (``depthscope circuit``'s default)
 is_dataset              whether a patching argument is a dataset rather than one prompt
 mean_over_pairs         a per-pair table (``pair`` column) to its means over pairs, with the IOI
                         normalisation and a bootstrap interval over pairs
@@ -48,6 +52,8 @@ from depthscope.common.jsonl import read_jsonl
 __all__ = [
     "PromptPair",
     "read_pairs",
+    "check_contrasts",
+    "split_pairs",
     "as_pairs",
     "is_dataset",
     "mean_over_pairs",
@@ -107,6 +113,47 @@ def read_pairs(path) -> list[PromptPair]:
         return replace(PromptPair.from_dict(obj, where), where=f"{Path(where).name}")
 
     return read_jsonl(path, parse, what="pairs", limit=MAX_PAIRS)
+
+
+def check_contrasts(pairs: Sequence[PromptPair], what: str = "a circuit") -> list[PromptPair]:
+    """``pairs`` unchanged, or :class:`InputError` naming the first pair (its file and line when read
+    from one) that contrasts nothing: clean and corrupted prompts the same (every edge's effect
+    and the clean-corrupted gap are zero), or a ``target`` equal to its ``foil`` (the metric is zero
+    on every run). ``what`` names what needs the contrast, for the message."""
+    for i, p in enumerate(pairs):
+        where = p.where or f"pair {i}"
+        if p.clean == p.corrupted:
+            raise InputError(
+                f"{where}: the clean and corrupted prompts are the same ({p.clean!r}); {what} is what differs "
+                f"between them: corrupt the prompt (e.g. swap a name) or drop the pair"
+            )
+        if p.target is not None and p.foil is not None and p.target == p.foil:
+            raise InputError(
+                f"{where}: the target and the foil are the same token ({p.target!r}); the metric logit[target] - "
+                f"logit[foil] is zero on every run: give the foil the corrupted prompt predicts, or drop the pair"
+            )
+    return list(pairs)
+
+
+def split_pairs(pairs, train_fraction: float = 0.5, seed: int = 0) -> tuple[list[PromptPair], list[PromptPair]]:
+    """(train, held out): a seeded random split of the pairs (any dataset :func:`as_pairs` reads),
+    ``round(train_fraction * n)`` of them to train on (at least one, and at least one held out),
+    each part in the dataset's order. Scores fitted on the train part and judged on the held-out
+    part are not judged on the pairs that chose them (``depthscope circuit``'s default)."""
+    pairs = as_pairs(pairs)
+    if not 0 < train_fraction < 1:
+        raise InputError(f"train_fraction must be between 0 and 1 (exclusive), got {train_fraction!r}")
+    n = len(pairs)
+    if n < 2:
+        raise InputError(
+            f"a held-out split needs at least 2 pairs, got {n}: give more pairs, a separate evaluation "
+            f"file (--eval-pairs), or judge on the scoring pairs (--in-sample)"
+        )
+    k = min(max(round(train_fraction * n), 1), n - 1)
+    train = np.sort(np.random.default_rng(seed).permutation(n)[:k])
+    mask = np.zeros(n, dtype=bool)
+    mask[train] = True
+    return [p for p, m in zip(pairs, mask) if m], [p for p, m in zip(pairs, mask) if not m]
 
 
 def is_dataset(obj) -> bool:

@@ -9,8 +9,7 @@ from depthscope.analyses.jobs import Output
 from depthscope.analyses.jobs.configs import CircuitConfig
 
 CIRCUIT = options(
-    "pairs method steps ablation random_draws bootstrap seed threshold draw_edges batch_tokens plots "
-    "threads model device dtype out force",
+    " ".join(CircuitConfig.__dataclass_fields__) + " threads model device dtype out force",  # every field an option
     CircuitConfig,
     required="pairs",
 )
@@ -20,16 +19,16 @@ CIRCUIT = options(
 def circuit(o) -> None:
     """A circuit as a set of edges: every edge scored (EAP, EAP-IG), the top circuits judged.
 
-    Scores every edge of MIB's graph over the pairs, runs the top 0.1% ...
-    100% of edges as circuits (every other edge ablated, exactly) and
+    Scores every edge of MIB's graph over half the pairs (or all, with --eval-pairs), runs the top
+    0.1% ... 100% of edges as circuits on the others (every other edge ablated, exactly) and
     writes to OUT: edges and faithfulness (.parquet/.csv), circuit_summary,
     circuit_graph and circuit_mib (.json), the faithfulness curve (faithfulness_curve) and the
     circuit drawn (.png/.svg), circuit.html (interactive, no network).
     """
     from depthscope.analyses.jobs.circuit import circuit_job, summary_table  # lazy: the job imports torch
 
-    settings = "method steps ablation random_draws bootstrap seed threshold draw_edges dtype".split()
-    config = begin(o, CircuitConfig, "circuit", {"pairs": str(o.pairs), **{k: str(getattr(o, k)) for k in settings}})
+    named = [k for k in [*CircuitConfig.__dataclass_fields__, "dtype"] if k not in ("batch_tokens", "plots")]
+    config = begin(o, CircuitConfig, "circuit", {k: str(getattr(o, k)) for k in named})
     m = load_model(o, show=True)
     result = circuit_job(m, config, Output(o.out))
     show(summary_table(m.name, result.summary), result.files)

@@ -9,10 +9,14 @@
                            whole graph in EAP-IG's ``Graph`` JSON, the drawn circuit in it),
                            figures ``faithfulness_curve`` and ``circuit`` (PNG and SVG) and
                            ``circuit.html`` (interactive, self-contained)
+:func:`split_of`           the pairs that score, the pairs that judge, and the split named
 :func:`summary_table`      the console table of its summary (``depthscope circuit`` prints it)
 =========================  ======================================================================
 
-The drawn circuit is the top ``draw_edges`` edges by |score|, pruned as MIB prunes; by default
+The edges are scored on one part of the pairs and every faithfulness number is computed on the
+other (:func:`split_of`: a seeded split by ``train_fraction``, or ``eval_pairs``; ``in_sample``
+judges on the scoring pairs and the summary says so). The drawn circuit is the top
+``draw_edges`` edges by |score|, pruned as MIB prunes; by default
 the smallest circuit of the curve with f >= ``threshold`` when it has at most
 :data:`DRAW_AUTO_MAX` edges after pruning, else the top :data:`DRAW_FALLBACK` edges. Its settings
 are :class:`~depthscope.analyses.jobs.configs.CircuitConfig`.
@@ -30,6 +34,7 @@ from rich.table import Table
 from depthscope.analyses.circuits.edges.eap import edge_frame, score_edges
 from depthscope.analyses.circuits.edges.evaluate import CircuitEvaluator
 from depthscope.analyses.circuits.edges.faithfulness import (
+    MIB_SIGN,
     circuit_stability,
     faithfulness_curve,
     smallest_faithful,
@@ -38,11 +43,11 @@ from depthscope.analyses.circuits.edges.faithfulness import (
 from depthscope.analyses.circuits.edges.graph import mib_graph
 from depthscope.analyses.circuits.edges.html import circuit_html, circuit_json
 from depthscope.analyses.circuits.edges.plots import plot_circuit, plot_faithfulness
-from depthscope.analyses.circuits.pairs import read_pairs
+from depthscope.analyses.circuits.pairs import check_contrasts, read_pairs, split_pairs
 from depthscope.analyses.jobs.base import JobResult, Output
 from depthscope.analyses.jobs.configs import CircuitConfig
 
-__all__ = ["circuit_job", "summary_table", "DRAW_AUTO_MAX", "DRAW_FALLBACK"]
+__all__ = ["circuit_job", "split_of", "summary_table", "DRAW_AUTO_MAX", "DRAW_FALLBACK"]
 
 DRAW_AUTO_MAX, DRAW_FALLBACK = 500, 100
 
@@ -56,7 +61,7 @@ def _drawn(curve: pd.DataFrame, config: CircuitConfig) -> tuple[int, str]:
         return int(best["n_edges"]), f"the smallest circuit with f >= {config.threshold:g}"
     # else the most faithful size that still holds edges after pruning (the top few edges of a
     # deep model often join no path from the input to the logits, and prune to nothing)
-    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX)]
+    small = curve[(curve["n_edges_pruned"] > 0) & (curve["n_edges_pruned"] <= DRAW_AUTO_MAX) & curve["f"].notna()]
     if len(small):
         row = small.loc[small["f"].idxmax()]
         return int(row["n_edges"]), (
@@ -84,17 +89,33 @@ def _with_stability(curve: pd.DataFrame, es, config: CircuitConfig) -> pd.DataFr
     return out
 
 
+def split_of(pairs: list, config: CircuitConfig) -> tuple[list, list, dict]:
+    """(the pairs that score the edges, the pairs that judge the circuits, the split as the summary
+    names it): ``eval_pairs`` when given, else a seeded split of ``pairs`` by ``train_fraction``,
+    or (``in_sample``) every pair for both."""
+    if config.eval_pairs is not None:
+        held = check_contrasts(read_pairs(config.eval_pairs))
+        train, mode = pairs, f"held out: the pairs of {config.eval_pairs}"
+    elif config.in_sample:
+        train, held, mode = pairs, pairs, "in-sample: judged on the pairs that scored the edges (optimistic)"
+    else:
+        train, held = split_pairs(pairs, config.train_fraction, config.seed)
+        mode = f"held out: a seeded split of the pairs (train fraction {config.train_fraction:g}, seed {config.seed})"
+    split = {"mode": mode, "in_sample": bool(config.in_sample), "n_train": len(train), "n_eval": len(held)}
+    return train, held, split
+
+
 def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
     """Score, evaluate and draw (module docstring); the summary holds CPR and CMD of the top and
     the random circuits, the smallest faithful circuit and its heads, and the top edges."""
-    pairs = read_pairs(config.pairs)
+    train, held, split = split_of(check_contrasts(read_pairs(config.pairs)), config)
     t0 = time.perf_counter()
-    es = score_edges(model, pairs, config.method, config.steps, batch_tokens=config.batch_tokens)
+    es = score_edges(model, train, config.method, config.steps, batch_tokens=config.batch_tokens)
     scored = time.perf_counter() - t0
     edges = edge_frame(es, model.name)
-    ev = CircuitEvaluator(model, pairs, config.ablation, batch_tokens=config.batch_tokens)
+    ev = CircuitEvaluator(model, held, config.ablation, batch_tokens=config.batch_tokens)
     curve = faithfulness_curve(ev, es.mean, random_draws=config.random_draws, seed=config.seed)
-    curve.attrs.update(model=str(model.name), method=es.method)
+    curve.attrs.update(model=str(model.name), method=es.method, split=split["mode"], in_sample=split["in_sample"])
     curve = _with_stability(curve, es, config)
     n_draw, why = _drawn(curve, config)
     kept = top_circuit(es.graph, es.mean, n_draw)
@@ -103,9 +124,10 @@ def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
     out.table(edges, "edges")
     out.table(curve, "faithfulness")
     summary = _summary(model, es, edges, curve, config, (n_draw, why, int(kept.sum())), scored)
+    summary["split"] = split
     out.json(summary, "circuit_summary")
     out.json(circuit_json(edges), "circuit_graph")
-    out.json(mib_graph(es.graph, es.matrix(), kept, model.d_model), "circuit_mib")
+    out.json(mib_graph(es.graph, MIB_SIGN * es.matrix(), kept, model.d_model), "circuit_mib")
     if config.plots:
         out.figure(plot_faithfulness, curve, name="faithfulness_curve", threshold=config.threshold)
         out.figure(plot_circuit, edges, name="circuit")
@@ -126,6 +148,25 @@ def _heads(edges: pd.DataFrame) -> list[str]:
     return [f"{layer}.{h}" for layer, h in heads]
 
 
+#: the areas the summary reports (faithfulness.py's ``attrs``): CPR from the signed ranking, CMD
+#: from the |score| ranking (MIB's conventions), the other two, the random circuits', the small sizes'
+_AREAS = (
+    "cpr",
+    "cpr_low",
+    "cpr_high",
+    "cmd",
+    "cmd_low",
+    "cmd_high",
+    "cpr_abs",
+    "cmd_signed",
+    "cpr_random",
+    "cmd_random",
+    "cpr_5pct",
+    "cpr_5pct_abs",
+    "cpr_5pct_random",
+)
+
+
 def _summary(model, es, edges, curve, config, drawn, scored: float) -> dict:
     best = smallest_faithful(curve, config.threshold)
     a = curve.attrs
@@ -142,10 +183,13 @@ def _summary(model, es, edges, curve, config, drawn, scored: float) -> dict:
         "clean_metric": float(es.clean.mean()),
         "corrupted_metric": float(es.corrupted.mean()),
         "empty_metric": a["empty_metric"],
-        "cpr": a["cpr"],
-        "cmd": a["cmd"],
-        "cpr_random": a["cpr_random"],
-        "cmd_random": a["cmd_random"],
+        "n_eval_pairs": int(curve["n_pairs"].iloc[0]),
+        **{k: a[k] for k in _AREAS},
+        "ci_n": int(curve["ci_n"].iloc[0]),
+        "ci_method": str(curve["ci_method"].iloc[0]),
+        "notes": list(a.get("notes", [])),
+        "score_sign": "depthscope's score: the change of the metric when the edge is corrupted (an edge that "
+        "supports the target scores negative); circuit_mib.json and the signed ranking use MIB's sign (positive)",
         "random_draws": config.random_draws,
         "threshold": config.threshold,
         "smallest_faithful": None
@@ -166,9 +210,16 @@ def _summary(model, es, edges, curve, config, drawn, scored: float) -> dict:
 def summary_table(name: str, s: dict) -> Table:
     """The console table of a circuit job's summary (``depthscope circuit`` prints it)."""
     t = Table("quantity", "value", title=f"circuit of {name}: {s['method']}, {s['ablation']} ablation")
-    t.add_row("pairs / edges", f"{s['n_pairs']} / {s['n_edges']}")
+    sp = s["split"]
+    t.add_row("pairs: scored / judged", f"{sp['n_train']} / {sp['n_eval']} ({escape(sp['mode'])})")
+    t.add_row("edges", f"{s['n_edges']}")
     t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f} ({escape(s['metric'])})")
-    t.add_row("CPR / CMD", f"{s['cpr']:.3f} / {s['cmd']:.3f}")
+    t.add_row(
+        "CPR (signed) / CMD (|score|)",
+        f"{s['cpr']:.3f} [{s['cpr_low']:.3f}, {s['cpr_high']:.3f}] / {s['cmd']:.3f} [{s['cmd_low']:.3f}, "
+        f"{s['cmd_high']:.3f}] ({s['ci_n']} pairs)",
+    )
+    t.add_row("CPR (|score|) / mean f up to 5 %", f"{s['cpr_abs']:.3f} / {s['cpr_5pct']:.3f}")
     t.add_row(
         "random circuits: CPR / CMD", f"{s['cpr_random']:.3f} / {s['cmd_random']:.3f} ({s['random_draws']} draws)"
     )
@@ -183,6 +234,8 @@ def summary_table(name: str, s: dict) -> Table:
     t.add_row("drawn", f"{d['n_edges_pruned']} edges ({d['why']}); heads {', '.join(d['heads'][:12]) or 'none'}")
     for sender, receiver, score in s["top_edges"][:5]:
         t.add_row(f"{sender} -> {receiver}", f"{score:+.4f}")
+    for note in s.get("notes", []):
+        t.add_row("note", escape(note))
     if s.get("warning"):
         t.add_row("[bold red]warning[/]", escape(s["warning"]))
     return t

@@ -15,7 +15,9 @@ class CircuitConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.circuit.circuit_job` computes (``depthscope circuit``):
     every edge of the model's graph scored over a JSONL file of ``pairs`` by ``method`` (EAP or
     EAP-IG with ``steps``), the faithfulness curve of the top circuits under ``ablation`` with
-    ``random_draws`` random circuits per size (``seed``), the stability of the top circuits over
+    ``random_draws`` random circuits per size (``seed``), judged on held-out pairs (``eval_pairs``, or
+    the share of ``pairs`` that ``train_fraction`` leaves, split with ``seed``; ``in_sample``: on the
+    scoring pairs themselves), the stability of the top circuits over
     ``bootstrap`` resamples of the pairs, and the drawn circuit (``draw_edges``, or the smallest
     one with f >= ``threshold``). Checked on construction; the fields declare the options."""
 
@@ -25,6 +27,26 @@ class CircuitConfig(Checked):
         cli_type=Path | None,
         help="A JSONL file of prompt pairs (clean, corrupted, target, foil), the prompts of each pair of the same "
         "token length.",
+    )
+    eval_pairs: Path | None = setting(
+        None,
+        "--eval-pairs",
+        cli_type=Path | None,
+        help="A JSONL file of the pairs every faithfulness number is computed on (all of --pairs then score the "
+        "edges). Default: a seeded split of --pairs (--train-fraction).",
+    )
+    train_fraction: float = setting(
+        0.5,
+        "--train-fraction",
+        positive=True,
+        max=0.99,
+        help="The share of --pairs that scores the edges; the rest (held out) judges the circuits.",
+    )
+    in_sample: bool = setting(
+        False,
+        "--in-sample/--held-out",
+        help="Judge the circuits on the same pairs that scored them (optimistic: the top edges are chosen on "
+        "those pairs); the summary and the figure say so.",
     )
     method: str = setting(
         "eap",
@@ -84,6 +106,14 @@ class CircuitConfig(Checked):
         """A pairs file, read and checked before the model loads."""
         if self.pairs is None:
             raise InputError("--pairs is required: a JSONL file of prompt pairs")
-        from depthscope.analyses.circuits.pairs import read_pairs  # lazy: pandas; every line checked early
+        from depthscope.analyses.circuits.pairs import check_contrasts, read_pairs  # lazy: pandas; lines checked early
 
-        read_pairs(self.pairs)
+        n = len(check_contrasts(read_pairs(self.pairs)))
+        if self.eval_pairs is not None:
+            if self.in_sample:
+                raise InputError("--eval-pairs and --in-sample contradict each other: give one")
+            check_contrasts(read_pairs(self.eval_pairs))
+        elif not self.in_sample and n < 2:
+            raise InputError(
+                f"a held-out split needs at least 2 pairs, got {n}: give more pairs, --eval-pairs FILE, or --in-sample"
+            )

@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, edge_matrix
+from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, edge_matrix, prune_circuit
 from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
     first_difference,
@@ -386,30 +386,52 @@ class CircuitEvaluator:
 
 
 def evaluate_circuit(
-    model, pairs, edges, ablation: str = "counterfactual", *, metric=None, batch_tokens: int = BATCH_TOKENS
+    model,
+    pairs,
+    edges,
+    ablation: str = "counterfactual",
+    *,
+    prune: bool = True,
+    metric=None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> pd.DataFrame:
     """Each pair's metric on its clean prompt run through the circuit ``edges`` (module docstring).
 
     ``edges``: a table with ``sender`` and ``receiver`` columns (rows of
-    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`, e.g. its top rows) or a list of
-    ``(sender, receiver)``; every other edge carries its sender's ablated value (``ablation``:
-    ``counterfactual``, the pair's corrupted run; ``mean``; ``zero``). ``pairs`` and ``metric`` as
-    in :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`.
+    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`, e.g. its top rows, or the
+    ``edges`` table ``depthscope circuit`` writes) or a list of ``(sender, receiver)``. A table with
+    an ``in_circuit`` column is the circuit of its rows marked True (the job's own ``edges.parquet``
+    evaluates its drawn circuit); a table without one is taken whole. ``prune`` (default) prunes the
+    circuit as the faithfulness curve does
+    (:func:`~depthscope.analyses.circuits.edges.graph.prune_circuit`). Every other edge carries its
+    sender's ablated value (``ablation``: ``counterfactual``, the pair's corrupted run; ``mean``;
+    ``zero``). ``pairs`` and ``metric`` as in
+    :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`.
 
     Returns one row per pair: ``pair``, ``metric``, ``clean_metric`` and ``corrupted_metric`` (the
-    plain runs), ``n_edges`` (edges in the circuit) and ``ablation``."""
+    plain runs), ``n_edges`` (the edges evaluated, after pruning), ``n_edges_given`` (before) and
+    ``ablation``."""
     ev = CircuitEvaluator(model, pairs, ablation, metric=metric, batch_tokens=batch_tokens)
-    kept = edge_matrix(ev.graph, edges)
+    if isinstance(edges, pd.DataFrame) and "in_circuit" in edges.columns:
+        on = edges["in_circuit"]
+        if on.isna().any() or not all(isinstance(x, (bool, np.bool_)) for x in on):
+            raise InputError("an edge table's in_circuit column must be True or False on every row")
+        edges = edges[on.to_numpy(dtype=bool)]
+    given = edge_matrix(ev.graph, edges)
+    kept = prune_circuit(ev.graph, given) if prune else given
     values = ev.metrics(kept)
+    n, n_given = int(kept.sum()), int(given.sum())
     df = pd.DataFrame(
         {
             "pair": np.arange(ev.n_pairs),
             "metric": values,
             "clean_metric": ev.clean(),
             "corrupted_metric": ev.corrupted(),
-            "n_edges": int(kept.sum()),
+            "n_edges": n,
+            "n_edges_given": n_given,
             "ablation": ablation,
         }
     )
-    df.attrs.update(model=str(model.name), metric=ev.what, ablation=ablation, n_edges=int(kept.sum()))
+    df.attrs.update(model=str(model.name), metric=ev.what, ablation=ablation, n_edges=n, n_edges_given=n_given)
+    df.attrs["pruned"] = bool(prune)
     return df

@@ -39,7 +39,8 @@ THRESHOLD = 0.8
 def plot_faithfulness(curve: pd.DataFrame, path, *, threshold: float = THRESHOLD) -> Path:
     """f(k) of a :func:`~depthscope.analyses.circuits.edges.faithfulness.faithfulness` table (several
     methods: a ``method`` column), the sizes equally spaced and labelled in percent; the random
-    circuits' mean dashed and their min-max band shaded; CPR and CMD in the legend."""
+    circuits' mean dashed and their min-max band shaded; CPR and CMD in the legend; the signed
+    ranking's curve dotted (``f_signed``, when there); the title names the split (``attrs["split"]``)."""
     what = "plot_faithfulness"
     need_columns(curve, ["k", "fraction", "f", "f_random", "f_random_min", "f_random_max"], what)
     setup()
@@ -54,6 +55,10 @@ def plot_faithfulness(curve: pd.DataFrame, path, *, threshold: float = THRESHOLD
         cpr, cmd = areas(d["fraction"], d["f"])
         label = f"{method or 'top edges'} (CPR {cpr:.2f}, CMD {cmd:.2f})"
         ax.plot([x_of[k] for k in d["k"]], d["f"], marker="o", color=palette(i), label=label, zorder=3)
+        if "f_signed" in d.columns:  # MIB's CPR ranking: the top edges by signed score
+            cpr_s = areas(d["fraction"], d["f_signed"])[0]
+            xs = [x_of[k] for k in d["k"]]
+            ax.plot(xs, d["f_signed"], marker=".", ls=":", color=palette(i), label=f"signed ranking (CPR {cpr_s:.2f})")
     r = (curve if "method" not in curve.columns else curve[curve["method"] == methods[0]]).sort_values("k")
     if r["f_random"].notna().any():
         xs = [x_of[k] for k in r["k"]]
@@ -77,6 +82,9 @@ def plot_faithfulness(curve: pd.DataFrame, path, *, threshold: float = THRESHOLD
     bits = [f"Faithfulness of the top-k circuits ({ablation} ablation)"]
     if curve.attrs.get("model"):
         bits.append(str(curve.attrs["model"]))
+    if curve.attrs.get("split"):  # in-sample or held out, and how many pairs judge
+        n = f", {int(curve['n_pairs'].iloc[0])} pairs" if "n_pairs" in curve.columns else ""
+        bits.append(("IN-SAMPLE: " if curve.attrs.get("in_sample") else "") + str(curve.attrs["split"]) + n)
     ax.set_title("\n".join(bits), fontsize=9)
     ax.legend(fontsize=7, loc="best")
     savefig(fig, path)
