@@ -58,8 +58,8 @@ def commands(work: Path) -> dict[str, list[str]]:
     text = work / "docs.txt"
     text.write_text("\n".join(_sentences(20)) + "\n", encoding="utf-8")
     return {
-        "layers": ["layers", "--text", str(text), "--max-tokens", "400"],
-        "lens": ["lens", "--text", str(text), "--max-tokens", "600"],
+        "layers": ["layers", "--text", str(text), "--max-tokens", "200"],
+        "lens": ["lens", "--text", str(text), "--max-tokens", "300"],
         "probe": [
             "probe",
             "--task",

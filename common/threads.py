@@ -6,7 +6,7 @@ it saves (badly so on a busy machine).
                            is below ``SMALL_WORK``, the current count otherwise
 ``one_thread()``           context: one intra-op thread, whatever the work
 ``set_threads(n)``         torch's intra-op threads, ``n`` checked against the machine first
-``free_cores()``           the cores this process can get now: its CPUs less the others' load
+``free_cores()``           the cores this process can get now: its CPUs less the others running
 ``auto_threads()``         the commands' default: torch's count, at most :func:`free_cores`
 ``side_by_side(jobs, n)``  independent jobs on ``n`` threads, each with one intra-op thread
 =========================  ====================================================================
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -58,25 +59,47 @@ def set_threads(threads: int, name: str = "threads") -> None:
     torch.set_num_threads(threads)
 
 
+def _others_running(samples: int = 5, gap: float = 0.02) -> float | None:
+    """The processes other than this one that are running or ready to run, now: the median of
+    ``samples`` reads of ``/proc/stat``'s ``procs_running`` (which counts this process too), ``gap``
+    seconds apart; None where the file is not there."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                line = next((ln for ln in f if ln.startswith("procs_running ")), None)
+        except OSError:
+            return None
+        if line is None:
+            return None
+        counts.append(int(line.split()[1]) - 1)
+        if i + 1 < samples:
+            time.sleep(gap)
+    return float(sorted(counts)[len(counts) // 2])
+
+
 def free_cores(load: float | None = None) -> int:
-    """The cores this process can get now: the CPUs it may run on less the other processes' demand,
-    read as the one-minute load average (``load``, if given, in its place), rounded, at least 1. A
-    process that has not started computing yet is not in the average, so all of it is the others'."""
+    """The cores this process can get now: the CPUs it may run on less the other processes that are
+    running now (``load``, if given, in their place), at least 1. "Now" is read from
+    ``/proc/stat`` (a median over 0.1 s), not from the load average: that lags by minutes, so the
+    command a user ran just before would count against the next one. Where ``/proc`` is absent,
+    the one-minute load average stands in."""
     cpus = cpu_count()
+    if load is None:
+        load = _others_running()
     if load is None:
         try:
             load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average (Windows): every CPU
+        except (AttributeError, OSError):  # neither (Windows): every CPU
             return cpus
     return max(1, min(cpus, int(cpus - load + 0.5)))
 
 
 def auto_threads() -> int:
     """The commands' default intra-op thread count (``--threads`` not given): torch's own choice (the
-    physical cores), but no more than :func:`free_cores`. On a shared machine threads beyond the free
-    cores do not add speed: torch's threads spin-wait for each other, and a forward of many small
-    products ran 8x slower with two threads than with one on a 2-core machine with one other busy
-    process (docs/benchmarks.md, "Threads on a shared CPU")."""
+    physical cores), but no more than :func:`free_cores`, read once when the command starts. On a
+    shared machine threads beyond the free cores add no speed: torch's threads spin-wait for each
+    other over a forward's many small products (docs/benchmarks.md, "Threads on a shared CPU")."""
     return max(1, min(torch.get_num_threads(), free_cores()))
 
 

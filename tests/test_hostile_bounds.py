@@ -241,21 +241,20 @@ def test_set_threads_checks_before_torch_sees_the_count(monkeypatch):
     assert seen == [1]
 
 
-@pytest.mark.parametrize("load,torch_threads,want", [(0.0, 2, 2), (0.3, 2, 2), (1.0, 2, 1), (6.5, 2, 1), (0.0, 1, 1)])
+@pytest.mark.parametrize("load,torch_threads,want", [(0.0, 2, 2), (0.4, 2, 2), (1.0, 2, 1), (6.0, 2, 1), (0.0, 1, 1)])
 def test_without_threads_a_command_takes_the_free_cores(monkeypatch, load, torch_threads, want):
-    """No ``--threads``: torch's count, but no more than the CPUs less the load average (two CPUs here)."""
-    import os
-
+    """No ``--threads``: torch's count, but no more than the CPUs less the other processes running
+    now (two CPUs here)."""
     import torch
 
     from depthscope.common import threads
 
     seen = []
     monkeypatch.setattr(threads, "cpu_count", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(threads, "_others_running", lambda: load)
     monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
-    assert threads.free_cores() == max(1, min(2, round(2 - load)))
+    assert threads.free_cores() == max(1, min(2, int(2 - load + 0.5)))
     assert isinstance(_invoke("lens").exception, Reached)
     assert seen == [want]
     seen.clear()

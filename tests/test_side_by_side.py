@@ -93,3 +93,24 @@ def test_blocks_solved_side_by_side_fit_as_one_thread_does(monkeypatch, two_thre
     assert log2.converged.all() and (log2.unit_epochs == log1.unit_epochs).all()
     assert torch.equal(W2, W1) and torch.equal(b2, b1)
     assert np.array_equal(log2.objective, log1.objective)
+
+
+def test_the_others_running_are_read_from_proc_stat(monkeypatch, tmp_path):
+    """``procs_running`` counts this process too: one running is nobody else; the median of the
+    samples stands, so a short burst does not decide."""
+    import builtins
+
+    from depthscope.common import threads
+
+    reads = iter([3, 1, 1, 5, 1])
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/stat":
+            f = tmp_path / "stat"
+            f.write_text(f"cpu  1 2 3\nprocs_running {next(reads)}\nprocs_blocked 0\n")
+            return real_open(f, *a, **k)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert threads._others_running(samples=5, gap=0) == 0.0  # counts 2,0,0,4,0: the median is 0
