@@ -219,14 +219,14 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar):
     first = {i: runs.first_position(patches[i], reuse) for i in todo}
     order = sorted(todo, key=lambda i: -first[i])  # stable: forward order within a position
     n_pos, kept = k_ids.shape[1], {}
-    last = model.is_decoder and tp.last_only  # the patched forwards return the last position's logits only
-    weight = memory.prefix_weight(memory.Sizes.of(model), last) if reuse else 0.0
+    # with reuse, the patched forwards return the last position's logits only (the metric reads only that)
+    weight = memory.prefix_weight(memory.Sizes.of(model)) if reuse else 0.0
     bar.update(len(patches) - len(todo))
     for rows, start in runs.plan([first[i] for i in order], n_pos, job.batch_tokens, weight):
         chunk = [patches[order[r]] for r in rows]
         make = functools.partial(runs.hooks_for, chunk, clean_acts, n_pos)
         with torch.no_grad():
-            lg = runs.patched_logits(model, k_ids, make, len(chunk) + 1, start, job.saes, last_only=last, kept=kept)
+            lg = runs.patched_logits(model, k_ids, make, len(chunk) + 1, start, job.saes, last_only=reuse, kept=kept)
             out = fn(lg).float().cpu().numpy()
         values[[order[r] for r in rows]] = corrupted_value + (out[1:] - out[0])
         bar.update(len(rows))
@@ -338,7 +338,8 @@ def _check_memory(model, tps: list[TokenPair], job: _Job, method: str) -> None:
     for tp in tps:
         o = job.oriented(tp)
         n_clean, n_base = o.clean_ids.shape[1], o.corrupted_ids.shape[1]
-        kw = dict(method=method, batch_tokens=job.batch_tokens, last_only=model.is_decoder and tp.last_only)
+        last = job.reuse and model.is_decoder and tp.last_only  # as _activation_pair's patched forwards
+        kw = dict(method=method, batch_tokens=job.batch_tokens, last_only=last)
         terms = memory.patch_bytes(model, kinds, n_clean, n_base, **kw)
         if best is None or sum(terms.values()) > sum(best[1].values()):
             best = (tp, terms, max(n_clean, n_base))
