@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 GiB = 1024**3
+#: bytes :func:`check_room` adds for what no term counts (the allocator's and the kernels'
+#: workspace): SmolLM2-135M patching a 1,000-token pair peaked 0.5 GiB above the terms
+RUNTIME = 256 * 2**20
 #: bytes of a float32 value: logits as the metrics read them, gradients, attribution sums
 F32 = 4
 #: hook point kinds holding one d_model vector per head and token (the heads' writes)
@@ -171,6 +174,8 @@ def patch_bytes(model, kinds: list[str], clean: int, corrupted: int, *, method: 
     # the most rows of a chunk: each counts at least one computed position and its prefix
     rows = max(2, int(batch_tokens // min(corrupted, 1 + w * (corrupted - 1))) + 1)
     terms["patched forwards"] = units * per + (rows * s.logit if last_only else 0)
+    if last_only:  # a prefix reused: the one-row prefix kept for the next chunk, and its copy
+        terms["kept prefix"] = 2 * corrupted * s.kv_token
     if any(k in ("pattern", "scores", "rot_q", "rot_k") for k in kinds):  # eager attention: [rows, heads, q, k]
         terms["attention probabilities"] = units * s.heads * corrupted * F32 * 3
     return terms
@@ -215,10 +220,11 @@ def _gib(n: float) -> str:
 
 
 def check_room(terms: dict[str, int], device: torch.device, what: str, knobs: list[str], headroom: float = 1.1) -> int:
-    """The sum of ``terms``; :class:`WorkTooLarge` when it (times ``headroom``) exceeds the free
-    memory of ``device`` (:func:`~depthscope.hooks.devices.short_of`, the model-loading
-    preflight's test): the message names ``what``, the estimate and its three largest terms, the
+    """The sum of ``terms`` and :data:`RUNTIME`; :class:`WorkTooLarge` when it (times
+    ``headroom``) exceeds the free memory of ``device`` (:func:`~depthscope.hooks.devices.short_of`,
+    the model-loading preflight's test): the message names ``what``, the estimate and its three largest terms, the
     memory free and the ``knobs`` that make the work smaller. Unknown free memory passes."""
+    terms = {**terms, "runtime workspace": RUNTIME}
     need = int(sum(terms.values()))
     free = devices.short_of(need, device, headroom)
     if free is None:
