@@ -88,8 +88,9 @@ class KVPrefix:
         ``Cache``)."""
         if start <= 0 or not model.is_decoder:
             return None
+        keep = {"logits_to_keep": 1} if _accepts(model.hf_model, "logits_to_keep") else {}  # its logits go unused
         with torch.no_grad():
-            cache = returned_cache(model.hf_model(input_ids=ids[:, :start], use_cache=True))
+            cache = returned_cache(model.hf_model(input_ids=ids[:, :start], use_cache=True, **keep))
         if cache is None or not all(hasattr(cache, a) for a in ("get_seq_length", "batch_repeat_interleave")):
             return None
         return cls(model, cache, start)

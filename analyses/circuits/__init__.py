@@ -9,6 +9,8 @@
 ``edges/``          circuits as edge graphs: every edge scored (EAP, EAP-IG), circuits
                     evaluated and their faithfulness, drawn (:class:`CircuitGraph`,
                     :func:`edge_attribution`, :class:`CircuitConfig`, ...)
+``memory.py``       the memory a pair (a batch) needs, estimated and checked before the first
+                    forward (:class:`~depthscope.analyses.circuits.memory.WorkTooLarge`)
 ==================  =================================================================
 
 Both read ``pairs.py`` and ``prompts.py``; every name either exports is exported here too.

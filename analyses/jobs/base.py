@@ -194,6 +194,15 @@ class Output:
             for path in [self.folder / name] if "." in name else [self.folder / f"{name}.{x}" for x in ("png", "svg")]:
                 path.unlink(missing_ok=True)
 
+    def drop_tables(self, *names: str) -> None:
+        """Remove what an earlier run wrote as table ``name`` (``.parquet`` and ``.csv``) and this
+        run does not write (an optional part left out: ``norms`` without ``--heads``)."""
+        if self.folder is None:
+            return
+        for name in names:
+            for x in ("parquet", "csv"):
+                (self.folder / f"{name}.{x}").unlink(missing_ok=True)
+
     def figure(self, plot: Callable[..., object], *args, name: str, **kwargs) -> Path | None:
         """Draw ``plot(*args, path, **kwargs)`` into ``<folder>/<name>.png`` and, beside it,
         ``<name>.svg`` (vector, for the HTML report and for print; the PNG serves markdown).

@@ -109,11 +109,12 @@ def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
     """Score, evaluate and draw (module docstring); the summary holds CPR and CMD of the top and
     the random circuits, the smallest faithful circuit and its heads, and the top edges."""
     train, held, split = split_of(check_contrasts(read_pairs(config.pairs)), config)
+    # the evaluator first: its memory is checked too before the scoring's minutes
+    ev = CircuitEvaluator(model, held, config.ablation, batch_tokens=config.batch_tokens)
     t0 = time.perf_counter()
     es = score_edges(model, train, config.method, config.steps, batch_tokens=config.batch_tokens)
     scored = time.perf_counter() - t0
     edges = edge_frame(es, model.name)
-    ev = CircuitEvaluator(model, held, config.ablation, batch_tokens=config.batch_tokens)
     curve = faithfulness_curve(ev, es.mean, random_draws=config.random_draws, seed=config.seed)
     curve.attrs.update(model=str(model.name), method=es.method, split=split["mode"], in_sample=split["in_sample"])
     curve = _with_stability(curve, es, config)

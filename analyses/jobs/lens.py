@@ -106,6 +106,8 @@ def lens_job(model, docs: Sequence[str], config: LensConfig, out: Output) -> Job
         suffix = "" if lens.kind == "logit" else f"_{lens.kind}"
         out.figure(plot_top1_heatmap, part, name=f"lens_top1_heatmap{suffix}")
         out.figure(plot_rank_trajectory, part, name=f"lens_rank_trajectory{suffix}")
+    if config.tuned is None:  # an earlier run's tuned-lens figures must not pass for this run's
+        out.drop("lens_top1_heatmap_tuned", "lens_rank_trajectory_tuned")
     summary = {
         "model": str(model.name),
         "n_positions": n_positions,

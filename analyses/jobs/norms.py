@@ -106,4 +106,8 @@ def norms_job(model, docs: Sequence[str], config: NormsConfig, out: Output) -> J
         out.figure(plots.plot_dla, dla, name="norms_dla")
     if heads_df is not None:
         out.figure(plots.plot_head_writes, heads_df, name="norms_head_writes")
+    # an earlier run's optional parts (--heads, DLA) must not pass for this run's
+    optional = {"dla": "norms_dla", "head_writes": "norms_head_writes"}
+    out.drop_tables(*(t for t in optional if t not in tables))
+    out.drop(*(f for t, f in optional.items() if t not in tables))
     return JobResult(tables=tables, summary=summary, files=list(out.written))

@@ -30,12 +30,13 @@ import pandas as pd
 from rich.table import Table
 from scipy.stats import spearmanr
 
-from depthscope.analyses.circuits.pairs import read_pairs
+from depthscope.analyses.circuits.pairs import PromptPair, read_pairs
 from depthscope.analyses.circuits.patching import plots
 from depthscope.analyses.circuits.patching.activation import (
     PAIR_KEYS,
     activation_patching,
     attribution_patching,
+    check_patching,
     logit_diff,
     logprob,
     patch_pairs,
@@ -88,6 +89,7 @@ def _pair_job(model, config: PatchConfig, out: Output) -> JobResult:
     metric = logit_diff(config.target, config.foil) if config.foil is not None else logprob(config.target)
     args = (model, config.clean, config.corrupted, metric)
     calls, note = _plan(model, config)
+    _check_calls(model, [PromptPair(config.clean, config.corrupted)], metric, calls, config)
     exact, estimate = [], []
     for sites, positions in calls:
         kw = dict(sites=sites, positions=positions, direction=config.direction)
@@ -120,6 +122,16 @@ def _pair_job(model, config: PatchConfig, out: Output) -> JobResult:
     else:  # an earlier run's figures must not pass for this run's
         out.drop(*FIGURES.values(), "patching_attribution")
     return JobResult(tables=tables, summary=summary, files=list(out.written))
+
+
+def _check_calls(model, pairs, metric, calls, config: PatchConfig) -> None:
+    """Every patching call of the job checked before the first runs (the memory of its largest
+    pair included): a call that cannot run is refused before the others' minutes."""
+    for sites, positions in calls:
+        kw = dict(sites=sites, positions=positions, metric=metric, direction=config.direction)
+        check_patching(model, pairs, batch_tokens=config.batch_tokens, **kw)
+        if config.attribution:
+            check_patching(model, pairs, method="attribution", **kw)
 
 
 def _summary(model, everything, parts: dict, notes: str) -> dict:
@@ -214,6 +226,7 @@ def _dataset_job(model, config: PatchConfig, out: Output) -> JobResult:
     methods) and ``patching_pairs`` (one row per pair and patch), the heatmaps of the means and
     the attribution-vs-exact scatter; the Spearman correlation goes to the table's notes."""
     pairs = read_pairs(config.pairs)
+    _check_calls(model, pairs, None, _dataset_calls(config, pairs), config)
     per = []
     for sites, positions in _dataset_calls(config, pairs):
         kw = dict(sites=sites, positions=positions, direction=config.direction)
@@ -257,7 +270,6 @@ def _figures(out: Output, table, parts: dict, rhos: dict) -> None:
 def _path_job(model, config: PatchConfig, out: Output) -> JobResult:
     """Path patching from ``senders`` to ``receivers`` over the pairs file (or the one prompt
     pair): ``path_patching`` (means over pairs) and ``path_patching_pairs``, and its heatmap."""
-    from depthscope.analyses.circuits.pairs import PromptPair
     from depthscope.analyses.circuits.patching.path_plots import plot_path_patching
     from depthscope.analyses.circuits.patching.paths import (  # lazy: optional part of the job
         PATH_KEYS,

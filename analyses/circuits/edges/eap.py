@@ -49,6 +49,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.circuits import memory
 from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph
 from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
@@ -219,8 +220,9 @@ def _contract(graph: CircuitGraph, delta: torch.Tensor, layer_grads: list, logit
     return full[:, torch.as_tensor(s, device=full.device), torch.as_tensor(r, device=full.device)].cpu().numpy()
 
 
-def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: int):
-    """(per-pair scores ``[B, edges]``, clean metrics, corrupted metrics) of one batch."""
+def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: int, tick=lambda n: None):
+    """(per-pair scores ``[B, edges]``, clean metrics, corrupted metrics) of one batch; ``tick(1)``
+    after each backward pass (EAP: one; EAP-IG: ``steps``)."""
     L = graph.n_layers
     start = first_difference(batch)
     with torch.no_grad():
@@ -230,11 +232,13 @@ def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: in
         with torch.no_grad():
             clean_values = batch.metric(model.run(batch.clean).logits).float()
         zeros = np.zeros((len(batch.pairs), graph.n_edges), dtype=np.float32)
+        tick(1 if method == "eap" else steps)
         return zeros, clean_values.cpu().numpy(), corrupted_values.cpu().numpy()
     with torch.no_grad():
         a_corr = _senders(corr, parts, L, start)
     if method == "eap":
         grads, logits_grad, a_clean, clean_values = _receiver_grads(model, graph, parts, batch, start)
+        tick(1)
     else:
         with torch.no_grad():
             clean = model.run(batch.clean, cache=_sender_cache(L))
@@ -247,6 +251,7 @@ def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: in
             g, gl, _, _ = _receiver_grads(model, graph, parts, batch, start, point)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             logits_grad = gl if logits_grad is None else logits_grad + gl
+            tick(1)
         grads, logits_grad = [g / steps for g in grads], logits_grad / steps
     scores = _contract(graph, a_corr - a_clean, grads, logits_grad)
     return scores, clean_values.cpu().numpy(), corrupted_values.cpu().numpy()
@@ -261,19 +266,41 @@ def score_edges(model, pairs, method: str = "eap", steps: int = 5, *, metric=Non
     check_number("steps", steps, maximum=MAX_STEPS)
     graph = circuit_graph(model)
     tps, batches = graph_batches(model, pairs, metric, batch_tokens, "edge attribution")
+    _check_memory(model, batches, method)
     parts = [layer_parts(model, layer) for layer in range(graph.n_layers)]
     n = len(tps)
     per_pair = np.zeros((n, graph.n_edges), dtype=np.float32)
     clean, corrupted = np.zeros(n), np.zeros(n)
-    with progress_bar(n, desc=f"edge attribution ({method})", unit="pair") as bar:
+    # the bar counts backward passes (EAP-IG: one per step), so a long pair's bar moves within it
+    passes = int(steps) if method == "eap-ig" else 1
+    with progress_bar(len(batches) * passes, desc=f"edge attribution ({method}, {n} pairs)", unit="pass") as bar:
         for batch in batches:
-            scores, c, k = _batch_scores(model, graph, parts, batch, method, int(steps))
+            scores, c, k = _batch_scores(model, graph, parts, batch, method, int(steps), bar.update)
             idx = batch.index
             per_pair[idx], clean[idx], corrupted[idx] = scores, c, k
-            bar.update(len(idx))
     return EdgeScores(
         graph, per_pair, clean, corrupted, method, int(steps) if method == "eap-ig" else 0, describe_metrics(tps)
     )
+
+
+def _check_memory(model, batches: list[GraphBatch], method: str) -> None:
+    """Before any forward: the batch that needs the most memory
+    (:func:`~depthscope.analyses.circuits.memory.eap_bytes`) fits in the memory free, else a
+    :class:`~depthscope.analyses.circuits.memory.WorkTooLarge` naming it and what helps."""
+    sized = []
+    for b in batches:
+        rows, n = b.clean.shape
+        start = first_difference(b)
+        terms = memory.eap_bytes(model, rows, n, 0 if start is None else n - start, method=method)
+        sized.append((sum(terms.values()), rows, n, terms))
+    if not sized:
+        return
+    _, rows, n, terms = max(sized, key=lambda x: x[0])
+    knobs = ["shorter pairs (memory grows with the tokens from the first one where clean and corrupted differ)"]
+    if rows > 1:
+        knobs.insert(0, f"a smaller --batch-tokens (batch_tokens=; this batch holds {rows} pairs)")
+    what = f"edge attribution ({method}) of {rows} pair{'s' if rows > 1 else ''} of {n:,} tokens"
+    memory.check_room(terms, model.device, what, knobs)
 
 
 def edge_attribution(

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.circuits import memory
 from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, edge_matrix, prune_circuit
 from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
@@ -280,6 +281,19 @@ class _Patch:
         return out
 
 
+def _check_memory(model, batches: list[GraphBatch]) -> None:
+    """Before any forward: the largest batch's evaluation
+    (:func:`~depthscope.analyses.circuits.memory.evaluate_bytes`) fits in the memory free."""
+    if not batches:
+        return
+    rows, n = max((b.clean.shape for b in batches), key=lambda shape: shape[0] * shape[1])
+    knobs = ["shorter pairs"]
+    if rows > 1:
+        knobs.insert(0, f"a smaller --batch-tokens (batch_tokens=; a batch holds {rows} pairs)")
+    what = f"circuit evaluation of {rows} pair{'s' if rows > 1 else ''} of {n:,} tokens"
+    memory.check_room(memory.evaluate_bytes(model, rows, n), model.device, what, knobs)
+
+
 class CircuitEvaluator:
     """A dataset of pairs prepared for evaluating many circuits of one model: batches of one
     token length, the ablated values (kept between circuits when they fit ``KEEP_BYTES``), the
@@ -296,6 +310,7 @@ class CircuitEvaluator:
         self.model, self.ablation = model, ablation
         self.graph: CircuitGraph = circuit_graph(model)
         self.tps, self.batches = graph_batches(model, pairs, metric, batch_tokens, "circuit evaluation")
+        _check_memory(model, self.batches)
         self.parts = [layer_parts(model, layer) for layer in range(self.graph.n_layers)]
         self.what = describe_metrics(self.tps)
         self._clean = self._corrupted = None

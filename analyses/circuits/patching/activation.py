@@ -20,6 +20,8 @@ activation_patching        exact: every patch is one batch row of the corrupted 
 attribution_patching       first-order estimate ``(clean - corrupted) . d metric / d activation``
                            at the corrupted run: one forward and one backward per prompt pair
 patch_pairs                either method over a dataset, one row per pair and patch (``pair``)
+check_patching             what patch_pairs checks before its first forward (the memory too),
+                           without running it
 mean_over_pairs            that table's means over pairs, with a bootstrap interval
 PromptPair, read_pairs     a pair with its metric tokens and named positions; a JSONL file of them
 logit_diff, logit,         metric helpers (:class:`TokenMetric`); a ``(target, foil)`` pair means
@@ -40,7 +42,9 @@ length (the last positions are aligned; named positions align the others), and t
 the means over pairs with the IOI normalisation ``(mean patched - mean corrupted) / (mean clean -
 mean corrupted)`` and a bootstrap interval over pairs (:mod:`depthscope.analyses.circuits.pairs`; NaN
 below 10 pairs, with a note). Memory is one pair's activations and one chunk of rows, whatever the
-number of pairs.
+number of pairs. Before the first forward, the pair that needs the most memory is checked against
+the memory free (:mod:`depthscope.analyses.circuits.memory`): a pair too long for this machine is
+refused, naming the estimate and what helps.
 
 Hook points: every point of :mod:`depthscope.hooks.points` (read and replaced through
 ``model.run``): the 2L+1 residual sites (``embed``, ``l.attn``, ``l.mlp``, also named
@@ -86,6 +90,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.circuits import memory
 from depthscope.analyses.circuits.pairs import PromptPair, as_pairs, is_dataset, mean_over_pairs, read_pairs
 from depthscope.analyses.circuits.patching import runs
 from depthscope.analyses.circuits.patching.results import (
@@ -93,6 +98,7 @@ from depthscope.analyses.circuits.patching.results import (
     PATCH_COLUMNS,
     UNDEFINED,
     add_note,
+    expect,
     means,
     run_pairs,
 )
@@ -114,6 +120,7 @@ __all__ = [
     "activation_patching",
     "attribution_patching",
     "patch_pairs",
+    "check_patching",
     "mean_over_pairs",
     "PromptPair",
     "read_pairs",
@@ -158,7 +165,8 @@ class PatchOptions:
     ``direction``: ``"denoise"`` (the default: clean values into the corrupted run, measuring what
     an activation suffices to restore) or ``"noise"`` (corrupted values into the clean run,
     measuring what the clean behaviour needs). ``batch_tokens`` (exact patching): tokens per
-    forward, patched rows x recomputed positions. ``reuse_prefix`` (exact patching, decoders):
+    forward, patched rows x recomputed positions (a position a row holds as a shared prefix
+    counts for what its keys and values weigh in memory). ``reuse_prefix`` (exact patching, decoders):
     compute the positions before a patch once, from a shared key/value cache.
     ``saes``: ``{point: SAE}`` spliced into every forward (as ``model.run(saes=...)``), which makes
     ``<point>.sae.features`` (and ``.reconstruction``, ``.error``) patchable ``sites``.
@@ -198,8 +206,10 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar):
         clean_acts, clean_logits, _ = runs.capture(model, tp.clean_ids, job.points, saes=job.saes)
         corrupted_acts, corrupted_logits, _ = runs.capture(model, k_ids, job.points, saes=job.saes)
         clean_value, corrupted_value = float(fn(clean_logits)[0]), float(fn(corrupted_logits)[0])
+    del clean_logits, corrupted_logits  # [1, pos, vocab] each: not held through the patched forwards
     cells = runs.pair_cells(tp.clean_ids, k_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
+    expect(bar, len(patches))
     same = runs.to_host([runs.unchanged(p, clean_acts[p.point.name], corrupted_acts[p.point.name]) for p in patches])
     todo = [i for i, s in enumerate(same) if not s]
     values = np.full(len(patches), corrupted_value)
@@ -208,13 +218,15 @@ def _activation_pair(model, tp: TokenPair, job: _Job, bar):
     reuse = job.reuse and model.is_decoder and tp.last_only
     first = {i: runs.first_position(patches[i], reuse) for i in todo}
     order = sorted(todo, key=lambda i: -first[i])  # stable: forward order within a position
-    n_pos = k_ids.shape[1]
+    n_pos, kept = k_ids.shape[1], {}
+    # with reuse, the patched forwards return the last position's logits only (the metric reads only that)
+    weight = memory.prefix_weight(memory.Sizes.of(model)) if reuse else 0.0
     bar.update(len(patches) - len(todo))
-    for rows, start in runs.plan([first[i] for i in order], n_pos, job.batch_tokens):
+    for rows, start in runs.plan([first[i] for i in order], n_pos, job.batch_tokens, weight):
         chunk = [patches[order[r]] for r in rows]
         make = functools.partial(runs.hooks_for, chunk, clean_acts, n_pos)
         with torch.no_grad():
-            lg = runs.patched_logits(model, k_ids, make, len(chunk) + 1, start, saes=job.saes)
+            lg = runs.patched_logits(model, k_ids, make, len(chunk) + 1, start, job.saes, last_only=reuse, kept=kept)
             out = fn(lg).float().cpu().numpy()
         values[[order[r] for r in rows]] = corrupted_value + (out[1:] - out[0])
         bar.update(len(rows))
@@ -231,6 +243,7 @@ def _attribution_pair(model, tp: TokenPair, job: _Job, bar):
     value.backward()
     cells = runs.pair_cells(tp.clean_ids, tp.corrupted_ids, job.positions, tp.positions)
     patches = runs.make_patches(job.points, cells, clean_acts, job.features)
+    expect(bar, len(patches))
     est = []  # 0-d tensors on the model's device, read back together
     for p in patches:
         pt, c = p.point, p.cell
@@ -266,6 +279,22 @@ def patch_pairs(
     ``batch_tokens``, ``reuse_prefix``, ``saes``, ``features``). Pairs run one after the other, so
     memory holds one pair's activations and one chunk of rows. :func:`mean_over_pairs`
     (``keys=PAIR_KEYS``) gives the means."""
+    job, tps, features = _prepared(model, pairs, sites, positions, method, metric, options)
+    job = replace(job, features=_features(model, tps, job, features))
+    one = _activation_pair if method == "activation" else _attribution_pair
+    return run_pairs(model, tps, job, one, method)
+
+
+def check_patching(model, pairs, sites=None, positions: str = "last", *, method="activation", metric=None, **options):
+    """What :func:`patch_pairs` checks before its first forward, without running it: the method,
+    the options, the hook points, the positions of every pair and the memory the largest pair
+    needs (:class:`~depthscope.analyses.circuits.memory.WorkTooLarge`). A job that patches
+    several times (sites at each position, then heads) checks every call first."""
+    _prepared(model, pairs, sites, positions, method, metric, options)
+
+
+def _prepared(model, pairs, sites, positions, method: str, metric, options: dict):
+    """(job, tokenized pairs, the ``features`` option) of a :func:`patch_pairs` call, checked."""
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     require_decoder(model)
@@ -274,9 +303,8 @@ def patch_pairs(
     job = _Job(str(positions), opts.batch_tokens, opts.direction, points, bool(opts.reuse_prefix), opts.saes)
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     _check_positions(tps, job.positions)
-    job = replace(job, features=_features(model, tps, job, opts.features))
-    one = _activation_pair if method == "activation" else _attribution_pair
-    return run_pairs(model, tps, job, one, method)
+    _check_memory(model, tps, job, method)
+    return job, tps, opts.features
 
 
 def _check_positions(tps: list[TokenPair], positions: str) -> None:
@@ -299,6 +327,32 @@ def _check_positions(tps: list[TokenPair], positions: str) -> None:
                 f"{tp.where} has no position {', '.join(map(repr, missing))} ({have}): positions must be one of "
                 f"{', '.join(runs.POSITIONS)} or names of positions every pair gives, got {positions!r}"
             )
+
+
+def _check_memory(model, tps: list[TokenPair], job: _Job, method: str) -> None:
+    """Before any forward: the pair that needs the most memory
+    (:func:`~depthscope.analyses.circuits.memory.patch_bytes`) fits in the memory free, else a
+    :class:`~depthscope.analyses.circuits.memory.WorkTooLarge` naming it and what helps."""
+    kinds = [p.kind for p in job.points]
+    best = None
+    for tp in tps:
+        o = job.oriented(tp)
+        n_clean, n_base = o.clean_ids.shape[1], o.corrupted_ids.shape[1]
+        last = job.reuse and model.is_decoder and tp.last_only  # as _activation_pair's patched forwards
+        kw = dict(method=method, batch_tokens=job.batch_tokens, last_only=last)
+        terms = memory.patch_bytes(model, kinds, n_clean, n_base, **kw)
+        if best is None or sum(terms.values()) > sum(best[1].values()):
+            best = (tp, terms, max(n_clean, n_base))
+    tp, terms, n = best
+    knobs = ["shorter pairs"]
+    if job.positions != "last":
+        knobs.insert(0, "--positions last (positions='last')")
+    if method == "activation" and job.batch_tokens > 2 * n:
+        knobs.insert(0, f"a smaller --batch-tokens (batch_tokens=; now {job.batch_tokens})")
+    if len(kinds) > 1:
+        knobs.append(f"fewer --sites (sites=; now {len(kinds)} hook points)")
+    where = f"{tp.where or f'pair {tp.index}'} ({n:,} tokens)" if len(tps) > 1 else f"the pair ({n:,} tokens)"
+    memory.check_room(terms, model.device, f"{method} patching of {where}", knobs)
 
 
 class _Quiet:

@@ -110,7 +110,8 @@ class PatchConfig(Checked):
         "--batch-tokens",
         min=1,
         max=TOKENS,
-        help="Tokens per forward pass (patched rows x recomputed positions).",
+        help="Tokens per forward pass (patched rows x recomputed positions; a position a row holds as a "
+        "cached prefix counts for what its keys and values weigh).",
     )
     plots: bool = setting(True, "--plots/--no-plots", help="Draw the heatmaps (and the attribution-vs-exact scatter).")
 

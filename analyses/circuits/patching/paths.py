@@ -79,6 +79,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from depthscope.analyses.circuits import memory
 from depthscope.analyses.circuits.pairs import as_pairs
 from depthscope.analyses.circuits.patching import runs
 from depthscope.analyses.circuits.patching.results import PATCH_COLUMNS, add_note, means, run_pairs
@@ -406,6 +407,24 @@ def _cells(tps: list[TokenPair], job: _Job) -> None:
             raise InputError(f"{tp.where}: {e}") from None
 
 
+def _check_memory(model, tps: list[TokenPair], job: _Job) -> None:
+    """Before any forward: the longest pair's senders and receivers cached in both runs and a
+    chunk of rows through two forwards of every position fit in the memory free
+    (:func:`~depthscope.analyses.circuits.memory.patch_bytes`), else
+    :class:`~depthscope.analyses.circuits.memory.WorkTooLarge`."""
+    kinds = [k for _, k in dict.fromkeys((x.point.name, x.point.kind) for x in (*job.senders, *job.receivers))]
+    kinds += ["resid"] * (2 * model.n_layers if job.freeze_mlps else 0)  # the frozen MLPs' writes, roughly
+    tp = max(tps, key=lambda t: max(t.clean_ids.shape[1], t.corrupted_ids.shape[1]))
+    n_clean, n = tp.clean_ids.shape[1], tp.corrupted_ids.shape[1]
+    kw = dict(method="activation", batch_tokens=job.batch_tokens, last_only=False)
+    terms = memory.patch_bytes(model, kinds, n_clean, n, **kw)
+    knobs = ["shorter pairs"]
+    if job.batch_tokens > 2 * max(n, n_clean):
+        knobs.insert(0, f"a smaller --batch-tokens (batch_tokens=; now {job.batch_tokens})")
+    what = f"path patching of {tp.where or f'pair {tp.index}'} ({max(n, n_clean):,} tokens)"
+    memory.check_room(terms, model.device, what, knobs)
+
+
 # ----------------------------------------------------------------------------- public API
 def path_patch_pairs(
     model,
@@ -435,6 +454,7 @@ def path_patch_pairs(
     job = _job(model, senders, receivers, freeze_mlps, str(positions), opts["batch_tokens"], opts["direction"])
     tps = tokenize_pairs(model, as_pairs(pairs), metric)
     _cells([job.oriented(tp) for tp in tps], job)
+    _check_memory(model, tps, job)
     out = run_pairs(model, tps, job, _pair_values, "path", total=len(job.senders), extra={"receiver": job.label})
     out.attrs.update(receivers=job.label, freeze_mlps=job.freeze_mlps)
     if not all(_reaches(s, job.receivers) for s in job.senders):

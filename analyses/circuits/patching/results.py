@@ -19,6 +19,7 @@ measure                 one pair through a method's per-pair function in the job
 pair_table              the tidy rows of one PairResult
 run_pairs               a method over a dataset: per-pair tables with a ``pair`` column, progress,
                         the attrs every table carries
+expect                  the progress bar's total from the first pair's patches, before its forwards
 means                   the means over pairs of a per-pair table, with its notes
 add_note                append a sentence to a table's ``attrs["notes"]`` (a list)
 ======================  ==========================================================================
@@ -56,6 +57,7 @@ __all__ = [
     "measure",
     "pair_table",
     "run_pairs",
+    "expect",
     "means",
     "add_note",
     "UNDEFINED",
@@ -147,6 +149,7 @@ def run_pairs(model, tps: list[TokenPair], job: runs.Job, one: PairFn, method: s
     method, direction, n_pairs, notes). ``total``: patches per pair (None: counted on the first)."""
     tables = []
     with progress_bar(None if total is None else total * len(tps), desc=f"{method} patching", unit="patch") as bar:
+        bar.n_pairs = len(tps)  # what :func:`expect` multiplies the first pair's patches by
         for tp in tps:
             r = measure(model, tp, job, one, bar)
             if getattr(bar, "total", 0) is None:  # the patches of every pair are those of the first
@@ -158,6 +161,14 @@ def run_pairs(model, tps: list[TokenPair], job: runs.Job, one: PairFn, method: s
     out.attrs.update(model=str(model.name), metric=describe_metrics(tps), positions=job.positions, method=method)
     out.attrs.update(direction=job.direction, n_pairs=len(tps), notes=[])
     return out
+
+
+def expect(bar, n_patches: int) -> None:
+    """Give the bar of :func:`run_pairs` its total once the first pair's patches are counted,
+    before any patched forward: a long pair's bar then moves in percent from its first chunk
+    (the patches of every pair are those of the first)."""
+    if getattr(bar, "total", 0) is None and getattr(bar, "n_pairs", None):
+        bar.total = n_patches * bar.n_pairs
 
 
 def add_note(df: pd.DataFrame, sentence: str) -> pd.DataFrame:

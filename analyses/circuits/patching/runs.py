@@ -56,6 +56,7 @@ without a shared prefix: the prefix path drives the transformers model without t
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from depthscope.analyses.circuits.prompts import TokenPair
 from depthscope.common.errors import InputError
 from depthscope.common.settings import TOKENS, check_number
 from depthscope.hooks.interventions import FeatureSwap, VectorSwap
-from depthscope.hooks.late_start import KVPrefix
+from depthscope.hooks.late_start import KVPrefix, tail_logits
 from depthscope.hooks.points import REGISTRY, SUB_KINDS, Point, parse_point, parse_points
 from depthscope.hooks.sae_splice import SUB_POINTS, plan_splices, sub_name
 
@@ -394,35 +395,59 @@ def first_position(patch: Patch, reuse: bool) -> int:
     return patch.cell.pos
 
 
-def plan(starts: list[int], n_pos: int, batch_tokens: int) -> list[tuple[range, int]]:
+def plan(starts: list[int], n_pos: int, batch_tokens: int, weight: float = 0.0) -> list[tuple[range, int]]:
     """Chunks of consecutive patches (``starts`` descending: the first position each patch
     changes) within the token budget, each with the first position its forward recomputes.
-    Every chunk holds one more row (the unpatched baseline)."""
+    Every chunk holds one more row (the unpatched baseline). A row counts the positions it
+    recomputes plus ``weight`` for each position it holds as a cached key/value prefix (what such
+    a position costs in memory: :func:`~depthscope.analyses.circuits.memory.prefix_weight`), so
+    the budget bounds memory however late the rows start."""
     chunks, i = [], 0
     while i < len(starts):
         j = i + 1
-        while j < len(starts) and (j - i + 2) * (n_pos - starts[j]) <= batch_tokens:
+        while j < len(starts) and (j - i + 2) * (n_pos - starts[j] + weight * starts[j]) <= batch_tokens:
             j += 1
         chunks.append((range(i, j), starts[j - 1]))
         i = j
     return chunks
 
 
-def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int) -> KVPrefix | None:
+def _prefix_cache(model, ids: torch.Tensor, start: int, n_rows: int, kept: dict | None = None) -> KVPrefix | None:
     """The corrupted prompt's key/value prefix for positions ``0..start-1``, repeated for ``n_rows``
-    rows (None when there is nothing to reuse or the model keeps no such cache)."""
-    prefix = KVPrefix.build(model, ids, start)
-    return prefix.repeat(n_rows) if prefix is not None else None
+    rows (None when there is nothing to reuse or the model keeps no such cache). ``kept``: the
+    one-row prefix of the last start asked, reused (copied) by the next chunk with that start."""
+    if kept is None:
+        prefix = KVPrefix.build(model, ids, start)
+        return prefix.repeat(n_rows) if prefix is not None else None
+    if start not in kept:
+        kept.clear()  # chunks come in order of start: one prefix kept at a time
+        kept[start] = KVPrefix.build(model, ids, start)
+    base = kept[start]
+    return KVPrefix(model, copy.deepcopy(base.cache), start).repeat(n_rows) if base is not None else None
 
 
-def patched_logits(model, ids: torch.Tensor, make_hooks: Callable[[int], dict], n_rows: int, start: int, saes=None):
+def patched_logits(
+    model,
+    ids: torch.Tensor,
+    make_hooks: Callable[[int], dict],
+    n_rows: int,
+    start: int,
+    saes=None,
+    *,
+    last_only: bool = False,
+    kept: dict | None = None,
+) -> torch.Tensor:
     """Logits of ``n_rows`` copies of ``ids`` with the hooks ``make_hooks(start)``. Positions before
     ``start`` (where no row is patched, so every row equals the corrupted run) come from one shared
     key/value prefix (:class:`~depthscope.hooks.late_start.KVPrefix`) and the logits cover positions
     ``start..`` only; without such a prefix (or with ``start`` 0) one plain ``model.run`` of every
     position, with ``saes`` spliced in. (A chunk with an SAE patch starts at 0; the others may skip
-    the splice: unedited, it changes no number.)"""
-    prefix = _prefix_cache(model, ids, start, n_rows)
+    the splice: unedited, it changes no number.) Keywords: ``last_only`` (the last position's
+    logits only, where the model can skip the others: a metric that reads only that one) and
+    ``kept`` (a dict in which the prefix of one start is kept for the next chunk)."""
+    prefix = _prefix_cache(model, ids, start, n_rows, kept)
     if prefix is None:
+        if last_only and saes is None:
+            return tail_logits(model, ids.expand(n_rows, -1), make_hooks(0), last_only=True)
         return model.run(ids.expand(n_rows, -1), hooks=make_hooks(0), saes=saes).logits
-    return prefix.forward(ids.expand(n_rows, -1), make_hooks(start), keep=False)
+    return prefix.forward(ids.expand(n_rows, -1), make_hooks(start), keep=False, last_only=last_only)
