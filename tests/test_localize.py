@@ -12,6 +12,7 @@ subspaces; ``depthscope localize`` and ``depthscope data agreement``), against i
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -27,6 +28,8 @@ from depthscope.analyses import (
     interchange,
     ioi_examples,
     load_subspaces,
+    overlap,
+    random_basis,
     read_counterfactuals,
     save_subspaces,
     score_subspace,
@@ -34,6 +37,7 @@ from depthscope.analyses import (
     split_examples,
     write_counterfactuals,
 )
+from depthscope.analyses.causal.variables.alignment import N_RANDOM, random_control
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.circuits.pairs import PromptPair
 from depthscope.analyses.jobs.localize import localize_job, summary_table
@@ -279,6 +283,30 @@ def test_localize_only_solved_filters_train_and_test(tiny_llama, tiny_llama_dir,
         localize_job(tiny_llama, replace(cfg, examples=none), progress=False)
 
 
+def test_localize_warns_of_test_examples_that_are_train_examples(
+    tiny_llama, tiny_llama_dir, tmp_path, monkeypatch, capsys, caplog
+):
+    exs = agreement_examples(tiny_llama, 24, seed=2)
+    train, rest = write_counterfactuals(exs[:16], tmp_path / "train.jsonl"), exs[16:]
+    # three train examples again (one with another label and no base_label: the same prompts), five new
+    leaked = [exs[0], exs[5], replace(exs[9], base_label=None)]
+    test = write_counterfactuals([*leaked, *rest[:5]], tmp_path / "test.jsonl")
+    assert overlap(read_counterfactuals(train), read_counterfactuals(test)) == 3
+    assert overlap(exs[:16], rest) == 0 and overlap(exs[:2], [exs[1], exs[1]]) == 2  # each test example counts
+    args = ["localize", "--examples", train, "--model", tiny_llama_dir, "--sites", "embed", "--no-plots"]
+    with caplog.at_level(logging.WARNING, logger="depthscope"):
+        code, _, err = run_cli([*args, "--test", test, "--out", tmp_path / "leak"], monkeypatch, capsys)
+    assert code == 0, err
+    assert f"3 of 8 test examples (--test {test}) are also train examples" in caplog.text
+    assert json.loads((tmp_path / "leak" / "localize_summary.json").read_text())["test_overlap"] == 3
+    caplog.clear()
+    clean = write_counterfactuals(rest, tmp_path / "clean.jsonl")
+    with caplog.at_level(logging.WARNING, logger="depthscope"):
+        code, _, err = run_cli([*args, "--test", clean, "--out", tmp_path / "clean"], monkeypatch, capsys)
+    assert code == 0 and "also train examples" not in caplog.text, err
+    assert json.loads((tmp_path / "clean" / "localize_summary.json").read_text())["test_overlap"] == 0
+
+
 # ----------------------------------------------------------------------------- DAS
 A, B = [" cat", " dog", " bird", " house", " mat"], [" log", " capital", " France", " Italy", " Paris"]
 FILLER = [" the", " sat", " on", " world", " words"]
@@ -357,6 +385,26 @@ def test_das_recovers_the_known_direction_and_random_stays_at_chance(synthetic):
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.hf_model.parameters())
     assert [p.requires_grad for p in model.hf_model.parameters()] == trainable  # restored
+
+
+def test_the_random_control_is_several_seeded_bases_and_their_mean(synthetic):
+    seen = []
+
+    def measure(basis):  # hits: the basis's positive coordinates (a different IIA per basis)
+        seen.append(basis)
+        return (basis[:, 0] > 0).numpy()
+
+    got = random_control(measure, 32, 2, seed=7)
+    iias = [float((b[:, 0] > 0).float().mean()) for b in seen]
+    assert got["n_random"] == N_RANDOM == len(seen) >= 5
+    assert all(not torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1 :])  # the draws differ
+    assert all(torch.equal(b, random_basis(32, 2, 7 + i)) for i, b in enumerate(seen, 1))  # seeded
+    assert got["iia_random"] == pytest.approx(np.mean(iias)) and len(set(iias)) > 1
+    assert (got["iia_random_min"], got["iia_random_max"]) == (min(iias), max(iias))
+    model, _, train, test = synthetic
+    t = das(model, train, test[:40], sites="0.mlp", dim=1, config=LocalizeConfig(epochs=1)).table
+    assert (t["n_random"] == N_RANDOM).all()
+    assert (t["iia_random_min"] <= t["iia_random"]).all() and (t["iia_random"] <= t["iia_random_max"]).all()
 
 
 def test_the_subspace_never_sees_the_test_examples(synthetic):

@@ -19,10 +19,14 @@ Both methods are measured on the same held-out examples: ``test`` when given, el
 examples DAS is measured on keeps the two rows of a site comparable). ``only_solved`` keeps, of
 both, the examples the model solves (:func:`~depthscope.analyses.causal.variables.solving.solved`); the
 summary's ``n_train_all`` and ``n_test_all`` count them before, ``n_train`` and ``n_test`` after.
+``test_overlap`` counts the test examples that are also train examples (the same base and source,
+:func:`~depthscope.analyses.causal.variables.counterfactuals.overlap`); any is logged as a warning,
+as the IIA of those is not held out.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from rich.table import Table
@@ -31,7 +35,7 @@ from depthscope.analyses.causal.erasure.config import CausalConfig
 from depthscope.analyses.causal.erasure.used import causal_tests
 from depthscope.analyses.causal.variables.alignment import das
 from depthscope.analyses.causal.variables.config import LocalizeConfig
-from depthscope.analyses.causal.variables.counterfactuals import read_counterfactuals, split_examples
+from depthscope.analyses.causal.variables.counterfactuals import overlap, read_counterfactuals, split_examples
 from depthscope.analyses.causal.variables.iia import interchange, resid_sites
 from depthscope.analyses.causal.variables.localize_plots import plot_iia, plot_three_curves
 from depthscope.analyses.causal.variables.solving import solved
@@ -44,6 +48,7 @@ TABLE, PROBES = "localize", "localize_probes"
 FIGURE, THREE = "localize_iia", "localize_three_curves"
 #: the probe side of the three curves: held-out tokens of the loss, random erasures, bootstrap resamples
 PROBE_TOKENS, PROBE_CONTROLS, PROBE_BOOTSTRAP = 600, 2, 200
+log = logging.getLogger("depthscope")
 
 
 def _split(cfg: LocalizeConfig) -> tuple[list, list]:
@@ -64,6 +69,20 @@ def _only_solved(model, train: list, test: list, cfg: LocalizeConfig) -> tuple[l
             f"{len(test)} test examples; each part needs at least one (or use --all-examples)"
         )
     return keep[0], keep[1]
+
+
+def _overlap(train: list, test: list, cfg: LocalizeConfig) -> int:
+    """The test examples also in train, logged as a warning when there are any."""
+    n = overlap(train, test)
+    if n:
+        where = f"--test {cfg.test}" if cfg.test is not None else "the split of --examples (repeated examples)"
+        log.warning(
+            "%d of %d test examples (%s) are also train examples (same base and source): their IIA is not held out",
+            n,
+            len(test),
+            where,
+        )
+    return n
 
 
 def _probes(model, sites: list[int], cfg: LocalizeConfig, progress: bool):
@@ -92,6 +111,7 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
     n_all = {"n_train_all": len(train), "n_test_all": len(test)}
     if cfg.only_solved:
         train, test = _only_solved(m, train, test, cfg)
+    n_overlap = _overlap(train, test, cfg)
     sites = resid_sites(m, cfg.sites)
     run_cfg = replace(cfg, progress=progress)
     res = None
@@ -114,6 +134,7 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         "n_train": len(train),
         "n_test": len(test),
         **n_all,
+        "test_overlap": n_overlap,
         "notes": table.attrs.get("notes", []),
         "config": cfg.to_dict(),
     }

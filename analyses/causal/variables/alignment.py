@@ -1,6 +1,7 @@
 """Distributed alignment search (Geiger et al. 2023): learn the subspace of a residual site that a
 variable lives in, on train examples, and measure its interchange intervention accuracy (IIA) on
-test examples, beside a seeded random subspace of the same dimension.
+test examples, beside seeded random subspaces of the same dimension (:data:`N_RANDOM` of them: the
+table's ``iia_random`` is their mean IIA, ``iia_random_min`` and ``iia_random_max`` their range).
 
 >>> from depthscope.analyses import das
 >>> res = das(model, train, test, sites="10.mlp,20.mlp", positions="SUBJ", dim=1)
@@ -13,6 +14,7 @@ test examples, beside a seeded random subspace of the same dimension.
                                the learned :class:`~depthscope.analyses.causal.variables.subspaces.Subspace` s
 :class:`DasResult`             ``table`` and ``subspaces`` (by ``(site label, position)``)
 :func:`random_basis`           a seeded random orthonormal basis ``[d, k]``
+:func:`random_control`         the IIA of :data:`N_RANDOM` seeded random bases: mean, min, max
 =============================  ================================================================
 
 Method, per site and position. The intervention is ``h' = h_base + R Rᵀ (h_source - h_base)``
@@ -37,7 +39,9 @@ the intervened one on and one backward from the logits down to the site (no grad
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -60,10 +64,12 @@ from depthscope.hooks.interventions import RotatedSwap, SubspaceSwap
 from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import site_labels
 
-__all__ = ["das", "DasResult", "random_basis"]
+__all__ = ["das", "DasResult", "random_basis", "random_control", "N_RANDOM"]
 
 #: Boundless DAS: the final temperature of the boundary's sigmoid
 FINAL_TEMPERATURE = 0.05
+#: the random control: how many seeded random bases are measured per site and position
+N_RANDOM = 5
 
 
 @dataclass
@@ -81,6 +87,15 @@ def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def random_control(measure, d: int, k: int, seed: int, n: int = N_RANDOM) -> dict:
+    """The IIA of ``n`` random ``[d, k]`` bases (seeds ``seed + 1`` .. ``seed + n``; ``measure(basis)``
+    gives per-example hits): ``iia_random`` (their mean), ``iia_random_min``, ``iia_random_max``,
+    ``n_random``. One draw can land near the variable's direction or far from it by chance; the
+    range says how much the control itself varies."""
+    iias = [float(np.mean(measure(random_basis(d, k, seed + i)))) for i in range(1, n + 1)]
+    return {"iia_random": sum(iias) / n, "iia_random_min": min(iias), "iia_random_max": max(iias), "n_random": n}
 
 
 def _target(batch) -> torch.Tensor:
@@ -119,6 +134,11 @@ def _test(runner: Runner, source: torch.Tensor, site: int, r: torch.Tensor):
         return _scores(runner, site, SubspaceSwap(r), source)
 
 
+def _hits(runner: Runner, source: torch.Tensor, site: int, r: torch.Tensor):
+    """Per-example hits of the interchange within ``r``."""
+    return _test(runner, source, site, r)[0]
+
+
 def _values(source: torch.Tensor, examples, r: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean coordinates of the train sources per value (their label, as the candidate's text)."""
     coords = source @ r.to(source.device)
@@ -155,9 +175,9 @@ def _position(model, data: tuple, sites: list[int], position: str, k: int, cfg: 
             rot = _train(tr.runner, tr.source[j], site, k, cfg, seed)
         r = rot.basis()
         hits, diffs = _test(te.runner, te.source[j], site, r)
-        rand_hits, _ = _test(te.runner, te.source[j], site, random_basis(model.d_model, max(r.shape[1], 1), seed + 1))
+        rand = random_control(partial(_hits, te.runner, te.source[j], site), model.d_model, max(r.shape[1], 1), seed)
         row = {"site": site, "position": position, "dim": r.shape[1], **iia_columns(hits, diffs)}
-        row.update(iia_random=float(rand_hits.mean()), iia_unchanged=floor)
+        row.update(rand, iia_unchanged=floor)
         rows.append(row)
         info = {"model": model.name, "method": "boundless das" if cfg.boundless else "das", "iia": row["iia"]}
         info.update(n_train=len(tex_train), iia_random=row["iia_random"])

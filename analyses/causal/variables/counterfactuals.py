@@ -28,6 +28,7 @@ One example per line of a JSONL file::
 :func:`as_counterfactuals`  examples from a list (of examples or dicts) or a ``.jsonl`` path
 :func:`write_counterfactuals`  examples to a JSONL file (atomically)
 :func:`split_examples`      a seeded train/test split
+:func:`overlap`             how many test examples are also train examples (same prompts)
 :class:`TokenExample`,      examples as a model sees them: token ids, candidate ids, the label's
 :func:`tokenize_examples`   index, positions resolved to ``(base, source)`` indices and checked
                             against the prompts' lengths
@@ -58,6 +59,7 @@ __all__ = [
     "as_counterfactuals",
     "write_counterfactuals",
     "split_examples",
+    "overlap",
     "TokenExample",
     "tokenize_examples",
     "END",
@@ -196,6 +198,14 @@ def split_examples(examples: Sequence, train_fraction: float, seed: int = 0) -> 
     k = min(max(round(train_fraction * n), 1), n - 1)
     order = np.random.default_rng(seed).permutation(n)
     return [examples[i] for i in sorted(order[:k])], [examples[i] for i in sorted(order[k:])]
+
+
+def overlap(train: Sequence[Counterfactual], test: Sequence[Counterfactual]) -> int:
+    """How many of ``test`` are also in ``train``: the same ``base`` and ``source`` prompts (what the
+    model is run on; the labels and positions follow from them), each test example counted once.
+    A test example seen in training makes held-out IIA an in-sample figure."""
+    seen = {(e.base, e.source) for e in train}
+    return sum((e.base, e.source) in seen for e in test)
 
 
 # ----------------------------------------------------------------------------- tokenized

@@ -59,6 +59,9 @@ COLUMNS = [
     "iia_low",
     "iia_high",
     "iia_random",
+    "iia_random_min",
+    "iia_random_max",
+    "n_random",
     "iia_unchanged",
     "logit_diff",
     "n_train",
@@ -177,5 +180,6 @@ def interchange(model, examples, sites="resid", positions="END", *, config: Loca
     with torch.no_grad():
         for position in names:
             rows += _position_rows(model, tex, site_ids, position, cfg)
-    const = {"method": "interchange", "dim": model.d_model, "iia_random": math.nan, "n_train": 0}
+    const = {"method": "interchange", "dim": model.d_model, "n_train": 0, "n_random": 0}
+    const.update(iia_random=math.nan, iia_random_min=math.nan, iia_random_max=math.nan)
     return finish(rows, model.n_layers, **const, n_test=len(tex), variable=_variable(exs))
