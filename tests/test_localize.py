@@ -307,6 +307,18 @@ def test_localize_warns_of_test_examples_that_are_train_examples(
     assert json.loads((tmp_path / "clean" / "localize_summary.json").read_text())["test_overlap"] == 0
 
 
+def test_the_summary_says_the_best_site_is_chosen_on_the_test_examples(tiny_llama, tmp_path):
+    path = write_counterfactuals(agreement_examples(tiny_llama, 24, seed=2), tmp_path / "ex.jsonl")
+    cfg = LocalizeConfig(examples=path, sites="embed,0.mlp,1.attn,1.mlp", positions="SUBJ,END", plots=False)
+    res = localize_job(tiny_llama, cfg, progress=False)
+    t, s = res.tables["localize"], res.summary
+    assert s["best_site_chosen_on"] == "test" and set(s["best_sites"]) == {"SUBJ", "END"}
+    for pos, best in s["best_sites"].items():
+        d = t[t["position"] == pos].sort_values("depth")
+        assert best["iia"] == d["iia"].max() and best["site"] == d.loc[d["iia"] == d["iia"].max(), "label"].iloc[0]
+    assert "best site chosen on the test examples" in summary_table(t, s).caption
+
+
 # ----------------------------------------------------------------------------- DAS
 A, B = [" cat", " dog", " bird", " house", " mat"], [" log", " capital", " France", " Italy", " Paris"]
 FILLER = [" the", " sat", " on", " world", " words"]

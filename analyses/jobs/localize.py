@@ -9,6 +9,8 @@ out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, t
                                    ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
                                    ``probe_task``, ``localize_probes`` and the figure
                                    ``localize_three_curves``; a :class:`JobResult`
+``best_sites(table)``              per position, the site of the highest IIA (chosen on the
+                                   test examples) and that IIA
 ``summary_table(table,             the console table: per position, the site of the highest
 summary)``                         IIA and the first site where IIA reaches half of it; with
                                    ``only_solved``, a caption of the examples dropped
@@ -21,7 +23,10 @@ both, the examples the model solves (:func:`~depthscope.analyses.causal.variable
 summary's ``n_train_all`` and ``n_test_all`` count them before, ``n_train`` and ``n_test`` after.
 ``test_overlap`` counts the test examples that are also train examples (the same base and source,
 :func:`~depthscope.analyses.causal.variables.counterfactuals.overlap`); any is logged as a warning,
-as the IIA of those is not held out.
+as the IIA of those is not held out. The best site of each position (the summary's ``best_sites``,
+the console's "best IIA") is the one of highest IIA on the test examples themselves, so its IIA is
+the maximum over sites of noisy estimates, biased upward; the summary says so in
+``best_site_chosen_on`` (``"test"``) and the console table in its caption.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from depthscope.probes.config import DataConfig, ExtractionConfig
 
 TABLE, PROBES = "localize", "localize_probes"
 FIGURE, THREE = "localize_iia", "localize_three_curves"
+#: where the best site of a position is chosen (the summary's ``best_site_chosen_on``)
+CHOSEN_ON = "test"
 #: the probe side of the three curves: held-out tokens of the loss, random erasures, bootstrap resamples
 PROBE_TOKENS, PROBE_CONTROLS, PROBE_BOOTSTRAP = 600, 2, 200
 log = logging.getLogger("depthscope")
@@ -135,6 +142,8 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         "n_test": len(test),
         **n_all,
         "test_overlap": n_overlap,
+        "best_sites": best_sites(table),
+        "best_site_chosen_on": CHOSEN_ON,
         "notes": table.attrs.get("notes", []),
         "config": cfg.to_dict(),
     }
@@ -148,20 +157,37 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
     return JobResult(tables=tables, summary=summary, files=list(out.written[n_before:]))
 
 
+def _best(d):
+    """The row of highest IIA of one position's rows (the first in depth order on a tie)."""
+    return d.loc[d.sort_values("depth")["iia"].idxmax()]
+
+
+def best_sites(table) -> dict:
+    """Per position: the site of highest IIA on the test examples (``label``) and that ``iia``."""
+    return {
+        str(pos): {"site": str(b["label"]), "iia": float(b["iia"])}
+        for pos, b in ((pos, _best(d)) for pos, d in table.groupby("position", sort=False))
+    }
+
+
 def summary_table(table, summary: dict | None = None) -> Table:
     """Per position: the best site (its IIA and interval), the random subspace's IIA there, and the
-    first site (in depth order) whose IIA reaches half of the best; with a ``summary`` of an
-    ``only_solved`` run, a caption of how many examples the filter dropped."""
+    first site (in depth order) whose IIA reaches half of the best; a caption that the best site is
+    chosen on the test examples and, with a ``summary`` of an ``only_solved`` run, how many examples
+    the filter dropped."""
     t = Table("position", "method", "sites", "best IIA (site) [95%]", "random there", "first >= half best")
+    n_sites = table["label"].nunique()
+    notes = [f"best site chosen on the {CHOSEN_ON} examples: its IIA, the highest of {n_sites} sites', is biased up"]
     if summary and summary.get("config", {}).get("only_solved"):
         n, n_all = summary["n_train"] + summary["n_test"], summary["n_train_all"] + summary["n_test_all"]
-        t.caption = (
+        notes.append(
             f"--only-solved: dropped {n_all - n} of {n_all} examples the model does not solve "
             f"(train {summary['n_train']}/{summary['n_train_all']}, test {summary['n_test']}/{summary['n_test_all']})"
         )
+    t.caption = "\n".join(notes)
     for pos, d in table.groupby("position", sort=False):
         d = d.sort_values("depth")
-        best = d.loc[d["iia"].idxmax()]
+        best = _best(d)
         first = d[d["iia"] >= best["iia"] / 2].iloc[0]
         rand = "" if best["iia_random"] != best["iia_random"] else f"{best['iia_random']:.2f}"
         t.add_row(
