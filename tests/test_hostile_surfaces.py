@@ -228,6 +228,7 @@ NOT_API = {
     "mix_spread": "a column",
     "unembed_hash": "a field of tuned-lens's config.json",
     "run": "a command",
+    "best_sites": "a field of localize's summary (and the job's helper that fills it)",
     "sealed": "the resume records' digest helper, internal (common.resume)",
     "unsealed": "the resume records' digest check, internal (common.resume)",
 }
