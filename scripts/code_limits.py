@@ -21,7 +21,7 @@ TOO_LONG = 100  # lines; no function is longer
 MANY_PARAMS = 8  # named parameters besides self/cls (at most MAX_MANY_PARAMS functions over it)
 MAX_LONG = 10
 MAX_MANY_PARAMS = 5
-MAX_COMMAND_LINES = 1000
+MAX_COMMAND_LINES = 1100
 HOOK_CALLS = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook")
 
 

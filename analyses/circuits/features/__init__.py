@@ -1,0 +1,29 @@
+"""Feature circuits: attribution graphs over transcoder features (Ameisen et al. 2025, "Circuit
+Tracing"; the circuit-tracer library), beside the edge circuits of ``edges/``.
+
+=====================  =================================================================
+``graph.py``           :class:`AttributionGraph`: the nodes (features, error nodes, input
+                       tokens, target logits) in adjacency order and the adjacency (rows
+                       targets, columns sources), with the node table
+``replacement.py``     the replacement model of one prompt: attention patterns and norm
+                       scales frozen, MLPs replaced by transcoder + error
+``attribute.py``       :func:`attribution_graph`: the graph's edges from batched backward passes
+``prune.py``           influence, node and edge pruning, replacement and completeness scores
+                       (circuit-tracer's ``graph.py`` definitions)
+``export.py``          the files: ``nodes.parquet``, ``adjacency.npz``, the summary, the
+                       circuit-tracer/Neuronpedia graph JSON
+``plots.py``,          the static figure and the self-contained HTML view
+``html.py``
+=====================  =================================================================
+"""
+
+from __future__ import annotations
+
+from depthscope.common.lazy import lazy_exports
+
+_EXPORTS = {
+    "AttributionGraph": "graph",
+    "NODE_KINDS": "graph",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
