@@ -161,13 +161,15 @@ def receiver_gradient(model, ids, target: int, foil: int, receiver: str, embeds=
     return delta.grad[0]
 
 
-def reference_scores(model, pairs, graph) -> dict[tuple[str, str], float]:
+def reference_scores(model, pairs, graph, ablated=None) -> dict[tuple[str, str], float]:
     """EAP by brute force: mean over pairs of sum_p (a_u(corr) - a_u(clean)) . dm/dx_v, every edge.
-    ``pairs``: (clean ids [1, P], corrupted ids, target id, foil id)."""
+    ``pairs``: (clean ids [1, P], corrupted ids, target id, foil id); ``ablated(clean ids)``: the
+    senders' ablated writes ``[P, d]`` each, in place of the corrupted ones."""
     model = ungroup(model)
     total: dict[tuple[str, str], float] = {}
     for clean, corrupted, t, f in pairs:
-        diff = [a - b for a, b in zip(sender_writes(model, corrupted), sender_writes(model, clean))]
+        other = sender_writes(model, corrupted) if ablated is None else ablated(clean)
+        diff = [a - b for a, b in zip(other, sender_writes(model, clean))]
         for r, receiver in enumerate(graph.receivers):
             g = receiver_gradient(model, clean, t, f, receiver)
             for s in range(int(graph.prev[r])):
@@ -276,3 +278,36 @@ def circuit_metric(model, clean, corrupted, t: int, f: int, graph, kept, ablated
     finally:
         for h in handles:
             h.remove()
+
+
+def token_embedding(model, ids) -> torch.Tensor:
+    """The token embeddings ``[P, d]`` of ``ids`` ``[1, P]`` (the input node of EAP-IG's graph)."""
+    with torch.no_grad():
+        return model.get_input_embeddings()(ids)[0]
+
+
+def position_embedding(model, n: int) -> torch.Tensor:
+    """GPT-2's learned position embeddings of positions ``0 .. n-1`` (zeros for rotary models)."""
+    if type(model).__name__.startswith("GPT2"):
+        return model.transformer.wpe.weight[:n].detach()
+    return torch.zeros(n, model.config.hidden_size)
+
+
+def mean_writes(model, prompts, n: int) -> list[torch.Tensor]:
+    """Mean ablation's values ``[n, d]`` per sender from ``prompts`` (ids ``[1, P]``), by hand: per
+    position when every prompt has ``n`` tokens, else each prompt's positions 1 .. averaged, then
+    the prompts; ``embed`` is the token embedding alone (the position's own embedding added back)."""
+    model = ungroup(model)
+    per = []
+    for ids in prompts:
+        w = sender_writes(model, ids)
+        w[0] = token_embedding(model, ids)
+        per.append(w)
+    out = []
+    for s in range(len(per[0])):
+        if all(p[s].shape[0] == n for p in per):
+            out.append(torch.stack([p[s] for p in per]).mean(0))
+        else:
+            out.append(torch.stack([p[s][1:].mean(0) for p in per]).mean(0).expand(n, -1).clone())
+    out[0] = out[0] + position_embedding(model, n)
+    return out

@@ -172,21 +172,84 @@ def test_random_circuits_match_the_definition(tiny, family, density):
     np.testing.assert_allclose(got, want, atol=2e-4)
 
 
-@pytest.mark.parametrize("ablation", ["mean", "zero"])
-def test_other_ablations_match_the_definition(tiny, ablation):
-    model, hf = tiny("llama")
+def _zero_writes(hf, n: int, n_senders: int) -> list[torch.Tensor]:
+    """Zero ablation's values by hand: zero, but ``embed`` (the token embedding alone) leaves the
+    position embedding of GPT-2 in place."""
+    d = hf.config.hidden_size
+    return [ref.position_embedding(hf, n)] + [torch.zeros(n, d) for _ in range(n_senders - 1)]
+
+
+def _clean_at_0(hf, clean, values):
+    """Mean ablation's values for one prompt: position 0 keeps the prompt's own (clean) write."""
+    own = ref.sender_writes(ref.ungroup(hf), clean)
+    return [torch.cat([o[:1], v[1:]]) for o, v in zip(own, values)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_mean_ablation_matches_plain_torch(tiny, family, aligned):
+    """Mean ablation against a forward written by hand with the means substituted: the mean taken
+    from other prompts (per position when they have the evaluated length, else over positions
+    1 ..), position 0 kept clean, ``embed`` the token embedding alone (GPT-2's positions stay)."""
+    from depthscope.analyses.circuits.edges.ablation import sender_means
+
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size, n=2)
+    mean_pairs, mean_raw = _pairs(hf.config.vocab_size, n=3, length=6 if aligned else 8, seed=5)
+    means = sender_means(model, mean_pairs)
+    assert means.positional(6) is aligned and means.n_prompts == 3
+    g = circuit_graph(model)
+    kept = g.mask & (np.random.default_rng(2).random(g.mask.shape) < 0.5)
+    got = CircuitEvaluator(model, pairs, means).metrics(kept)
+    values = ref.mean_writes(hf, [c for c, _, _, _ in mean_raw], 6)
+    want = [ref.circuit_metric(hf, c, k, t, f, g, kept, ablated=_clean_at_0(hf, c, values)) for c, k, t, f in raw]
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    with torch.no_grad():
+        clean = [float(ref.metric(hf(c).logits, t, f)[0]) for c, _, t, f in raw]
+    assert np.abs(np.array(want) - clean).max() > 1e-2  # the ablation changes the metric
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_zero_ablation_matches_plain_torch(tiny, family):
+    model, hf = tiny(family)
     pairs, raw = _pairs(hf.config.vocab_size, n=2)
     g = circuit_graph(model)
     kept = g.mask & (np.random.default_rng(2).random(g.mask.shape) < 0.5)
-    got = CircuitEvaluator(model, pairs, ablation).metrics(kept)
-    hf1 = ref.ungroup(hf)
-    if ablation == "zero":
-        values = [torch.zeros_like(w) for w in ref.sender_writes(hf1, raw[0][0])]
-    else:
-        per = [ref.sender_writes(hf1, c) for c, _, _, _ in raw]
-        values = [torch.stack([p[s].mean(0) for p in per]).mean(0).expand_as(per[0][s]) for s in range(len(per[0]))]
+    got = CircuitEvaluator(model, pairs, "zero").metrics(kept)
+    values = _zero_writes(hf, 6, len(g.senders))
     want = [ref.circuit_metric(hf, c, k, t, f, g, kept, ablated=values) for c, k, t, f in raw]
     np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eap_scores_the_differences_of_mean_and_zero_ablation(tiny, family):
+    """Under zero ablation an edge's score is sum_p (0 - a_u(clean)) . dm/dx_v, under mean
+    ablation sum_p (mean - a_u(clean)) . dm/dx_v with position 0 clean, the means of other prompts:
+    the differences the evaluation puts in (EAP-IG's convention), against plain torch."""
+    from depthscope.analyses.circuits.edges.ablation import sender_means
+
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size, n=1)
+    mean_pairs, mean_raw = _pairs(hf.config.vocab_size, n=3, seed=5)
+    g = circuit_graph(model)
+    values = ref.mean_writes(hf, [c for c, _, _, _ in mean_raw], 6)
+    cases = {
+        "zero": ("zero", lambda c: _zero_writes(hf, c.shape[1], len(g.senders))),
+        "mean": (sender_means(model, mean_pairs), lambda c: _clean_at_0(hf, c, values)),
+    }
+    got_all = {}
+    for name, (ablation, ablated) in cases.items():
+        df = edge_attribution(model, pairs, "eap", ablation=ablation)
+        assert df.attrs["ablation"] == name
+        want = ref.reference_scores(hf, raw, g, ablated=ablated)
+        got = {(s, r): v for s, r, v in zip(df["sender"], df["receiver"], df["score"])}
+        keys = sorted(want)
+        a, b = np.array([got[k] for k in keys]), np.array([want[k] for k in keys])
+        assert np.abs(b).max() > 1e-3
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
+        got_all[name] = a
+    cf = edge_attribution(model, pairs, "eap")
+    assert not np.allclose(got_all["zero"], got_all["mean"]) and not np.allclose(got_all["mean"], cf["score"])
 
 
 def test_evaluate_circuit_table(tiny):
@@ -505,3 +568,34 @@ def test_circuit_command_summary_matches_the_api(tiny_llama_dir, tmp_path, monke
     from depthscope.analyses.circuits.edges.graph import mib_name
 
     assert mib["edges"][mib_name(top["sender"], top["receiver"])]["score"] == pytest.approx(-top["score"], rel=1e-5)
+
+
+def test_circuit_command_mean_ablation_scores_and_judges_with_one_mean(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """--ablation mean: the scores and the curve use the mean of --mean-pairs (the API's numbers
+    with that SenderMeans); --mean-pairs without mean ablation is refused."""
+    from depthscope.analyses.circuits.edges.ablation import sender_means
+    from depthscope.analyses.circuits.pairs import read_pairs, split_pairs
+    from depthscope.hooks import load_model
+    from tests.conftest import run_cli
+
+    pairs, means_file = tmp_path / "pairs.jsonl", tmp_path / "means.jsonl"
+    _write_pairs(pairs, 6)
+    _write_pairs(means_file, 3)
+    out = tmp_path / "out"
+    args = ["circuit", "--pairs", pairs, "--model", tiny_llama_dir, "--out", out, "--random-draws", "0"]
+    args += ["--bootstrap", "0", "--no-plots", "--ablation", "mean", "--mean-pairs", means_file]
+    code, stdout, stderr = run_cli(args, monkeypatch, capsys)
+    assert code == 0, stderr
+    summary = json.loads((out / "circuit_summary.json").read_text())
+    assert str(means_file) in summary["split"]["mean_source"]
+    model = load_model(tiny_llama_dir)
+    train, held = split_pairs(read_pairs(pairs), 0.5, seed=0)
+    means = sender_means(model, read_pairs(means_file))
+    edges = edge_attribution(model, train, "eap", ablation=means)
+    curve = circuit_faithfulness(model, held, edges, means, random_draws=0)
+    for k in ("cpr", "cmd", "cpr_abs"):
+        assert summary[k] == pytest.approx(curve.attrs[k], abs=1e-6), k
+    own = edge_attribution(model, train, "eap", ablation="mean")  # the scoring pairs' own mean: other scores
+    assert not np.allclose(own["score"], edges["score"])
+    code, _, stderr = run_cli(args[:-4] + ["--mean-pairs", means_file], monkeypatch, capsys)
+    assert code != 0 and "--mean-pairs" in stderr and "Traceback" not in stderr

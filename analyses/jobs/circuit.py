@@ -15,8 +15,10 @@
 
 The edges are scored on one part of the pairs and every faithfulness number is computed on the
 other (:func:`split_of`: a seeded split by ``train_fraction``, or ``eval_pairs``; ``in_sample``
-judges on the scoring pairs and the summary says so). The drawn circuit is the top
-``draw_edges`` edges by |score|, pruned as MIB prunes; by default
+judges on the scoring pairs and the summary says so). The edges are scored with the differences
+the evaluation puts in (``ablation``: corrupted, mean or zero writes); the mean is that of the
+clean prompts of ``mean_pairs`` or of the scoring pairs (the summary's ``split.mean_source``).
+The drawn circuit is the top ``draw_edges`` edges by |score|, pruned as MIB prunes; by default
 the smallest circuit of the curve with f >= ``threshold`` when it has at most
 :data:`DRAW_AUTO_MAX` edges after pruning, else the top :data:`DRAW_FALLBACK` edges. Its settings
 are :class:`~depthscope.analyses.jobs.configs.CircuitConfig`.
@@ -31,6 +33,7 @@ import pandas as pd
 from rich.markup import escape
 from rich.table import Table
 
+from depthscope.analyses.circuits.edges.ablation import sender_means
 from depthscope.analyses.circuits.edges.eap import edge_frame, score_edges
 from depthscope.analyses.circuits.edges.evaluate import CircuitEvaluator
 from depthscope.analyses.circuits.edges.faithfulness import (
@@ -105,14 +108,33 @@ def split_of(pairs: list, config: CircuitConfig) -> tuple[list, list, dict]:
     return train, held, split
 
 
+def _ablation(model, train: list, config: CircuitConfig):
+    """What ``--ablation`` puts in, for the scores and the evaluation alike: the kind, or under
+    mean ablation the :class:`~depthscope.analyses.circuits.edges.ablation.SenderMeans` of
+    ``--mean-pairs`` or of the scoring pairs (never the judged ones, unless in-sample)."""
+    if config.ablation != "mean":
+        return config.ablation
+    if config.mean_pairs is not None:
+        pairs, source = read_pairs(config.mean_pairs), f"the clean prompts of {config.mean_pairs}"
+    else:
+        pairs, source = (
+            train,
+            "the clean prompts of the scoring pairs"
+            + (" (in-sample: the judged pairs too)" if config.in_sample else ""),
+        )
+    return sender_means(model, pairs, source=source, batch_tokens=config.batch_tokens)
+
+
 def circuit_job(model, config: CircuitConfig, out: Output) -> JobResult:
     """Score, evaluate and draw (module docstring); the summary holds CPR and CMD of the top and
     the random circuits, the smallest faithful circuit and its heads, and the top edges."""
     train, held, split = split_of(check_contrasts(read_pairs(config.pairs)), config)
+    ablation = _ablation(model, train, config)
+    split["mean_source"] = getattr(ablation, "source", None)
     # the evaluator first: its memory is checked too before the scoring's minutes
-    ev = CircuitEvaluator(model, held, config.ablation, batch_tokens=config.batch_tokens)
+    ev = CircuitEvaluator(model, held, ablation, batch_tokens=config.batch_tokens)
     t0 = time.perf_counter()
-    es = score_edges(model, train, config.method, config.steps, batch_tokens=config.batch_tokens)
+    es = score_edges(model, train, config.method, config.steps, ablation=ablation, batch_tokens=config.batch_tokens)
     scored = time.perf_counter() - t0
     edges = edge_frame(es, model.name)
     curve = faithfulness_curve(ev, es.mean, random_draws=config.random_draws, seed=config.seed)
@@ -213,6 +235,8 @@ def summary_table(name: str, s: dict) -> Table:
     t = Table("quantity", "value", title=f"circuit of {name}: {s['method']}, {s['ablation']} ablation")
     sp = s["split"]
     t.add_row("pairs: scored / judged", f"{sp['n_train']} / {sp['n_eval']} ({escape(sp['mode'])})")
+    if sp.get("mean_source"):
+        t.add_row("mean ablation: the mean of", escape(sp["mean_source"]))
     t.add_row("edges", f"{s['n_edges']}")
     t.add_row("clean / corrupted", f"{s['clean_metric']:.3f} / {s['corrupted_metric']:.3f} ({escape(s['metric'])})")
     t.add_row(

@@ -4,6 +4,8 @@
 ``graph.py``          circuits as graphs: :class:`CircuitGraph` (MIB's senders, receivers and
                       real edges), :func:`circuit_graph`, :func:`prune_circuit`, MIB's JSON
 ``runs.py``           batches of equal-length pairs, senders' writes, receivers' projections
+``ablation.py``       mean and zero ablation: :func:`sender_means` (:class:`SenderMeans`), the
+                      ablated writes both the scores and the evaluation use
 ``eap.py``            :func:`edge_attribution` (EAP, EAP-IG), :func:`score_edges`
 ``evaluate.py``       :func:`evaluate_circuit` (exact), :class:`CircuitEvaluator`
 ``faithfulness.py``   :func:`circuit_faithfulness` (f(k), CPR, CMD, random circuits),
@@ -27,6 +29,8 @@ _EXPORTS = {
     "edge_matrix": "graph",
     "prune_circuit": "graph",
     "mib_graph": "graph",
+    "SenderMeans": "ablation",
+    "sender_means": "ablation",
     "edge_attribution": "eap",
     "score_edges": "eap",
     "EdgeScores": "eap",

@@ -14,7 +14,8 @@ from depthscope.common.settings import SEED, TOKENS, Checked, setting
 class CircuitConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.circuit.circuit_job` computes (``depthscope circuit``):
     every edge of the model's graph scored over a JSONL file of ``pairs`` by ``method`` (EAP or
-    EAP-IG with ``steps``), the faithfulness curve of the top circuits under ``ablation`` with
+    EAP-IG with ``steps``), the faithfulness curve of the top circuits under ``ablation`` (the
+    scores too; ``mean``: the means of ``mean_pairs`` or of the scoring pairs) with
     ``random_draws`` random circuits per size (``seed``), judged on held-out pairs (``eval_pairs``, or
     the share of ``pairs`` that ``train_fraction`` leaves, split with ``seed``; ``in_sample``: on the
     scoring pairs themselves), the stability of the top circuits over
@@ -62,8 +63,16 @@ class CircuitConfig(Checked):
         "counterfactual",
         "--ablation",
         choices=("counterfactual", "mean", "zero"),
-        help="What an edge outside the circuit carries: its sender's value on the corrupted prompt, its mean over "
-        "the clean prompts, or zero.",
+        help="What an edge outside the circuit carries, in the scores and in the evaluation alike: its sender's "
+        "value on the corrupted prompt, its mean over the clean prompts of the scoring pairs (or --mean-pairs; "
+        "per position where the lengths match, position 0 kept clean), or zero.",
+    )
+    mean_pairs: Path | None = setting(
+        None,
+        "--mean-pairs",
+        cli_type=Path | None,
+        help="A JSONL file of pairs whose clean prompts give the means of --ablation mean. Default: the pairs "
+        "that score the edges (never the judged ones, unless --in-sample).",
     )
     random_draws: int = setting(
         5, "--random-draws", min=0, max=100, help="Random circuits per size, the faithfulness baseline (0: none)."
@@ -109,6 +118,10 @@ class CircuitConfig(Checked):
         from depthscope.analyses.circuits.pairs import check_contrasts, read_pairs  # lazy: pandas; lines checked early
 
         n = len(check_contrasts(read_pairs(self.pairs)))
+        if self.mean_pairs is not None:
+            if self.ablation != "mean":
+                raise InputError(f"--mean-pairs gives the means of --ablation mean; the ablation is {self.ablation}")
+            read_pairs(self.mean_pairs)
         if self.eval_pairs is not None:
             if self.in_sample:
                 raise InputError("--eval-pairs and --in-sample contradict each other: give one")

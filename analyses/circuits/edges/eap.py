@@ -24,6 +24,14 @@ input embeddings lie on the line from the corrupted to the clean ones,
 ``e(corrupted) + (k / steps) (e(clean) - e(corrupted))`` for ``k = 0 .. steps - 1`` (the EAP-IG
 code's points). Scores are means over pairs.
 
+**Under mean or zero ablation** (``ablation``) the difference scored is the one the evaluation
+puts in, ``a_u(ablated) - a_u(clean)`` with ``a_u(ablated)`` the sender's mean write over other
+prompts or zero, as EAP-IG's ``intervention='mean-positional'|'zero'`` does for EAP
+(:mod:`~depthscope.analyses.circuits.edges.ablation`: the mean's prompts, per position, position 0
+kept clean under mean ablation; ``embed`` is the token embedding alone, so on GPT-2 the position
+embedding is never ablated). EAP-IG's own code allows only counterfactual inputs for EAP-IG
+(inputs); here its path runs from the ablated input embeddings to the clean ones instead.
+
 How. The scores of a batch are one ``[senders, receivers]`` matrix per pair, masked to the real
 edges (as the EAP-IG code keeps them): per layer one batched product of the senders' activation
 differences ``[B, senders, P * d]`` with the receivers' input gradients ``[B, P * d, receivers]``.
@@ -50,6 +58,7 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.circuits import memory
+from depthscope.analyses.circuits.edges.ablation import ablated_writes, ablation_kind, ablation_start, sender_means
 from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph
 from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
@@ -76,7 +85,8 @@ BATCH_TOKENS = 256
 @dataclass(frozen=True)
 class EdgeScores:
     """The scores of a dataset: ``per_pair`` ``[pairs, edges]`` (edges in ``graph.edge_index``
-    order), each pair's ``clean`` and ``corrupted`` metric, the method, steps and metric."""
+    order), each pair's ``clean`` and ``corrupted`` metric, the method, steps and metric, the
+    ablation whose differences they score and (mean ablation) the prompts the mean came from."""
 
     graph: CircuitGraph
     per_pair: np.ndarray
@@ -85,6 +95,8 @@ class EdgeScores:
     method: str
     steps: int
     metric: str
+    ablation: str = "counterfactual"
+    mean_source: str | None = None
 
     @property
     def mean(self) -> np.ndarray:
@@ -220,22 +232,27 @@ def _contract(graph: CircuitGraph, delta: torch.Tensor, layer_grads: list, logit
     return full[:, torch.as_tensor(s, device=full.device), torch.as_tensor(r, device=full.device)].cpu().numpy()
 
 
-def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: int, tick=lambda n: None):
-    """(per-pair scores ``[B, edges]``, clean metrics, corrupted metrics) of one batch; ``tick(1)``
-    after each backward pass (EAP: one; EAP-IG: ``steps``)."""
+def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: int, abl, tick=lambda n: None):
+    """(per-pair scores ``[B, edges]``, clean metrics, corrupted metrics) of one batch under the
+    ablation ``abl`` (kind, means); ``tick(1)`` after each backward pass (EAP: one; EAP-IG: ``steps``)."""
     L = graph.n_layers
-    start = first_difference(batch)
+    kind, means = abl
+    P = batch.clean.shape[1]
+    start = first_difference(batch) if kind == "counterfactual" else ablation_start(kind)
     with torch.no_grad():
         corr = model.run(batch.corrupted, cache=_sender_cache(L))
         corrupted_values = batch.metric(corr.logits).float()
-    if start is None:  # every pair's prompts are the same: no edge changes anything
+    if start is None or start >= P:  # no sender's value differs anywhere: no edge changes anything
         with torch.no_grad():
             clean_values = batch.metric(model.run(batch.clean).logits).float()
         zeros = np.zeros((len(batch.pairs), graph.n_edges), dtype=np.float32)
         tick(1 if method == "eap" else steps)
         return zeros, clean_values.cpu().numpy(), corrupted_values.cpu().numpy()
     with torch.no_grad():
-        a_corr = _senders(corr, parts, L, start)
+        if kind == "counterfactual":
+            a_abl = _senders(corr, parts, L, start)
+        else:  # the values the evaluation puts in: the means (position 0 kept clean) or zero
+            a_abl = ablated_writes(model, len(graph.senders), P, means, batch.clean.device)[:, start:]
     if method == "eap":
         grads, logits_grad, a_clean, clean_values = _receiver_grads(model, graph, parts, batch, start)
         tick(1)
@@ -244,28 +261,45 @@ def _batch_scores(model, graph, parts, batch: GraphBatch, method: str, steps: in
             clean = model.run(batch.clean, cache=_sender_cache(L))
             clean_values = batch.metric(clean.logits).float()
             a_clean = _senders(clean, parts, L, start)
-        e_clean, e_corr = clean["embed"], corr["embed"]
+        e_clean = clean["embed"]
+        if kind == "counterfactual":
+            e_abl = corr["embed"]
+        else:  # the path starts at the ablated input embeddings
+            e_abl = e_clean.clone()
+            e_abl[:, start:] = a_abl[:, :, 0].to(e_clean.dtype)
         grads, logits_grad = None, None
         for k in range(steps):
-            point = e_corr + (k / steps) * (e_clean - e_corr)
+            point = e_abl + (k / steps) * (e_clean - e_abl)
             g, gl, _, _ = _receiver_grads(model, graph, parts, batch, start, point)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             logits_grad = gl if logits_grad is None else logits_grad + gl
             tick(1)
         grads, logits_grad = [g / steps for g in grads], logits_grad / steps
-    scores = _contract(graph, a_corr - a_clean, grads, logits_grad)
+    scores = _contract(graph, a_abl - a_clean, grads, logits_grad)
     return scores, clean_values.cpu().numpy(), corrupted_values.cpu().numpy()
 
 
 # ----------------------------------------------------------------------------- public API
-def score_edges(model, pairs, method: str = "eap", steps: int = 5, *, metric=None, batch_tokens: int = BATCH_TOKENS):
+def score_edges(
+    model,
+    pairs,
+    method: str = "eap",
+    steps: int = 5,
+    *,
+    ablation="counterfactual",
+    metric=None,
+    batch_tokens: int = BATCH_TOKENS,
+):
     """The :class:`EdgeScores` of a dataset of pairs (arguments as :func:`edge_attribution`)."""
     require_decoder(model, "edge attribution")
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_number("steps", steps, maximum=MAX_STEPS)
+    kind, means = ablation_kind(ablation)
     graph = circuit_graph(model)
     tps, batches = graph_batches(model, pairs, metric, batch_tokens, "edge attribution")
+    if kind == "mean" and means is None:  # "mean" alone: the scored pairs' own mean
+        means = sender_means(model, pairs, source="the scored pairs", batch_tokens=batch_tokens)
     _check_memory(model, batches, method)
     parts = [layer_parts(model, layer) for layer in range(graph.n_layers)]
     n = len(tps)
@@ -275,11 +309,19 @@ def score_edges(model, pairs, method: str = "eap", steps: int = 5, *, metric=Non
     passes = int(steps) if method == "eap-ig" else 1
     with progress_bar(len(batches) * passes, desc=f"edge attribution ({method}, {n} pairs)", unit="pass") as bar:
         for batch in batches:
-            scores, c, k = _batch_scores(model, graph, parts, batch, method, int(steps), bar.update)
+            scores, c, k = _batch_scores(model, graph, parts, batch, method, int(steps), (kind, means), bar.update)
             idx = batch.index
             per_pair[idx], clean[idx], corrupted[idx] = scores, c, k
     return EdgeScores(
-        graph, per_pair, clean, corrupted, method, int(steps) if method == "eap-ig" else 0, describe_metrics(tps)
+        graph,
+        per_pair,
+        clean,
+        corrupted,
+        method,
+        int(steps) if method == "eap-ig" else 0,
+        describe_metrics(tps),
+        kind,
+        None if means is None else means.source,
     )
 
 
@@ -309,6 +351,7 @@ def edge_attribution(
     method: str = "eap",
     steps: int = 5,
     *,
+    ablation="counterfactual",
     metric=None,
     per_pair: bool = False,
     batch_tokens: int = BATCH_TOKENS,
@@ -320,14 +363,23 @@ def edge_attribution(
     a ``.jsonl`` path); each pair's clean and corrupted prompts must have the same number of tokens
     (a pair that does not is refused, named); each pair's ``target`` and ``foil`` make its metric,
     ``metric`` serves pairs without a target. ``steps``: EAP-IG's interpolation points.
+    ``ablation``: what the scored differences replace the clean writes by (module docstring):
+    ``counterfactual`` (the corrupted prompt's writes), a
+    :class:`~depthscope.analyses.circuits.edges.ablation.SenderMeans` of other pairs (mean
+    ablation; ``"mean"`` takes the scored pairs' own), or ``zero``; score with the ablation the
+    circuit will be evaluated under.
     ``batch_tokens`` bounds the tokens of one batch (memory: module docstring).
 
     Returns one row per real edge, sender by sender in forward order: ``sender``, ``receiver``,
-    ``score`` (mean over pairs), ``n_pairs``, the sender's site columns (the residual site it
+    ``score`` (mean over pairs: the estimated change of the metric when that edge alone carries
+    its ablated value, so an edge that supports the target scores negative, the opposite of MIB's
+    sign; the ``embed`` sender is the token embedding, the position embedding of GPT-2 never
+    ablated), ``n_pairs``, the sender's site columns (the residual site it
     writes to) and ``head``, and ``receiver_layer``, ``receiver_kind``, ``receiver_head``; with
     ``per_pair`` one row per pair and edge (a ``pair`` column; ``score`` that pair's). ``attrs``:
-    model, method, steps, metric, n_pairs, n_edges, clean_metric and corrupted_metric (means)."""
-    es = score_edges(model, pairs, method, steps, metric=metric, batch_tokens=batch_tokens)
+    model, method, steps, metric, ablation, mean_source, n_pairs, n_edges, clean_metric and
+    corrupted_metric (means)."""
+    es = score_edges(model, pairs, method, steps, ablation=ablation, metric=metric, batch_tokens=batch_tokens)
     return edge_frame(es, model.name, per_pair=per_pair)
 
 
@@ -348,6 +400,8 @@ def edge_frame(es: EdgeScores, model_name: str, *, per_pair: bool = False) -> pd
         method=es.method,
         steps=es.steps,
         metric=es.metric,
+        ablation=es.ablation,
+        mean_source=es.mean_source,
         n_pairs=n,
         n_edges=es.graph.n_edges,
         n_layers=es.graph.n_layers,

@@ -18,8 +18,11 @@ each sender whose edge into it is *not* in the circuit is replaced by its ablate
 (the EAP-IG code's ``evaluate_graph``). ``a_u(this run)`` is the sender's write as it is computed in
 this very run, itself fed by the circuit, so an edge in the circuit carries the clean value of a
 sender computed through the circuit. The ablated value is the sender's write in the pair's
-corrupted run (``counterfactual``), its mean over every token of the pairs' clean prompts
-(``mean``, each prompt's positions averaged, then the prompts; as the EAP-IG code), or zero.
+corrupted run (``counterfactual``), its mean over the clean prompts of another set of pairs
+(``mean``: a :class:`~depthscope.analyses.circuits.edges.ablation.SenderMeans` passed as
+``ablation``, per position where the prompts align, position 0 kept clean; ``"mean"`` alone takes
+the evaluated pairs' own mean), or zero (:mod:`~depthscope.analyses.circuits.edges.ablation`:
+the conventions, and ``embed`` as the token embedding alone on GPT-2).
 With every edge the run *is* the clean run (no hook changes anything); with none under
 counterfactual ablation every receiver reads the corrupted stream, so the run computes the
 corrupted run's metric (to float rounding).
@@ -45,6 +48,13 @@ import pandas as pd
 import torch
 
 from depthscope.analyses.circuits import memory
+from depthscope.analyses.circuits.edges.ablation import (
+    ABLATIONS,
+    ablated_writes,
+    ablation_kind,
+    ablation_start,
+    sender_means,
+)
 from depthscope.analyses.circuits.edges.graph import CircuitGraph, circuit_graph, edge_matrix, prune_circuit
 from depthscope.analyses.circuits.edges.runs import (
     GraphBatch,
@@ -61,7 +71,6 @@ from depthscope.hooks.model_checks import require_decoder
 
 __all__ = ["evaluate_circuit", "CircuitEvaluator", "ABLATIONS", "BATCH_TOKENS"]
 
-ABLATIONS = ("counterfactual", "mean", "zero")
 BATCH_TOKENS = 512
 #: ablated values kept between circuits up to this many bytes (else the corrupted runs are redone)
 KEEP_BYTES = 1 << 30
@@ -301,13 +310,10 @@ class CircuitEvaluator:
     ``[senders, receivers]`` matrix, or what :func:`~depthscope.analyses.circuits.edges.graph.edge_matrix`
     reads) and returns each pair's metric."""
 
-    def __init__(
-        self, model, pairs, ablation: str = "counterfactual", *, metric=None, batch_tokens: int = BATCH_TOKENS
-    ):
+    def __init__(self, model, pairs, ablation="counterfactual", *, metric=None, batch_tokens: int = BATCH_TOKENS):
         require_decoder(model, "circuit evaluation")
-        if ablation not in ABLATIONS:
-            raise InputError(f"ablation must be one of {', '.join(ABLATIONS)}, got {ablation!r}")
-        self.model, self.ablation = model, ablation
+        self.model = model
+        self.ablation, self.means = ablation_kind(ablation)
         self.graph: CircuitGraph = circuit_graph(model)
         self.tps, self.batches = graph_batches(model, pairs, metric, batch_tokens, "circuit evaluation")
         _check_memory(model, self.batches)
@@ -315,7 +321,8 @@ class CircuitEvaluator:
         self.what = describe_metrics(self.tps)
         self._clean = self._corrupted = None
         self._kept: dict[int, torch.Tensor] = {}
-        self._mean = self._means() if ablation == "mean" else None
+        if self.ablation == "mean" and self.means is None:  # the API's default: the evaluated prompts' own mean
+            self.means = sender_means(model, pairs, source="the evaluated pairs", batch_tokens=batch_tokens)
 
     @property
     def n_pairs(self) -> int:
@@ -340,22 +347,9 @@ class CircuitEvaluator:
             self._corrupted = self._run_metrics("corrupted")
         return self._corrupted
 
-    def _means(self) -> torch.Tensor:
-        """Each sender's mean write ``[1, 1, S, d]`` over the pairs' clean prompts (positions
-        averaged within a prompt, then prompts)."""
-        total = None
-        with torch.no_grad():
-            for b in self.batches:
-                run = self.model.run(b.clean, cache=sender_points(self.graph.n_layers))
-                s = stack_senders(run.__getitem__, self.graph.n_layers).float().mean(1).sum(0)
-                total = s if total is None else total + s
-        return (total / self.n_pairs)[None, None]
-
     def _ablated(self, i: int, b: GraphBatch) -> torch.Tensor:
-        if self.ablation == "mean":
-            return self._mean
-        if self.ablation == "zero":
-            return torch.zeros(1, 1, len(self.graph.senders), 1, device=b.clean.device)
+        if self.ablation != "counterfactual":
+            return ablated_writes(self.model, len(self.graph.senders), b.clean.shape[1], self.means, b.clean.device)
         if i in self._kept:
             return self._kept[i]
         with torch.no_grad():
@@ -393,9 +387,10 @@ class CircuitEvaluator:
     def _start(self, b: GraphBatch) -> int:
         """The first position at which an ablated write can differ from this run's: under
         counterfactual ablation the first at which a pair's prompts differ (a causal model computes
-        the same before it in both runs, in every circuit), else 0."""
+        the same before it in both runs, in every circuit); under mean ablation 1 (position 0 keeps
+        its clean value), under zero ablation 0."""
         if self.ablation != "counterfactual":
-            return 0
+            return ablation_start(self.ablation)
         first = first_difference(b)
         return b.clean.shape[1] if first is None else first
 
@@ -404,7 +399,7 @@ def evaluate_circuit(
     model,
     pairs,
     edges,
-    ablation: str = "counterfactual",
+    ablation="counterfactual",
     *,
     prune: bool = True,
     metric=None,
@@ -419,8 +414,9 @@ def evaluate_circuit(
     evaluates its drawn circuit); a table without one is taken whole. ``prune`` (default) prunes the
     circuit as the faithfulness curve does
     (:func:`~depthscope.analyses.circuits.edges.graph.prune_circuit`). Every other edge carries its
-    sender's ablated value (``ablation``: ``counterfactual``, the pair's corrupted run; ``mean``;
-    ``zero``). ``pairs`` and ``metric`` as in
+    sender's ablated value (``ablation``: ``counterfactual``, the pair's corrupted run; a
+    :class:`~depthscope.analyses.circuits.edges.ablation.SenderMeans` of other pairs, or ``mean``
+    for the evaluated pairs' own mean; ``zero``). ``pairs`` and ``metric`` as in
     :func:`~depthscope.analyses.circuits.edges.eap.edge_attribution`.
 
     Returns one row per pair: ``pair``, ``metric``, ``clean_metric`` and ``corrupted_metric`` (the
@@ -444,9 +440,9 @@ def evaluate_circuit(
             "corrupted_metric": ev.corrupted(),
             "n_edges": n,
             "n_edges_given": n_given,
-            "ablation": ablation,
+            "ablation": ev.ablation,
         }
     )
-    df.attrs.update(model=str(model.name), metric=ev.what, ablation=ablation, n_edges=n, n_edges_given=n_given)
+    df.attrs.update(model=str(model.name), metric=ev.what, ablation=ev.ablation, n_edges=n, n_edges_given=n_given)
     df.attrs["pruned"] = bool(prune)
     return df

@@ -380,7 +380,7 @@ def circuit_faithfulness(
     model,
     pairs,
     edges: pd.DataFrame,
-    ablation: str = "counterfactual",
+    ablation="counterfactual",
     *,
     random_draws: int = 5,
     seed: int = 0,
