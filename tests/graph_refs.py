@@ -311,3 +311,72 @@ def mean_writes(model, prompts, n: int) -> list[torch.Tensor]:
             out.append(torch.stack([p[s][1:].mean(0) for p in per]).mean(0).expand(n, -1).clone())
     out[0] = out[0] + position_embedding(model, n)
     return out
+
+
+# ----------------------------------------------------------------------------- EAP-IG's Graph, by name
+def _owner_of(receiver: str) -> str | None:
+    """The node a receiver feeds, by its name: ``l.q.h`` -> ``l.heads.h``, ``l.mlp_in`` -> ``l.mlp_out``."""
+    if receiver == "logits":
+        return None
+    layer, kind, *head = receiver.split(".")
+    return f"{layer}.mlp_out" if kind == "mlp_in" else f"{layer}.heads.{head[0]}"
+
+
+def eap_ig_prune(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """EAP-IG's ``Graph.prune`` rule on a set of (sender, receiver) edges, written from its code:
+    repeat { a node is in the graph iff it has an outgoing edge and an incoming edge into one of its
+    inputs (the input node always counts as fed); keep the edges whose parent is in the graph and
+    whose child's node is (the logits always) } until neither the nodes nor the edges change."""
+    nodes: set[str] | None = None
+    while True:
+        outgoing = {s for s, _ in edges}
+        incoming = {_owner_of(r) for _, r in edges} | {"embed"}
+        new_nodes = outgoing & incoming
+        new_edges = {(s, r) for s, r in edges if s in new_nodes and (r == "logits" or _owner_of(r) in new_nodes)}
+        if new_nodes == nodes and new_edges == edges:
+            return edges
+        nodes, edges = new_nodes, new_edges
+
+
+def read_mib_graph(d: dict) -> tuple[set[str], set[str], dict[str, float]]:
+    """A circuit JSON read as MIB's ``Graph.from_json`` (EAP-IG's ``Graph``) reads it, written from
+    its code: the graph built from ``cfg`` alone (``Graph.from_model``: nodes ``input``,
+    ``a<l>.h<h>``, ``m<l>``, ``logits``; edges ``parent->child<q|k|v>`` from every node of the
+    residual stream so far, the MLP after its layer's heads unless ``parallel_attn_mlp``), then each
+    node's and edge's ``in_graph`` (and score) set by name; an unknown name is a KeyError there, an
+    error here. Returns (edges in the graph, nodes in the graph, every edge's score)."""
+    cfg = d["cfg"]
+    layers, heads, parallel = cfg["n_layers"], cfg["n_heads"], cfg["parallel_attn_mlp"]
+    stream, names = ["input"], []
+    for layer in range(layers):
+        attn, mlp = [f"a{layer}.h{h}" for h in range(heads)], f"m{layer}"
+        names += [f"{n}->{a}<{x}>" for n in stream for a in attn for x in "qkv"]
+        if parallel:
+            names += [f"{n}->{mlp}" for n in stream]
+            stream += attn + [mlp]
+        else:
+            stream += attn
+            names += [f"{n}->{mlp}" for n in stream]
+            stream.append(mlp)
+    names += [f"{n}->logits" for n in stream]
+    unknown = (set(d["nodes"]) - set(stream) - {"logits"}) | (set(d["edges"]) - set(names))
+    if unknown:
+        raise KeyError(f"names Graph.from_model does not make: {sorted(unknown)[:5]}")
+    assert len(names) == len(set(names))
+    in_graph = {n for n in names if d["edges"].get(n, {}).get("in_graph", False)}
+    nodes = {n for n, v in d["nodes"].items() if v["in_graph"] and n != "logits"}
+    scores = {n: float(v["score"]) for n, v in d["edges"].items()}
+    return in_graph, nodes, scores
+
+
+def mib_edge_name(sender: str, receiver: str) -> str:
+    """MIB's name of a depthscope edge, written here apart from depthscope's ``mib_name``."""
+
+    def node(n: str) -> str:
+        if n in ("embed", "logits"):
+            return {"embed": "input", "logits": "logits"}[n]
+        layer, kind, *h = n.split(".")
+        return f"m{layer}" if kind in ("mlp_out", "mlp_in") else f"a{layer}.h{h[0]}"
+
+    tail = f"<{receiver.split('.')[1]}>" if receiver.count(".") == 2 else ""
+    return f"{node(sender)}->{node(receiver)}{tail}"

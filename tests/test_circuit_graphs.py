@@ -96,7 +96,7 @@ def test_eap_matches_brute_force_reference(tiny, family):
     np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_eap_ig_matches_brute_force_reference(tiny, family):
     """EAP-IG's gradients averaged along the corrupted-to-clean input path, against plain torch;
     and they are other scores than EAP's."""
@@ -467,13 +467,60 @@ def test_random_circuits_match_the_top_circuits_pruned_size(tiny):
     for size in (0, 7, 60, 200):
         kept = random_circuit(g, size, rng)
         assert int(kept.sum()) == size
-        np.testing.assert_array_equal(kept, ref_prune(g, kept))  # a pruned circuit
+        edges = {(g.senders[a], g.receivers[b]) for a, b in zip(*np.nonzero(kept))}
+        assert ref.eap_ig_prune(edges) == edges  # a pruned circuit, by EAP-IG's rule
 
 
-def ref_prune(g, kept):
-    from depthscope.analyses.circuits.edges.graph import prune_circuit
+def _edge_set(g, kept) -> set[tuple[str, str]]:
+    return {(g.senders[a], g.receivers[b]) for a, b in zip(*np.nonzero(kept))}
 
-    return prune_circuit(g, kept)
+
+def test_prune_circuit_is_eap_igs_rule_on_a_hand_built_graph():
+    """Two layers of two heads. Kept: the path embed -> 0.heads.0 -> 1.heads.1 -> logits, and
+    edges that must go: out of 0.heads.1, which reads nothing; out of 1.mlp_out, fed only by
+    0.heads.1 (so it goes in the second round); into 1.heads.0, which writes nowhere; out of
+    0.mlp_out, which reads nothing. The answer is the path alone. Feeding 0.mlp_out (embed ->
+    0.mlp_in) keeps it and its edge into the live 1.heads.1. EAP-IG's rule (reimplemented from its
+    ``Graph.prune``) agrees on both and on random circuits of sequential, parallel and grouped-query
+    graphs."""
+    from depthscope.analyses.circuits.edges.graph import CircuitGraph, edge_matrix, prune_circuit
+
+    g = CircuitGraph(2, 2)
+    path = [("embed", "0.q.0"), ("0.heads.0", "1.v.1"), ("1.heads.1", "logits")]
+    rest = [("0.heads.1", "1.mlp_in"), ("1.mlp_out", "logits"), ("embed", "1.k.0"), ("0.mlp_out", "1.q.1")]
+    assert _edge_set(g, prune_circuit(g, edge_matrix(g, path + rest))) == set(path)
+    assert ref.eap_ig_prune(set(path + rest)) == set(path)
+    fed = path + rest + [("embed", "0.mlp_in")]
+    want = set(path) | {("embed", "0.mlp_in"), ("0.mlp_out", "1.q.1")}
+    assert _edge_set(g, prune_circuit(g, edge_matrix(g, fed))) == want == ref.eap_ig_prune(set(fed))
+    assert prune_circuit(g, np.zeros_like(g.mask)).sum() == 0
+    rng = np.random.default_rng(3)
+    for graph in (CircuitGraph(3, 4), CircuitGraph(3, 4, parallel=True), CircuitGraph(4, 4, n_kv_heads=2)):
+        for density in (0.01, 0.03, 0.1, 0.4):
+            kept = graph.mask & (rng.random(graph.mask.shape) < density)
+            assert _edge_set(graph, prune_circuit(graph, kept)) == ref.eap_ig_prune(_edge_set(graph, kept))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_mib_json_reads_back_as_mibs_graph(parallel):
+    """circuit_mib.json read as MIB's Graph.from_json reads it (a reader written from its code):
+    every edge of Graph.from_model's graph is there by name, the circuit's edges are in_graph, its
+    nodes too, and the scores are the ones given."""
+    from depthscope.analyses.circuits.edges.graph import CircuitGraph, mib_graph, prune_circuit
+
+    g = CircuitGraph(3, 4, parallel=parallel)
+    rng = np.random.default_rng(4)
+    scores = np.where(g.mask, rng.normal(size=g.mask.shape), 0.0)
+    kept = prune_circuit(g, g.mask & (rng.random(g.mask.shape) < 0.4))
+    assert kept.sum() > 5
+    d = json.loads(json.dumps(mib_graph(g, scores, kept, d_model=32)))
+    in_graph, nodes, read_scores = ref.read_mib_graph(d)
+    assert len(d["edges"]) == g.n_edges == len(read_scores)
+    assert in_graph == {ref.mib_edge_name(s, r) for s, r in _edge_set(g, kept)}
+    assert nodes == {ref.mib_edge_name(s, "logits").split("->")[0] for s, _ in _edge_set(g, kept)}
+    s_idx, r_idx = g.edge_index
+    for a, b in zip(s_idx[::37], r_idx[::37]):
+        assert read_scores[ref.mib_edge_name(g.senders[a], g.receivers[b])] == pytest.approx(scores[a, b])
 
 
 def test_cpr_ranks_by_mibs_signed_score_and_cmd_by_magnitude(tiny):
@@ -568,6 +615,10 @@ def test_circuit_command_summary_matches_the_api(tiny_llama_dir, tmp_path, monke
     from depthscope.analyses.circuits.edges.graph import mib_name
 
     assert mib["edges"][mib_name(top["sender"], top["receiver"])]["score"] == pytest.approx(-top["score"], rel=1e-5)
+    # MIB's reader gets the drawn circuit of edges.parquet back
+    in_graph, _, _ = ref.read_mib_graph(mib)
+    drawn = pd.read_parquet(out / "edges.parquet").query("in_circuit")
+    assert len(drawn) > 0 and in_graph == {ref.mib_edge_name(s, r) for s, r in zip(drawn["sender"], drawn["receiver"])}
 
 
 def test_circuit_command_mean_ablation_scores_and_judges_with_one_mean(tiny_llama_dir, tmp_path, monkeypatch, capsys):
