@@ -155,21 +155,23 @@ def _read_or_write(hf, ids, layer: int, kind: str, pos: int, write=None):
 
 
 def _plain_reference(hf, examples, tok, site: int, position: str):
-    """(hits, logit diffs) of full-vector interchange at one residual site, with plain transformers
-    forward hooks (:func:`_read_or_write`)."""
+    """(hits, logit diffs, output-token hits) of full-vector interchange at one residual site, with
+    plain transformers forward hooks (:func:`_read_or_write`)."""
     layer, kind = _where(site)
-    hits, diffs = [], []
+    hits, diffs, tokens = [], [], []
     for e in examples:
         b_ids, s_ids = (torch.tensor([tok(x)["input_ids"]]) for x in (e.base, e.source))
         pos = (e.positions or {}).get(position, -1)
         pb, ps = (pos, pos) if isinstance(pos, int) else pos
         source, _ = _read_or_write(hf, s_ids, layer, kind, ps % s_ids.shape[1])
         _, logits = _read_or_write(hf, b_ids, layer, kind, pb % b_ids.shape[1], write=source)
-        c = logits[[tok(x, add_special_tokens=False)["input_ids"][0] for x in e.candidates]]
+        ids = [tok(x, add_special_tokens=False)["input_ids"][0] for x in e.candidates]
+        c = logits[ids]
         lab = e.candidates.index(e.label)
         hits.append(int(c.argmax()) == lab)
         diffs.append(float(c[lab] - (c.sum() - c[lab]) / (len(c) - 1)))
-    return np.array(hits), np.array(diffs)
+        tokens.append(int(logits.argmax()) == ids[lab])  # the output token over the whole vocabulary
+    return np.array(hits), np.array(diffs), np.array(tokens)
 
 
 def test_full_vector_interchange_equals_a_plain_transformers_reference(tiny_factory, tiny_tokenizer):
@@ -179,11 +181,37 @@ def test_full_vector_interchange_equals_a_plain_transformers_reference(tiny_fact
     t = interchange(model, exs, sites="resid", positions="SUBJ,END")
     assert len(t) == 2 * 5 and list(t.columns[:5]) == ["site", "label", "layer", "sublayer", "depth"]
     for _, row in t.iterrows():
-        hits, diffs = _plain_reference(model.hf_model, exs, tiny_tokenizer, int(row["site"]), row["position"])
-        assert row["iia"] == hits.mean()
+        hits, diffs, tokens = _plain_reference(model.hf_model, exs, tiny_tokenizer, int(row["site"]), row["position"])
+        assert row["iia"] == hits.mean() and row["iia_token"] == tokens.mean() <= row["iia"]
         assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=1e-4)
     assert t["ci_n"].eq(10).all() and t["iia_low"].notna().all() and t.attrs["notes"] == []
     assert (t["iia_low"] <= t["iia"]).all() and (t["iia"] <= t["iia_high"]).all()
+
+
+def test_output_token_iia_counts_the_models_top_token(tiny_factory, tiny_tokenizer):
+    """``iia_token``: the model's output token over the whole vocabulary is the label's. Swapping
+    the last site at the last position makes the base's output the source's; with the label the
+    source's top token (every other example) or its second (the others), iia_token there is the
+    share of the first kind, and the candidates-only IIA counts both whenever the label beats the
+    other candidate. Against plain transformers at every site."""
+    model = tiny_factory("llama", n_layers=2)
+    hf, tok = model.hf_model, tiny_tokenizer
+    exs, kinds = [], []
+    for i, e in enumerate(agreement_examples(model, 32, seed=11)):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([tok(e.source)["input_ids"]])).logits[0, -1]
+        top = int(logits.topk(2).indices[i % 2])
+        word = tok.decode([top])
+        if tok(word, add_special_tokens=False)["input_ids"][:1] == [top] and word != " Mary":
+            exs.append(Counterfactual(e.base, e.source, (word, " Mary"), word, " Mary", "x", e.positions))
+            kinds.append(i % 2 == 0)
+    assert sum(kinds) >= 3 and len(kinds) - sum(kinds) >= 3
+    t = interchange(model, exs, sites="resid", positions="END")
+    last = t[t["label"] == "1.mlp"].iloc[0]
+    assert last["iia_token"] == pytest.approx(np.mean(kinds)) and last["iia_token"] < last["iia"]
+    for _, row in t.iterrows():
+        hits, _, tokens = _plain_reference(hf, exs, tok, int(row["site"]), "END")
+        assert row["iia"] == hits.mean() and row["iia_token"] == tokens.mean() <= row["iia"]
 
 
 def test_full_vector_interchange_equals_activation_patching(tiny_llama):
@@ -307,16 +335,43 @@ def test_localize_warns_of_test_examples_that_are_train_examples(
     assert json.loads((tmp_path / "clean" / "localize_summary.json").read_text())["test_overlap"] == 0
 
 
-def test_the_summary_says_the_best_site_is_chosen_on_the_test_examples(tiny_llama, tmp_path):
-    path = write_counterfactuals(agreement_examples(tiny_llama, 24, seed=2), tmp_path / "ex.jsonl")
-    cfg = LocalizeConfig(examples=path, sites="embed,0.mlp,1.attn,1.mlp", positions="SUBJ,END", plots=False)
+def test_the_best_site_is_chosen_on_a_train_slice_and_measured_on_the_test_examples(tiny_llama, tmp_path):
+    """By default each position's best site is the one of highest IIA on a seeded fifth of the
+    train examples, and its IIA, interval and iia_token are the test examples' (the API's numbers
+    on those parts); select_fraction 0 chooses on the test examples and says so."""
+    exs = agreement_examples(tiny_llama, 40, seed=2)
+    path = write_counterfactuals(exs, tmp_path / "ex.jsonl")
+    sites, positions = "embed,0.mlp,1.attn,1.mlp", "SUBJ,END"
+    cfg = LocalizeConfig(examples=path, sites=sites, positions=positions, plots=False)
     res = localize_job(tiny_llama, cfg, progress=False)
     t, s = res.tables["localize"], res.summary
-    assert s["best_site_chosen_on"] == "test" and set(s["best_sites"]) == {"SUBJ", "END"}
+    train, test = split_examples(read_counterfactuals(path), 0.5, 0)
+    _, select = split_examples(train, 0.8, 1)
+    chooser = interchange(tiny_llama, select, sites=sites, positions=positions)
+    assert s["n_select"] == len(select) == 4 and s["best_site_chosen_on"].startswith("train slice")
     for pos, best in s["best_sites"].items():
-        d = t[t["position"] == pos].sort_values("depth")
+        c = chooser[chooser["position"] == pos].sort_values("depth")
+        site = c.loc[c["iia"].idxmax(), "label"]  # the first of the highest, in depth order
+        row = t[(t["position"] == pos) & (t["label"] == site)].iloc[0]
+        assert best["site"] == site and best["iia_chosen_on"] == c["iia"].max()
+        assert (best["iia"], best["iia_low"], best["iia_token"]) == (row["iia"], row["iia_low"], row["iia_token"])
+    assert "train slice" in summary_table(t, s).caption
+    on_test = localize_job(tiny_llama, replace(cfg, select_fraction=0.0), progress=False)
+    t0, s0 = on_test.tables["localize"], on_test.summary
+    assert s0["best_site_chosen_on"] == "test" and s0["n_select"] == 0 and set(s0["best_sites"]) == {"SUBJ", "END"}
+    for pos, best in s0["best_sites"].items():
+        d = t0[t0["position"] == pos].sort_values("depth")
         assert best["iia"] == d["iia"].max() and best["site"] == d.loc[d["iia"] == d["iia"].max(), "label"].iloc[0]
-    assert "best site chosen on the test examples" in summary_table(t, s).caption
+    assert "best site chosen on the test examples" in summary_table(t0, s0).caption
+
+
+def test_das_in_localize_trains_without_the_selection_slice(tiny_llama, tmp_path):
+    path = write_counterfactuals(agreement_examples(tiny_llama, 20, seed=4), tmp_path / "ex.jsonl")
+    cfg = LocalizeConfig(examples=path, method="das", sites="0.mlp", epochs=1, plots=False)
+    res = localize_job(tiny_llama, cfg, progress=False)
+    s, t = res.summary, res.tables["localize"]
+    assert s["n_select"] == 2 and s["n_train"] - s["n_select"] == 8 and (t["n_train"] == 8).all()
+    assert "DAS trains on the other train examples" in s["best_site_chosen_on"]
 
 
 # ----------------------------------------------------------------------------- DAS
@@ -429,6 +484,20 @@ def test_the_subspace_never_sees_the_test_examples(synthetic):
     assert not torch.equal(a.basis, c.basis)
 
 
+def test_measure_subspaces_gives_das_iia_on_the_same_examples(synthetic):
+    """The IIA of learned subspaces measured again on the test examples is das's own."""
+    from depthscope.analyses.causal.variables.alignment import measure_subspaces
+
+    model, _, train, test = synthetic
+    res = das(model, train, test[:40], sites="embed,0.mlp", dim=1, config=LocalizeConfig(epochs=1))
+    again = measure_subspaces(model, test[:40], res.subspaces)
+    cols = ["label", "position", "iia", "iia_low", "iia_token", "logit_diff", "iia_unchanged"]
+    np.testing.assert_allclose(again[cols[2:]].to_numpy(float), res.table[cols[2:]].to_numpy(float), atol=1e-6)
+    assert list(again["label"]) == list(res.table["label"]) and again["iia_random"].isna().all()
+    other = measure_subspaces(model, test[40:80], res.subspaces)
+    assert (other["n_test"] == 40).all() and not np.allclose(other["logit_diff"], again["logit_diff"])
+
+
 def test_subspaces_save_load_steer_and_probe(synthetic, tmp_path):
     model, u, train, test = synthetic
     res = das(model, train, test, sites="0.mlp", dim=1, config=LocalizeConfig(epochs=10))
@@ -469,7 +538,10 @@ def test_localize_command(tiny_llama_dir, tiny_llama, tmp_path, monkeypatch, cap
 
     t = pd.read_parquet(out / "localize.parquet")
     need = ["position", "method", "dim", "iia", "iia_low", "iia_high", "iia_random", "n_train", "n_test"]
-    assert set(need) <= set(t.columns) and len(t) == 4 and (t["n_train"] + t["n_test"] == 24).all()
+    assert set(need) <= set(t.columns) and len(t) == 4 and "iia_token" in t.columns
+    summary = json.loads((out / "localize_summary.json").read_text())
+    # DAS trains on the train examples less the slice the best site is chosen on
+    assert (t["n_train"] + summary["n_select"] + t["n_test"] == 24).all() and summary["n_select"] == 2
     three = ["--probe-task", "upos", "--probe-sentences", "12", "--out", tmp_path / "three"]
     code, stdout, err = run_cli([*args[:-4], "--sites", "embed,1.mlp", *three], monkeypatch, capsys)
     assert code == 0, err

@@ -9,8 +9,8 @@ out, progress=)``                  (Parquet + CSV), ``localize_summary.json``, t
                                    ``localize_iia``, DAS's ``subspaces.safetensors`` and, with
                                    ``probe_task``, ``localize_probes`` and the figure
                                    ``localize_three_curves``; a :class:`JobResult`
-``best_sites(table)``              per position, the site of the highest IIA (chosen on the
-                                   test examples) and that IIA
+``best_sites(table, chooser)``     per position, the site of the highest IIA on ``chooser`` (a
+                                   held-out slice of train) and its IIA on the test examples
 ``summary_table(table,             the console table: per position, the site of the highest
 summary)``                         IIA and the first site where IIA reaches half of it; with
                                    ``only_solved``, a caption of the examples dropped
@@ -24,9 +24,13 @@ summary's ``n_train_all`` and ``n_test_all`` count them before, ``n_train`` and 
 ``test_overlap`` counts the test examples that are also train examples (the same base and source,
 :func:`~depthscope.analyses.causal.variables.counterfactuals.overlap`); any is logged as a warning,
 as the IIA of those is not held out. The best site of each position (the summary's ``best_sites``,
-the console's "best IIA") is the one of highest IIA on the test examples themselves, so its IIA is
-the maximum over sites of noisy estimates, biased upward; the summary says so in
-``best_site_chosen_on`` (``"test"``) and the console table in its caption.
+the console's "best IIA") is chosen on a seeded ``select_fraction`` (default 0.2) of the train
+examples held out for it (DAS trains on the rest; interchange is measured on that slice too), and
+its IIA (``iia``, interval, ``iia_token``) is the test examples': the choice and the estimate are
+on different examples, so the estimate is not the maximum of noisy estimates. The summary says
+so in ``best_site_chosen_on`` (``iia_chosen_on``: the IIA on the slice). ``select_fraction`` 0
+(or a single train example) chooses on the test examples themselves, and ``best_site_chosen_on``
+is then ``"test"``: that IIA is biased upward, and the console caption says so.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from rich.table import Table
 
 from depthscope.analyses.causal.erasure.config import CausalConfig
 from depthscope.analyses.causal.erasure.used import causal_tests
-from depthscope.analyses.causal.variables.alignment import das
+from depthscope.analyses.causal.variables.alignment import das, measure_subspaces
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.causal.variables.counterfactuals import overlap, read_counterfactuals, split_examples
 from depthscope.analyses.causal.variables.iia import interchange, resid_sites
@@ -92,6 +96,24 @@ def _overlap(train: list, test: list, cfg: LocalizeConfig) -> int:
     return n
 
 
+def _selection(train: list, cfg: LocalizeConfig) -> tuple[list, list, str]:
+    """(the examples DAS trains on, those each position's best site is chosen on, the choice
+    named): a seeded ``select_fraction`` of ``train`` held out for the choice, or (0, or fewer than
+    2 train examples) none, the choice then made on the test examples."""
+    if cfg.select_fraction == 0 or len(train) < 2:
+        return train, [], CHOSEN_ON
+    fit, select = split_examples(train, 1 - cfg.select_fraction, cfg.seed + 1)
+    trains = "; DAS trains on the other train examples" if cfg.method == "das" else ""
+    return (
+        fit,
+        select,
+        (
+            f"train slice: a seeded {cfg.select_fraction:g} of the train examples ({len(select)}) held out to choose "
+            f"the site{trains}; its IIA is the test examples'"
+        ),
+    )
+
+
 def _probes(model, sites: list[int], cfg: LocalizeConfig, progress: bool):
     """The causal tests of ``probe_task`` at the same sites (probe accuracy and ``used``)."""
     n = cfg.probe_sentences
@@ -119,14 +141,19 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
     if cfg.only_solved:
         train, test = _only_solved(m, train, test, cfg)
     n_overlap = _overlap(train, test, cfg)
+    fit, select, chosen_on = _selection(train, cfg)
     sites = resid_sites(m, cfg.sites)
     run_cfg = replace(cfg, progress=progress)
-    res = None
+    res, chooser = None, None
     if cfg.method == "das":
-        res = das(m, train, test, sites, cfg.positions, cfg.dim, boundless=cfg.boundless, config=run_cfg)
+        res = das(m, fit, test, sites, cfg.positions, cfg.dim, boundless=cfg.boundless, config=run_cfg)
         table = res.table
+        if select:
+            chooser = measure_subspaces(m, select, res.subspaces, config=run_cfg)
     else:
         table = interchange(m, test, sites, cfg.positions, config=run_cfg)
+        if select:
+            chooser = interchange(m, select, sites, cfg.positions, config=run_cfg)
     out.table(table, TABLE)
     tables = {TABLE: table}
     if cfg.probe_task:
@@ -140,10 +167,11 @@ def localize_job(model, config: LocalizeConfig, out: Output | None = None, *, pr
         "test": str(cfg.test) if cfg.test is not None else f"split of examples ({1 - cfg.train_fraction:g})",
         "n_train": len(train),
         "n_test": len(test),
+        "n_select": len(select),
         **n_all,
         "test_overlap": n_overlap,
-        "best_sites": best_sites(table),
-        "best_site_chosen_on": CHOSEN_ON,
+        "best_sites": best_sites(table, chooser),
+        "best_site_chosen_on": chosen_on,
         "notes": table.attrs.get("notes", []),
         "config": cfg.to_dict(),
     }
@@ -162,22 +190,32 @@ def _best(d):
     return d.loc[d.sort_values("depth")["iia"].idxmax()]
 
 
-def best_sites(table) -> dict:
-    """Per position: the site of highest IIA on the test examples (``label``) and that ``iia``."""
-    return {
-        str(pos): {"site": str(b["label"]), "iia": float(b["iia"])}
-        for pos, b in ((pos, _best(d)) for pos, d in table.groupby("position", sort=False))
-    }
+def best_sites(table, chooser=None) -> dict:
+    """Per position: the site of highest IIA (``label``; on ``chooser``, a table of the same sites
+    measured on other examples, when given, else on ``table`` itself) with its ``iia``,
+    ``iia_low``, ``iia_high`` and ``iia_token`` in ``table`` (the test examples), and
+    ``iia_chosen_on`` (its IIA where it was chosen)."""
+    out = {}
+    for pos, d in table.groupby("position", sort=False):
+        pick = _best(d if chooser is None else chooser[chooser["position"] == pos])
+        b = d[d["label"] == pick["label"]].iloc[0]
+        cols = {k: float(b[k]) for k in ("iia", "iia_low", "iia_high", "iia_token")}
+        out[str(pos)] = {"site": str(b["label"]), **cols, "iia_chosen_on": float(pick["iia"])}
+    return out
 
 
 def summary_table(table, summary: dict | None = None) -> Table:
     """Per position: the best site (its IIA and interval), the random subspace's IIA there, and the
-    first site (in depth order) whose IIA reaches half of the best; a caption that the best site is
-    chosen on the test examples and, with a ``summary`` of an ``only_solved`` run, how many examples
+    first site (in depth order) whose IIA reaches half of the best; the best site is the
+    ``summary``'s (chosen on a train slice) when given, else the highest on ``table``; a caption that
+    says where it was chosen and, with a ``summary`` of an ``only_solved`` run, how many examples
     the filter dropped."""
     t = Table("position", "method", "sites", "best IIA (site) [95%]", "random there", "first >= half best")
     n_sites = table["label"].nunique()
-    notes = [f"best site chosen on the {CHOSEN_ON} examples: its IIA, the highest of {n_sites} sites', is biased up"]
+    chosen = (summary or {}).get("best_sites")
+    on = (summary or {}).get("best_site_chosen_on", CHOSEN_ON)
+    biased = f"best site chosen on the {CHOSEN_ON} examples: its IIA, the highest of {n_sites} sites', is biased up"
+    notes = [biased if on == CHOSEN_ON else f"best site chosen on a {on}"]
     if summary and summary.get("config", {}).get("only_solved"):
         n, n_all = summary["n_train"] + summary["n_test"], summary["n_train_all"] + summary["n_test_all"]
         notes.append(
@@ -187,7 +225,7 @@ def summary_table(table, summary: dict | None = None) -> Table:
     t.caption = "\n".join(notes)
     for pos, d in table.groupby("position", sort=False):
         d = d.sort_values("depth")
-        best = _best(d)
+        best = _best(d) if not chosen else d[d["label"] == chosen[str(pos)]["site"]].iloc[0]
         first = d[d["iia"] >= best["iia"] / 2].iloc[0]
         rand = "" if best["iia_random"] != best["iia_random"] else f"{best['iia_random']:.2f}"
         t.add_row(

@@ -6,7 +6,8 @@
 ``templates.py``   generated datasets: :func:`agreement_examples`, :func:`ioi_examples`
 ``iia.py``         :func:`interchange`: full-vector interchange interventions, IIA per
                    site and position
-``alignment.py``   :func:`das`: distributed alignment search (and Boundless DAS)
+``alignment.py``   :func:`das`: distributed alignment search (and Boundless DAS),
+                   :func:`measure_subspaces`
 ``solving.py``     :func:`solved`: the examples the unintervened model answers right
 ``subspaces.py``   :class:`Subspace` (save, load, steer, score as a probe)
 ``swaps.py``       the batched intervened forwards they share
@@ -30,6 +31,7 @@ _EXPORTS = {
     "ioi_examples": "templates",
     "interchange": "iia",
     "das": "alignment",
+    "measure_subspaces": "alignment",
     "solved": "solving",
     "DasResult": "alignment",
     "random_basis": "alignment",

@@ -13,6 +13,9 @@ table's ``iia_random`` is their mean IIA, ``iia_random_min`` and ``iia_random_ma
                                :func:`~depthscope.analyses.causal.variables.iia.interchange`) and
                                the learned :class:`~depthscope.analyses.causal.variables.subspaces.Subspace` s
 :class:`DasResult`             ``table`` and ``subspaces`` (by ``(site label, position)``)
+:func:`measure_subspaces`      the IIA of learned subspaces on other examples (the columns of
+                               :func:`das`, no random control): where ``localize`` chooses its
+                               best site on a held-out slice of the train examples
 :func:`random_basis`           a seeded random orthonormal basis ``[d, k]``
 :func:`random_control`         the IIA of :data:`N_RANDOM` seeded random bases: mean, min, max
 =============================  ================================================================
@@ -64,7 +67,7 @@ from depthscope.hooks.interventions import RotatedSwap, SubspaceSwap
 from depthscope.hooks.model_checks import require_decoder
 from depthscope.hooks.sites import site_labels
 
-__all__ = ["das", "DasResult", "random_basis", "random_control", "N_RANDOM"]
+__all__ = ["das", "DasResult", "measure_subspaces", "random_basis", "random_control", "N_RANDOM"]
 
 #: Boundless DAS: the final temperature of the boundary's sigmoid
 FINAL_TEMPERATURE = 0.05
@@ -129,7 +132,7 @@ def _train(runner: Runner, source: torch.Tensor, site: int, k: int, cfg: Localiz
 
 
 def _test(runner: Runner, source: torch.Tensor, site: int, r: torch.Tensor):
-    """Per-example hits and logit differences of the interchange within ``r`` ``[d, k]``."""
+    """Per-example hits, logit differences and output-token hits of the interchange within ``r`` ``[d, k]``."""
     with torch.no_grad():
         return _scores(runner, site, SubspaceSwap(r), source)
 
@@ -174,9 +177,9 @@ def _position(model, data: tuple, sites: list[int], position: str, k: int, cfg: 
         with frozen(model), torch.enable_grad():
             rot = _train(tr.runner, tr.source[j], site, k, cfg, seed)
         r = rot.basis()
-        hits, diffs = _test(te.runner, te.source[j], site, r)
+        scores = _test(te.runner, te.source[j], site, r)
         rand = random_control(partial(_hits, te.runner, te.source[j], site), model.d_model, max(r.shape[1], 1), seed)
-        row = {"site": site, "position": position, "dim": r.shape[1], **iia_columns(hits, diffs)}
+        row = {"site": site, "position": position, "dim": r.shape[1], **iia_columns(*scores)}
         row.update(rand, iia_unchanged=floor)
         rows.append(row)
         info = {"model": model.name, "method": "boundless das" if cfg.boundless else "das", "iia": row["iia"]}
@@ -215,3 +218,28 @@ def das(model, train, test=None, sites="resid", positions="END", dim: int = 1, *
     table = finish(rows, model.n_layers, method=method, n_train=len(exs), n_test=len(exs_test), variable=_variable(exs))
     info = {"epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size, "seed": cfg.seed, "dim": dim}
     return DasResult(table, subs, {**info, "boundless": bool(boundless), "n_train": len(exs), "n_test": len(exs_test)})
+
+
+def measure_subspaces(model, examples, subspaces, *, config: LocalizeConfig | None = None) -> pd.DataFrame:
+    """The IIA of each learned subspace (``subspaces``: :class:`Subspace` s, or the values of
+    :attr:`DasResult.subspaces`) on the counterfactual ``examples``: one row per subspace with the
+    columns of :func:`das` (``iia_random`` NaN: no random control; ``n_train`` 0: nothing trained
+    here). ``config``: batch size."""
+    cfg = config or LocalizeConfig()
+    subs = list(subspaces.values()) if isinstance(subspaces, dict) else list(subspaces)
+    exs = as_counterfactuals(examples)
+    names = list(dict.fromkeys(sub.position for sub in subs))
+    tex = tokenize_examples(model, exs, names)
+    rows = []
+    with torch.no_grad():
+        for position in names:
+            here = [sub for sub in subs if sub.position == position]
+            data = _split(model, tex, [sub.site for sub in here], position, cfg)
+            floor = unchanged(data.runner)
+            for j, sub in enumerate(here):
+                scores = _test(data.runner, data.source[j], sub.site, sub.basis)
+                row = {"site": sub.site, "position": position, "dim": sub.dim, **iia_columns(*scores)}
+                rows.append({**row, "iia_unchanged": floor})
+    nan = float("nan")
+    const = {"method": "das", "n_train": 0, "n_random": 0, "iia_random": nan, "iia_random_min": nan}
+    return finish(rows, model.n_layers, **const, iia_random_max=nan, n_test=len(exs), variable=_variable(exs))

@@ -18,12 +18,18 @@ from depthscope.common.settings import BATCH, SEED, Checked, Limit, setting
 LOCALIZE_METHODS = ("interchange", "das")
 
 
+def _at_least_zero(name: str, value) -> None:
+    if not value >= 0:
+        raise InputError(f"{name} must be at least 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LocalizeConfig(Checked):
     """What :func:`~depthscope.analyses.jobs.localize.localize_job` runs: interchange interventions
     or DAS on the counterfactual ``examples`` (JSONL, :mod:`~depthscope.analyses.causal.variables.counterfactuals`;
     every line checked on construction, before any model loads), tested on ``test`` or on a
-    seeded ``1 - train_fraction`` of the examples (``only_solved``: of both, those the model solves,
+    seeded ``1 - train_fraction`` of the examples, each position's best site chosen on a seeded
+    ``select_fraction`` of the train examples (``only_solved``: of both, those the model solves,
     :func:`~depthscope.analyses.causal.variables.solving.solved`), at ``sites`` and named ``positions``; DAS learns
     ``dim`` directions (``boundless``: a learned mask over a full rotation instead) for ``epochs``
     passes over the train examples with Adam at ``lr``; ``probe_task`` adds the probe and causal
@@ -42,6 +48,14 @@ class LocalizeConfig(Checked):
         positive=True,
         max=0.99,
         help="Without --test: the seeded share to train on.",
+    )
+    select_fraction: float = setting(
+        0.2,
+        "--select-fraction",
+        max=0.9,
+        check=_at_least_zero,
+        help="The seeded share of the train examples held out to choose each position's best site on (DAS trains "
+        "on the rest); its IIA is then the test examples'. 0: choose on the test examples (biased upward).",
     )
     only_solved: bool = setting(
         False,

@@ -16,7 +16,10 @@ that the output changes as the variable's new value predicts (Geiger et al. 2021
 =============================  ================================================================
 
 IIA (interchange intervention accuracy) is the fraction of examples whose intervened prediction,
-the argmax of the candidates' logits at the base's last position, equals the example's ``label``.
+the argmax of the candidates' logits at the base's last position, equals the example's ``label``
+(the argmax over the candidates only: a model whose top token is another word still counts).
+``iia_token`` is the stricter output-token variant: the model's output token (the argmax over the
+whole vocabulary) after the intervention is the label's token (the counterfactual's output).
 ``logit_diff`` is the mean over examples of the label's logit minus the mean logit of the other
 candidates (for two candidates: their difference). ``iia_unchanged`` is the same IIA without an
 intervention (how often the base already predicts the label: the floor an intervention that moves
@@ -58,6 +61,7 @@ COLUMNS = [
     "iia",
     "iia_low",
     "iia_high",
+    "iia_token",
     "iia_random",
     "iia_random_min",
     "iia_random_max",
@@ -98,9 +102,10 @@ def resid_sites(model, sites) -> list[int]:
         raise InputError(f"sites: {e.args[0]}") from None
 
 
-def iia_columns(hits: np.ndarray, diffs: np.ndarray) -> dict:
+def iia_columns(hits: np.ndarray, diffs: np.ndarray, tokens: np.ndarray | None = None) -> dict:
     """``iia``, ``iia_low``, ``iia_high`` (Wilson's 95% score interval; NaN below ``MIN_UNITS``
-    examples), ``logit_diff`` (the mean) and the interval's provenance columns."""
+    examples), ``iia_token`` (the share of ``tokens``: the output-token variant; NaN without),
+    ``logit_diff`` (the mean) and the interval's provenance columns."""
     n = len(hits)
     p = float(np.mean(hits)) if n else math.nan
     lo = hi = math.nan
@@ -113,6 +118,7 @@ def iia_columns(hits: np.ndarray, diffs: np.ndarray) -> dict:
         "iia": p,
         "iia_low": lo,
         "iia_high": hi,
+        "iia_token": float(np.mean(tokens)) if n and tokens is not None else math.nan,
         "logit_diff": float(np.mean(diffs)) if n else math.nan,
         **provenance(n, "examples", CI_METHOD),
     }
@@ -123,21 +129,21 @@ def _variable(examples) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def _scores(runner: Runner, site: int, intervention: Intervention, source=None) -> tuple[np.ndarray, np.ndarray]:
-    """Per-example hits and logit differences over every batch of ``runner`` (in the examples'
-    order) with ``intervention`` at ``site``; ``source``: every example's source vector ``[n, d]``."""
+def _scores(runner: Runner, site: int, intervention: Intervention, source=None) -> tuple[np.ndarray, ...]:
+    """Per-example hits, logit differences and output-token hits over every batch of ``runner``
+    (in the examples' order) with ``intervention`` at ``site``; ``source``: every example's source
+    vector ``[n, d]``."""
     n = sum(len(b.rows) for b in runner.batches)
-    hits, diffs = np.zeros(n, dtype=bool), np.zeros(n)
+    hits, diffs, tokens = np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n, dtype=bool)
     for i, b in enumerate(runner.batches):
-        h, d = candidate_scores(runner.logits(i, site, intervention, None if source is None else source[b.rows]), b)
-        hits[b.rows], diffs[b.rows] = h, d
-    return hits, diffs
+        logits = runner.logits(i, site, intervention, None if source is None else source[b.rows])
+        hits[b.rows], diffs[b.rows], tokens[b.rows] = candidate_scores(logits, b)
+    return hits, diffs, tokens
 
 
 def unchanged(runner: Runner) -> float:
     """IIA without an intervention: how often the base already predicts the label."""
-    hits, _ = _scores(runner, 0, Unchanged())
-    return float(hits.mean())
+    return float(_scores(runner, 0, Unchanged())[0].mean())
 
 
 def _position_rows(model, tex: list[TokenExample], sites: list[int], position: str, cfg: LocalizeConfig) -> list:
@@ -146,8 +152,8 @@ def _position_rows(model, tex: list[TokenExample], sites: list[int], position: s
     floor = unchanged(runner)
     rows = []
     for j, site in enumerate(track(sites, desc=f"interchange at {position}", unit="site", enabled=cfg.progress)):
-        hits, diffs = _scores(runner, site, VectorSwap(), source[j])
-        rows.append({"site": site, "position": position, "iia_unchanged": floor, **iia_columns(hits, diffs)})
+        scores = _scores(runner, site, VectorSwap(), source[j])
+        rows.append({"site": site, "position": position, "iia_unchanged": floor, **iia_columns(*scores)})
     return rows
 
 

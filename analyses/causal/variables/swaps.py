@@ -20,7 +20,8 @@ forward goes through depthscope's hook engine (the edit is a hook at the site).
 :func:`frozen`              the model's parameters out of autograd for a ``with`` block (only
                             an intervention's own parameters are trained)
 :func:`candidate_scores`    ``(argmax over the candidates == label, logit of the label minus the
-                            mean logit of the other candidates)`` per example
+                            mean logit of the other candidates, argmax over the whole vocabulary
+                            == the label's token)`` per example
 ==========================  ====================================================================
 """
 
@@ -150,11 +151,13 @@ class Runner:
         return logits[:, -1].float()
 
 
-def candidate_scores(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-    """Per example of ``batch``: whether the argmax over its candidates is the label, and the
-    label's logit minus the mean logit of the other candidates."""
+def candidate_scores(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per example of ``batch``: whether the argmax over its candidates is the label, the label's
+    logit minus the mean logit of the other candidates, and whether the model's output token (the
+    argmax over the whole vocabulary) is the label's token."""
     c = logits.gather(1, batch.candidates)  # [batch, candidates]
     hit = c.argmax(1) == batch.label
     lab = c.gather(1, batch.label[:, None])[:, 0]
     others = (c.sum(1) - lab) / (c.shape[1] - 1)
-    return hit.cpu().numpy(), (lab - others).detach().cpu().numpy()
+    token = logits.argmax(1) == batch.candidates.gather(1, batch.label[:, None])[:, 0]
+    return hit.cpu().numpy(), (lab - others).detach().cpu().numpy(), token.cpu().numpy()
