@@ -178,17 +178,20 @@ def reference_scores(model, pairs, graph, ablated=None) -> dict[tuple[str, str],
     return total
 
 
-def reference_ig_scores(model, pairs, graph, steps: int) -> dict[tuple[str, str], float]:
+def reference_ig_scores(model, pairs, graph, steps: int, ablated=None, start=None) -> dict[tuple[str, str], float]:
     """EAP-IG (inputs) by brute force: as :func:`reference_scores` with the gradient averaged over
     the runs on the input embeddings ``e(corr) + (k / steps) (e(clean) - e(corr))``, k = 0 .. steps - 1
-    (token embeddings: the positions are the same in both prompts)."""
+    (token embeddings: the positions are the same in both prompts). ``ablated(clean ids)`` and
+    ``start(clean ids)`` (the token embeddings ``[1, P, d]`` the path starts from) replace the
+    corrupted writes and embeddings (mean or zero ablation)."""
     model = ungroup(model)
     emb = model.get_input_embeddings()
     total: dict[tuple[str, str], float] = {}
     for clean, corrupted, t, f in pairs:
-        diff = [a - b for a, b in zip(sender_writes(model, corrupted), sender_writes(model, clean))]
+        other = sender_writes(model, corrupted) if ablated is None else ablated(clean)
+        diff = [a - b for a, b in zip(other, sender_writes(model, clean))]
         with torch.no_grad():
-            e_clean, e_corr = emb(clean), emb(corrupted)
+            e_clean, e_corr = emb(clean), (emb(corrupted) if start is None else start(clean))
         points = [e_corr + (k / steps) * (e_clean - e_corr) for k in range(steps)]
         for r, receiver in enumerate(graph.receivers):
             g = sum(receiver_gradient(model, clean, t, f, receiver, embeds=p) for p in points) / steps

@@ -113,6 +113,39 @@ def test_eap_ig_matches_brute_force_reference(tiny, family):
     assert not np.allclose(eap["score"], ig["score"])
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eap_ig_under_zero_and_mean_ablation_matches_plain_torch(tiny, family):
+    """EAP-IG under zero or mean ablation: the path runs from the ablated token embeddings (zero;
+    the mean token embedding from position 1 on) to the clean ones, and the differences are the
+    ablation's, against plain torch."""
+    from depthscope.analyses.circuits.edges.ablation import sender_means
+
+    model, hf = tiny(family)
+    pairs, raw = _pairs(hf.config.vocab_size, n=1)
+    mean_pairs, mean_raw = _pairs(hf.config.vocab_size, n=3, seed=5)
+    g = circuit_graph(model)
+    values = ref.mean_writes(hf, [c for c, _, _, _ in mean_raw], 6)
+    token_mean = values[0] - ref.position_embedding(hf, 6)
+
+    def mean_start(c):
+        e = ref.token_embedding(hf, c).clone()
+        e[1:] = token_mean[1:]
+        return e[None]
+
+    cases = [
+        ("zero", lambda c: _zero_writes(hf, 6, len(g.senders)), lambda c: torch.zeros(1, 6, hf.config.hidden_size)),
+        (sender_means(model, mean_pairs), lambda c: _clean_at_0(hf, c, values), mean_start),
+    ]
+    for ablation, ablated, start in cases:
+        df = edge_attribution(model, pairs, "eap-ig", steps=2, ablation=ablation)
+        want = ref.reference_ig_scores(hf, raw, g, 2, ablated=ablated, start=start)
+        got = {(s, r): v for s, r, v in zip(df["sender"], df["receiver"], df["score"])}
+        keys = sorted(want)
+        a, b = np.array([got[k] for k in keys]), np.array([want[k] for k in keys])
+        assert np.abs(b).max() > 1e-3
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-6, rtol=1e-3)
+
+
 def test_unequal_lengths_are_refused_naming_the_pair(tiny):
     model, hf = tiny("llama")
     pairs, _ = _pairs(hf.config.vocab_size)
