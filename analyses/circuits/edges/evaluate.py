@@ -348,13 +348,15 @@ class CircuitEvaluator:
         return self._corrupted
 
     def _ablated(self, i: int, b: GraphBatch) -> torch.Tensor:
-        if self.ablation != "counterfactual":
-            return ablated_writes(self.model, len(self.graph.senders), b.clean.shape[1], self.means, b.clean.device)
+        """The senders' ablated writes of batch ``i`` (kept between circuits while they fit)."""
         if i in self._kept:
             return self._kept[i]
-        with torch.no_grad():
-            run = self.model.run(b.corrupted, cache=sender_points(self.graph.n_layers))
-        out = stack_senders(run.__getitem__, self.graph.n_layers).float()
+        if self.ablation != "counterfactual":
+            out = ablated_writes(self.model, len(self.graph.senders), b.clean.shape[1], self.means, b.clean.device)
+        else:
+            with torch.no_grad():
+                run = self.model.run(b.corrupted, cache=sender_points(self.graph.n_layers))
+            out = stack_senders(run.__getitem__, self.graph.n_layers).float()
         if sum(t.numel() * 4 for t in self._kept.values()) + out.numel() * 4 <= KEEP_BYTES:
             self._kept[i] = out
         return out
