@@ -24,6 +24,17 @@ from depthscope.common.lazy import lazy_exports
 _EXPORTS = {
     "AttributionGraph": "graph",
     "NODE_KINDS": "graph",
+    "node_influence": "prune",
+    "prune_graph": "prune",
+    "PrunedGraph": "prune",
+    "pruned_adjacency": "prune",
+    "graph_scores": "prune",
+    "node_table": "export",
+    "graph_json": "export",
+    "write_graph": "export",
+    "read_graph": "export",
+    "plot_attribution_graph": "plots",
+    "attribution_html": "html",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -37,18 +37,21 @@ weights: each target logit's probability at its node, 0 elsewhere):
 * completeness score ``= sum_t (1 - Â[t, errors]) (I[t] + w[t]) / sum_t (I[t] + w[t])``: each
   node's share of (normalised) input that is not from an error node, weighted by its influence.
 
-Where circuit-tracer keeps the whole ``[n, n]`` matrix dense (float32 on a GPU), this module
-keeps the adjacency's stored entries only: influence is a series of sparse matrix-vector
-products and the edge scores and masks live on the stored entries (memory O(nnz), about 40
-bytes an edge; circuit-tracer's pruning holds several ``n^2`` matrices: 3 of them are 0.9 GB
-at 8,700 nodes in float32). One difference follows: when a threshold reaches the zero scores
-(``edge_threshold`` 1.0, say), circuit-tracer's dense mask also marks node pairs without an edge
-as kept; here only stored edges can be kept. Explicit zeros in the adjacency are not edges.
+Where circuit-tracer keeps the whole ``[n, n]`` matrix dense (float32 on a GPU; its pruning holds
+several ``n^2`` matrices: at 8,700 nodes each is 0.3 GB), this module keeps the adjacency's stored
+entries only: influence is a series of sparse matrix-vector products and the edge scores and
+masks live on the stored entries, so memory grows with the edges, not with ``n^2``. Measured
+(1 thread, 2026-12-07): 8,698 nodes (8,192 features, 30 layers x 16 positions) with every
+allowed edge present (18.2 M) pruned in 3.8 s and scored in 2.1 s with 435 MiB above the
+graph's own; 2,554 nodes with 0.68 M edges in 0.16 s and 0.10 s. One difference follows: when
+a threshold reaches the zero scores (``edge_threshold`` 1.0, say), circuit-tracer's dense mask
+also marks node pairs without an edge as kept; here only stored edges can be kept. Explicit
+zeros in the adjacency are not edges.
 
 The pruned graph's scores are the same formulas on :func:`pruned_adjacency` (the nodes and
-edges outside the masks zeroed), as circuit-tracer's subgraph scores (its pull request #42)
-compute them for a subgraph of every surviving feature, and as a reader of the graph JSON's
-links alone would.
+edges outside the masks zeroed): what the subgraph scores proposed for circuit-tracer (its pull
+request #42) give for the subgraph of every surviving feature, and what a reader of the graph
+JSON's links alone computes. circuit-tracer itself scores only the full graph.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def prune_graph(graph, node_threshold: float = 0.8, edge_threshold: float = 0.98
     norm = normalized_adjacency(_masked(a, node_mask))
     target_weight = influence(norm, w) + w
     coo = norm.tocoo()
-    rows, cols = coo.row.astype(np.int64), coo.col.astype(np.int64)
+    rows, cols = coo.row, coo.col
     edge_scores = coo.data * target_weight[rows]
     kept = edge_scores >= _threshold(edge_scores, edge_threshold)
     node_mask, kept = _cleaned(rows, cols, kept, node_mask, graph.n_features, n_sources)
