@@ -72,14 +72,13 @@ def _kinds(graph: AttributionGraph) -> np.ndarray:
 
 def _layer_position(graph: AttributionGraph) -> tuple[np.ndarray, np.ndarray]:
     """Each node's layer (-1 for tokens, ``n_layers`` for logits) and position."""
-    n_f, n_pos = graph.n_features, graph.n_pos
+    n_pos = graph.n_pos
     feats = np.asarray(graph.features, dtype=np.int64).reshape(-1, 3)
     err_layer, err_pos = np.divmod(np.arange(graph.n_errors), max(n_pos, 1))
     layer = np.concatenate(
         [feats[:, 0], err_layer, np.full(n_pos, -1), np.full(graph.n_logits, graph.n_layers)]
     ).astype(np.int64)
     position = np.concatenate([feats[:, 1], err_pos, np.arange(n_pos), np.full(graph.n_logits, n_pos - 1)])
-    assert len(layer) == graph.n_nodes and n_f == len(feats)
     return layer, position.astype(np.int64)
 
 

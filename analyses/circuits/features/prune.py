@@ -274,7 +274,8 @@ def _scores(graph, adjacency) -> dict:
     replacement = tokens / (tokens + errors) if tokens + errors > 0 else float("nan")
     from_errors = np.asarray(norm[:, s["error"]].sum(axis=1)).ravel()
     out_weight = inf + w
-    completeness = float(((1.0 - from_errors) * out_weight).sum() / out_weight.sum())
+    total = out_weight.sum()
+    completeness = float(((1.0 - from_errors) * out_weight).sum() / total) if total > 0 else float("nan")
     return {"replacement_score": replacement, "completeness_score": completeness}
 
 
@@ -283,7 +284,7 @@ def graph_scores(graph, pruned: PrunedGraph | None = None) -> dict:
     ``compute_graph_scores``), and with ``pruned`` (:func:`prune_graph`'s result)
     ``pruned_replacement_score`` and ``pruned_completeness_score``: the same formulas on
     :func:`pruned_adjacency`. A graph whose tokens reach the logits through neither features
-    nor errors has a NaN replacement score."""
+    nor errors has a NaN replacement score; one without logit weight NaN scores."""
     _check(graph)
     out = _scores(graph, graph.adjacency)
     if pruned is not None:
