@@ -156,3 +156,108 @@ def test_bad_sets_are_clear_errors(tmp_path):
     (tmp_path / "w" / "config.yaml").write_text("model_kind: cross_layer_transcoder\n")
     with pytest.raises(InputError, match="cross_layer_transcoder"):
         load_transcoder_set(tmp_path / "w")
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def mlp_rows(n=6000, d=16, h=32, seed=0):
+    """Inputs and the outputs of a sparse ReLU MLP (about 2% of its neurons active per row)."""
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(d, h, generator=g) / d**0.5, torch.randn(h, d, generator=g) / h**0.5
+    x = torch.randn(n, d, generator=g) * 3 + 1
+    return x, (x @ w1 - 4.0).relu() @ w2 * 5 + 2
+
+
+def linear_fit_ve(x, y, xe, ye) -> float:
+    """Variance explained on (xe, ye) of the least-squares affine map fitted on (x, y)."""
+    ones = torch.ones(len(x), 1)
+    beta = torch.linalg.lstsq(torch.cat([x, ones], 1), y).solution
+    r = ye - torch.cat([xe, torch.ones(len(xe), 1)], 1) @ beta
+    return float(1 - r.pow(2).sum() / (ye - ye.mean(0)).pow(2).sum())
+
+
+def test_transcoder_training_beats_baselines_and_folds_both_scales():
+    from depthscope.analyses.features.config import SaeTrainConfig
+    from depthscope.analyses.features.training import sae_metrics, train_topk
+
+    x, y = mlp_rows()
+    cfg = SaeTrainConfig(latents=128, k=8, batch_size=256, epochs=20, lr=3e-3, dead_tokens=2000)
+    tc, log = train_topk(x[:5000], cfg, targets=y[:5000])
+    assert tc.architecture == "topk_transcoder" and tc.is_transcoder and not tc.apply_b_dec_to_input
+    assert (tc.d_in, tc.d_out, tc.k) == (16, 16, 8) and log[-1]["step"] > log[0]["step"]
+    m = sae_metrics(tc, x[5000:], targets=y[5000:])
+    # held-out: better than the mean (0) and than the best affine map of the inputs
+    assert m["variance_explained"] > linear_fit_ve(x[:5000], y[:5000], x[5000:], y[5000:]) + 0.2
+    assert m["l0"] <= 8
+    # the input and target scales are folded into the weights: rescaled data, the same map rescaled
+    tc2, _ = train_topk(x[:5000] * 10, cfg, targets=y[:5000] * 0.1)
+    assert torch.allclose(tc2.reconstruct(x[5000:] * 10), tc.reconstruct(x[5000:]) * 0.1, rtol=1e-3, atol=1e-4)
+    with pytest.raises(InputError, match="one target per input"):
+        train_topk(x[:5000], cfg, targets=y[:4000])
+
+
+def test_sae_training_unchanged_by_the_transcoder_path():
+    """An SAE (no targets) still subtracts b_dec and returns a ``topk`` SAE."""
+    from depthscope.analyses.features.config import SaeTrainConfig
+    from depthscope.analyses.features.training import train_topk
+
+    x, _ = mlp_rows(n=1024)
+    sae, _ = train_topk(x, SaeTrainConfig(latents=32, k=4, batch_size=256, epochs=1))
+    assert sae.architecture == "topk" and sae.apply_b_dec_to_input and sae.d_out == 16
+
+
+def test_transcoders_command_writes_the_set_and_resumes(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    import pandas as pd
+
+    from depthscope.common.resume import FOLDER
+    from tests.conftest import run_cli
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"The cat number {i} sat on the mat and looked at the dog." for i in range(300)))
+    out = tmp_path / "out"
+    args = ["transcoders", "train", "--model", tiny_llama_dir, "--text", text, "--out", out, "--latents", "64"]
+    args += ["--k", "4", "--tokens", "2000", "--eval-tokens", "300", "--batch-size", "128", "--epochs", "2"]
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    folder = out / "transcoders"
+    n_layers = len([p for p in folder.iterdir() if p.is_dir()])
+    assert n_layers >= 2 and (folder / "config.yaml").is_file()
+    assert sorted(p.name for p in folder.glob("layer_*.safetensors")) == [
+        f"layer_{i}.safetensors" for i in range(n_layers)
+    ]
+    table = pd.read_parquet(out / "transcoder_metrics.parquet")
+    assert table["layer"].tolist() == list(range(n_layers))
+    assert (table["point"] == [f"{i}.mlp_in" for i in range(n_layers)]).all()
+    assert (table["label"] == [f"{i}.mlp" for i in range(n_layers)]).all() and table["depth"].notna().all()
+    assert (table["l0"] <= 4).all() and (table["variance_explained"] > 0).all()  # beats the mean
+    assert {"ce_loss_score", "loss_zero", "kl"} <= set(table.columns)
+    assert (out / "transcoder_metrics.csv").is_file() and (out / "transcoder_metrics_by_layer.png").is_file()
+    assert not (out / "activations").exists() and not list(out.glob("checkpoint_layer_*.pt"))
+    sae_set, ct_set = (
+        load_transcoder_set(folder, layout="saelens"),
+        load_transcoder_set(folder, layout="circuit-tracer"),
+    )
+    x = torch.randn(3, sae_set[0].d_in)
+    for i in range(n_layers):
+        assert torch.equal(sae_set[i].reconstruct(x), ct_set[i].reconstruct(x))
+    # a killed run: layer 0 finished (its record and folder stand), the rest lost
+    weights = (folder / "layer_0" / "sae_weights.safetensors").read_bytes()
+    for i in range(1, n_layers):
+        shutil.rmtree(folder / f"layer_{i}")
+    (folder / "config.yaml").unlink()
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    assert "(1 reused)" in err and (folder / "layer_0" / "sae_weights.safetensors").read_bytes() == weights
+    assert sorted(load_transcoder_set(folder)) == list(range(n_layers)) and (folder / "config.yaml").is_file()
+    assert (out / FOLDER).is_dir()
+    again = pd.read_parquet(out / "transcoder_metrics.parquet")
+    assert again.loc[0, "variance_explained"] == table.loc[0, "variance_explained"]
+    # --layers picks layers; a bad spec is a usage error naming the flag
+    code, _, err = run_cli([*args, "--layers", "1", "--force"], monkeypatch, capsys)
+    assert code == 0, err
+    assert pd.read_parquet(out / "transcoder_metrics.parquet")["layer"].tolist() == [1]
+    code, _, err = run_cli([*args, "--layers", "0-x"], monkeypatch, capsys)
+    assert code == 2 and "--layers" in err
+    code, _, err = run_cli([*args, "--layers", "99", "--force"], monkeypatch, capsys)
+    assert code != 0 and "out of range" in err and "Traceback" not in err
