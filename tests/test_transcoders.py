@@ -253,10 +253,18 @@ def test_transcoders_command_writes_the_set_and_resumes(tiny_llama_dir, tmp_path
     assert (out / FOLDER).is_dir()
     again = pd.read_parquet(out / "transcoder_metrics.parquet")
     assert again.loc[0, "variance_explained"] == table.loc[0, "variance_explained"]
-    # --layers picks layers; a bad spec is a usage error naming the flag
-    code, _, err = run_cli([*args, "--layers", "1", "--force"], monkeypatch, capsys)
+    # --layers picks layers: with other settings, the earlier layers' files go (another set)
+    code, _, err = run_cli([*args, "--layers", "1", "--seed", "3"], monkeypatch, capsys)
     assert code == 0, err
     assert pd.read_parquet(out / "transcoder_metrics.parquet")["layer"].tolist() == [1]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "layer_1", "layer_1.safetensors"]
+    # ... with the same settings, a set builds up across runs
+    code, _, err = run_cli([*args, "--layers", "0", "--seed", "3"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "(1 reused)" in err
+    assert pd.read_parquet(out / "transcoder_metrics.parquet")["layer"].tolist() == [0, 1]
+    assert sorted(load_transcoder_set(folder, layout="circuit-tracer")) == [0, 1]
+    # a bad spec is a usage error naming the flag
     code, _, err = run_cli([*args, "--layers", "0-x"], monkeypatch, capsys)
     assert code == 2 and "--layers" in err
     code, _, err = run_cli([*args, "--layers", "99", "--force"], monkeypatch, capsys)

@@ -23,10 +23,13 @@ transcoder spliced in against zero ablation, and the rest of that function's row
 
 Resumable per layer: each finished layer's SAELens folder (``OUT/transcoders/layer_{i}``) and its
 metrics and training log are recorded as a stage (:mod:`depthscope.common.resume`, keyed by the
-model's digest, the text's tokens, the settings and depthscope's code), so a rerun in the same
-folder skips the layers whose records hold and trains the rest; inside a layer, the training
-checkpoint (``OUT/checkpoint_layer_{i}.pt``) and the activation store (``OUT/activations``)
-resume a killed step. Store and checkpoints are removed at the end unless ``keep_activations``.
+model's digest, the text's tokens, the settings but ``layers``, and depthscope's code), so a rerun
+in the same folder skips the layers whose records hold and trains the rest; inside a layer, the
+training checkpoint (``OUT/checkpoint_layer_{i}.pt``) and the activation store
+(``OUT/activations``) resume a killed step. Store and checkpoints are removed at the end unless
+``keep_activations``. The set written is every layer of the folder trained with these inputs:
+the layers asked for and any others an earlier run there finished (so ``--layers 0-14`` then
+``--layers 15-29`` build one set); a layer's files left by a run with other inputs are removed.
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def _tokens_digest(*parts: TextRows) -> str:
     return h.hexdigest()
 
 
+def _layers_in(folder: Path) -> set[int]:
+    """The layers with files in the set folder (``layer_{i}/`` or ``layer_{i}.safetensors``)."""
+    names = [p.name.removesuffix(".safetensors") for p in folder.glob("layer_*")] if folder.is_dir() else []
+    return {int(n[6:]) for n in names if n[6:].isdigit()}
+
+
 def _groups(layers: list[int], per_layer_bytes: int, store_gb: float) -> list[list[int]]:
     """``layers`` in groups whose activations (``per_layer_bytes`` each) fit in ``store_gb``."""
     size = max(1, int(store_gb * 1e9 // max(per_layer_bytes, 1)))
@@ -104,7 +113,8 @@ def _train_layer(model, acts, layer: int, cfg: TranscoderTrainConfig, out: Path,
 
 def transcoders_train_job(model, texts, cfg: TranscoderTrainConfig, output: Output, *, keep_activations=False):
     """Train a TopK transcoder for each layer of ``cfg.layers`` (None: all) of ``model`` on
-    ``texts`` and write the set with its metrics to ``output`` (see the module docstring)."""
+    ``texts`` and write the set (those layers and any others the folder holds from the same
+    inputs) with its metrics to ``output`` (see the module docstring)."""
     if output.folder is None:
         raise InputError("transcoders_train_job writes its activation store and transcoders: give an output folder")
     if not model.is_decoder:
@@ -115,13 +125,16 @@ def transcoders_train_job(model, texts, cfg: TranscoderTrainConfig, output: Outp
     base = {"model": model_digest(model), "tokens": _tokens_digest(train_rows, eval_rows), "cfg": settings}
     stages, folder = Stages(out), out / SET_FOLDER
     done, rows, logs, reused = {}, {}, {}, []
-    for layer in layers:
+    for layer in sorted(set(layers) | _layers_in(folder)):
         key = stage_key(**base, layer=layer)
         tables = stages.tables(f"transcoder metrics {layer}", key)
         if tables is not None and stages.files(f"transcoder {layer}", key) is not None:
             done[layer] = load_sae(folder / f"layer_{layer}")
             rows[layer], logs[layer] = tables["metrics"], tables["log"]
             reused.append(layer)
+        elif layer not in layers:  # another run's: not part of this set
+            shutil.rmtree(folder / f"layer_{layer}", ignore_errors=True)
+            (folder / f"layer_{layer}.safetensors").unlink(missing_ok=True)
     todo = [layer for layer in layers if layer not in done]
     per_layer = 2 * model.d_model * 4 * train_rows.n_tokens
     for group in _groups(todo, per_layer, cfg.store_gb):
@@ -142,10 +155,10 @@ def transcoders_train_job(model, texts, cfg: TranscoderTrainConfig, output: Outp
                 checkpoint.unlink(missing_ok=True)
         if not keep_activations:
             shutil.rmtree(out / "activations", ignore_errors=True)
-    transcoders = {layer: done[layer] for layer in layers}
+    transcoders = dict(sorted(done.items()))
     save_transcoder_set(transcoders, folder, model_name=model.name, layout="circuit-tracer")  # SAELens's: above
-    table = pd.concat([rows[layer] for layer in layers], ignore_index=True)
-    log = pd.concat([logs[layer] for layer in layers], ignore_index=True)
+    table = pd.concat([rows[layer] for layer in transcoders], ignore_index=True)
+    log = pd.concat([logs[layer] for layer in transcoders], ignore_index=True)
     files = [folder, *output.table(table, "transcoder_metrics"), *output.table(log, "transcoder_training")]
     files += [p for p in [output.figure(plot_transcoder_metrics, table, name="transcoder_metrics_by_layer")] if p]
     return TranscodersResult(transcoders=transcoders, metrics=table, log=log, files=files, reused=reused)
