@@ -24,7 +24,9 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`LayersConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.jobs.layers.layers_job`
 :class:`CausalConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.causal.erasure.used.causal_tests`
 :class:`LocalizeConfig`    ``causal/variables/config.py``: :func:`~depthscope.analyses.jobs.localize.localize_job`
-:class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`
+:class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`;
+                           its subclass ``TranscoderTrainConfig``:
+                           :func:`~depthscope.analyses.jobs.transcoders.transcoders_train_job`
 =========================  ====================================================================
 """
 
@@ -44,7 +46,7 @@ from depthscope.analyses.defaults import (
     MAX_TOP_K,
     RESUME_HELP,
 )
-from depthscope.analyses.features.config import SaeTrainConfig
+from depthscope.analyses.features.config import SaeTrainConfig, TranscoderTrainConfig
 from depthscope.analyses.lens.config import LensConfig, LensTrainConfig
 from depthscope.analyses.norms.config import NormsConfig
 from depthscope.analyses.probing.config import ProbeJobConfig
@@ -86,6 +88,7 @@ __all__ = [
     "ProbeJobConfig",
     "ReportConfig",
     "SaeTrainConfig",
+    "TranscoderTrainConfig",
     "SweepJobConfig",
     "TextWindows",
 ]
