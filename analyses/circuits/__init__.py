@@ -9,6 +9,8 @@
 ``edges/``          circuits as edge graphs: every edge scored (EAP, EAP-IG), circuits
                     evaluated and their faithfulness, drawn (:class:`CircuitGraph`,
                     :func:`edge_attribution`, :class:`CircuitConfig`, ...)
+``features/``       feature circuits: attribution graphs over transcoder features
+                    (:func:`attribution_graph`, :class:`AttributionGraph`, :func:`edge_by_head`)
 ``memory.py``       the memory a pair (a batch) needs, estimated and checked before the first
                     forward (:class:`~depthscope.analyses.circuits.memory.WorkTooLarge`)
 ==================  =================================================================
@@ -18,7 +20,7 @@ Both read ``pairs.py`` and ``prompts.py``; every name either exports is exported
 
 from __future__ import annotations
 
-from depthscope.analyses.circuits import edges, patching
+from depthscope.analyses.circuits import edges, features, patching
 from depthscope.common.lazy import lazy_exports
 
 _EXPORTS = {
@@ -33,6 +35,7 @@ _EXPORTS = {
     "last_position": "prompts",
     **{name: f"patching.{mod}" for name, mod in patching._EXPORTS.items()},
     **{name: f"edges.{mod}" for name, mod in edges._EXPORTS.items()},
+    **{name: f"features.{mod}" for name, mod in features._EXPORTS.items()},
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -125,7 +125,7 @@ class ReplacementModel:
     """One prompt's replacement model (see the module doc). Tensors on the model's device in its
     dtype; ``acts[l]`` ``[pos, d_sae]`` the transcoder activations (None where a layer has no
     transcoder), ``pre[l]`` their pre-activations, ``errors`` ``[L, pos, d]``, ``logits``
-    ``[pos, vocab]`` the model's own."""
+    ``[pos, vocab]`` the model's own (``pre_logits`` before any soft-capping)."""
 
     model: object
     transcoders: dict[int, SAE]
@@ -143,6 +143,7 @@ class ReplacementModel:
     errors: torch.Tensor  # [L, pos, d]
     b_dec: torch.Tensor  # [L, d]: each transcoder's decoder bias (zero where none)
     logits: torch.Tensor  # [pos, vocab]
+    pre_logits: torch.Tensor  # [pos, vocab]: before soft-capping (= logits without it)
 
     @property
     def n_layers(self) -> int:
@@ -187,7 +188,7 @@ class ReplacementModel:
 
     def logits_of(self, final: torch.Tensor) -> torch.Tensor:
         """Logits of frozen final-norm outputs ``[..., d]`` (unembedding, logit scale; before any
-        soft-capping, which :func:`demeaned` targets do not include)."""
+        soft-capping, which the logit targets leave out: it is not linear)."""
         un = self.model.unembed
         out = un.linear(final)
         return out * un.logit_scale if un.logit_scale is not None else out
@@ -276,8 +277,13 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         pre=[None] * L,
         errors=torch.empty(0),
         b_dec=torch.zeros(L, model.d_model, device=ids.device, dtype=model.dtype),
-        logits=model.unembed(store[f"{L - 1}.mlp"][0]),
+        logits=torch.empty(0),
+        pre_logits=torch.empty(0),
     )
+    with torch.no_grad():
+        un = model.unembed
+        rm.pre_logits = rm.logits_of(un.norm(store[f"{L - 1}.mlp"][0]))
+        rm.logits = un.post(un.linear(un.norm(store[f"{L - 1}.mlp"][0])))
     errors = rm.mlp_out.clone()
     with torch.no_grad():
         for layer, sae in transcoders.items():
