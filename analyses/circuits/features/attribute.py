@@ -113,17 +113,21 @@ def salient_logits(probs: torch.Tensor, desired_logit_prob: float, max_n_logits:
 @dataclass
 class _Features:
     """The active features: node order (layer, position, feature), activations, each layer's
-    slice, and each one's write (activation * decoder row) and read (encoder column)."""
+    slice, and each one's write (activation * decoder row) laid out per position for one batched
+    product with the gradients (``padded[l]`` ``[pos, most per position, d]``, ``slot[l]`` each
+    feature's place there)."""
 
     index: np.ndarray  # [n, 3]
     values: torch.Tensor  # [n]
     spans: dict[int, tuple[int, int]]
-    writes: dict[int, torch.Tensor]  # layer -> [n_l, d]
+    padded: dict[int, torch.Tensor]  # layer -> [pos, k_max, d]
     positions: dict[int, torch.Tensor]  # layer -> [n_l]
+    slot: dict[int, torch.Tensor]  # layer -> [n_l]
 
     @classmethod
     def of(cls, rm: ReplacementModel) -> _Features:
-        rows, vals, spans, writes, positions, start = [], [], {}, {}, {}, 0
+        rows, vals, start = [], [], 0
+        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {})
         for layer, acts in enumerate(rm.acts):
             if acts is None:
                 continue
@@ -131,13 +135,20 @@ class _Features:
             a = acts[nz[:, 0], nz[:, 1]]
             rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
             vals.append(a)
-            spans[layer] = (start, start + len(nz))
-            writes[layer] = a[:, None] * rm.decoder_rows(layer, nz[:, 1])
-            positions[layer] = nz[:, 0]
+            feats.spans[layer] = (start, start + len(nz))
+            pos = nz[:, 0]
+            counts = torch.bincount(pos, minlength=rm.n_pos)
+            first = torch.cumsum(counts, 0) - counts  # each position's first feature
+            slot = torch.arange(len(nz), device=pos.device) - first[pos]
+            padded = torch.zeros(rm.n_pos, int(counts.max()) if len(nz) else 0, rm.embed.shape[-1], dtype=a.dtype)
+            padded = padded.to(a.device)
+            padded[pos, slot] = a[:, None] * rm.decoder_rows(layer, nz[:, 1])
+            feats.padded[layer], feats.positions[layer], feats.slot[layer] = padded, pos, slot
             start += len(nz)
-        index = torch.cat(rows).numpy() if rows else np.zeros((0, 3), dtype=np.int64)
-        values = torch.cat(vals) if vals else torch.zeros(0)
-        return cls(index.astype(np.int64), values, spans, writes, positions)
+        if rows:
+            feats.index = torch.cat(rows).numpy().astype(np.int64)
+            feats.values = torch.cat(vals)
+        return feats
 
     def __len__(self) -> int:
         return len(self.index)
@@ -183,7 +194,8 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                rows[:, a:b] = torch.einsum("bnd,nd->bn", g[:, feats.positions[layer]], feats.writes[layer])
+                per_pos = torch.bmm(g.transpose(0, 1), feats.padded[layer].transpose(1, 2))  # [pos, batch, k_max]
+                rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
             rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer])
         if g_embed is not None:
             rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed)
