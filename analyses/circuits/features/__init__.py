@@ -8,6 +8,7 @@ Tracing"; the circuit-tracer library), beside the edge circuits of ``edges/``.
 ``replacement.py``     the replacement model of one prompt: attention patterns and norm
                        scales frozen, MLPs replaced by transcoder + error
 ``attribute.py``       :func:`attribution_graph`: the graph's edges from batched backward passes
+``heads.py``           :func:`edge_by_head`: one edge split into the residual path and each head
 ``prune.py``           influence, node and edge pruning, replacement and completeness scores
                        (circuit-tracer's ``graph.py`` definitions)
 ``export.py``          the files: ``nodes.parquet``, ``adjacency.npz``, the summary, the
@@ -35,6 +36,12 @@ _EXPORTS = {
     "read_graph": "export",
     "plot_attribution_graph": "plots",
     "attribution_html": "html",
+    "ReplacementModel": "replacement",
+    "replacement_model": "replacement",
+    "attribution_graph": "attribute",
+    "attribution_graph_of": "attribute",
+    "AttributionConfig": "attribute",
+    "edge_by_head": "heads",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
