@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from depthscope.analyses.causal.erasure.config import CausalConfig, LayersConfig
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.circuits.edges.config import CircuitConfig
+from depthscope.analyses.circuits.features.config import AttributeConfig
 from depthscope.analyses.circuits.patching.config import PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
@@ -75,6 +76,7 @@ __all__ = [
     "PROBE_FIELDS",
     "RESUME_HELP",
     "TEXT_FIELDS",
+    "AttributeConfig",
     "CacheConfig",
     "CausalConfig",
     "CircuitConfig",

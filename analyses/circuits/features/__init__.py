@@ -15,6 +15,8 @@ Tracing"; the circuit-tracer library), beside the edge circuits of ``edges/``.
                        circuit-tracer/Neuronpedia graph JSON
 ``plots.py``,          the static figure and the self-contained HTML view
 ``html.py``
+``config.py``          :class:`AttributeConfig`: the settings of ``depthscope attribute``
+                       (torch-free; the job is ``analyses/jobs/attribute.py``)
 =====================  =================================================================
 """
 
@@ -42,6 +44,7 @@ _EXPORTS = {
     "attribution_graph_of": "attribute",
     "AttributionConfig": "attribute",
     "edge_by_head": "heads",
+    "AttributeConfig": "config",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
