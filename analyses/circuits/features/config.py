@@ -70,7 +70,11 @@ class AttributeConfig(Checked):
         0.98, "--edge-threshold", positive=True, max=1.0, help="Pruning: keep the edges of this share of influence."
     )
     top_tokens: int = setting(
-        5, "--top-tokens", min=0, max=50, help="Tokens shown per feature: those its decoder writes to most."
+        5,
+        "--top-tokens",
+        min=0,
+        max=50,
+        help="Tokens shown per feature: those its decoder writes to most (0: none).",
     )
 
     def check(self) -> None:
