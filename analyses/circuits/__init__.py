@@ -9,6 +9,10 @@
 ``edges/``          circuits as edge graphs: every edge scored (EAP, EAP-IG), circuits
                     evaluated and their faithfulness, drawn (:class:`CircuitGraph`,
                     :func:`edge_attribution`, :class:`CircuitConfig`, ...)
+``features/``       feature circuits: attribution graphs over transcoder features, built
+                    (:func:`attribution_graph`, :func:`edge_by_head`), pruned and scored as
+                    circuit-tracer does, written as files, JSON, a figure and a page
+                    (:class:`AttributionGraph`, :func:`prune_graph`, :func:`write_graph`, ...)
 ``memory.py``       the memory a pair (a batch) needs, estimated and checked before the first
                     forward (:class:`~depthscope.analyses.circuits.memory.WorkTooLarge`)
 ==================  =================================================================
@@ -18,7 +22,7 @@ Both read ``pairs.py`` and ``prompts.py``; every name either exports is exported
 
 from __future__ import annotations
 
-from depthscope.analyses.circuits import edges, patching
+from depthscope.analyses.circuits import edges, features, patching
 from depthscope.common.lazy import lazy_exports
 
 _EXPORTS = {
@@ -33,6 +37,7 @@ _EXPORTS = {
     "last_position": "prompts",
     **{name: f"patching.{mod}" for name, mod in patching._EXPORTS.items()},
     **{name: f"edges.{mod}" for name, mod in edges._EXPORTS.items()},
+    **{name: f"features.{mod}" for name, mod in features._EXPORTS.items()},
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,357 @@
+"""The attribution graph's edges: direct effects in the frozen replacement model, read by batched
+backward passes with injected vectors (circuit-tracer's ``attribute``, reimplemented).
+
+==============================  ==============================================================
+offers                          what
+==============================  ==============================================================
+:func:`attribution_graph`       model, transcoders, prompt -> :class:`AttributionGraph`
+:func:`attribution_graph_of`    the same from a :class:`ReplacementModel` and an
+                                :class:`AttributionConfig`
+:class:`AttributionConfig`      ``max_feature_nodes``, ``desired_logit_prob``, ``max_n_logits``,
+                                ``batch_size``, ``update_interval``
+:func:`salient_logits`          the target tokens: top logits until their probability reaches
+                                ``desired_logit_prob``, at most ``max_n_logits``
+==============================  ==============================================================
+
+**Targets.** A feature's input is its pre-activation (``W_enc[:, f]`` applied to the MLP input,
+``ln2`` frozen, plus ``b_enc``); a logit target's input is the logit minus the mean logit over
+the vocabulary at the last position (as circuit-tracer: softmax ignores the mean, so a source
+that raises every logit alike gets no credit), before any soft-capping (which is not linear).
+
+**Edges.** ``adjacency[t, s]`` is the direct effect of source ``s`` on target ``t`` in the frozen
+model: the gradient of ``t``'s input at ``s``'s write, dotted with that write (``activation *
+W_dec[f]`` at ``l.mlp_out`` for a feature, the error vector for an error node, block 0's input
+for a token). One forward of the frozen model with ``batch_size`` copies of the prompt keeps the
+graph; each backward injects one target's read vector per batch row (an encoder column at
+``l.mlp_in``, a demeaned unembedding column at the final norm's output) and reads every row's
+gradient at ``embed`` and every ``l.mlp_out`` at once. Because MLPs are replaced by their
+(fixed) writes, a path never goes through another MLP: edges are the direct effects through the
+residual stream and the attention heads (OV, patterns frozen).
+
+**Order.** The logit rows first, then features in order of their influence on the logits, as
+circuit-tracer: the influence of every feature over the rows computed so far (row-normalised
+``|adjacency|``, all path lengths, weighted by the logit probabilities) is recomputed every
+``update_interval`` batches and the most influential features not yet visited come next, until
+``max_feature_nodes`` rows (None: every active feature, in node order).
+
+**Columns, completeness.** The columns hold every active feature (the graph's feature nodes are
+all active features; those never visited are sources only, ``inputs``/``bias`` NaN), so for every
+target ``inputs[t] == adjacency[t].sum() + bias[t]`` holds exactly: ``inputs`` from the clean
+forward of the model itself, ``bias`` from one more frozen forward with every source zeroed (the
+model's biases, the transcoders' ``b_dec`` and ``b_enc``, LayerNorm biases). The adjacency is a
+``scipy.sparse`` CSR matrix of the computed rows' nonzero entries (an edge against the flow of
+the model -- a later layer or position into an earlier one -- is an exact zero and not stored).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from depthscope.analyses.circuits.features.graph import AttributionGraph
+from depthscope.analyses.circuits.features.replacement import ReplacementModel, replacement_model
+from depthscope.common.errors import InputError
+from depthscope.common.progress import progress_bar
+
+
+@dataclass(frozen=True)
+class AttributionConfig:
+    """How a graph is built: ``max_feature_nodes`` feature rows (None: all active features),
+    logit targets up to ``desired_logit_prob`` cumulative probability and at most
+    ``max_n_logits``, ``batch_size`` targets per backward pass (the batch of the kept forward),
+    influence recomputed every ``update_interval`` batches."""
+
+    max_feature_nodes: int | None = None
+    desired_logit_prob: float = 0.95
+    max_n_logits: int = 10
+    batch_size: int = 64
+    update_interval: int = 4
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.max_feature_nodes is not None and self.max_feature_nodes < 0:
+            raise InputError(f"max_feature_nodes must be >= 0, got {self.max_feature_nodes}")
+        if not 0 < self.desired_logit_prob <= 1:
+            raise InputError(f"desired_logit_prob must be in (0, 1], got {self.desired_logit_prob}")
+        for name in ("max_n_logits", "batch_size", "update_interval"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def attribution_graph(
+    model,
+    transcoders,
+    prompt,
+    *,
+    targets=None,
+    max_feature_nodes: int | None = None,
+    desired_logit_prob: float = 0.95,
+    max_n_logits: int = 10,
+    batch_size: int = 64,
+) -> AttributionGraph:
+    """The attribution graph of ``prompt`` (a string or token ids) in ``model`` with
+    ``transcoders`` (``{layer: SAE}`` reading ``l.mlp_in``, writing ``l.mlp_out``; missing layers
+    have error nodes only). ``targets``: token ids or one-token strings to explain (default: the
+    salient logits). See the module doc."""
+    cfg = AttributionConfig(max_feature_nodes, desired_logit_prob, max_n_logits, batch_size)
+    return attribution_graph_of(replacement_model(model, transcoders, prompt), cfg, targets=targets)
+
+
+def salient_logits(probs: torch.Tensor, desired_logit_prob: float, max_n_logits: int) -> torch.Tensor:
+    """The top tokens of ``probs`` ``[vocab]`` until their cumulative probability reaches
+    ``desired_logit_prob``, at most ``max_n_logits`` (at least one)."""
+    top_p, top = torch.topk(probs, min(max_n_logits, probs.shape[-1]))
+    n = int(torch.searchsorted(torch.cumsum(top_p, 0), torch.tensor(desired_logit_prob, dtype=top_p.dtype))) + 1
+    return top[: min(n, len(top))]
+
+
+# ----------------------------------------------------------------------------- the pieces
+@dataclass
+class _Features:
+    """The active features: node order (layer, position, feature), activations, each layer's
+    slice, and each one's write (activation * decoder row) laid out per position for one batched
+    product with the gradients (``padded[l]`` ``[pos, most per position, d]``, ``slot[l]`` each
+    feature's place there)."""
+
+    index: np.ndarray  # [n, 3]
+    values: torch.Tensor  # [n]
+    spans: dict[int, tuple[int, int]]
+    padded: dict[int, torch.Tensor]  # layer -> [pos, k_max, d]
+    positions: dict[int, torch.Tensor]  # layer -> [n_l]
+    slot: dict[int, torch.Tensor]  # layer -> [n_l]
+
+    @classmethod
+    def of(cls, rm: ReplacementModel) -> _Features:
+        rows, vals, start = [], [], 0
+        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {})
+        for layer, acts in enumerate(rm.acts):
+            if acts is None:
+                continue
+            nz = acts.nonzero()  # row-major: by position, then feature
+            a = acts[nz[:, 0], nz[:, 1]]
+            rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
+            vals.append(a)
+            feats.spans[layer] = (start, start + len(nz))
+            pos = nz[:, 0]
+            counts = torch.bincount(pos, minlength=rm.n_pos)
+            first = torch.cumsum(counts, 0) - counts  # each position's first feature
+            slot = torch.arange(len(nz), device=pos.device) - first[pos]
+            padded = torch.zeros(rm.n_pos, int(counts.max()) if len(nz) else 0, rm.embed.shape[-1], dtype=a.dtype)
+            padded = padded.to(a.device)
+            padded[pos, slot] = a[:, None] * rm.decoder_rows(layer, nz[:, 1])
+            feats.padded[layer], feats.positions[layer], feats.slot[layer] = padded, pos, slot
+            start += len(nz)
+        if rows:
+            feats.index = torch.cat(rows).numpy().astype(np.int64)
+            feats.values = torch.cat(vals)
+        return feats
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+class _Rows:
+    """Target rows from backward passes through one kept forward of ``batch`` copies."""
+
+    def __init__(self, rm: ReplacementModel, feats: _Features, batch: int):
+        self.rm, self.feats, self.batch = rm, feats, batch
+        L, n = rm.n_layers, rm.n_pos
+        self.n_cols = len(feats) + L * n + n
+        src = rm.clean_sources(batch)
+        self.leaves = [src.embed.requires_grad_(True)] + [m.requires_grad_(True) for m in src.mlp_out]
+        with torch.enable_grad():
+            self.out = rm.run(src)
+        self.backwards = 0
+
+    def compute(self, reads: list[tuple[int, int, torch.Tensor]]) -> np.ndarray:
+        """Rows ``[len(reads), n_cols]`` for targets given as ``(layer, position, read vector)``:
+        ``layer`` L for a logit (read at the final norm's output), else the feature's layer (read
+        at that layer's transcoder input)."""
+        L = self.rm.n_layers
+        outs = {}
+        for b, (layer, pos, vec) in enumerate(reads):
+            if layer not in outs:
+                outs[layer] = torch.zeros_like(self.out.final)
+            outs[layer][b, pos] = vec
+        tensors = [self.out.final if layer == L else self.out.mlp_in[layer] for layer in outs]
+        grads = torch.autograd.grad(tensors, self.leaves, list(outs.values()), retain_graph=True, allow_unused=True)
+        self.backwards += 1
+        return self._contract(grads)[: len(reads)].cpu().numpy()
+
+    def _contract(self, grads) -> torch.Tensor:
+        """Each source's write dotted with its gradient: ``[batch, n_cols]``."""
+        rm, feats, L, n = self.rm, self.feats, self.rm.n_layers, self.rm.n_pos
+        rows = torch.zeros(self.batch, self.n_cols, dtype=rm.embed.dtype, device=rm.embed.device)
+        g_embed, g_mlp = grads[0], grads[1:]
+        base = len(feats)
+        for layer in range(L):
+            g = g_mlp[layer]
+            if g is None:
+                continue
+            if layer in feats.spans:
+                a, b = feats.spans[layer]
+                per_pos = torch.bmm(g.transpose(0, 1), feats.padded[layer].transpose(1, 2))  # [pos, batch, k_max]
+                rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
+            rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer])
+        if g_embed is not None:
+            rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed)
+        return rows
+
+
+def _influence(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], logit_p: np.ndarray, n_nodes: int) -> np.ndarray:
+    """Each node's influence on the logits through the rows computed so far: the logit
+    probabilities pushed back through the row-normalised ``|adjacency|`` over all path lengths."""
+    A = abs(sp.vstack(blocks).tocsr())
+    sums = np.asarray(A.sum(1)).ravel()
+    A = sp.diags(1 / np.maximum(sums, 1e-8)) @ A
+    row_nodes = np.concatenate(nodes)
+    row_of = np.full(n_nodes, -1)
+    row_of[row_nodes] = np.arange(len(row_nodes))
+    prod = np.zeros(A.shape[0])
+    prod[: len(logit_p)] = logit_p  # the logit rows come first
+    influence = np.zeros(n_nodes)
+    for _ in range(A.shape[0] + 1):  # a DAG: paths are never longer than the number of rows
+        v = A.T @ prod
+        if not v.any():
+            break
+        influence += v
+        prod = np.zeros(A.shape[0])
+        has = row_of >= 0
+        prod[row_of[has]] = v[has]
+    return influence
+
+
+def _logit_targets(rm: ReplacementModel, cfg: AttributionConfig, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target token ids and their probabilities at the last position."""
+    probs = torch.softmax(rm.logits[-1].float(), -1)
+    if targets is None:
+        ids = salient_logits(probs, cfg.desired_logit_prob, cfg.max_n_logits)
+    else:
+        targets = [targets] if isinstance(targets, (str, int)) else list(targets)
+        if not targets:
+            raise InputError("targets: name at least one token (or leave it None for the salient logits)")
+        ids = torch.tensor([rm.model.token_id(t, "target") for t in targets], device=probs.device)
+    return ids, probs[ids]
+
+
+def _logit_reads(rm: ReplacementModel, ids: torch.Tensor) -> torch.Tensor:
+    """``[n, d]``: the unembedding columns minus their vocabulary mean (times any logit scale)."""
+    un = rm.model.unembed
+    W = un.W_U.detach()
+    reads = W[:, ids].T - W.mean(1)
+    return reads * un.logit_scale if un.logit_scale is not None else reads
+
+
+# ----------------------------------------------------------------------------- the graph
+def attribution_graph_of(
+    rm: ReplacementModel, config: AttributionConfig | None = None, *, targets=None
+) -> AttributionGraph:
+    """The attribution graph of a replacement model (see the module doc)."""
+    cfg = config or AttributionConfig()
+    t0 = time.perf_counter()
+    feats = _Features.of(rm)
+    L, n, nf = rm.n_layers, rm.n_pos, len(feats)
+    logit_ids, logit_p = _logit_targets(rm, cfg, targets)
+    n_logits = len(logit_ids)
+    n_cols = nf + L * n + n
+    n_nodes = n_cols + n_logits
+    logit_nodes = np.arange(n_cols, n_nodes)
+    rows = _Rows(rm, feats, cfg.batch_size)
+    reads = _logit_reads(rm, logit_ids)
+    blocks, nodes = [], []
+
+    def add(chunk_nodes: np.ndarray, chunk_reads: list) -> None:
+        block = rows.compute(chunk_reads)
+        blocks.append(sp.csr_matrix(np.pad(block, ((0, 0), (0, n_logits)))))
+        nodes.append(chunk_nodes)
+
+    B = cfg.batch_size
+    for i in range(0, n_logits, B):
+        add(logit_nodes[i : i + B], [(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))])
+    limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
+    visited = np.zeros(nf, dtype=bool)
+    with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
+        while visited.sum() < limit:
+            if limit == nf:
+                pending = np.arange(nf)
+            else:
+                influence = _influence(blocks, nodes, logit_p.cpu().numpy().astype(np.float64), n_nodes)[:nf]
+                rank = np.argsort(-influence, kind="stable")
+                pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
+            for i in range(0, len(pending), B):
+                chunk = pending[i : i + B]
+                add(chunk, [_feature_read(rm, feats, j) for j in chunk])
+                visited[chunk] = True
+                bar.update(len(chunk))
+    adjacency = _assemble(blocks, nodes, n_nodes)
+    inputs, bias = _inputs_and_bias(rm, feats, visited, logit_ids, n_cols)
+    settings = {
+        **{k: v for k, v in asdict(cfg).items() if k != "progress"},
+        "n_active_features": nf,
+        "n_feature_rows": int(visited.sum()),
+        "n_backward_passes": rows.backwards,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "transcoders": {str(layer): repr(sae) for layer, sae in rm.transcoders.items()},
+        "token_node": "block 0's input at the position (token + learned position embedding in GPT-2)",
+        "logit_target": "logit minus the vocabulary's mean logit, last position, before soft-capping",
+    }
+    tok = rm.model.tokenizer
+    ids = rm.ids[0].tolist()
+    return AttributionGraph(
+        prompt=tok.decode(ids) if tok is not None else "",
+        tokens=ids,
+        token_strings=[tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids],
+        n_layers=L,
+        features=feats.index,
+        activations=feats.values.detach().float().cpu().numpy(),
+        logit_tokens=logit_ids.tolist(),
+        logit_strings=[tok.decode([i]) for i in logit_ids.tolist()] if tok is not None else [],
+        logit_probabilities=logit_p.detach().float().cpu().numpy(),
+        adjacency=adjacency,
+        inputs=inputs,
+        bias=bias,
+        model_name=str(rm.model.name),
+        settings=settings,
+    )
+
+
+def _feature_read(rm: ReplacementModel, feats: _Features, j: int) -> tuple[int, int, torch.Tensor]:
+    layer, pos, f = (int(x) for x in feats.index[j])
+    return layer, pos, rm.transcoders[layer].W_enc[:, f]
+
+
+def _assemble(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], n_nodes: int) -> sp.csr_matrix:
+    """The computed rows placed at their targets' node indices, ``[n_nodes, n_nodes]`` CSR."""
+    stacked = sp.vstack(blocks).tocoo()
+    row_nodes = np.concatenate(nodes)
+    A = sp.csr_matrix((stacked.data, (row_nodes[stacked.row], stacked.col)), shape=(n_nodes, n_nodes))
+    A.eliminate_zeros()
+    return A
+
+
+def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch.Tensor, n_cols: int):
+    """Each target's input (from the clean forward of the model itself) and its bias (the
+    frozen model with every source zeroed: one more forward); NaN for sources only."""
+    n_nodes = n_cols + len(logit_ids)
+    inputs = np.full(n_nodes, np.nan)
+    bias = np.full(n_nodes, np.nan)
+    with torch.no_grad():
+        zero = rm.run(rm.bias_sources(1))
+        for layer, (a, b) in feats.spans.items():
+            sel = np.flatnonzero(visited[a:b]) + a
+            if not len(sel):
+                continue
+            pos = torch.as_tensor(feats.index[sel, 1], device=rm.ids.device)
+            f = torch.as_tensor(feats.index[sel, 2], device=rm.ids.device)
+            inputs[sel] = rm.pre[layer][pos, f].double().cpu().numpy()
+            pre0 = rm.transcoders[layer].pre_activations(zero.mlp_in[layer][0])
+            bias[sel] = pre0[pos, f].double().cpu().numpy()
+        clean = rm.pre_logits[-1].double()
+        inputs[n_cols:] = (clean[logit_ids] - clean.mean()).cpu().numpy()
+        z = rm.logits_of(zero.final[0, -1]).double()
+        bias[n_cols:] = (z[logit_ids] - z.mean()).cpu().numpy()
+    return inputs, bias
