@@ -573,8 +573,11 @@ def test_agreement_iia_equals_plain_transformers_on_the_default_model(default_mo
     sites = [0, 28, 51]  # the embedding, an attention and an MLP site: every kind of site once
     t = interchange(default_model, exs, sites=sites, positions="SUBJ,END")
     for _, row in t.iterrows():
-        hits, diffs = _plain_reference(default_model.hf_model, exs, tokenizer, int(row["site"]), row["position"])
+        hits, diffs, tokens = _plain_reference(
+            default_model.hf_model, exs, tokenizer, int(row["site"]), row["position"]
+        )
         assert row["iia"] == hits.mean(), (row["label"], row["position"])
+        assert row["iia_token"] == tokens.mean(), (row["label"], row["position"])
         assert row["logit_diff"] == pytest.approx(diffs.mean(), abs=2e-3)
 
 
