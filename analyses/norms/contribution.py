@@ -21,7 +21,7 @@ from depthscope.analyses.norms.streaming import (
     check_norms_finite,
     norm_batches,
     norm_sample,
-    stream_batch,
+    stream_batches,
     table_attrs,
     text_settings,
     window_keywords,
@@ -88,8 +88,7 @@ def _accumulate(model, batches, hooks, bar) -> tuple[_Totals, object]:
     """One forward per batch, its metrics added to the running totals (the per-site readers made
     from the first batch); ``(totals, readers)``."""
     totals, reader = _Totals(model.n_sites), None
-    for batch in batches:
-        rs = stream_batch(model, batch, hooks)
+    for batch, rs in stream_batches(model, batches, hooks):
         resid, real = rs.resid, batch.counted.to(rs.resid.device)  # the positions that count
         bar.update(int(real.sum()))
         if reader is None:
