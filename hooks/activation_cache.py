@@ -426,7 +426,7 @@ def _fill(model, docs: tuple, points, user, out: Path, manifest: dict, settings:
     # streamed: the chunks as layer-major passes, the weights read once per pass
     safe = attention_free([*points, *user])
     try:
-        for (k, a, b), record in layer_major(model, todo, chunk, held=held, enabled=safe, progress=settings.progress):
+        for (_, a, b), record in layer_major(model, todo, chunk, held=held, enabled=safe, progress=settings.progress):
             manifest.setdefault("shapes", record.pop("shapes"))
             manifest["chunks"] = sorted([*manifest["chunks"], record], key=lambda c: c["chunk"])
             write_manifest(out / MANIFEST, manifest)

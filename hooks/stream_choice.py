@@ -16,7 +16,8 @@
 =============================  ================================================================
 
 The comparison is of weights held, on both sides with the same 10% headroom: in memory every
-weight, streamed the largest block twice (computing, read ahead) and the resident tensors (embeddings, final norm, unembedding).
+weight, streamed the largest block twice (computing, read ahead) and the resident tensors
+(embeddings, final norm, unembedding).
 A forward's activations are needed either way; the plan prints them for :data:`PLAN_TOKENS` tokens.
 """
 
@@ -82,7 +83,9 @@ def _refusal(n_params, need, dtype, device, free, held, stream, fits_streamed) -
     elif fits_streamed:  # only --no-stream refused it
         streamed = f"streamed, it would hold {held / GiB:.2f} GiB: leave out --no-stream (stream=False) to stream it"
     else:
-        streamed = f"even streamed (--stream) it would hold {held / GiB:.2f} GiB (largest block twice + resident tensors)"
+        streamed = (
+            f"even streamed (--stream) it would hold {held / GiB:.2f} GiB (largest block twice + resident tensors)"
+        )
     return f"{head}; {streamed}; use " + ", ".join(remedies(dtype))
 
 

@@ -254,7 +254,8 @@ class _Pass:
         os.close(fd)
         self.spills += 1
         storage = hidden.untyped_storage()
-        torch.empty(0, dtype=torch.uint8).set_(storage).clone().numpy().tofile(path)  # a copy: numpy pins a storage's size
+        # a copy: numpy pins the size of a storage it views
+        torch.empty(0, dtype=torch.uint8).set_(storage).clone().numpy().tofile(path)
         storage.resize_(0)  # every view of the stream (the model's own loop holds one) loses its memory
         return path
 

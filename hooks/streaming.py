@@ -317,7 +317,8 @@ def expected_peak(m, tokens: int) -> str:
     if m.streamed:
         return (
             f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
-            f"{plan.block / gib:.2f} GiB twice: computing and read ahead, resident {plan.resident / gib:.2f} GiB, activations "
+            f"{plan.block / gib:.2f} GiB twice: computing and read ahead, resident {plan.resident / gib:.2f} GiB, "
+            f"activations "
             f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime); each forward reads "
             f"{plan.block * plan.n_blocks / gib:.2f} GiB of block weights"
         )
