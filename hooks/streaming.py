@@ -44,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,11 @@ _FILE_DTYPES = {
 }
 
 
+def _aligned(n: int) -> int:
+    """``n`` rounded up to 64 bytes: every tensor in a read buffer starts aligned for any dtype."""
+    return -(-n // 64) * 64
+
+
 def _header(path: Path) -> tuple[int, dict]:
     """A safetensors file's data start (8 + header length) and its header (name -> dtype, shape,
     data_offsets relative to the data start)."""
@@ -137,6 +143,10 @@ class BlockStreamer:
         self.reads = 0  # blocks put in place so far
         self.reads_by_block = [0] * len(names)  # reads from the files of each block (a test counts them)
         self.bytes_read = 0
+        self.free: list[torch.Tensor] = []  # the pool of read buffers (two blocks' worth in a pass)
+        self.slots: dict[int, torch.Tensor | None] = {}  # block in place -> the buffer its tensors view
+        self.read_s = 0.0  # seconds reading and converting blocks (in the worker thread or not)
+        self.wait_s = 0.0  # seconds forwards waited for a block's read (0 when reading keeps ahead)
 
     def _where(self, name: str) -> tuple[Path, int, int, dict]:
         """(file, absolute byte offset, byte length, header entry) of tensor ``name``."""
@@ -148,34 +158,63 @@ class BlockStreamer:
         begin, end = entry["data_offsets"]
         return path, start + begin, end - begin, entry
 
-    def _read(self, layer: int) -> list[torch.Tensor]:
-        """Block ``layer``'s tensors read from the files and converted to ``dtype`` on ``device``,
-        as ``from_pretrained`` converts them (run in the worker thread for the block read ahead)."""
+    def _read(self, layer: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Block ``layer``'s tensors read from the files into a buffer of the pool and converted to
+        ``dtype`` on ``device``, as ``from_pretrained`` converts them (in the worker thread for the
+        block read ahead); and the buffer when the tensors are views of it (the file's dtype on the
+        CPU: it goes back to the pool when the block leaves), else None (back already)."""
         self.reads_by_block[layer] += 1
-        return [self._tensor(name).to(self.dtype).to(self.device) for _, _, name in self.names[layer]]
+        t0 = time.perf_counter()
+        where = [self._where(name) for _, _, name in self.names[layer]]
+        slot = self._slot(sum(_aligned(w[2]) for w in where))
+        out, start = [], 0
+        for (_, _, name), w in zip(self.names[layer], where):
+            out.append(self._tensor(name, w, slot[start : start + w[2]]).to(self.dtype).to(self.device))
+            start += _aligned(w[2])
+        base = slot.data_ptr()
+        shared = any(t.device.type == "cpu" and base <= t.data_ptr() < base + max(len(slot), 1) for t in out)
+        if not shared:
+            self._give_back(slot)
+        self.read_s += time.perf_counter() - t0
+        return out, slot if shared else None
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` read from its file in the file's dtype (its own bytes, exactly)."""
-        path, offset, length, entry = self._where(name)
+    def _slot(self, size: int) -> torch.Tensor:
+        """A buffer of at least ``size`` bytes from the pool (a new one when none is free). The
+        pool reuses the same memory for every block: reading into fresh memory is several times
+        slower (the kernel finds and zeroes new pages under the page cache's pressure)."""
+        with self.lock:
+            for i, s in enumerate(self.free):
+                if len(s) >= size:
+                    return self.free.pop(i)
+        return torch.empty(size, dtype=torch.uint8)
+
+    def _give_back(self, slot: torch.Tensor | None) -> None:
+        if slot is not None:
+            with self.lock:
+                self.free.append(slot)
+
+    def _tensor(self, name: str, where: tuple, into: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` (at ``where``: file, offset, length, header entry) read in the file's
+        dtype (its own bytes, exactly) into the bytes ``into``, and viewed there."""
+        path, offset, length, entry = where
         dtype = _FILE_DTYPES.get(entry["dtype"])
         if dtype is None:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as h:
                 return h.get_tensor(self.index[name][1])
-        buf = bytearray(length)
+        if not length:
+            return torch.empty(entry["shape"], dtype=dtype)
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)
-            view, done = memoryview(buf), 0
+            view, done = memoryview(into.numpy()), 0
             while done < length:
                 got = f.readinto(view[done:])
                 if not got:
                     raise CheckpointError(f"{path}: tensor {name} is cut short ({done} of {length} bytes)")
                 done += got
         self.bytes_read += length
-        if not length:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
+        return into.view(dtype).reshape(entry["shape"])
 
     def prefetch(self, layer: int) -> None:
         """Start reading block ``layer`` in the worker thread (no-op when it is already pending)."""
@@ -189,9 +228,10 @@ class BlockStreamer:
         with self.lock:
             fut = self.pending.pop(layer, None)
             stale, self.pending = self.pending, {}
-        for f in stale.values():
-            f.cancel()
-        tensors = fut.result() if fut is not None else self._read(layer)
+        self._forget(stale.values())
+        t0 = time.perf_counter()
+        tensors, self.slots[layer] = fut.result() if fut is not None else self._read(layer)
+        self.wait_s += time.perf_counter() - t0
         if next_layer is not None:
             self.prefetch(next_layer)
         for (module, attr, _), t in zip(self.names[layer], tensors):
@@ -203,14 +243,21 @@ class BlockStreamer:
         for module, attr, _ in self.names[layer]:
             p = module._parameters[attr]
             module._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        self._give_back(self.slots.pop(layer, None))
 
     def drain(self) -> None:
         """Forget reads ahead that no forward took (a forward stopped early, or raised): their
         memory is freed once the read running, if any, ends."""
         with self.lock:
             pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            fut.cancel()
+        self._forget(pending.values())
+
+    def _forget(self, futures) -> None:
+        """Reads ahead dropped: cancelled, or (already running) waited for, their buffers back in
+        the pool (a read running into a buffer must end before the buffer serves another)."""
+        for fut in futures:
+            if not fut.cancel():
+                self._give_back(fut.result()[1])
 
 
 class StreamedBlock(nn.Module):

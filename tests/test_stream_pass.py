@@ -174,3 +174,30 @@ def test_a_model_in_memory_runs_the_items_one_after_the_other(folder):
     order = []
     got = list(layer_major(mem, [1, 2, 3], lambda x: order.append(x) or x * 2))
     assert got == [2, 4, 6] and order == [1, 2, 3]
+
+
+def test_probe_feature_extraction_reads_each_block_once(folder, tmp_path, monkeypatch):
+    import re
+
+    from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
+    from depthscope.probes.store.activations import extract_spans
+
+    mem, st = load_model(folder), load_model(folder, stream=True)
+    tok = tokenize_passages(st.tokenizer, TEXTS, max_tokens=64)
+    p, cs, ce = [], [], []
+    for i, t in enumerate(TEXTS):
+        for m in re.finditer(r"\w+", t):
+            p.append(i), cs.append(m.start()), ce.append(m.end())
+    table = map_spans(tok, SpanTable(np.array(p), np.array(cs), np.array(ce)))
+    kw = dict(pooling="mean", progress=False, dtype="float32", batch_tokens=24)  # several batches
+    a = extract_spans(mem, tok, table, store_dir=tmp_path / "mem", **kw)
+    before = _reads(st)
+    b = extract_spans(st, tok, table, store_dir=tmp_path / "st", **kw)
+    assert _since(st, before) == [1] * N_LAYERS
+    ids = np.arange(len(table))
+    (x1, m1), (x2, m2) = a.gather(ids, 8), b.gather(ids, 8)
+    assert torch.equal(m1, m2) and torch.equal(x1, x2)
+    monkeypatch.setattr(stream_pass, "PASS_BYTES", 0)
+    before = _reads(st)
+    extract_spans(st, tok, table, store_dir=tmp_path / "per_batch", **kw)
+    assert min(_since(st, before)) > 1  # batch by batch: several reads, so the pass above did save some
