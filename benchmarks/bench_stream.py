@@ -162,19 +162,23 @@ def run_in_process(what: str, folder: Path, tokens: int, dtype: str, docs: int =
     def timed_digest(m):  # the cache's store identity hashes every weight: a read of its own, timed apart
         t = time.perf_counter()
         out = digest(m)
+        drop_cached(folder)  # the pass after it reads from the disk too, as it would without the digest
         spent[0] += time.perf_counter() - t
         return out
 
     cache.model_digest = timed_digest
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
+    split: dict = {}  # the lens's forward_s and decode_s
     if what == "lens" and docs:
-        logit_lens(model, texts)
+        logit_lens(model, texts, timings=split)
     elif what == "lens":
-        logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024))
+        logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024), timings=split)
     else:
         with tempfile.TemporaryDirectory() as d:
             write_activations(model, texts, "resid", Path(d) / "store")
     seconds = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # CPU seconds of every thread: the share of the cores the run got
     return {
         "what": what,
         "tokens": n_tokens,
@@ -183,6 +187,8 @@ def run_in_process(what: str, folder: Path, tokens: int, dtype: str, docs: int =
         "load_s": round(load_s, 1),
         "seconds": round(seconds, 1),
         "digest_s": round(spent[0], 1),
+        "cpu_s": round(cpu, 1),
+        **{k: round(v, 1) for k, v in split.items()},
         "s_per_token": (seconds - spent[0]) / n_tokens,
         "peak_gb": _vmhwm() / GB,
         "bytes_read_gb": model.streamer.bytes_read / GB,

@@ -9,7 +9,7 @@
                             against :data:`PASS_BYTES`) and a pass runs its items' ``fn`` side
                             by side, block by block: one read of the block weights per pass,
                             not per batch; a progress bar counts the pass's blocks
-:data:`PASS_BYTES`          the activations one pass may hold (1 GiB): a longer text takes
+:data:`PASS_BYTES`          the activations one pass may hold (2 GiB): a longer text takes
                             several passes, each reading the weights once
 :data:`SPILL_BYTES`         the streams waiting between blocks kept in memory (256 MiB); past it,
                             a waiting stream goes to a temporary file until its turn
@@ -49,7 +49,7 @@ import torch
 __all__ = ["layer_major", "attention_free", "isolated", "PASS_BYTES", "SPILL_BYTES"]
 
 #: the activations one streamed pass may hold, by the caller's estimate per item
-PASS_BYTES = 1 << 30
+PASS_BYTES = 2 << 30
 #: the streams waiting between blocks held in memory; past it they wait in a temporary file
 SPILL_BYTES = 256 << 20
 
