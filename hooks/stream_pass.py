@@ -133,7 +133,6 @@ class _Pass:
         self.held = 0  # bytes of waiting streams in memory
         self.spill_dir: tempfile.TemporaryDirectory | None = None
         self.next_of: dict[int, int | None] = {}  # block -> the block the forwards run after it
-        self.spills = 0  # streams written to the spill file (a test counts them)
         self.bar = progress_bar(n_blocks, desc=f"streamed pass {number}", unit="block", enabled=progress)
 
     def run(self, items: list, fn: Callable) -> list:
@@ -252,7 +251,6 @@ class _Pass:
             self.spill_dir = tempfile.TemporaryDirectory(prefix="depthscope-pass-")
         fd, path = tempfile.mkstemp(dir=self.spill_dir.name, suffix=".stream")
         os.close(fd)
-        self.spills += 1
         storage = hidden.untyped_storage()
         # a copy: numpy pins the size of a storage it views
         torch.empty(0, dtype=torch.uint8).set_(storage).clone().numpy().tofile(path)
