@@ -123,45 +123,92 @@ def _vmhwm() -> int:
     return 0
 
 
-def run_in_process(what: str, folder: Path, tokens: int, dtype: str) -> dict:
+def _documents(model, tokens: int, docs: int) -> list[str]:
+    """Held-out sentences, in order, until there are at least ``docs`` of them and ``tokens`` tokens."""
+    out, n = [], 0
+    for s in _text(4 * max(tokens, docs)):
+        out.append(s)
+        n += len(model.tokenizer(s)["input_ids"])
+        if len(out) >= docs and n >= tokens:
+            break
+    return out
+
+
+def run_in_process(what: str, folder: Path, tokens: int, dtype: str, docs: int = 0) -> dict:
     """``lens`` or ``cache`` on the streamed model, here (call it in a fresh process: the peak is this
-    process's). One forward: all ``tokens`` through each block before the next."""
+    process's). ``docs`` 0: one forward of ``tokens`` tokens; else at least ``docs`` documents of
+    ``tokens`` tokens in all, batched as the commands batch them (the lens's 8 windows per forward,
+    the cache's 1024 tokens per chunk), one layer-major pass over them."""
     import tempfile
 
     import torch
 
-    from depthscope.hooks import load_model
+    from depthscope.analyses import logit_lens
+    from depthscope.hooks import load_model, write_activations
 
     t0 = time.perf_counter()
     model = load_model(folder, dtype=dtype, stream=True)
     load_s = time.perf_counter() - t0
-    ids = model.tokenizer("\n".join(_text(tokens)), return_tensors="pt")["input_ids"][:, :tokens]
-    t0 = time.perf_counter()
-    if what == "lens":
-        from depthscope.analyses import logit_lens
-
-        logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024))
+    if docs:
+        texts = _documents(model, tokens, docs)
+        n_tokens = sum(len(model.tokenizer(s)["input_ids"]) for s in texts)
     else:
-        from depthscope.hooks import write_activations
+        ids = model.tokenizer("\n".join(_text(tokens)), return_tensors="pt")["input_ids"][:, :tokens]
+        texts, n_tokens = [model.tokenizer.decode(ids[0])], int(ids.shape[1])
+    import depthscope.hooks.activation_cache as cache
 
+    digest, spent = cache.model_digest, [0.0]
+
+    def timed_digest(m):  # the cache's store identity hashes every weight: a read of its own, timed apart
+        t = time.perf_counter()
+        out = digest(m)
+        drop_cached(folder)  # the pass after it reads from the disk too, as it would without the digest
+        spent[0] += time.perf_counter() - t
+        return out
+
+    cache.model_digest = timed_digest
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    split: dict = {}  # the lens's forward_s and decode_s
+    if what == "lens" and docs:
+        logit_lens(model, texts, timings=split)
+    elif what == "lens":
+        logit_lens(model, ids, batch_size=1, window=tokens, max_batch_tokens=max(tokens, 1024), timings=split)
+    else:
         with tempfile.TemporaryDirectory() as d:
-            docs = [model.tokenizer.decode(ids[0])]
-            write_activations(model, docs, "resid", Path(d) / "store")
+            write_activations(model, texts, "resid", Path(d) / "store")
     seconds = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # CPU seconds of every thread: the share of the cores the run got
     return {
         "what": what,
-        "tokens": int(ids.shape[1]),
+        "tokens": n_tokens,
+        "documents": len(texts),
         "dtype": dtype,
         "load_s": round(load_s, 1),
         "seconds": round(seconds, 1),
-        "s_per_token": seconds / ids.shape[1],
+        "digest_s": round(spent[0], 1),
+        "cpu_s": round(cpu, 1),
+        **{k: round(v, 1) for k, v in split.items()},
+        "s_per_token": (seconds - spent[0]) / n_tokens,
         "peak_gb": _vmhwm() / GB,
         "bytes_read_gb": model.streamer.bytes_read / GB,
+        "reads_per_block": max(model.streamer.reads_by_block),
+        "read_s": round(model.streamer.read_s, 1),
+        "wait_s": round(model.streamer.wait_s, 1),
         "threads": torch.get_num_threads(),
     }
 
 
-def _fresh(what: str, folder: Path, tokens: int, dtype: str) -> dict:
+def drop_cached(folder: Path) -> None:
+    """The checkpoint's pages dropped from the page cache (``posix_fadvise(DONTNEED)`` on each
+    file: no root needed), so a run reads its weights from the disk, not from memory."""
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as h:
+            os.posix_fadvise(h.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _fresh(what: str, folder: Path, tokens: int, dtype: str, docs: int = 0) -> dict:
+    drop_cached(folder)
     out = subprocess.run(
         [
             sys.executable,
@@ -174,6 +221,8 @@ def _fresh(what: str, folder: Path, tokens: int, dtype: str) -> dict:
             str(tokens),
             "--dtype",
             dtype,
+            "--docs",
+            str(docs),
         ],
         capture_output=True,
         text=True,
@@ -386,11 +435,12 @@ def gpu(folder: Path, tokens: int, tokenizer: Path | None, device: str = "cuda")
     }
 
 
-def table(folder: Path, tokens: int, dtype: str) -> list[dict]:
+def table(folder: Path, tokens: int, dtype: str, docs: int = 0) -> list[dict]:
     f = floors(folder, tokens, dtype)
     rows = []
     for what in ("lens", "cache"):
-        r = _fresh(what, folder, tokens, dtype)
+        r = _fresh(what, folder, tokens, dtype, docs)
+        f = {**f, "read_s_per_token": f["read_s_per_token"] * tokens / r["tokens"]}  # one read over the run's tokens
         compute = f["compute_s_per_token"] if what == "lens" else f["cache_compute_s_per_token"]
         floor = max(compute, f["read_s_per_token"])
         r.update(floor_s_per_token=floor, share_of_floor=floor / r["s_per_token"], **f)
@@ -412,14 +462,22 @@ def main(argv=None) -> None:
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--per-batch", action="store_true", help="lens/cache: each batch a pass of its own (as before)")
+    ap.add_argument("--docs", type=int, default=0, help="lens/cache/table: at least this many documents (0: one)")
     ap.add_argument("--tokenizer", type=Path, help="gpu/build: a tokenizer folder (default: the default model's)")
     ap.add_argument("--device", default="cuda", help="gpu: the device (cpu only to check the script)")
     a = ap.parse_args(argv)
     if a.step == "gpu":
         print(json.dumps(gpu(Path(a.rest[0] if a.rest else "/tmp/depthscope-1b"), a.tokens, a.tokenizer, a.device)))
         return
+    if a.per_batch:
+        os.environ["DEPTHSCOPE_BENCH_PER_BATCH"] = "1"  # here and in the fresh processes
+    if os.environ.get("DEPTHSCOPE_BENCH_PER_BATCH") == "1":
+        from depthscope.hooks import stream_pass
+
+        stream_pass.PASS_BYTES = 0  # every batch a pass of its own: the weights read once per batch
     if a.step == "_one":
-        print(json.dumps(run_in_process(a.rest[0], Path(a.rest[1]), a.tokens, a.dtype)))
+        print(json.dumps(run_in_process(a.rest[0], Path(a.rest[1]), a.tokens, a.dtype, a.docs)))
         return
     if a.step == "exact":
         print(json.dumps(exact(Path(a.rest[0] if a.rest else "/tmp/depthscope-1b"), a.tokens, a.dtype)))
@@ -428,11 +486,11 @@ def main(argv=None) -> None:
     if a.step == "build":
         build(folder)
     elif a.step in ("lens", "cache"):
-        print(json.dumps(_fresh(a.step, folder, a.tokens, a.dtype)))
+        print(json.dumps(_fresh(a.step, folder, a.tokens, a.dtype, a.docs)))
     elif a.step == "floors":
         print(json.dumps(floors(folder, a.tokens, a.dtype)))
     else:
-        table(folder, a.tokens, a.dtype)
+        table(folder, a.tokens, a.dtype, a.docs)
 
 
 if __name__ == "__main__":

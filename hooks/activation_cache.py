@@ -60,6 +60,7 @@ from depthscope.common.shards import ShardedFeats, file_problem, load_array, rea
 from depthscope.hooks.attention import ATTENTION_KINDS
 from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import Point, parse_point, parse_points
+from depthscope.hooks.stream_pass import attention_free, layer_major
 
 __all__ = ["Activations", "CacheSettings", "cache_points", "open_activations", "write_activations"]
 
@@ -411,12 +412,21 @@ def _fill(model, docs: tuple, points, user, out: Path, manifest: dict, settings:
     plan = _plan(lengths, settings.chunk_tokens)
     left = sum(int(starts[b] - starts[a]) for k, (a, b) in enumerate(plan) if k not in done)
     bar = progress_bar(left, desc=settings.desc, unit="tok", enabled=settings.progress)
+    job = (model, points, user, docs, first)
+    todo = [(k, a, b) for k, (a, b) in enumerate(plan) if k not in done]
+
+    def chunk(item: tuple) -> tuple:
+        k, a, b = item
+        return item, _write_chunk(out, k, job, (a, b), (int(starts[a]), int(starts[b])))
+
+    def held(item: tuple) -> int:  # a chunk's padded stream (its points' rows go to disk as reached)
+        _, a, b = item
+        return (b - a) * max(lengths[a:b]) * 4 * model.d_model
+
+    # streamed: the chunks as layer-major passes, the weights read once per pass
+    safe = attention_free([*points, *user])
     try:
-        for k, (a, b) in enumerate(plan):
-            if k in done:
-                continue
-            job = (model, points, user, docs, first)
-            record = _write_chunk(out, k, job, (a, b), (int(starts[a]), int(starts[b])))
+        for (_, a, b), record in layer_major(model, todo, chunk, held=held, enabled=safe, progress=settings.progress):
             manifest.setdefault("shapes", record.pop("shapes"))
             manifest["chunks"] = sorted([*manifest["chunks"], record], key=lambda c: c["chunk"])
             write_manifest(out / MANIFEST, manifest)

@@ -65,6 +65,7 @@ from depthscope.hooks.arch import read_qkv, read_values, write_qkv
 from depthscope.hooks.attention import ATTENTION_KINDS, eager_patterns
 from depthscope.hooks.block_start import start_block
 from depthscope.hooks.points import Point, parse_point, spec_of
+from depthscope.hooks.stream_pass import isolated
 
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
 Hooks = Mapping[str, HookFn | Sequence[HookFn]] | Iterable[tuple[str, HookFn]] | None
@@ -207,12 +208,13 @@ class Engine:
 
     # ------------------------------------------------------------------ registration
     def hook(self, module: nn.Module, fn: Callable) -> None:
-        """A forward hook ``fn(module, args, output)`` on ``module`` until the engine exits."""
-        self._handles.append(module.register_forward_hook(fn))
+        """A forward hook ``fn(module, args, output)`` on ``module`` until the engine exits (inside a
+        layer-major pass: in this worker's forwards only, :func:`~.stream_pass.isolated`)."""
+        self._handles.append(module.register_forward_hook(isolated(fn)))
 
     def pre_hook(self, module: nn.Module, fn: Callable, with_kwargs: bool = False) -> None:
         """A forward pre-hook ``fn(module, args[, kwargs])`` on ``module`` until the engine exits."""
-        self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+        self._handles.append(module.register_forward_pre_hook(isolated(fn), with_kwargs=with_kwargs))
 
     def module_of(self, point: Point) -> nn.Module | None:
         """The module a point is read at (the registry's ``module`` field of the architecture)."""

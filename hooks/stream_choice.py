@@ -3,7 +3,7 @@
 =============================  ================================================================
 :func:`decide`                 True to stream a model of ``n_params`` parameters: asked to
                                (``stream=True``), or ``stream=None`` and its weights do not fit
-                               while the streamed ones (largest block + resident tensors) do;
+                               while the streamed ones (largest block twice + resident tensors) do;
                                otherwise in memory, or a :class:`ModelTooLarge` whose message
                                names ``--stream``, the streamed bound and the remedies this
                                machine offers
@@ -16,7 +16,8 @@
 =============================  ================================================================
 
 The comparison is of weights held, on both sides with the same 10% headroom: in memory every
-weight, streamed the largest block and the resident tensors (embeddings, final norm, unembedding).
+weight, streamed the largest block twice (computing, read ahead) and the resident tensors
+(embeddings, final norm, unembedding).
 A forward's activations are needed either way; the plan prints them for :data:`PLAN_TOKENS` tokens.
 """
 
@@ -56,7 +57,7 @@ def decide(n_params: int, config, dtype: torch.dtype, device: torch.device, stre
     if free is None:
         return False
     plan = _plan(config, dtype)
-    held = plan.block + plan.resident if plan is not None else None
+    held = plan.held if plan is not None else None
     fits_streamed = held is not None and held * HEADROOM <= free
     if stream is None and fits_streamed:
         log.warning(
@@ -82,7 +83,9 @@ def _refusal(n_params, need, dtype, device, free, held, stream, fits_streamed) -
     elif fits_streamed:  # only --no-stream refused it
         streamed = f"streamed, it would hold {held / GiB:.2f} GiB: leave out --no-stream (stream=False) to stream it"
     else:
-        streamed = f"even streamed (--stream) it would hold {held / GiB:.2f} GiB (largest block + resident tensors)"
+        streamed = (
+            f"even streamed (--stream) it would hold {held / GiB:.2f} GiB (largest block twice + resident tensors)"
+        )
     return f"{head}; {streamed}; use " + ", ".join(remedies(dtype))
 
 
@@ -105,7 +108,7 @@ def plan_words(plan, tokens: int = PLAN_TOKENS, rate: float | None = None) -> st
     reads = plan.block * plan.n_blocks
     text = (
         f"streamed bound {plan.peak(tokens) / GiB:.2f} GiB for a forward of {tokens} tokens (largest block "
-        f"{plan.block / GiB:.2f} GiB, resident {plan.resident / GiB:.2f} GiB, activations "
+        f"{plan.block / GiB:.2f} GiB twice, resident {plan.resident / GiB:.2f} GiB, activations "
         f"{tokens * plan.activation_per_token / GiB:.2f} GiB, 2 GiB runtime); each forward reads "
         f"{reads / GiB:.1f} GiB of block weights ({plan.n_blocks} blocks)"
     )

@@ -8,8 +8,8 @@
                                the checkpoint's safetensors files: everything outside the blocks
                                (embeddings, final norm, unembedding, buffers) is resident
 :class:`BlockStreamer`         reads a block's tensors from the files, puts them into the block
-                               for one forward and drops them after; reads the next block ahead
-                               into the page cache in a thread while the current one computes
+                               for one forward and drops them after; reads (and converts) the
+                               next block in a thread while the current one computes
 :class:`StreamedBlock`         stands for a block in the model's own block list: its forward has
                                the streamer load the block, runs it, and releases it
 :func:`stream_plan`            the sizes that bound a streamed run's memory
@@ -28,14 +28,13 @@ checks it on the families). Nothing but the weights' residence changes.
 
 Order and cost. Each forward streams the blocks once, in the order the model runs them (also
 under :func:`~depthscope.hooks.block_order.block_order`): one read of the block weights per
-forward. So a pass over a text should be few, large forwards: every row of a forward goes
-through block ``l`` before any goes through ``l + 1``. The lens and the activation cache size
-their forwards by :func:`stream_plan` when the model is streamed. On a CPU the products of a
-forward of a few hundred tokens through a 13B model take minutes, its weights' read seconds.
+forward. The analyses that send a text in batches (lens, activation cache, norms) run their
+batches as one layer-major pass (:func:`~depthscope.hooks.stream_pass.layer_major`): every batch
+through block ``l`` before any goes through ``l + 1``, so the weights are read once per pass, not
+once per batch. Block ``l + 1`` is read and converted in a thread while block ``l`` computes.
 
-Memory. One block is resident (the one computing; the block read ahead sits in the operating
-system's page cache, which the kernel reclaims under pressure, not in the process), plus the
-resident tensors and the forward's activations: :func:`stream_plan` gives the bound.
+Memory. Two blocks are resident (the one computing, and the one read ahead), plus the resident
+tensors and the activations: :func:`stream_plan` gives the bound.
 Generation and gradients are refused on a streamed model (each step would read every block
 again; a backward would need every block's weights held for the whole graph).
 """
@@ -45,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +53,7 @@ from torch import nn
 
 from depthscope.common.errors import CheckpointError, InputError
 from depthscope.hooks.arch import resolve
+from depthscope.hooks.stream_pass import worker
 
 
 def _weight_index(folder: Path) -> dict[str, Path]:
@@ -105,8 +106,11 @@ _FILE_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-#: bytes per read when the read-ahead warms the page cache
-_CHUNK = 1 << 24
+
+
+def _aligned(n: int) -> int:
+    """``n`` rounded up to 64 bytes: every tensor in a read buffer starts aligned for any dtype."""
+    return -(-n // 64) * 64
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -126,9 +130,9 @@ class BlockStreamer:
     reaches a block (:meth:`enter`), each of its tensors is read from its file with a plain read (no
     memory map: the process holds only what it reads), converted to ``dtype`` and moved to
     ``device`` one tensor at a time, and assigned to its module for that forward; :meth:`leave`
-    replaces them by ``meta`` tensors. The next block is read ahead in a worker thread into the
-    operating system's page cache only (reclaimable memory, not the process's), so its read at
-    :meth:`enter` costs a copy, not a disk access, and one block is resident at a time."""
+    replaces them by ``meta`` tensors. The next block is read and converted in a worker thread
+    while the current one computes, so :meth:`enter` usually finds it ready: two blocks are
+    resident at most."""
 
     def __init__(self, index: dict[str, tuple[Path, str]], names: list[list[tuple]], dtype: torch.dtype, device):
         self.index, self.names, self.dtype, self.device = index, names, dtype, torch.device(device)
@@ -136,8 +140,13 @@ class BlockStreamer:
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.lock = threading.Lock()
         self.headers: dict[Path, tuple[int, dict]] = {}
-        self.reads = 0  # blocks read so far (a test counts them)
+        self.reads = 0  # blocks put in place so far
+        self.reads_by_block = [0] * len(names)  # reads from the files of each block (a test counts them)
         self.bytes_read = 0
+        self.free: list[torch.Tensor] = []  # the pool of read buffers (two blocks' worth in a pass)
+        self.slots: dict[int, torch.Tensor | None] = {}  # block in place -> the buffer its tensors view
+        self.read_s = 0.0  # seconds reading and converting blocks (in the worker thread or not)
+        self.wait_s = 0.0  # seconds forwards waited for a block's read (0 when reading keeps ahead)
 
     def _where(self, name: str) -> tuple[Path, int, int, dict]:
         """(file, absolute byte offset, byte length, header entry) of tensor ``name``."""
@@ -149,58 +158,83 @@ class BlockStreamer:
         begin, end = entry["data_offsets"]
         return path, start + begin, end - begin, entry
 
-    def _warm(self, layer: int) -> None:
-        """Read block ``layer``'s byte ranges through a small buffer: the pages land in the page cache."""
-        buf = bytearray(_CHUNK)
-        for _, _, name in self.names[layer]:
-            path, offset, length, _ = self._where(name)
-            with open(path, "rb", buffering=0) as f:
-                f.seek(offset)
-                while length > 0:
-                    got = f.readinto(memoryview(buf)[: min(length, _CHUNK)])
-                    if not got:
-                        break
-                    length -= got
+    def _read(self, layer: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Block ``layer``'s tensors read from the files into a buffer of the pool and converted to
+        ``dtype`` on ``device``, as ``from_pretrained`` converts them (in the worker thread for the
+        block read ahead); and the buffer when the tensors are views of it (the file's dtype on the
+        CPU: it goes back to the pool when the block leaves), else None (back already)."""
+        self.reads_by_block[layer] += 1
+        t0 = time.perf_counter()
+        where = [self._where(name) for _, _, name in self.names[layer]]
+        slot = self._slot(sum(_aligned(w[2]) for w in where))
+        out, start = [], 0
+        for (_, _, name), w in zip(self.names[layer], where):
+            out.append(self._tensor(name, w, slot[start : start + w[2]]).to(self.dtype).to(self.device))
+            start += _aligned(w[2])
+        base = slot.data_ptr()
+        shared = any(t.device.type == "cpu" and base <= t.data_ptr() < base + max(len(slot), 1) for t in out)
+        if not shared:
+            self._give_back(slot)
+        self.read_s += time.perf_counter() - t0
+        return out, slot if shared else None
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` read from its file in the file's dtype (its own bytes, exactly)."""
-        path, offset, length, entry = self._where(name)
+    def _slot(self, size: int) -> torch.Tensor:
+        """A buffer of at least ``size`` bytes from the pool (a new one when none is free). The
+        pool reuses the same memory for every block: reading into fresh memory is several times
+        slower (the kernel finds and zeroes new pages under the page cache's pressure)."""
+        with self.lock:
+            for i, s in enumerate(self.free):
+                if len(s) >= size:
+                    return self.free.pop(i)
+        return torch.empty(size, dtype=torch.uint8)
+
+    def _give_back(self, slot: torch.Tensor | None) -> None:
+        if slot is not None:
+            with self.lock:
+                self.free.append(slot)
+
+    def _tensor(self, name: str, where: tuple, into: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` (at ``where``: file, offset, length, header entry) read in the file's
+        dtype (its own bytes, exactly) into the bytes ``into``, and viewed there."""
+        path, offset, length, entry = where
         dtype = _FILE_DTYPES.get(entry["dtype"])
         if dtype is None:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as h:
                 return h.get_tensor(self.index[name][1])
-        buf = bytearray(length)
+        if not length:
+            return torch.empty(entry["shape"], dtype=dtype)
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)
-            view, done = memoryview(buf), 0
+            view, done = memoryview(into.numpy()), 0
             while done < length:
                 got = f.readinto(view[done:])
                 if not got:
                     raise CheckpointError(f"{path}: tensor {name} is cut short ({done} of {length} bytes)")
                 done += got
         self.bytes_read += length
-        if not length:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
+        return into.view(dtype).reshape(entry["shape"])
 
     def prefetch(self, layer: int) -> None:
-        """Start warming block ``layer`` in the worker thread (no-op when it is already pending)."""
+        """Start reading block ``layer`` in the worker thread (no-op when it is already pending)."""
         with self.lock:
             if layer not in self.pending:
-                self.pending[layer] = self.pool.submit(self._warm, layer)
+                self.pending[layer] = self.pool.submit(self._read, layer)
 
     def enter(self, layer: int, next_layer: int | None) -> None:
-        """Block ``layer``'s parameters in place, and ``next_layer`` read ahead."""
+        """Block ``layer``'s parameters in place (the block read ahead, or read now), and
+        ``next_layer`` read ahead while it computes; a block read ahead for nothing is dropped."""
         with self.lock:
             fut = self.pending.pop(layer, None)
-        if fut is not None:
-            fut.result()  # its pages are cached: the reads below copy, and the two reads never overlap
+            stale, self.pending = self.pending, {}
+        self._forget(stale.values())
+        t0 = time.perf_counter()
+        tensors, self.slots[layer] = fut.result() if fut is not None else self._read(layer)
+        self.wait_s += time.perf_counter() - t0
         if next_layer is not None:
             self.prefetch(next_layer)
-        for module, attr, name in self.names[layer]:
-            t = self._tensor(name).to(self.dtype).to(self.device)  # as from_pretrained converts it
+        for (module, attr, _), t in zip(self.names[layer], tensors):
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
         self.reads += 1
 
@@ -209,13 +243,21 @@ class BlockStreamer:
         for module, attr, _ in self.names[layer]:
             p = module._parameters[attr]
             module._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        self._give_back(self.slots.pop(layer, None))
 
     def drain(self) -> None:
-        """Forget reads ahead that no forward took (a forward stopped early, or raised)."""
+        """Forget reads ahead that no forward took (a forward stopped early, or raised): their
+        memory is freed once the read running, if any, ends."""
         with self.lock:
             pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            fut.cancel()
+        self._forget(pending.values())
+
+    def _forget(self, futures) -> None:
+        """Reads ahead dropped: cancelled, or (already running) waited for, their buffers back in
+        the pool (a read running into a buffer must end before the buffer serves another)."""
+        for fut in futures:
+            if not fut.cancel():
+                self._give_back(fut.result()[1])
 
 
 class StreamedBlock(nn.Module):
@@ -235,6 +277,10 @@ class StreamedBlock(nn.Module):
                 "gradients through a streamed model are refused: a backward needs every block's weights "
                 "held for the whole graph; load the model without stream=True"
             )
+        here = worker()
+        if here is not None and here[0].streamer is streamer:  # a layer-major pass: its turn, the block in place
+            here[0].park(here[1], layer, _next_layer(blocks, self), args[0] if args else kwargs.get("hidden_states"))
+            return self.block(*args, **kwargs)
         streamer.enter(layer, _next_layer(blocks, self))
         try:
             return self.block(*args, **kwargs)
@@ -272,14 +318,20 @@ class StreamPlan:
     activation_per_token: int
     n_blocks: int
 
+    @property
+    def held(self) -> int:
+        """The weights a streamed run holds: the largest block twice (the one computing and the one
+        read ahead) and the resident tensors."""
+        return 2 * self.block + self.resident
+
     def peak(self, tokens: int, slack: int = 2 * 2**30) -> int:
-        """The memory bound of a forward of ``tokens`` tokens: the largest block, the resident
-        tensors, the activations, and ``slack`` for the runtime."""
-        return self.block + self.resident + tokens * self.activation_per_token + slack
+        """The memory bound of a forward of ``tokens`` tokens: :attr:`held`, the activations, and
+        ``slack`` for the runtime."""
+        return self.held + tokens * self.activation_per_token + slack
 
     def tokens_within(self, budget: int, slack: int = 2 * 2**30) -> int:
         """The most tokens of one forward whose :meth:`peak` stays within ``budget`` bytes (at least 1)."""
-        room = budget - (self.block + self.resident + slack)
+        room = budget - (self.held + slack)
         return max(1, room // max(self.activation_per_token, 1))
 
 
@@ -312,7 +364,8 @@ def expected_peak(m, tokens: int) -> str:
     if m.streamed:
         return (
             f"streamed: expected peak {plan.peak(tokens) / gib:.2f} GiB for {tokens} tokens (largest block "
-            f"{plan.block / gib:.2f} GiB, resident {plan.resident / gib:.2f} GiB, activations "
+            f"{plan.block / gib:.2f} GiB twice: computing and read ahead, resident {plan.resident / gib:.2f} GiB, "
+            f"activations "
             f"{tokens * plan.activation_per_token / gib:.2f} GiB, 2 GiB runtime); each forward reads "
             f"{plan.block * plan.n_blocks / gib:.2f} GiB of block weights"
         )

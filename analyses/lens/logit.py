@@ -378,6 +378,7 @@ class _LensSettings(Streaming):
     mask: torch.Tensor | None = None
     topk: int = 0
     text: TextWindows | None = None
+    progress: bool = False  # a bar over each streamed pass's blocks
 
 
 @dataclass
@@ -451,26 +452,40 @@ class _Clock:
 
 def _forwards(model, inputs, settings: _LensSettings, clock: _Clock) -> Iterator[tuple]:
     """One forward per :func:`lens_batches` batch (all sites at once): ``(batch, rs, (rows,
-    positions, targets))`` with the flat positions it contributes within ``max_tokens``."""
-    budget = _Budget(settings.max_tokens)
-    batches = lens_batches(
-        model,
-        inputs,
-        mask=settings.mask,
-        batch_size=settings.batch_size,
-        window=settings.window,
-        max_batch_tokens=settings.max_batch_tokens,
-        text=settings.text,
-        skip=0 if settings.first_position else 1,
-    )
-    for batch in batches:
-        if budget.exhausted():
-            break
-        batch = budget.trim(batch, settings.first_position)
-        clock.start()
-        rs = model.residual_stream(batch.ids, mask=batch.mask, sites=settings.sites)
+    positions, targets))`` with the flat positions it contributes within ``max_tokens``. On a
+    streamed model the batches run as layer-major passes (:func:`~depthscope.hooks.stream_pass.layer_major`:
+    the weights read once per pass), each batch's captures held until its pass ends."""
+    from depthscope.hooks.stream_pass import layer_major
+
+    per_token = 4 * (len(settings.sites) * model.d_model + model.vocab_size)  # the captures and the logits
+
+    def planned() -> Iterator[tuple]:
+        budget = _Budget(settings.max_tokens)
+        batches = lens_batches(
+            model,
+            inputs,
+            mask=settings.mask,
+            batch_size=settings.batch_size,
+            window=settings.window,
+            max_batch_tokens=settings.max_batch_tokens,
+            text=settings.text,
+            skip=0 if settings.first_position else 1,
+        )
+        for batch in batches:
+            if budget.exhausted():
+                break
+            batch = budget.trim(batch, settings.first_position)
+            yield batch, budget.take(*_positions(batch.ids, batch.mask.bool(), settings.first_position, batch.first))
+
+    def forward(job: tuple) -> tuple:
+        return job, model.residual_stream(job[0].ids, mask=job[0].mask, sites=settings.sites)
+
+    clock.start()
+    held = lambda job: job[0].ids.numel() * per_token  # noqa: E731
+    for (batch, flat), rs in layer_major(model, planned(), forward, held=held, progress=settings.progress):
         clock.lap("forward_s")
-        yield batch, rs, budget.take(*_positions(rs.input_ids, rs.mask, settings.first_position, batch.first))
+        yield batch, rs, tuple(t.to(rs.input_ids.device) for t in flat)
+        clock.start()
 
 
 def _iter_chunks(model, inputs, settings: _LensSettings, *, target_fn=None, timings=None) -> Iterator[_Chunk]:
@@ -611,7 +626,9 @@ def logit_lens(
     """
     lens.check(model)
     stream, text = _text_streaming(inputs, replace(streaming or Streaming(), **overrides), text)
-    settings = _LensSettings(lens=lens, sites=lens.resolve_sites(model, sites), mask=mask, text=text, **asdict(stream))
+    settings = _LensSettings(
+        lens=lens, sites=lens.resolve_sites(model, sites), mask=mask, text=text, progress=progress, **asdict(stream)
+    )
     if text is not None and text.max_tokens is not None and total is not None:
         total = min(total, text.max_tokens)
     bar = _position_bar(settings, total, enabled=progress)

@@ -13,7 +13,7 @@ from depthscope.analyses.norms.streaming import (
     check_norms_finite,
     norm_batches,
     norm_sample,
-    stream_batch,
+    stream_batches,
     table_attrs,
 )
 from depthscope.common.errors import InputError
@@ -42,8 +42,7 @@ def norms_by_position(
     sf = site_frame(range(model.n_sites), model.n_layers)
     frames = []
     reader = None
-    for batch in norm_batches(model, inputs, batch_size, window, max_tokens, mask):
-        rs = stream_batch(model, batch, hooks)
+    for batch, rs in stream_batches(model, norm_batches(model, inputs, batch_size, window, max_tokens, mask), hooks):
         if reader is None:  # which norm reads each write: found (and verified) on the first batch
             reader = readers(model, norm_sample(rs.resid, rs.mask.to(rs.resid.device)))
         m = chunked_metrics(rs.resid, reader)

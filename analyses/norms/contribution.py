@@ -21,7 +21,7 @@ from depthscope.analyses.norms.streaming import (
     check_norms_finite,
     norm_batches,
     norm_sample,
-    stream_batch,
+    stream_batches,
     table_attrs,
     text_settings,
     window_keywords,
@@ -74,7 +74,7 @@ def contribution_norms(
     text = text_settings(inputs, text)
     bar = progress_bar(max_tokens or (text.max_tokens if text else None), desc="norms", unit="tok", enabled=progress)
     batches = norm_batches(model, inputs, batch_size, window, max_tokens, mask, text=text)
-    totals, reader = _accumulate(model, batches, hooks, bar)
+    totals, reader = _accumulate(model, batches, hooks, bar, progress)
     bar.close()
     if totals.seen == 0:
         raise InputError("empty input: no real tokens to measure")
@@ -84,12 +84,11 @@ def contribution_norms(
     return df
 
 
-def _accumulate(model, batches, hooks, bar) -> tuple[_Totals, object]:
+def _accumulate(model, batches, hooks, bar, progress: bool = False) -> tuple[_Totals, object]:
     """One forward per batch, its metrics added to the running totals (the per-site readers made
     from the first batch); ``(totals, readers)``."""
     totals, reader = _Totals(model.n_sites), None
-    for batch in batches:
-        rs = stream_batch(model, batch, hooks)
+    for batch, rs in stream_batches(model, batches, hooks, progress=progress):
         resid, real = rs.resid, batch.counted.to(rs.resid.device)  # the positions that count
         bar.update(int(real.sum()))
         if reader is None:

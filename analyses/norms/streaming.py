@@ -19,6 +19,21 @@ def stream_batch(model, batch: TokenBatch, hooks):
     return model.residual_stream(batch.ids, mask=batch.mask, return_logits=False, hooks=hooks, check_finite=False)
 
 
+def stream_batches(model, batches: Iterable[TokenBatch], hooks, *, progress: bool = False) -> Iterable[tuple]:
+    """``(batch, stream_batch(...))`` of every batch, in order; on a streamed model as layer-major
+    passes (:func:`~depthscope.hooks.stream_pass.layer_major`: the weights read once per pass, every
+    site of each batch held until its pass ends); hooks at the attention function's points: batch
+    by batch."""
+    from depthscope.hooks.engine import normalise_hooks
+    from depthscope.hooks.stream_pass import attention_free, layer_major
+
+    per_token = 4 * model.n_sites * model.d_model
+    safe = attention_free(normalise_hooks(hooks, model.n_layers))
+    run = lambda b: (b, stream_batch(model, b, hooks))  # noqa: E731
+    held = lambda b: b.ids.numel() * per_token  # noqa: E731
+    return layer_major(model, batches, run, held=held, enabled=safe, progress=progress)
+
+
 def check_norms_finite(model, stream_norm: torch.Tensor, mask: torch.Tensor) -> None:
     """NaN/inf anywhere in a real token's stream makes its norm non-finite: refuse, naming the site."""
     bad = ~torch.isfinite(stream_norm) & mask.to(stream_norm.device)[None]

@@ -52,6 +52,7 @@ from depthscope.common.progress import progress_bar
 from depthscope.common.shards import meta_digest
 from depthscope.common.stamps import file_digest
 from depthscope.hooks import cache_dir
+from depthscope.hooks.stream_pass import layer_major
 from depthscope.probes.config import POOLINGS
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
 
@@ -438,13 +439,23 @@ def _fill(job: _Job, plan: _Plan, feats: _RowSink) -> int:
     pad = 0 if pad is None else int(pad)
     bar = progress_bar(int(plan.run_len.sum()), desc=job.desc, unit="tok") if job.progress else None
     n_tokens = 0
-    for j, batch in enumerate(plan.batches):
-        here = plan.spans_of(j)
-        if not len(here):
-            continue
-        ids, mask = _batch_inputs(job.tok, batch, plan.run_len, pad)
-        positions, seg = _positions(job.table, plan, here, ids.shape[1], job.pooling)
-        rows = _pooled_rows(job, ids, mask, positions, seg, len(here))
+
+    def batches():
+        for j, batch in enumerate(plan.batches):
+            here = plan.spans_of(j)
+            if len(here):
+                ids, mask = _batch_inputs(job.tok, batch, plan.run_len, pad)
+                yield (here, ids, mask, *_positions(job.table, plan, here, ids.shape[1], job.pooling))
+
+    def held(item: tuple) -> int:  # the batch's stream and the positions kept at every site (float32)
+        return 4 * job.model.d_model * (item[1].numel() + len(item[3]) * len(job.sites))
+
+    def pooled(item: tuple) -> tuple:
+        here, ids, mask, positions, seg = item
+        return here, mask, _pooled_rows(job, ids, mask, positions, seg, len(here))
+
+    # a streamed model runs the batches as layer-major passes: the weights read once per pass
+    for here, mask, rows in layer_major(job.model, batches(), pooled, held=held, progress=job.progress):
         r0 = int(plan.row_start[here[0]])
         feats.write(r0, rows)
         n_tokens += int(mask.sum())
