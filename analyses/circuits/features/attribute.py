@@ -202,27 +202,65 @@ class _Rows:
         return rows
 
 
-def _influence(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], logit_p: np.ndarray, n_nodes: int) -> np.ndarray:
-    """Each node's influence on the logits through the rows computed so far: the logit
-    probabilities pushed back through the row-normalised ``|adjacency|`` over all path lengths."""
-    A = abs(sp.vstack(blocks).tocsr())
-    sums = np.asarray(A.sum(1)).ravel()
-    A = sp.diags(1 / np.maximum(sums, 1e-8)) @ A
-    row_nodes = np.concatenate(nodes)
-    row_of = np.full(n_nodes, -1)
-    row_of[row_nodes] = np.arange(len(row_nodes))
-    prod = np.zeros(A.shape[0])
-    prod[: len(logit_p)] = logit_p  # the logit rows come first
-    influence = np.zeros(n_nodes)
-    for _ in range(A.shape[0] + 1):  # a DAG: paths are never longer than the number of rows
-        v = A.T @ prod
-        if not v.any():
-            break
-        influence += v
-        prod = np.zeros(A.shape[0])
+class _Stored:
+    """The rows computed so far: CSR blocks (float32 values -- float64 for a float64 model --,
+    int32 columns) with their target nodes, and each block's row-normalised ``|values|`` sharing
+    its column indices (what the influence ranking multiplies by; no stacked copy is made)."""
+
+    def __init__(self, n_nodes: int, dtype=np.float32):
+        self.n_nodes, self.dtype = n_nodes, dtype
+        self.blocks: list[sp.csr_matrix] = []
+        self.normed: list[sp.csr_matrix] = []
+        self.nodes: list[np.ndarray] = []
+
+    def add(self, nodes: np.ndarray, dense: np.ndarray) -> None:
+        block = sp.csr_matrix(dense.astype(self.dtype, copy=False))
+        block.resize(block.shape[0], self.n_nodes)  # the logit columns: always empty
+        sums = np.add.reduceat(np.abs(block.data), block.indptr[:-1]) if block.nnz else np.zeros(0)
+        sums = np.where(np.diff(block.indptr) > 0, sums if len(sums) else 0, 1.0)
+        scale = np.repeat(1 / np.maximum(sums, 1e-8), np.diff(block.indptr)).astype(np.float32)
+        normed = sp.csr_matrix(
+            ((np.abs(block.data) * scale).astype(np.float32), block.indices, block.indptr), shape=block.shape
+        )
+        self.blocks.append(block)
+        self.normed.append(normed)
+        self.nodes.append(np.asarray(nodes))
+
+    def influence(self, logit_p: np.ndarray) -> np.ndarray:
+        """Each node's influence on the logits through the rows so far: the logit probabilities
+        pushed back through the row-normalised ``|adjacency|`` over all path lengths (the logit
+        rows come first)."""
+        row_nodes = np.concatenate(self.nodes)
+        row_of = np.full(self.n_nodes, -1)
+        row_of[row_nodes] = np.arange(len(row_nodes))
         has = row_of >= 0
-        prod[row_of[has]] = v[has]
-    return influence
+        starts = np.cumsum([0] + [b.shape[0] for b in self.normed])
+        prod = np.zeros(len(row_nodes))
+        prod[: len(logit_p)] = logit_p
+        influence = np.zeros(self.n_nodes)
+        for _ in range(len(row_nodes) + 1):  # a DAG: no path is longer than the number of rows
+            v = sum(m.T @ prod[a:b] for m, a, b in zip(self.normed, starts[:-1], starts[1:]))
+            if not v.any():
+                break
+            influence += v
+            prod = np.zeros(len(row_nodes))
+            prod[row_of[has]] = v[has]
+        return influence
+
+    def assemble(self) -> sp.csr_matrix:
+        """The rows at their targets' node indices, ``[n_nodes, n_nodes]`` CSR; the blocks are
+        released on the way (at most two copies of the values at once)."""
+        self.normed.clear()
+        row_nodes = np.concatenate(self.nodes)
+        stacked = sp.vstack(self.blocks, format="csr")
+        self.blocks.clear()
+        order = np.argsort(row_nodes, kind="stable")
+        rows = stacked[order]
+        del stacked
+        counts = np.zeros(self.n_nodes, dtype=np.int64)
+        counts[row_nodes[order]] = np.diff(rows.indptr)
+        indptr = np.concatenate([[0], np.cumsum(counts)])
+        return sp.csr_matrix((rows.data, rows.indices, indptr), shape=(self.n_nodes, self.n_nodes))
 
 
 def _logit_targets(rm: ReplacementModel, cfg: AttributionConfig, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,38 +300,35 @@ def attribution_graph_of(
     logit_nodes = np.arange(n_cols, n_nodes)
     rows = _Rows(rm, feats, cfg.batch_size)
     reads = _logit_reads(rm, logit_ids)
-    blocks, nodes = [], []
-
-    def add(chunk_nodes: np.ndarray, chunk_reads: list) -> None:
-        block = rows.compute(chunk_reads)
-        blocks.append(sp.csr_matrix(np.pad(block, ((0, 0), (0, n_logits)))))
-        nodes.append(chunk_nodes)
-
+    store = _Stored(n_nodes, np.float64 if rm.embed.dtype == torch.float64 else np.float32)
     B = cfg.batch_size
     for i in range(0, n_logits, B):
-        add(logit_nodes[i : i + B], [(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))])
+        store.add(logit_nodes[i : i + B], rows.compute([(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))]))
     limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
     visited = np.zeros(nf, dtype=bool)
+    logit_p64 = logit_p.detach().double().cpu().numpy()
     with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
         while visited.sum() < limit:
             if limit == nf:
                 pending = np.arange(nf)
             else:
-                influence = _influence(blocks, nodes, logit_p.cpu().numpy().astype(np.float64), n_nodes)[:nf]
+                influence = store.influence(logit_p64)[:nf]
                 rank = np.argsort(-influence, kind="stable")
                 pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
             for i in range(0, len(pending), B):
                 chunk = pending[i : i + B]
-                add(chunk, [_feature_read(rm, feats, j) for j in chunk])
+                store.add(chunk, rows.compute([_feature_read(rm, feats, j) for j in chunk]))
                 visited[chunk] = True
                 bar.update(len(chunk))
-    adjacency = _assemble(blocks, nodes, n_nodes)
+    n_backward = rows.backwards
+    del rows  # the kept forward's graph
+    adjacency = store.assemble()
     inputs, bias = _inputs_and_bias(rm, feats, visited, logit_ids, n_cols)
     settings = {
         **{k: v for k, v in asdict(cfg).items() if k != "progress"},
         "n_active_features": nf,
         "n_feature_rows": int(visited.sum()),
-        "n_backward_passes": rows.backwards,
+        "n_backward_passes": n_backward,
         "seconds": round(time.perf_counter() - t0, 3),
         "transcoders": {str(layer): repr(sae) for layer, sae in rm.transcoders.items()},
         "token_node": "block 0's input at the position (token + learned position embedding in GPT-2)",
@@ -322,15 +357,6 @@ def attribution_graph_of(
 def _feature_read(rm: ReplacementModel, feats: _Features, j: int) -> tuple[int, int, torch.Tensor]:
     layer, pos, f = (int(x) for x in feats.index[j])
     return layer, pos, rm.transcoders[layer].W_enc[:, f]
-
-
-def _assemble(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], n_nodes: int) -> sp.csr_matrix:
-    """The computed rows placed at their targets' node indices, ``[n_nodes, n_nodes]`` CSR."""
-    stacked = sp.vstack(blocks).tocoo()
-    row_nodes = np.concatenate(nodes)
-    A = sp.csr_matrix((stacked.data, (row_nodes[stacked.row], stacked.col)), shape=(n_nodes, n_nodes))
-    A.eliminate_zeros()
-    return A
 
 
 def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch.Tensor, n_cols: int):

@@ -15,8 +15,9 @@ offers                          what
 ==============================  ==============================================================
 
 The frozen model (``ReplacementModel.run``) is the model's own forward through the hook engine
-with these replacements: ``l.pattern`` <- the clean pattern; ``l.v`` <- the value projection of
-``ln1`` applied with its scale frozen to the stream entering block ``l``; in sandwich families
+with these replacements: ``l.z`` (the heads' outputs entering the output projection) <- the clean
+pattern times the values of ``ln1``, its scale frozen, applied to the stream entering block
+``l`` (the model's own attention runs with its own kernel and is discarded); in sandwich families
 (Gemma-2, OLMo-2) ``l.attn_out`` <- the post-attention norm, frozen, of ``l.proj_out``; ``embed``
 and ``l.mlp_out`` <- the sources. The MLP's input is recomputed as ``ln2`` frozen of the stream it
 reads (``l.attn`` in sequential blocks, the block input in parallel ones) and kept as the
@@ -320,18 +321,21 @@ class _FrozenHooks:
         self.resid_pre[0] = self.src.embed
         return self.src.embed
 
-    def values(self, t, ctx):
-        layer, rm = ctx.layer, self.rm
+    def heads_in(self, t, ctx):
+        """``l.z``: each head's clean pattern applied to values of ``ln1`` (frozen) of the block's
+        input; the model's own attention output is dropped (with its graph)."""
+        layer, rm, arch = ctx.layer, self.rm, self.arch
         x = self.resid_pre[layer]
         h = rm.ln1[layer](x) if rm.ln1[layer] is not None else x
-        proj = self.arch.v_proj[layer]
+        proj = arch.v_proj[layer]
         full = h @ linear_weight(proj).T
         if getattr(proj, "bias", None) is not None:
             full = full + proj.bias
-        return read_qkv(self.arch, 2, full).to(t.dtype)
-
-    def pattern(self, t, ctx):
-        return self.rm.patterns[ctx.layer].expand(t.shape)
+        v = read_qkv(arch, 2, full)  # [B, pos, kv_heads, d_head]
+        if v.shape[-2] != arch.n_heads:
+            v = v.repeat_interleave(arch.n_heads // v.shape[-2], dim=-2)
+        # one [heads, q, k] pattern for the whole batch: never copied per row
+        return torch.einsum("hqk,bkhd->bqhd", rm.patterns[layer][0].to(v.dtype), v).to(t.dtype)
 
     def keep_proj(self, t, ctx):
         self.proj_out[ctx.layer] = t
@@ -365,7 +369,7 @@ class _FrozenHooks:
         """``{Point: [fn]}`` for the engine, in forward order."""
         hooks = {Point("embed", -1): [self.embed]}
         for layer in range(self.rm.n_layers):
-            at = {"v": self.values, "pattern": self.pattern, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
+            at = {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
             at |= {"heads": self.keep_heads} if heads else {}
             at |= {"proj_out": self.keep_proj, "attn_out": self.post_attn} if self.arch.sandwich else {}
             at |= {"attn": self.keep_mid} if self.seq else {}
