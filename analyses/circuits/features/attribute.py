@@ -21,12 +21,13 @@ that raises every logit alike gets no credit), before any soft-capping (which is
 **Edges.** ``adjacency[t, s]`` is the direct effect of source ``s`` on target ``t`` in the frozen
 model: the gradient of ``t``'s input at ``s``'s write, dotted with that write (``activation *
 W_dec[f]`` at ``l.mlp_out`` for a feature, the error vector for an error node, block 0's input
-for a token). One forward of the frozen model with ``batch_size`` copies of the prompt keeps the
-graph; each backward injects one target's read vector per batch row (an encoder column at
-``l.mlp_in``, a demeaned unembedding column at the final norm's output) and reads every row's
-gradient at ``embed`` and every ``l.mlp_out`` at once. Because MLPs are replaced by their
-(fixed) writes, a path never goes through another MLP: edges are the direct effects through the
-residual stream and the attention heads (OV, patterns frozen).
+for a token). One forward of the frozen model (batch 1) keeps the graph; each backward injects
+``batch_size`` targets' read vectors as one batch of gradients (``torch.autograd.grad(...,
+is_grads_batched=True)``: an encoder column at ``l.mlp_in``, a demeaned unembedding column at
+the final norm's output) and reads every row's gradient at ``embed`` and every ``l.mlp_out``.
+Because MLPs are replaced by their (fixed) writes, a path never goes through another MLP: edges
+are the direct effects through the residual stream and the attention heads (OV, patterns
+frozen).
 
 **Order.** The logit rows first, then features in order of their influence on the logits, as
 circuit-tracer: the influence of every feature over the rows computed so far (row-normalised
@@ -62,7 +63,7 @@ from depthscope.common.progress import progress_bar
 class AttributionConfig:
     """How a graph is built: ``max_feature_nodes`` feature rows (None: all active features),
     logit targets up to ``desired_logit_prob`` cumulative probability and at most
-    ``max_n_logits``, ``batch_size`` targets per backward pass (the batch of the kept forward),
+    ``max_n_logits``, ``batch_size`` targets per backward pass,
     influence recomputed every ``update_interval`` batches."""
 
     max_feature_nodes: int | None = None
@@ -155,13 +156,15 @@ class _Features:
 
 
 class _Rows:
-    """Target rows from backward passes through one kept forward of ``batch`` copies."""
+    """Target rows from backward passes through one kept forward of the frozen model (batch 1):
+    each backward is batched over its targets (``is_grads_batched``: one vectorised backward with
+    a batch of injected vectors, as many rows as targets, the forward never copied)."""
 
-    def __init__(self, rm: ReplacementModel, feats: _Features, batch: int):
-        self.rm, self.feats, self.batch = rm, feats, batch
+    def __init__(self, rm: ReplacementModel, feats: _Features):
+        self.rm, self.feats = rm, feats
         L, n = rm.n_layers, rm.n_pos
         self.n_cols = len(feats) + L * n + n
-        src = rm.clean_sources(batch)
+        src = rm.clean_sources(1)
         self.leaves = [src.embed.requires_grad_(True)] + [m.requires_grad_(True) for m in src.mlp_out]
         with torch.enable_grad():
             self.out = rm.run(src)
@@ -175,17 +178,20 @@ class _Rows:
         outs = {}
         for b, (layer, pos, vec) in enumerate(reads):
             if layer not in outs:
-                outs[layer] = torch.zeros_like(self.out.final)
-            outs[layer][b, pos] = vec
+                outs[layer] = torch.zeros(len(reads), *self.out.final.shape, dtype=vec.dtype, device=vec.device)
+            outs[layer][b, 0, pos] = vec
         tensors = [self.out.final if layer == L else self.out.mlp_in[layer] for layer in outs]
-        grads = torch.autograd.grad(tensors, self.leaves, list(outs.values()), retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            tensors, self.leaves, list(outs.values()), retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
         self.backwards += 1
-        return self._contract(grads)[: len(reads)].cpu().numpy()
+        grads = [None if g is None else g[:, 0] for g in grads]
+        return self._contract(grads, len(reads)).cpu().numpy()
 
-    def _contract(self, grads) -> torch.Tensor:
+    def _contract(self, grads, batch: int) -> torch.Tensor:
         """Each source's write dotted with its gradient: ``[batch, n_cols]``."""
         rm, feats, L, n = self.rm, self.feats, self.rm.n_layers, self.rm.n_pos
-        rows = torch.zeros(self.batch, self.n_cols, dtype=rm.embed.dtype, device=rm.embed.device)
+        rows = torch.zeros(batch, self.n_cols, dtype=rm.embed.dtype, device=rm.embed.device)
         g_embed, g_mlp = grads[0], grads[1:]
         base = len(feats)
         for layer in range(L):
@@ -298,7 +304,7 @@ def attribution_graph_of(
     n_cols = nf + L * n + n
     n_nodes = n_cols + n_logits
     logit_nodes = np.arange(n_cols, n_nodes)
-    rows = _Rows(rm, feats, cfg.batch_size)
+    rows = _Rows(rm, feats)
     reads = _logit_reads(rm, logit_ids)
     store = _Stored(n_nodes, np.float64 if rm.embed.dtype == torch.float64 else np.float32)
     B = cfg.batch_size
