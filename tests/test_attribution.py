@@ -291,3 +291,29 @@ def test_edge_by_head_sums_to_the_edge(built, family):
     assert df.loc[df.path == "residual", "contribution"].item() != 0
     with pytest.raises(InputError, match="not a target"):
         edge_by_head(rm, graph, int(kinds["token"].start), int(s))
+
+
+def test_visited_columns_fold_the_other_features_into_their_error_nodes(built):
+    """columns="visited": only the visited features are nodes; each other feature's edges are in
+    its error node's column, so every edge between kept nodes is unchanged, the error columns
+    gain the folded ones, and completeness still holds exactly."""
+    _, _, rm, full = built("gpt2")
+    cfg = AttributionConfig(max_feature_nodes=150, batch_size=32, update_interval=2, columns="visited", progress=False)
+    small = attribution_graph_of(rm, cfg)
+    visited = np.isfinite(full.inputs[: full.n_features])
+    assert small.n_features == visited.sum() == 150
+    assert (small.features == full.features[visited]).all()
+    keep = np.concatenate([np.flatnonzero(visited), np.arange(full.n_features, full.n_nodes)])
+    A, S = full.dense(), small.dense()
+    kinds = small.kind_slices()
+    assert np.allclose(S[:, kinds["feature"]], A[keep][:, np.flatnonzero(visited)], rtol=0, atol=1e-12)
+    folded = A[keep][:, full.kind_slices()["error"]].copy()
+    for j in np.flatnonzero(~visited):
+        layer, pos, _ = full.features[j]
+        folded[:, layer * full.n_pos + pos] += A[keep, j]
+    assert np.allclose(S[:, kinds["error"]], folded, rtol=0, atol=1e-12)
+    t = np.flatnonzero(np.isfinite(small.inputs))
+    assert len(t) == 150 + small.n_logits
+    assert rel(S[t].sum(1) + small.bias[t], small.inputs[t]) < 1e-12
+    with pytest.raises(InputError, match="columns"):
+        AttributionConfig(columns="some")

@@ -58,19 +58,28 @@ from depthscope.analyses.circuits.features.replacement import ReplacementModel, 
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 
+#: which features are nodes: every active one, or only those whose rows were computed (the
+#: others' writes folded into their error nodes)
+COLUMNS = ("all", "visited")
+
 
 @dataclass(frozen=True)
 class AttributionConfig:
     """How a graph is built: ``max_feature_nodes`` feature rows (None: all active features),
     logit targets up to ``desired_logit_prob`` cumulative probability and at most
     ``max_n_logits``, ``batch_size`` targets per backward pass,
-    influence recomputed every ``update_interval`` batches."""
+    influence recomputed every ``update_interval`` batches. ``columns``: "all" (every active
+    feature is a node; those never visited are sources only) or "visited" (only the visited
+    features are nodes, circuit-tracer's node set; each other feature's edges are added to its
+    error node's, which then stands for the error plus the features left out, so completeness
+    still holds exactly)."""
 
     max_feature_nodes: int | None = None
     desired_logit_prob: float = 0.95
     max_n_logits: int = 10
     batch_size: int = 64
     update_interval: int = 4
+    columns: str = "all"
     progress: bool = True
 
     def __post_init__(self):
@@ -78,6 +87,8 @@ class AttributionConfig:
             raise InputError(f"max_feature_nodes must be >= 0, got {self.max_feature_nodes}")
         if not 0 < self.desired_logit_prob <= 1:
             raise InputError(f"desired_logit_prob must be in (0, 1], got {self.desired_logit_prob}")
+        if self.columns not in COLUMNS:
+            raise InputError(f"columns must be one of {COLUMNS}, got {self.columns!r}")
         for name in ("max_n_logits", "batch_size", "update_interval"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -330,6 +341,10 @@ def attribution_graph_of(
     del rows  # the kept forward's graph
     adjacency = store.assemble()
     inputs, bias = _inputs_and_bias(rm, feats, visited, logit_ids, n_cols)
+    index, acts = feats.index, feats.values.detach().float().cpu().numpy()
+    if cfg.columns == "visited":
+        adjacency, keep = _fold_unvisited(adjacency, feats.index, visited, L, n)
+        inputs, bias, index, acts = inputs[keep], bias[keep], index[visited], acts[visited]
     settings = {
         **{k: v for k, v in asdict(cfg).items() if k != "progress"},
         "n_active_features": nf,
@@ -347,8 +362,8 @@ def attribution_graph_of(
         tokens=ids,
         token_strings=[tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids],
         n_layers=L,
-        features=feats.index,
-        activations=feats.values.detach().float().cpu().numpy(),
+        features=index,
+        activations=acts,
         logit_tokens=logit_ids.tolist(),
         logit_strings=[tok.decode([i]) for i in logit_ids.tolist()] if tok is not None else [],
         logit_probabilities=logit_p.detach().float().cpu().numpy(),
@@ -363,6 +378,20 @@ def attribution_graph_of(
 def _feature_read(rm: ReplacementModel, feats: _Features, j: int) -> tuple[int, int, torch.Tensor]:
     layer, pos, f = (int(x) for x in feats.index[j])
     return layer, pos, rm.transcoders[layer].W_enc[:, f]
+
+
+def _fold_unvisited(A: sp.csr_matrix, index: np.ndarray, visited: np.ndarray, L: int, n: int):
+    """``columns="visited"``: the nodes without the unvisited features, each one's column added
+    to its error node's (layer, position). Returns the new adjacency and the old indices kept."""
+    nf, n_nodes = len(visited), A.shape[0]
+    keep = np.concatenate([np.flatnonzero(visited), np.arange(nf, n_nodes)])
+    new_of = np.full(n_nodes, -1)
+    new_of[keep] = np.arange(len(keep))
+    n_kept = int(visited.sum())
+    gone = np.flatnonzero(~visited)
+    new_of[gone] = n_kept + index[gone, 0] * n + index[gone, 1]  # its error node, in the new order
+    M = sp.csr_matrix((np.ones(n_nodes, dtype=A.dtype), (np.arange(n_nodes), new_of)), shape=(n_nodes, len(keep)))
+    return (A[keep] @ M).tocsr(), keep
 
 
 def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch.Tensor, n_cols: int):
