@@ -217,16 +217,13 @@ def test_feature_rows_follow_influence_and_all_features_when_unbounded(built, ti
 
 # ----------------------------------------------------------------------------- targets
 def test_salient_logits_by_hand():
-    probs = torch.tensor([0.05, 0.5, 0.3, 0.1, 0.05])
-    assert salient_logits(probs, 0.95, 10).tolist() == [1, 2, 3, 0] or salient_logits(probs, 0.95, 10).tolist() == [
-        1,
-        2,
-        3,
-        4,
-    ]
-    assert salient_logits(probs, 0.5, 10).tolist() == [1]
-    assert salient_logits(probs, 0.8, 10).tolist() == [1, 2]
-    assert salient_logits(probs, 0.99, 2).tolist() == [1, 2]
+    """Top tokens until the cumulative probability reaches the threshold (binary fractions: exact)."""
+    probs = torch.tensor([0.0625, 0.5, 0.25, 0.125, 0.0625])
+    assert salient_logits(probs, 0.5, 10).tolist() == [1]  # 0.5 reaches 0.5
+    assert salient_logits(probs, 0.75, 10).tolist() == [1, 2]
+    top = salient_logits(probs, 0.9, 10).tolist()  # 0.875 < 0.9 <= 0.9375
+    assert top[:3] == [1, 2, 3] and len(top) == 4 and top[3] in (0, 4)
+    assert salient_logits(probs, 0.99, 2).tolist() == [1, 2]  # at most max_n_logits
 
 
 def test_named_targets_and_the_exported_entry_point(built, tiny_tokenizer):
