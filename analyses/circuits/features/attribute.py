@@ -321,22 +321,7 @@ def attribution_graph_of(
     B = cfg.batch_size
     for i in range(0, n_logits, B):
         store.add(logit_nodes[i : i + B], rows.compute([(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))]))
-    limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
-    visited = np.zeros(nf, dtype=bool)
-    logit_p64 = logit_p.detach().double().cpu().numpy()
-    with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
-        while visited.sum() < limit:
-            if limit == nf:
-                pending = np.arange(nf)
-            else:
-                influence = store.influence(logit_p64)[:nf]
-                rank = np.argsort(-influence, kind="stable")
-                pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
-            for i in range(0, len(pending), B):
-                chunk = pending[i : i + B]
-                store.add(chunk, rows.compute([_feature_read(rm, feats, j) for j in chunk]))
-                visited[chunk] = True
-                bar.update(len(chunk))
+    visited = _visit_features(rm, feats, rows, store, cfg, logit_p.detach().double().cpu().numpy())
     n_backward = rows.backwards
     del rows  # the kept forward's graph
     adjacency = store.assemble()
@@ -373,6 +358,28 @@ def attribution_graph_of(
         model_name=str(rm.model.name),
         settings=settings,
     )
+
+
+def _visit_features(rm, feats: _Features, rows: _Rows, store: _Stored, cfg: AttributionConfig, logit_p) -> np.ndarray:
+    """Feature rows in order of influence (every feature, in node order, when all are asked
+    for), ``batch_size`` per backward; which features were visited."""
+    nf, B = len(feats), cfg.batch_size
+    limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
+    visited = np.zeros(nf, dtype=bool)
+    with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
+        while visited.sum() < limit:
+            if limit == nf:
+                pending = np.arange(nf)
+            else:
+                influence = store.influence(logit_p)[:nf]
+                rank = np.argsort(-influence, kind="stable")
+                pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
+            for i in range(0, len(pending), B):
+                chunk = pending[i : i + B]
+                store.add(chunk, rows.compute([_feature_read(rm, feats, j) for j in chunk]))
+                visited[chunk] = True
+                bar.update(len(chunk))
+    return visited
 
 
 def _feature_read(rm: ReplacementModel, feats: _Features, j: int) -> tuple[int, int, torch.Tensor]:
