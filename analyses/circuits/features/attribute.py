@@ -246,7 +246,7 @@ class _Stored:
     def influence(self, logit_p: np.ndarray) -> np.ndarray:
         """Each node's influence on the logits through the rows so far: the logit probabilities
         pushed back through the row-normalised ``|adjacency|`` over all path lengths (the logit
-        rows come first)."""
+        rows come first), until the paths left carry less than 1e-9 of what was found."""
         row_nodes = np.concatenate(self.nodes)
         row_of = np.full(self.n_nodes, -1)
         row_of[row_nodes] = np.arange(len(row_nodes))
@@ -257,7 +257,7 @@ class _Stored:
         influence = np.zeros(self.n_nodes)
         for _ in range(len(row_nodes) + 1):  # a DAG: no path is longer than the number of rows
             v = sum(m.T @ prod[a:b] for m, a, b in zip(self.normed, starts[:-1], starts[1:]))
-            if not v.any():
+            if v.sum() <= 1e-9 * influence.sum():  # what is left cannot change the ranking
                 break
             influence += v
             prod = np.zeros(len(row_nodes))
