@@ -211,7 +211,10 @@ class _Rows:
     def _contract(self, grads, batch: int) -> torch.Tensor:
         """Each source's write dotted with its gradient: ``[batch, n_cols]``."""
         rm, feats, L, n = self.rm, self.feats, self.rm.n_layers, self.rm.n_pos
-        rows = torch.zeros(batch, self.n_cols, dtype=rm.embed.dtype, device=rm.embed.device)
+        # float32 rows for half-precision models (numpy has no bfloat16; sums of many edges)
+        dt = torch.float64 if rm.embed.dtype == torch.float64 else torch.float32
+        rows = torch.zeros(batch, self.n_cols, dtype=dt, device=rm.embed.device)
+        grads = [None if g is None else g.to(dt) for g in grads]
         g_embed, g_mlp = grads[0], grads[1:]
         base = len(feats)
         for layer in range(L):
@@ -220,11 +223,12 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                per_pos = torch.bmm(g.transpose(0, 1), feats.padded[layer].transpose(1, 2))  # [pos, batch, k_max]
+                padded = feats.padded[layer].to(dt)
+                per_pos = torch.bmm(g.transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
                 rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
-            rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer])
+            rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer].to(dt))
         if g_embed is not None:
-            rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed)
+            rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed.to(dt))
         return rows
 
 

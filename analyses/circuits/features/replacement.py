@@ -88,16 +88,18 @@ def freeze_norm(norm: nn.Module | None, x: torch.Tensor, what: str) -> FrozenNor
     params = NormParams.of(norm, d)
     with torch.no_grad():
         ref = norm(x.unsqueeze(0))[0].double()
+    tol = max(NORM_TOLERANCE, 4 * torch.finfo(x.dtype).eps)  # a bfloat16 norm rounds its output at 4e-3
+    errs = []
     for gain in (params.gain, params.gain + 1):
         p = NormParams(params.kind, gain, params.bias, params.eps)
-        err = float((ref - p.apply(x)).abs().max() / ref.abs().max().clamp_min(1e-12))
-        if err <= NORM_TOLERANCE:
+        errs.append(float((ref - p.apply(x)).abs().max() / ref.abs().max().clamp_min(1e-12)))
+        if errs[-1] <= tol:
             dt, dev = x.dtype, x.device
             bias = None if p.bias is None else p.bias.to(dev, dt)
             return FrozenNorm(p.kind, gain.to(dev, dt), bias, p.sigma(x).to(dev, dt))
     raise UnsupportedArchitecture(
         f"{what} ({type(norm).__name__}) is not gain * centre(x) / sqrt(mean(centre(x)^2) + eps) [+ bias]: "
-        f"its scale cannot be frozen (relative error {err:.1e})"
+        f"its scale cannot be frozen (relative error {min(errs):.1e})"
     )
 
 
@@ -245,6 +247,9 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     from depthscope.hooks.model_checks import require_decoder
 
     require_decoder(model, "attribution graphs")
+    model.refuse_streamed(
+        "attribution graphs", "the backward passes need every block's weights held for the whole graph"
+    )
     model.unembed.check()
     arch, L = model.arch, model.n_layers
     if arch.layout not in ("sequential", "parallel"):
