@@ -314,3 +314,18 @@ def test_visited_columns_fold_the_other_features_into_their_error_nodes(built):
     assert rel(S[t].sum(1) + small.bias[t], small.inputs[t]) < 1e-12
     with pytest.raises(InputError, match="columns"):
         AttributionConfig(columns="some")
+
+
+def test_a_family_read_wrongly_is_refused(built):
+    """The frozen model must give back the clean MLP inputs: with block 1's ln2 mapped to its ln1
+    (whose weights differ) the replacement model is refused, not built wrong."""
+    from depthscope.common.errors import UnsupportedArchitecture
+
+    model, tcs, _, _ = built("qwen2")
+    ln2 = model.arch.ln2[1]
+    model.arch.ln2[1] = model.arch.ln1[1]
+    try:
+        with pytest.raises(UnsupportedArchitecture, match="block 1's MLP input"):
+            replacement_model(model, tcs, PROMPT)
+    finally:
+        model.arch.ln2[1] = ln2

@@ -25,7 +25,9 @@ transcoder's input (the targets' side); the final norm is frozen likewise. Every
 sources and those inputs is then affine: queries and keys do not matter (the pattern is fixed),
 norms divide by constants (LayerNorm's mean-centring is linear and stays). With the clean sources
 (token embeddings, and each MLP's true output = features + transcoder bias + error) the frozen
-model's logits equal the model's (``tests/test_attribution.py``).
+model's logits equal the model's (``tests/test_attribution.py``); every build checks that the
+frozen model gives back the clean MLP inputs and final norm output, so a family whose blocks it
+would read wrongly is refused (:class:`~depthscope.common.errors.UnsupportedArchitecture`).
 
 Sources, as circuit-tracer defines them: an active feature ``(l, p, f)`` writes
 ``activation * W_dec[f]`` into ``l.mlp_out`` at ``p``; the error node ``(l, p)`` writes
@@ -267,7 +269,12 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         patterns=[store[f"{layer}.pattern"] for layer in range(L)],
         ln1=[freeze_norm(arch.ln1[layer], resid_pre[layer], f"block {layer}'s ln1") for layer in range(L)],
         ln2=[
-            freeze_norm(arch.ln2[layer], store[f"{layer}.attn"][0] if seq else resid_pre[layer], f"block {layer}'s ln2")
+            # a parallel block with one norm (GPT-J) feeds its MLP from ln1
+            freeze_norm(
+                arch.ln2[layer] if seq or arch.ln2[layer] is not None else arch.ln1[layer],
+                store[f"{layer}.attn"][0] if seq else resid_pre[layer],
+                f"block {layer}'s ln2",
+            )
             for layer in range(L)
         ],
         post_attn=[
@@ -298,7 +305,27 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
             rm.b_dec[layer] = sae.b_dec
             errors[layer] -= rm.feature_writes(layer) + sae.b_dec
     rm.errors = errors
+    _check_frozen(rm, store[f"{L - 1}.mlp"][0])
     return rm
+
+
+def _check_frozen(rm: ReplacementModel, last: torch.Tensor) -> None:
+    """The frozen model on the clean sources must give back the clean MLP inputs and final norm
+    output: a family whose blocks it reads wrongly is refused here, never a silently wrong graph."""
+    tol = max(1e-4, 8 * torch.finfo(rm.embed.dtype).eps)
+    with torch.no_grad():
+        out = rm.run(rm.clean_sources(1))
+        want = [*rm.mlp_in, rm.model.unembed.norm(last)]
+        for i, (got, ref) in enumerate(zip([*out.mlp_in, out.final[0]], want)):
+            got = got[0] if got.dim() == 3 else got
+            err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            if not err <= tol:
+                where = f"block {i}'s MLP input" if i < rm.n_layers else "the final norm's output"
+                raise UnsupportedArchitecture(
+                    f"{rm.model.name} ({rm.model.arch.family}): the frozen replacement model does not reproduce "
+                    f"{where} on the prompt (relative error {err:.1e}); depthscope does not know how this "
+                    f"family's attention and norms combine"
+                )
 
 
 def _token_ids(model, prompt) -> torch.Tensor:
