@@ -329,3 +329,13 @@ def test_a_family_read_wrongly_is_refused(built):
             replacement_model(model, tcs, PROMPT)
     finally:
         model.arch.ln2[1] = ln2
+
+
+def test_writes_rebuilt_per_pass_give_the_same_graph(built, monkeypatch):
+    """Feature writes too large to keep are rebuilt at each backward pass: the same adjacency."""
+    from depthscope.analyses.circuits.features import attribute as attribute_module
+
+    _, _, rm, graph = built("gpt_neox")
+    monkeypatch.setattr(attribute_module, "WRITES_BYTES", 0)
+    again = attribution_graph_of(rm, AttributionConfig(max_feature_nodes=150, batch_size=32, update_interval=2))
+    assert (again.adjacency != graph.adjacency).nnz == 0

@@ -67,6 +67,9 @@ from depthscope.analyses.circuits.features.replacement import ReplacementModel, 
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 
+#: the most bytes of feature writes laid out once and kept for every backward pass
+WRITES_BYTES = 256 * 2**20
+
 #: which features are nodes: every active one, or only those whose rows were computed (the
 #: others' writes folded into their error nodes)
 COLUMNS = ("all", "visited")
@@ -135,41 +138,54 @@ def salient_logits(probs: torch.Tensor, desired_logit_prob: float, max_n_logits:
 class _Features:
     """The active features: node order (layer, position, feature), activations, each layer's
     slice, and each one's write (activation * decoder row) laid out per position for one batched
-    product with the gradients (``padded[l]`` ``[pos, most per position, d]``, ``slot[l]`` each
-    feature's place there)."""
+    product with the gradients (:meth:`padded`: ``[pos, most per position, d]``; ``slot[l]`` each
+    feature's place there). The layouts are kept when they fit ``WRITES_BYTES`` (the default
+    model, 16 tokens, k 64: 71 MB), else rebuilt from the decoder at every backward pass."""
 
     index: np.ndarray  # [n, 3]
     values: torch.Tensor  # [n]
     spans: dict[int, tuple[int, int]]
-    padded: dict[int, torch.Tensor]  # layer -> [pos, k_max, d]
     positions: dict[int, torch.Tensor]  # layer -> [n_l]
     slot: dict[int, torch.Tensor]  # layer -> [n_l]
+    width: dict[int, int]  # layer -> most features at one position
+    rm: ReplacementModel | None = None
+    kept: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, rm: ReplacementModel) -> _Features:
         rows, vals, start = [], [], 0
-        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {})
+        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {}, rm)
         for layer, acts in enumerate(rm.acts):
             if acts is None:
                 continue
             nz = acts.nonzero()  # row-major: by position, then feature
-            a = acts[nz[:, 0], nz[:, 1]]
             rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
-            vals.append(a)
+            vals.append(acts[nz[:, 0], nz[:, 1]])
             feats.spans[layer] = (start, start + len(nz))
             pos = nz[:, 0]
             counts = torch.bincount(pos, minlength=rm.n_pos)
             first = torch.cumsum(counts, 0) - counts  # each position's first feature
-            slot = torch.arange(len(nz), device=pos.device) - first[pos]
-            padded = torch.zeros(rm.n_pos, int(counts.max()) if len(nz) else 0, rm.embed.shape[-1], dtype=a.dtype)
-            padded = padded.to(a.device)
-            padded[pos, slot] = a[:, None] * rm.decoder_rows(layer, nz[:, 1])
-            feats.padded[layer], feats.positions[layer], feats.slot[layer] = padded, pos, slot
+            feats.positions[layer] = pos
+            feats.slot[layer] = torch.arange(len(nz), device=pos.device) - first[pos]
+            feats.width[layer] = int(counts.max()) if len(nz) else 0
             start += len(nz)
         if rows:
             feats.index = torch.cat(rows).numpy().astype(np.int64)
             feats.values = torch.cat(vals)
+        size = sum(rm.n_pos * w * rm.embed.shape[-1] * rm.embed.element_size() for w in feats.width.values())
+        if size <= WRITES_BYTES:
+            feats.kept = {layer: feats.padded(layer) for layer in feats.spans}
         return feats
+
+    def padded(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s writes ``[pos, width, d]`` (zeros past each position's features)."""
+        if self.kept is not None and layer in self.kept:
+            return self.kept[layer]
+        rm, (a, b) = self.rm, self.spans[layer]
+        f = torch.as_tensor(self.index[a:b, 2], device=rm.embed.device)
+        out = torch.zeros(rm.n_pos, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
+        out[self.positions[layer], self.slot[layer]] = self.values[a:b, None] * rm.decoder_rows(layer, f)
+        return out
 
     def __len__(self) -> int:
         return len(self.index)
@@ -223,7 +239,7 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                padded = feats.padded[layer].to(dt)
+                padded = feats.padded(layer).to(dt)
                 per_pos = torch.bmm(g.transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
                 rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
             rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer].to(dt))
