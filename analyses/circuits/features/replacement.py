@@ -297,16 +297,22 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         un = model.unembed
         rm.pre_logits = rm.logits_of(un.norm(store[f"{L - 1}.mlp"][0]))
         rm.logits = un.post(un.linear(un.norm(store[f"{L - 1}.mlp"][0])))
+    _encode(rm)
+    _check_frozen(rm, store[f"{L - 1}.mlp"][0])
+    return rm
+
+
+def _encode(rm: ReplacementModel) -> None:
+    """The transcoders' pre-activations and activations on the clean MLP inputs, their decoder
+    biases and the error nodes (the MLP output the features and ``b_dec`` leave)."""
     errors = rm.mlp_out.clone()
     with torch.no_grad():
-        for layer, sae in transcoders.items():
+        for layer, sae in rm.transcoders.items():
             rm.pre[layer] = sae.pre_activations(rm.mlp_in[layer])
             rm.acts[layer] = sae.encode(rm.mlp_in[layer])
             rm.b_dec[layer] = sae.b_dec
             errors[layer] -= rm.feature_writes(layer) + sae.b_dec
     rm.errors = errors
-    _check_frozen(rm, store[f"{L - 1}.mlp"][0])
-    return rm
 
 
 def _check_frozen(rm: ReplacementModel, last: torch.Tensor) -> None:
