@@ -22,6 +22,7 @@ _SHARED = {
     "TextRows": "text",
     "TextWindows": "text_settings",
     "sae_train_job": "jobs.sae",
+    "transcoders_train_job": "jobs.transcoders",
 }
 
 

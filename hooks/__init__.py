@@ -61,6 +61,8 @@ _EXPORTS = {
     "SAE": "sae",
     "load_sae": "sae",
     "save_sae": "sae",
+    "load_transcoder_set": "transcoder_set",
+    "save_transcoder_set": "transcoder_set",
     "Activations": "activation_cache",
     "CacheSettings": "activation_cache",
     "open_activations": "activation_cache",
@@ -98,6 +100,7 @@ _SUBMODULES = {
     "sae_splice",
     "sites",
     "toy",
+    "transcoder_set",
     "unembed",
 }
 
@@ -112,6 +115,8 @@ __all__ = [
     "SAE",
     "load_sae",
     "save_sae",
+    "load_transcoder_set",
+    "save_transcoder_set",
     "Activations",
     "CacheSettings",
     "open_activations",

@@ -20,13 +20,18 @@ normalised if the config asks (``constant_norm_rescale``, ``layer_norm``), ``b_d
 subtracted when ``apply_b_dec_to_input``, then ``pre = x @ W_enc + b_enc`` and
 
 - ``standard``, ``transcoder``: ``relu(pre)``;
-- ``topk``: the ``k`` largest entries of ``pre`` (times the decoder norms when
-  ``rescale_acts_by_decoder_norm``), ReLU'd, the rest zero;
+- ``topk``, ``topk_transcoder``: the ``k`` largest entries of ``pre`` (times the decoder norms
+  when ``rescale_acts_by_decoder_norm``), ReLU'd, the rest zero;
 - ``jumprelu``, ``jumprelu_transcoder``: ``relu(pre)`` where ``pre > threshold``, else zero.
 
 ``decode`` is ``f @ W_dec + b_dec`` (TopK with decoder-norm rescaling divides ``f`` by the norms
 first), undoing the input normalisation; skip transcoders add ``x @ W_skip.T``. Transcoders read
 one point (the MLP's input) and write another (the MLP's output); an SAE writes where it reads.
+
+``topk_transcoder`` is depthscope's name for a TopK transcoder (what ``depthscope transcoders
+train`` writes): SAELens 6 has TopK SAEs and ReLU/JumpReLU/skip transcoders but no TopK
+transcoder class, so ``sae_lens.SAE.load_from_disk`` refuses that one architecture; its folder
+is otherwise SAELens's (``k`` in ``cfg.json``, ``d_out``, ``metadata.hook_name_out``).
 """
 
 from __future__ import annotations
@@ -46,8 +51,18 @@ from depthscope.hooks.points import Point, parse_point
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
-ARCHITECTURES = ("standard", "topk", "jumprelu", "transcoder", "skip_transcoder", "jumprelu_transcoder")
-TRANSCODERS = ("transcoder", "skip_transcoder", "jumprelu_transcoder")
+ARCHITECTURES = (
+    "standard",
+    "topk",
+    "jumprelu",
+    "transcoder",
+    "skip_transcoder",
+    "jumprelu_transcoder",
+    "topk_transcoder",
+)
+TRANSCODERS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "topk_transcoder")
+#: the architectures that keep the ``k`` largest pre-activations
+TOPK = ("topk", "topk_transcoder")
 NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
 #: the SAELens version written into saved configs (6.x reads ``metadata``)
 SAELENS_FORMAT = "6.0.0"
@@ -140,7 +155,7 @@ class SAE:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Feature activations ``[..., d_sae]`` of activations ``x [..., d_in]`` (in the SAE's dtype)."""
         pre = self.pre_activations(x)
-        if self.architecture == "topk":
+        if self.architecture in TOPK:
             if self.rescale_acts_by_decoder_norm:
                 pre = pre * self.W_dec.norm(dim=-1)
             values, index = torch.topk(pre, k=self.k, dim=-1, sorted=False)
@@ -153,7 +168,7 @@ class SAE:
     def decode(self, features: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The reconstruction ``features @ W_dec + b_dec`` (undoing the input normalisation of ``x``,
         which a normalising SAE and a skip transcoder need)."""
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+        if self.architecture in TOPK and self.rescale_acts_by_decoder_norm:
             features = features / self.W_dec.norm(dim=-1)
         out = features @ self.W_dec + self.b_dec
         if x is not None:
@@ -226,14 +241,14 @@ def _settings(cfg: dict, path: Path) -> dict:
             f"hold (supported: {', '.join(NORMALISATIONS)}); fold it into the weights first"
         )
     k = cfg.get("k")
-    if arch == "topk" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise InputError(f"{path}: a topk SAE needs an integer k >= 1, got {k!r}")
+    if arch in TOPK and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise InputError(f"{path}: a {arch} SAE needs an integer k >= 1, got {k!r}")
     hook = meta.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point")
     return {
         "architecture": arch,
         "hook_name": hook,
         "hook_name_out": meta.get("hook_name_out") or cfg.get("hook_name_out"),
-        "k": k if arch == "topk" else None,
+        "k": k if arch in TOPK else None,
         "apply_b_dec_to_input": bool(cfg.get("apply_b_dec_to_input", arch not in TRANSCODERS)),
         "rescale_acts_by_decoder_norm": bool(cfg.get("rescale_acts_by_decoder_norm", False)),
         "normalize_activations": norm,

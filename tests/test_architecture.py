@@ -42,6 +42,8 @@ RANKS = {
     "analyses.circuits.patching.path_plots": 9,
     "analyses.circuits.edges.plots": 9,
     "analyses.circuits.edges.html": 9,
+    "analyses.circuits.features.plots": 9,
+    "analyses.circuits.features.html": 9,
     "analyses.causal.erasure.plots": 9,
     "analyses.causal.erasure.layer_plots": 9,
     "analyses.causal.variables.localize_plots": 9,

@@ -81,6 +81,7 @@ def _required(command):
         "layers": ["--text", "x.txt"],
         "sae train": ["--site", "1.mlp", "--text", "x.txt"],
         "sae evaluate": ["--sae", "x.txt", "--text", "x.txt"],
+        "transcoders train": ["--text", "x.txt"],
         "circuit": ["--pairs", dataset_files()["pairs"], "--in-sample"],
         "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])

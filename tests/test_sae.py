@@ -26,7 +26,7 @@ def random_sae(d_in: int, d_sae: int, arch: str = "topk", *, d_out: int | None =
     )
     if "jumprelu" in arch:
         kw["threshold"] = torch.rand(d_sae, generator=g) * 0.2
-    if arch in ("transcoder", "jumprelu_transcoder"):
+    if arch in ("transcoder", "jumprelu_transcoder", "topk_transcoder"):
         kw.setdefault("apply_b_dec_to_input", False)
     return SAE(**w, architecture=arch, **kw)
 
@@ -35,7 +35,7 @@ def hand_encode(sae: SAE, x: torch.Tensor) -> torch.Tensor:
     """SAELens's encode written out for the settings used in these tests (no normalisation)."""
     xin = x - sae.b_dec if sae.apply_b_dec_to_input else x
     pre = xin @ sae.W_enc + sae.b_enc
-    if sae.architecture == "topk":
+    if sae.architecture in ("topk", "topk_transcoder"):
         flat = pre.reshape(-1, pre.shape[-1])
         keep = torch.zeros_like(flat, dtype=torch.bool)
         for row in range(flat.shape[0]):
@@ -48,15 +48,19 @@ def hand_encode(sae: SAE, x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------- the format
 
 
-@pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu", "transcoder", "jumprelu_transcoder"])
+@pytest.mark.parametrize(
+    "arch", ["standard", "topk", "jumprelu", "transcoder", "jumprelu_transcoder", "topk_transcoder"]
+)
 def test_save_load_round_trip_and_encode(tmp_path, arch):
-    kw = {"k": 3} if arch == "topk" else {}
+    kw = {"k": 3} if "topk" in arch else {}
     d_out = 7 if "transcoder" in arch else None
     sae = random_sae(5, 11, arch, d_out=d_out, hook_name="blocks.1.hook_resid_post", **kw)
     save_sae(sae, tmp_path / "sae", model_name="tiny")
     cfg = json.loads((tmp_path / "sae" / "cfg.json").read_text())
     assert cfg["architecture"] == arch and cfg["metadata"]["hook_name"] == "blocks.1.hook_resid_post"
+    assert cfg.get("k") == kw.get("k") and cfg.get("d_out") == d_out
     back = load_sae(tmp_path / "sae")
+    assert (back.architecture, back.k, back.is_transcoder) == (arch, kw.get("k"), "transcoder" in arch)
     for n in ("W_enc", "b_enc", "W_dec", "b_dec"):
         assert torch.equal(getattr(back, n), getattr(sae, n))
     x = torch.randn(4, 6, 5)

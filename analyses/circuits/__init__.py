@@ -9,8 +9,10 @@
 ``edges/``          circuits as edge graphs: every edge scored (EAP, EAP-IG), circuits
                     evaluated and their faithfulness, drawn (:class:`CircuitGraph`,
                     :func:`edge_attribution`, :class:`CircuitConfig`, ...)
-``features/``       feature circuits: attribution graphs over transcoder features
-                    (:func:`attribution_graph`, :class:`AttributionGraph`, :func:`edge_by_head`)
+``features/``       feature circuits: attribution graphs over transcoder features, built
+                    (:func:`attribution_graph`, :func:`edge_by_head`), pruned and scored as
+                    circuit-tracer does, written as files, JSON, a figure and a page
+                    (:class:`AttributionGraph`, :func:`prune_graph`, :func:`write_graph`, ...)
 ``memory.py``       the memory a pair (a batch) needs, estimated and checked before the first
                     forward (:class:`~depthscope.analyses.circuits.memory.WorkTooLarge`)
 ==================  =================================================================

@@ -1,10 +1,10 @@
 """The features room: SAEs and transcoders at a hook point.
 
 =================  ==================================================================
-``training.py``    :func:`train_topk` (a TopK SAE), :func:`sae_metrics`
+``training.py``    :func:`train_topk` (a TopK SAE or transcoder), :func:`sae_metrics`
 ``evaluate.py``    :func:`evaluate_sae`: reconstruction, sparsity and loss scores on held-out text
 ``probing.py``     :func:`sparse_probing` per depth, :func:`feature_lens`
-``config.py``      :class:`SaeTrainConfig`
+``config.py``      :class:`SaeTrainConfig`, :class:`TranscoderTrainConfig`
 ``plots.py``       the figures, drawn from the tables
 =================  ==================================================================
 """
@@ -21,8 +21,10 @@ _EXPORTS = {
     "feature_lens": "probing",
     "SparseProbing": "probing",
     "SaeTrainConfig": "config",
+    "TranscoderTrainConfig": "config",
     "plot_sparse_probing": "plots",
     "plot_sae_training": "plots",
+    "plot_transcoder_metrics": "plots",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,10 +1,14 @@
 """Figures of SAE features per depth, drawn from :func:`~depthscope.analyses.features.probing.sparse_probing`'s
-``by_k`` table and :func:`~depthscope.analyses.jobs.sae.sae_train_job`'s ``sae_training`` table only.
+``by_k`` table, :func:`~depthscope.analyses.jobs.sae.sae_train_job`'s ``sae_training`` table and
+:func:`~depthscope.analyses.jobs.transcoders.transcoders_train_job`'s ``transcoder_metrics`` table only.
 
 =============================  ==============================================================
 :func:`plot_sparse_probing`    accuracy of the k-feature probes against depth, one line per k,
                                the dense linear probe and the majority baseline beside them
 :func:`plot_sae_training`      reconstruction (variance explained) and dead latents per step
+:func:`plot_transcoder_metrics`
+                               a transcoder set's core metrics per layer: variance explained
+                               of the MLP output, CE loss score, L0 and dead latents
 =============================  ==============================================================
 """
 
@@ -15,7 +19,7 @@ import pandas as pd
 from depthscope.analyses.style import depth_axis, plt, savefig, sns
 from depthscope.common.errors import InputError
 
-__all__ = ["plot_sparse_probing", "plot_sae_training"]
+__all__ = ["plot_sparse_probing", "plot_sae_training", "plot_transcoder_metrics"]
 
 
 def plot_sparse_probing(by_k: pd.DataFrame, path, *, n_layers: int | None = None):
@@ -52,6 +56,31 @@ def plot_sae_training(log: pd.DataFrame, path):
     b.plot(log["step"], log["dead_fraction"], color="#b40426")
     b.set_xlabel("step")
     b.set_ylabel("dead latents (fraction)")
+    fig.tight_layout()
+    savefig(fig, path)
+    return path
+
+
+def plot_transcoder_metrics(table: pd.DataFrame, path):
+    """Per layer: variance explained of the MLP output and the CE loss score (against zero
+    ablation; 1 = splicing costs nothing), then L0 and the fraction of dead latents."""
+    if table.empty:
+        raise InputError("no transcoder metrics rows to plot")
+    d = table.sort_values("layer")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(d["layer"], d["variance_explained"], marker="o", ms=4, color="#3b4cc0", label="variance explained")
+    a.plot(d["layer"], d["ce_loss_score"], marker="s", ms=4, color="#b40426", label="CE loss score")
+    a.axhline(1.0, color="#777777", ls=":", lw=1)
+    a.set_xlabel("layer")
+    a.set_ylabel("score")
+    a.legend(fontsize=8, frameon=False)
+    b.plot(d["layer"], d["l0"], marker="o", ms=4, color="#2a9d8f", label="L0 (active latents)")
+    b.set_xlabel("layer")
+    b.set_ylabel("L0")
+    dead = b.twinx()
+    dead.plot(d["layer"], d["dead_fraction"], ls="--", color="#777777", label="dead latents")
+    dead.set_ylabel("dead latents (fraction)")
+    fig.suptitle("Transcoders per layer (MLP input -> MLP output)", fontsize=10)
     fig.tight_layout()
     savefig(fig, path)
     return path

@@ -1,5 +1,5 @@
-"""Training a TopK sparse autoencoder on stored activations (Gao et al. 2024, "Scaling and
-evaluating sparse autoencoders"), streaming rows from an activation store.
+"""Training a TopK sparse autoencoder (or transcoder) on stored activations (Gao et al. 2024,
+"Scaling and evaluating sparse autoencoders"), streaming rows from an activation store.
 
 =========================  ==================================================================
 offers                     what
@@ -7,9 +7,10 @@ offers                     what
 :class:`SaeTrainConfig`    (from :mod:`~depthscope.analyses.features.config`) latents, k, tokens, epochs...
 :func:`train_topk`         rows (any ``[n, d]`` array that reads row blocks) -> trained
                            :class:`~depthscope.hooks.sae.SAE` and a per-step log; resumable
-                           from a checkpoint file
+                           from a checkpoint file; with ``targets``, a TopK transcoder
 :func:`input_scale`        the factor that brings the rows to mean squared norm ``d``
-:func:`sae_metrics`        variance explained, L0, dead latents of an SAE on held-out rows
+:func:`sae_metrics`        variance explained, L0, dead latents of an SAE (or a transcoder,
+                           with its targets) on held-out rows
 =========================  ==================================================================
 
 The method, as in the paper: the rows are scaled by one factor ``s`` to mean squared norm ``d``
@@ -20,6 +21,13 @@ zero; the loss is the squared reconstruction error plus ``aux_coef`` times the A
 reconstruct the residual error); Adam; decoder rows renormalised to unit norm after every step.
 Rows are read a block at a time in a seeded random order (memory: one block), so a
 memory-mapped store of any size trains in bounded memory.
+
+A transcoder (``targets``: the rows it reconstructs, e.g. ``l.mlp_out`` for inputs ``l.mlp_in``)
+is trained the same way with three differences: the targets get their own scale ``t`` (to mean
+squared norm ``d_out``), the encoder reads the input as it is (``pre = x @ W_enc + b_enc``, no
+``b_dec`` subtracted, as SAELens's transcoders) and starts as random unit columns, and ``b_dec``
+starts at the targets' mean. Folding back: ``W_enc * s / t``, ``b_enc / t``, ``b_dec / t``, so
+the ``topk_transcoder`` returned maps raw inputs to raw targets (its features divided by ``t``).
 """
 
 from __future__ import annotations
@@ -61,12 +69,16 @@ def _blocks(n: int, rng: np.random.Generator):
 class _State:
     """Parameters, optimiser and counters of one training run (what a checkpoint holds)."""
 
-    def __init__(self, d: int, cfg: SaeTrainConfig, mean: torch.Tensor):
+    def __init__(self, d_in: int, cfg: SaeTrainConfig, mean: torch.Tensor, *, transcoder: bool = False):
         g = torch.Generator().manual_seed(cfg.seed)
-        w_dec = torch.randn(cfg.latents, d, generator=g)
+        w_dec = torch.randn(cfg.latents, mean.shape[-1], generator=g)
         w_dec /= w_dec.norm(dim=-1, keepdim=True)
+        w_enc = w_dec.T.clone()
+        if transcoder:  # the encoder reads another space than the decoder writes
+            w_enc = torch.randn(d_in, cfg.latents, generator=g)
+            w_enc /= w_enc.norm(dim=0, keepdim=True)
         self.params = {
-            "W_enc": w_dec.T.clone().requires_grad_(),
+            "W_enc": w_enc.requires_grad_(),
             "b_enc": torch.zeros(cfg.latents, requires_grad=True),
             "W_dec": w_dec.requires_grad_(),
             "b_dec": mean.clone().requires_grad_(),
@@ -93,29 +105,31 @@ class _State:
         self.since_fired, self.step, self.log = saved["since_fired"], saved["step"], saved["log"]
 
 
-def _loss(p: dict, x: torch.Tensor, cfg: SaeTrainConfig, since_fired: torch.Tensor):
-    """Reconstruction loss + AuxK loss on one batch, and the latents that fired."""
-    pre = (x - p["b_dec"]) @ p["W_enc"] + p["b_enc"]
+def _loss(p: dict, x: torch.Tensor, y: torch.Tensor | None, cfg: SaeTrainConfig, since_fired: torch.Tensor):
+    """Reconstruction loss + AuxK loss on one batch (``y``: a transcoder's targets; None: an
+    SAE, which reconstructs ``x``), and the latents that fired."""
+    pre = (x - p["b_dec"]) @ p["W_enc"] + p["b_enc"] if y is None else x @ p["W_enc"] + p["b_enc"]
+    y = x if y is None else y
     val, idx = pre.topk(cfg.k, dim=-1)
     f = torch.zeros_like(pre).scatter(-1, idx, val.relu())
     recon = f @ p["W_dec"] + p["b_dec"]
-    err = x - recon
+    err = y - recon
     mse = err.pow(2).sum(-1).mean()
     dead = since_fired >= cfg.dead_tokens
     aux = torch.zeros(())
-    k_aux = min(int(dead.sum()), x.shape[-1] // 2)
+    k_aux = min(int(dead.sum()), y.shape[-1] // 2)
     if k_aux > 0:
         dead_pre = pre.masked_fill(~dead, float("-inf"))
         v, i = dead_pre.topk(k_aux, dim=-1)
         e_hat = torch.zeros_like(pre).scatter(-1, i, v.relu()) @ p["W_dec"]
         aux = (err.detach() - e_hat).pow(2).sum(-1).mean()
     fired = torch.zeros(pre.shape[-1], dtype=torch.bool).scatter(0, idx[val > 0].flatten(), True)
-    total_var = (x - x.mean(0)).pow(2).sum(-1).mean()
+    total_var = (y - y.mean(0)).pow(2).sum(-1).mean()
     return mse + cfg.aux_coef * aux, mse, aux, fired, total_var
 
 
-def _step(state: _State, x: torch.Tensor, cfg: SaeTrainConfig) -> None:
-    loss, mse, aux, fired, total_var = _loss(state.params, x, cfg, state.since_fired)
+def _step(state: _State, x: torch.Tensor, y: torch.Tensor | None, cfg: SaeTrainConfig) -> None:
+    loss, mse, aux, fired, total_var = _loss(state.params, x, y, cfg, state.since_fired)
     state.opt.zero_grad(set_to_none=True)
     loss.backward()
     state.opt.step()
@@ -137,25 +151,34 @@ def _step(state: _State, x: torch.Tensor, cfg: SaeTrainConfig) -> None:
         )
 
 
-def _fingerprint(cfg: SaeTrainConfig, n: int, d: int) -> dict:
+def _fingerprint(cfg: SaeTrainConfig, n: int, d: int, d_out: int | None) -> dict:
     keep = asdict(cfg)
     keep.pop("progress")
-    return {**keep, "rows": n, "d": d}
+    return {**keep, "rows": n, "d": d} | ({} if d_out is None else {"transcoder_d_out": d_out})
 
 
-def train_topk(rows, cfg: SaeTrainConfig, *, checkpoint: Path | None = None, bar=None, every: int = 50):
+def _read(rows, idx, scale: float) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(rows[idx]), dtype=torch.float32) * scale
+
+
+def train_topk(rows, cfg: SaeTrainConfig, *, targets=None, checkpoint: Path | None = None, bar=None, every: int = 50):
     """A TopK SAE trained on ``rows`` (``[n, d]``: a tensor, an array or a store's
-    :class:`~depthscope.common.shards.ShardedFeats`) for ``cfg.epochs`` passes. With ``checkpoint``
-    (a file), the state is saved atomically every ``every`` steps and a run with the same settings
-    and rows resumes from it. ``bar``: a progress bar advanced per step. Returns ``(sae, log)``:
-    the SAE folded to raw activations and the training log (rows every 10 steps)."""
+    :class:`~depthscope.common.shards.ShardedFeats`) for ``cfg.epochs`` passes; with ``targets``
+    (``[n, d_out]``, row ``i`` the target of input row ``i``), a TopK transcoder from ``rows`` to
+    ``targets`` (module docstring). With ``checkpoint`` (a file), the state is saved atomically
+    every ``every`` steps and a run with the same settings and rows resumes from it. ``bar``: a
+    progress bar advanced per step. Returns ``(sae, log)``: the SAE (architecture ``topk``, or
+    ``topk_transcoder``) folded to raw activations and the training log (rows every 10 steps)."""
     n, d = len(rows), rows.shape[-1]
     if n < cfg.batch_size:
         raise InputError(f"{n} training tokens are fewer than one batch of {cfg.batch_size}: lower --batch-size")
+    if targets is not None and len(targets) != n:
+        raise InputError(f"{n} input rows but {len(targets)} target rows: a transcoder needs one target per input")
     scale = input_scale(rows, seed=cfg.seed)
-    mean = torch.as_tensor(np.asarray(rows[np.arange(0, n, max(1, n // 16384))]), dtype=torch.float32).mean(0)
-    state = _State(d, cfg, mean * scale)
-    fp = _fingerprint(cfg, n, d)
+    out_rows, out_scale = (rows, scale) if targets is None else (targets, input_scale(targets, seed=cfg.seed))
+    mean = _read(out_rows, np.arange(0, n, max(1, n // 16384)), out_scale).mean(0)
+    state = _State(d, cfg, mean, transcoder=targets is not None)
+    fp = _fingerprint(cfg, n, d, None if targets is None else targets.shape[-1])
     if checkpoint is not None and Path(checkpoint).is_file():
         saved = torch.load(checkpoint, weights_only=False)
         if saved.get("fingerprint") == fp:
@@ -171,40 +194,53 @@ def train_topk(rows, cfg: SaeTrainConfig, *, checkpoint: Path | None = None, bar
             if epoch * per_epoch + b < state.step:
                 continue  # done before the checkpoint
             idx = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-            x = torch.as_tensor(np.asarray(rows[np.sort(idx)]), dtype=torch.float32) * scale
-            _step(state, x, cfg)
+            idx = np.sort(idx)
+            y = None if targets is None else _read(targets, idx, out_scale)
+            _step(state, _read(rows, idx, scale), y, cfg)
             if bar is not None:
                 bar.update(1)
             if checkpoint is not None and (state.step % every == 0 or state.step == total):
                 saved = {**state.state_dict(), "fingerprint": fp}
                 atomic_write(checkpoint, lambda tmp, s=saved: torch.save(s, tmp))
-    return _folded(state.params, scale, cfg.k), state.log
+    if targets is None:
+        return _folded(state.params, scale, scale, cfg.k), state.log
+    return _folded(state.params, scale, out_scale, cfg.k, transcoder=True), state.log
 
 
-def _folded(p: dict, scale: float, k: int) -> SAE:
-    """The SAE on raw activations: trained on ``s * x``, so ``b_enc`` and ``b_dec`` are divided by
-    ``s`` (TopK and ReLU commute with a positive factor; the features come out divided by ``s``)."""
-    w = {n: t.detach().clone() for n, t in p.items()}
-    return SAE(w["W_enc"], w["b_enc"] / scale, w["W_dec"], w["b_dec"] / scale, architecture="topk", k=k)
+def _folded(p: dict, s: float, t: float, k: int, *, transcoder: bool = False) -> SAE:
+    """The SAE on raw activations: trained on ``s * x`` (and targets ``t * y``; ``t = s`` for an
+    SAE), so ``W_enc`` is multiplied by ``s / t`` and ``b_enc``, ``b_dec`` divided by ``t`` (TopK
+    and ReLU commute with a positive factor; the features come out divided by ``t``). An SAE's
+    ``(x - b_dec) @ W_enc`` is unchanged by the same division, as ``s = t``."""
+    w = {n: t_.detach().clone() for n, t_ in p.items()}
+    arch = "topk_transcoder" if transcoder else "topk"
+    w_enc = w["W_enc"] * (s / t) if transcoder else w["W_enc"]
+    return SAE(
+        w_enc, w["b_enc"] / t, w["W_dec"], w["b_dec"] / t, architecture=arch, k=k, apply_b_dec_to_input=not transcoder
+    )
 
 
 @torch.no_grad()
-def sae_metrics(sae: SAE, rows, *, batch: int = 4096) -> dict:
-    """Fraction of variance explained ``1 - sum|x - x_hat|^2 / sum|x - mean|^2``, mean L0 (active
-    latents per token) and the fraction of latents that never fire, over ``rows``."""
+def sae_metrics(sae: SAE, rows, *, targets=None, batch: int = 4096) -> dict:
+    """Fraction of variance explained ``1 - sum|y - y_hat|^2 / sum|y - mean|^2`` (``y``: the
+    ``targets`` of a transcoder, else the ``rows``), mean L0 (active latents per token) and the
+    fraction of latents that never fire, over ``rows``."""
     n = len(rows)
     if n == 0:
         raise InputError("no held-out tokens to evaluate the SAE on")
     err = tot = l0 = 0.0
     fired = torch.zeros(sae.d_sae, dtype=torch.bool)
-    s1 = torch.zeros(rows.shape[-1], dtype=torch.float64)
+    y_rows = rows if targets is None else targets
+    s1 = torch.zeros(y_rows.shape[-1], dtype=torch.float64)
     s2 = 0.0
     for a in range(0, n, batch):
-        x = torch.as_tensor(np.asarray(rows[np.arange(a, min(n, a + batch))]), dtype=torch.float32)
+        idx = np.arange(a, min(n, a + batch))
+        x = _read(rows, idx, 1.0)
+        y = x if targets is None else _read(targets, idx, 1.0)
         f = sae.encode(x)
-        err += float((x - sae.decode(f, x)).double().pow(2).sum())
-        s1 += x.double().sum(0)
-        s2 += float(x.double().pow(2).sum())
+        err += float((y - sae.decode(f, x)).double().pow(2).sum())
+        s1 += y.double().sum(0)
+        s2 += float(y.double().pow(2).sum())
         l0 += float((f > 0).sum())
         fired |= (f > 0).any(0)
     tot = s2 - float(s1.pow(2).sum()) / n

@@ -24,7 +24,9 @@ torch, pandas or matplotlib; the job modules beside it import those at their top
 :class:`LayersConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.jobs.layers.layers_job`
 :class:`CausalConfig`      ``causal/erasure/config.py``: :func:`~depthscope.analyses.causal.erasure.used.causal_tests`
 :class:`LocalizeConfig`    ``causal/variables/config.py``: :func:`~depthscope.analyses.jobs.localize.localize_job`
-:class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`
+:class:`SaeTrainConfig`    ``features/config.py``: :func:`~depthscope.analyses.features.training.train_topk`;
+                           its subclass ``TranscoderTrainConfig``:
+                           :func:`~depthscope.analyses.jobs.transcoders.transcoders_train_job`
 =========================  ====================================================================
 """
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from depthscope.analyses.causal.erasure.config import CausalConfig, LayersConfig
 from depthscope.analyses.causal.variables.config import LocalizeConfig
 from depthscope.analyses.circuits.edges.config import CircuitConfig
+from depthscope.analyses.circuits.features.config import AttributeConfig
 from depthscope.analyses.circuits.patching.config import PatchConfig
 from depthscope.analyses.defaults import (
     DEFAULT_PROMPT,
@@ -44,7 +47,7 @@ from depthscope.analyses.defaults import (
     MAX_TOP_K,
     RESUME_HELP,
 )
-from depthscope.analyses.features.config import SaeTrainConfig
+from depthscope.analyses.features.config import SaeTrainConfig, TranscoderTrainConfig
 from depthscope.analyses.lens.config import LensConfig, LensTrainConfig
 from depthscope.analyses.norms.config import NormsConfig
 from depthscope.analyses.probing.config import ProbeJobConfig
@@ -73,6 +76,7 @@ __all__ = [
     "PROBE_FIELDS",
     "RESUME_HELP",
     "TEXT_FIELDS",
+    "AttributeConfig",
     "CacheConfig",
     "CausalConfig",
     "CircuitConfig",
@@ -86,6 +90,7 @@ __all__ = [
     "ProbeJobConfig",
     "ReportConfig",
     "SaeTrainConfig",
+    "TranscoderTrainConfig",
     "SweepJobConfig",
     "TextWindows",
 ]

@@ -15,6 +15,8 @@ Tracing"; the circuit-tracer library), beside the edge circuits of ``edges/``.
                        circuit-tracer/Neuronpedia graph JSON
 ``plots.py``,          the static figure and the self-contained HTML view
 ``html.py``
+``config.py``          :class:`AttributeConfig`: the settings of ``depthscope attribute``
+                       (torch-free; the job is ``analyses/jobs/attribute.py``)
 =====================  =================================================================
 """
 
@@ -25,12 +27,24 @@ from depthscope.common.lazy import lazy_exports
 _EXPORTS = {
     "AttributionGraph": "graph",
     "NODE_KINDS": "graph",
+    "node_influence": "prune",
+    "prune_graph": "prune",
+    "PrunedGraph": "prune",
+    "pruned_adjacency": "prune",
+    "graph_scores": "prune",
+    "node_table": "export",
+    "graph_json": "export",
+    "write_graph": "export",
+    "read_graph": "export",
+    "plot_attribution_graph": "plots",
+    "attribution_html": "html",
     "ReplacementModel": "replacement",
     "replacement_model": "replacement",
     "attribution_graph": "attribute",
     "attribution_graph_of": "attribute",
     "AttributionConfig": "attribute",
     "edge_by_head": "heads",
+    "AttributeConfig": "config",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -4,7 +4,7 @@ between them, in circuit-tracer's node order.
 ==========================  ==============================================================
 offers                      what
 ==========================  ==============================================================
-:class:`AttributionGraph`   the nodes and the adjacency; ``node_table()`` the tidy table
+:class:`AttributionGraph`   the nodes and the adjacency (the tidy node table: ``export.node_table``)
 ``NODE_KINDS``              the node kinds in adjacency order
 ==========================  ==============================================================
 
