@@ -47,10 +47,13 @@ the model -- a later layer or position into an earlier one -- is an exact zero a
 bytes per edge while the rows are computed (values, column, the normalised copy the ranking
 reads). On the default model with random TopK transcoders (4,096 latents, k 64) and 2,048
 feature rows: 16 tokens, 13.5 million edges, 2.3 GiB peak with the model (1.6 before); 128
-tokens, 82 million edges, 5.6 GiB. Edges grow with rows x upstream features, so a 1,024-token
-prompt does not fit 4 GB this way; ``columns="visited"`` makes the graph small but folds only
-at the end. Bounding the run too needs the ranking on truncated rows and the kept rows
-recomputed on the visited columns (not done).
+tokens, 82 million edges, 5.6 GiB; 1,024 tokens with 64 feature rows (batch 8), 9.7 million
+edges, 7.1 GiB, mostly the prompt's own state (patterns 1.1 GB, dense activations and
+pre-activations 1 GB, each pass's gradients ``batch x pos x d`` per layer). Edges grow with
+rows x upstream features, so a 1,024-token prompt with 2,048 rows does not fit 4 GB this way;
+``columns="visited"`` makes the graph small but folds only at the end. Bounding the run too
+needs the ranking on truncated rows and the kept rows recomputed on the visited columns (not
+done).
 """
 
 from __future__ import annotations
