@@ -217,16 +217,13 @@ def test_feature_rows_follow_influence_and_all_features_when_unbounded(built, ti
 
 # ----------------------------------------------------------------------------- targets
 def test_salient_logits_by_hand():
-    probs = torch.tensor([0.05, 0.5, 0.3, 0.1, 0.05])
-    assert salient_logits(probs, 0.95, 10).tolist() == [1, 2, 3, 0] or salient_logits(probs, 0.95, 10).tolist() == [
-        1,
-        2,
-        3,
-        4,
-    ]
-    assert salient_logits(probs, 0.5, 10).tolist() == [1]
-    assert salient_logits(probs, 0.8, 10).tolist() == [1, 2]
-    assert salient_logits(probs, 0.99, 2).tolist() == [1, 2]
+    """Top tokens until the cumulative probability reaches the threshold (binary fractions: exact)."""
+    probs = torch.tensor([0.0625, 0.5, 0.25, 0.125, 0.0625])
+    assert salient_logits(probs, 0.5, 10).tolist() == [1]  # 0.5 reaches 0.5
+    assert salient_logits(probs, 0.75, 10).tolist() == [1, 2]
+    top = salient_logits(probs, 0.9, 10).tolist()  # 0.875 < 0.9 <= 0.9375
+    assert top[:3] == [1, 2, 3] and len(top) == 4 and top[3] in (0, 4)
+    assert salient_logits(probs, 0.99, 2).tolist() == [1, 2]  # at most max_n_logits
 
 
 def test_named_targets_and_the_exported_entry_point(built, tiny_tokenizer):
@@ -291,3 +288,54 @@ def test_edge_by_head_sums_to_the_edge(built, family):
     assert df.loc[df.path == "residual", "contribution"].item() != 0
     with pytest.raises(InputError, match="not a target"):
         edge_by_head(rm, graph, int(kinds["token"].start), int(s))
+
+
+def test_visited_columns_fold_the_other_features_into_their_error_nodes(built):
+    """columns="visited": only the visited features are nodes; each other feature's edges are in
+    its error node's column, so every edge between kept nodes is unchanged, the error columns
+    gain the folded ones, and completeness still holds exactly."""
+    _, _, rm, full = built("gpt2")
+    cfg = AttributionConfig(max_feature_nodes=150, batch_size=32, update_interval=2, columns="visited", progress=False)
+    small = attribution_graph_of(rm, cfg)
+    visited = np.isfinite(full.inputs[: full.n_features])
+    assert small.n_features == visited.sum() == 150
+    assert (small.features == full.features[visited]).all()
+    keep = np.concatenate([np.flatnonzero(visited), np.arange(full.n_features, full.n_nodes)])
+    A, S = full.dense(), small.dense()
+    kinds = small.kind_slices()
+    assert np.allclose(S[:, kinds["feature"]], A[keep][:, np.flatnonzero(visited)], rtol=0, atol=1e-12)
+    folded = A[keep][:, full.kind_slices()["error"]].copy()
+    for j in np.flatnonzero(~visited):
+        layer, pos, _ = full.features[j]
+        folded[:, layer * full.n_pos + pos] += A[keep, j]
+    assert np.allclose(S[:, kinds["error"]], folded, rtol=0, atol=1e-12)
+    t = np.flatnonzero(np.isfinite(small.inputs))
+    assert len(t) == 150 + small.n_logits
+    assert rel(S[t].sum(1) + small.bias[t], small.inputs[t]) < 1e-12
+    with pytest.raises(InputError, match="columns"):
+        AttributionConfig(columns="some")
+
+
+def test_a_family_read_wrongly_is_refused(built):
+    """The frozen model must give back the clean MLP inputs: with block 1's ln2 mapped to its ln1
+    (whose weights differ) the replacement model is refused, not built wrong."""
+    from depthscope.common.errors import UnsupportedArchitecture
+
+    model, tcs, _, _ = built("qwen2")
+    ln2 = model.arch.ln2[1]
+    model.arch.ln2[1] = model.arch.ln1[1]
+    try:
+        with pytest.raises(UnsupportedArchitecture, match="block 1's MLP input"):
+            replacement_model(model, tcs, PROMPT)
+    finally:
+        model.arch.ln2[1] = ln2
+
+
+def test_writes_rebuilt_per_pass_give_the_same_graph(built, monkeypatch):
+    """Feature writes too large to keep are rebuilt at each backward pass: the same adjacency."""
+    from depthscope.analyses.circuits.features import attribute as attribute_module
+
+    _, _, rm, graph = built("gpt_neox")
+    monkeypatch.setattr(attribute_module, "WRITES_BYTES", 0)
+    again = attribution_graph_of(rm, AttributionConfig(max_feature_nodes=150, batch_size=32, update_interval=2))
+    assert (again.adjacency != graph.adjacency).nnz == 0

@@ -21,12 +21,13 @@ that raises every logit alike gets no credit), before any soft-capping (which is
 **Edges.** ``adjacency[t, s]`` is the direct effect of source ``s`` on target ``t`` in the frozen
 model: the gradient of ``t``'s input at ``s``'s write, dotted with that write (``activation *
 W_dec[f]`` at ``l.mlp_out`` for a feature, the error vector for an error node, block 0's input
-for a token). One forward of the frozen model with ``batch_size`` copies of the prompt keeps the
-graph; each backward injects one target's read vector per batch row (an encoder column at
-``l.mlp_in``, a demeaned unembedding column at the final norm's output) and reads every row's
-gradient at ``embed`` and every ``l.mlp_out`` at once. Because MLPs are replaced by their
-(fixed) writes, a path never goes through another MLP: edges are the direct effects through the
-residual stream and the attention heads (OV, patterns frozen).
+for a token). One forward of the frozen model (batch 1) keeps the graph; each backward injects
+``batch_size`` targets' read vectors as one batch of gradients (``torch.autograd.grad(...,
+is_grads_batched=True)``: an encoder column at ``l.mlp_in``, a demeaned unembedding column at
+the final norm's output) and reads every row's gradient at ``embed`` and every ``l.mlp_out``.
+Because MLPs are replaced by their (fixed) writes, a path never goes through another MLP: edges
+are the direct effects through the residual stream and the attention heads (OV, patterns
+frozen).
 
 **Order.** The logit rows first, then features in order of their influence on the logits, as
 circuit-tracer: the influence of every feature over the rows computed so far (row-normalised
@@ -41,6 +42,18 @@ forward of the model itself, ``bias`` from one more frozen forward with every so
 model's biases, the transcoders' ``b_dec`` and ``b_enc``, LayerNorm biases). The adjacency is a
 ``scipy.sparse`` CSR matrix of the computed rows' nonzero entries (an edge against the flow of
 the model -- a later layer or position into an earlier one -- is an exact zero and not stored).
+
+**Memory.** A row holds an edge from every active feature upstream of its target: about 12
+bytes per edge while the rows are computed (values, column, the normalised copy the ranking
+reads). On the default model with random TopK transcoders (4,096 latents, k 64) and 2,048
+feature rows: 16 tokens, 13.5 million edges, 2.3 GiB peak with the model (1.6 before); 128
+tokens, 82 million edges, 5.6 GiB; 1,024 tokens with 64 feature rows (batch 8), 9.7 million
+edges, 7.1 GiB, mostly the prompt's own state (patterns 1.1 GB, dense activations and
+pre-activations 1 GB, each pass's gradients ``batch x pos x d`` per layer). Edges grow with
+rows x upstream features, so a 1,024-token prompt with 2,048 rows does not fit 4 GB this way;
+``columns="visited"`` makes the graph small but folds only at the end. Bounding the run too
+needs the ranking on truncated rows and the kept rows recomputed on the visited columns (not
+done).
 """
 
 from __future__ import annotations
@@ -57,19 +70,31 @@ from depthscope.analyses.circuits.features.replacement import ReplacementModel, 
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 
+#: the most bytes of feature writes laid out once and kept for every backward pass
+WRITES_BYTES = 256 * 2**20
+
+#: which features are nodes: every active one, or only those whose rows were computed (the
+#: others' writes folded into their error nodes)
+COLUMNS = ("all", "visited")
+
 
 @dataclass(frozen=True)
 class AttributionConfig:
     """How a graph is built: ``max_feature_nodes`` feature rows (None: all active features),
     logit targets up to ``desired_logit_prob`` cumulative probability and at most
-    ``max_n_logits``, ``batch_size`` targets per backward pass (the batch of the kept forward),
-    influence recomputed every ``update_interval`` batches."""
+    ``max_n_logits``, ``batch_size`` targets per backward pass,
+    influence recomputed every ``update_interval`` batches. ``columns``: "all" (every active
+    feature is a node; those never visited are sources only) or "visited" (only the visited
+    features are nodes, circuit-tracer's node set; each other feature's edges are added to its
+    error node's, which then stands for the error plus the features left out, so completeness
+    still holds exactly)."""
 
     max_feature_nodes: int | None = None
     desired_logit_prob: float = 0.95
     max_n_logits: int = 10
     batch_size: int = 64
     update_interval: int = 4
+    columns: str = "all"
     progress: bool = True
 
     def __post_init__(self):
@@ -77,6 +102,8 @@ class AttributionConfig:
             raise InputError(f"max_feature_nodes must be >= 0, got {self.max_feature_nodes}")
         if not 0 < self.desired_logit_prob <= 1:
             raise InputError(f"desired_logit_prob must be in (0, 1], got {self.desired_logit_prob}")
+        if self.columns not in COLUMNS:
+            raise InputError(f"columns must be one of {COLUMNS}, got {self.columns!r}")
         for name in ("max_n_logits", "batch_size", "update_interval"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -114,54 +141,69 @@ def salient_logits(probs: torch.Tensor, desired_logit_prob: float, max_n_logits:
 class _Features:
     """The active features: node order (layer, position, feature), activations, each layer's
     slice, and each one's write (activation * decoder row) laid out per position for one batched
-    product with the gradients (``padded[l]`` ``[pos, most per position, d]``, ``slot[l]`` each
-    feature's place there)."""
+    product with the gradients (:meth:`padded`: ``[pos, most per position, d]``; ``slot[l]`` each
+    feature's place there). The layouts are kept when they fit ``WRITES_BYTES`` (the default
+    model, 16 tokens, k 64: 71 MB), else rebuilt from the decoder at every backward pass."""
 
     index: np.ndarray  # [n, 3]
     values: torch.Tensor  # [n]
     spans: dict[int, tuple[int, int]]
-    padded: dict[int, torch.Tensor]  # layer -> [pos, k_max, d]
     positions: dict[int, torch.Tensor]  # layer -> [n_l]
     slot: dict[int, torch.Tensor]  # layer -> [n_l]
+    width: dict[int, int]  # layer -> most features at one position
+    rm: ReplacementModel | None = None
+    kept: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, rm: ReplacementModel) -> _Features:
         rows, vals, start = [], [], 0
-        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {})
+        feats = cls(np.zeros((0, 3), dtype=np.int64), torch.zeros(0), {}, {}, {}, {}, rm)
         for layer, acts in enumerate(rm.acts):
             if acts is None:
                 continue
             nz = acts.nonzero()  # row-major: by position, then feature
-            a = acts[nz[:, 0], nz[:, 1]]
             rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
-            vals.append(a)
+            vals.append(acts[nz[:, 0], nz[:, 1]])
             feats.spans[layer] = (start, start + len(nz))
             pos = nz[:, 0]
             counts = torch.bincount(pos, minlength=rm.n_pos)
             first = torch.cumsum(counts, 0) - counts  # each position's first feature
-            slot = torch.arange(len(nz), device=pos.device) - first[pos]
-            padded = torch.zeros(rm.n_pos, int(counts.max()) if len(nz) else 0, rm.embed.shape[-1], dtype=a.dtype)
-            padded = padded.to(a.device)
-            padded[pos, slot] = a[:, None] * rm.decoder_rows(layer, nz[:, 1])
-            feats.padded[layer], feats.positions[layer], feats.slot[layer] = padded, pos, slot
+            feats.positions[layer] = pos
+            feats.slot[layer] = torch.arange(len(nz), device=pos.device) - first[pos]
+            feats.width[layer] = int(counts.max()) if len(nz) else 0
             start += len(nz)
         if rows:
             feats.index = torch.cat(rows).numpy().astype(np.int64)
             feats.values = torch.cat(vals)
+        size = sum(rm.n_pos * w * rm.embed.shape[-1] * rm.embed.element_size() for w in feats.width.values())
+        if size <= WRITES_BYTES:
+            feats.kept = {layer: feats.padded(layer) for layer in feats.spans}
         return feats
+
+    def padded(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s writes ``[pos, width, d]`` (zeros past each position's features)."""
+        if self.kept is not None and layer in self.kept:
+            return self.kept[layer]
+        rm, (a, b) = self.rm, self.spans[layer]
+        f = torch.as_tensor(self.index[a:b, 2], device=rm.embed.device)
+        out = torch.zeros(rm.n_pos, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
+        out[self.positions[layer], self.slot[layer]] = self.values[a:b, None] * rm.decoder_rows(layer, f)
+        return out
 
     def __len__(self) -> int:
         return len(self.index)
 
 
 class _Rows:
-    """Target rows from backward passes through one kept forward of ``batch`` copies."""
+    """Target rows from backward passes through one kept forward of the frozen model (batch 1):
+    each backward is batched over its targets (``is_grads_batched``: one vectorised backward with
+    a batch of injected vectors, as many rows as targets, the forward never copied)."""
 
-    def __init__(self, rm: ReplacementModel, feats: _Features, batch: int):
-        self.rm, self.feats, self.batch = rm, feats, batch
+    def __init__(self, rm: ReplacementModel, feats: _Features):
+        self.rm, self.feats = rm, feats
         L, n = rm.n_layers, rm.n_pos
         self.n_cols = len(feats) + L * n + n
-        src = rm.clean_sources(batch)
+        src = rm.clean_sources(1)
         self.leaves = [src.embed.requires_grad_(True)] + [m.requires_grad_(True) for m in src.mlp_out]
         with torch.enable_grad():
             self.out = rm.run(src)
@@ -175,17 +217,23 @@ class _Rows:
         outs = {}
         for b, (layer, pos, vec) in enumerate(reads):
             if layer not in outs:
-                outs[layer] = torch.zeros_like(self.out.final)
-            outs[layer][b, pos] = vec
+                outs[layer] = torch.zeros(len(reads), *self.out.final.shape, dtype=vec.dtype, device=vec.device)
+            outs[layer][b, 0, pos] = vec
         tensors = [self.out.final if layer == L else self.out.mlp_in[layer] for layer in outs]
-        grads = torch.autograd.grad(tensors, self.leaves, list(outs.values()), retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            tensors, self.leaves, list(outs.values()), retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
         self.backwards += 1
-        return self._contract(grads)[: len(reads)].cpu().numpy()
+        grads = [None if g is None else g[:, 0] for g in grads]
+        return self._contract(grads, len(reads)).cpu().numpy()
 
-    def _contract(self, grads) -> torch.Tensor:
+    def _contract(self, grads, batch: int) -> torch.Tensor:
         """Each source's write dotted with its gradient: ``[batch, n_cols]``."""
         rm, feats, L, n = self.rm, self.feats, self.rm.n_layers, self.rm.n_pos
-        rows = torch.zeros(self.batch, self.n_cols, dtype=rm.embed.dtype, device=rm.embed.device)
+        # float32 rows for half-precision models (numpy has no bfloat16; sums of many edges)
+        dt = torch.float64 if rm.embed.dtype == torch.float64 else torch.float32
+        rows = torch.zeros(batch, self.n_cols, dtype=dt, device=rm.embed.device)
+        grads = [None if g is None else g.to(dt) for g in grads]
         g_embed, g_mlp = grads[0], grads[1:]
         base = len(feats)
         for layer in range(L):
@@ -194,35 +242,74 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                per_pos = torch.bmm(g.transpose(0, 1), feats.padded[layer].transpose(1, 2))  # [pos, batch, k_max]
+                padded = feats.padded(layer).to(dt)
+                per_pos = torch.bmm(g.transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
                 rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
-            rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer])
+            rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer].to(dt))
         if g_embed is not None:
-            rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed)
+            rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed.to(dt))
         return rows
 
 
-def _influence(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], logit_p: np.ndarray, n_nodes: int) -> np.ndarray:
-    """Each node's influence on the logits through the rows computed so far: the logit
-    probabilities pushed back through the row-normalised ``|adjacency|`` over all path lengths."""
-    A = abs(sp.vstack(blocks).tocsr())
-    sums = np.asarray(A.sum(1)).ravel()
-    A = sp.diags(1 / np.maximum(sums, 1e-8)) @ A
-    row_nodes = np.concatenate(nodes)
-    row_of = np.full(n_nodes, -1)
-    row_of[row_nodes] = np.arange(len(row_nodes))
-    prod = np.zeros(A.shape[0])
-    prod[: len(logit_p)] = logit_p  # the logit rows come first
-    influence = np.zeros(n_nodes)
-    for _ in range(A.shape[0] + 1):  # a DAG: paths are never longer than the number of rows
-        v = A.T @ prod
-        if not v.any():
-            break
-        influence += v
-        prod = np.zeros(A.shape[0])
+class _Stored:
+    """The rows computed so far: CSR blocks (float32 values -- float64 for a float64 model --,
+    int32 columns) with their target nodes, and each block's row-normalised ``|values|`` sharing
+    its column indices (what the influence ranking multiplies by; no stacked copy is made)."""
+
+    def __init__(self, n_nodes: int, dtype=np.float32):
+        self.n_nodes, self.dtype = n_nodes, dtype
+        self.blocks: list[sp.csr_matrix] = []
+        self.normed: list[sp.csr_matrix] = []
+        self.nodes: list[np.ndarray] = []
+
+    def add(self, nodes: np.ndarray, dense: np.ndarray) -> None:
+        block = sp.csr_matrix(dense.astype(self.dtype, copy=False))
+        block.resize(block.shape[0], self.n_nodes)  # the logit columns: always empty
+        sums = np.add.reduceat(np.abs(block.data), block.indptr[:-1]) if block.nnz else np.zeros(0)
+        sums = np.where(np.diff(block.indptr) > 0, sums if len(sums) else 0, 1.0)
+        scale = np.repeat(1 / np.maximum(sums, 1e-8), np.diff(block.indptr)).astype(np.float32)
+        normed = sp.csr_matrix(
+            ((np.abs(block.data) * scale).astype(np.float32), block.indices, block.indptr), shape=block.shape
+        )
+        self.blocks.append(block)
+        self.normed.append(normed)
+        self.nodes.append(np.asarray(nodes))
+
+    def influence(self, logit_p: np.ndarray) -> np.ndarray:
+        """Each node's influence on the logits through the rows so far: the logit probabilities
+        pushed back through the row-normalised ``|adjacency|`` over all path lengths (the logit
+        rows come first), until the paths left carry less than 1e-9 of what was found."""
+        row_nodes = np.concatenate(self.nodes)
+        row_of = np.full(self.n_nodes, -1)
+        row_of[row_nodes] = np.arange(len(row_nodes))
         has = row_of >= 0
-        prod[row_of[has]] = v[has]
-    return influence
+        starts = np.cumsum([0] + [b.shape[0] for b in self.normed])
+        prod = np.zeros(len(row_nodes))
+        prod[: len(logit_p)] = logit_p
+        influence = np.zeros(self.n_nodes)
+        for _ in range(len(row_nodes) + 1):  # a DAG: no path is longer than the number of rows
+            v = sum(m.T @ prod[a:b] for m, a, b in zip(self.normed, starts[:-1], starts[1:]))
+            if v.sum() <= 1e-9 * influence.sum():  # what is left cannot change the ranking
+                break
+            influence += v
+            prod = np.zeros(len(row_nodes))
+            prod[row_of[has]] = v[has]
+        return influence
+
+    def assemble(self) -> sp.csr_matrix:
+        """The rows at their targets' node indices, ``[n_nodes, n_nodes]`` CSR; the blocks are
+        released on the way (at most two copies of the values at once)."""
+        self.normed.clear()
+        row_nodes = np.concatenate(self.nodes)
+        stacked = sp.vstack(self.blocks, format="csr")
+        self.blocks.clear()
+        order = np.argsort(row_nodes, kind="stable")
+        rows = stacked[order]
+        del stacked
+        counts = np.zeros(self.n_nodes, dtype=np.int64)
+        counts[row_nodes[order]] = np.diff(rows.indptr)
+        indptr = np.concatenate([[0], np.cumsum(counts)])
+        return sp.csr_matrix((rows.data, rows.indices, indptr), shape=(self.n_nodes, self.n_nodes))
 
 
 def _logit_targets(rm: ReplacementModel, cfg: AttributionConfig, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,40 +347,26 @@ def attribution_graph_of(
     n_cols = nf + L * n + n
     n_nodes = n_cols + n_logits
     logit_nodes = np.arange(n_cols, n_nodes)
-    rows = _Rows(rm, feats, cfg.batch_size)
+    rows = _Rows(rm, feats)
     reads = _logit_reads(rm, logit_ids)
-    blocks, nodes = [], []
-
-    def add(chunk_nodes: np.ndarray, chunk_reads: list) -> None:
-        block = rows.compute(chunk_reads)
-        blocks.append(sp.csr_matrix(np.pad(block, ((0, 0), (0, n_logits)))))
-        nodes.append(chunk_nodes)
-
+    store = _Stored(n_nodes, np.float64 if rm.embed.dtype == torch.float64 else np.float32)
     B = cfg.batch_size
     for i in range(0, n_logits, B):
-        add(logit_nodes[i : i + B], [(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))])
-    limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
-    visited = np.zeros(nf, dtype=bool)
-    with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
-        while visited.sum() < limit:
-            if limit == nf:
-                pending = np.arange(nf)
-            else:
-                influence = _influence(blocks, nodes, logit_p.cpu().numpy().astype(np.float64), n_nodes)[:nf]
-                rank = np.argsort(-influence, kind="stable")
-                pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
-            for i in range(0, len(pending), B):
-                chunk = pending[i : i + B]
-                add(chunk, [_feature_read(rm, feats, j) for j in chunk])
-                visited[chunk] = True
-                bar.update(len(chunk))
-    adjacency = _assemble(blocks, nodes, n_nodes)
+        store.add(logit_nodes[i : i + B], rows.compute([(L, n - 1, reads[j]) for j in range(i, min(i + B, n_logits))]))
+    visited = _visit_features(rm, feats, rows, store, cfg, logit_p.detach().double().cpu().numpy())
+    n_backward = rows.backwards
+    del rows  # the kept forward's graph
+    adjacency = store.assemble()
     inputs, bias = _inputs_and_bias(rm, feats, visited, logit_ids, n_cols)
+    index, acts = feats.index, feats.values.detach().float().cpu().numpy()
+    if cfg.columns == "visited":
+        adjacency, keep = _fold_unvisited(adjacency, feats.index, visited, L, n)
+        inputs, bias, index, acts = inputs[keep], bias[keep], index[visited], acts[visited]
     settings = {
         **{k: v for k, v in asdict(cfg).items() if k != "progress"},
         "n_active_features": nf,
         "n_feature_rows": int(visited.sum()),
-        "n_backward_passes": rows.backwards,
+        "n_backward_passes": n_backward,
         "seconds": round(time.perf_counter() - t0, 3),
         "transcoders": {str(layer): repr(sae) for layer, sae in rm.transcoders.items()},
         "token_node": "block 0's input at the position (token + learned position embedding in GPT-2)",
@@ -306,8 +379,8 @@ def attribution_graph_of(
         tokens=ids,
         token_strings=[tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids],
         n_layers=L,
-        features=feats.index,
-        activations=feats.values.detach().float().cpu().numpy(),
+        features=index,
+        activations=acts,
         logit_tokens=logit_ids.tolist(),
         logit_strings=[tok.decode([i]) for i in logit_ids.tolist()] if tok is not None else [],
         logit_probabilities=logit_p.detach().float().cpu().numpy(),
@@ -319,18 +392,45 @@ def attribution_graph_of(
     )
 
 
+def _visit_features(rm, feats: _Features, rows: _Rows, store: _Stored, cfg: AttributionConfig, logit_p) -> np.ndarray:
+    """Feature rows in order of influence (every feature, in node order, when all are asked
+    for), ``batch_size`` per backward; which features were visited."""
+    nf, B = len(feats), cfg.batch_size
+    limit = nf if cfg.max_feature_nodes is None else min(cfg.max_feature_nodes, nf)
+    visited = np.zeros(nf, dtype=bool)
+    with progress_bar(limit, desc="attribution: feature rows", unit="row", enabled=cfg.progress) as bar:
+        while visited.sum() < limit:
+            if limit == nf:
+                pending = np.arange(nf)
+            else:
+                influence = store.influence(logit_p)[:nf]
+                rank = np.argsort(-influence, kind="stable")
+                pending = rank[~visited[rank]][: min(cfg.update_interval * B, limit - int(visited.sum()))]
+            for i in range(0, len(pending), B):
+                chunk = pending[i : i + B]
+                store.add(chunk, rows.compute([_feature_read(rm, feats, j) for j in chunk]))
+                visited[chunk] = True
+                bar.update(len(chunk))
+    return visited
+
+
 def _feature_read(rm: ReplacementModel, feats: _Features, j: int) -> tuple[int, int, torch.Tensor]:
     layer, pos, f = (int(x) for x in feats.index[j])
     return layer, pos, rm.transcoders[layer].W_enc[:, f]
 
 
-def _assemble(blocks: list[sp.csr_matrix], nodes: list[np.ndarray], n_nodes: int) -> sp.csr_matrix:
-    """The computed rows placed at their targets' node indices, ``[n_nodes, n_nodes]`` CSR."""
-    stacked = sp.vstack(blocks).tocoo()
-    row_nodes = np.concatenate(nodes)
-    A = sp.csr_matrix((stacked.data, (row_nodes[stacked.row], stacked.col)), shape=(n_nodes, n_nodes))
-    A.eliminate_zeros()
-    return A
+def _fold_unvisited(A: sp.csr_matrix, index: np.ndarray, visited: np.ndarray, L: int, n: int):
+    """``columns="visited"``: the nodes without the unvisited features, each one's column added
+    to its error node's (layer, position). Returns the new adjacency and the old indices kept."""
+    nf, n_nodes = len(visited), A.shape[0]
+    keep = np.concatenate([np.flatnonzero(visited), np.arange(nf, n_nodes)])
+    new_of = np.full(n_nodes, -1)
+    new_of[keep] = np.arange(len(keep))
+    n_kept = int(visited.sum())
+    gone = np.flatnonzero(~visited)
+    new_of[gone] = n_kept + index[gone, 0] * n + index[gone, 1]  # its error node, in the new order
+    M = sp.csr_matrix((np.ones(n_nodes, dtype=A.dtype), (np.arange(n_nodes), new_of)), shape=(n_nodes, len(keep)))
+    return (A[keep] @ M).tocsr(), keep
 
 
 def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch.Tensor, n_cols: int):

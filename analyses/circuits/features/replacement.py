@@ -15,8 +15,9 @@ offers                          what
 ==============================  ==============================================================
 
 The frozen model (``ReplacementModel.run``) is the model's own forward through the hook engine
-with these replacements: ``l.pattern`` <- the clean pattern; ``l.v`` <- the value projection of
-``ln1`` applied with its scale frozen to the stream entering block ``l``; in sandwich families
+with these replacements: ``l.z`` (the heads' outputs entering the output projection) <- the clean
+pattern times the values of ``ln1``, its scale frozen, applied to the stream entering block
+``l`` (the model's own attention runs with its own kernel and is discarded); in sandwich families
 (Gemma-2, OLMo-2) ``l.attn_out`` <- the post-attention norm, frozen, of ``l.proj_out``; ``embed``
 and ``l.mlp_out`` <- the sources. The MLP's input is recomputed as ``ln2`` frozen of the stream it
 reads (``l.attn`` in sequential blocks, the block input in parallel ones) and kept as the
@@ -24,7 +25,9 @@ transcoder's input (the targets' side); the final norm is frozen likewise. Every
 sources and those inputs is then affine: queries and keys do not matter (the pattern is fixed),
 norms divide by constants (LayerNorm's mean-centring is linear and stays). With the clean sources
 (token embeddings, and each MLP's true output = features + transcoder bias + error) the frozen
-model's logits equal the model's (``tests/test_attribution.py``).
+model's logits equal the model's (``tests/test_attribution.py``); every build checks that the
+frozen model gives back the clean MLP inputs and final norm output, so a family whose blocks it
+would read wrongly is refused (:class:`~depthscope.common.errors.UnsupportedArchitecture`).
 
 Sources, as circuit-tracer defines them: an active feature ``(l, p, f)`` writes
 ``activation * W_dec[f]`` into ``l.mlp_out`` at ``p``; the error node ``(l, p)`` writes
@@ -87,16 +90,18 @@ def freeze_norm(norm: nn.Module | None, x: torch.Tensor, what: str) -> FrozenNor
     params = NormParams.of(norm, d)
     with torch.no_grad():
         ref = norm(x.unsqueeze(0))[0].double()
+    tol = max(NORM_TOLERANCE, 4 * torch.finfo(x.dtype).eps)  # a bfloat16 norm rounds its output at 4e-3
+    errs = []
     for gain in (params.gain, params.gain + 1):
         p = NormParams(params.kind, gain, params.bias, params.eps)
-        err = float((ref - p.apply(x)).abs().max() / ref.abs().max().clamp_min(1e-12))
-        if err <= NORM_TOLERANCE:
+        errs.append(float((ref - p.apply(x)).abs().max() / ref.abs().max().clamp_min(1e-12)))
+        if errs[-1] <= tol:
             dt, dev = x.dtype, x.device
             bias = None if p.bias is None else p.bias.to(dev, dt)
             return FrozenNorm(p.kind, gain.to(dev, dt), bias, p.sigma(x).to(dev, dt))
     raise UnsupportedArchitecture(
         f"{what} ({type(norm).__name__}) is not gain * centre(x) / sqrt(mean(centre(x)^2) + eps) [+ bias]: "
-        f"its scale cannot be frozen (relative error {err:.1e})"
+        f"its scale cannot be frozen (relative error {min(errs):.1e})"
     )
 
 
@@ -244,6 +249,9 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     from depthscope.hooks.model_checks import require_decoder
 
     require_decoder(model, "attribution graphs")
+    model.refuse_streamed(
+        "attribution graphs", "the backward passes need every block's weights held for the whole graph"
+    )
     model.unembed.check()
     arch, L = model.arch, model.n_layers
     if arch.layout not in ("sequential", "parallel"):
@@ -261,7 +269,12 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         patterns=[store[f"{layer}.pattern"] for layer in range(L)],
         ln1=[freeze_norm(arch.ln1[layer], resid_pre[layer], f"block {layer}'s ln1") for layer in range(L)],
         ln2=[
-            freeze_norm(arch.ln2[layer], store[f"{layer}.attn"][0] if seq else resid_pre[layer], f"block {layer}'s ln2")
+            # a parallel block with one norm (GPT-J) feeds its MLP from ln1
+            freeze_norm(
+                arch.ln2[layer] if seq or arch.ln2[layer] is not None else arch.ln1[layer],
+                store[f"{layer}.attn"][0] if seq else resid_pre[layer],
+                f"block {layer}'s ln2",
+            )
             for layer in range(L)
         ],
         post_attn=[
@@ -284,15 +297,41 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         un = model.unembed
         rm.pre_logits = rm.logits_of(un.norm(store[f"{L - 1}.mlp"][0]))
         rm.logits = un.post(un.linear(un.norm(store[f"{L - 1}.mlp"][0])))
+    _encode(rm)
+    _check_frozen(rm, store[f"{L - 1}.mlp"][0])
+    return rm
+
+
+def _encode(rm: ReplacementModel) -> None:
+    """The transcoders' pre-activations and activations on the clean MLP inputs, their decoder
+    biases and the error nodes (the MLP output the features and ``b_dec`` leave)."""
     errors = rm.mlp_out.clone()
     with torch.no_grad():
-        for layer, sae in transcoders.items():
+        for layer, sae in rm.transcoders.items():
             rm.pre[layer] = sae.pre_activations(rm.mlp_in[layer])
             rm.acts[layer] = sae.encode(rm.mlp_in[layer])
             rm.b_dec[layer] = sae.b_dec
             errors[layer] -= rm.feature_writes(layer) + sae.b_dec
     rm.errors = errors
-    return rm
+
+
+def _check_frozen(rm: ReplacementModel, last: torch.Tensor) -> None:
+    """The frozen model on the clean sources must give back the clean MLP inputs and final norm
+    output: a family whose blocks it reads wrongly is refused here, never a silently wrong graph."""
+    tol = max(1e-4, 8 * torch.finfo(rm.embed.dtype).eps)
+    with torch.no_grad():
+        out = rm.run(rm.clean_sources(1))
+        want = [*rm.mlp_in, rm.model.unembed.norm(last)]
+        for i, (got, ref) in enumerate(zip([*out.mlp_in, out.final[0]], want)):
+            got = got[0] if got.dim() == 3 else got
+            err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            if not err <= tol:
+                where = f"block {i}'s MLP input" if i < rm.n_layers else "the final norm's output"
+                raise UnsupportedArchitecture(
+                    f"{rm.model.name} ({rm.model.arch.family}): the frozen replacement model does not reproduce "
+                    f"{where} on the prompt (relative error {err:.1e}); depthscope does not know how this "
+                    f"family's attention and norms combine"
+                )
 
 
 def _token_ids(model, prompt) -> torch.Tensor:
@@ -320,18 +359,21 @@ class _FrozenHooks:
         self.resid_pre[0] = self.src.embed
         return self.src.embed
 
-    def values(self, t, ctx):
-        layer, rm = ctx.layer, self.rm
+    def heads_in(self, t, ctx):
+        """``l.z``: each head's clean pattern applied to values of ``ln1`` (frozen) of the block's
+        input; the model's own attention output is dropped (with its graph)."""
+        layer, rm, arch = ctx.layer, self.rm, self.arch
         x = self.resid_pre[layer]
         h = rm.ln1[layer](x) if rm.ln1[layer] is not None else x
-        proj = self.arch.v_proj[layer]
+        proj = arch.v_proj[layer]
         full = h @ linear_weight(proj).T
         if getattr(proj, "bias", None) is not None:
             full = full + proj.bias
-        return read_qkv(self.arch, 2, full).to(t.dtype)
-
-    def pattern(self, t, ctx):
-        return self.rm.patterns[ctx.layer].expand(t.shape)
+        v = read_qkv(arch, 2, full)  # [B, pos, kv_heads, d_head]
+        if v.shape[-2] != arch.n_heads:
+            v = v.repeat_interleave(arch.n_heads // v.shape[-2], dim=-2)
+        # one [heads, q, k] pattern for the whole batch: never copied per row
+        return torch.einsum("hqk,bkhd->bqhd", rm.patterns[layer][0].to(v.dtype), v).to(t.dtype)
 
     def keep_proj(self, t, ctx):
         self.proj_out[ctx.layer] = t
@@ -365,7 +407,7 @@ class _FrozenHooks:
         """``{Point: [fn]}`` for the engine, in forward order."""
         hooks = {Point("embed", -1): [self.embed]}
         for layer in range(self.rm.n_layers):
-            at = {"v": self.values, "pattern": self.pattern, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
+            at = {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
             at |= {"heads": self.keep_heads} if heads else {}
             at |= {"proj_out": self.keep_proj, "attn_out": self.post_attn} if self.arch.sandwich else {}
             at |= {"attn": self.keep_mid} if self.seq else {}
