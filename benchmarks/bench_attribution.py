@@ -103,6 +103,17 @@ class _Floor:
         self.embed = rm.embed
         self.mlp_out = rm.mlp_out
         self.g = torch.Generator().manual_seed(1)
+        self.rm = rm
+
+    def check(self) -> float:
+        """The largest difference between this model's outputs and the graph's own frozen forward
+        (``ReplacementModel.run``), relative to the largest output: the floor computes the same
+        model (measured: 1e-7)."""
+        with torch.no_grad():
+            _, reads = self._forward()
+            out = self.rm.run(self.rm.clean_sources(self.batch))
+        theirs = [*out.mlp_in, out.final]
+        return max(float((a - b).abs().max()) for a, b in zip(reads, theirs)) / float(out.final.abs().max())
 
     def single_forward(self) -> None:
         """The clean forward of one prompt (the graph's first pass, and its bias pass)."""
@@ -160,6 +171,7 @@ def run(quick: bool = False, threads: int = 1, memory: bool | None = None, measu
     expect = math.ceil(len(g.logit_tokens) / BATCH) + math.ceil(g.settings["n_feature_rows"] / BATCH)
     assert n_backward == expect, (n_backward, expect)
     floor = _Floor(model, ids, BATCH)
+    assert floor.check() < 1e-5, "the floor's frozen model is not the graph's"
     floor.passes(1, clock)
     ours, floors, backward = [], [], []
     for _ in range(ROUNDS[quick]):
