@@ -47,6 +47,7 @@ BENCHES = [
     "sae",
     "graphs",
     "das",
+    "attribution",
 ]
 # self-contained benchmarks: ``run(quick[, threads]) -> list[dict]`` rows with figure, depthscope and
 # baseline (numbers in the unit given here), ratio and a numeric goal compared with the operator here
@@ -57,6 +58,7 @@ DICT_BENCHES = {
     "probe_fit": (">=", ""),
     "graphs": ("<=", "s"),
     "das": ("<=", "s"),
+    "attribution": ("<=", "s"),
 }
 
 
