@@ -52,7 +52,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthscope.common.digest import model_digest
 from depthscope.common.errors import ContextLengthError, InputError, OutputError
 from depthscope.common.files import FolderLock, check_writable_dir
 from depthscope.common.progress import progress_bar
@@ -60,6 +59,7 @@ from depthscope.common.shards import ShardedFeats, file_problem, load_array, rea
 from depthscope.hooks.attention import ATTENTION_KINDS
 from depthscope.hooks.engine import Engine, Hooks, State, normalise_hooks
 from depthscope.hooks.points import Point, parse_point, parse_points
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.hooks.stream_pass import attention_free, layer_major
 
 __all__ = ["Activations", "CacheSettings", "cache_points", "open_activations", "write_activations"]
@@ -242,9 +242,10 @@ def _plan(lengths: Sequence[int], chunk_tokens: int) -> list[tuple[int, int]]:
 
 
 def _identity(model, docs: list[np.ndarray], first: np.ndarray, points: list[Point], user: dict, chunk_tokens: int):
-    """What a store is of: the model (name and weight digest), the points, the hooks' points, the
-    token ids (and the first stored position of each document) and the chunking; a re-run
-    resumes only a store of the same."""
+    """What a store is of: the model (name and weight digest: a streamed model's from its files'
+    headers and versions, :func:`~depthscope.hooks.stream_identity.store_digest`), the points, the
+    hooks' points, the token ids (and the first stored position of each document) and the
+    chunking; a re-run resumes only a store of the same."""
     h = hashlib.sha256()
     for d, f in zip(docs, first):
         h.update(np.int64(len(d)).tobytes())
@@ -253,7 +254,7 @@ def _identity(model, docs: list[np.ndarray], first: np.ndarray, points: list[Poi
             h.update(b"first" + np.int64(f).tobytes())
     return {
         "model": str(model.name),
-        "model_digest": model_digest(model),
+        "model_digest": store_digest(model),
         "points": [p.name for p in points],
         "hooks": sorted(p.name for p in user),
         "tokens_sha256": h.hexdigest(),

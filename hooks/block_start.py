@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from depthscope.common.errors import InputError
+from depthscope.hooks.stream_pass import worker
 
 __all__ = ["from_block", "Skipped", "Entered", "start_block"]
 
@@ -87,9 +88,11 @@ class Entered(_StandsFor):
                 f"{hidden.device}; got dtype {s.dtype} on device {s.device} (convert it: stream.to(model.dtype) "
                 f"on model.device)"
             )
+        if worker() is not None:  # a layer-major pass: the stream may wait on disk, so it must be this forward's own
+            s = s.clone()
         if args:
-            return self.block(self.stream, *args[1:], **kwargs)
-        return self.block(*args, **{**kwargs, "hidden_states": self.stream})
+            return self.block(s, *args[1:], **kwargs)
+        return self.block(*args, **{**kwargs, "hidden_states": s})
 
 
 @contextlib.contextmanager

@@ -27,7 +27,12 @@ the block they wait at is put in place (read once: :class:`~depthscope.hooks.str
 reads and converts the next block in the background meanwhile) and each worker in turn runs it
 and goes on to its next block. The results are those of the items run one after the other, bit
 for bit (``tests/test_stream_pass.py``). A forward's hooks registered inside a worker fire only
-in that worker's forward; hooks registered outside (``model.hooks``) fire in every item's.
+in that worker's forward; hooks registered outside (``model.hooks``) fire in every item's. The
+model's block list is each worker's own too: a worker's arrangement of it
+(:func:`~depthscope.hooks.block_start.from_block`, :func:`~depthscope.hooks.block_order.block_order`)
+is put back in place at each of its turns, so items may start at other blocks (``causal``'s erased
+forwards start at their site's block); the block put in place next is the lowest any worker waits
+at, so forwards that run the blocks in increasing order read each block once per pass.
 
 Memory: the largest block twice (in place, and the next one read ahead), the resident tensors,
 and every item's activations (bounded by :data:`PASS_BYTES` through the caller's estimate), of
@@ -36,7 +41,6 @@ which the streams waiting between blocks past :data:`SPILL_BYTES` are on disk.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import tempfile
@@ -105,12 +109,12 @@ def layer_major(
         size = held(item) if held is not None else 0
         if group and used + size > PASS_BYTES:
             k += 1
-            yield from _Pass(streamer, len(model.arch.blocks), progress, k).run(group, fn)
+            yield from _Pass(streamer, model, progress, k).run(group, fn)
             group, used = [], 0
         group.append(item)
         used += size
     if group:
-        yield from _Pass(streamer, len(model.arch.blocks), progress, k + 1).run(group, fn)
+        yield from _Pass(streamer, model, progress, k + 1).run(group, fn)
 
 
 class _Aborted(Exception):
@@ -120,10 +124,13 @@ class _Aborted(Exception):
 class _Pass:
     """One pass: workers that take turns, block by block (see the module docstring)."""
 
-    def __init__(self, streamer, n_blocks: int, progress: bool, number: int):
+    def __init__(self, streamer, model, progress: bool, number: int):
         from depthscope.common.progress import progress_bar
 
         self.streamer = streamer
+        self.blocks, self.config = model.arch.blocks, model.hf_model.config
+        self.base = self._view()  # the block list outside the pass; each worker starts from it
+        self.views: dict[int, tuple] = {}  # worker -> its block list while it waits (from_block, block_order)
         self.cv = threading.Condition()
         self.state: list = []  # per worker: "new", "run", "done", or the block it waits at
         self.turn: int | None = None
@@ -133,7 +140,7 @@ class _Pass:
         self.held = 0  # bytes of waiting streams in memory
         self.spill_dir: tempfile.TemporaryDirectory | None = None
         self.next_of: dict[int, int | None] = {}  # block -> the block the forwards run after it
-        self.bar = progress_bar(n_blocks, desc=f"streamed pass {number}", unit="block", enabled=progress)
+        self.bar = progress_bar(len(self.blocks), desc=f"streamed pass {number}", unit="block", enabled=progress)
 
     def run(self, items: list, fn: Callable) -> list:
         n = len(items)
@@ -147,8 +154,9 @@ class _Pass:
                 with self.cv:
                     while self.turn != i and not self.abort:
                         self.cv.wait()
-                if self.abort:
-                    raise _Aborted
+                    if self.abort:
+                        raise _Aborted
+                    self._show(self.base)
                 mode = torch.inference_mode() if inference else contextlib.nullcontext()
                 with mode, torch.set_grad_enabled(grad):
                     results[i] = fn(items[i])
@@ -189,14 +197,30 @@ class _Pass:
             self.streamer.leave(self.loaded)
             self.loaded = None
         self.streamer.drain()
+        self._show(self.base)
         if self.spill_dir is not None:
             self.spill_dir.cleanup()
         self.bar.close()
 
     # ------------------------------------------------------------------ turns (the lock held)
+    def _view(self) -> tuple:
+        """The model's block list as it is now, and the config's ``layer_types`` (both rearranged
+        by :func:`~depthscope.hooks.block_start.from_block` and
+        :func:`~depthscope.hooks.block_order.block_order` for the worker running)."""
+        return dict(self.blocks._modules), getattr(self.config, "layer_types", None)
+
+    def _show(self, view: tuple) -> None:
+        """Put a worker's block list in place (in the same dict: a forward iterating it sees it)."""
+        modules, types = view
+        self.blocks._modules.update(modules)
+        if types is not None:
+            self.config.layer_types = types
+
     def _advance(self) -> None:
         """Give the turn to the next worker: one not started, else one waiting at the block in
-        place, else (every worker waiting or done) put the block most of them wait at in place."""
+        place, else (every worker waiting or done) put the lowest block any waits at in place:
+        forwards that run the blocks in increasing order (from block 0 or from a later one) then
+        find each block in place once."""
         state = self.state
         nxt = next((i for i, s in enumerate(state) if s == "new"), None)
         if nxt is None and self.loaded is not None:
@@ -204,7 +228,7 @@ class _Pass:
         if nxt is None:
             waiting = [s for s in state if isinstance(s, int) and not isinstance(s, bool)]
             if waiting and not self.abort:
-                layer = collections.Counter(waiting).most_common(1)[0][0]
+                layer = min(waiting)
                 try:
                     self._load(layer)
                     nxt = state.index(layer)
@@ -227,6 +251,7 @@ class _Pass:
         with self.cv:
             self.next_of[layer] = next_layer
             self.state[i] = layer
+            self.views[i] = self._view()  # this worker's block list, back in place at its turn
             spilled = self._park(hidden)
             self._advance()
             while not (self.turn == i and self.loaded == layer) and not self.abort:
@@ -236,6 +261,7 @@ class _Pass:
             if self.abort:
                 raise _Aborted
             self.state[i] = "run"
+            self._show(self.views.pop(i))
         if spilled:
             _restore(hidden, spilled)
 

@@ -201,3 +201,115 @@ def test_probe_feature_extraction_reads_each_block_once(folder, tmp_path, monkey
     before = _reads(st)
     extract_spans(st, tok, table, store_dir=tmp_path / "per_batch", **kw)
     assert min(_since(st, before)) > 1  # batch by batch: several reads, so the pass above did save some
+
+
+def _scale(k: float):
+    """A hook that scales its point by ``k``."""
+    return lambda t, ctx: t * k
+
+
+def _blocks_in_place(model) -> bool:
+    from depthscope.hooks.streaming import StreamedBlock
+
+    return all(isinstance(b, StreamedBlock) and b._stream[0] == i for i, b in enumerate(model.arch.blocks))
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory, tiny_tokenizer):
+    d = tmp_path_factory.mktemp("stream_pass_gpt2")
+    make_tiny("gpt2", vocab_size=len(tiny_tokenizer), n_layers=N_LAYERS, seed=6).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2's loop reads the live block list, llama's a copy
+def test_forwards_that_start_at_other_blocks_share_a_pass(family, folder, gpt2_folder):
+    """Items that start at a block (from_block, each with its own stream) share one pass: each worker
+    keeps its own block list, the blocks before the earliest start are not read, the others once."""
+    from depthscope.hooks import from_block
+
+    where = folder if family == "llama" else gpt2_folder
+    st, mem = load_model(where, stream=True), load_model(where)
+    ids = [st.tokenize(t)[0] for t in TEXTS[:3]]
+    entering = {
+        (b, i): mem.run(x, cache=[f"{b}.resid_pre"])[f"{b}.resid_pre"] for b in (1, 2) for i, x in enumerate(ids)
+    }
+    items = [(b, i, k) for b in (2, 1) for i in range(len(ids)) for k in range(2)]  # starts 2 and 1 mixed
+
+    def run(model, item):
+        b, i, k = item
+        scale = {f"{b}.mlp": _scale(k + 2)}
+        with from_block(model, b, entering[(b, i)].clone()):
+            return model.run(ids[i], hooks=scale, cache=["3.resid_mid"])
+
+    before = _reads(st)
+    got = list(layer_major(st, items, lambda item: run(st, item)))
+    assert _since(st, before) == [0, 1, 1, 1]  # block 0 is never run; every other block read once
+    assert _blocks_in_place(st) and _all_meta(st)
+    for item, r in zip(items, got):
+        want = run(mem, item)
+        assert torch.equal(want.logits, r.logits), item
+        assert torch.equal(want["3.resid_mid"], r["3.resid_mid"]), item
+        b, i, k = item  # and the plain forward from the embedding, with the same edit
+        plain = mem.run(ids[i], hooks={f"{b}.mlp": _scale(k + 2)})
+        assert torch.equal(plain.logits, r.logits), item
+
+
+def test_causal_erased_forwards_read_each_block_once_per_site(folder, monkeypatch):
+    """The causal test's forwards on a streamed model: the clean streams advanced to a site's block
+    in one pass, and every eraser's forward of every batch from there in one pass; the losses are
+    the in-memory model's, bit for bit."""
+    from depthscope.analyses.causal.erasure.loss import BATCH_TOKENS, doc_nll, doc_nlls, held_out
+    from depthscope.analyses.causal.erasure.prefix import Prefixes
+
+    st, mem = load_model(folder, stream=True), load_model(folder)
+    text = held_out(st, TEXTS, window=32)
+    hooks = [{"2.attn": _scale(1 + 0.25 * k)} for k in range(3)]
+    prefixes = Prefixes(st, text, 2, BATCH_TOKENS)
+    assert len(prefixes.batches) > 1
+    before = _reads(st)
+    prefixes.advance(2)
+    # blocks 0 and 1 once for every batch; block 2 may be read ahead while block 1 computes (the
+    # forwards stop at its input: the read ahead is dropped, or cancelled before it starts)
+    reads = _since(st, before)
+    assert reads[:2] == [1, 1] and reads[2] in (0, 1) and reads[3] == 0
+    before = _reads(st)
+    got = doc_nlls(st, text, hooks, prefixes=prefixes)
+    assert _since(st, before) == [0, 0, 1, 1]  # 3 erasers x the batches: one read of each block from the site's
+    assert _blocks_in_place(st) and _all_meta(st)
+    ref = Prefixes(mem, held_out(mem, TEXTS, window=32), 2, BATCH_TOKENS)
+    ref.advance(2)
+    for h, g in zip(hooks, got):
+        for want in (doc_nll(mem, text, h, prefixes=ref), doc_nll(mem, text, h, batch_size=2)):
+            assert np.array_equal(want.nll, g.nll) and np.array_equal(want.tokens, g.tokens)
+    # the erasers share each batch's clean stream: with every waiting stream spilled to disk, each
+    # forward spills its own copy, and the shared streams stay whole
+    monkeypatch.setattr(stream_pass, "SPILL_BYTES", 0)
+    spilled = doc_nlls(st, text, hooks, prefixes=prefixes)
+    for g, s in zip(got, spilled):
+        assert np.array_equal(g.nll, s.nll)
+    assert all(torch.equal(a, b) for a, b in zip(prefixes.streams, ref.streams))
+
+
+def test_each_worker_keeps_its_own_block_order(gpt2_folder):
+    """Items that rearrange the blocks (block_order's skip) share one pass: gpt2's loop reads the
+    live block list, so each worker's arrangement must be in place at each of its turns."""
+    from depthscope.hooks.block_order import block_order, skip
+
+    st, mem = load_model(gpt2_folder, stream=True), load_model(gpt2_folder)
+    ids = [st.tokenize(t)[0] for t in TEXTS[:2]]
+    items = [(layer, i) for layer in (None, 1, 2) for i in range(len(ids))]
+
+    def run(model, item):
+        layer, i = item
+        order = list(range(N_LAYERS)) if layer is None else skip(N_LAYERS, layer)
+        with block_order(model, order):
+            return model.run(ids[i]).logits
+
+    before = _reads(st)
+    got = list(layer_major(st, items, lambda item: run(st, item)))
+    assert _since(st, before) == [1] * N_LAYERS  # a skipped block still runs (its output dropped)
+    assert _blocks_in_place(st) and _all_meta(st)
+    for item, r in zip(items, got):
+        assert torch.equal(run(mem, item), r), item
+    assert not torch.equal(got[0], got[2])  # skipping block 1 changes the logits

@@ -12,6 +12,8 @@ bos=, max_tokens=, text=)``            text_rows`, counting predicted tokens): t
 batch_size=)``                         number of predicted tokens per document, one forward
                                        pass per batch through ``model.run(hooks=...)``: a
                                        :class:`DocLoss`
+``doc_nlls(model, held, hook_sets)``   :func:`doc_nll` of several hooks as one layer-major pass
+                                       (a streamed model reads each block once)
 ``used_score(clean, erased,            ``(L_erased - mean_c L_control_c) / L_clean``, the losses
 controls)``                            token-weighted means over the documents
 ``used_interval(clean, erased,         its two-level percentile bootstrap interval: documents
@@ -31,7 +33,6 @@ is then unmeasured).
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ from depthscope.analyses.next_token import next_token_nll
 from depthscope.analyses.text import TextRows, pad_id, text_rows
 from depthscope.analyses.text_settings import TextWindows
 from depthscope.common.errors import InputError
+from depthscope.hooks.engine import normalise_hooks
+from depthscope.hooks.stream_pass import attention_free, layer_major
 
 #: the most token positions per forward pass (the logits are [rows, positions, vocabulary])
 BATCH_TOKENS = 4096
@@ -94,20 +97,40 @@ def doc_nll(model, held: HeldOut, hooks: dict | None = None, *, batch_size: int 
     None: the plain forward); see the module docstring. ``prefixes``
     (:class:`~depthscope.analyses.causal.erasure.prefix.Prefixes` of ``held``): its batches, each forward
     starting at its block from the clean stream there (the hooks must be at or after it)."""
-    nll = np.zeros(held.n_docs, dtype=np.float64)
-    count = np.zeros(held.n_docs, dtype=np.int64)
+    return doc_nlls(model, held, [hooks], batch_size=batch_size, prefixes=prefixes)[0]
+
+
+@torch.no_grad()
+def doc_nlls(model, held: HeldOut, hook_sets: Sequence, *, batch_size: int = 16, prefixes=None) -> list[DocLoss]:
+    """:func:`doc_nll` of each hooks of ``hook_sets``, as one layer-major pass
+    (:func:`~depthscope.hooks.stream_pass.layer_major`): on a streamed model every forward (each
+    hooks on each batch) goes through a block before any goes to the next, so each block is read
+    once per pass; the same numbers as one :func:`doc_nll` after the other."""
     if prefixes is None:
-        batches = held.batches(batch_size, pad_id(model), by_length=True, max_tokens=BATCH_TOKENS)
-        starts = itertools.repeat(contextlib.nullcontext())  # the plain forward
+        batches = list(held.batches(batch_size, pad_id(model), by_length=True, max_tokens=BATCH_TOKENS))
+        start = lambda i: contextlib.nullcontext()  # noqa: E731 - the plain forward
     else:
-        batches, starts = prefixes.batches, (prefixes.start(i) for i in range(len(prefixes.batches)))
-    for b, start in zip(batches, starts):
-        with start:
-            logits = model.run(b.ids, mask=b.mask, hooks=hooks).logits
+        batches, start = prefixes.batches, prefixes.start
+    items = [(k, i) for k in range(len(hook_sets)) for i in range(len(batches))]
+
+    def run(item: tuple) -> tuple:
+        k, i = item
+        b = batches[i]
+        with start(i):
+            logits = model.run(b.ids, mask=b.mask, hooks=hook_sets[k]).logits
         per, valid = next_token_nll(logits, b.ids, b.mask, b.first_tensor())
-        np.add.at(nll, b.doc_index, per.sum(1).double().cpu().numpy())
-        np.add.at(count, b.doc_index, valid.sum(1).cpu().numpy())
-    return DocLoss(nll, count)
+        return per.sum(1).double().cpu().numpy(), valid.sum(1).cpu().numpy()
+
+    def held_bytes(item: tuple) -> int:  # a forward's waiting stream (its logits are reduced before the next runs)
+        return batches[item[1]].ids.numel() * model.d_model * 4
+
+    points = [p for h in hook_sets if h for p in normalise_hooks(h, model.n_layers)]
+    sums = [(np.zeros(held.n_docs, dtype=np.float64), np.zeros(held.n_docs, dtype=np.int64)) for _ in hook_sets]
+    results = layer_major(model, items, run, held=held_bytes, enabled=attention_free(points))
+    for (k, i), (nll, count) in zip(items, results):
+        np.add.at(sums[k][0], batches[i].doc_index, nll)
+        np.add.at(sums[k][1], batches[i].doc_index, count)
+    return [DocLoss(nll, count) for nll, count in sums]
 
 
 def used_score(clean: DocLoss, erased: DocLoss, controls: Sequence[DocLoss]) -> float:

@@ -3,8 +3,8 @@
 =================================  ============================================================
 :class:`Prefixes`                  the batches of the held-out text and, for each, the clean
                                    stream entering block :attr:`Prefixes.block`;
-                                   :meth:`Prefixes.advance` moves it deeper one block at a time
-                                   (one block's forward per batch), :meth:`Prefixes.start`
+                                   :meth:`Prefixes.advance` moves it deeper (a forward of
+                                   the blocks between, per batch), :meth:`Prefixes.start`
                                    the context in which a batch's forward starts there
 :func:`site_block`                 the block a residual site's forward starts at: ``embed`` 0,
                                    ``l.attn`` and ``l.mlp`` block ``l``
@@ -29,6 +29,7 @@ import torch
 
 from depthscope.analyses.text import pad_id
 from depthscope.hooks.late_start import Budget, from_block
+from depthscope.hooks.stream_pass import layer_major
 
 __all__ = ["Prefixes", "site_block"]
 
@@ -57,19 +58,28 @@ class Prefixes:
 
     @torch.no_grad()
     def advance(self, block: int) -> None:
-        """Streams entering ``block`` (no change when disabled; back to block 0 when ``block`` is
-        before the current one): one block's forward per batch per block moved."""
+        """Streams entering ``block`` (no change when disabled; from block 0 when ``block`` is
+        before the current one): each batch's forward from :attr:`block` to ``block``'s input, all
+        of them as one layer-major pass (:func:`~depthscope.hooks.stream_pass.layer_major`: a
+        streamed model reads each block once)."""
         if not self.enabled:
             return
         if block < self.block:
             self.block, self.streams = 0, [None] * len(self.batches)
-        while self.block < block:
-            site = 2 * self.block + 2  # the block's output: the next block's input
-            for i, b in enumerate(self.batches):
-                with self.start(i):
-                    got = self.model.residual_stream(b.ids, sites=[site], mask=b.mask, return_logits=False)
-                self.streams[i] = got.resid[0]
-            self.block += 1
+        if block == self.block:
+            return
+        site = 2 * block  # block - 1's output: block's input
+
+        def stream(i: int) -> torch.Tensor:
+            b = self.batches[i]
+            with self.start(i):
+                return self.model.residual_stream(b.ids, sites=[site], mask=b.mask, return_logits=False).resid[0]
+
+        def held(i: int) -> int:
+            return 2 * self.batches[i].ids.numel() * self.model.d_model * 4
+
+        self.streams = list(layer_major(self.model, range(len(self.batches)), stream, held=held))
+        self.block = block
 
     def start(self, i: int) -> contextlib.AbstractContextManager:
         """The context in which batch ``i``'s forward starts at :attr:`block` from its stream."""

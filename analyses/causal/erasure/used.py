@@ -65,6 +65,7 @@ from depthscope.analyses.causal.erasure.loss import (
     DocLoss,
     HeldOut,
     doc_nll,
+    doc_nlls,
     held_out,
     used_interval,
     used_score,
@@ -199,10 +200,8 @@ def _site_effect(model, held: _Held, site: int, erasers: list, cfg: CausalConfig
     label = site_labels(model.n_layers)[site]
     held.prefixes.advance(site_block(site))
     meters = [EditMeter() for _ in erasers]
-    losses = [
-        doc_nll(model, held.text, {label: e.hook(start, meter)}, prefixes=held.prefixes)
-        for e, meter in zip(erasers, meters)
-    ]
+    hooks = [{label: e.hook(start, meter)} for e, meter in zip(erasers, meters)]
+    losses = doc_nlls(model, held.text, hooks, prefixes=held.prefixes)  # one pass: each block read once
     erased, controls = losses[0], losses[1:]
     c = np.array([x.mean for x in controls])
     lo, hi = used_interval(held.clean, erased, controls, cfg.bootstrap, seed=cfg.probe.seed)
