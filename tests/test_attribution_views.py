@@ -226,6 +226,36 @@ def test_figure_is_drawn(tmp_path):
     assert (tmp_path / "empty.png").stat().st_size > 0
 
 
+def test_figure_rank_labels_do_not_overlap(tmp_path, monkeypatch):
+    """On a clumped graph (two positions, most features in a few cells) the rank numbers of the
+    most influential features are placed where no two overlap, each near its node; the figure's
+    edges are capped at ``MAX_FIGURE_EDGES``."""
+    from matplotlib import pyplot as plt
+
+    from depthscope.analyses.circuits.features import plots
+
+    g = random_graph(4, n_layers=2, n_pos=2, n_features=90, n_logits=8)
+    table = node_table(g, prune_graph(g, node_threshold=1.0, edge_threshold=1.0))
+    xy = node_layout(table, g.n_layers)
+    shown = table[table["in_pruned_graph"]]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    plots._axes(ax, g)
+    feats = plots._label_features(ax, shown, xy, max_labels=20)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts if t.get_text().isdigit()]
+    assert len(boxes) == len(feats) == 20
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b)
+    plt.close(fig)
+    drawn = []
+    real = plots._draw_edges
+    monkeypatch.setattr(plots, "_draw_edges", lambda ax, edges, xy: drawn.append(len(edges)) or real(ax, edges, xy))
+    monkeypatch.setattr(plots, "MAX_FIGURE_EDGES", 10)
+    plot_attribution_graph(g, tmp_path / "capped.png")
+    assert drawn == [10] and len(plots.pruned_edges(g, prune_graph(g), node_table(g))) > 10
+
+
 def _page_data(page: str) -> dict:
     m = re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)
     return _strict(m.group(1).replace("<\\/", "</"))
