@@ -169,7 +169,8 @@ def _label_features(ax, shown: pd.DataFrame, xy: pd.DataFrame, max_labels: int) 
         dx, dy = _free_spot(centre, (4.6 * len(str(k)) + 2, 9), taken, LABEL_OFFSETS)
         leader = {"arrowstyle": "-", "lw": 0.5, "color": "#333"} if np.hypot(dx, dy) > 8 else None
         ax.annotate(str(k), at, xytext=(dx, dy), textcoords="offset points", fontsize=7, weight="bold", zorder=4,
-                    ha="center", va="center", arrowprops=leader)  # fmt: skip
+                    ha="center", va="center", arrowprops=leader,
+                    bbox={"boxstyle": "round,pad=0.05", "fc": "white", "ec": "none", "alpha": 0.75})  # fmt: skip
     return feats
 
 
