@@ -205,9 +205,14 @@ def test_layout_keeps_nodes_in_their_row_and_column():
     t = node_table(g)
     xy = node_layout(t, g.n_layers)
     rows = np.where(t["kind"] == "token", 0, np.where(t["kind"] == "logit", g.n_layers + 1, t["layer"].fillna(0) + 1))
-    np.testing.assert_array_equal(xy["y"], rows)
+    # a cell's grid stays within its column and its row, centred on the cell
+    assert (np.abs(xy["y"] - rows) <= 0.3 + 1e-9).all()
     assert (np.abs(xy["x"] - t["position"]) <= 0.4 + 1e-9).all()
     assert not xy.duplicated().any()  # nodes sharing a cell are side by side, never on top of each other
+    cells = pd.DataFrame({"row": rows, "pos": t["position"], "dx": xy["x"] - t["position"], "n": 1})
+    for _, cell in cells.groupby(["row", "pos"]):
+        assert abs(cell["dx"].mean()) < 1e-9 or len(cell) > 10  # a full first row is centred; single rows too
+        assert cell["dx"].nunique() == min(len(cell), 10)  # at most ten side by side
 
 
 def test_figure_is_drawn(tmp_path):
@@ -219,6 +224,36 @@ def test_figure_is_drawn(tmp_path):
     pruned = prune_graph(g, node_threshold=0.0, edge_threshold=0.0)
     plot_attribution_graph(g, tmp_path / "empty.png", pruned=pruned)
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_figure_rank_labels_do_not_overlap(tmp_path, monkeypatch):
+    """On a clumped graph (two positions, most features in a few cells) the rank numbers of the
+    most influential features are placed where no two overlap, each near its node; the figure's
+    edges are capped at ``MAX_FIGURE_EDGES``."""
+    from matplotlib import pyplot as plt
+
+    from depthscope.analyses.circuits.features import plots
+
+    g = random_graph(4, n_layers=2, n_pos=2, n_features=90, n_logits=8)
+    table = node_table(g, prune_graph(g, node_threshold=1.0, edge_threshold=1.0))
+    xy = node_layout(table, g.n_layers)
+    shown = table[table["in_pruned_graph"]]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    plots._axes(ax, g)
+    feats = plots._label_features(ax, shown, xy, max_labels=20)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts if t.get_text().isdigit()]
+    assert len(boxes) == len(feats) == 20
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b)
+    plt.close(fig)
+    drawn = []
+    real = plots._draw_edges
+    monkeypatch.setattr(plots, "_draw_edges", lambda ax, edges, xy: drawn.append(len(edges)) or real(ax, edges, xy))
+    monkeypatch.setattr(plots, "MAX_FIGURE_EDGES", 10)
+    plot_attribution_graph(g, tmp_path / "capped.png")
+    assert drawn == [10] and len(plots.pruned_edges(g, prune_graph(g), node_table(g))) > 10
 
 
 def _page_data(page: str) -> dict:
@@ -261,3 +296,28 @@ def test_html_view_works_in_a_headless_browser(tmp_path):
     assert text.startswith("L1 #3") and "0.5000" in text and '"Paris"' in text.replace("&quot;", '"')
     assert "incoming edges (1)" in text and "outgoing edges (2)" in text
     assert "-3.000" in text and "4.000" in text and "3.000" in text
+    # the panel is fixed at the window's right, in view beside the graph; the graph fits its pane
+    assert 'data-panel="fixed visible beside"' in dom and 'data-fits="true"' in dom
+    assert 'data-drawn="8"' in dom and 'data-hot="3"' in dom  # all 8 drawn; the clicked node's 3 highlighted
+
+
+def test_html_view_draws_only_the_largest_edges(tmp_path):
+    """A graph with more edges than ``drawn_edges``: the page draws that many, the largest by
+    |weight|, and a click draws every edge of the clicked node, listed in the panel."""
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless browser (apt-get install -y chromium)")
+    g = random_graph(3, n_layers=4, n_pos=6, n_features=120)
+    page = attribution_html(g, tmp_path / "graph.html", drawn_edges=25)
+    data = _page_data(page.read_text())
+    n_edges = len(data["edges"])
+    assert data["drawn_edges"] == 25 and n_edges > 25
+    best = max(
+        (i for i, n in enumerate(data["nodes"]) if n["kind"] == "feature"), key=lambda i: data["nodes"][i]["influence"]
+    )
+    degree = sum(best in (e["source"], e["target"]) for e in data["edges"])
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900", "--dump-dom",
+           page.resolve().as_uri() + "#selftest"]  # fmt: skip
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert f'data-edges="{n_edges}"' in dom and 'data-drawn="25"' in dom and f'data-hot="{degree}"' in dom
+    assert 'data-panel="fixed visible beside"' in dom and 'data-fits="true"' in dom

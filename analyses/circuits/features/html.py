@@ -11,6 +11,7 @@ offers                     what
                            incoming and outgoing edges with their weights, its activation,
                            influence and the tokens it writes to most
 ``MAX_HTML_EDGES``         the most edges one page holds (the largest by |weight|)
+``DRAWN_EDGES``            how many of them it draws until a node is clicked
 =========================  ===================================================================
 
 Like the edge circuits' page (:mod:`depthscope.analyses.circuits.edges.html`): an inline script
@@ -33,9 +34,11 @@ from depthscope.analyses.circuits.features.plots import node_layout, pruned_edge
 from depthscope.analyses.circuits.features.prune import PrunedGraph, graph_scores, prune_graph
 from depthscope.common.files import atomic_text
 
-__all__ = ["attribution_view", "attribution_html", "MAX_HTML_EDGES"]
+__all__ = ["attribution_view", "attribution_html", "MAX_HTML_EDGES", "DRAWN_EDGES"]
 
+#: the most edges one page holds, and how many of the largest it draws until a node is clicked
 MAX_HTML_EDGES = 5000
+DRAWN_EDGES = 300
 
 
 def _num(value) -> float | None:
@@ -109,11 +112,12 @@ _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>__TITLE__</title>
 <style>
-body { font: 13px system-ui, sans-serif; margin: 16px; color: #222; }
-#wrap { display: flex; gap: 16px; align-items: flex-start; }
-#graph { border: 1px solid #ddd; background: #fff; flex: none; }
-#panel { flex: 1; min-width: 300px; max-width: 440px; border: 1px solid #ddd; padding: 8px 12px;
-         max-height: 860px; overflow-y: auto; }
+html { overflow-y: scroll; }  /* the scrollbar from the start: the graph is sized to the width left */
+body { font: 13px system-ui, sans-serif; margin: 16px 416px 16px 16px; color: #222; }
+#pane { overflow-x: auto; border: 1px solid #ddd; }
+#graph { background: #fff; display: block; }
+#panel { position: fixed; top: 0; right: 0; width: 380px; height: 100vh; box-sizing: border-box;
+         overflow-y: auto; padding: 8px 12px; border-left: 1px solid #ddd; background: #fafafa; }
 #panel h3 { margin: 4px 0 8px; } #panel table { border-collapse: collapse; width: 100%; }
 #panel td { padding: 1px 6px; } #panel td.w { text-align: right; font-variant-numeric: tabular-nums; }
 #panel tr.link { cursor: pointer; } #panel tr.link:hover { background: #f2f2f2; }
@@ -131,25 +135,24 @@ body { font: 13px system-ui, sans-serif; margin: 16px; color: #222; }
 <p class="muted">Rows: layers (the input tokens at the bottom, the logits on top); columns: positions.
 Red dots: features (area: influence on the logits); grey squares: error nodes; diamonds: tokens and
 logits. Edges: red positive, blue negative. Click a node for its edges.</p>
-<div id="wrap"><svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg>
-<div id="panel"><p class="muted">Click a node.</p></div></div>
+<p>Edges drawn: the <input id="ndraw" type="number" min="0" step="50" style="width:5em"> largest by |weight|
+of __NEDGES__; a clicked node's edges are all drawn, and listed in the panel.</p>
+<div id="pane"><svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg></div>
+<div id="panel"><p class="muted">Click a node.</p></div>
 <div id="tip"></div>
 <script id="data" type="application/json">__DATA__</script>
 <script>
 (function () {
   "use strict";
   var data = JSON.parse(document.getElementById("data").textContent);
-  var NS = "http://www.w3.org/2000/svg", left = 70, top = 70, bottom = 70;
+  var NS = "http://www.w3.org/2000/svg", left = 50, top = 80, bottom = 60;
   var svg = document.getElementById("graph"), tip = document.getElementById("tip");
-  var panel = document.getElementById("panel");
+  var panel = document.getElementById("panel"), pane = document.getElementById("pane");
   var nPos = data.tokens.length, nRows = data.n_layers + 2;
-  var cells = {};
-  data.nodes.forEach(function (n) { var k = n.y + ":" + n.position; cells[k] = (cells[k] || 0) + 1; });
-  var most = Object.keys(cells).reduce(function (m, k) { return Math.max(m, cells[k]); }, 1);
-  // fill the window beside the panel: columns at least wide enough for their fullest cell
-  var avail = Math.max(560, (window.innerWidth || 1400) - 520) - left - 20;
-  var colW = Math.max(14 * most, Math.min(260, Math.max(60, avail / nPos)));
-  var rowH = Math.max(22, Math.min(60, ((window.innerHeight || 900) - 300) / nRows));
+  // the graph fits the pane's width (the panel is fixed at the right); the pane scrolls sideways
+  // only when a column would be narrower than 70 px (long prompts)
+  var colW = Math.max(70, ((pane.clientWidth || 900) - left - 20) / nPos);
+  var rowH = 30;
   var width = left + colW * nPos + 20, height = top + rowH * (nRows - 1) + bottom;
   svg.setAttribute("width", width); svg.setAttribute("height", height);
   function px(n) { return [left + colW * (n.x + 0.5), top + rowH * (nRows - 1 - n.y)]; }
@@ -184,11 +187,19 @@ logits. Edges: red positive, blue negative. Click a node for its edges.</p>
       stroke: e.weight < 0 ? "#1f5fa8" : "#c0392b",
       "stroke-width": (0.4 + 3 * Math.abs(e.weight) / topW).toFixed(2)}, gEdges);
   });
+  var gHot = svg.insertBefore(document.createElementNS(NS, "g"), gNodes), nDraw = document.getElementById("ndraw");
+  function showTop(k) {  // only the k largest edges (data.edges is sorted by |weight|)
+    k = Math.max(0, Math.min(k, paths.length));
+    paths.forEach(function (p, j) { p.style.display = j < k ? "" : "none"; });
+    document.body.dataset.drawn = String(k);
+  }
+  nDraw.value = data.drawn_edges; showTop(data.drawn_edges);
+  nDraw.addEventListener("change", function () { showTop(+nDraw.value || 0); });
   var bigInf = data.nodes.reduce(function (m, n) {
     return n.kind === "feature" || n.kind === "error" ? Math.max(m, n.influence || 0) : m; }, 0) || 1;
   var colour = {feature: "#d62728", error: "#999999", token: "#555555", logit: "#1f5fa8"};
   var shapes = data.nodes.map(function (n, i) {
-    var p = px(n), s, rad = 3 + 9 * Math.sqrt((n.influence || 0) / bigInf);
+    var p = px(n), s, rad = 2.5 + 4.5 * Math.sqrt((n.influence || 0) / bigInf);
     if (n.kind === "feature") {
       s = el("circle", {cx: p[0], cy: p[1], r: rad.toFixed(2)}, gNodes);
     } else if (n.kind === "error") {
@@ -204,8 +215,8 @@ logits. Edges: red positive, blue negative. Click a node for its edges.</p>
     s.addEventListener("mouseout", function () { tip.style.display = "none"; });
     s.addEventListener("click", function () { select(i); });
     if (n.kind === "logit") {
-      var lx = p[0] + 2, ly = p[1] - 9;  // slanted, so that neighbouring logits' labels do not overlap
-      var lt = el("text", {"class": "lab", x: lx, y: ly, transform: "rotate(-35 " + lx + " " + ly + ")"}, gNodes);
+      var lx = p[0] + 3, ly = p[1] - 9;  // upright, so that neighbouring logits' labels do not overlap
+      var lt = el("text", {"class": "lab", x: lx, y: ly, transform: "rotate(-90 " + lx + " " + ly + ")"}, gNodes);
       lt.textContent = JSON.stringify(n.token).slice(1, -1) + " " + Number(n.probability).toFixed(3);
     }
     return s;
@@ -225,7 +236,11 @@ logits. Edges: red positive, blue negative. Click a node for its edges.</p>
     shapes.forEach(function (s, k) { s.classList.toggle("sel", k === i); });
     var mine = {};
     incoming[i].concat(outgoing[i]).forEach(function (k) { mine[k] = true; });
-    paths.forEach(function (p, k) { p.classList.toggle("hot", !!mine[k]); p.classList.toggle("dim", !mine[k]); });
+    paths.forEach(function (p, k) { p.classList.toggle("dim", !mine[k]); });
+    while (gHot.firstChild) { gHot.removeChild(gHot.firstChild); }
+    Object.keys(mine).forEach(function (k) { var c = gHot.appendChild(paths[k].cloneNode());
+      c.setAttribute("class", "edge hot"); c.removeAttribute("style"); });
+    document.body.dataset.hot = String(gHot.childNodes.length);
     var h = "<h3>" + esc(n.label) + "</h3><p>" + n.kind + " at position " + n.position + " (" +
       esc(JSON.stringify(data.tokens[n.position])) + ")" + (n.layer !== null ? ", layer " + n.layer : "") + "</p>";
     h += "<table><tr><td>activation</td><td class='w'>" + fmt(n.activation) + "</td></tr>" +
@@ -248,7 +263,8 @@ logits. Edges: red positive, blue negative. Click a node for its edges.</p>
   svg.addEventListener("click", function (ev) {
     if (ev.target === svg) {
       shapes.forEach(function (s) { s.classList.remove("sel"); });
-      paths.forEach(function (p) { p.classList.remove("hot"); p.classList.remove("dim"); });
+      paths.forEach(function (p) { p.classList.remove("dim"); });
+      while (gHot.firstChild) { gHot.removeChild(gHot.firstChild); }
     }
   });
   document.body.dataset.nodes = String(data.nodes.length);
@@ -260,6 +276,11 @@ logits. Edges: red positive, blue negative. Click a node for its edges.</p>
   if (location.hash === "#selftest" && best >= 0) {
     shapes[best].dispatchEvent(new MouseEvent("click", {bubbles: true}));
     document.body.dataset.selftest = panel.textContent;
+    var box = panel.getBoundingClientRect();  // the panel in view, beside the graph, not under it
+    document.body.dataset.panel = getComputedStyle(panel).position + " " +
+      (box.left >= 0 && box.right <= window.innerWidth && box.top >= 0 ? "visible" : "hidden") + " " +
+      (pane.getBoundingClientRect().right <= box.left ? "beside" : "under");
+    document.body.dataset.fits = String(svg.getBoundingClientRect().width <= pane.clientWidth + 1);
   }
 })();
 </script>
@@ -274,16 +295,21 @@ def attribution_html(
     pruned: PrunedGraph | None = None,
     top_tokens: dict[int, list[str]] | None = None,
     title: str | None = None,
+    drawn_edges: int = DRAWN_EDGES,
 ) -> Path:
     """Write the pruned graph of ``graph`` (:func:`attribution_view`; at most
     :data:`MAX_HTML_EDGES` edges, the largest by |weight|) as one self-contained HTML page to
     ``path``; ``top_tokens`` (adjacency index -> the tokens a feature's decoder writes to most)
-    shows in each feature's panel. Returns the path."""
+    shows in each feature's panel. The page draws the ``drawn_edges`` largest edges (a box on
+    the page changes it) and all the edges of a clicked node; the panel with the clicked node's
+    details is fixed at the window's right edge and the graph fits the width beside it. Returns
+    the path."""
     data = attribution_view(graph, pruned, top_tokens=top_tokens)
     note = ""
     if len(data["edges"]) > MAX_HTML_EDGES:
         note = f" (the {MAX_HTML_EDGES} largest of {len(data['edges'])} edges)"
         data["edges"] = data["edges"][:MAX_HTML_EDGES]
+    data["drawn_edges"] = min(int(drawn_edges), len(data["edges"]))
     n_feat = sum(n["kind"] == "feature" for n in data["nodes"])
     head = title or f"Attribution graph: {n_feat} of {data['n_features']} features, {len(data['edges'])} edges{note}"
     s = data["scores"]
@@ -299,6 +325,7 @@ def attribution_html(
     page = (
         _PAGE.replace("__TITLE__", html.escape(head))
         .replace("__SUBTITLE__", html.escape("; ".join(bits)))
+        .replace("__NEDGES__", str(len(data["edges"])))
         .replace("__DATA__", payload)
     )
     return atomic_text(Path(path), page)

@@ -39,30 +39,42 @@ __all__ = ["node_layout", "pruned_edges", "plot_attribution_graph", "MAX_FIGURE_
 #: colours: a feature, an error node, a token, a logit; an edge's sign
 KIND_COLOURS = {"feature": "#d62728", "error": "#999999", "token": "#555555", "logit": "#1f5fa8"}
 SIGN_COLOURS = {"positive": "#c0392b", "negative": "#1f5fa8"}
-#: the width of a position's column that the nodes sharing it spread over
+#: the width of a position's column that the nodes sharing it spread over, the most nodes
+#: side by side in it, and the height of a layer's row that further rows of a cell stack over
 SPREAD = 0.8
+PER_ROW = 10
+ROW_SPREAD = 0.6
 #: the most edges the figure draws (the largest by |weight|)
-MAX_FIGURE_EDGES = 3000
+MAX_FIGURE_EDGES = 400
 
 
 def node_layout(table: pd.DataFrame, n_layers: int) -> pd.DataFrame:
     """``x``, ``y`` for each row of a node table: y is 0 for tokens, ``layer + 1`` for features
-    and error nodes, ``n_layers + 1`` for logits; x is the position, the nodes sharing a layer
-    and a position spread side by side (error node first, then features by influence)."""
+    and error nodes, ``n_layers + 1`` for logits; x is the position. The nodes sharing a layer
+    and a position (a cell) are packed in a grid centred on the cell (error node first, then
+    features by influence): at most :data:`PER_ROW` side by side across ``SPREAD`` of the
+    column, further rows stacked within ``ROW_SPREAD`` of the layer, so a cell never leaves
+    its column or its row."""
     y = np.where(
         table["kind"] == "token",
         0.0,
         np.where(table["kind"] == "logit", n_layers + 1.0, table["layer"].astype(float) + 1.0),
     )
     x = table["position"].to_numpy(dtype=float).copy()
+    y_out = y.copy()
     rank = np.where(table["kind"] == "error", -np.inf, -table["influence"].to_numpy(dtype=float))
-    frame = pd.DataFrame({"y": y, "pos": x, "rank": rank})
+    frame = pd.DataFrame({"y": y, "pos": x, "rank": rank}).reset_index(drop=True)
+    step = SPREAD / (PER_ROW - 1)
     for _, idx in frame.groupby(["y", "pos"]).groups.items():
-        members = frame.loc[idx].sort_values("rank", kind="stable").index
+        members = frame.loc[idx].sort_values("rank", kind="stable").index.to_numpy()
         k = len(members)
-        if k > 1:
-            x[members] += np.linspace(-SPREAD / 2, SPREAD / 2, k)
-    return pd.DataFrame({"x": x, "y": y}, index=table.index)
+        cols = min(k, PER_ROW)
+        n_rows = -(-k // cols)
+        slot = np.arange(k)
+        x[members] += (slot % cols - (cols - 1) / 2) * step
+        if n_rows > 1:  # the first (most influential) row on top
+            y_out[members] += ((n_rows - 1) / 2 - slot // cols) * (ROW_SPREAD / (n_rows - 1))
+    return pd.DataFrame({"x": x, "y": y_out}, index=table.index)
 
 
 def pruned_edges(graph, pruned: PrunedGraph, table: pd.DataFrame) -> pd.DataFrame:
@@ -99,39 +111,79 @@ def _draw_edges(ax, edges: pd.DataFrame, xy: pd.DataFrame) -> None:
 
 
 def _draw_nodes(ax, shown: pd.DataFrame, xy: pd.DataFrame) -> None:
-    """Features and error nodes sized by influence; tokens and logits as diamonds, the logits
-    with their token and probability (slanted, so that neighbouring labels stay clear)."""
+    """Features and error nodes sized by influence; tokens and logits as diamonds, the most
+    probable logit labelled with its token and probability (all of them are listed beside the
+    plot by :func:`_side_text`: ten labels in one column's width would overlap)."""
     influence = shown["influence"].to_numpy(dtype=float)
     big = float(influence[shown["kind"].isin(["feature", "error"]).to_numpy()].max(initial=0.0)) or 1.0
     for kind, marker in (("error", "s"), ("feature", "o")):
         part = shown[shown["kind"] == kind]
-        size = 12 + 260 * part["influence"].to_numpy(dtype=float) / big
+        size = 6 + 70 * part["influence"].to_numpy(dtype=float) / big
         ax.scatter(xy.loc[part.index, "x"], xy.loc[part.index, "y"], s=size, marker=marker,
-                   color=KIND_COLOURS[kind], alpha=0.85, edgecolor="white", lw=0.5, zorder=3)  # fmt: skip
+                   color=KIND_COLOURS[kind], alpha=0.85, edgecolor="white", lw=0.4, zorder=3)  # fmt: skip
     for kind in ("token", "logit"):
         part = shown[shown["kind"] == kind]
         ax.scatter(
-            xy.loc[part.index, "x"], xy.loc[part.index, "y"], s=36, marker="D", color=KIND_COLOURS[kind], zorder=3
+            xy.loc[part.index, "x"], xy.loc[part.index, "y"], s=24, marker="D", color=KIND_COLOURS[kind], zorder=3
         )
-    for row in shown[shown["kind"] == "logit"].itertuples():
+    logits = shown[shown["kind"] == "logit"].sort_values("probability", ascending=False)
+    for row in logits.head(1).itertuples():
         at = (xy.at[row.Index, "x"], xy.at[row.Index, "y"])
-        text = f"{repr(str(row.token))[1:-1]} {row.probability:.2f}"
-        ax.annotate(text, at, xytext=(2, 7), textcoords="offset points", rotation=35, fontsize=8,
-                    color=KIND_COLOURS["logit"])  # fmt: skip
+        ax.annotate(f"{_token_text(row.token)} {row.probability:.2f}", at, xytext=(0, 7), textcoords="offset points",
+                    ha="center", fontsize=8, weight="bold", color=KIND_COLOURS["logit"])  # fmt: skip
 
 
-def _label_features(ax, shown: pd.DataFrame, xy: pd.DataFrame, top_tokens, max_labels: int) -> None:
-    """The most influential features: a number at the node, the numbers listed beside the plot
-    with each feature's layer, index and top tokens."""
+def _token_text(token) -> str:
+    return repr(str(token))[1:-1]
+
+
+def _free_spot(at, size, taken: list, offsets) -> tuple[float, float]:
+    """The first offset (points) from ``at`` (points) where a ``size`` box overlaps none of
+    ``taken`` (greedy; the last offset when every one is taken); the box is added to ``taken``."""
+    w, h = size
+    for dx, dy in offsets:
+        box = (at[0] + dx - w / 2, at[1] + dy - h / 2, at[0] + dx + w / 2, at[1] + dy + h / 2)
+        if not any(box[0] < t[2] and t[0] < box[2] and box[1] < t[3] and t[1] < box[3] for t in taken):
+            break
+    taken.append(box)
+    return dx, dy
+
+
+#: where a rank label may go from its node (points): rings of eight directions, nearest first
+LABEL_OFFSETS = [
+    (r * np.cos(a), r * np.sin(a)) for r in (7, 12, 18, 25, 33, 42) for a in np.linspace(np.pi / 4, 2.25 * np.pi, 8)
+]
+
+
+def _label_features(ax, shown: pd.DataFrame, xy: pd.DataFrame, max_labels: int) -> pd.DataFrame:
+    """The ``max_labels`` most influential features: a rank number near each node, placed where
+    it overlaps no other rank label (with a thin leader line when it had to move away); returns
+    the labelled rows, in rank order, for :func:`_side_text`."""
     feats = shown[shown["kind"] == "feature"].sort_values("influence", ascending=False).head(max_labels)
-    listed = []
+    to_points = ax.transData.transform
+    scale = 72.0 / ax.figure.dpi
+    taken: list = []
     for k, row in enumerate(feats.itertuples(), start=1):
         at = (xy.at[row.Index, "x"], xy.at[row.Index, "y"])
-        ax.annotate(str(k), at, xytext=(4, 3), textcoords="offset points", fontsize=7, weight="bold", zorder=4)
-        listed.append(f"{k}. {_feature_label(row, (top_tokens or {}).get(int(row.Index)))}")
-    if listed:
-        ax.text(1.01, 0.62, "most influential features\n" + "\n".join(listed), transform=ax.transAxes,
-                va="top", ha="left", fontsize=7, family="monospace")  # fmt: skip
+        centre = to_points(at) * scale
+        dx, dy = _free_spot(centre, (4.6 * len(str(k)) + 2, 9), taken, LABEL_OFFSETS)
+        leader = {"arrowstyle": "-", "lw": 0.5, "color": "#333"} if np.hypot(dx, dy) > 8 else None
+        ax.annotate(str(k), at, xytext=(dx, dy), textcoords="offset points", fontsize=7, weight="bold", zorder=4,
+                    ha="center", va="center", arrowprops=leader,
+                    bbox={"boxstyle": "round,pad=0.05", "fc": "white", "ec": "none", "alpha": 0.75})  # fmt: skip
+    return feats
+
+
+def _side_text(ax, logits: pd.DataFrame, feats: pd.DataFrame, top_tokens) -> None:
+    """Beside the plot: the target logits with their probabilities, then the numbered features
+    with their layer, index and top tokens."""
+    lines = ["target logits (probability)"]
+    lines += [f"  {_token_text(r.token)!r:<14} {r.probability:.3f}" for r in logits.itertuples()]
+    if len(feats):
+        lines += ["", "most influential features"]
+        for k, row in enumerate(feats.itertuples(), start=1):
+            lines.append(f"{k:>2}. {_feature_label(row, (top_tokens or {}).get(int(row.Index)))}")
+    ax.text(1.01, 0.80, "\n".join(lines), transform=ax.transAxes, va="top", ha="left", fontsize=7, family="monospace")
 
 
 def _axes(ax, graph) -> None:
@@ -177,11 +229,13 @@ def plot_attribution_graph(
     shown = table[table["in_pruned_graph"]]
     edges = pruned_edges(graph, pruned, table)
     setup()
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * graph.n_pos + 2.5), max(4.5, 0.42 * (graph.n_layers + 2) + 2.0)))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * graph.n_pos + 2.5), max(4.5, 0.3 * (graph.n_layers + 2) + 2.0)))
     _draw_edges(ax, edges.head(MAX_FIGURE_EDGES), xy)
     _draw_nodes(ax, shown, xy)
-    _label_features(ax, shown, xy, top_tokens, max_labels)
-    _axes(ax, graph)
+    _axes(ax, graph)  # the limits first: the rank labels are placed in points
+    feats = _label_features(ax, shown, xy, max_labels)
+    logits = shown[shown["kind"] == "logit"].sort_values("probability", ascending=False)
+    _side_text(ax, logits, feats, top_tokens)
     n_feat = int((shown["kind"] == "feature").sum())
     drawn = (
         f"{len(edges)} edges"
