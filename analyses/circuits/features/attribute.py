@@ -73,6 +73,9 @@ from depthscope.common.progress import progress_bar
 #: the most bytes of feature writes laid out once and kept for every backward pass
 WRITES_BYTES = 256 * 2**20
 
+#: the most bytes of feature writes rebuilt at once when they are not kept
+CHUNK_BYTES = 32 * 2**20
+
 #: which features are nodes: every active one, or only those whose rows were computed (the
 #: others' writes folded into their error nodes)
 COLUMNS = ("all", "visited")
@@ -161,9 +164,9 @@ class _Features:
         for layer, acts in enumerate(rm.acts):
             if acts is None:
                 continue
-            nz = acts.nonzero()  # row-major: by position, then feature
+            nz = acts.indices().T  # coalesced: row-major, by position, then feature
             rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
-            vals.append(acts[nz[:, 0], nz[:, 1]])
+            vals.append(acts.values())
             feats.spans[layer] = (start, start + len(nz))
             pos = nz[:, 0]
             counts = torch.bincount(pos, minlength=rm.n_pos)
@@ -180,15 +183,31 @@ class _Features:
             feats.kept = {layer: feats.padded(layer) for layer in feats.spans}
         return feats
 
-    def padded(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s writes ``[pos, width, d]`` (zeros past each position's features)."""
+    def padded(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Layer ``layer``'s writes at positions ``lo:hi`` ``[hi - lo, width, d]`` (zeros past
+        each position's features)."""
+        hi = self.rm.n_pos if hi is None else hi
         if self.kept is not None and layer in self.kept:
-            return self.kept[layer]
+            return self.kept[layer][lo:hi]
         rm, (a, b) = self.rm, self.spans[layer]
+        pos = self.positions[layer]
+        # the features at lo:hi: a contiguous run (row-major order)
+        a, b = a + int(torch.searchsorted(pos, lo)), a + int(torch.searchsorted(pos, hi))
+        off = a - self.spans[layer][0]
         f = torch.as_tensor(self.index[a:b, 2], device=rm.embed.device)
-        out = torch.zeros(rm.n_pos, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
-        out[self.positions[layer], self.slot[layer]] = self.values[a:b, None] * rm.decoder_rows(layer, f)
+        out = torch.zeros(hi - lo, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
+        at = (pos[off : off + b - a] - lo, self.slot[layer][off : off + b - a])
+        out[at] = self.values[a:b, None] * rm.decoder_rows(layer, f)
         return out
+
+    def position_chunks(self, layer: int) -> list[tuple[int, int]]:
+        """Position ranges whose rebuilt writes take at most ``CHUNK_BYTES`` (one range when kept)."""
+        n = self.rm.n_pos
+        if self.kept is not None:
+            return [(0, n)]
+        per_pos = max(1, self.width[layer] * self.rm.embed.shape[-1] * self.rm.embed.element_size())
+        step = max(1, CHUNK_BYTES // per_pos)
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -242,9 +261,12 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                padded = feats.padded(layer).to(dt)
-                per_pos = torch.bmm(g.transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
-                rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
+                pos, slot = feats.positions[layer], feats.slot[layer]
+                for lo, hi in feats.position_chunks(layer):
+                    padded = feats.padded(layer, lo, hi).to(dt)
+                    per_pos = torch.bmm(g[:, lo:hi].transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
+                    i, j = int(torch.searchsorted(pos, lo)), int(torch.searchsorted(pos, hi))
+                    rows[:, a + i : a + j] = per_pos[pos[i:j] - lo, :, slot[i:j]].T
             rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer].to(dt))
         if g_embed is not None:
             rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed.to(dt))
@@ -447,7 +469,8 @@ def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch
                 continue
             pos = torch.as_tensor(feats.index[sel, 1], device=rm.ids.device)
             f = torch.as_tensor(feats.index[sel, 2], device=rm.ids.device)
-            inputs[sel] = rm.pre[layer][pos, f].double().cpu().numpy()
+            at = torch.as_tensor(sel - a, device=rm.ids.device)  # rm.pre's entries are the span's, in order
+            inputs[sel] = rm.pre[layer].values()[at].double().cpu().numpy()
             pre0 = rm.transcoders[layer].pre_activations(zero.mlp_in[layer][0])
             bias[sel] = pre0[pos, f].double().cpu().numpy()
         clean = rm.pre_logits[-1].double()
