@@ -336,7 +336,7 @@ class _Stored:
 
 def _logit_targets(rm: ReplacementModel, cfg: AttributionConfig, targets) -> tuple[torch.Tensor, torch.Tensor]:
     """Target token ids and their probabilities at the last position."""
-    probs = torch.softmax(rm.logits[-1].float(), -1)
+    probs = torch.softmax(rm.logits.float(), -1)
     if targets is None:
         ids = salient_logits(probs, cfg.desired_logit_prob, cfg.max_n_logits)
     else:
@@ -473,7 +473,7 @@ def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch
             inputs[sel] = rm.pre[layer].values()[at].double().cpu().numpy()
             pre0 = rm.transcoders[layer].pre_activations(zero.mlp_in[layer][0])
             bias[sel] = pre0[pos, f].double().cpu().numpy()
-        clean = rm.pre_logits[-1].double()
+        clean = rm.pre_logits.double()
         inputs[n_cols:] = (clean[logit_ids] - clean.mean()).cpu().numpy()
         z = rm.logits_of(zero.final[0, -1]).double()
         bias[n_cols:] = (z[logit_ids] - z.mean()).cpu().numpy()

@@ -7,7 +7,7 @@ offers                          what
 ==============================  ==============================================================
 :func:`replacement_model`       one clean forward -> :class:`ReplacementModel`
 :class:`ReplacementModel`       what the clean forward recorded (patterns, norm scales, MLP
-                                outputs, transcoder activations, errors, logits) and
+                                outputs, transcoder activations, errors, last logits) and
                                 ``run``: the frozen, linear model on given sources
 :class:`FrozenNorm`             a norm with its scale frozen: ``gain * centre(x) / sigma + bias``
 :class:`Sources`                the sources of one frozen forward: block 0's input and each
@@ -133,8 +133,9 @@ class ReplacementModel:
     row-major order) tensor of the active features (None where a layer has no transcoder;
     ``.to_dense()`` for the dense one), ``pre[l]`` their pre-activations at the same entries
     (sparse: only active features are ever targets; a dense pair costs 1 GB at 1,024 tokens on the
-    default model), ``errors`` ``[L, pos, d]``, ``logits`` ``[pos, vocab]`` the model's own
-    (``pre_logits`` before any soft-capping)."""
+    default model), ``errors`` ``[L, pos, d]``, ``logits`` ``[vocab]`` the model's own at the last
+    position, what the logit targets read (``pre_logits`` before any soft-capping; every
+    position's would be 0.4 GB at 1,024 tokens with a 49k vocabulary)."""
 
     model: object
     transcoders: dict[int, SAE]
@@ -151,8 +152,8 @@ class ReplacementModel:
     pre: list[torch.Tensor | None]
     errors: torch.Tensor  # [L, pos, d]
     b_dec: torch.Tensor  # [L, d]: each transcoder's decoder bias (zero where none)
-    logits: torch.Tensor  # [pos, vocab]
-    pre_logits: torch.Tensor  # [pos, vocab]: before soft-capping (= logits without it)
+    logits: torch.Tensor  # [vocab]: the last position's
+    pre_logits: torch.Tensor  # [vocab]: before soft-capping (= logits without it)
 
     @property
     def n_layers(self) -> int:
@@ -309,8 +310,9 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     )
     with torch.no_grad():
         un = model.unembed
-        rm.pre_logits = rm.logits_of(un.norm(store[f"{L - 1}.mlp"][0]))
-        rm.logits = un.post(un.linear(un.norm(store[f"{L - 1}.mlp"][0])))
+        last = un.norm(store[f"{L - 1}.mlp"][0, -1])
+        rm.pre_logits = rm.logits_of(last)
+        rm.logits = un.post(un.linear(last))
     _encode(rm)
     _check_frozen(rm, store[f"{L - 1}.mlp"][0])
     return rm
