@@ -394,6 +394,11 @@ class _FrozenHooks:
         # one [heads, q, k] pattern for the whole batch: never copied per row
         return mix(rm.patterns, layer, v).to(t.dtype)
 
+    def no_grad(self, t, ctx):
+        """The model's own queries, keys and values: its attention output is dropped, so nothing
+        of it is kept for the backward passes (0.2 GB at 1,024 tokens on the default model)."""
+        return t.detach()
+
     def keep_proj(self, t, ctx):
         self.proj_out[ctx.layer] = t
 
@@ -426,7 +431,8 @@ class _FrozenHooks:
         """``{Point: [fn]}`` for the engine, in forward order."""
         hooks = {Point("embed", -1): [self.embed]}
         for layer in range(self.rm.n_layers):
-            at = {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
+            at = {kind: self.no_grad for kind in ("q", "k", "v")}
+            at |= {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
             at |= {"heads": self.keep_heads} if heads else {}
             at |= {"proj_out": self.keep_proj, "attn_out": self.post_attn} if self.arch.sandwich else {}
             at |= {"attn": self.keep_mid} if self.seq else {}
