@@ -14,6 +14,7 @@ from depthscope.analyses.circuits.features import (
     AttributionConfig,
     attribute,
     attribution_graph_of,
+    patterns,
     replacement,
     replacement_model,
 )
@@ -40,7 +41,9 @@ def test_packed_patterns_are_the_recorded_ones_bit_for_bit():
     assert p.nbytes() == 3 * 28 * 8 + full.numel() * 8  # the lower triangle: 28 of 49 entries
 
 
-def test_mix_and_its_batched_backward_are_einsums():
+@pytest.mark.parametrize("small", [2**20, 0])  # one batched matmul, or one head at a time
+def test_mix_and_its_batched_backward_are_einsums(small, monkeypatch):
+    monkeypatch.setattr(patterns, "SMALL_PATTERN_BYTES", small)
     pattern = causal_pattern(4, 6, 1)
     p = Patterns(6, "cpu")
     p.append(pattern)

@@ -45,15 +45,17 @@ the model -- a later layer or position into an earlier one -- is an exact zero a
 
 **Memory.** A row holds an edge from every active feature upstream of its target: about 12
 bytes per edge while the rows are computed (values, column, the normalised copy the ranking
-reads). On the default model with random TopK transcoders (4,096 latents, k 64) and 2,048
-feature rows: 16 tokens, 13.5 million edges, 2.3 GiB peak with the model (1.6 before); 128
-tokens, 82 million edges, 5.6 GiB; 1,024 tokens with 64 feature rows (batch 8), 9.7 million
-edges, 7.1 GiB, mostly the prompt's own state (patterns 1.1 GB, dense activations and
-pre-activations 1 GB, each pass's gradients ``batch x pos x d`` per layer). Edges grow with
-rows x upstream features, so a 1,024-token prompt with 2,048 rows does not fit 4 GB this way;
-``columns="visited"`` makes the graph small but folds only at the end. Bounding the run too
-needs the ranking on truncated rows and the kept rows recomputed on the visited columns (not
-done).
+reads). The prompt's own state is kept small and exact: patterns as their causal triangle
+(:mod:`~depthscope.analyses.circuits.features.patterns`, unpacked one layer at a time, in the
+backward passes too), activations and pre-activations sparse, the last position's logits only,
+feature writes rebuilt per pass in position chunks of ``CHUNK_BYTES`` when they do not fit
+``WRITES_BYTES``, and nothing of the model's own (discarded) attention kept for the backward.
+On the default model with random TopK transcoders (4,096 latents, k 64): 1,024 tokens with 64
+feature rows (batch 8), 9.7 million edges, MEASURED peak RSS with the model (7.2 GiB before
+these). Edges grow with rows x upstream features, so a 1,024-token prompt with 2,048 rows does
+not fit 4 GB this way; ``columns="visited"`` makes the graph small but folds only at the end.
+Bounding the edges too needs the ranking on truncated rows and the kept rows recomputed on the
+visited columns (not done).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import torch
 
+#: patterns up to this size are mixed in one batched matmul in the backward (copied per row),
+#: larger ones one head at a time
+SMALL_PATTERN_BYTES = 2**20
+
 
 class Patterns:
     """The patterns of one prompt, one entry per layer (see the module doc)."""
@@ -71,9 +75,11 @@ class _Mix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         p = ctx.patterns.layer(ctx.layer).to(grad.dtype)
-        # this runs under vmap (is_grads_batched): no einsum (it has no batching rule), and one
-        # 2-D pattern per matmul, so the batch folds into its rows instead of the pattern being
-        # copied once per row (300 MB a layer at 1,024 tokens, batch 8)
+        # this runs under vmap (is_grads_batched), where einsum has no batching rule; a batched
+        # matmul copies the pattern once per row (300 MB a layer at 1,024 tokens, batch 8), so
+        # a large pattern goes one head (2-D) at a time, the batch folded into the rows
+        if p.numel() * p.element_size() <= SMALL_PATTERN_BYTES:
+            return torch.matmul(p.mT, grad.transpose(-3, -2)).transpose(-3, -2), None, None
         heads = [torch.matmul(grad[..., i, :].mT, p[i]).mT for i in range(p.shape[0])]
         return torch.stack(heads, -2), None, None
 
