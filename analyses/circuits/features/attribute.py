@@ -51,9 +51,11 @@ backward passes too), activations and pre-activations sparse, the last position'
 feature writes rebuilt per pass in position chunks of ``CHUNK_BYTES`` when they do not fit
 ``WRITES_BYTES``, and nothing of the model's own (discarded) attention kept for the backward.
 On the default model with random TopK transcoders (4,096 latents, k 64): 1,024 tokens with 64
-feature rows (batch 8), 9.7 million edges, MEASURED peak RSS with the model (7.2 GiB before
-these). Edges grow with rows x upstream features, so a 1,024-token prompt with 2,048 rows does
-not fit 4 GB this way; ``columns="visited"`` makes the graph small but folds only at the end.
+feature rows (batch 8), 9.7 million edges, 4.1-4.2 GiB peak RSS with the model (7.2 GiB
+before these; the same adjacency to the bit), about 1.1 of it the model and transcoders; the
+rest is mostly one pass's 31 leaf gradients (0.6 GB), the packed patterns (0.5 GB) and freed
+heap the allocator keeps. Edges grow with rows x upstream features, so a 1,024-token prompt
+with 2,048 rows does not fit 4 GB this way; ``columns="visited"`` makes the graph small but folds only at the end.
 Bounding the edges too needs the ranking on truncated rows and the kept rows recomputed on the
 visited columns (not done).
 """
