@@ -45,15 +45,19 @@ the model -- a later layer or position into an earlier one -- is an exact zero a
 
 **Memory.** A row holds an edge from every active feature upstream of its target: about 12
 bytes per edge while the rows are computed (values, column, the normalised copy the ranking
-reads). On the default model with random TopK transcoders (4,096 latents, k 64) and 2,048
-feature rows: 16 tokens, 13.5 million edges, 2.3 GiB peak with the model (1.6 before); 128
-tokens, 82 million edges, 5.6 GiB; 1,024 tokens with 64 feature rows (batch 8), 9.7 million
-edges, 7.1 GiB, mostly the prompt's own state (patterns 1.1 GB, dense activations and
-pre-activations 1 GB, each pass's gradients ``batch x pos x d`` per layer). Edges grow with
-rows x upstream features, so a 1,024-token prompt with 2,048 rows does not fit 4 GB this way;
-``columns="visited"`` makes the graph small but folds only at the end. Bounding the run too
-needs the ranking on truncated rows and the kept rows recomputed on the visited columns (not
-done).
+reads). The prompt's own state is kept small and exact: patterns as their causal triangle
+(:mod:`~depthscope.analyses.circuits.features.patterns`, unpacked one layer at a time, in the
+backward passes too), activations and pre-activations sparse, the last position's logits only,
+feature writes rebuilt per pass in position chunks of ``CHUNK_BYTES`` when they do not fit
+``WRITES_BYTES``, and nothing of the model's own (discarded) attention kept for the backward.
+On the default model with random TopK transcoders (4,096 latents, k 64): 1,024 tokens with 64
+feature rows (batch 8), 9.7 million edges, 4.1-4.2 GiB peak RSS with the model (7.2 GiB
+before these; the same adjacency to the bit), about 1.1 of it the model and transcoders; the
+rest is mostly one pass's 31 leaf gradients (0.6 GB), the packed patterns (0.5 GB) and freed
+heap the allocator keeps. Edges grow with rows x upstream features, so a 1,024-token prompt
+with 2,048 rows does not fit 4 GB this way; ``columns="visited"`` makes the graph small but folds only at the end.
+Bounding the edges too needs the ranking on truncated rows and the kept rows recomputed on the
+visited columns (not done).
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ from depthscope.common.progress import progress_bar
 
 #: the most bytes of feature writes laid out once and kept for every backward pass
 WRITES_BYTES = 256 * 2**20
+
+#: the most bytes of feature writes rebuilt at once when they are not kept
+CHUNK_BYTES = 32 * 2**20
 
 #: which features are nodes: every active one, or only those whose rows were computed (the
 #: others' writes folded into their error nodes)
@@ -161,9 +168,9 @@ class _Features:
         for layer, acts in enumerate(rm.acts):
             if acts is None:
                 continue
-            nz = acts.nonzero()  # row-major: by position, then feature
+            nz = acts.indices().T  # coalesced: row-major, by position, then feature
             rows.append(torch.cat([torch.full_like(nz[:, :1], layer), nz], 1).cpu())
-            vals.append(acts[nz[:, 0], nz[:, 1]])
+            vals.append(acts.values())
             feats.spans[layer] = (start, start + len(nz))
             pos = nz[:, 0]
             counts = torch.bincount(pos, minlength=rm.n_pos)
@@ -180,15 +187,31 @@ class _Features:
             feats.kept = {layer: feats.padded(layer) for layer in feats.spans}
         return feats
 
-    def padded(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s writes ``[pos, width, d]`` (zeros past each position's features)."""
+    def padded(self, layer: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Layer ``layer``'s writes at positions ``lo:hi`` ``[hi - lo, width, d]`` (zeros past
+        each position's features)."""
+        hi = self.rm.n_pos if hi is None else hi
         if self.kept is not None and layer in self.kept:
-            return self.kept[layer]
+            return self.kept[layer][lo:hi]
         rm, (a, b) = self.rm, self.spans[layer]
+        pos = self.positions[layer]
+        # the features at lo:hi: a contiguous run (row-major order)
+        a, b = a + int(torch.searchsorted(pos, lo)), a + int(torch.searchsorted(pos, hi))
+        off = a - self.spans[layer][0]
         f = torch.as_tensor(self.index[a:b, 2], device=rm.embed.device)
-        out = torch.zeros(rm.n_pos, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
-        out[self.positions[layer], self.slot[layer]] = self.values[a:b, None] * rm.decoder_rows(layer, f)
+        out = torch.zeros(hi - lo, self.width[layer], rm.embed.shape[-1], dtype=rm.embed.dtype, device=rm.embed.device)
+        at = (pos[off : off + b - a] - lo, self.slot[layer][off : off + b - a])
+        out[at] = self.values[a:b, None] * rm.decoder_rows(layer, f)
         return out
+
+    def position_chunks(self, layer: int) -> list[tuple[int, int]]:
+        """Position ranges whose rebuilt writes take at most ``CHUNK_BYTES`` (one range when kept)."""
+        n = self.rm.n_pos
+        if self.kept is not None:
+            return [(0, n)]
+        per_pos = max(1, self.width[layer] * self.rm.embed.shape[-1] * self.rm.embed.element_size())
+        step = max(1, CHUNK_BYTES // per_pos)
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -242,9 +265,12 @@ class _Rows:
                 continue
             if layer in feats.spans:
                 a, b = feats.spans[layer]
-                padded = feats.padded(layer).to(dt)
-                per_pos = torch.bmm(g.transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
-                rows[:, a:b] = per_pos[feats.positions[layer], :, feats.slot[layer]].T
+                pos, slot = feats.positions[layer], feats.slot[layer]
+                for lo, hi in feats.position_chunks(layer):
+                    padded = feats.padded(layer, lo, hi).to(dt)
+                    per_pos = torch.bmm(g[:, lo:hi].transpose(0, 1), padded.transpose(1, 2))  # [pos, batch, k_max]
+                    i, j = int(torch.searchsorted(pos, lo)), int(torch.searchsorted(pos, hi))
+                    rows[:, a + i : a + j] = per_pos[pos[i:j] - lo, :, slot[i:j]].T
             rows[:, base + layer * n : base + (layer + 1) * n] = torch.einsum("bpd,pd->bp", g, rm.errors[layer].to(dt))
         if g_embed is not None:
             rows[:, base + L * n :] = torch.einsum("bpd,pd->bp", g_embed, rm.embed.to(dt))
@@ -314,7 +340,7 @@ class _Stored:
 
 def _logit_targets(rm: ReplacementModel, cfg: AttributionConfig, targets) -> tuple[torch.Tensor, torch.Tensor]:
     """Target token ids and their probabilities at the last position."""
-    probs = torch.softmax(rm.logits[-1].float(), -1)
+    probs = torch.softmax(rm.logits.float(), -1)
     if targets is None:
         ids = salient_logits(probs, cfg.desired_logit_prob, cfg.max_n_logits)
     else:
@@ -447,10 +473,11 @@ def _inputs_and_bias(rm, feats: _Features, visited: np.ndarray, logit_ids: torch
                 continue
             pos = torch.as_tensor(feats.index[sel, 1], device=rm.ids.device)
             f = torch.as_tensor(feats.index[sel, 2], device=rm.ids.device)
-            inputs[sel] = rm.pre[layer][pos, f].double().cpu().numpy()
+            at = torch.as_tensor(sel - a, device=rm.ids.device)  # rm.pre's entries are the span's, in order
+            inputs[sel] = rm.pre[layer].values()[at].double().cpu().numpy()
             pre0 = rm.transcoders[layer].pre_activations(zero.mlp_in[layer][0])
             bias[sel] = pre0[pos, f].double().cpu().numpy()
-        clean = rm.pre_logits[-1].double()
+        clean = rm.pre_logits.double()
         inputs[n_cols:] = (clean[logit_ids] - clean.mean()).cpu().numpy()
         z = rm.logits_of(zero.final[0, -1]).double()
         bias[n_cols:] = (z[logit_ids] - z.mean()).cpu().numpy()

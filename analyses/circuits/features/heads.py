@@ -42,7 +42,7 @@ def _source_write(rm: ReplacementModel, graph: AttributionGraph, source: int) ->
     kinds = graph.kind_slices()
     if kinds["feature"].start <= source < kinds["feature"].stop:
         layer, pos, f = (int(x) for x in graph.features[source])
-        act = rm.acts[layer][pos, f]
+        act = rm.activation(layer, pos, f)
         return "feature", layer, pos, act * rm.decoder_rows(layer, torch.tensor([f], device=act.device))[0]
     if kinds["error"].start <= source < kinds["error"].stop:
         layer, pos = divmod(source - kinds["error"].start, graph.n_pos)

@@ -7,7 +7,7 @@ offers                          what
 ==============================  ==============================================================
 :func:`replacement_model`       one clean forward -> :class:`ReplacementModel`
 :class:`ReplacementModel`       what the clean forward recorded (patterns, norm scales, MLP
-                                outputs, transcoder activations, errors, logits) and
+                                outputs, transcoder activations, errors, last logits) and
                                 ``run``: the frozen, linear model on given sources
 :class:`FrozenNorm`             a norm with its scale frozen: ``gain * centre(x) / sigma + bias``
 :class:`Sources`                the sources of one frozen forward: block 0's input and each
@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from depthscope.analyses.circuits.features.patterns import Patterns, mix
 from depthscope.common.errors import InputError, UnsupportedArchitecture
 from depthscope.hooks.arch import linear_weight, read_qkv
 from depthscope.hooks.engine import Engine, cache_points
@@ -128,15 +129,19 @@ class FrozenOutputs:
 @dataclass
 class ReplacementModel:
     """One prompt's replacement model (see the module doc). Tensors on the model's device in its
-    dtype; ``acts[l]`` ``[pos, d_sae]`` the transcoder activations (None where a layer has no
-    transcoder), ``pre[l]`` their pre-activations, ``errors`` ``[L, pos, d]``, ``logits``
-    ``[pos, vocab]`` the model's own (``pre_logits`` before any soft-capping)."""
+    dtype; ``acts[l]`` ``[pos, d_sae]`` the transcoder activations as a sparse (COO, coalesced:
+    row-major order) tensor of the active features (None where a layer has no transcoder;
+    ``.to_dense()`` for the dense one), ``pre[l]`` their pre-activations at the same entries
+    (sparse: only active features are ever targets; a dense pair costs 1 GB at 1,024 tokens on the
+    default model), ``errors`` ``[L, pos, d]``, ``logits`` ``[vocab]`` the model's own at the last
+    position, what the logit targets read (``pre_logits`` before any soft-capping; every
+    position's would be 0.4 GB at 1,024 tokens with a 49k vocabulary)."""
 
     model: object
     transcoders: dict[int, SAE]
     ids: torch.Tensor  # [1, pos]
     embed: torch.Tensor  # [pos, d]
-    patterns: list[torch.Tensor]  # per layer [1, heads, pos, pos]
+    patterns: Patterns  # per layer [1, heads, pos, pos], kept packed (patterns.py)
     ln1: list[FrozenNorm | None]
     ln2: list[FrozenNorm | None]
     post_attn: list[FrozenNorm | None]  # sandwich families' post-attention norm
@@ -147,8 +152,8 @@ class ReplacementModel:
     pre: list[torch.Tensor | None]
     errors: torch.Tensor  # [L, pos, d]
     b_dec: torch.Tensor  # [L, d]: each transcoder's decoder bias (zero where none)
-    logits: torch.Tensor  # [pos, vocab]
-    pre_logits: torch.Tensor  # [pos, vocab]: before soft-capping (= logits without it)
+    logits: torch.Tensor  # [vocab]: the last position's
+    pre_logits: torch.Tensor  # [vocab]: before soft-capping (= logits without it)
 
     @property
     def n_layers(self) -> int:
@@ -167,6 +172,13 @@ class ReplacementModel:
             rows = rows / rows.norm(dim=-1, keepdim=True)
         return rows
 
+    def activation(self, layer: int, position: int, feature: int) -> torch.Tensor:
+        """One feature's activation at one position (a 0-d tensor; zero when it is not active)."""
+        acts = self.acts[layer]
+        idx = acts.indices()
+        hit = ((idx[0] == position) & (idx[1] == feature)).nonzero()
+        return acts.values()[hit[0, 0]] if len(hit) else acts.values().new_zeros(())
+
     def feature_writes(self, layer: int) -> torch.Tensor:
         """Sum of the active features' writes at each position ``[pos, d]`` (zero without a transcoder)."""
         acts = self.acts[layer]
@@ -176,7 +188,7 @@ class ReplacementModel:
         W = sae.W_dec
         if sae.architecture == "topk" and sae.rescale_acts_by_decoder_norm:
             W = W / W.norm(dim=-1, keepdim=True)
-        return acts @ W
+        return acts.to_dense() @ W
 
     def clean_sources(self, batch: int = 1) -> Sources:
         """The sources of the clean prompt: token embeddings and the true MLP outputs."""
@@ -259,6 +271,9 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     transcoders = _check_transcoders(model, transcoders)
     ids = _token_ids(model, prompt)
     store = _record(model, ids)
+    patterns = Patterns(ids.shape[1], ids.device)
+    for layer in range(L):  # packed one at a time: the dense ones are let go as they are read
+        patterns.append(store.pop(f"{layer}.pattern"))
     resid_pre = [store["embed"][0]] + [store[f"{layer}.mlp"][0] for layer in range(L - 1)]
     seq = arch.layout == "sequential"
     rm = ReplacementModel(
@@ -266,7 +281,7 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
         transcoders=transcoders,
         ids=ids,
         embed=store["embed"][0],
-        patterns=[store[f"{layer}.pattern"] for layer in range(L)],
+        patterns=patterns,
         ln1=[freeze_norm(arch.ln1[layer], resid_pre[layer], f"block {layer}'s ln1") for layer in range(L)],
         ln2=[
             # a parallel block with one norm (GPT-J) feeds its MLP from ln1
@@ -295,8 +310,9 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     )
     with torch.no_grad():
         un = model.unembed
-        rm.pre_logits = rm.logits_of(un.norm(store[f"{L - 1}.mlp"][0]))
-        rm.logits = un.post(un.linear(un.norm(store[f"{L - 1}.mlp"][0])))
+        last = un.norm(store[f"{L - 1}.mlp"][0, -1])
+        rm.pre_logits = rm.logits_of(last)
+        rm.logits = un.post(un.linear(last))
     _encode(rm)
     _check_frozen(rm, store[f"{L - 1}.mlp"][0])
     return rm
@@ -308,8 +324,11 @@ def _encode(rm: ReplacementModel) -> None:
     errors = rm.mlp_out.clone()
     with torch.no_grad():
         for layer, sae in rm.transcoders.items():
-            rm.pre[layer] = sae.pre_activations(rm.mlp_in[layer])
-            rm.acts[layer] = sae.encode(rm.mlp_in[layer])
+            pre, acts = sae.pre_activations(rm.mlp_in[layer]), sae.encode(rm.mlp_in[layer])
+            rm.acts[layer] = acts.to_sparse().coalesce()
+            idx = rm.acts[layer].indices()
+            vals = pre[idx[0], idx[1]]
+            rm.pre[layer] = torch.sparse_coo_tensor(idx, vals, pre.shape, is_coalesced=True, check_invariants=False)
             rm.b_dec[layer] = sae.b_dec
             errors[layer] -= rm.feature_writes(layer) + sae.b_dec
     rm.errors = errors
@@ -373,7 +392,12 @@ class _FrozenHooks:
         if v.shape[-2] != arch.n_heads:
             v = v.repeat_interleave(arch.n_heads // v.shape[-2], dim=-2)
         # one [heads, q, k] pattern for the whole batch: never copied per row
-        return torch.einsum("hqk,bkhd->bqhd", rm.patterns[layer][0].to(v.dtype), v).to(t.dtype)
+        return mix(rm.patterns, layer, v).to(t.dtype)
+
+    def no_grad(self, t, ctx):
+        """The model's own queries, keys and values: its attention output is dropped, so nothing
+        of it is kept for the backward passes (0.2 GB at 1,024 tokens on the default model)."""
+        return t.detach()
 
     def keep_proj(self, t, ctx):
         self.proj_out[ctx.layer] = t
@@ -407,7 +431,8 @@ class _FrozenHooks:
         """``{Point: [fn]}`` for the engine, in forward order."""
         hooks = {Point("embed", -1): [self.embed]}
         for layer in range(self.rm.n_layers):
-            at = {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
+            at = {kind: self.no_grad for kind in ("q", "k", "v")}
+            at |= {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
             at |= {"heads": self.keep_heads} if heads else {}
             at |= {"proj_out": self.keep_proj, "attn_out": self.post_attn} if self.arch.sandwich else {}
             at |= {"attn": self.keep_mid} if self.seq else {}
