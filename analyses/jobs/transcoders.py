@@ -49,13 +49,13 @@ from depthscope.analyses.features.training import train_topk
 from depthscope.analyses.jobs.base import Output
 from depthscope.analyses.jobs.sae import split_rows
 from depthscope.analyses.text import TextRows
-from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError
 from depthscope.common.progress import progress_bar
 from depthscope.common.resume import Stages, stage_key
 from depthscope.hooks.activation_cache import CacheSettings, write_activations
 from depthscope.hooks.points import Point, tl_name
 from depthscope.hooks.sae import CFG_FILE, SAE, WEIGHTS_FILE, load_sae, save_sae
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.hooks.transcoder_set import save_transcoder_set
 
 SET_FOLDER = "transcoders"
@@ -122,7 +122,7 @@ def transcoders_train_job(model, texts, cfg: TranscoderTrainConfig, output: Outp
     out, layers = Path(output.folder), parse_layers(cfg.layers, model.n_layers)
     train_rows, eval_rows = split_rows(model, texts, cfg)
     settings = {k: v for k, v in asdict(replace(cfg, layers=None)).items() if k not in ("progress", "store_gb")}
-    base = {"model": model_digest(model), "tokens": _tokens_digest(train_rows, eval_rows), "cfg": settings}
+    base = {"model": store_digest(model), "tokens": _tokens_digest(train_rows, eval_rows), "cfg": settings}
     stages, folder = Stages(out), out / SET_FOLDER
     done, rows, logs, reused = {}, {}, {}, []
     for layer in sorted(set(layers) | _layers_in(folder)):

@@ -55,11 +55,11 @@ from depthscope.analyses.report.findings import (
 )
 from depthscope.analyses.samples import conllu_documents, sample_texts
 from depthscope.analyses.text_settings import TextWindows
-from depthscope.common.digest import model_digest
 from depthscope.common.files import atomic_text, json_text
 from depthscope.common.resume import Stages, file_digests, stage_key
 from depthscope.common.runtime import peak_memory, release_memory, reset_peak_memory
 from depthscope.hooks import load_model
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.probes import sample_data
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -223,13 +223,14 @@ def _norms(model, cfg: ReportConfig, docs: Sequence[str], norms: NormsConfig, ou
 
 class _Stages:
     """The report's lens, norms and causal stages, each run or reused (:mod:`depthscope.common.resume`):
-    reused when an earlier run in the folder wrote its files from the same weights (their digest),
+    reused when an earlier run in the folder wrote its files from the same weights (their digest,
+    :func:`~depthscope.hooks.stream_identity.store_digest`: no block read for a streamed model),
     the same device, documents and settings, and the same code."""
 
     def __init__(self, stages: Stages, model, output: Output, say: _Say):
         self.stages, self.output, self.say, self.reused = stages, output, say, []
         param = next(model.hf_model.parameters(), None)
-        self.model = (model_digest(model), str(param.device) if param is not None else "") if stages else None
+        self.model = (store_digest(model), str(param.device) if param is not None else "") if stages else None
 
     def run(self, name: str, compute, **inputs) -> None:
         """``compute()`` unless stage ``name`` with these ``inputs`` can be reused; then record it."""

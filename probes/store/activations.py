@@ -12,7 +12,9 @@ span; ``attn`` (trainable self-attentive pooling, done by the probe) -> the span
 rows are stored (at most ``ATTN_MAX_TOKENS``, the last ones), one row each.
 
 The store lives in ``store_dir/<key>/`` where the key hashes the model (architecture,
-tokenizer and a digest of all its weights: :func:`~depthscope.common.digest.model_digest`),
+tokenizer and a digest of its weights: :func:`~depthscope.hooks.stream_identity.store_digest`,
+every weight of a model in memory, a streamed model's files' headers and versions without a read
+of its blocks),
 the token ids of every passage, every span's token range, the sites, the pooling and the
 dtype; a re-run with the same model, data and sites finds the complete store (``meta.json`` is
 written last) and reuses it without a forward pass.
@@ -45,13 +47,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError, NonFiniteActivationError
 from depthscope.common.files import FolderLock, check_writable_dir, is_place_error, output_error, preallocate
 from depthscope.common.progress import progress_bar
 from depthscope.common.shards import meta_digest
 from depthscope.common.stamps import file_digest
 from depthscope.hooks import cache_dir
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.hooks.stream_pass import layer_major
 from depthscope.probes.config import POOLINGS
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
@@ -590,7 +592,7 @@ def extract_spans(
     sites = list(range(model.n_sites)) if sites is None else [int(s) for s in sites]
     where = "--store" if store_dir is not None else "DEPTHSCOPE_CACHE"
     store_dir = check_writable_dir(Path(cache_dir() / "activations" if store_dir is None else store_dir), where)
-    key = _store_key(model_digest(model), tok, table, sites, pooling, dtype, max_tokens)
+    key = _store_key(store_digest(model), tok, table, sites, pooling, dtype, max_tokens)
     found = _open(store_dir / key)
     if found is not None:
         return found

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from depthscope.common.digest import model_digest
 from depthscope.common.errors import InputError
 from depthscope.common.shards import ShardedFeats, _read_rows, write_manifest  # noqa: F401  (public here too)
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.probes.corpora.spans import SpanTable, Tokenized
 from depthscope.probes.store.activations import SpanStore, _open, _store_key, extract_spans
 
@@ -150,7 +150,7 @@ def extract_sharded(
 
 def _shard_keys(model, slices: list, extract_kw: dict) -> list[str]:
     """The store key of each slice: what :func:`~.activations.extract_spans` names its store."""
-    digest = model_digest(model)
+    digest = store_digest(model)
     pooling, max_tokens = extract_kw.get("pooling", "last"), extract_kw.get("max_tokens", 512)
     dtype = np.dtype(extract_kw.get("dtype", "float16"))
     return [_store_key(digest, t, s, extract_kw["sites"], pooling, dtype, max_tokens) for t, s in slices]

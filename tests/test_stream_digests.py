@@ -1,0 +1,120 @@
+"""The weight digests that key stores and resumed stages take a streamed model's identity without
+a read of its blocks (:func:`~depthscope.hooks.stream_identity.store_digest`): the probes'
+activation store (one and sharded), ``depthscope run``'s resumed stages, the transcoders' stages.
+Each reads no block weight, and a fine-tune saved over the checkpoint (same names, shapes and
+offsets) changes it; a model in memory keeps its full digest there."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import safetensors
+
+from depthscope.analyses.features.config import TranscoderTrainConfig
+from depthscope.analyses.jobs import transcoders
+from depthscope.analyses.jobs.base import Output
+from depthscope.analyses.report.main_job import _Stages
+from depthscope.common.digest import model_digest
+from depthscope.common.resume import Stages
+from depthscope.hooks import load_model
+from depthscope.hooks.stream_identity import store_digest
+from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
+from depthscope.probes.store.activations import extract_spans
+from depthscope.probes.store.shards import _shard_keys, slice_spans
+from tests.conftest import make_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+N_LAYERS = 3
+TEXTS = ["The cat sat on the mat.", "A second document about dogs and logs.", "Short one here."]
+
+
+@pytest.fixture
+def folder(tmp_path, tiny_tokenizer):
+    d = tmp_path / "ckpt"
+    make_tiny("llama", vocab_size=len(tiny_tokenizer), n_layers=N_LAYERS, seed=3).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def _fine_tune(folder, tiny_tokenizer) -> None:
+    """Other weights saved over the checkpoint, with the same names, dtypes, shapes and offsets."""
+    make_tiny("llama", vocab_size=len(tiny_tokenizer), n_layers=N_LAYERS, seed=4).save_pretrained(folder)
+
+
+def _no_read(model, monkeypatch, fn):
+    """``fn()``, asserting that it opens no tensor file and reads no block of ``model``."""
+    opened, real = [], safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a) or real(*a, **k))
+    before = list(model.streamer.reads_by_block)
+    out = fn()
+    assert opened == [] and model.streamer.reads_by_block == before
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    return out
+
+
+def _spans(model):
+    tok = tokenize_passages(model.tokenizer, TEXTS, max_tokens=32)
+    p, cs, ce = [], [], []
+    for i, t in enumerate(TEXTS):
+        for m in re.finditer(r"\w+", t):
+            p.append(i), cs.append(m.start()), ce.append(m.end())
+    return tok, map_spans(tok, SpanTable(np.array(p), np.array(cs), np.array(ce)))
+
+
+def test_the_probe_store_is_keyed_and_reused_without_a_block_read(folder, tmp_path, tiny_tokenizer, monkeypatch):
+    st = load_model(folder, stream=True)
+    tok, table = _spans(st)
+    kw = {"sites": [0, 2], "pooling": "mean", "dtype": "float32"}
+    run = {"store_dir": tmp_path / "s", "progress": False, **kw}
+    first = extract_spans(st, tok, table, **run)
+    assert not first.reused
+    again = _no_read(st, monkeypatch, lambda: extract_spans(st, tok, table, **run))
+    assert again.reused and again.path == first.path  # found by its key, which read no block
+    slices = [slice_spans(tok, table, 0, 4), slice_spans(tok, table, 4, len(table))]
+    keys = _no_read(st, monkeypatch, lambda: _shard_keys(st, slices, kw))
+    mem = load_model(folder)
+    assert _shard_keys(mem, slices, kw) != keys  # in memory: the full digest, as before
+    _fine_tune(folder, tiny_tokenizer)
+    new = load_model(folder, stream=True)
+    assert not set(_shard_keys(new, slices, kw)) & set(keys)
+    assert not extract_spans(new, tok, table, **run).reused
+
+
+def test_the_report_stages_key_a_streamed_model_without_a_block_read(folder, tmp_path, tiny_tokenizer, monkeypatch):
+    st = load_model(folder, stream=True)
+    key = _no_read(st, monkeypatch, lambda: _Stages(Stages(tmp_path), st, Output(tmp_path), print).model)
+    assert key[0] == store_digest(st)
+    mem = load_model(folder)
+    assert _Stages(Stages(tmp_path), mem, Output(tmp_path), print).model[0] == model_digest(mem)
+    _fine_tune(folder, tiny_tokenizer)
+    assert _Stages(Stages(tmp_path), load_model(folder, stream=True), Output(tmp_path), print).model != key
+
+
+class _Keyed(Exception):
+    """Raised by the patched stage_key: the job's key, taken before any training."""
+
+
+def _transcoder_key(model, tmp_path, monkeypatch) -> dict:
+    """The model part of the transcoders' stage keys, training nothing."""
+    monkeypatch.setattr(transcoders, "split_rows", lambda *a: ((), ()))
+    monkeypatch.setattr(transcoders, "_tokens_digest", lambda *a: "tokens")
+
+    def stage_key(**kw):
+        raise _Keyed(kw["model"])
+
+    monkeypatch.setattr(transcoders, "stage_key", stage_key)
+    with pytest.raises(_Keyed) as got:
+        transcoders.transcoders_train_job(model, TEXTS, TranscoderTrainConfig(), Output(tmp_path / "tc"))
+    return got.value.args[0]
+
+
+def test_the_transcoder_stages_key_a_streamed_model_without_a_block_read(folder, tmp_path, tiny_tokenizer, monkeypatch):
+    st = load_model(folder, stream=True)
+    key = _no_read(st, monkeypatch, lambda: _transcoder_key(st, tmp_path, monkeypatch))
+    assert key == store_digest(st)
+    mem = load_model(folder)
+    assert _transcoder_key(mem, tmp_path, monkeypatch) == model_digest(mem)
+    _fine_tune(folder, tiny_tokenizer)
+    assert _transcoder_key(load_model(folder, stream=True), tmp_path, monkeypatch) != key
