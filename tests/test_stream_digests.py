@@ -1,6 +1,7 @@
 """The weight digests that key stores and resumed stages take a streamed model's identity without
 a read of its blocks (:func:`~depthscope.hooks.stream_identity.store_digest`): the probes'
-activation store (one and sharded), ``depthscope run``'s resumed stages, the transcoders' stages.
+activation store (one and sharded), ``depthscope run``'s resumed stages, the transcoders' stages,
+a tuned lens's record of its model.
 Each reads no block weight, and a fine-tune saved over the checkpoint (same names, shapes and
 offsets) changes it; a model in memory keeps its full digest there."""
 
@@ -15,10 +16,12 @@ import safetensors
 from depthscope.analyses.features.config import TranscoderTrainConfig
 from depthscope.analyses.jobs import transcoders
 from depthscope.analyses.jobs.base import Output
+from depthscope.analyses.lens.lenses import LensMismatchError, TunedLens
 from depthscope.analyses.report.main_job import _Stages
 from depthscope.common.digest import model_digest
 from depthscope.common.resume import Stages
 from depthscope.hooks import load_model
+from depthscope.hooks.stream_identity import ALGORITHM as STREAMED
 from depthscope.hooks.stream_identity import store_digest
 from depthscope.probes.corpora.spans import SpanTable, map_spans, tokenize_passages
 from depthscope.probes.store.activations import extract_spans
@@ -118,3 +121,24 @@ def test_the_transcoder_stages_key_a_streamed_model_without_a_block_read(folder,
     assert _transcoder_key(mem, tmp_path, monkeypatch) == model_digest(mem)
     _fine_tune(folder, tiny_tokenizer)
     assert _transcoder_key(load_model(folder, stream=True), tmp_path, monkeypatch) != key
+
+
+def test_a_tuned_lens_of_a_streamed_model_is_recorded_and_checked_without_a_block_read(
+    folder, tiny_tokenizer, monkeypatch
+):
+    st = load_model(folder, stream=True)
+    lens = _no_read(st, monkeypatch, lambda: TunedLens.identity(st))
+    assert lens.model_info["digest"] == store_digest(st) and lens.model_info["digest_algorithm"] == STREAMED
+    _no_read(st, monkeypatch, lambda: lens.check(st))
+    mem = load_model(folder)
+    of_mem = TunedLens.identity(mem)
+    assert of_mem.model_info["digest"] == model_digest(mem)  # in memory: the full digest, as before
+    of_mem.check(st)  # a lens of the model in memory still fits it streamed (its weights read in full)
+    with pytest.raises(LensMismatchError, match="stream=True"):
+        lens.check(mem)  # the files' identity cannot be compared with a model in memory
+    lens.check(mem, strict=False)
+    _fine_tune(folder, tiny_tokenizer)
+    new = load_model(folder, stream=True)
+    for old in (lens, of_mem):
+        with pytest.raises(LensMismatchError, match="weights: lens digest"):
+            old.check(new)

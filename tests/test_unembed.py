@@ -117,10 +117,14 @@ def test_one_digest_function(tiny_factory):
     import depthscope.analyses.lens.lenses as lenses
     import depthscope.probes.store.activations as activations
     from depthscope.common import digest
+    from depthscope.hooks import stream_identity
 
-    assert activations.model_digest is digest.model_digest and lenses.model_digest is digest.model_digest
+    # one store digest: the full one in memory (a streamed model's: tests/test_stream_digests.py)
+    assert activations.store_digest is stream_identity.store_digest and lenses.store_digest is activations.store_digest
+    assert lenses.model_digest is digest.model_digest
     a, a2, b = tiny_factory("llama", seed=1), tiny_factory("llama", seed=1), tiny_factory("llama", seed=2)
     assert digest.model_digest(a) == digest.model_digest(a2) != digest.model_digest(b)
+    assert activations.store_digest(a) == digest.model_digest(a)
     assert a.unembed.digest() == a2.unembed.digest() != b.unembed.digest()
     assert TunedLens.identity(a).model_info["digest"] == digest.model_digest(a)
     before = a.unembed.digest()

@@ -14,7 +14,9 @@ take any lens object; the default is the plain :class:`LogitLens`.
                       trained by :func:`depthscope.analyses.lens.tuned.train_tuned_lens`;
                       ``load`` also reads the ``tuned-lens`` package's folders
                       (:mod:`depthscope.analyses.lens.interop`, which also writes them)
-:func:`model_info`    what identifies the model a lens belongs to (fingerprint, name, digest)
+:func:`model_info`    what identifies the model a lens belongs to (fingerprint, name, digest:
+                      :func:`~depthscope.hooks.stream_identity.store_digest`, which reads no
+                      block of a streamed model)
 ====================  ===========================================================================
 """
 
@@ -32,6 +34,8 @@ from depthscope.common.errors import CheckpointError, InputError
 from depthscope.common.files import atomic_text, atomic_write, json_text
 from depthscope.common.stamps import file_sha256
 from depthscope.hooks.sites import parse_sites, site_labels
+from depthscope.hooks.stream_identity import ALGORITHM as STREAMED
+from depthscope.hooks.stream_identity import store_digest, streamed_digest
 
 __all__ = ["Lens", "LogitLens", "TunedLens", "LensMismatchError", "model_info"]
 
@@ -45,13 +49,43 @@ class LensMismatchError(InputError):
     """A tuned lens used with a model it was not trained for."""
 
 
-def model_info(model) -> dict:
-    """The model a lens belongs to: its fingerprint, name and weight digest."""
+def _identity(model) -> dict:
+    """The model's fingerprint and name."""
     info = dict(model.fingerprint())
     info["name"] = model.name
-    info["digest"] = model_digest(model)
-    info["digest_algorithm"] = ALGORITHM
     return info
+
+
+def model_info(model) -> dict:
+    """The model a lens belongs to: its fingerprint, name and weight digest
+    (:func:`~depthscope.hooks.stream_identity.store_digest`: every weight of a model in memory; a
+    streamed model's files' headers and versions, without a read of its blocks) and its algorithm."""
+    info = _identity(model)
+    info["digest"] = store_digest(model)
+    info["digest_algorithm"] = STREAMED if getattr(model, "streamer", None) is not None else ALGORITHM
+    return info
+
+
+def _weights_differ(mine: dict, model) -> list[str]:
+    """Why ``model``'s weights are not those a lens recorded (``mine``), computed as it recorded them:
+    the full digest for a lens of a model in memory (of a streamed model too: every weight read),
+    the files' identity for a lens of a streamed model (a model in memory has none to compare)."""
+    streamed = getattr(model, "streamer", None) is not None
+    if mine.get("digest_algorithm") == ALGORITHM:
+        theirs = model_digest(model)
+    elif mine.get("digest_algorithm") == STREAMED and streamed:
+        theirs = streamed_digest(model)
+    elif mine.get("digest_algorithm") == STREAMED:
+        return [
+            "weights: the lens records a streamed checkpoint's files, which a model in memory cannot be "
+            "compared with; load the model with stream=True, or the lens with strict=False if it is this model's"
+        ]
+    else:
+        return [
+            "weights: the lens records a weight digest of an older depthscope, which cannot be "
+            "compared; load it with strict=False if it is this model's"
+        ]
+    return [] if theirs == mine.get("digest") else [f"weights: lens digest {mine.get('digest')} vs model {theirs}"]
 
 
 def _parse(sites, model) -> list[int]:
@@ -182,17 +216,11 @@ class TunedLens(Lens):
         """Refuse ``model`` unless it decodes and is the model this lens was trained for
         (architecture, tokenizer and -- with ``strict`` -- weights)."""
         model.unembed.check()
-        mine, theirs = self.model_info, model_info(model)
+        mine, theirs = self.model_info, _identity(model)
         keys = ["family", "model_type", "n_layers", "d_model", "vocab_size", "tokenizer", "tokenizer_vocab"]
         diff = [f"{k}: lens {mine.get(k)!r} vs model {theirs.get(k)!r}" for k in keys if mine.get(k) != theirs.get(k)]
-        if strict and not diff and mine.get("digest") != theirs.get("digest"):
-            if mine.get("digest_algorithm") != ALGORITHM:
-                diff.append(
-                    "weights: the lens records a weight digest of an older depthscope, which cannot be "
-                    "compared; load it with strict=False if it is this model's"
-                )
-            else:
-                diff.append(f"weights: lens digest {mine.get('digest')} vs model {theirs.get('digest')}")
+        if strict and not diff:
+            diff += _weights_differ(mine, model)
         if diff:
             raise LensMismatchError(
                 f"this tuned lens was trained for {mine.get('name')!r}, not for {theirs.get('name')!r} "
