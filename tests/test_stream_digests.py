@@ -1,15 +1,17 @@
 """The weight digests that key stores and resumed stages take a streamed model's identity without
 a read of its blocks (:func:`~depthscope.hooks.stream_identity.store_digest`): the probes'
 activation store (one and sharded), ``depthscope run``'s resumed stages, the transcoders' stages,
-a tuned lens's record of its model.
+a tuned lens's record of its model, a sweep's record of each checkpoint.
 Each reads no block weight, and a fine-tune saved over the checkpoint (same names, shapes and
 offsets) changes it; a model in memory keeps its full digest there."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 import safetensors
 
@@ -18,6 +20,7 @@ from depthscope.analyses.jobs import transcoders
 from depthscope.analyses.jobs.base import Output
 from depthscope.analyses.lens.lenses import LensMismatchError, TunedLens
 from depthscope.analyses.report.main_job import _Stages
+from depthscope.analyses.sweeps import series
 from depthscope.common.digest import model_digest
 from depthscope.common.resume import Stages
 from depthscope.hooks import load_model
@@ -142,3 +145,32 @@ def test_a_tuned_lens_of_a_streamed_model_is_recorded_and_checked_without_a_bloc
     for old in (lens, of_mem):
         with pytest.raises(LensMismatchError, match="weights: lens digest"):
             old.check(new)
+
+
+def test_a_sweep_records_a_streamed_checkpoint_without_a_block_read(folder, tmp_path, tiny_tokenizer, monkeypatch):
+    ck_dir = tmp_path / "sweep" / "checkpoints"
+    ck_dir.mkdir(parents=True)
+    models = {"a": load_model(folder, stream=True), "b": load_model(folder, stream=True), "c": load_model(folder)}
+
+    def run(name):
+        done = series._run_checkpoint(
+            series.Checkpoint(name, name, None),
+            fn=lambda model: {"t": pd.DataFrame({"x": [1.0]})},
+            ck_dir=ck_dir,
+            load=models.get,
+            kwargs={},
+            reference=None,
+            allow_mixed=False,
+        )
+        assert done["status"] == "done", done
+        return json.loads((ck_dir / f"{name}.done.json").read_text())
+
+    a = _no_read(models["a"], monkeypatch, lambda: run("a"))
+    assert a["digest"] == store_digest(models["a"]) and a["digest_algorithm"] == STREAMED
+    assert run("b")["digest"] == a["digest"]  # the same files
+    assert run("c")["digest"] == model_digest(models["c"])  # in memory: every weight, as before
+    _fine_tune(folder, tiny_tokenizer)
+    models["d"] = load_model(folder, stream=True)
+    assert run("d")["digest"] != a["digest"]
+    dup = series.combine(tmp_path / "sweep", order=["a", "b", "c", "d"])["t"]["duplicate_of"].tolist()
+    assert dup == [None, "a", None, None]  # the same files; never the model in memory, nor the fine-tune

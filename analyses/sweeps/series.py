@@ -42,11 +42,13 @@ import pandas as pd
 from depthscope.analyses.lens.logit import logit_lens
 from depthscope.analyses.norms import contribution_norms
 from depthscope.analyses.tables import site_first, write_table
-from depthscope.common.digest import ALGORITHM, model_digest
+from depthscope.common.digest import ALGORITHM
 from depthscope.common.errors import DepthscopeError
 from depthscope.common.files import atomic_text, atomic_write, json_text
 from depthscope.common.progress import track
 from depthscope.hooks import load_model
+from depthscope.hooks.stream_identity import ALGORITHM as STREAMED
+from depthscope.hooks.stream_identity import store_digest
 from depthscope.probes import run_probes
 
 _STEP_PATTERNS = [
@@ -372,7 +374,8 @@ def _run_checkpoint(
         fp = model.fingerprint()
         if reference is not None and fp != reference["fingerprint"] and not allow_mixed:
             raise SweepError(_mixed_error(ck.name, fp, reference).removeprefix("SweepError: "))
-        digest = model_digest(model)
+        # a streamed checkpoint: its files' identity, no second read of its blocks (hooks/stream_identity.py)
+        digest, algorithm = store_digest(model), STREAMED if getattr(model, "streamer", None) is not None else ALGORITHM
         tables = fn(model, **kwargs)
         del model
     except KeyboardInterrupt:
@@ -398,7 +401,7 @@ def _run_checkpoint(
         "seconds": round(time.time() - t0, 2),
         "fingerprint": fp,
         "digest": digest,
-        "digest_algorithm": ALGORITHM,
+        "digest_algorithm": algorithm,
     }
     atomic_text(ck_dir / f"{ck.name}.done.json", json_text(done, indent=1))
     (ck_dir / f"{ck.name}.failed.json").unlink(missing_ok=True)
@@ -408,7 +411,10 @@ def _run_checkpoint(
 def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     """The combined tables of a sweep folder (finished checkpoints only), ordered by step, with a
     ``duplicate_of`` column: the earlier checkpoint whose weights have the same digest
-    (:func:`~depthscope.common.digest.model_digest`, of every weight), else None. A marker whose
+    (:func:`~depthscope.common.digest.model_digest`, of every weight), else None; streamed
+    checkpoints are recorded by their files' identity
+    (:func:`~depthscope.hooks.stream_identity.store_digest`, no second read of the weights), so
+    they are duplicates when they are the same files (not copies of the same weights). A marker whose
     digest is of another algorithm (an older depthscope's sample of the weights) proves nothing:
     its checkpoint is nobody's duplicate and has none."""
     ck_dir = Path(out_dir) / "checkpoints"
@@ -431,7 +437,10 @@ def combine(out_dir: str | Path, order: Sequence[str] | None = None) -> dict[str
 
 
 def _full_digest(done: dict) -> str | None:
-    """The weight digest a ``done`` marker records, when it is of this depthscope's algorithm."""
+    """The weight digest a ``done`` marker records, when it is of this depthscope's algorithms: every
+    weight's, or a streamed checkpoint's files' (tagged, so the two never compare equal)."""
+    if done.get("digest_algorithm") == STREAMED:
+        return f"{STREAMED}:{done.get('digest')}"
     return done.get("digest") if done.get("digest_algorithm") == ALGORITHM else None
 
 
