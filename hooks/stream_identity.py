@@ -30,8 +30,11 @@ so they are hashed in full, as :func:`~depthscope.common.digest.model_digest` ha
 checkpoint moved to another folder keeps its digest (its files keep their inodes and ctimes); a
 copy does not (a store is then computed again: never served wrongly). The digest differs from the
 same weights' digest in memory (:func:`~depthscope.common.digest.model_digest`): a store written
-by the model in memory is not resumed by it streamed. The other weight digests (tuned-lens files,
-the probes' activation store, sweeps) still hash every weight.
+by the model in memory is not resumed by it streamed. Every weight digest of depthscope takes it:
+the activation cache, the probes' activation store, ``depthscope run``'s and the transcoders'
+resumed stages, a tuned lens's record of its model (a lens of the model in memory is still
+checked in full against it streamed), a sweep's record of each checkpoint (whose duplicates are
+then the same files, not copies of the same weights) (``tests/test_stream_digests.py``).
 """
 
 from __future__ import annotations
