@@ -17,11 +17,13 @@ offers                          what
 The frozen model (``ReplacementModel.run``) is the model's own forward through the hook engine
 with these replacements: ``l.z`` (the heads' outputs entering the output projection) <- the clean
 pattern times the values of ``ln1``, its scale frozen, applied to the stream entering block
-``l`` (the model's own attention runs with its own kernel and is discarded); in sandwich families
-(Gemma-2, OLMo-2) ``l.attn_out`` <- the post-attention norm, frozen, of ``l.proj_out``; ``embed``
-and ``l.mlp_out`` <- the sources. The MLP's input is recomputed as ``ln2`` frozen of the stream it
-reads (``l.attn`` in sequential blocks, the block input in parallel ones) and kept as the
-transcoder's input (the targets' side); the final norm is frozen likewise. Everything between the
+``l`` (the model's query, key and value projections are skipped: they hand on zeros, and the
+attention run on them is discarded); in sandwich families (Gemma-2, OLMo-2) ``l.attn_out`` <- the
+post-attention norm, frozen, of ``l.proj_out``; ``embed`` and ``l.mlp_out`` <- the sources. The
+MLP's input is recomputed as ``ln2`` frozen of the stream it reads (``l.attn`` in sequential
+blocks, the block input in parallel ones) and kept as the transcoder's input (the targets' side;
+the real MLP is skipped, :mod:`~depthscope.hooks.sublayer_skip`); the final norm is frozen
+likewise. Everything between the
 sources and those inputs is then affine: queries and keys do not matter (the pattern is fixed),
 norms divide by constants (LayerNorm's mean-centring is linear and stays). With the clean sources
 (token embeddings, and each MLP's true output = features + transcoder bias + error) the frozen
@@ -52,6 +54,7 @@ from depthscope.hooks.arch import linear_weight, read_qkv
 from depthscope.hooks.engine import Engine, cache_points
 from depthscope.hooks.points import Point
 from depthscope.hooks.sae import SAE, sae_point
+from depthscope.hooks.sublayer_skip import out_width, skipped
 from depthscope.hooks.unembed import NormParams
 
 #: relative error above which a norm is not read as gain * centre(x) / sigma + bias
@@ -394,11 +397,6 @@ class _FrozenHooks:
         # one [heads, q, k] pattern for the whole batch: never copied per row
         return mix(rm.patterns, layer, v).to(t.dtype)
 
-    def no_grad(self, t, ctx):
-        """The model's own queries, keys and values: its attention output is dropped, so nothing
-        of it is kept for the backward passes (0.2 GB at 1,024 tokens on the default model)."""
-        return t.detach()
-
     def keep_proj(self, t, ctx):
         self.proj_out[ctx.layer] = t
 
@@ -431,8 +429,7 @@ class _FrozenHooks:
         """``{Point: [fn]}`` for the engine, in forward order."""
         hooks = {Point("embed", -1): [self.embed]}
         for layer in range(self.rm.n_layers):
-            at = {kind: self.no_grad for kind in ("q", "k", "v")}
-            at |= {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
+            at = {"z": self.heads_in, "mlp_in": self.mlp_in, "mlp_out": self.mlp_out}
             at |= {"heads": self.keep_heads} if heads else {}
             at |= {"proj_out": self.keep_proj, "attn_out": self.post_attn} if self.arch.sandwich else {}
             at |= {"attn": self.keep_mid} if self.seq else {}
@@ -447,6 +444,19 @@ def frozen_forward(rm: ReplacementModel, src: Sources, heads: bool = False) -> F
     h = _FrozenHooks(rm, src)
     ids = rm.ids.expand(src.embed.shape[0], -1)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    with Engine(rm.model, [Point("mlp", rm.n_layers - 1)], h.table(heads), stop=True):
+    with (
+        skipped(_thrown_away(rm.model.arch)),
+        Engine(rm.model, [Point("mlp", rm.n_layers - 1)], h.table(heads), stop=True),
+    ):
         rm.model._forward(ids, mask)
     return h.out
+
+
+def _thrown_away(arch) -> list[tuple[nn.Module, int | None]]:
+    """What the frozen forward computes only to replace: the real MLPs (their write is the
+    sources' at ``l.mlp_out``) and the query, key and value projections (``l.z`` is the clean
+    pattern times values recomputed from ``ln1`` frozen); they hand on zeros instead
+    (:func:`~depthscope.hooks.sublayer_skip.skipped`), so the model's own attention runs on zero
+    queries and keys (a uniform pattern, dropped at ``l.z``) and no graph is kept of it."""
+    projs = [p for kind in (arch.q_proj, arch.k_proj, arch.v_proj) for p in kind if p is not None]
+    return [(m, None) for m in arch.mlp] + [(p, out_width(p)) for p in projs]
