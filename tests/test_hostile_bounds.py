@@ -82,6 +82,7 @@ def _required(command):
         "sae train": ["--site", "1.mlp", "--text", "x.txt"],
         "sae evaluate": ["--sae", "x.txt", "--text", "x.txt"],
         "transcoders train": ["--text", "x.txt"],
+        "attribute": ["--transcoders", "x.txt", "--prompt", "The capital of France is"],
         "circuit": ["--pairs", dataset_files()["pairs"], "--in-sample"],
         "localize": ["--examples", dataset_files()["examples"]],
     }.get(command, [])
