@@ -277,31 +277,13 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     patterns = Patterns(ids.shape[1], ids.device)
     for layer in range(L):  # packed one at a time: the dense ones are let go as they are read
         patterns.append(store.pop(f"{layer}.pattern"))
-    resid_pre = [store["embed"][0]] + [store[f"{layer}.mlp"][0] for layer in range(L - 1)]
-    seq = arch.layout == "sequential"
     rm = ReplacementModel(
         model=model,
         transcoders=transcoders,
         ids=ids,
         embed=store["embed"][0],
         patterns=patterns,
-        ln1=[freeze_norm(arch.ln1[layer], resid_pre[layer], f"block {layer}'s ln1") for layer in range(L)],
-        ln2=[
-            # a parallel block with one norm (GPT-J) feeds its MLP from ln1
-            freeze_norm(
-                arch.ln2[layer] if seq or arch.ln2[layer] is not None else arch.ln1[layer],
-                store[f"{layer}.attn"][0] if seq else resid_pre[layer],
-                f"block {layer}'s ln2",
-            )
-            for layer in range(L)
-        ],
-        post_attn=[
-            freeze_norm(arch.attn_write[layer], store[f"{layer}.proj_out"][0], f"block {layer}'s post-attention norm")
-            if arch.sandwich
-            else None
-            for layer in range(L)
-        ],
-        final_norm=freeze_norm(arch.final_norm, store[f"{L - 1}.mlp"][0], "the final norm"),
+        **_frozen_norms(arch, store, L),
         mlp_in=[store[f"{layer}.mlp_in"][0] for layer in range(L)],
         mlp_out=torch.stack([store[f"{layer}.mlp_out"][0] for layer in range(L)]),
         acts=[None] * L,
@@ -319,6 +301,32 @@ def replacement_model(model, transcoders: dict[int, SAE], prompt) -> Replacement
     _encode(rm)
     _check_frozen(rm, store[f"{L - 1}.mlp"][0])
     return rm
+
+
+def _frozen_norms(arch, store: dict, L: int) -> dict:
+    """Every norm of the model frozen at its clean input's scale (``ln1``, ``ln2``, Gemma-2's
+    ``post_attn``, ``final_norm``), from the recorded residual streams."""
+    resid_pre = [store["embed"][0]] + [store[f"{layer}.mlp"][0] for layer in range(L - 1)]
+    seq = arch.layout == "sequential"
+    return dict(
+        ln1=[freeze_norm(arch.ln1[layer], resid_pre[layer], f"block {layer}'s ln1") for layer in range(L)],
+        ln2=[
+            # a parallel block with one norm (GPT-J) feeds its MLP from ln1
+            freeze_norm(
+                arch.ln2[layer] if seq or arch.ln2[layer] is not None else arch.ln1[layer],
+                store[f"{layer}.attn"][0] if seq else resid_pre[layer],
+                f"block {layer}'s ln2",
+            )
+            for layer in range(L)
+        ],
+        post_attn=[
+            freeze_norm(arch.attn_write[layer], store[f"{layer}.proj_out"][0], f"block {layer}'s post-attention norm")
+            if arch.sandwich
+            else None
+            for layer in range(L)
+        ],
+        final_norm=freeze_norm(arch.final_norm, store[f"{L - 1}.mlp"][0], "the final norm"),
+    )
 
 
 def _encode(rm: ReplacementModel) -> None:
